@@ -1,0 +1,27 @@
+"""disttrain-lab: write distributed training yourself, run it on real ranks from a notebook.
+
+    import disttrain_lab as dl
+    dl.launch(fn, 4)                    # run fn on 4 ranks, get their return values
+    run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they made
+    dl.viz.timeline(run)                # per-rank timeline of a real run
+"""
+__version__ = "0.1.0"
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    raise ImportError(
+        "disttrain_lab needs PyTorch, which is not installed here. Install the pinned CPU build "
+        "with `pip install torch==2.13.0` (or `bash scripts/setup.sh`); on Colab and most Hubs "
+        "torch is already there.") from exc
+
+from . import integrity, trace, viz  # noqa: E402
+from .launcher import (  # noqa: E402
+    LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, device, launch, plan, shutdown,
+)
+from .trace import Event, Run, region  # noqa: E402
+
+__all__ = ["launch", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
+           "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace"]
+
+integrity.watch_defaults()

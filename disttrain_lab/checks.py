@@ -1,0 +1,198 @@
+"""Checks that notebook self-checks and graded tests share, for every lab.
+
+Each check either returns quietly or raises ``AssertionError`` with a message that
+states the rule, what was seen, and what would be right, so a student can act on it:
+
+    >>> from disttrain_lab import checks
+    >>> checks.assert_close(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), what="rank 1's result")
+    AssertionError: rank 1's result: values differ from the expected ones: max abs diff 0.5
+    at index (1,) (got 2.5, expected 2.0); 1 of 2 elements differ ...
+
+Reference answers never come from here: a graded test computes them with torch itself
+(``dist.broadcast`` on the same ranks) or in a single process.  What lives here is how to
+compare, how to read a trace (``within``, ``assert_only_p2p``, ``sends``), and the guard
+against a notebook that replaced the functions grading relies on.
+"""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from . import integrity
+from .integrity import TamperingError
+from .trace import P2P_OPS, Event, Run
+
+SEND_OPS = ("send", "isend")
+RECV_OPS = ("recv", "irecv")
+
+# Default tolerances per dtype (rtol, atol): a sum of a few values in another order
+# differs by a few ulps, which these allow; integers must match exactly.
+_TOLERANCES = {
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+}
+
+__all__ = ["passed", "assert_close", "sample_tensor", "within", "assert_only_p2p", "sends",
+           "receives", "verify_untampered", "TamperingError", "SEND_OPS", "RECV_OPS"]
+
+
+def passed(message: str) -> None:
+    """Print a friendly success line: ``passed("ring_shift works on 3 ranks")``."""
+    print(f"\N{WHITE HEAVY CHECK MARK} {message}")
+
+
+# --------------------------------------------------------------------------------------
+# Comparing tensors
+# --------------------------------------------------------------------------------------
+def assert_close(actual, expected: torch.Tensor, what: str = "result", *,
+                 rtol: float | None = None, atol: float | None = None) -> None:
+    """Assert ``actual`` is a tensor like ``expected``: same shape, dtype and values.
+
+    Floats are compared with a tolerance (defaults per dtype, above); integers exactly.
+
+        >>> assert_close(torch.ones(3), torch.ones(3), what="rank 0's output")   # passes
+        >>> assert_close(torch.ones(3), torch.ones(4))
+        AssertionError: result: expected shape (4,), got shape (3,)
+    """
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{what}: expected a torch.Tensor of shape {tuple(expected.shape)} and "
+                             f"dtype {_dtype(expected)}, got {type(actual).__name__} {_short(actual)}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}, got shape {tuple(actual.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{what}: expected dtype {_dtype(expected)}, got {_dtype(actual)} "
+                             f"(keep the dtype of the input; torch's own op does)")
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    if a.is_floating_point() or a.is_complex():
+        default_rtol, default_atol = _TOLERANCES.get(a.dtype, (1e-6, 1e-6))
+        rtol = default_rtol if rtol is None else rtol
+        atol = default_atol if atol is None else atol
+        bad = ~torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
+        rule = f"tolerance rtol={rtol:g}, atol={atol:g}"
+    else:
+        bad = a != e
+        rule = "integers must match exactly"
+    count = int(bad.sum())
+    if count == 0:
+        return
+    diff = (a.double() - e.double()).abs().masked_fill(~bad, 0)   # worst among the bad ones
+    worst = _index(int(diff.argmax()), a.shape)
+    first = _index(int(bad.flatten().nonzero()[0]), a.shape)
+    raise AssertionError(
+        f"{what}: values differ from the expected ones: max abs diff {float(diff.max()):.6g} at index "
+        f"{worst} (got {a[worst].item()}, expected {e[worst].item()}); {count} of {a.numel()} elements "
+        f"differ, the first at index {first}; dtype {_dtype(a)}, shape {tuple(a.shape)}; {rule}")
+
+
+def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _short(obj) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def sample_tensor(shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Deterministic test data: the same ``(shape, dtype, seed)`` gives the same tensor on any rank.
+
+    Floats are standard normal; integers lie in [-1000, 1000) so sums cannot overflow.
+
+        >>> sample_tensor((2, 3), torch.int64, seed=1).shape
+        torch.Size([2, 3])
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Reading a trace
+# --------------------------------------------------------------------------------------
+def within(run: Run, region: str) -> Run:
+    """The part of ``run`` that happened inside the regions named ``region``, rank by rank.
+
+    A graded test marks the student's call with ``dl.region("student")`` and computes
+    torch's reference after it; ``within(run, "student")`` then holds only the student's
+    communication, so a reference ``dist.broadcast`` does not count against them.
+
+        >>> student = within(run, "student")
+        >>> student.rounds(), student.bytes_sent(0)
+    """
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for e in run.events:
+        if e.kind == "region" and e.name == region:
+            windows.setdefault(e.rank, []).append((e.start, e.end))
+    if not windows:
+        raise ValueError(f"the run has no region named {region!r}; regions seen: "
+                         f"{sorted({e.name for e in run.events if e.kind == 'region'}) or 'none'}. "
+                         f"Mark the code with `with dl.region({region!r}):` inside the launched function")
+    inside = [e for e in run.events if e.kind != "region" and any(
+        start <= e.start <= end for start, end in windows.get(e.rank, ()))]
+    return Run(results=run.results, events=inside, world_size=run.world_size,
+               backend=run.backend, wall_time=run.wall_time)
+
+
+def sends(run: Run, rank: int, peer: int | None = None) -> list[Event]:
+    """The messages ``rank`` sent (``send`` and ``isend``), optionally only those to ``peer``."""
+    return [e for e in run.events if e.rank == rank and e.op in SEND_OPS and (peer is None or e.peer == peer)]
+
+
+def receives(run: Run, rank: int, peer: int | None = None) -> list[Event]:
+    """The messages ``rank`` received (``recv`` and ``irecv``), optionally only those from ``peer``."""
+    return [e for e in run.events if e.rank == rank and e.op in RECV_OPS and (peer is None or e.peer == peer)]
+
+
+def assert_only_p2p(run: Run, exercise: str) -> None:
+    """Fail if ``run`` used any communication other than send/recv/isend/irecv (and wait).
+
+        >>> assert_only_p2p(within(run, "student"), exercise="broadcast_tree")
+        AssertionError: broadcast_tree must be built from point-to-point calls only
+        (send, recv, isend, irecv), but it called broadcast on rank 0 (1×), rank 1 (1×) ...
+    """
+    used = Counter((e.op, e.rank) for e in run.events if e.kind == "collective")
+    if not used:
+        return
+    by_op: dict[str, list[str]] = {}
+    for (op, rank), n in sorted(used.items()):
+        by_op.setdefault(op, []).append(f"rank {rank} ({n}×)")
+    found = "; ".join(f"{op} on {', '.join(where)}" for op, where in by_op.items())
+    raise AssertionError(
+        f"{exercise} must be built from point-to-point calls only ({', '.join(P2P_OPS)}), "
+        f"but it called the collective {found}. Replace it with sends and receives.")
+
+
+# --------------------------------------------------------------------------------------
+# Tampering
+# --------------------------------------------------------------------------------------
+def verify_untampered() -> None:
+    """Raise TamperingError if torch.distributed, torch's comparisons or these checks were replaced.
+
+    Graded test cells call this first: a notebook that assigned ``dist.broadcast = ...``,
+    ``torch.allclose = ...`` or ``checks.assert_close = ...`` fails that exercise, saying what
+    was replaced.  The genuine objects are remembered when ``disttrain_lab`` is imported.
+    """
+    integrity.verify()
+
+
+# Remember this module's own functions too, so replacing a check is caught like replacing
+# dist.broadcast.  (integrity.watch_defaults() covers torch; it ran when the package loaded.)
+integrity.watch(sys.modules[__name__], [name for name in __all__ if callable(globals()[name])
+                                        and not isinstance(globals()[name], type)])

@@ -1,0 +1,762 @@
+"""Autograding that no submission can break: release, autograde, feedback, grades.
+
+nbgrader does the bookkeeping (gradebook, checksums, hidden tests, feedback); this
+module adds what a course on distributed training needs on top of it:
+
+1. ``RobustExecute`` runs the notebook like nbgrader's ``Execute`` but survives the
+   kernel dying (``os._exit``, a crash, out of memory) and cells that ignore the
+   interrupt: it marks the cell with a message, restarts the kernel, replays the earlier
+   cells to restore their definitions and carries on.  It also enforces a per-notebook
+   wall-clock budget, a per-process memory limit in the kernel (and the ranks it starts),
+   caps huge output while it arrives, and fails a graded test cell when code before it
+   replaced ``torch.distributed`` or ``disttrain_lab`` functions.
+2. ``SubmissionExporter`` pre-checks each submission (empty file, malformed JSON, a
+   notebook of another lab, metadata nbgrader chokes on) and grades such a file as the
+   blank lab with a note at the top, so the feedback says why it scored 0.
+3. ``RestoringOverwriteCells`` puts deleted test cells back wherever they were deleted.
+4. ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` and the two
+   command-line entry points ``cli_release`` and ``cli_grade``.  Each student is graded
+   in its own ``nbgrader`` process under a wall-clock cap, in a private temp directory,
+   and every process it started is gone afterwards.
+
+The wiring lives in ``grader/nbgrader_config.py``, so plain ``nbgrader autograde`` run
+from ``grader/`` behaves exactly like ``disttrain-lab grade``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
+
+import nbformat
+from jupyter_core.utils import ensure_async, run_sync
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbconvert.exporters import NotebookExporter
+from nbgrader.preprocessors import Execute, OverwriteCells
+from traitlets import Integer
+
+# ----------------------------------------------------------------------------------------
+# Where things live, and the limits (each overridable by an environment variable, so the
+# config file, the CLI and the tests all agree).
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GRADER_DIR = REPO_ROOT / "grader"
+
+
+def course_dir() -> Path:
+    """gradebook.db, submitted/, autograded/, feedback/: outside the repo."""
+    return Path(os.environ.get("DISTTRAIN_COURSE_DIR", "~/.disttrain-lab/course")).expanduser().resolve()
+
+
+def source_dir() -> Path:
+    return Path(os.environ.get("DISTTRAIN_SOURCE_DIR", REPO_ROOT / "solutions")).resolve()
+
+
+def release_dir() -> Path:
+    return Path(os.environ.get("DISTTRAIN_RELEASE_DIR", REPO_ROOT / "labs")).resolve()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(float(value)) if value.strip() else default
+
+
+def _env_bytes(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip().upper()
+    if not value:
+        return default
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    if value[-1] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value)
+
+
+@dataclass
+class Limits:
+    cell_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_CELL_TIMEOUT", 180))
+    # seconds for one cell; a correct lab cell takes well under a minute on 2 cores
+    notebook_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_NOTEBOOK_TIMEOUT", 1500))
+    # seconds for the whole notebook, kernel restarts and replays included
+    kernel_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_KERNEL_MEMORY", 4 * 2**30))
+    # bytes of data per process (RLIMIT_DATA) in the kernel and every rank it starts
+    student_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_TIMEOUT", 0))
+    # hard cap on one student's nbgrader process; 0 = notebook_timeout + 5 minutes
+
+    def __post_init__(self):
+        for name in ("cell_timeout", "notebook_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.student_timeout <= 0:
+            self.student_timeout = self.notebook_timeout + 300
+
+
+def release_ignore(solutions: Path) -> list[str]:
+    """CourseDirectory.ignore for generate_assignment: everything in a lab folder except
+    its notebooks and its ``data/`` folder, so no solution module or answer file is
+    ever copied into labs/."""
+    ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", ".*"]
+    if solutions.is_dir():
+        for lab in sorted(solutions.iterdir()):
+            if lab.is_dir():
+                for entry in sorted(lab.iterdir()):
+                    if entry.suffix != ".ipynb" and entry.name != "data" and entry.name not in ignore:
+                        ignore.append(entry.name)
+    return ignore
+
+
+# ----------------------------------------------------------------------------------------
+# Executing a submission.
+
+def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
+    # an error output is what makes nbgrader give a graded cell 0 points
+    return nbformat.v4.new_output("error", ename=ename, evalue=message,
+                                  traceback=[f"\x1b[0;31m{ename}\x1b[0m: {message}"])
+
+
+def _is_test_cell(cell) -> bool:
+    nbg = cell.get("metadata", {}).get("nbgrader", {})
+    return bool(nbg.get("grade")) and not nbg.get("solution")
+
+
+# Runs in the kernel before any student code: remember the genuine functions graded tests
+# rely on.  report() lists the replaced ones and puts the genuine objects back, so only the
+# exercise right after the tampering loses its points.
+_GUARD_SETUP = r'''
+def _disttrain_install_guard():
+    import sys, types
+    guard = types.ModuleType("_disttrain_grading_guard")
+    genuine = {}
+    def unwrap(obj):
+        return getattr(obj, "__disttrain_traced__", obj)
+    def watch(module):
+        for name, obj in list(vars(module).items()):
+            if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
+                genuine[(module.__name__, name)] = unwrap(obj)
+    try:
+        import torch, torch.distributed, torch.testing
+        watch(torch.distributed); watch(torch.testing)
+        for name in ("equal", "allclose", "isclose"):
+            genuine[("torch", name)] = getattr(torch, name)
+    except Exception:
+        pass
+    try:
+        import importlib, disttrain_lab
+        for sub in ("checks", "launcher", "trace", "integrity"):
+            try:
+                importlib.import_module("disttrain_lab." + sub)
+            except Exception:
+                pass
+        for modname, module in list(sys.modules.items()):
+            if modname.startswith("disttrain_lab") and module is not None and modname != "disttrain_lab.grading":
+                watch(module)
+    except Exception:
+        pass
+    def report():
+        replaced = []
+        for (modname, name), obj in genuine.items():
+            module = sys.modules.get(modname)
+            if module is not None and unwrap(getattr(module, name, None)) is not obj:
+                replaced.append(modname + "." + name)
+                setattr(module, name, obj)
+        return replaced
+    guard.report = report
+    sys.modules[guard.__name__] = guard
+_disttrain_install_guard()
+del _disttrain_install_guard
+'''
+_GUARD_REPORT = "__import__('sys').modules['_disttrain_grading_guard'].report()"
+
+
+class RobustExecute(Execute):
+    """nbgrader's Execute, made to survive any submission (see the module docstring)."""
+
+    notebook_timeout = Integer(1500, help="wall-clock seconds for the whole notebook").tag(config=True)
+    memory_limit = Integer(4 * 2**30, help="RLIMIT_DATA bytes per kernel/rank process; 0 = none").tag(config=True)
+    max_output_bytes = Integer(2_000_000, help="output kept per cell; more fails the cell").tag(config=True)
+    probe_timeout = Integer(10, help="seconds an interrupted kernel has to answer again").tag(config=True)
+
+    # -- the notebook loop ---------------------------------------------------------------
+
+    def preprocess(self, nb, resources=None, km=None):
+        self._deadline = time.monotonic() + self.notebook_timeout
+        self._replayable: list[int] = []      # earlier cells that rebuild the kernel's state
+        self._guard_ready = False
+        return super().preprocess(nb, resources, km)
+
+    def preprocess_cell(self, cell, resources, index):
+        self._check_assign_resources(resources)
+        if cell.cell_type != "code" or not cell.source.strip():
+            return cell, self.resources
+        remaining = self._deadline - time.monotonic()
+        if remaining < 1:
+            cell.outputs = [_error_output("NotebookTimeout", (
+                f"not run: the whole notebook may take at most {self.notebook_timeout} s "
+                "when graded, and the cells above used it up"))]
+            return cell, self.resources
+        if _is_test_cell(cell):
+            replaced = self._replaced_functions()
+            if replaced:
+                cell.outputs = [_error_output("TamperingError", (
+                    "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
+                    "replaced it; this exercise gets 0 (the originals were put back for the rest)"))]
+                return cell, self.resources
+        limit = int(max(1, min(self.timeout or remaining, remaining)))
+        cell_timeout = self.timeout
+        self.timeout = limit
+        self.error_on_timeout = {"ename": "CellTimeoutError", "evalue": "", "traceback": [
+            f"\x1b[0;31mCellTimeoutError\x1b[0m: this cell ran longer than the {limit} s "
+            "allowed when grading (an infinite loop, a deadlock, a long sleep?) and was stopped"]}
+        self._output_bytes, self._output_capped = 0, False
+        started = time.monotonic()
+        try:
+            cell = self.execute_cell(cell, index, store_history=True)
+        except DeadKernelError:
+            cell.outputs.append(_error_output("DeadKernelError", (
+                "the kernel died while running this cell (os._exit / crash / out of memory); "
+                "it was restarted and the cells above were run again")))
+            self._restart_and_replay()
+            return cell, self.resources
+        except CellTimeoutError:
+            cell.outputs.append(_error_output("CellTimeoutError", (
+                f"this cell ran longer than the {limit} s allowed when grading and did not stop "
+                "when interrupted; the kernel was restarted and the cells above were run again")))
+            self._restart_and_replay()
+            return cell, self.resources
+        finally:
+            self.timeout = cell_timeout
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        if any(o.ename == "CellTimeoutError" for o in errors):
+            if not self._kernel_answers():
+                self._restart_and_replay()
+        elif not _is_test_cell(cell) and (not errors or time.monotonic() - started < 10):
+            self._replayable.append(index)
+        return cell, self.resources
+
+    # -- kernel start: memory limit and the tampering guard -------------------------------
+
+    def start_new_kernel(self, **kwargs):
+        super().start_new_kernel(**kwargs)
+        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+        if self.memory_limit and pid:
+            import resource
+            # hard and soft: the kernel cannot raise it back; ranks it forks/spawns inherit it
+            resource.prlimit(pid, resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
+
+    def start_new_kernel_client(self):
+        kc = super().start_new_kernel_client()
+        self._guard_ready = self._run_quietly(_GUARD_SETUP, timeout=120) is not None
+        return kc
+
+    def _replaced_functions(self) -> list[str]:
+        if not self._guard_ready:
+            return []
+        reply = self._run_quietly("", timeout=30, expression=_GUARD_REPORT)
+        if reply is None:
+            return []          # the kernel is busy or gone: the cell itself will tell
+        result = reply.get("user_expressions", {}).get("r", {})
+        if result.get("status") != "ok":
+            return ["grading guard (it was removed)"]
+        try:
+            return list(ast.literal_eval(result["data"]["text/plain"]))
+        except (KeyError, ValueError, SyntaxError):
+            return ["grading guard (it was altered)"]
+
+    # -- restart and replay ----------------------------------------------------------------
+
+    def _kernel_answers(self) -> bool:
+        try:
+            return self._run_quietly("pass", timeout=self.probe_timeout) is not None
+        except DeadKernelError:
+            return False
+
+    def _restart_and_replay(self) -> None:
+        self._stop_kernel()
+        self.km = self.create_kernel_manager()
+        self.start_new_kernel()
+        self.start_new_kernel_client()
+        for index in list(self._replayable):
+            remaining = self._deadline - time.monotonic()
+            if remaining < 1:
+                return
+            try:
+                reply = self._run_quietly(self.nb.cells[index].source, timeout=min(self.timeout, remaining))
+            except DeadKernelError:
+                reply = None
+            if reply is None:          # it hangs or kills the kernel now: drop it and start over
+                self._replayable.remove(index)
+                self._restart_and_replay()
+                return
+
+    def _stop_kernel(self) -> None:
+        async def stop():
+            if self.kc is not None:
+                self.kc.stop_channels()
+            try:
+                await ensure_async(self.km.shutdown_kernel(now=True))
+            except Exception as exc:       # already dead: nothing to stop
+                self.log.debug("stopping the kernel: %s", exc)
+            try:
+                await ensure_async(self.km.cleanup_resources())
+            except Exception as exc:
+                self.log.debug("cleaning up the kernel: %s", exc)
+        run_sync(stop)()
+        self.kc, self.km = None, None
+
+    def _run_quietly(self, code: str, timeout: float, expression: str | None = None) -> dict | None:
+        """Execute code without recording outputs; the reply content, or None on timeout."""
+        async def run():
+            msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False,
+                                     stop_on_error=False,
+                                     user_expressions={"r": expression} if expression else None)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    msg = await ensure_async(self.kc.shell_channel.get_msg(timeout=min(1.0, max(0.01, deadline - time.monotonic()))))
+                except Empty:
+                    if not await ensure_async(self.kc.is_alive()):
+                        raise DeadKernelError("Kernel died") from None
+                    continue
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    return msg["content"]
+            return None
+        return run_sync(run)()
+
+    # -- output cap ------------------------------------------------------------------------
+
+    def output(self, outs, msg, display_id, cell_index):
+        content = msg.get("content", {})
+        self._output_bytes += len(content.get("text", "")) + sum(len(str(v)) for v in content.get("data", {}).values())
+        if self._output_bytes > self.max_output_bytes:
+            if not self._output_capped:
+                self._output_capped = True
+                outs.append(_error_output("OutputLimitExceeded", (
+                    f"this cell printed more than {self.max_output_bytes // 1000} kB; the rest "
+                    "of its output was dropped and the cell counts as failed")))
+            return None
+        return super().output(outs, msg, display_id, cell_index)
+
+
+# ----------------------------------------------------------------------------------------
+# Sanitizing a submission.
+
+class RestoringOverwriteCells(OverwriteCells):
+    """OverwriteCells whose deleted-test-cell restore never fails: nbgrader's own version
+    only looks for the previous *graded* cell and raises KeyError when the cell before a
+    deleted test is, e.g., a locked markdown cell."""
+
+    def add_missing_grade_cells(self, nb, resources):
+        source_nb = self.gradebook.find_notebook(self.notebook_id, self.assignment_id)
+        source_cells = list(source_nb.source_cells)
+        grade_cells = {c.name: c for c in source_nb.grade_cells}
+        solution_ids = {c.name for c in source_nb.solution_cells}
+        for pos, source_cell in enumerate(source_cells):
+            present = {c.metadata["nbgrader"]["grade_id"]: i for i, c in enumerate(nb.cells)
+                       if "grade_id" in c.get("metadata", {}).get("nbgrader", {})}
+            if source_cell.name not in grade_cells or source_cell.name in present:
+                continue
+            self.log.warning("Missing grade cell %s: adding it back", source_cell.name)
+            restored = self.missing_cell_transform(source_cell, grade_cells[source_cell.name].max_score,
+                                                   is_solution=source_cell.name in solution_ids)
+            before = [present[c.name] for c in source_cells[:pos] if c.name in present]
+            nb.cells.insert(max(before) + 1 if before else 0, restored)
+        return nb, resources
+
+
+class SubmissionProblem(Exception):
+    """Why a submitted file cannot be graded as it is (said to the student)."""
+
+
+class SubmissionExporter(NotebookExporter):
+    """Reads submissions for nbgrader autograde; a file that is not a gradable notebook of
+    this lab is replaced by the blank lab with a note saying why (so it scores 0 with a
+    reason in the feedback, instead of failing the grader run)."""
+
+    max_submission_bytes = Integer(50_000_000).tag(config=True)
+
+    def from_filename(self, filename, resources=None, **kw):
+        if not getattr(self.parent, "_sanitizing", False):
+            return super().from_filename(filename, resources, **kw)
+        resources = resources or {}
+        resources.setdefault("metadata", {})
+        resources["metadata"].update(name=Path(filename).stem, path=os.path.dirname(filename))
+        pristine = copy.deepcopy(resources)
+        try:
+            nb = self._read(filename)
+            self._check_lab(nb, resources["nbgrader"])
+            return self.from_notebook_node(nb, resources, **kw)
+        except SubmissionProblem as problem:
+            reason = str(problem)
+        except Exception as exc:
+            if type(exc).__module__.startswith("sqlalchemy"):
+                raise              # the gradebook itself is broken: not the student's fault
+            reason = f"could not be processed by the grader ({type(exc).__name__}: {exc})"
+        self.log.warning("Submission %s %s: grading it as the blank lab", filename, reason)
+        return self.from_notebook_node(self._blank(pristine["nbgrader"], reason), pristine, **kw)
+
+    def _read(self, filename: str) -> nbformat.NotebookNode:
+        size = os.path.getsize(filename)
+        if size == 0:
+            raise SubmissionProblem("is an empty file")
+        if size > self.max_submission_bytes:
+            raise SubmissionProblem(f"is {size // 10**6} MB, more than the {self.max_submission_bytes // 10**6} MB allowed")
+        with open(filename, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise SubmissionProblem(f"is not valid notebook JSON ({exc})") from None
+        try:
+            nb = nbformat.reads(text, as_version=4)
+            nbformat.validate(nb)
+        except Exception as exc:
+            raise SubmissionProblem(f"is not a valid Jupyter notebook ({type(exc).__name__}: {str(exc)[:200]})") from None
+        return nb
+
+    def _check_lab(self, nb, ids: dict) -> None:
+        from nbgrader.api import Gradebook
+        with Gradebook(ids["db_url"]) as gb:
+            expected = {c.name for c in gb.find_notebook(ids["notebook"], ids["assignment"]).source_cells}
+        present = {c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells}
+        if expected and not expected & present:
+            raise SubmissionProblem(f"is not the notebook of lab {ids['assignment']} (none of its "
+                                    "exercise cells are there: another lab, or cells copied into a new notebook?)")
+
+    def _blank(self, ids: dict, reason: str) -> nbformat.NotebookNode:
+        coursedir = self.parent.coursedir
+        released = Path(coursedir.format_path(coursedir.release_directory, ".", ids["assignment"])) / f"{ids['notebook']}.ipynb"
+        nb = nbformat.read(released, as_version=4) if released.exists() else nbformat.v4.new_notebook()
+        note = (f"**Grading note:** your submitted `{ids['notebook']}.ipynb` {reason}, so it was graded "
+                "as the blank lab: every exercise scores 0. Fix the file and submit again, or ask your instructor.")
+        nb.cells.insert(0, nbformat.v4.new_markdown_cell(note))
+        for cell in nb.cells:
+            cell.pop("id", None)
+        nbformat.validator.normalize(nb)
+        return nbformat.from_dict(nb)
+
+
+def configure(c, repo_root: Path | str | None = None, limits: Limits | None = None) -> None:
+    """Apply the whole grading setup to an nbgrader config object ``c``."""
+    limits = limits or Limits()
+    course_dir().mkdir(parents=True, exist_ok=True)
+    c.CourseDirectory.root = str(course_dir())
+    c.CourseDirectory.source_directory = str(source_dir())
+    c.CourseDirectory.release_directory = str(release_dir())
+    c.CourseDirectory.ignore = release_ignore(source_dir())
+    c.Execute.timeout = limits.cell_timeout
+    c.Execute.startup_timeout = 120
+    c.RobustExecute.notebook_timeout = limits.notebook_timeout
+    c.RobustExecute.memory_limit = limits.kernel_memory
+    c.LimitOutput.max_lines = 300
+    c.LimitOutput.max_traceback = 60
+    c.OverwriteCells.add_missing_cells = True
+    c.Autograde.exporter_class = "disttrain_lab.grading.SubmissionExporter"
+    from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
+                                        IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
+    from nbconvert.preprocessors import ClearMetadataPreprocessor
+    c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
+                                          RestoringOverwriteCells, CheckCellMetadata]
+    c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
+                                           SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
+
+
+# ----------------------------------------------------------------------------------------
+# Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind.
+
+def _children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children, found, todo = _children_of(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _become_subreaper() -> None:
+    # orphans of the grading run (a kernel whose nbgrader was killed, a rank that escaped)
+    # are re-parented to us instead of init, so we can find and stop them
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
+
+
+def _reap_orphans(before: set[int]) -> None:
+    for _ in range(3):
+        leftovers = [p for p in _descendants(os.getpid()) if p not in before]
+        if not leftovers:
+            return
+        _kill(leftovers)
+        for pid in leftovers:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+@dataclass
+class StepResult:
+    args: list[str]
+    returncode: int
+    output: str
+    seconds: float
+    timed_out: bool = False
+
+
+def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
+                 tmp_root: str | None = None) -> StepResult:
+    """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies)."""
+    _become_subreaper()
+    before = set(_descendants(os.getpid()))
+    bindir = os.path.dirname(sys.executable)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="disttrain-grade-", dir=tmp_root) as tmp:
+        full_env = dict(os.environ, **(env or {}))
+        full_env.update(PATH=bindir + os.pathsep + full_env.get("PATH", ""), TMPDIR=tmp,
+                        JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"), MPLBACKEND="Agg",
+                        PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.Popen([sys.executable, "-m", "nbgrader", *args], cwd=GRADER_DIR, env=full_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        timed_out = False
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill(_descendants(proc.pid) + [proc.pid])
+            output, _ = proc.communicate()
+            output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
+        finally:
+            _reap_orphans(before)
+    return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
+
+
+# ----------------------------------------------------------------------------------------
+# The instructor's steps.
+
+def _env(course: Path | None, source: Path | None, release: Path | None) -> dict:
+    env = {}
+    for name, value in (("DISTTRAIN_COURSE_DIR", course), ("DISTTRAIN_SOURCE_DIR", source),
+                        ("DISTTRAIN_RELEASE_DIR", release)):
+        if value is not None:
+            env[name] = str(Path(value).resolve())
+    return env
+
+
+def list_labs(source: Path | None = None) -> list[str]:
+    source = Path(source or source_dir())
+    return sorted(p.name for p in source.iterdir() if p.is_dir() and (p / f"{p.name}.ipynb").exists()) \
+        if source.is_dir() else []
+
+
+def normalize_release(path: Path) -> None:
+    """Strip what differs between two releases of the same source (so labs/ is stable)."""
+    for nb_path in sorted(Path(path).rglob("*.ipynb")):
+        nb = nbformat.read(nb_path, as_version=4)
+        nb.metadata.pop("widgets", None)
+        nb.metadata.get("language_info", {}).pop("version", None)
+        for cell in nb.cells:
+            cell.metadata.pop("execution", None)
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+        nbformat.write(nb, nb_path)
+
+
+def release(labs: list[str] | None = None, *, course: Path | None = None, source: Path | None = None,
+            release_to: Path | None = None, tmp_root: str | None = None) -> list[StepResult]:
+    """generate_assignment for each lab (all of solutions/ by default), into labs/."""
+    env = _env(course, source, release_to)
+    results = []
+    for lab in labs or list_labs(source):
+        result = run_nbgrader(["generate_assignment", lab, "--force"], timeout=600, env=env, tmp_root=tmp_root)
+        if result.returncode != 0:
+            raise RuntimeError(f"nbgrader generate_assignment {lab} failed:\n{result.output}")
+        normalize_release(Path(release_to or release_dir()) / lab)
+        results.append(result)
+    return results
+
+
+def students_of(lab: str, course: Path | None = None) -> list[str]:
+    submitted = Path(course or course_dir()) / "submitted"
+    return sorted(p.name for p in submitted.iterdir() if (p / lab).is_dir()) if submitted.is_dir() else []
+
+
+def _ensure_in_gradebook(lab: str, course: Path, env: dict, tmp_root: str | None) -> None:
+    from nbgrader.api import Gradebook, MissingEntry
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        try:
+            gb.find_assignment(lab)
+            return
+        except MissingEntry:
+            pass
+    # a course directory that never released this lab: record it without touching labs/
+    with tempfile.TemporaryDirectory(prefix="disttrain-release-", dir=tmp_root) as scratch:
+        result = run_nbgrader(["generate_assignment", lab, "--force",
+                               f"--CourseDirectory.release_directory={scratch}"],
+                              timeout=600, env=env, tmp_root=tmp_root)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not add {lab} to the gradebook:\n{result.output}")
+
+
+def autograde(lab: str, students: list[str] | None = None, *, course: Path | None = None,
+              source: Path | None = None, release_from: Path | None = None, limits: Limits | None = None,
+              tmp_root: str | None = None, log=print) -> dict[str, StepResult]:
+    """Autograde each student in its own nbgrader process; one result per student."""
+    course = Path(course or course_dir()).resolve()
+    limits = limits or Limits()
+    env = _env(course, source, release_from)
+    env.update(DISTTRAIN_CELL_TIMEOUT=str(limits.cell_timeout), DISTTRAIN_NOTEBOOK_TIMEOUT=str(limits.notebook_timeout),
+               DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory))
+    _ensure_in_gradebook(lab, course, env, tmp_root)
+    results = {}
+    for student in students or students_of(lab, course):
+        result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
+                              timeout=limits.student_timeout, env=env, tmp_root=tmp_root)
+        results[student] = result
+        status = "ok" if result.returncode == 0 else ("STOPPED (time cap)" if result.timed_out else "FAILED")
+        log(f"autograde {lab} {student}: {status} in {result.seconds:.1f} s")
+        if result.returncode != 0:
+            log(result.output[-3000:])
+    return results
+
+
+def generate_feedback(lab: str, students: list[str] | None = None, *, course: Path | None = None,
+                      source: Path | None = None, tmp_root: str | None = None) -> StepResult:
+    args = ["generate_feedback", lab, "--force"]
+    if students and len(students) == 1:
+        args += ["--student", students[0]]
+    return run_nbgrader(args, timeout=600, env=_env(course, source, None), tmp_root=tmp_root)
+
+
+def export_grades(csv_path: Path | None = None, *, course: Path | None = None,
+                  tmp_root: str | None = None) -> Path:
+    course = Path(course or course_dir()).resolve()
+    csv_path = Path(csv_path or course / "grades.csv").resolve()
+    result = run_nbgrader(["export", f"--to={csv_path}"], timeout=600, env=_env(course, None, None), tmp_root=tmp_root)
+    if result.returncode != 0:
+        raise RuntimeError(f"nbgrader export failed:\n{result.output}")
+    return csv_path
+
+
+def scores(lab: str, course: Path | None = None) -> dict[str, dict[str, float]]:
+    """{student: {grade_id: score, ..., "total": score}} from the gradebook."""
+    from nbgrader.api import Gradebook
+    course = Path(course or course_dir()).resolve()
+    table = {}
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        assignment = gb.find_assignment(lab)
+        for submission in assignment.submissions:
+            row = {}
+            for notebook in submission.notebooks:
+                for grade in notebook.grades:
+                    if grade.max_score:
+                        row[grade.name] = float(grade.score)
+            row["total"] = float(submission.score)
+            table[submission.student.id] = row
+    return table
+
+
+# ----------------------------------------------------------------------------------------
+# Command line: `disttrain-lab release` and `disttrain-lab grade`.
+
+def cli_release(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disttrain-lab release",
+                                     description="Regenerate labs/ from solutions/ with nbgrader generate_assignment.")
+    parser.add_argument("labs", nargs="*", help="lab names (default: every lab in solutions/)")
+    parser.add_argument("--course-dir", type=Path, help="course directory holding gradebook.db "
+                        "(default: $DISTTRAIN_COURSE_DIR or ~/.disttrain-lab/course)")
+    parser.add_argument("--check", action="store_true",
+                        help="release into a scratch directory and fail if labs/ differs from it")
+    args = parser.parse_args(argv)
+    if not args.check:
+        for result in release(args.labs, course=args.course_dir):
+            print(f"released {result.args[1]} -> {release_dir() / result.args[1]} ({result.seconds:.1f} s)")
+        return 0
+    stale = []
+    with tempfile.TemporaryDirectory(prefix="disttrain-check-") as scratch:
+        fresh = Path(scratch) / "labs"
+        labs = args.labs or list_labs()
+        release(labs, course=Path(scratch) / "course", release_to=fresh)
+        for lab in labs:
+            stale += release_differences(fresh / lab, release_dir() / lab)
+    for line in stale:
+        print(line)
+    print("labs/ is up to date" if not stale else "labs/ is out of date: run `disttrain-lab release`")
+    return 1 if stale else 0
+
+
+def _comparable(nb_path: Path) -> list:
+    nb = nbformat.read(nb_path, as_version=4)
+    return [(c.cell_type, c.source, json.dumps(c.metadata, sort_keys=True)) for c in nb.cells]
+
+
+def release_differences(fresh: Path, committed: Path) -> list[str]:
+    """What differs between a fresh release and the committed one (sources and metadata)."""
+    fresh_files = {p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file()} if fresh.is_dir() else set()
+    committed_files = {p.relative_to(committed) for p in committed.rglob("*") if p.is_file()} if committed.is_dir() else set()
+    lines = [f"missing from {committed}: {p}" for p in sorted(fresh_files - committed_files)]
+    lines += [f"not in a fresh release: {committed / p}" for p in sorted(committed_files - fresh_files)]
+    for rel in sorted(fresh_files & committed_files):
+        a, b = fresh / rel, committed / rel
+        same = _comparable(a) == _comparable(b) if rel.suffix == ".ipynb" else a.read_bytes() == b.read_bytes()
+        if not same:
+            lines.append(f"differs from a fresh release: {committed / rel}")
+    return lines
+
+
+def cli_grade(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disttrain-lab grade",
+                                     description="Autograde one lab, generate feedback, export grades as CSV.")
+    parser.add_argument("lab")
+    parser.add_argument("--student", action="append", help="grade only this student (repeatable)")
+    parser.add_argument("--course-dir", type=Path, help="course directory (default: $DISTTRAIN_COURSE_DIR "
+                        "or ~/.disttrain-lab/course); submissions are in submitted/<student>/<lab>/")
+    parser.add_argument("--csv", type=Path, help="where to write grades (default: <course-dir>/grades.csv)")
+    parser.add_argument("--no-feedback", action="store_true", help="skip generating feedback HTML")
+    args = parser.parse_args(argv)
+    course = Path(args.course_dir or course_dir()).resolve()
+    students = args.student or students_of(args.lab, course)
+    if not students:
+        print(f"no submissions found in {course / 'submitted'}/<student>/{args.lab}/")
+        return 1
+    results = autograde(args.lab, students, course=course)
+    if not args.no_feedback:
+        generate_feedback(args.lab, args.student, course=course)
+    csv_path = export_grades(args.csv, course=course)
+    table = scores(args.lab, course)
+    for student in students:
+        row = table.get(student, {})
+        failed = "" if results[student].returncode == 0 else "  (grading failed: needs a look)"
+        print(f"{student:20s} {row.get('total', 0):6.1f}{failed}")
+    print(f"grades: {csv_path}\nfeedback: {course / 'feedback' / '<student>' / args.lab}")
+    return 0

@@ -1,0 +1,91 @@
+"""Detect a submission that replaced the functions grading relies on.
+
+A graded test compares a student's function with torch's own ``dist.broadcast`` and
+checks the trace; both are meaningless if the notebook replaced ``dist.all_reduce`` or a
+``disttrain_lab.checks`` function.  At import we remember the genuine objects; later,
+``find_tampering()`` lists every one that was swapped or whose code no longer lives in
+torch's (or this package's) own files.  The launcher refuses to run, and checks refuse
+to pass, when anything is listed.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_SNAPSHOT: dict[tuple[str, str], object] = {}   # (module, name) -> genuine object
+
+
+class TamperingError(RuntimeError):
+    """A function that grading relies on was replaced, so the result cannot be trusted."""
+
+
+def _where(obj) -> str:
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        return type(obj).__name__
+    name = code.co_filename
+    if "ipykernel" in name or name.startswith("<"):
+        return f"code defined in the notebook ({name})"
+    return name
+
+
+def _genuine_home(module_name: str) -> str:
+    if module_name.startswith("disttrain_lab"):
+        return _PACKAGE_DIR
+    import torch
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _unwrap(obj):
+    # the tracer wraps torch.distributed's functions in launched ranks; that is allowed
+    return getattr(obj, "__disttrain_traced__", obj)
+
+
+def watch(module: types.ModuleType, names: list[str] | None = None) -> None:
+    """Remember the current objects of ``module`` (all public callables by default)."""
+    if names is None:
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                 and not isinstance(v, type)]
+    for name in names:
+        if hasattr(module, name):
+            _SNAPSHOT[(module.__name__, name)] = _unwrap(getattr(module, name))
+
+
+def find_tampering() -> list[str]:
+    """One line per replaced function; empty when everything is genuine."""
+    import sys
+    problems = []
+    for (module_name, name), genuine in _SNAPSHOT.items():
+        module = sys.modules.get(module_name)
+        current = _unwrap(getattr(module, name, None)) if module else None
+        if current is not genuine:
+            problems.append(f"{module_name}.{name} was replaced by {_where(current)}")
+            continue
+        code = getattr(current, "__code__", None)
+        if code is not None and not os.path.abspath(code.co_filename).startswith(_genuine_home(module_name)):
+            problems.append(f"the code of {module_name}.{name} was replaced by {_where(current)}")
+    return problems
+
+
+def verify() -> None:
+    """Raise TamperingError if any watched function was replaced."""
+    problems = find_tampering()
+    if problems:
+        raise TamperingError(
+            "grading relies on torch's and disttrain_lab's own functions, but "
+            + "; ".join(problems)
+            + ". Remove the code that assigns to them (and restart the kernel).")
+
+
+def watch_defaults() -> None:
+    """The objects every lab relies on: torch.distributed's API and torch's comparisons."""
+    import torch
+    import torch.distributed as dist
+    import torch.testing
+    from .trace import TRACED_OPS
+    names = list(TRACED_OPS) + ["init_process_group", "get_rank", "get_world_size", "new_group",
+                                "batch_isend_irecv", "all_gather_object", "broadcast_object_list"]
+    watch(dist, names)
+    watch(torch, ["equal", "allclose", "isclose"])
+    watch(torch.testing, ["assert_close"])

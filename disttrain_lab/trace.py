@@ -1,0 +1,467 @@
+"""Record every torch.distributed call a rank makes, and the compute regions a lab marks.
+
+Inside a launched rank every communication function in ``torch.distributed`` is wrapped
+(both ``torch.distributed.X`` and ``torch.distributed.distributed_c10d.X``, so ``from
+torch.distributed import send`` is seen too).  A wrapper does two things:
+
+1. always: writes "what am I blocked in" into this rank's status slot, a few bytes of
+   memory shared with the launcher, so a timeout can say ``rank 0: recv(src=1) for 30 s``;
+2. with ``trace=True``: appends an :class:`Event` (op, peer, group, bytes, tag, start, end).
+
+Nested calls (``all_gather_object`` calling ``all_gather``) record only the outermost
+one that was wrapped; the ``*_object`` helpers are not wrapped, so their inner tensor
+calls are what you see, with real byte counts.
+
+The records come back to the notebook as a :class:`Run`, which answers the questions the
+labs grade: bytes sent per rank, calls per op, which collectives ran, and how many
+communication rounds a point-to-point algorithm took.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import struct
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+P2P_OPS = ("send", "recv", "isend", "irecv")
+COLLECTIVE_OPS = (
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "gather", "barrier",
+    "all_to_all", "all_to_all_single", "monitored_barrier",
+)
+TRACED_OPS = P2P_OPS + COLLECTIVE_OPS
+
+# Argument names that hold the tensors of a call, and which side (in/out) they are.
+_IN_ARGS = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list", "scatter_list")
+_OUT_ARGS = ("output_tensor", "output", "tensor_list", "output_tensor_list", "gather_list")
+
+
+@dataclass
+class Event:
+    """One thing a rank did: a communication call, a wait on one, or a marked region.
+
+    ``bytes`` is the logical payload: the tensor for send/recv/broadcast/all_reduce,
+    the larger of the input and output buffers for gather/scatter-like collectives
+    (an all_gather of S bytes in total counts S, as a reduce_scatter of S bytes does).
+    Times are seconds since the launch began, on one clock for all ranks of a host.
+    """
+    rank: int
+    op: str
+    kind: str                   # "p2p" | "collective" | "wait" | "region"
+    start: float
+    end: float
+    peer: int | None = None     # dst of a send, src of a recv, root of broadcast/reduce/scatter/gather
+    group: tuple[int, ...] | None = None   # global ranks of the group; None = the whole world
+    bytes: int = 0
+    tag: int | None = None
+    name: str = ""              # region name, or for a wait the op it waits on ("irecv")
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def describe(self) -> str:
+        return _describe(self.op if self.kind != "wait" else f"wait({self.name})",
+                         self.peer, self.tag, self.bytes, self.group)
+
+
+def _describe(op: str, peer, tag, nbytes, group) -> str:
+    parts = []
+    if peer is not None:
+        parts.append(("dst=" if op in ("send", "isend", "reduce", "gather") else
+                      "src=" if op in ("recv", "irecv", "broadcast", "scatter") else "peer=") + str(peer))
+    if tag:
+        parts.append(f"tag={tag}")
+    if group is not None:
+        parts.append(f"group={list(group)}")
+    if nbytes:
+        parts.append(format_bytes(nbytes))
+    return f"{op}({', '.join(parts)})"
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------------------
+# The status slot: "what is this rank blocked in", readable by the launcher at any time.
+# Layout per rank: [float64 since][uint16 length][utf-8 text]; since == 0 means idle.
+# --------------------------------------------------------------------------------------
+SLOT_BYTES = 256
+_HEAD = struct.Struct("dH")
+
+
+def write_status(buf, rank: int, text: str | None) -> None:
+    off = rank * SLOT_BYTES
+    if text is None:
+        buf[off:off + 8] = b"\0" * 8
+        return
+    raw = text.encode()[: SLOT_BYTES - _HEAD.size]
+    buf[off + _HEAD.size: off + _HEAD.size + len(raw)] = raw
+    buf[off: off + _HEAD.size] = _HEAD.pack(time.perf_counter(), len(raw))
+
+
+@dataclass
+class Blocked:
+    """What a rank is blocked in, read from its status slot."""
+    op: str              # "recv", "send", "all_reduce", or "wait:irecv" for a wait on an irecv
+    peer: int | None
+    tag: int
+    text: str            # human form: "recv(src=1, 16 B)"
+    since: float         # perf_counter when it started
+
+
+def status_text(op: str, peer, tag, nbytes, group) -> str:
+    return f"{op}\t{'' if peer is None else peer}\t{tag or 0}\t{_describe(op.split(':')[-1], peer, tag, nbytes, group)}"
+
+
+def read_status(buf, rank: int) -> Blocked | None:
+    """What the rank is blocked in, or None when it is not inside a torch.distributed call."""
+    off = rank * SLOT_BYTES
+    since, n = _HEAD.unpack(bytes(buf[off: off + _HEAD.size]))
+    if since == 0:
+        return None
+    raw = bytes(buf[off + _HEAD.size: off + _HEAD.size + n]).decode(errors="replace")
+    try:
+        op, peer, tag, text = raw.split("\t", 3)
+        return Blocked(op, int(peer) if peer else None, int(tag), text, since)
+    except ValueError:
+        return Blocked("?", None, 0, raw, since)
+
+
+# --------------------------------------------------------------------------------------
+# Recording inside a rank
+# --------------------------------------------------------------------------------------
+class _Recorder:
+    """Per-process state of the tracer (one rank per process)."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.t0 = 0.0
+        self.recording = False
+        self.events: list[tuple] = []
+        self.depth = 0
+        self.status_buf = None
+
+    def begin(self, rank: int, t0: float, recording: bool, status_buf) -> None:
+        self.rank, self.t0, self.recording, self.status_buf = rank, t0, recording, status_buf
+        self.events = []
+        self.depth = 0
+
+    def end(self) -> list[tuple]:
+        events, self.events, self.recording = self.events, [], False
+        if self.status_buf is not None:
+            write_status(self.status_buf, self.rank, None)
+        return events
+
+    def status(self, text: str | None) -> None:
+        if self.status_buf is not None:
+            write_status(self.status_buf, self.rank, text)
+
+
+_REC = _Recorder()
+_ORIGINALS: dict[str, Any] = {}   # op name -> genuine torch function, filled by install()
+
+
+def _nbytes(x) -> int:
+    if x is None:
+        return 0
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    try:
+        return x.numel() * x.element_size()
+    except AttributeError:
+        return 0
+
+
+def _group_ranks(group) -> tuple[int, ...] | None:
+    if group is None:
+        return None
+    import torch.distributed as dist
+    if group is dist.GroupMember.WORLD:
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:
+        return None
+
+
+def _call_info(op: str, bound: dict) -> tuple:
+    """(kind, peer, group, nbytes, tag, meta) of one call from its bound arguments."""
+    kind = "p2p" if op in P2P_OPS else "collective"
+    group = _group_ranks(bound.get("group"))
+    peer = None
+    for key in ("dst", "src"):
+        if bound.get(key) is not None:
+            peer = bound[key]
+    if peer is None:
+        for key in ("group_dst", "group_src"):
+            if bound.get(key) is not None:
+                peer = group[bound[key]] if group else bound[key]
+    if peer is None and op in ("broadcast", "reduce", "scatter", "gather"):
+        peer = 0
+    nin = max((_nbytes(bound.get(k)) for k in _IN_ARGS), default=0)
+    nout = max((_nbytes(bound.get(k)) for k in _OUT_ARGS), default=0)
+    meta = {}
+    if bound.get("op") is not None:
+        meta["reduce_op"] = str(bound["op"]).split(".")[-1]
+    if nin and nout and nin != nout:
+        meta["in_bytes"], meta["out_bytes"] = nin, nout
+    tensor = bound.get("tensor")
+    if tensor is not None and hasattr(tensor, "dtype"):
+        meta["dtype"] = str(tensor.dtype).replace("torch.", "")
+        meta["shape"] = tuple(tensor.shape)
+    return kind, peer, group, max(nin, nout), bound.get("tag"), meta
+
+
+class TracedWork:
+    """Stands in for the ``Work`` an async call returns, so its ``wait()`` is traced too."""
+
+    def __init__(self, work, op: str, info: tuple) -> None:
+        self._work, self._op, self._info = work, op, info
+
+    def wait(self, *args, **kwargs):
+        rec = _REC
+        kind, peer, group, nbytes, tag, meta = self._info
+        rec.status(status_text("wait:" + self._op, peer, tag, nbytes, group))
+        start = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            rec.status(None)
+            if rec.recording:
+                rec.events.append((rec.rank, "wait", "wait", start - rec.t0, end - rec.t0,
+                                   peer, group, nbytes, tag, self._op, meta))
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _wrap(op: str, fn):
+    names = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        rec = _REC
+        if rec.depth:
+            return fn(*args, **kwargs)
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        info = _call_info(op, bound)
+        kind, peer, group, nbytes, tag, meta = info
+        rec.depth += 1
+        rec.status(status_text(op, peer, tag, nbytes, group))
+        start = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            rec.depth -= 1
+            rec.status(None)
+        if op in ("recv",) and peer is None and isinstance(out, int):
+            peer = out  # recv from any source returns the sender
+        if rec.recording:
+            rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0,
+                               peer, group, nbytes, tag, "", meta))
+        if out is not None and hasattr(out, "wait") and not isinstance(out, TracedWork):
+            return TracedWork(out, op, (kind, peer, group, nbytes, tag, meta))
+        return out
+
+    traced.__disttrain_traced__ = fn
+    return traced
+
+
+def install() -> None:
+    """Wrap torch.distributed's communication functions in this process (idempotent)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    for op in TRACED_OPS:
+        current = getattr(c10d, op, None)
+        if current is None:
+            continue
+        genuine = _ORIGINALS.setdefault(op, getattr(current, "__disttrain_traced__", current))
+        wrapped = _wrap(op, genuine)
+        setattr(c10d, op, wrapped)
+        if hasattr(dist, op):
+            setattr(dist, op, wrapped)
+
+
+def uninstall() -> None:
+    """Put the genuine functions back (used after an in-process run under torchrun)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    for op, genuine in _ORIGINALS.items():
+        setattr(c10d, op, genuine)
+        if hasattr(dist, op):
+            setattr(dist, op, genuine)
+
+
+@contextlib.contextmanager
+def region(name: str, **meta) -> Iterator[None]:
+    """Mark a stretch of compute in the trace, e.g. ``with dl.region("F", microbatch=3):``.
+
+    It costs nothing outside a traced launch.  Regions appear in ``Run.events`` with
+    ``kind == "region"`` and in ``dl.viz.timeline`` as labelled boxes.
+    """
+    rec = _REC
+    if not rec.recording:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        end = time.perf_counter()
+        rec.events.append((rec.rank, "region", "region", start - rec.t0, end - rec.t0,
+                           None, None, 0, None, name, dict(meta)))
+
+
+def to_events(raw: list[tuple]) -> list[Event]:
+    return [Event(rank=r, op=op, kind=k, start=s, end=e, peer=p, group=g, bytes=b, tag=t,
+                  name=n, meta=m) for (r, op, k, s, e, p, g, b, t, n, m) in raw]
+
+
+# --------------------------------------------------------------------------------------
+# What the notebook gets back
+# --------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """The outcome of ``dl.launch(..., trace=True)``: each rank's return value and events."""
+    results: list
+    events: list[Event]
+    world_size: int
+    backend: str = "gloo"
+    wall_time: float = 0.0
+
+    def by_rank(self, rank: int) -> list[Event]:
+        return [e for e in self.events if e.rank == rank]
+
+    def select(self, op: str | None = None, rank: int | None = None, peer: int | None = None,
+               kind: str | None = None, name: str | None = None) -> list[Event]:
+        """Events matching every given field, in start order."""
+        return [e for e in self.events
+                if (op is None or e.op == op) and (rank is None or e.rank == rank)
+                and (peer is None or e.peer == peer) and (kind is None or e.kind == kind)
+                and (name is None or e.name == name)]
+
+    def bytes_sent(self, rank: int) -> int:
+        """Point-to-point payload bytes this rank sent (send + isend)."""
+        return sum(e.bytes for e in self.events if e.rank == rank and e.op in ("send", "isend"))
+
+    def bytes_received(self, rank: int) -> int:
+        return sum(e.bytes for e in self.events if e.rank == rank and e.op in ("recv", "irecv"))
+
+    def calls(self, rank: int | None = None) -> Counter:
+        """How many times each communication op was called (waits and regions excluded)."""
+        return Counter(e.op for e in self.events
+                       if e.kind in ("p2p", "collective") and (rank is None or e.rank == rank))
+
+    def collectives(self, rank: int | None = None) -> list[Event]:
+        return [e for e in self.events if e.kind == "collective" and (rank is None or e.rank == rank)]
+
+    def messages(self) -> list[tuple[Event, Event]]:
+        """Matched (send, recv) pairs: the k-th send from a to b with tag t matches the
+        k-th receive at b from a with tag t (messages between a pair do not overtake)."""
+        sends: dict[tuple, deque] = defaultdict(deque)
+        for e in self.events:
+            if e.op in ("send", "isend") and e.peer is not None:
+                sends[(e.rank, e.peer, e.tag or 0)].append(e)
+        pairs = []
+        for e in self.events:
+            if e.op in ("recv", "irecv") and e.peer is not None:
+                queue = sends.get((e.peer, e.rank, e.tag or 0))
+                if queue:
+                    pairs.append((queue.popleft(), e))
+        return pairs
+
+    def rounds(self) -> int:
+        """Communication rounds of the point-to-point traffic under the one-port model.
+
+        Each rank sends at most one message per round, and data that arrives in round r
+        can be forwarded in round r + 1 at the earliest.  A message's round is therefore
+        1 + max(the round of the sender's previous send, the latest round it has received).
+        Linear broadcast on N ranks takes N - 1 rounds, a binomial tree ceil(log2 N),
+        a ring all-reduce 2(N - 1).
+        """
+        pairs = self.messages()
+        recv_of_send = {id(s): r for s, r in pairs}
+        send_of_recv = {id(r): s for s, r in pairs}
+        # a receive is complete when its data is there: the end of recv, or of irecv's wait
+        waits = defaultdict(deque)
+        for e in self.events:
+            if e.kind == "wait" and e.name == "irecv":
+                waits[(e.rank, e.peer, e.tag or 0)].append(e)
+        actions = defaultdict(list)  # rank -> [(time, "send"|"recv", event)]
+        for e in self.events:
+            if e.op in ("send", "isend") and id(e) in recv_of_send:
+                actions[e.rank].append((e.start, "send", e))
+            elif e.op in ("recv", "irecv") and id(e) in send_of_recv:
+                done = e.end
+                if e.op == "irecv":
+                    q = waits.get((e.rank, e.peer, e.tag or 0))
+                    done = q.popleft().end if q else e.end
+                actions[e.rank].append((done, "recv", e))
+        for seq in actions.values():
+            seq.sort(key=lambda a: (a[0], a[1] == "send"))
+        round_of: dict[int, int] = {}
+        pos = {r: 0 for r in actions}
+        last_send = defaultdict(int)
+        seen = defaultdict(int)
+        progress = True
+        while progress:
+            progress = False
+            for rank, seq in actions.items():
+                while pos[rank] < len(seq):
+                    _, what, e = seq[pos[rank]]
+                    if what == "send":
+                        round_of[id(e)] = max(last_send[rank], seen[rank]) + 1
+                        last_send[rank] = round_of[id(e)]
+                    else:
+                        sender = send_of_recv[id(e)]
+                        if id(sender) not in round_of:
+                            break  # wait until the sender's side has been numbered
+                        seen[rank] = max(seen[rank], round_of[id(sender)])
+                    pos[rank] += 1
+                    progress = True
+        return max(round_of.values(), default=0)
+
+    def summary(self) -> "Summary":
+        """Per-rank table: bytes sent/received point-to-point and calls per op."""
+        rows = []
+        for r in range(self.world_size):
+            rows.append({"rank": r, "sent": self.bytes_sent(r), "received": self.bytes_received(r),
+                         "calls": dict(sorted(self.calls(r).items()))})
+        return Summary(rows)
+
+    def __repr__(self) -> str:
+        return (f"Run(world_size={self.world_size}, backend={self.backend!r}, "
+                f"events={len(self.events)}, wall_time={self.wall_time:.3f}s, results={self.results!r})")
+
+
+class Summary(list):
+    """A list of per-rank rows that prints as a table."""
+
+    def __repr__(self) -> str:
+        lines = [f"{'rank':>4}  {'sent':>10}  {'received':>10}  calls"]
+        for row in self:
+            calls = ", ".join(f"{op}×{n}" for op, n in row["calls"].items()) or "-"
+            lines.append(f"{row['rank']:>4}  {format_bytes(row['sent']):>10}  "
+                         f"{format_bytes(row['received']):>10}  {calls}")
+        return "\n".join(lines)
+
+    _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython display)
+
+
+def ceil_log2(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0

@@ -1,0 +1,1 @@
+"""Pictures drawn from real runs."""

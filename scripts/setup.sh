@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install the kit.
+#
+#   bash scripts/setup.sh          # kit + labs + test tools
+#
+# torch: an installed torch is never replaced.  The venv sees the interpreter's
+# site-packages (--system-site-packages), so a torch that comes with the machine
+# (Colab, a Hub image, a conda env) is used as it is.  Only where no torch can be
+# imported do we install the pinned CPU build, torch==2.13.0 -- never an unpinned torch,
+# which would pull several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv --system-site-packages "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if "$VPY" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: using the installed torch $("$VPY" -c 'import torch; print(torch.__version__)')"
+else
+    echo "setup: no torch found; installing the pinned CPU build torch==2.13.0"
+    "$VPY" -m pip install -q "torch==2.13.0"
+fi
+"$VPY" -m pip install -q -e ".[test]"
+echo "setup: ready ($("$VPY" -c 'import torch, disttrain_lab; print("torch", torch.__version__, "disttrain_lab", disttrain_lab.__version__)'))"

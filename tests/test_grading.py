@@ -1,0 +1,307 @@
+"""The nbgrader round trip, on every lab in solutions/ and on the fixture assignments.
+
+For each lab: release it (and check the committed labs/ matches a fresh release), then
+autograde, in one batch, the solution submitted as a student (full marks), the released
+blank notebook (0, no crash) and a partly done notebook (exactly the expected partial
+score).  On the fixtures, every broken submission the grader must survive is crafted by
+editing ONE exercise of a copy of the solution notebook; that exercise loses its points,
+the others keep theirs, the feedback says why, and nothing is left running or on disk.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import disttrain_lab
+from disttrain_lab import grading
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "source"
+HAS_LAUNCH = hasattr(disttrain_lab, "launch")
+
+# fixtures first (fast), then every real lab
+LABS = [("00_basics", FIXTURES)] + ([("00_launch", FIXTURES)] if HAS_LAUNCH else []) + \
+       [(lab, REPO / "solutions") for lab in grading.list_labs(REPO / "solutions")]
+
+# small limits so broken cases cost seconds, not minutes; real labs get the defaults
+FIXTURE_LIMITS = dict(cell_timeout=10, notebook_timeout=120, kernel_memory=2 * 2**30, student_timeout=240)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+# ----------------------------------------------------------------------------------------
+# crafting submissions
+
+def load(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def grade_id(cell) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def with_solution(nb, exercise: str, source: str):
+    """A copy of nb whose solution cell `exercise` has `source` instead."""
+    nb = copy.deepcopy(nb)
+    [cell] = [c for c in nb.cells if grade_id(c) == exercise]
+    cell.source = source
+    return nb
+
+
+def points_after(nb, solution_id: str) -> dict[str, float]:
+    """Test cells of the exercise whose solution cell is `solution_id` (until the next solution)."""
+    out, inside = {}, False
+    for cell in nb.cells:
+        nbg = cell.get("metadata", {}).get("nbgrader", {})
+        if nbg.get("solution"):
+            inside = nbg.get("grade_id") == solution_id
+        elif inside and nbg.get("grade"):
+            out[nbg["grade_id"]] = float(nbg["points"])
+    return out
+
+
+def all_points(nb) -> dict[str, float]:
+    return {grade_id(c): float(c.metadata.nbgrader["points"]) for c in nb.cells
+            if c.get("metadata", {}).get("nbgrader", {}).get("grade")}
+
+
+def submit(course: Path, student: str, lab: str, content) -> None:
+    folder = course / "submitted" / student / lab
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{lab}.ipynb"
+    if isinstance(content, (str, bytes)):
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    else:
+        nbformat.write(content, path)
+
+
+def feedback(course: Path, student: str, lab: str) -> str:
+    path = course / "feedback" / student / lab / f"{lab}.html"
+    return path.read_text() if path.exists() else ""
+
+
+def processes_with(marker: str) -> list[int]:
+    """Processes whose environment mentions marker (our course dir): must be none after grading."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+class Course:
+    """A throw-away course directory for one lab, with its own release and temp root."""
+
+    def __init__(self, root: Path, lab: str, source: Path, limits: dict | None):
+        self.lab, self.source, self.root = lab, source, root
+        self.course, self.release, self.tmp = root / "course", root / "release", root / "tmp"
+        self.tmp.mkdir(parents=True)
+        self.limits = grading.Limits(**limits) if limits else grading.Limits()
+        self.solution = load(source / lab / f"{lab}.ipynb")
+
+    def do_release(self):
+        return grading.release([self.lab], course=self.course, source=self.source,
+                               release_to=self.release, tmp_root=str(self.tmp))
+
+    def grade(self, students=None):
+        results = grading.autograde(self.lab, students, course=self.course, source=self.source,
+                                    release_from=self.release, limits=self.limits, tmp_root=str(self.tmp))
+        grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
+        return results
+
+    def blank(self):
+        return load(self.release / self.lab / f"{self.lab}.ipynb")
+
+
+# ----------------------------------------------------------------------------------------
+# round trip on every lab
+
+@pytest.fixture(scope="module", params=LABS, ids=[lab for lab, _ in LABS])
+def released(request, tmp_path_factory):
+    lab, source = request.param
+    limits = FIXTURE_LIMITS if source == FIXTURES else None
+    course = Course(tmp_path_factory.mktemp(lab), lab, source, limits)
+    course.do_release()
+    return course
+
+
+@pytest.mark.slow
+def test_release_has_no_solutions_and_is_deterministic(released):
+    lab_dir = released.release / released.lab
+    files = sorted(p.relative_to(lab_dir) for p in lab_dir.rglob("*") if p.is_file())
+    assert all(p.suffix == ".ipynb" or p.parts[0] == "data" for p in files), files
+    text = "".join(p.read_text() for p in lab_dir.rglob("*.ipynb"))
+    assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    first = {p: p.read_bytes() for p in lab_dir.rglob("*")if p.is_file()}
+    released.do_release()
+    assert {p: p.read_bytes() for p in lab_dir.rglob("*") if p.is_file()} == first
+
+
+@pytest.mark.slow
+def test_committed_labs_match_a_fresh_release(released):
+    if released.source == FIXTURES:
+        pytest.skip("fixtures are not committed to labs/")
+    diffs = grading.release_differences(released.release / released.lab, REPO / "labs" / released.lab)
+    assert not diffs, "labs/ is stale; run `disttrain-lab release`:\n" + "\n".join(diffs)
+
+
+@pytest.mark.slow
+def test_round_trip_full_blank_partial(released):
+    sol = released.solution
+    solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    last = solution_ids[-1]
+    [blank_last] = [c.source for c in released.blank().cells if grade_id(c) == last]
+    total, lost = all_points(sol), points_after(sol, last)
+    assert lost, f"the last exercise ({last}) has no graded test cell after it"
+
+    submit(released.course, "full", released.lab, sol)
+    submit(released.course, "blank", released.lab, released.blank())
+    submit(released.course, "partial", released.lab, with_solution(sol, last, blank_last))
+    results = released.grade(["full", "blank", "partial"])
+    assert all(r.returncode == 0 for r in results.values()), {s: r.output[-2000:] for s, r in results.items()}
+    table = grading.scores(released.lab, released.course)
+    assert table["full"]["total"] == sum(total.values()), table["full"]
+    assert table["blank"]["total"] == 0
+    expected = {k: (0.0 if k in lost else v) for k, v in total.items()}
+    assert {k: table["partial"][k] for k in total} == expected
+    for student, result in results.items():
+        print(f"autograde {released.lab} {student}: {result.seconds:.1f} s")
+    assert not processes_with(str(released.course))
+    assert not list(released.tmp.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# broken submissions (fixture 00_basics: add 1 + mean 2 + scale 1 points; mean is broken)
+
+MEAN_OK = "def mean(xs):\n    return sum(xs) / len(xs)\n"
+BROKEN_MEAN = {
+    # name: (solution-cell source for ex_mean, text the feedback must show)
+    "infinite_loop": ("def mean(xs):\n    while True:\n        pass\n", "ran longer than"),
+    "long_sleep": ("def mean(xs):\n    time.sleep(10**6)\n", "ran longer than"),
+    "ignores_interrupt": ("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                          "def mean(xs):\n    while True:\n        pass\n", "did not stop when interrupted"),
+    "kills_kernel_in_test": ("def mean(xs):\n    os._exit(1)\n", "kernel died"),
+    "aborts_kernel_in_cell": ("os.abort()\n" + MEAN_OK, "kernel died"),
+    "exhausts_memory": ("def mean(xs):\n    hog = [bytearray(2**28) for _ in range(64)]\n    return len(hog)\n",
+                        "MemoryError"),
+    "huge_output": ("def mean(xs):\n    for _ in range(5000):\n        print('x' * 1000)\n"
+                    "    return sum(xs) / len(xs)\n", "OutputLimitExceeded"),
+    "patches_all_reduce": ("import torch.distributed as dist\ndist.all_reduce = lambda *a, **k: None\n" + MEAN_OK,
+                           "torch.distributed.all_reduce"),
+    "patches_dl_checks": ("import importlib, types\n"
+                          "try:\n    mod = importlib.import_module('disttrain_lab.checks')\n"
+                          "except ImportError:\n    mod = importlib.import_module('disttrain_lab.integrity')\n"
+                          "for name, obj in list(vars(mod).items()):\n"
+                          "    if isinstance(obj, types.FunctionType) and not name.startswith('_'):\n"
+                          "        setattr(mod, name, lambda *a, **k: None)\n" + MEAN_OK, "TamperingError"),
+}
+
+
+@pytest.fixture(scope="module")
+def broken_batch(tmp_path_factory):
+    """Every broken case plus two honest students, autograded in one batch."""
+    course = Course(tmp_path_factory.mktemp("broken"), "00_basics", FIXTURES, FIXTURE_LIMITS)
+    course.do_release()
+    sol, lab = course.solution, course.lab
+    for name, (source, _) in BROKEN_MEAN.items():
+        submit(course.course, name, lab, with_solution(sol, "ex_mean", source))
+    wrong = with_solution(sol, "ex_mean", "def mean(xs):\n    return 0\n")
+    edited = copy.deepcopy(wrong)
+    [test_cell] = [c for c in edited.cells if grade_id(c) == "test_mean"]
+    test_cell.source = "assert True"
+    submit(course.course, "tests_edited", lab, edited)
+    deleted = copy.deepcopy(wrong)
+    deleted.cells = [c for c in deleted.cells if grade_id(c) != "test_mean"]
+    submit(course.course, "tests_deleted", lab, deleted)
+    submit(course.course, "malformed_json", lab, '{"cells": [ {"cell_type": "code", ')
+    submit(course.course, "empty_file", lab, "")
+    submit(course.course, "wrong_lab", lab, load(FIXTURES / "00_launch" / "00_launch.ipynb"))
+    submit(course.course, "honest_full", lab, sol)
+    submit(course.course, "honest_blank", lab, course.blank())
+    course.results = course.grade()
+    course.table = grading.scores(lab, course.course)
+    return course
+
+
+CASES = list(BROKEN_MEAN) + ["tests_edited", "tests_deleted"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_broken_exercise_loses_only_its_points(broken_batch, case):
+    assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
+    assert broken_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 1.0, "total": 2.0}
+    why = BROKEN_MEAN.get(case, (None, "mean([1, 2, 3]) should be 2"))[1]
+    assert why in feedback(broken_batch.course, case, "00_basics")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,why", [("malformed_json", "not valid notebook JSON"),
+                                      ("empty_file", "is an empty file"),
+                                      ("wrong_lab", "is not the notebook of lab 00_basics")])
+def test_unreadable_submission_scores_zero_with_a_note(broken_batch, case, why):
+    assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
+    assert broken_batch.table[case]["total"] == 0
+    assert why in feedback(broken_batch.course, case, "00_basics")
+
+
+@pytest.mark.slow
+def test_deleted_test_cell_is_restored(broken_batch):
+    assert "was missing from the submission" in feedback(broken_batch.course, "tests_deleted", "00_basics")
+
+
+@pytest.mark.slow
+def test_other_students_intact_and_nothing_left_behind(broken_batch):
+    assert broken_batch.table["honest_full"]["total"] == 4
+    assert broken_batch.table["honest_blank"]["total"] == 0
+    assert set(broken_batch.table) == set(broken_batch.results)
+    assert not processes_with(str(broken_batch.course))
+    assert not list(broken_batch.tmp.iterdir())
+    csv = grading.export_grades(course=broken_batch.course, tmp_root=str(broken_batch.tmp))
+    rows = csv.read_text().splitlines()
+    assert len(rows) == 1 + len(broken_batch.results)
+
+
+# ----------------------------------------------------------------------------------------
+# broken ranks (fixture 00_launch: allsum 2 + ring_next 1 points; allsum is broken)
+
+ALLSUM_OK = ("def allsum():\n    t = torch.tensor([dist.get_rank() + 1.0])\n    dist.all_reduce(t)\n"
+             "    return t.item()\n")
+BROKEN_ALLSUM = {
+    "one_rank_raises": "def allsum():\n    if dist.get_rank() == 1:\n        raise ValueError('boom')\n"
+                       "    return 3.0 if dist.get_world_size() == 2 else 6.0\n",
+    "rank_exits": "def allsum():\n    if dist.get_rank() == 1:\n        os._exit(1)\n    return 3.0\n",
+    "rank_aborts": "import os\ndef allsum():\n    if dist.get_rank() == 0:\n        os.abort()\n    return 3.0\n",
+    "deadlock": "def allsum():\n    t = torch.zeros(1)\n    dist.recv(t, (dist.get_rank() + 1) % dist.get_world_size())\n"
+                "    return t.item()\n",
+    "patches_all_reduce": "def _fake(t, *a, **k):\n    t.fill_(3.0)\n"
+                          "dist.all_reduce = _fake\n" + ALLSUM_OK,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch (disttrain_lab/launcher.py) has not landed yet")
+def test_broken_ranks_lose_only_that_exercise(tmp_path):
+    course = Course(tmp_path, "00_launch", FIXTURES, dict(FIXTURE_LIMITS, cell_timeout=60))
+    course.do_release()
+    for name, source in BROKEN_ALLSUM.items():
+        submit(course.course, name, course.lab, with_solution(course.solution, "ex_allsum", source))
+    submit(course.course, "honest_full", course.lab, course.solution)
+    results = course.grade()
+    table = grading.scores(course.lab, course.course)
+    assert table["honest_full"]["total"] == 3
+    for name in BROKEN_ALLSUM:
+        assert results[name].returncode == 0, results[name].output[-3000:]
+        assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "total": 1.0}, name
+    assert not processes_with(str(course.course))
+    assert not list(course.tmp.iterdir())
