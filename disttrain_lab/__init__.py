@@ -20,8 +20,9 @@ from .launcher import (  # noqa: E402
     LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, device, launch, plan, shutdown,
 )
 from .trace import Event, Run, region  # noqa: E402
+from .cli import doctor  # noqa: E402
 
-__all__ = ["launch", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
+__all__ = ["launch", "doctor", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
            "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace"]
 
 integrity.watch_defaults()

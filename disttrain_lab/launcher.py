@@ -410,6 +410,8 @@ class _Pool:
                     if reply[0] == "error":
                         self._relay_all()
                         self.close()
+                        if reply[1]["type"] == "TamperingError":
+                            raise TamperingError(f"rank {w.rank}: {reply[1]['message']}")
                         raise _rank_error(w.rank, reply[1], workers)
                     replies[w.rank] = reply
             self._relay_all()

@@ -33,6 +33,8 @@ COLLECTIVE_OPS = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "scatter", "gather", "barrier",
     "all_to_all", "all_to_all_single", "monitored_barrier",
+    # torch >= 2.13 names for the *_tensor collectives, and the coalesced variants
+    "all_gather_single", "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced",
 )
 TRACED_OPS = P2P_OPS + COLLECTIVE_OPS
 
@@ -248,6 +250,17 @@ class TracedWork:
         return getattr(self._work, name)
 
 
+def _check_peer(op: str, peer, group) -> None:
+    # gloo waits forever for a rank that does not exist; say so instead
+    import torch.distributed as dist
+    valid = list(group) if group is not None else list(range(dist.get_world_size()))
+    if not isinstance(peer, int) or peer not in valid:
+        side = "dst" if op in ("send", "isend") else "src"
+        raise ValueError(f"{op}({side}={peer!r}): there is no rank {peer!r} to talk to; valid ranks are "
+                         f"{valid[0]}..{valid[-1]}" + (f" (the group {valid})" if group is not None else
+                                                       f" (world_size={len(valid)})"))
+
+
 def _wrap(op: str, fn):
     names = list(inspect.signature(fn).parameters)
 
@@ -260,6 +273,8 @@ def _wrap(op: str, fn):
         bound.update(kwargs)
         info = _call_info(op, bound)
         kind, peer, group, nbytes, tag, meta = info
+        if kind == "p2p" and peer is not None:
+            _check_peer(op, peer, group)
         rec.depth += 1
         rec.status(status_text(op, peer, tag, nbytes, group))
         start = time.perf_counter()

@@ -1,0 +1,72 @@
+"""``disttrain-lab doctor | bench | release | grade``."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+
+def doctor(short: bool = False) -> str:
+    """What this machine offers and what ``dl.launch`` will do here.
+
+    ``short=True`` gives the one line a lab's setup cell prints.
+    """
+    import torch
+    import torch.distributed as dist
+    from .launcher import plan
+    cores = os.cpu_count() or 1
+    cuda_initialized = torch.cuda.is_initialized()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    chosen = plan(world_size=max(gpus, 2))
+    if short:
+        return (f"disttrain-lab: torch {torch.__version__}, {cores} CPU cores, {gpus} GPU(s); "
+                f"ranks use {chosen.backend} ({chosen.start_method})")
+    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+    lines = [
+        f"python        {platform.python_version()} ({sys.executable})",
+        f"torch         {torch.__version__}",
+        f"CPU cores     {cores}",
+        f"GPUs          {gpus}" + "".join(f"\n              cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(gpus)),
+        f"backends      {', '.join(backends) or 'none'}",
+        f"launcher      {chosen.backend}, {chosen.start_method}: {chosen.reason}",
+        f"CUDA used in this process already: {'yes' if cuda_initialized else 'no'}",
+    ]
+    if not dist.is_gloo_available():
+        verdict = "NOT READY: this torch has no gloo backend, which every lab needs on CPU."
+    else:
+        verdict = (f"READY: labs run up to {max(gpus, 4) if gpus else 4} ranks with {chosen.backend}"
+                   + (" (one GPU per rank)" if chosen.backend == "nccl" else " on the CPU") + ".")
+    lines.append(verdict)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disttrain-lab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
+    bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
+    bench.add_argument("what", choices=["launch"], help="what to measure")
+    bench.add_argument("--repeats", type=int, default=5)
+    sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
+                   add_help=False)
+    sub.add_parser("grade", help="autograde submissions, write feedback, export grades", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "doctor":
+        print(doctor())
+        return 0
+    if args.command == "bench":
+        from . import bench as bench_module
+        if args.what == "launch":
+            rows = bench_module.bench_launch(repeats=args.repeats)
+            print(bench_module.format_launch_table(rows))
+            return 0
+        raise ValueError(f"unknown benchmark {args.what!r}")
+    if args.command in ("release", "grade"):
+        from . import grading
+        return getattr(grading, f"cli_{args.command}")(rest)
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

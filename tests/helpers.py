@@ -1,0 +1,41 @@
+"""Small helpers shared by the tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """Live (non-zombie) processes whose parent is ``parent`` (default: this process)."""
+    parent = os.getpid() if parent is None else parent
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def tmp_listing() -> set[str]:
+    """What is in /tmp and /dev/shm (things a launch must not leave behind)."""
+    found = set()
+    for d in ("/tmp", "/dev/shm"):
+        try:
+            found |= {os.path.join(d, n) for n in os.listdir(d) if not n.startswith("pytest-")}
+        except OSError:
+            pass
+    return found
+
+
+def run_python(args: list[str], timeout: float, env: dict | None = None, cwd=None):
+    """Run this interpreter with ``args``; output merged into ``.stdout``."""
+    return subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)

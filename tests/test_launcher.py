@@ -1,0 +1,368 @@
+"""dl.launch: results, prints, errors, deadlocks, timeouts, cleanup, concurrency, torchrun."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import disttrain_lab as dl
+
+from .helpers import child_pids, run_python, tmp_listing
+
+
+# --- what a student writes -------------------------------------------------------------
+
+def rank_times_ten():
+    return dist.get_rank() * 10
+
+
+def add(x, y=0):
+    return x + y + (dist.get_rank() if dist.is_initialized() else 0)
+
+
+def tensor_of_rank(n):
+    return torch.full((n,), float(dist.get_rank()))
+
+
+def raises_on_rank_one():
+    if dist.get_rank() == 1:
+        values = [1, 2, 3]
+        return values[7]  # IndexError on this line
+    t = torch.zeros(1)
+    dist.recv(t, src=1)  # rank 0 would wait forever: the launcher must stop it
+
+
+def both_receive_first():
+    t = torch.zeros(4)
+    dist.recv(t, src=1 - dist.get_rank())
+
+
+def tags_disagree():
+    t = torch.zeros(4)
+    if dist.get_rank() == 0:
+        dist.send(t, dst=1, tag=1)
+    else:
+        dist.recv(t, src=0, tag=2)
+
+
+def rank_zero_only_all_reduce():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3))
+
+
+def spins_forever_on_rank_one():
+    if dist.get_rank() == 1:
+        while True:
+            pass
+
+
+def prints_pid_then_sleeps():
+    print("pid", os.getpid(), flush=True)
+    time.sleep(1000)
+
+
+# --- results ---------------------------------------------------------------------------
+
+def test_returns_each_ranks_value_in_rank_order():
+    assert dl.launch(rank_times_ten, 4) == [0, 10, 20, 30]
+
+
+def test_passes_positional_and_keyword_arguments():
+    assert dl.launch(add, 3, 100, y=5) == [105, 106, 107]
+
+
+def test_returns_tensors():
+    out = dl.launch(tensor_of_rank, 2, 3)
+    assert torch.equal(out[1], torch.ones(3))
+
+
+def test_tensor_arguments_reach_every_rank():
+    x = torch.arange(5.0)
+    out = dl.launch(lambda t: t * (dist.get_rank() + 1), 2, x)
+    assert torch.equal(out[0], x) and torch.equal(out[1], 2 * x)
+
+
+def test_smaller_then_larger_world_reuses_or_rebuilds_pool():
+    assert dl.launch(rank_times_ten, 2) == [0, 10]
+    assert dl.launch(rank_times_ten, 3) == [0, 10, 20]
+    assert dl.launch(rank_times_ten, 2) == [0, 10]
+
+
+def test_prints_are_relayed_with_rank_prefix(capfd):
+    def hello():
+        print("hi from", dist.get_rank())
+    dl.launch(hello, 2)
+    out = capfd.readouterr().out
+    assert "[rank 0] hi from 0" in out and "[rank 1] hi from 1" in out
+
+
+def test_huge_output_is_capped(capfd):
+    def chatty():
+        for i in range(dl.launcher.MAX_OUTPUT_LINES + 500):
+            print("line", i)
+        return "done"
+    assert dl.launch(chatty, 2) == ["done", "done"]
+    out = capfd.readouterr().out
+    assert out.count("[rank 0] line") == dl.launcher.MAX_OUTPUT_LINES
+    assert "500 more lines not shown" in out
+
+
+def test_device_is_cpu_under_gloo():
+    assert dl.launch(lambda: str(dl.device()), 2) == ["cpu", "cpu"]
+
+
+def test_works_after_parent_ran_a_multithreaded_matmul():
+    # the OpenMP-after-fork hang: the parent's thread pool is gone in a forked child
+    a = torch.randn(1500, 1500)
+    (a @ a).sum()
+    def child_matmul():
+        b = torch.randn(300, 300)
+        return float((b @ b).abs().sum() > 0)
+    assert dl.launch(child_matmul, 2, timeout=30) == [1.0, 1.0]
+
+
+# --- bad arguments ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(world_size=0), "world_size must be an int from 1 to"),
+    (dict(world_size=10_000), "world_size must be an int from 1 to"),
+    (dict(world_size=2.0), "world_size must be an int"),
+    (dict(world_size=2, timeout=0), "timeout must be a number of seconds > 0"),
+    (dict(world_size=2, timeout=-1), "timeout must be a number of seconds > 0"),
+    (dict(world_size=2, backend="mpi"), "backend must be one of ('gloo', 'nccl')"),
+])
+def test_bad_arguments_say_what_is_valid(kwargs, fragment):
+    with pytest.raises(ValueError) as err:
+        dl.launch(rank_times_ten, **kwargs)
+    assert fragment in str(err.value)
+
+
+def test_not_callable_is_refused():
+    with pytest.raises(ValueError, match="pass the function itself"):
+        dl.launch(add(1), 2)  # a common slip: passing the result instead of the function
+
+
+# --- failures become clear errors, and stop every rank ----------------------------------
+
+def test_exception_on_one_rank_names_rank_and_line_and_stops_others():
+    start = time.perf_counter()
+    with pytest.raises(dl.RankError) as err:
+        dl.launch(raises_on_rank_one, 2, timeout=60)
+    assert time.perf_counter() - start < 3, "rank 0 blocked in recv must be stopped at once"
+    e = err.value
+    assert e.rank == 1 and e.exc_type == "IndexError"
+    text = str(e)
+    assert "rank 1 raised IndexError" in text
+    last_frame = text.split("Traceback of rank 1")[1]
+    assert "in raises_on_rank_one" in last_frame and "return values[7]" in last_frame
+    assert "disttrain_lab/launcher.py" not in text and "cloudpickle" not in text
+    assert not child_pids() or dl.launch(rank_times_ten, 2) == [0, 10]
+
+
+def test_error_inside_torch_call_ends_at_students_line():
+    def bad_peer():
+        dist.send(torch.ones(1), dst=5)  # no rank 5 in a world of 2
+    with pytest.raises(dl.RankError) as err:
+        dl.launch(bad_peer, 2)
+    assert "there is no rank 5" in str(err.value) and "valid ranks are 0..1" in str(err.value)
+    shown = str(err.value).split("Traceback of rank")[1]
+    frames = [line for line in shown.splitlines() if line.strip().startswith(("File", "Cell"))]
+    assert frames and "in bad_peer" in frames[-1], shown
+
+
+@pytest.mark.parametrize("fn, lines, diagnosis", [
+    (both_receive_first, ["rank 0: recv(src=1", "rank 1: recv(src=0"], "Every rank is waiting to receive"),
+    (tags_disagree, ["rank 0: send(dst=1, tag=1", "rank 1: recv(src=0, tag=2"], "different tags (1 and 2)"),
+    (rank_zero_only_all_reduce, ["rank 0: all_reduce(", "rank 1: finished"], "every rank of the group must call"),
+    (spins_forever_on_rank_one, ["rank 0: finished", "rank 1: running Python code"], "infinite"),
+])
+def test_deadlocks_and_loops_become_a_report_within_the_timeout(fn, lines, diagnosis):
+    start = time.perf_counter()
+    with pytest.raises(dl.LaunchTimeout) as err:
+        dl.launch(fn, 2, timeout=2)
+    elapsed = time.perf_counter() - start
+    assert 2 <= elapsed < 5
+    text = str(err.value)
+    for line in lines:
+        assert line in text, text
+    assert diagnosis in text
+    assert set(err.value.blocked) == {0, 1}
+
+
+def test_rank_calling_os_exit_is_reported():
+    def exits():
+        if dist.get_rank() == 1:
+            os._exit(3)
+        time.sleep(100)
+    with pytest.raises(dl.RankDied) as err:
+        dl.launch(exits, 2, timeout=30)
+    assert err.value.rank == 1 and err.value.exitcode == 3
+    assert "exited with code 3" in str(err.value)
+
+
+def test_rank_calling_abort_is_reported():
+    def aborts():
+        if dist.get_rank() == 0:
+            os.abort()
+        dist.barrier()
+    with pytest.raises(dl.RankDied, match="SIGABRT"):
+        dl.launch(aborts, 2, timeout=30)
+
+
+def test_sys_exit_in_a_rank_is_an_error_not_a_silent_death():
+    def exits():
+        sys.exit(2)
+    with pytest.raises(dl.RankError, match=r"sys.exit\(2\)"):
+        dl.launch(exits, 2)
+
+
+def test_unpicklable_return_value_is_explained():
+    with pytest.raises(dl.RankError, match="cannot be sent back"):
+        dl.launch(lambda: (x for x in range(3)), 2)
+
+
+def test_no_process_or_temp_file_left_after_failures():
+    before_tmp = tmp_listing()
+    for fn in (both_receive_first, spins_forever_on_rank_one):
+        with pytest.raises(dl.LaunchTimeout):
+            dl.launch(fn, 2, timeout=1)
+    with pytest.raises(dl.RankError):
+        dl.launch(raises_on_rank_one, 2)
+    assert child_pids() == [], "ranks of a failed launch must be gone"
+    dl.launch(rank_times_ten, 3)
+    dl.shutdown()
+    assert child_pids() == []
+    assert tmp_listing() == before_tmp
+
+
+def test_recovers_after_a_failure():
+    with pytest.raises(dl.LaunchTimeout):
+        dl.launch(both_receive_first, 2, timeout=1)
+    assert dl.launch(rank_times_ten, 4) == [0, 10, 20, 30]
+
+
+# --- tampering -------------------------------------------------------------------------
+
+def test_replaced_all_reduce_in_the_notebook_is_refused(monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
+    with pytest.raises(dl.TamperingError, match="torch.distributed.all_reduce was replaced"):
+        dl.launch(rank_times_ten, 2)
+
+
+def test_replacing_all_reduce_inside_a_rank_is_caught():
+    def cheat():
+        import torch.distributed
+        torch.distributed.all_reduce = lambda tensor, *a, **k: None
+        return 1
+    with pytest.raises(dl.TamperingError, match="all_reduce"):
+        dl.launch(cheat, 2)
+
+
+# --- separate processes: interrupt, concurrency, torchrun ---------------------------------
+
+def test_interrupt_stops_all_ranks():
+    script = textwrap.dedent("""
+        import disttrain_lab as dl, os, time, sys
+        def sleeper():
+            print("pid", os.getpid(), flush=True)
+            time.sleep(1000)
+        try:
+            dl.launch(sleeper, 3, timeout=600)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+            sys.exit(0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 3:
+        line = proc.stdout.readline()
+        assert line, "the script ended before its ranks started"
+        if "pid" in line:
+            pids.append(int(line.split()[-1]))
+    proc.send_signal(signal.SIGINT)  # what Jupyter's "interrupt kernel" does
+    out, _ = proc.communicate(timeout=30)
+    assert "INTERRUPTED" in out
+    time.sleep(0.2)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    assert alive == [], f"ranks {alive} survived the interrupt"
+
+
+def test_ranks_die_with_a_killed_kernel():
+    script = textwrap.dedent("""
+        import disttrain_lab as dl, os, time
+        def sleeper():
+            print("pid", os.getpid(), flush=True)
+            time.sleep(1000)
+        dl.launch(sleeper, 2, timeout=600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    proc.kill()  # SIGKILL: no Python cleanup runs in the parent
+    proc.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "orphaned ranks"
+
+
+def test_eight_users_launching_at_once_on_one_host():
+    script = textwrap.dedent("""
+        import disttrain_lab as dl, torch, torch.distributed as dist, sys
+        def work():
+            t = torch.ones(1000) * dist.get_rank()
+            dist.all_reduce(t)
+            return float(t[0])
+        for _ in range(3):
+            assert dl.launch(work, 2, timeout=120) == [1.0, 1.0]
+        print("OK")
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(8)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    failed = [o for p, o in zip(procs, outs) if p.returncode != 0 or "OK" not in o]
+    assert not failed, failed[0][-2000:]
+
+
+def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
+    script = tmp_path / "lab_as_script.py"
+    script.write_text(textwrap.dedent("""
+        import os, disttrain_lab as dl, torch.distributed as dist, torch
+        def step(k):
+            t = torch.ones(2) * (dist.get_rank() + 1)
+            dist.all_reduce(t)
+            return (os.getpid(), float(t[0]) * k)
+        out = dl.launch(step, 2, 10)
+        run = dl.launch(step, 2, 1, trace=True)
+        assert run.calls()["all_reduce"] == 2, run.calls()
+        print("RANK", os.environ["RANK"], "PID", os.getpid(), "OUT", [v for _, v in out],
+              "SAME_PROCESS", out[int(os.environ["RANK"])][0] == os.getpid())
+    """))
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                      timeout=120, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RANK")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "OUT [30.0, 30.0]" in line and "SAME_PROCESS True" in line
+
+
+def test_torchrun_world_size_mismatch_is_explained(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="WORLD_SIZE=8"):
+        dl.launch(rank_times_ten, 2)
+
+
+def test_doctor_reports_backend_and_verdict():
+    text = dl.doctor()
+    for field in ("python", "torch", "CPU cores", "GPUs", "launcher", "gloo", "fork",
+                  "CUDA used in this process already: no"):
+        assert field in text
+    assert text.splitlines()[-1].startswith("READY")
