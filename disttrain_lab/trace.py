@@ -262,14 +262,17 @@ def _check_peer(op: str, peer, group) -> None:
 
 
 def _wrap(op: str, fn):
-    names = list(inspect.signature(fn).parameters)
+    params = inspect.signature(fn).parameters
+    names = list(params)
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         rec = _REC
         if rec.depth:
             return fn(*args, **kwargs)
-        bound = dict(zip(names, args))
+        bound = dict(defaults)
+        bound.update(zip(names, args))
         bound.update(kwargs)
         info = _call_info(op, bound)
         kind, peer, group, nbytes, tag, meta = info

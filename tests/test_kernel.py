@@ -1,0 +1,91 @@
+"""dl.launch inside a real Jupyter kernel: what a student actually sees."""
+from __future__ import annotations
+
+import os
+import time
+
+import nbformat
+import pytest
+from jupyter_client.manager import start_new_kernel
+from nbclient import NotebookClient
+
+CELLS = [
+    "import disttrain_lab as dl, torch, torch.distributed as dist\n"
+    "a = torch.randn(1500, 1500); _ = (a @ a).sum()   # the kernel's OpenMP pool is now busy-initialised",
+    "def hello():\n"
+    "    print('hi from', dist.get_rank())\n"
+    "    b = torch.randn(200, 200)\n"
+    "    return float((b @ b).abs().sum() > 0) * dist.get_rank()\n"
+    "out = dl.launch(hello, 4)\n"
+    "print(out)",
+    "def ring():\n"
+    "    r, n = dist.get_rank(), dist.get_world_size()\n"
+    "    x, y = torch.full((1000,), float(r)), torch.empty(1000)\n"
+    "    with dl.region('compute'):\n"
+    "        x = x * 2\n"
+    "    reqs = [dist.isend(x, (r + 1) % n), dist.irecv(y, (r - 1) % n)]\n"
+    "    for q in reqs: q.wait()\n"
+    "    return y\n"
+    "run = dl.launch(ring, 3, trace=True)\n"
+    "print(run.summary())\n"
+    "ax = dl.viz.timeline(run)\n"
+    "print('rows', len(ax.get_yticklabels()))",
+    "def broken():\n"
+    "    if dist.get_rank() == 1:\n"
+    "        return 1 / 0\n"
+    "    dist.barrier()\n"
+    "dl.launch(broken, 2)",
+]
+
+
+@pytest.mark.slow
+def test_launch_trace_and_timeline_in_a_real_kernel():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    outputs = [c.outputs for c in nb.cells]
+
+    def text(i):
+        return "".join(o.get("text", "") for o in outputs[i] if o.output_type == "stream")
+
+    assert not any(o.output_type == "error" for i in range(3) for o in outputs[i]), outputs[:3]
+    assert "[rank 3] hi from 3" in text(1) and "[0.0, 1.0, 2.0, 3.0]" in text(1)
+    assert "isend×1" in text(2) and "rows 3" in text(2)
+    (err,) = [o for o in outputs[3] if o.output_type == "error"]
+    assert err.ename == "RankError"
+    assert "rank 1 raised ZeroDivisionError" in err.evalue
+    # the traceback points at the student's cell and line, as IPython names cells
+    assert "Cell In[4], line 3, in broken" in err.evalue and "return 1 / 0" in err.evalue
+
+
+@pytest.mark.slow
+def test_interrupting_the_kernel_stops_every_rank():
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        kc.execute_interactive("import disttrain_lab as dl, os, time", timeout=60)
+        msg_id = kc.execute("def sleeper():\n    print('pid', os.getpid(), flush=True)\n    time.sleep(1000)\n"
+                            "dl.launch(sleeper, 3, timeout=600)")
+        pids, said, interrupted = [], "", False
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                said += msg["content"]["text"]
+                pids += [int(w.split()[-1]) for w in msg["content"]["text"].splitlines() if "] pid" in w]
+                if len(pids) == 3 and not interrupted:
+                    km.interrupt_kernel()  # the notebook's stop button
+                    interrupted = True
+            elif msg["msg_type"] == "error":
+                said += msg["content"]["ename"]
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        assert interrupted and "interrupted: stopped all 3 ranks" in said and "KeyboardInterrupt" in said
+        time.sleep(0.3)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+        # the kernel is still usable afterwards
+        reply = kc.execute_interactive("assert dl.launch(lambda: 7, 2) == [7, 7]", timeout=60)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
