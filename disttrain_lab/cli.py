@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch"], help="what to measure")
+    bench.add_argument("what", choices=["launch", "trace"], help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
                    add_help=False)
@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "launch":
             rows = bench_module.bench_launch(repeats=args.repeats)
             print(bench_module.format_launch_table(rows))
+            return 0
+        if args.what == "trace":
+            print(bench_module.format_trace_table(bench_module.bench_trace(repeats=args.repeats)))
             return 0
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):

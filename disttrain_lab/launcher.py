@@ -638,14 +638,18 @@ def _diagnose(states: dict) -> str:
         if other is not None and other.peer == r and {kind(s), kind(other)} == {"send", "recv"} and s.tag != other.tag:
             return (f"Ranks {r} and {s.peer} talk to each other with different tags ({s.tag} and {other.tag}): "
                     f"a recv only matches a send with the same tag.")
+    joining = [r for r, s in waiting.items() if s.op == "init_process_group"]
+    if joining:
+        return (f"Rank(s) {joining} were still joining the process group: the machine may be overloaded; "
+                f"try again, or raise timeout=.")
     kinds = {kind(s) for s in waiting.values()}
     if kinds == {"recv"}:
         return ("Every rank is waiting to receive and no rank is sending: a deadlock.  Let one side send "
                 "first (e.g. even ranks send then receive, odd ranks receive then send), or post the "
                 "sends with isend before receiving.")
     if kinds == {"send"}:
-        return ("Every rank is sending and no rank is receiving: a deadlock (a send of a large tensor waits "
-                "for the matching receive).  Order the calls so that each send meets a receive, or use isend/irecv.")
+        return ("Every rank is sending and no rank is receiving: a deadlock (a blocking send waits for the "
+                "matching receive).  Order the calls so that each send meets a receive, or use isend/irecv.")
     collectives = {kind(s) for s in waiting.values()} - {"recv", "send"}
     if collectives and (finished or len(kinds) > 1):
         return ("Some ranks are inside a collective that other ranks did not call (or called in another "
@@ -729,6 +733,7 @@ def _run_job(job: dict, status) -> tuple:
     if not _FORKED:  # a fresh interpreter may use several threads; share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     pg_timeout = timedelta(seconds=job["timeout"] + 30)
+    trace.write_status(status, rank, trace.status_text("init_process_group", None, 0, 0, None))
     try:
         _retire_group()
         store = _store_client(job["port"])
@@ -738,6 +743,7 @@ def _run_job(job: dict, status) -> tuple:
                                 rank=rank, world_size=world_size, timeout=pg_timeout)
     except Exception as exc:
         return ("error", _error_info(exc))
+    trace.write_status(status, rank, None)
     trace._REC.begin(rank, job["t0"], job["trace"], status)
     try:
         fn, args, kwargs = cloudpickle.loads(job["payload"])

@@ -124,7 +124,8 @@ class Blocked:
 
 
 def status_text(op: str, peer, tag, nbytes, group) -> str:
-    return f"{op}\t{'' if peer is None else peer}\t{tag or 0}\t{_describe(op.split(':')[-1], peer, tag, nbytes, group)}"
+    # raw fields only: formatting happens in read_status, off the hot path
+    return f"{op}\t{'' if peer is None else peer}\t{tag or 0}\t{nbytes}\t{','.join(map(str, group or ()))}"
 
 
 def read_status(buf, rank: int) -> Blocked | None:
@@ -135,8 +136,13 @@ def read_status(buf, rank: int) -> Blocked | None:
         return None
     raw = bytes(buf[off + _HEAD.size: off + _HEAD.size + n]).decode(errors="replace")
     try:
-        op, peer, tag, text = raw.split("\t", 3)
-        return Blocked(op, int(peer) if peer else None, int(tag), text, since)
+        op, peer, tag, nbytes, group = raw.split("\t", 4)
+        peer = int(peer) if peer else None
+        group = tuple(int(g) for g in group.split(",")) if group else None
+        text = _describe(op.split(":")[-1], peer, int(tag), int(nbytes), group)
+        if op.startswith("wait:"):
+            text = f"wait on {text}"
+        return Blocked(op, peer, int(tag), text, since)
     except ValueError:
         return Blocked("?", None, 0, raw, since)
 
@@ -198,7 +204,7 @@ def _group_ranks(group) -> tuple[int, ...] | None:
         return None
 
 
-def _call_info(op: str, bound: dict) -> tuple:
+def _call_info(op: str, bound: dict, full: bool) -> tuple:
     """(kind, peer, group, nbytes, tag, meta) of one call from its bound arguments."""
     kind = "p2p" if op in P2P_OPS else "collective"
     group = _group_ranks(bound.get("group"))
@@ -215,6 +221,8 @@ def _call_info(op: str, bound: dict) -> tuple:
     nin = max((_nbytes(bound.get(k)) for k in _IN_ARGS), default=0)
     nout = max((_nbytes(bound.get(k)) for k in _OUT_ARGS), default=0)
     meta = {}
+    if not full:  # status only: the fields a deadlock report needs
+        return kind, peer, group, max(nin, nout), bound.get("tag"), meta
     if bound.get("op") is not None:
         meta["reduce_op"] = str(bound["op"]).split(".")[-1]
     if nin and nout and nin != nout:
@@ -274,7 +282,7 @@ def _wrap(op: str, fn):
         bound = dict(defaults)
         bound.update(zip(names, args))
         bound.update(kwargs)
-        info = _call_info(op, bound)
+        info = _call_info(op, bound, rec.recording)
         kind, peer, group, nbytes, tag, meta = info
         if kind == "p2p" and peer is not None:
             _check_peer(op, peer, group)
