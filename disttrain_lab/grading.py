@@ -430,10 +430,11 @@ class SubmissionExporter(NotebookExporter):
         from nbgrader.api import Gradebook
         with Gradebook(ids["db_url"]) as gb:
             expected = {c.name for c in gb.find_notebook(ids["notebook"], ids["assignment"]).source_cells}
-        present = {c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells}
-        if expected and not expected & present:
-            raise SubmissionProblem(f"is not the notebook of lab {ids['assignment']} (none of its "
-                                    "exercise cells are there: another lab, or cells copied into a new notebook?)")
+        present = {c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells} - {None}
+        ours, foreign = present & expected, present - expected
+        if expected and (not ours or len(foreign) > len(ours)):
+            raise SubmissionProblem(f"is not the notebook of lab {ids['assignment']} (its exercise cells "
+                                    "are not this lab's: another lab, or cells copied into a new notebook?)")
 
     def _blank(self, ids: dict, reason: str) -> nbformat.NotebookNode:
         coursedir = self.parent.coursedir

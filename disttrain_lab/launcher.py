@@ -363,6 +363,7 @@ class _Pool:
         self.calls += 1
         t0 = time.perf_counter()
         workers = self.workers[:world_size]
+        rng = _rng_states()
         for w in workers:
             w.shown = w.hidden = 0
             trace.write_status(self.status, w.rank, None)
@@ -370,7 +371,7 @@ class _Pool:
             for w in workers:
                 job = {"rank": w.rank, "world_size": world_size, "backend": self.plan.backend,
                        "port": self.store.port, "prefix": f"launch{self.calls}/", "payload": payload,
-                       "trace": want_trace, "timeout": timeout, "t0": t0}
+                       "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng}
                 w.conn.send_bytes(pickle.dumps(job))
             replies = self._collect(workers, t0 + timeout, timeout)
         except BaseException:
@@ -744,6 +745,7 @@ def _run_job(job: dict, status) -> tuple:
     except Exception as exc:
         return ("error", _error_info(exc))
     trace.write_status(status, rank, None)
+    _set_rng_states(job["rng"])
     trace._REC.begin(rank, job["t0"], job["trace"], status)
     try:
         fn, args, kwargs = cloudpickle.loads(job["payload"])
@@ -759,6 +761,28 @@ def _run_job(job: dict, status) -> tuple:
         # break a peer still inside a collective (that peer should time out and say so).
         reply = ("ok", reply[1], raw)
     return reply
+
+
+def _rng_states() -> dict:
+    """The notebook's random states now: warm ranks start every launch from them, as a
+    rank forked at this moment would (no hidden state carried over from earlier launches)."""
+    import random
+    import torch
+    states = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    import random
+    import torch
+    torch.random.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        import numpy
+        numpy.random.set_state(states["numpy"])
 
 
 def _store_client(port: int):

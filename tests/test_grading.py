@@ -308,3 +308,29 @@ def test_broken_ranks_lose_only_that_exercise(tmp_path):
         assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "total": 1.0}, name
     assert not processes_with(str(course.course))
     assert not list(course.tmp.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# the command line, and the per-student wall-clock cap
+
+@pytest.mark.slow
+def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch, capsys):
+    course = Course(tmp_path, "00_basics", FIXTURES, None)
+    course.do_release()
+    submit(course.course, "hung", course.lab, with_solution(course.solution, "ex_mean",
+                                                            "def mean(xs):\n    while True:\n        pass\n"))
+    submit(course.course, "honest", course.lab, course.solution)
+    for name, value in {"DISTTRAIN_COURSE_DIR": course.course, "DISTTRAIN_SOURCE_DIR": FIXTURES,
+                        "DISTTRAIN_RELEASE_DIR": course.release, "TMPDIR": course.tmp,
+                        "DISTTRAIN_CELL_TIMEOUT": 600, "DISTTRAIN_STUDENT_TIMEOUT": 25}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr("tempfile.tempdir", None)     # let tempfile see the new TMPDIR
+    assert grading.cli_grade([course.lab]) == 0
+    out = capsys.readouterr().out
+    assert "STOPPED (time cap)" in out and "grading failed" in out
+    table = grading.scores(course.lab, course.course)
+    assert table["honest"]["total"] == 4
+    assert (course.course / "grades.csv").exists()
+    assert (course.course / "feedback" / "honest" / course.lab / f"{course.lab}.html").exists()
+    assert not processes_with(str(course.course))
+    assert not list(course.tmp.iterdir())

@@ -114,6 +114,18 @@ def test_huge_output_is_capped(capfd):
     assert "500 more lines not shown" in out
 
 
+def test_random_numbers_do_not_depend_on_earlier_launches():
+    # a warm rank must not carry its random state from one launch to the next
+    torch.manual_seed(1234)
+    first = dl.launch(lambda: torch.randn(3), 2)
+    dl.launch(lambda: torch.randn(1000), 2)  # consumes random numbers in the ranks only
+    torch.manual_seed(1234)
+    again = dl.launch(lambda: torch.randn(3), 2)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    torch.manual_seed(1234)
+    assert torch.equal(first[0], torch.randn(3)), "ranks start from the notebook's state"
+
+
 def test_device_is_cpu_under_gloo():
     assert dl.launch(lambda: str(dl.device()), 2) == ["cpu", "cpu"]
 
