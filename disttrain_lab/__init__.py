@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         "with `pip install torch==2.13.0` (or `bash scripts/setup.sh`); on Colab and most Hubs "
         "torch is already there.") from exc
 
-from . import checks, integrity, trace, viz  # noqa: E402
+from . import checks, integrity, models, trace, viz  # noqa: E402
 from .launcher import (  # noqa: E402
     LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, device, launch, plan, shutdown,
 )
@@ -23,6 +23,6 @@ from .trace import Event, Run, region  # noqa: E402
 from .cli import doctor  # noqa: E402
 
 __all__ = ["launch", "doctor", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
-           "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace", "checks"]
+           "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace", "checks", "models"]
 
 integrity.watch_defaults()
