@@ -46,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch", "trace"], help="what to measure")
+    bench.add_argument("what", choices=["launch", "trace", "allreduce"], help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--notebook", help="allreduce: the lab notebook whose all-reduce functions to "
+                       "measure (default: solutions/02_all_reduce/02_all_reduce.ipynb, else labs/...)")
+    bench.add_argument("--world-size", type=int, default=4, help="allreduce: number of ranks")
+    bench.add_argument("--max-bytes", type=int, default=64 << 20, help="allreduce: largest message")
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
                    add_help=False)
     sub.add_parser("grade", help="autograde submissions, write feedback, export grades", add_help=False)
@@ -64,11 +68,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "trace":
             print(bench_module.format_trace_table(bench_module.bench_trace(repeats=args.repeats)))
             return 0
+        if args.what == "allreduce":
+            return _bench_allreduce(args)
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):
         from . import grading
         return getattr(grading, f"cli_{args.command}")(rest)
     raise ValueError(f"unknown command {args.command!r}")
+
+
+ALL_REDUCE_LAB = os.path.join("02_all_reduce", "02_all_reduce.ipynb")
+ALL_REDUCE_FUNCTIONS = ("naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce")
+
+
+def _bench_allreduce(args) -> int:
+    from . import bench as bench_module
+    path = args.notebook or next((p for p in (os.path.join("solutions", ALL_REDUCE_LAB), os.path.join("labs", ALL_REDUCE_LAB))
+                                  if os.path.exists(p)), None)
+    if path is None or not os.path.exists(path):
+        print(f"no notebook to take the all-reduce functions from: pass --notebook PATH (looked for "
+              f"{path or 'solutions/' + ALL_REDUCE_LAB + ' and labs/' + ALL_REDUCE_LAB})", file=sys.stderr)
+        return 2
+    functions = bench_module.functions_from_notebook(path, ALL_REDUCE_FUNCTIONS)
+    missing = [name for name in ALL_REDUCE_FUNCTIONS if name not in functions]
+    print(f"all-reduce functions from {path}" + (f" (not defined there: {', '.join(missing)})" if missing else ""))
+    sizes = [s for s in bench_module.ALLREDUCE_SIZES if s <= args.max_bytes]
+    rows = bench_module.bench_allreduce(functions, world_size=args.world_size, sizes=sizes, repeats=args.repeats)
+    print(bench_module.format_allreduce_table(rows))
+    return 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import argparse
 import ast
 import copy
 import json
+import re
 import os
 import shutil
 import signal
@@ -43,8 +44,8 @@ import nbformat
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbconvert.exporters import NotebookExporter
-from nbgrader.preprocessors import Execute, OverwriteCells
-from traitlets import Integer
+from nbgrader.preprocessors import Execute, NbGraderPreprocessor, OverwriteCells
+from traitlets import Integer, Unicode
 
 # ----------------------------------------------------------------------------------------
 # Where things live, and the limits (each overridable by an environment variable, so the
@@ -192,6 +193,7 @@ class RobustExecute(Execute):
         self._deadline = time.monotonic() + self.notebook_timeout
         self._replayable: list[int] = []      # earlier cells that rebuild the kernel's state
         self._guard_ready = False
+        self._output_bytes, self._output_capped = 0, False
         return super().preprocess(nb, resources, km)
 
     def preprocess_cell(self, cell, resources, index):
@@ -449,7 +451,25 @@ class SubmissionExporter(NotebookExporter):
         return nbformat.from_dict(nb)
 
 
-def configure(c, repo_root: Path | str | None = None, limits: Limits | None = None) -> None:
+class StampInstallSource(NbGraderPreprocessor):
+    """Release step: write the course's pip requirement for the kit into each lab's setup
+    cell (the line ``DISTTRAIN_LAB_PIP = "..."``), so Colab students install the right kit.
+
+    Set it once in grader/nbgrader_config.py:
+    ``c.StampInstallSource.pip_requirement = "disttrain-lab @ git+https://..."``.
+    """
+    pip_requirement = Unicode("disttrain-lab", help="pip requirement a lab's setup cell installs").tag(config=True)
+
+    _LINE = re.compile(r'^DISTTRAIN_LAB_PIP = "[^"\n]*"', re.MULTILINE)
+
+    def preprocess_cell(self, cell, resources, index):
+        if cell.cell_type == "code" and self._LINE.search(cell.source):
+            requirement = self.pip_requirement.replace('"', '\\"')
+            cell.source = self._LINE.sub(f'DISTTRAIN_LAB_PIP = "{requirement}"', cell.source)
+        return cell, resources
+
+
+def configure(c, limits: Limits | None = None) -> None:
     """Apply the whole grading setup to an nbgrader config object ``c``."""
     limits = limits or Limits()
     course_dir().mkdir(parents=True, exist_ok=True)
@@ -465,6 +485,10 @@ def configure(c, repo_root: Path | str | None = None, limits: Limits | None = No
     c.LimitOutput.max_traceback = 60
     c.OverwriteCells.add_missing_cells = True
     c.Autograde.exporter_class = "disttrain_lab.grading.SubmissionExporter"
+    # stamp the install source before the setup cell is locked and checksummed
+    from nbgrader.converters import GenerateAssignment
+    steps = list(GenerateAssignment().preprocessors)
+    c.GenerateAssignment.preprocessors = [StampInstallSource] + [p for p in steps if p is not StampInstallSource]
     from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
                                         IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
     from nbconvert.preprocessors import ClearMetadataPreprocessor
@@ -655,6 +679,8 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
                               timeout=limits.student_timeout, env=env, tmp_root=tmp_root)
         results[student] = result
+        if result.timed_out:      # as nbgrader does for a failed submission: no half-written results
+            shutil.rmtree(course / "autograded" / student / lab, ignore_errors=True)
         status = "ok" if result.returncode == 0 else ("STOPPED (time cap)" if result.timed_out else "FAILED")
         log(f"autograde {lab} {student}: {status} in {result.seconds:.1f} s")
         if result.returncode != 0:

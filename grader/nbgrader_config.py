@@ -19,3 +19,8 @@ limits = Limits()   # 180 s per cell, 1500 s per notebook, 4 GiB per process; th
                     # DISTTRAIN_CELL_TIMEOUT / _NOTEBOOK_TIMEOUT / _KERNEL_MEMORY override
 # limits.cell_timeout = 300   # e.g. a slower course machine
 configure(c, limits=limits)
+
+# Where a student's setup cell installs the kit from when it is missing (Colab): a pip
+# requirement, stamped into every released lab by `disttrain-lab release`.
+c.StampInstallSource.pip_requirement = "disttrain-lab"
+# c.StampInstallSource.pip_requirement = "disttrain-lab @ git+https://github.com/YOUR-ORG/disttrain-lab"

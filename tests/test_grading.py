@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -117,7 +118,8 @@ class Course:
         results = grading.autograde(self.lab, students, course=self.course, source=self.source,
                                     release_from=self.release, limits=self.limits, tmp_root=str(self.tmp),
                                     one_process_per_student=one_process_per_student)
-        grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
+        step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
+        assert step.returncode == 0, step.output[-3000:]
         return results
 
     def blank(self):
@@ -158,6 +160,8 @@ def test_committed_labs_match_a_fresh_release(released):
 
 @pytest.mark.slow
 def test_round_trip_full_blank_partial(released):
+    if released.lab == "00_basics":
+        pytest.skip("00_basics's round trip runs in the broken batch below (honest_full, honest_blank, partial)")
     sol = released.solution
     solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
     last = solution_ids[-1]
@@ -168,15 +172,20 @@ def test_round_trip_full_blank_partial(released):
     submit(released.course, "full", released.lab, sol)
     submit(released.course, "blank", released.lab, released.blank())
     submit(released.course, "partial", released.lab, with_solution(sol, last, blank_last))
-    results = released.grade(["full", "blank", "partial"])
+    [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
+    submit(released.course, "crashed", released.lab,
+           with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source))
+    # one nbgrader process for the batch; test_cli_grade_... covers one process per student
+    results = released.grade(["full", "blank", "partial", "crashed"], one_process_per_student=False)
     assert all(r.returncode == 0 for r in results.values()), {s: r.output[-2000:] for s, r in results.items()}
     table = grading.scores(released.lab, released.course)
     assert table["full"]["total"] == sum(total.values()), table["full"]
     assert table["blank"]["total"] == 0
     expected = {k: (0.0 if k in lost else v) for k, v in total.items()}
     assert {k: table["partial"][k] for k in total} == expected
-    for student, result in results.items():
-        print(f"autograde {released.lab} {student}: {result.seconds:.1f} s")
+    # the kernel dying in the last exercise costs that exercise only
+    assert {k: table["crashed"][k] for k in total} == expected
+    assert "kernel died" in feedback(released.course, "crashed", released.lab)
     assert not processes_with(str(released.course))
     assert not list(released.tmp.iterdir())
 
@@ -230,6 +239,8 @@ def broken_batch(tmp_path_factory):
     submit(course.course, "wrong_lab", lab, load(FIXTURES / "00_launch" / "00_launch.ipynb"))
     submit(course.course, "honest_full", lab, sol)
     submit(course.course, "honest_blank", lab, course.blank())
+    [blank_scale] = [c.source for c in course.blank().cells if grade_id(c) == "ex_scale"]
+    submit(course.course, "partial", lab, with_solution(sol, "ex_scale", blank_scale))
     # one plain `nbgrader autograde 00_basics` for the whole batch: also proves the plain path
     course.results = course.grade(one_process_per_student=False)
     course.table = grading.scores(lab, course.course)
@@ -267,6 +278,7 @@ def test_deleted_test_cell_is_restored(broken_batch):
 def test_other_students_intact_and_nothing_left_behind(broken_batch):
     assert broken_batch.table["honest_full"]["total"] == 4
     assert broken_batch.table["honest_blank"]["total"] == 0
+    assert broken_batch.table["partial"] == {"test_add": 1.0, "test_mean": 2.0, "test_scale": 0.0, "total": 3.0}
     assert set(broken_batch.table) == set(broken_batch.results)
     assert not processes_with(str(broken_batch.course))
     assert not list(broken_batch.tmp.iterdir())
@@ -322,7 +334,7 @@ def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch
     submit(course.course, "honest", course.lab, course.solution)
     for name, value in {"DISTTRAIN_COURSE_DIR": course.course, "DISTTRAIN_SOURCE_DIR": FIXTURES,
                         "DISTTRAIN_RELEASE_DIR": course.release, "TMPDIR": course.tmp,
-                        "DISTTRAIN_CELL_TIMEOUT": 600, "DISTTRAIN_STUDENT_TIMEOUT": 25}.items():
+                        "DISTTRAIN_CELL_TIMEOUT": 600, "DISTTRAIN_STUDENT_TIMEOUT": 20}.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr("tempfile.tempdir", None)     # let tempfile see the new TMPDIR
     assert grading.cli_grade([course.lab]) == 0
@@ -334,3 +346,23 @@ def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch
     assert (course.course / "feedback" / "honest" / course.lab / f"{course.lab}.html").exists()
     assert not processes_with(str(course.course))
     assert not list(course.tmp.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# the course's install source is stamped into every released lab
+
+def test_install_source_is_stamped_into_the_setup_cell():
+    cell = nbformat.v4.new_code_cell('DISTTRAIN_LAB_PIP = "disttrain-lab"   # set by the instructor\nimport os')
+    stamp = grading.StampInstallSource(pip_requirement='disttrain-lab @ git+https://example.org/x.git')
+    nb, _ = stamp(nbformat.v4.new_notebook(cells=[cell]), {})  # as nbgrader calls it
+    assert nb.cells[0].source.splitlines()[0] == ('DISTTRAIN_LAB_PIP = "disttrain-lab @ git+https://example.org/x.git"'
+                                          '   # set by the instructor')
+
+
+@pytest.mark.slow
+def test_released_labs_carry_the_configured_install_source():
+    config = (REPO / "grader" / "nbgrader_config.py").read_text()
+    configured = re.search(r'^c\.StampInstallSource\.pip_requirement = "([^"]*)"', config, re.M).group(1)
+    for lab in sorted((REPO / "labs").glob("*/*.ipynb")):
+        setup = load(lab).cells[0].source
+        assert f'DISTTRAIN_LAB_PIP = "{configured}"' in setup, lab

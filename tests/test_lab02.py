@@ -1,0 +1,264 @@
+"""Lab 2 (all-reduce): the solution notebook runs, its graded tests can fail, and the
+all-reduce bench harness and ring-steps picture work.
+
+- The solution notebook executes top to bottom in a real kernel as the grader runs it
+  (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing.
+- The blank notebook (solutions cleared the way nbgrader releases it) fails every graded
+  cell, quickly.  Wrong answers (a ring that calls dist.all_reduce, a ring that sends the
+  whole tensor each step, a naive one without the broadcast, halving on 3 ranks without an
+  error, a reduce-scatter that leaves the wrong chunk on each rank) fail the right graded
+  cell with a message that says why.
+- bench.bench_allreduce / functions_from_notebook / `disttrain-lab bench allreduce` and
+  viz.ring_steps, on the solution's own functions.
+
+The notebook helpers come from test_lab01; the autograde round trip lives in test_grading.py.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import matplotlib
+import nbformat
+import pytest
+import torch
+
+import disttrain_lab as dl
+from disttrain_lab import bench
+from tests.helpers import run_python
+from tests.test_lab01 import REPO, blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
+
+matplotlib.use("Agg")
+
+LAB = REPO / "solutions" / "02_all_reduce" / "02_all_reduce.ipynb"
+BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = ["naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+             "halving_doubling_all_reduce"]
+FUNCTIONS = ["naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce"]
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The solution notebook's functions, as `disttrain-lab bench allreduce` loads them."""
+    return bench.functions_from_notebook(LAB, FUNCTIONS + ["ring_reduce_scatter", "ring_all_gather", "scratch_buffer"])
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_notebook_is_nbgrader_source_without_outputs():
+    nb = load_lab()
+    assert nbgrader_meta(nb.cells[0]).get("grade_id") == "setup", "cell 1 must be the setup cell"
+    assert "DISTTRAIN_LAB_PIP" in nb.cells[0].source and "dl.doctor(short=True)" in nb.cells[0].source
+    ids = [nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
+    for exercise in EXERCISES:
+        solution = cell_by_id(nb, f"ex_{exercise}")
+        assert "### BEGIN SOLUTION" in solution.source and f"def {exercise}(" in solution.source
+        meta = nbgrader_meta(cell_by_id(nb, f"test_{exercise}"))
+        test = cell_by_id(nb, f"test_{exercise}")
+        assert meta["locked"] and meta["points"] > 0, meta
+        assert "### BEGIN HIDDEN TESTS" in test.source and "checks.verify_untampered()" in test.source
+    assert nbgrader_meta(cell_by_id(nb, "test_helpers"))["locked"], "the shared test helpers must be read-only"
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or not cell.outputs, "solutions/ is committed without outputs"
+
+
+def test_package_ships_no_solutions():
+    source = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    for exercise in EXERCISES:
+        assert f"def {exercise}(" not in source, f"disttrain_lab must not contain a solution of {exercise}"
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb, seconds = execute(load_lab(), autograding=True)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
+    assert not failed, f"cells raised: {failed}"
+    for cell in graded_cells(nb):
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
+    table = next(c for c in nb.cells if "bench.format_allreduce_table(rows)" in c.source)
+    for name in ("naive", "parallel", "ring", "halving-doubling", "dist.all_reduce"):
+        assert name in text(table), text(table)
+    assert "not measured" not in text(table), text(table)
+    pictures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert pictures >= 4, f"expected two timelines, the ring steps and the busbw plot, got {pictures} pictures"
+    assert seconds < BUDGET_S, f"the solution notebook took {seconds:.0f} s, the budget is {BUDGET_S} s"
+
+
+@pytest.mark.slow
+def test_blank_notebook_fails_every_graded_cell_fast():
+    nb, seconds = execute(blank(load_lab()), autograding=True)
+    for cell in graded_cells(nb):
+        found = errors(cell)
+        assert found and "NotImplementedError" in found[0], (nbgrader_meta(cell)["grade_id"], found)
+    assert seconds < 90, f"the blank notebook should fail fast, it took {seconds:.0f} s"
+
+
+# Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
+WRONG = [
+    ("ring_all_reduce", '''
+def ring_all_reduce(x):
+    dist.all_reduce(x)
+    return x
+''', "collective all_reduce"),
+    ("ring_all_reduce", '''
+def ring_all_reduce(x):                       # passes whole tensors around the ring: N-1 steps of S bytes
+    rank, n = dist.get_rank(), dist.get_world_size()
+    total, message, incoming = x.clone(), x.clone(), torch.empty_like(x)
+    for step in range(n - 1):
+        request = dist.isend(message, dst=(rank + 1) % n)
+        dist.recv(incoming, src=(rank - 1) % n)
+        request.wait()
+        total += incoming
+        message = incoming.clone()
+    x.copy_(total)
+    return x
+''', "Send one chunk of S/N per step, not the whole tensor"),
+    ("naive_all_reduce", '''
+def naive_all_reduce(x):                      # reduces to rank 0, forgets to send the sum back
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(x)
+        for peer in range(1, n):
+            dist.recv(incoming, src=peer)
+            x += incoming
+    else:
+        dist.send(x, dst=0)
+    return x
+''', "rank 1's x after the call"),
+    ("halving_doubling_all_reduce", None, "not a power of two"),     # the solution without its check
+    ("ring_reduce_scatter", '''
+def ring_reduce_scatter(flat):                # the textbook indices: rank r ends with chunk r+1
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = flat.tensor_split(n)
+    for step in range(n - 1):
+        send, recv = (rank - step) % n, (rank - step - 1) % n
+        buffer = torch.empty_like(chunks[recv])
+        request = dist.isend(chunks[send], dst=(rank + 1) % n)
+        dist.recv(buffer, src=(rank - 1) % n)
+        chunks[recv].add_(buffer)
+        request.wait()
+    return chunks[rank]
+''', "the chunk rank 0 returned"),
+]
+
+
+def _without_power_of_two_check(source: str) -> str:
+    start = source.index("    if world_size & (world_size - 1):")
+    end = source.index("    work = x.contiguous()", start)
+    return source[:start] + source[end:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise, wrong, message", WRONG,
+                         ids=["ring_calls_all_reduce", "ring_sends_whole_tensor", "naive_without_broadcast",
+                              "halving_on_3_ranks", "reduce_scatter_wrong_chunk"])
+def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
+    lab = load_lab()
+    if wrong is None:
+        wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
+    scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
+    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch)] + [
+        nbformat.v4.new_code_cell(wrong),
+        copy.deepcopy(cell_by_id(lab, "test_helpers")),
+        copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
+    nb, _ = execute(nb, autograding=True)
+    for cell in nb.cells[:-1]:
+        assert not errors(cell), errors(cell)
+    found = errors(nb.cells[-1])
+    assert found and message in found[0], found
+
+
+# ----------------------------------------------------------------------------------------
+# The bench harness
+
+def test_busbw_factor_and_sizes():
+    assert bench.busbw_factor(2) == 1.0 and bench.busbw_factor(4) == 1.5 and bench.busbw_factor(8) == 1.75
+    assert bench.ALLREDUCE_SIZES[0] == 4 << 10 and bench.ALLREDUCE_SIZES[-1] == 64 << 20
+
+
+def test_format_allreduce_table():
+    rows = [{"algorithm": name, "world_size": 4, "bytes": 1 << 20, "median_s": t, "algbw": (1 << 20) / t,
+             "busbw": (1 << 20) / t * 1.5, "repeats": 5} for name, t in (("ring", 0.02), ("dist.all_reduce", 0.01))]
+    rows.append({"algorithm": "broken", "world_size": 4, "error": "RankError: NotImplementedError"})
+    table = bench.format_allreduce_table(rows)
+    assert "busbw in GB/s on 4 ranks, median of 5" in table
+    assert "(0.50x)" in table and "(1.00x)" in table and "1.0 MiB" in table
+    assert "broken: not measured: RankError: NotImplementedError" in table
+
+
+def test_functions_from_notebook_runs_definitions_not_tests(solution):
+    assert set(FUNCTIONS) <= set(solution) and callable(solution["scratch_buffer"])
+    namespace = solution["ring_all_reduce"].__globals__
+    assert "_check_naive" not in namespace and "_all_reduce_case" not in namespace, "test cells must not run"
+    assert "rows" not in namespace, "benchmark cells must not run"
+
+
+def test_bench_allreduce_measures_side_by_side_and_skips_broken(solution):
+    def broken(x):
+        return x                      # forgets to communicate: wrong on every rank
+    rows = bench.bench_allreduce({"ring": solution["ring_all_reduce"], "broken": broken}, world_size=2,
+                                 sizes=[4 << 10, 64 << 10], repeats=2)
+    timed = {(r["algorithm"], r["bytes"]): r for r in rows if "error" not in r}
+    assert set(timed) == {(a, s) for a in ("ring", "dist.all_reduce") for s in (4 << 10, 64 << 10)}
+    for row in timed.values():
+        assert row["median_s"] > 0 and row["busbw"] == pytest.approx(row["algbw"] * bench.busbw_factor(2))
+    [error] = [r for r in rows if "error" in r]
+    assert error["algorithm"] == "broken" and "wrong result" in error["error"]
+
+
+def test_cli_bench_allreduce_uses_the_notebook():
+    out = run_python(["-m", "disttrain_lab.cli", "bench", "allreduce", "--notebook", str(LAB),
+                      "--world-size", "2", "--max-bytes", str(16 << 10), "--repeats", "2"], timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stdout
+    for name in FUNCTIONS + ["dist.all_reduce", "16.0 KiB"]:
+        assert name in out.stdout, out.stdout
+    assert "not measured" not in out.stdout, out.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# The ring-steps picture, from a real traced run
+
+def _ring_run(fn, n: int, numel: int):
+    return dl.launch(lambda: fn(torch.full((numel,), float(1 << torch.distributed.get_rank()))), n, trace=True)
+
+
+def test_ring_transfers_replay_the_trace(solution):
+    n = 4
+    run = _ring_run(solution["ring_all_reduce"], n, 10)
+    steps = dl.viz.ring_transfers(run)
+    assert len(steps) == 2 * (n - 1)
+    for index, transfers in enumerate(steps):
+        assert sorted(t["src"] for t in transfers) == list(range(n))
+        assert all(t["dst"] == (t["src"] + 1) % n and t["chunk"] == t["into"] for t in transfers)
+        assert {t["phase"] for t in transfers} == {"reduce-scatter" if index < n - 1 else "all-gather"}
+    for step in (0, n - 1, 2 * (n - 1)):
+        ax = dl.viz.ring_steps(run, step)
+        labels = [t.get_text() for t in ax.texts]
+        full = "+".join(map(str, range(n)))
+        assert labels.count(full) == {0: 0, n - 1: n, 2 * (n - 1): n * n}[step], (step, labels)
+    with pytest.raises(ValueError, match="step must be in 0..6"):
+        dl.viz.ring_steps(run, 7)
+
+
+def test_ring_steps_explains_a_run_without_regions(solution):
+    run = _ring_run(solution["naive_all_reduce"], 3, 4)
+    with pytest.raises(ValueError, match='dl.region\\("reduce-scatter", step=step'):
+        dl.viz.ring_steps(run, 1)
+
+
+def test_halving_doubling_moves_the_ring_bytes_in_fewer_rounds(solution):
+    # the cost table of section 2, from traces: same bytes per rank, 2 log2 N rounds instead of 2(N-1)
+    n, numel = 8, 1 << 12
+    for name, rounds in (("ring_all_reduce", 2 * (n - 1)), ("halving_doubling_all_reduce", 2 * int(math.log2(n)))):
+        run = _ring_run(solution[name], n, numel)
+        assert run.rounds() == rounds, (name, run.rounds())
+        assert {run.bytes_sent(r) for r in range(n)} == {2 * (n - 1) * numel // n * 4}, name
