@@ -27,8 +27,6 @@ How it works (see DESIGN.md, "Launching ranks from a notebook"):
 from __future__ import annotations
 
 import atexit
-import io
-import linecache
 import os
 import pickle
 import select
@@ -38,58 +36,25 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Callable
 
 import cloudpickle
 
 from . import integrity, trace
 from .integrity import TamperingError
+from .reports import LaunchError, LaunchTimeout, RankDied, RankError, rank_error, timeout_error
+from .worker import STARTUP_TIMEOUT, worker_main
 
 DEFAULT_TIMEOUT = 60.0      # seconds a launch may take before it is stopped
 MAX_WORLD_SIZE = 32         # gloo ranks on one machine; NCCL: one per GPU
 BACKENDS = ("gloo", "nccl")
 MAX_OUTPUT_LINES = 2000     # per rank and launch; more is counted, not shown
-_STARTUP_TIMEOUT = 180.0    # a fresh interpreter importing torch on a busy machine
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 __all__ = ["launch", "device", "shutdown", "plan", "LaunchError", "RankError", "RankDied",
            "LaunchTimeout", "TamperingError"]
-
-
-# --------------------------------------------------------------------------------------
-# Errors the notebook sees
-# --------------------------------------------------------------------------------------
-class LaunchError(RuntimeError):
-    """Something went wrong on the ranks of a ``dl.launch``; all ranks were stopped."""
-
-
-class RankError(LaunchError):
-    """A rank raised an exception.  ``str(e)`` shows the rank's traceback, ending at your line."""
-
-    def __init__(self, message: str, rank: int, exc_type: str, exc_message: str, remote_traceback: str):
-        super().__init__(message)
-        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
-        self.remote_traceback = remote_traceback
-
-
-class RankDied(LaunchError):
-    """A rank's process ended without returning (``os._exit``, ``abort``, a crash, out of memory)."""
-
-    def __init__(self, message: str, rank: int, exitcode: int | None):
-        super().__init__(message)
-        self.rank, self.exitcode = rank, exitcode
-
-
-class LaunchTimeout(LaunchError):
-    """Not every rank finished within the timeout.  ``blocked`` says what each rank was doing."""
-
-    def __init__(self, message: str, blocked: dict[int, str]):
-        super().__init__(message)
-        self.blocked = blocked
 
 
 # --------------------------------------------------------------------------------------
@@ -298,7 +263,7 @@ class _Pool:
             # Workers keep one connection to it; each launch uses its own key prefix.
             import torch.distributed as dist
             self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=_STARTUP_TIMEOUT))
+                                       timeout=timedelta(seconds=STARTUP_TIMEOUT))
         except BaseException:
             self.close()
             raise
@@ -320,7 +285,7 @@ class _Pool:
                 try:
                     parent_sock.close()
                     os.close(out_r)
-                    _worker_main(child_sock.detach(), out_w, self.status, forked=True, parent=self.owner_pid)
+                    worker_main(child_sock.detach(), out_w, self.status, forked=True, parent=self.owner_pid)
                     code = 0
                 finally:
                     os._exit(code)
@@ -328,7 +293,7 @@ class _Pool:
         else:
             fds = (child_sock.fileno(), out_w, self.status_fd)
             popen = subprocess.Popen(
-                [sys.executable, "-c", "from disttrain_lab.launcher import _spawned_main; _spawned_main()",
+                [sys.executable, "-c", "from disttrain_lab.worker import spawned_main; spawned_main()",
                  *map(str, fds), str(self.owner_pid), str(trace.SLOT_BYTES * self.size)],
                 pass_fds=fds, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, close_fds=True)
             pid = popen.pid
@@ -338,13 +303,13 @@ class _Pool:
         return _Worker(rank, pid, Connection(parent_sock.detach()), out_r, popen)
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT
+        deadline = time.monotonic() + STARTUP_TIMEOUT
         waiting = {w.conn.fileno(): w for w in self.workers}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LaunchError(f"ranks {sorted(w.rank for w in waiting.values())} did not start "
-                                  f"within {_STARTUP_TIMEOUT:.0f} s")
+                                  f"within {STARTUP_TIMEOUT:.0f} s")
             ready, _, _ = select.select(list(waiting) + [w.out_fd for w in self.workers], [], [], left)
             for fd in ready:
                 if fd in waiting:
@@ -413,7 +378,7 @@ class _Pool:
                         self.close()
                         if reply[1]["type"] == "TamperingError":
                             raise TamperingError(f"rank {w.rank}: {reply[1]['message']}")
-                        raise _rank_error(w.rank, reply[1], workers)
+                        raise rank_error(w.rank, reply[1], [o.rank for o in workers if o is not w])
                     replies[w.rank] = reply
             self._relay_all()
         except KeyboardInterrupt:
@@ -452,7 +417,7 @@ class _Pool:
             else:
                 states[w.rank] = trace.read_status(self.status, w.rank)
         self.close()
-        raise _timeout_error(states, now, timeout)
+        raise timeout_error(states, now, timeout)
 
     def _reap(self, w: _Worker) -> int | None:
         """Exit code of a worker (negative: killed by that signal); waits briefly."""
@@ -551,218 +516,6 @@ def _stop_pool_at_exit() -> None:
         _POOL.close()
 
 
-# --------------------------------------------------------------------------------------
-# Turning what a rank reported into the error the notebook sees
-# --------------------------------------------------------------------------------------
-def _is_internal(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR) or "cloudpickle" in filename
-
-
-def _is_library(filename: str) -> bool:
-    f = os.path.abspath(filename)
-    return _is_internal(f) or f"{os.sep}torch{os.sep}" in f or f"{os.sep}site-packages{os.sep}" in f
-
-
-def _cell_name(filename: str) -> str:
-    """'Cell In[5]' for code typed in a notebook cell, else the file name."""
-    try:
-        ip = get_ipython()  # type: ignore[name-defined]  # noqa: F821
-        count = ip.compile._filename_map.get(filename)
-        if count is not None:
-            return f"Cell In[{count}]"
-    except Exception:
-        pass
-    return f'File "{filename}"'
-
-
-def _format_frames(frames: list[tuple]) -> str:
-    lines = []
-    for filename, lineno, name, text in frames:
-        text = text or linecache.getline(filename, lineno).strip()
-        lines.append(f"  {_cell_name(filename)}, line {lineno}, in {name}")
-        if text:
-            lines.append(f"    {text}")
-    return "\n".join(lines)
-
-
-def _rank_error(rank: int, info: dict, workers: list[_Worker]) -> RankError:
-    frames = [f for f in info["frames"] if not _is_internal(f[0])]
-    # end at the student's own line: drop trailing frames inside torch / site-packages
-    while len(frames) > 1 and _is_library(frames[-1][0]) and not all(_is_library(f[0]) for f in frames):
-        frames.pop()
-    shown = _format_frames(frames)
-    others = [str(w.rank) for w in workers if w.rank != rank]
-    message = (f"rank {rank} raised {info['type']}: {info['message']}\n\n"
-               f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
-               f"{info['type']}: {info['message']}")
-    if others:
-        message += f"\n\n(The other ranks, {', '.join(others)}, were stopped.)"
-    full = _format_frames([f for f in info["frames"] if not _is_internal(f[0])])
-    return RankError(message, rank, info["type"], info["message"], full)
-
-
-def _timeout_error(states: dict, now: float, timeout: float) -> LaunchTimeout:
-    blocked: dict[int, str] = {}
-    for rank, s in states.items():
-        if s == "finished":
-            blocked[rank] = "finished"
-        elif s is None:
-            blocked[rank] = "running Python code (not in a torch.distributed call)"
-        else:
-            blocked[rank] = f"{s.text} for {now - s.since:.1f} s"
-    lines = [f"not every rank finished within the timeout of {timeout:g} s; all ranks were stopped."]
-    lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
-    lines.append(_diagnose(states))
-    return LaunchTimeout("\n".join(lines), blocked)
-
-
-def _diagnose(states: dict) -> str:
-    """One sentence on the likely cause, from what each rank is blocked in."""
-    waiting = {r: s for r, s in states.items() if isinstance(s, trace.Blocked)}
-    finished = [r for r, s in states.items() if s == "finished"]
-    running = [r for r, s in states.items() if s is None]
-    if running:
-        return (f"Rank(s) {running} never reached a communication call before the deadline: an infinite "
-                f"loop or a very long computation?  (Raise timeout= if the work is just slow.)")
-
-    def kind(s: trace.Blocked) -> str:
-        op = s.op.split(":")[-1]
-        return "recv" if op in ("recv", "irecv") else "send" if op in ("send", "isend") else op
-
-    for r, s in waiting.items():
-        if kind(s) in ("recv", "send") and s.peer in finished:
-            verb = "a message from" if kind(s) == "recv" else "to send to"
-            return (f"Rank {r} waits {verb} rank {s.peer}, but rank {s.peer} already returned: a matching "
-                    f"{'send' if kind(s) == 'recv' else 'recv'} is missing (or uses another rank or tag).")
-    for r, s in waiting.items():
-        other = waiting.get(s.peer) if s.peer is not None else None
-        if other is not None and other.peer == r and {kind(s), kind(other)} == {"send", "recv"} and s.tag != other.tag:
-            return (f"Ranks {r} and {s.peer} talk to each other with different tags ({s.tag} and {other.tag}): "
-                    f"a recv only matches a send with the same tag.")
-    joining = [r for r, s in waiting.items() if s.op == "init_process_group"]
-    if joining:
-        return (f"Rank(s) {joining} were still joining the process group: the machine may be overloaded; "
-                f"try again, or raise timeout=.")
-    kinds = {kind(s) for s in waiting.values()}
-    if kinds == {"recv"}:
-        return ("Every rank is waiting to receive and no rank is sending: a deadlock.  Let one side send "
-                "first (e.g. even ranks send then receive, odd ranks receive then send), or post the "
-                "sends with isend before receiving.")
-    if kinds == {"send"}:
-        return ("Every rank is sending and no rank is receiving: a deadlock (a blocking send waits for the "
-                "matching receive).  Order the calls so that each send meets a receive, or use isend/irecv.")
-    collectives = {kind(s) for s in waiting.values()} - {"recv", "send"}
-    if collectives and (finished or len(kinds) > 1):
-        return ("Some ranks are inside a collective that other ranks did not call (or called in another "
-                "order): every rank of the group must call the same collectives in the same order.")
-    return "The ranks are waiting on each other in a cycle: a deadlock."
-
-
-# --------------------------------------------------------------------------------------
-# The worker side
-# --------------------------------------------------------------------------------------
-def _set_parent_death_signal(parent: int) -> None:
-    """Die with the notebook kernel, even if it is killed with SIGKILL (Linux)."""
-    if sys.platform == "linux":
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
-    if os.getppid() != parent:
-        os._exit(0)
-
-
-def _spawned_main() -> None:
-    import mmap
-    conn_fd, out_fd, status_fd, parent, nbytes = map(int, sys.argv[1:6])
-    status = mmap.mmap(status_fd, nbytes)
-    _worker_main(conn_fd, out_fd, status, forked=False, parent=parent)
-
-
-_FORKED = False
-_RETIRED_GROUPS: list = []
-
-
-def _worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
-    _set_parent_death_signal(parent)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    if out_fd > 2:
-        os.close(out_fd)
-    # the kernel's sys.stdout talks to Jupyter through a thread that a fork does not copy
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
-    import torch
-    global _FORKED
-    _FORKED = forked
-    if forked:
-        torch.set_num_threads(1)  # OpenMP's thread pool does not survive fork
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform == "linux" else "lo0")
-    trace.install()
-    conn = Connection(conn_fd)
-    conn.send_bytes(b"ready")
-    while True:
-        # Destroying a gloo group's C++ object takes ~40 ms; do it while idle, not in a call.
-        while _RETIRED_GROUPS and (len(_RETIRED_GROUPS) > 16 or not conn.poll(0.005)):
-            _RETIRED_GROUPS.pop(0)
-        try:
-            job = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        reply = _run_job(job, status)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            data = cloudpickle.dumps(reply)
-        except Exception as exc:
-            data = cloudpickle.dumps(("error", _error_info(TypeError(
-                f"the return value of rank {job['rank']} cannot be sent back to the notebook "
-                f"({type(exc).__name__}: {exc}); return tensors, numbers, lists or dicts"))))
-        conn.send_bytes(data)
-
-
-def _run_job(job: dict, status) -> tuple:
-    import torch
-    import torch.distributed as dist
-    rank, world_size = job["rank"], job["world_size"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    if not _FORKED:  # a fresh interpreter may use several threads; share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    pg_timeout = timedelta(seconds=job["timeout"] + 30)
-    trace.write_status(status, rank, trace.status_text("init_process_group", None, 0, 0, None))
-    try:
-        _retire_group()
-        store = _store_client(job["port"])
-        if job["backend"] == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(job["backend"], store=dist.PrefixStore(job["prefix"], store),
-                                rank=rank, world_size=world_size, timeout=pg_timeout)
-    except Exception as exc:
-        return ("error", _error_info(exc))
-    trace.write_status(status, rank, None)
-    _set_rng_states(job["rng"])
-    trace._REC.begin(rank, job["t0"], job["trace"], status)
-    try:
-        fn, args, kwargs = cloudpickle.loads(job["payload"])
-        result = fn(*args, **kwargs)
-        integrity.verify()  # did the function replace torch.distributed while it ran?
-        reply = ("ok", result, None)
-    except BaseException as exc:  # noqa: BLE001  (SystemExit too: report it, don't die)
-        reply = ("error", _error_info(exc))
-    finally:
-        raw = trace._REC.end()
-    if reply[0] == "ok":
-        # The group stays up until the next launch: a rank that returns early must not
-        # break a peer still inside a collective (that peer should time out and say so).
-        reply = ("ok", reply[1], raw)
-    return reply
-
-
 def _rng_states() -> dict:
     """The notebook's random states now: warm ranks start every launch from them, as a
     rank forked at this moment would (no hidden state carried over from earlier launches)."""
@@ -773,43 +526,3 @@ def _rng_states() -> dict:
     if numpy is not None:
         states["numpy"] = numpy.random.get_state()
     return states
-
-
-def _set_rng_states(states: dict) -> None:
-    import random
-    import torch
-    torch.random.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if "numpy" in states:
-        import numpy
-        numpy.random.set_state(states["numpy"])
-
-
-def _store_client(port: int):
-    """This worker's one connection to the pool's TCPStore (a new connection per launch
-    sometimes stalls for 5 s in connect; one kept open never does)."""
-    global _STORE
-    if _STORE is None or _STORE[0] != port:
-        import torch.distributed as dist
-        _STORE = (port, dist.TCPStore("127.0.0.1", port, is_master=False,
-                                      timeout=timedelta(seconds=_STARTUP_TIMEOUT)))
-    return _STORE[1]
-
-
-_STORE = None
-
-
-def _retire_group() -> None:
-    """Destroy the previous launch's process group, keeping its C++ object for later."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        _RETIRED_GROUPS.append(dist.group.WORLD)  # its destructor takes ~40 ms: run it when idle
-        dist.destroy_process_group()
-
-
-def _error_info(exc: BaseException) -> dict:
-    frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)]
-    message = str(exc)
-    if isinstance(exc, SystemExit):
-        message = f"sys.exit({exc.code!r}) was called inside the rank"
-    return {"type": type(exc).__name__, "message": message, "frames": frames}

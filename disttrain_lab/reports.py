@@ -1,0 +1,145 @@
+"""Turn what a failed rank reported into the error a student reads in the cell.
+
+Every message names the rank, says what it was doing, and points at the student's own
+line (frames inside disttrain_lab, cloudpickle and torch are trimmed from the end).
+"""
+from __future__ import annotations
+
+import linecache
+import os
+
+from . import trace
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class LaunchError(RuntimeError):
+    """Something went wrong on the ranks of a ``dl.launch``; all ranks were stopped."""
+
+
+class RankError(LaunchError):
+    """A rank raised an exception.  ``str(e)`` shows the rank's traceback, ending at your line."""
+
+    def __init__(self, message: str, rank: int, exc_type: str, exc_message: str, remote_traceback: str):
+        super().__init__(message)
+        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
+        self.remote_traceback = remote_traceback
+
+
+class RankDied(LaunchError):
+    """A rank's process ended without returning (``os._exit``, ``abort``, a crash, out of memory)."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None):
+        super().__init__(message)
+        self.rank, self.exitcode = rank, exitcode
+
+
+class LaunchTimeout(LaunchError):
+    """Not every rank finished within the timeout.  ``blocked`` says what each rank was doing."""
+
+    def __init__(self, message: str, blocked: dict[int, str]):
+        super().__init__(message)
+        self.blocked = blocked
+
+
+def _is_internal(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR) or "cloudpickle" in filename
+
+
+def _is_library(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return _is_internal(f) or f"{os.sep}torch{os.sep}" in f or f"{os.sep}site-packages{os.sep}" in f
+
+
+def _cell_name(filename: str) -> str:
+    """'Cell In[5]' for code typed in a notebook cell, else the file name."""
+    try:
+        from IPython import get_ipython
+        count = get_ipython().compile._filename_map.get(filename)
+        if count is not None:
+            return f"Cell In[{count}]"
+    except Exception:
+        pass
+    return f'File "{filename}"'
+
+
+def _format_frames(frames: list[tuple]) -> str:
+    lines = []
+    for filename, lineno, name, text in frames:
+        text = text or linecache.getline(filename, lineno).strip()
+        lines.append(f"  {_cell_name(filename)}, line {lineno}, in {name}")
+        if text:
+            lines.append(f"    {text}")
+    return "\n".join(lines)
+
+
+def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
+    frames = [f for f in info["frames"] if not _is_internal(f[0])]
+    # end at the student's own line: drop trailing frames inside torch / site-packages
+    while len(frames) > 1 and _is_library(frames[-1][0]) and not all(_is_library(f[0]) for f in frames):
+        frames.pop()
+    shown = _format_frames(frames)
+    message = (f"rank {rank} raised {info['type']}: {info['message']}\n\n"
+               f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
+               f"{info['type']}: {info['message']}")
+    if others:
+        message += f"\n\n(The other ranks, {', '.join(map(str, others))}, were stopped.)"
+    full = _format_frames([f for f in info["frames"] if not _is_internal(f[0])])
+    return RankError(message, rank, info["type"], info["message"], full)
+
+
+def timeout_error(states: dict, now: float, timeout: float) -> LaunchTimeout:
+    blocked: dict[int, str] = {}
+    for rank, s in states.items():
+        if s == "finished":
+            blocked[rank] = "finished"
+        elif s is None:
+            blocked[rank] = "running Python code (not in a torch.distributed call)"
+        else:
+            blocked[rank] = f"{s.text} for {now - s.since:.1f} s"
+    lines = [f"not every rank finished within the timeout of {timeout:g} s; all ranks were stopped."]
+    lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
+    lines.append(diagnose(states))
+    return LaunchTimeout("\n".join(lines), blocked)
+
+
+def diagnose(states: dict) -> str:
+    """One sentence on the likely cause, from what each rank is blocked in."""
+    waiting = {r: s for r, s in states.items() if isinstance(s, trace.Blocked)}
+    finished = [r for r, s in states.items() if s == "finished"]
+    running = [r for r, s in states.items() if s is None]
+    if running:
+        return (f"Rank(s) {running} never reached a communication call before the deadline: an infinite "
+                f"loop or a very long computation?  (Raise timeout= if the work is just slow.)")
+
+    def kind(s: trace.Blocked) -> str:
+        op = s.op.split(":")[-1]
+        return "recv" if op in ("recv", "irecv") else "send" if op in ("send", "isend") else op
+
+    for r, s in waiting.items():
+        if kind(s) in ("recv", "send") and s.peer in finished:
+            verb = "a message from" if kind(s) == "recv" else "to send to"
+            return (f"Rank {r} waits {verb} rank {s.peer}, but rank {s.peer} already returned: a matching "
+                    f"{'send' if kind(s) == 'recv' else 'recv'} is missing (or uses another rank or tag).")
+    for r, s in waiting.items():
+        other = waiting.get(s.peer) if s.peer is not None else None
+        if other is not None and other.peer == r and {kind(s), kind(other)} == {"send", "recv"} and s.tag != other.tag:
+            return (f"Ranks {r} and {s.peer} talk to each other with different tags ({s.tag} and {other.tag}): "
+                    f"a recv only matches a send with the same tag.")
+    joining = [r for r, s in waiting.items() if s.op == "init_process_group"]
+    if joining:
+        return (f"Rank(s) {joining} were still joining the process group: the machine may be overloaded; "
+                f"try again, or raise timeout=.")
+    kinds = {kind(s) for s in waiting.values()}
+    if kinds == {"recv"}:
+        return ("Every rank is waiting to receive and no rank is sending: a deadlock.  Let one side send "
+                "first (e.g. even ranks send then receive, odd ranks receive then send), or post the "
+                "sends with isend before receiving.")
+    if kinds == {"send"}:
+        return ("Every rank is sending and no rank is receiving: a deadlock (a blocking send waits for the "
+                "matching receive).  Order the calls so that each send meets a receive, or use isend/irecv.")
+    collectives = {kind(s) for s in waiting.values()} - {"recv", "send"}
+    if collectives and (finished or len(kinds) > 1):
+        return ("Some ranks are inside a collective that other ranks did not call (or called in another "
+                "order): every rank of the group must call the same collectives in the same order.")
+    return "The ranks are waiting on each other in a cycle: a deadlock."
