@@ -294,6 +294,93 @@ def functions_from_notebook(path, names) -> dict:
                 exec(compile(cell.source, f"{path}:{meta.get('grade_id', 'cell')}", "exec"), namespace)
     return {name: namespace[name] for name in names if callable(namespace.get(name))}
 
+# --------------------------------------------------------------------------------------
+# Data parallelism: training steps per second, side by side with torch's DDP
+# --------------------------------------------------------------------------------------
+TORCH_DDP = "torch DDP"
+DDP_MODEL = (1024, 2048, 2048, 1024)       # an MLP of 8.4 M parameters: 32 MiB of gradients per step
+
+
+def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int,
+                    bucket_mb: float) -> dict:
+    """In each rank: seconds per ``steps`` training steps of every version, interleaved.
+
+    Each version trains its own copy of the same model on the same data; ``versions`` maps
+    a name to ``wrap(model)``, which returns an object whose ``finish()`` runs after
+    ``loss.backward()`` and before ``optimizer.step()``.  torch DDP (``bucket_cap_mb=bucket_mb``)
+    runs beside them as the reference.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from .models import MLP, regression_data
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
+    x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
+    runners = {}
+    for name, wrap in {**versions, TORCH_DDP: None}.items():
+        model = MLP(list(sizes), seed=0)
+        if wrap is None:
+            forward, finish = DistributedDataParallel(model, bucket_cap_mb=bucket_mb), (lambda: None)
+        else:
+            forward, finish = model, wrap(model).finish
+        runners[name] = (forward, finish, torch.optim.SGD(model.parameters(), lr=1e-3))
+    names, seconds = list(runners), {}
+    for i in range(warmup + repeats):
+        shift = i % len(names)                     # rotate the order so no version always goes first
+        for name in names[shift:] + names[:shift]:
+            forward, finish, optimizer = runners[name]
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(forward(x), y).backward()
+                finish()
+                optimizer.step()
+            if i >= warmup:
+                seconds.setdefault(name, []).append(time.perf_counter() - start)
+    return seconds
+
+
+def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int = 32, steps: int = 3,
+              repeats: int = 7, warmup: int = 2, bucket_mb: float = 25.0, timeout: float = 600.0) -> list[dict]:
+    """Training steps per second of each data-parallel version in ``versions`` (name ->
+    ``wrap(model)``, see :func:`_ddp_step_times`) and of torch's DistributedDataParallel,
+    side by side in one launch: same model (``MLP(sizes)``), same data (``batch`` samples per
+    rank), one CPU thread per rank.  The versions take turns (order rotated each repeat);
+    a sample is ``steps`` steps on the slowest rank; a row reports the median of ``repeats``
+    samples after ``warmup`` ones, and ``ratio`` = steps/s ÷ torch DDP's.
+
+        >>> rows = bench_ddp({"bucketed": BucketedDDP}, world_size=2)
+        >>> print(format_ddp_table(rows))
+    """
+    from .launcher import launch
+    if world_size < 2:
+        raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
+    per_rank = launch(_ddp_step_times, world_size, versions, tuple(sizes), batch, steps, repeats, warmup,
+                      bucket_mb, timeout=timeout)
+    rows = []
+    for name in [*versions, TORCH_DDP]:
+        slowest = [max(rank[name][i] for rank in per_rank) for i in range(repeats)]
+        rows.append({"version": name, "world_size": world_size, "steps_per_s": steps / statistics.median(slowest),
+                     "repeats": repeats, "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))})
+    reference = next(r["steps_per_s"] for r in rows if r["version"] == TORCH_DDP)
+    for row in rows:
+        row["ratio"] = row["steps_per_s"] / reference
+    return rows
+
+
+def format_ddp_table(rows: list[dict]) -> str:
+    """Steps/s per version and the ratio to torch DDP's."""
+    first = rows[0]
+    width = max(16, *(len(r["version"]) for r in rows)) + 2
+    lines = [f"training steps/s on {first['world_size']} ranks, MLP of {first['parameters'] / 1e6:.1f} M "
+             f"parameters, median of {first['repeats']}",
+             f"{'version':<{width}} {'steps/s':>8} {'vs ' + TORCH_DDP:>14}"]
+    lines += [f"{r['version']:<{width}} {r['steps_per_s']:>8.2f} {r['ratio']:>13.2f}x" for r in rows]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__" and "--torchrun-child" in sys.argv:
     import torch.distributed as dist
     dist.init_process_group("gloo")

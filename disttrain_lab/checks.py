@@ -62,6 +62,10 @@ def assert_close(actual, expected: torch.Tensor, what: str = "result", *,
     if not isinstance(actual, torch.Tensor):
         raise AssertionError(f"{what}: expected a torch.Tensor of shape {tuple(expected.shape)} and "
                              f"dtype {_dtype(expected)}, got {type(actual).__name__} {_short(actual)}")
+    if type(actual) is not torch.Tensor and not isinstance(actual, torch.nn.Parameter):
+        # a subclass can redefine comparisons (__torch_function__): compare plain data
+        raise AssertionError(f"{what}: expected a plain torch.Tensor, got the subclass {type(actual).__name__}; "
+                             f"return the tensor itself (e.g. x.detach() or torch.as_tensor(x))")
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}, got shape {tuple(actual.shape)}")
     if actual.dtype != expected.dtype:

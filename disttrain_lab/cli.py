@@ -7,6 +7,10 @@ import platform
 import sys
 
 
+def _own_process() -> bool:
+    return os.path.basename(sys.argv[0]) in ("disttrain-lab", "cli.py") or __name__ == "__main__"
+
+
 def doctor(short: bool = False) -> str:
     """What this machine offers and what ``dl.launch`` will do here.
 
@@ -17,7 +21,7 @@ def doctor(short: bool = False) -> str:
     from .launcher import plan
     cores = os.cpu_count() or 1
     cuda_initialized = torch.cuda.is_initialized()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()  # NVML: leaves CUDA uninitialised, so forked ranks may use it
     chosen = plan(world_size=max(gpus, 2))
     if short:
         return (f"disttrain-lab: torch {torch.__version__}, {cores} CPU cores, {gpus} GPU(s); "
@@ -27,7 +31,9 @@ def doctor(short: bool = False) -> str:
         f"python        {platform.python_version()} ({sys.executable})",
         f"torch         {torch.__version__}",
         f"CPU cores     {cores}",
-        f"GPUs          {gpus}" + "".join(f"\n              cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(gpus)),
+        # device names need CUDA initialised: only in the CLI (its own process), not in a notebook
+        f"GPUs          {gpus}" + ("".join(f"\n              cuda:{i} {torch.cuda.get_device_name(i)}"
+                                           for i in range(gpus)) if not short and _own_process() else ""),
         f"backends      {', '.join(backends) or 'none'}",
         f"launcher      {chosen.backend}, {chosen.start_method}: {chosen.reason}",
         f"CUDA used in this process already: {'yes' if cuda_initialized else 'no'}",
@@ -46,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch", "trace", "allreduce"], help="what to measure")
+    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp"], help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--notebook", help="allreduce: the lab notebook whose all-reduce functions to "
-                       "measure (default: solutions/02_all_reduce/02_all_reduce.ipynb, else labs/...)")
-    bench.add_argument("--world-size", type=int, default=4, help="allreduce: number of ranks")
+    bench.add_argument("--notebook", help="allreduce, ddp: the lab notebook whose functions to measure "
+                       "(default: solutions/02_all_reduce/02_all_reduce.ipynb or solutions/03_data_parallel/"
+                       "03_data_parallel.ipynb, else the same under labs/)")
+    bench.add_argument("--world-size", type=int, default=None, help="allreduce: number of ranks (default 4); "
+                       "ddp: (default 2)")
+    bench.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of BucketedDDP and torch DDP")
     bench.add_argument("--max-bytes", type=int, default=64 << 20, help="allreduce: largest message")
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
                    add_help=False)
@@ -70,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.what == "allreduce":
             return _bench_allreduce(args)
+        if args.what == "ddp":
+            return _bench_ddp(args)
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):
         from . import grading
@@ -81,20 +92,48 @@ ALL_REDUCE_LAB = os.path.join("02_all_reduce", "02_all_reduce.ipynb")
 ALL_REDUCE_FUNCTIONS = ("naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce")
 
 
-def _bench_allreduce(args) -> int:
+def _functions_from_lab(args, lab: str, names, what: str) -> dict | None:
+    """``names`` as the lab notebook (``--notebook``, else solutions/``lab``, else labs/``lab``) defines them."""
     from . import bench as bench_module
-    path = args.notebook or next((p for p in (os.path.join("solutions", ALL_REDUCE_LAB), os.path.join("labs", ALL_REDUCE_LAB))
+    path = args.notebook or next((p for p in (os.path.join("solutions", lab), os.path.join("labs", lab))
                                   if os.path.exists(p)), None)
     if path is None or not os.path.exists(path):
-        print(f"no notebook to take the all-reduce functions from: pass --notebook PATH (looked for "
-              f"{path or 'solutions/' + ALL_REDUCE_LAB + ' and labs/' + ALL_REDUCE_LAB})", file=sys.stderr)
+        print(f"no notebook to take the {what} from: pass --notebook PATH (looked for "
+              f"{path or 'solutions/' + lab + ' and labs/' + lab})", file=sys.stderr)
+        return None
+    functions = bench_module.functions_from_notebook(path, names)
+    missing = [name for name in names if name not in functions]
+    print(f"{what} from {path}" + (f" (not defined there: {', '.join(missing)})" if missing else ""))
+    return functions
+
+
+def _bench_allreduce(args) -> int:
+    from . import bench as bench_module
+    functions = _functions_from_lab(args, ALL_REDUCE_LAB, ALL_REDUCE_FUNCTIONS, "all-reduce functions")
+    if functions is None:
         return 2
-    functions = bench_module.functions_from_notebook(path, ALL_REDUCE_FUNCTIONS)
-    missing = [name for name in ALL_REDUCE_FUNCTIONS if name not in functions]
-    print(f"all-reduce functions from {path}" + (f" (not defined there: {', '.join(missing)})" if missing else ""))
     sizes = [s for s in bench_module.ALLREDUCE_SIZES if s <= args.max_bytes]
-    rows = bench_module.bench_allreduce(functions, world_size=args.world_size, sizes=sizes, repeats=args.repeats)
+    rows = bench_module.bench_allreduce(functions, world_size=args.world_size or 4, sizes=sizes, repeats=args.repeats)
     print(bench_module.format_allreduce_table(rows))
+    return 0
+
+
+DDP_LAB = os.path.join("03_data_parallel", "03_data_parallel.ipynb")
+DDP_CLASSES = {"naive": "NaiveDDP", "overlapped": "OverlappedDDP", "bucketed": "BucketedDDP"}
+
+
+def _bench_ddp(args) -> int:
+    import functools
+    from . import bench as bench_module
+    classes = _functions_from_lab(args, DDP_LAB, list(DDP_CLASSES.values()), "data-parallel wrappers")
+    if classes is None:
+        return 2
+    versions = {name: classes[cls] for name, cls in DDP_CLASSES.items() if cls in classes}
+    if "bucketed" in versions:
+        versions[f"bucketed ({args.bucket_mb:g} MB)"] = functools.partial(versions.pop("bucketed"), bucket_mb=args.bucket_mb)
+    rows = bench_module.bench_ddp(versions, world_size=args.world_size or 2, repeats=args.repeats,
+                                  bucket_mb=args.bucket_mb)
+    print(bench_module.format_ddp_table(rows))
     return 0
 
 

@@ -138,8 +138,10 @@ def _disttrain_install_guard():
     import sys, types
     guard = types.ModuleType("_disttrain_grading_guard")
     genuine = {}
-    def unwrap(obj):
-        return getattr(obj, "__disttrain_traced__", obj)
+    try:
+        from disttrain_lab.trace import genuine_of as unwrap
+    except ImportError:
+        unwrap = lambda obj: obj
     def watch(module):
         for name, obj in list(vars(module).items()):
             if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
@@ -593,7 +595,9 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
 # The instructor's steps.
 
 def _env(course: Path | None, source: Path | None, release: Path | None) -> dict:
-    env = {}
+    # grade on gloo everywhere: the same result on a GPU host as on a laptop, and no
+    # student can hold a GPU during grading (an instructor may override it)
+    env = {"DISTTRAIN_LAB_BACKEND": os.environ.get("DISTTRAIN_LAB_BACKEND", "gloo")}
     for name, value in (("DISTTRAIN_COURSE_DIR", course), ("DISTTRAIN_SOURCE_DIR", source),
                         ("DISTTRAIN_RELEASE_DIR", release)):
         if value is not None:

@@ -39,7 +39,8 @@ def _genuine_home(module_name: str) -> str:
 
 def _unwrap(obj):
     # the tracer wraps torch.distributed's functions in launched ranks; that is allowed
-    return getattr(obj, "__disttrain_traced__", obj)
+    from .trace import genuine_of
+    return genuine_of(obj)
 
 
 def watch(module: types.ModuleType, names: list[str] | None = None) -> None:
@@ -50,6 +51,34 @@ def watch(module: types.ModuleType, names: list[str] | None = None) -> None:
     for name in names:
         if hasattr(module, name):
             _SNAPSHOT[(module.__name__, name)] = _unwrap(getattr(module, name))
+
+
+def watch_class(cls: type, label: str) -> None:
+    """Remember every attribute in ``cls.__dict__`` (methods and operators such as
+    ``Tensor.__eq__``): a check comparing tensors trusts them."""
+    _CLASSES[label] = (cls, dict(vars(cls)))
+
+
+_CLASSES: dict[str, tuple[type, dict]] = {}
+
+
+def _class_changes() -> list[str]:
+    problems = []
+    for label, (cls, genuine) in _CLASSES.items():
+        current = vars(cls)
+        for name in genuine.keys() | current.keys():
+            before, now = genuine.get(name, _MISSING), current.get(name, _MISSING)
+            # methods, operators and properties matter; caches such as __slotnames__ do not
+            if before is not now and (_behaves(before) or _behaves(now)):
+                problems.append(f"{label}.{name} was replaced or added")
+    return problems
+
+
+_MISSING = object()
+
+
+def _behaves(value) -> bool:
+    return value is not _MISSING and (callable(value) or hasattr(value, "__get__"))
 
 
 def find_tampering() -> list[str]:
@@ -65,7 +94,7 @@ def find_tampering() -> list[str]:
         code = getattr(current, "__code__", None)
         if code is not None and not os.path.abspath(code.co_filename).startswith(_genuine_home(module_name)):
             problems.append(f"the code of {module_name}.{name} was replaced by {_where(current)}")
-    return problems
+    return problems + _class_changes()
 
 
 def verify() -> None:
@@ -87,5 +116,10 @@ def watch_defaults() -> None:
     names = list(TRACED_OPS) + ["init_process_group", "get_rank", "get_world_size", "new_group",
                                 "batch_isend_irecv", "all_gather_object", "broadcast_object_list"]
     watch(dist, names)
-    watch(torch, ["equal", "allclose", "isclose"])
+    watch(torch, ["equal", "allclose", "isclose", "ne", "eq", "logical_not", "any", "all", "where"])
     watch(torch.testing, ["assert_close"])
+    from .trace import Event, Run
+    watch_class(torch.Tensor, "torch.Tensor")
+    watch_class(torch._C.TensorBase, "torch._C.TensorBase")
+    watch_class(Run, "disttrain_lab.Run")
+    watch_class(Event, "disttrain_lab.Event")

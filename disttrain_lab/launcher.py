@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import secrets
 import select
 import signal
 import socket
@@ -62,15 +63,22 @@ __all__ = ["launch", "device", "shutdown", "plan", "LaunchError", "RankError", "
 # --------------------------------------------------------------------------------------
 @dataclass
 class Plan:
-    backend: str          # "gloo" or "nccl"
+    backend: str          # "gloo", or "nccl": then CPU tensors still travel over gloo
     start_method: str     # "fork" or "spawn"
     reason: str
+
+    @property
+    def group_backend(self) -> str:
+        # with NCCL, CPU tensors (every p2p lab uses them) go over gloo: one group serves both
+        return "cpu:gloo,cuda:nccl" if self.backend == "nccl" else "gloo"
 
 
 def _gpu_count() -> int:
     try:
         import torch
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # device_count asks NVML and leaves CUDA uninitialised, so forked ranks can still
+        # use the GPU; torch.cuda.is_available() would initialise it in this process
+        return torch.cuda.device_count()
     except Exception:
         return 0
 
@@ -78,8 +86,9 @@ def _gpu_count() -> int:
 def plan(world_size: int | None = None, backend: str | None = None) -> Plan:
     """Which backend and start method ``launch`` will use for ``world_size`` ranks.
 
-    Default: NCCL with one GPU per rank when there are enough GPUs, otherwise gloo on
-    CPU.  ``DISTTRAIN_LAB_BACKEND=gloo`` in the environment forces gloo.
+    Default: NCCL with one GPU per rank when there are enough GPUs (CPU tensors then
+    travel over gloo in the same group), otherwise gloo on CPU.  ``DISTTRAIN_LAB_BACKEND=gloo``
+    in the environment forces gloo (the grader sets it, so grading is the same everywhere).
     """
     backend = backend or os.environ.get("DISTTRAIN_LAB_BACKEND") or None
     if backend is None:
@@ -136,7 +145,7 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
     __tracebackhide__ = True  # IPython: show the student's frames, not the launcher's
     _validate(fn, world_size, timeout, backend)
     if _under_torchrun():
-        return _launch_in_process(fn, world_size, args, kwargs, trace, backend)
+        return _launch_in_process(fn, world_size, args, kwargs, trace, backend, timeout)
     integrity.verify()
     chosen = plan(world_size, backend)
     if chosen.backend == "nccl" and _gpu_count() < world_size:
@@ -159,7 +168,7 @@ def device():
     """The torch.device this rank computes on: ``cuda:<local rank>`` under NCCL, else CPU."""
     import torch
     import torch.distributed as dist
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in os.environ.get("DISTTRAIN_LAB_RANK_BACKEND", str(dist.get_backend())):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     return torch.device("cpu")
 
@@ -180,24 +189,47 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _launch_in_process(fn, world_size, args, kwargs, want_trace, backend):
+def _in_process_timeout(rank: int, timeout: float, status) -> None:
+    blocked = trace.read_status(status, rank)
+    what = f"{blocked.text} for {time.perf_counter() - blocked.since:.1f} s" if blocked else \
+        "running Python code (not in a torch.distributed call)"
+    sys.stderr.write(f"[disttrain-lab] rank {rank}: not finished within the timeout of {timeout:g} s; "
+                     f"it was in {what}. Stopping this rank (torchrun stops the others).\n")
+    sys.stderr.flush()
+    os._exit(124)
+
+
+def _launch_in_process(fn, world_size, args, kwargs, want_trace, backend, timeout):
     import torch.distributed as dist
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={env_world}: "
-                         f"start torchrun with --nproc-per-node {world_size} (times nodes), or launch "
-                         f"with world_size={env_world}")
+                         f"under torchrun every launch uses all of torchrun's ranks, so a script must use one "
+                         f"world size; start torchrun with --nproc-per-node {world_size} (times nodes), or "
+                         f"launch with world_size={env_world}")
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if _gpu_count() else "gloo"))
+        chosen = plan(world_size, backend)
+        if chosen.backend == "nccl":
+            import torch
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(chosen.group_backend)
+        os.environ["DISTTRAIN_LAB_RANK_BACKEND"] = chosen.backend
     integrity.verify()
     rank = dist.get_rank()
     dist.barrier()
     t0 = time.perf_counter()
     trace.install()
-    trace._REC.begin(rank, t0, want_trace, None)
+    status = bytearray(trace.SLOT_BYTES * (rank + 1))
+    trace._REC.begin(rank, t0, want_trace, status)
+    # no launcher watches this process: a watchdog turns a hang into an error that
+    # torchrun sees (it then stops the other ranks)
+    watchdog = threading.Timer(timeout, _in_process_timeout, args=(rank, timeout, status))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         result = fn(*args, **kwargs)
     finally:
+        watchdog.cancel()
         raw = trace._REC.end()
         trace.uninstall()
     wall = time.perf_counter() - t0
@@ -254,6 +286,9 @@ class _Pool:
             self.status_fd = None
             self.status = mmap.mmap(-1, trace.SLOT_BYTES * size)
         self.store = None
+        # the store listens on every interface; an unguessable key prefix keeps others on a
+        # shared host from writing into this pool's process groups
+        self.secret = secrets.token_hex(16)
         try:
             for rank in range(size):
                 self.workers.append(self._start_worker(rank))
@@ -270,7 +305,20 @@ class _Pool:
 
     def usable_for(self, world_size: int, chosen: Plan) -> bool:
         return (not self.broken and self.owner_pid == os.getpid() and world_size <= self.size
-                and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method))
+                and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)
+                and self._all_alive())
+
+    def _all_alive(self) -> bool:
+        """False if any idle worker died since the last launch (killed, out of memory, or
+        its parent-death signal fired because the thread that forked it ended)."""
+        for w in self.workers:
+            try:
+                pid, _ = os.waitpid(w.pid, os.WNOHANG)
+            except ChildProcessError:
+                return False
+            if pid:
+                return False
+        return True
 
     # ---- starting workers ---------------------------------------------------------
     def _start_worker(self, rank: int) -> _Worker:
@@ -335,12 +383,13 @@ class _Pool:
         try:
             for w in workers:
                 job = {"rank": w.rank, "world_size": world_size, "backend": self.plan.backend,
-                       "port": self.store.port, "prefix": f"launch{self.calls}/", "payload": payload,
+                       "group_backend": self.plan.group_backend,
+                       "port": self.store.port, "prefix": f"{self.secret}/{self.calls}/", "payload": payload,
                        "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng}
                 w.conn.send_bytes(pickle.dumps(job))
             replies = self._collect(workers, t0 + timeout, timeout)
         except BaseException:
-            self.broken = True
+            self.close()  # ranks that already got the job must not run on (Ctrl-C while sending)
             raise
         wall = time.perf_counter() - t0
         results, events = [], []
@@ -402,7 +451,8 @@ class _Pool:
                     "SIGKILL": "it was killed, often for using too much memory"}.get(sig, "")
             how = f"was killed by {sig}" + (f": {hint}" if hint else "")
         else:
-            how = f"exited with code {code}" + (" (os._exit or sys.exit inside the rank?)" if code else "")
+            how = f"exited with code {code}" + (" (os._exit or sys.exit inside the rank?)" if code else
+                                                  " before returning a value (os._exit(0) inside the rank?)")
         others = ", ".join(str(o.rank) for o in workers if o is not w)
         raise RankDied(f"rank {w.rank} ended without returning: its process {how}. "
                        f"The other ranks ({others}) were stopped.", w.rank, code)

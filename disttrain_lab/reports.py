@@ -79,6 +79,9 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
     while len(frames) > 1 and _is_library(frames[-1][0]) and not all(_is_library(f[0]) for f in frames):
         frames.pop()
     shown = _format_frames(frames)
+    if "initialize the default process group twice" in info["message"]:
+        info = {**info, "message": info["message"] + "  (dl.launch already set up the process group on "
+                "every rank: remove the dist.init_process_group call from your function.)"}
     message = (f"rank {rank} raised {info['type']}: {info['message']}\n\n"
                f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
                f"{info['type']}: {info['message']}")
@@ -130,6 +133,10 @@ def diagnose(states: dict) -> str:
     if joining:
         return (f"Rank(s) {joining} were still joining the process group: the machine may be overloaded; "
                 f"try again, or raise timeout=.")
+    setup = [r for r, s in waiting.items() if s.op in trace.SETUP_OPS]
+    if setup:
+        return (f"Rank(s) {setup} wait in {waiting[setup[0]].op}: every rank of the world must call "
+                f"dist.new_group (with the same ranks, in the same order), even ranks that are not in the new group.")
     kinds = {kind(s) for s in waiting.values()}
     if kinds == {"recv"}:
         return ("Every rank is waiting to receive and no rank is sending: a deadlock.  Let one side send "

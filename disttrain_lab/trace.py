@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import math
+import operator
 import struct
 import time
 from collections import Counter, defaultdict, deque
@@ -36,7 +37,9 @@ COLLECTIVE_OPS = (
     # torch >= 2.13 names for the *_tensor collectives, and the coalesced variants
     "all_gather_single", "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced",
 )
-TRACED_OPS = P2P_OPS + COLLECTIVE_OPS
+# Group set-up: every rank must call these too, so a rank stuck in one is worth reporting.
+SETUP_OPS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration")
+TRACED_OPS = P2P_OPS + COLLECTIVE_OPS + SETUP_OPS
 
 # Argument names that hold the tensors of a call, and which side (in/out) they are.
 _IN_ARGS = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list", "scatter_list")
@@ -165,6 +168,7 @@ class _Recorder:
         self.rank, self.t0, self.recording, self.status_buf = rank, t0, recording, status_buf
         self.events = []
         self.depth = 0
+        self.requests = 0
 
     def end(self) -> list[tuple]:
         events, self.events, self.recording = self.events, [], False
@@ -192,6 +196,19 @@ def _nbytes(x) -> int:
         return 0
 
 
+def _buffer_span(t) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of a tensor: which messages share memory."""
+    try:
+        start = t.storage_offset() * t.element_size()
+        return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _overlap(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 def _group_ranks(group) -> tuple[int, ...] | None:
     if group is None:
         return None
@@ -206,7 +223,7 @@ def _group_ranks(group) -> tuple[int, ...] | None:
 
 def _call_info(op: str, bound: dict, full: bool) -> tuple:
     """(kind, peer, group, nbytes, tag, meta) of one call from its bound arguments."""
-    kind = "p2p" if op in P2P_OPS else "collective"
+    kind = "p2p" if op in P2P_OPS else "setup" if op in SETUP_OPS else "collective"
     group = _group_ranks(bound.get("group"))
     peer = None
     for key in ("dst", "src"):
@@ -223,6 +240,8 @@ def _call_info(op: str, bound: dict, full: bool) -> tuple:
     meta = {}
     if not full:  # status only: the fields a deadlock report needs
         return kind, peer, group, max(nin, nout), bound.get("tag"), meta
+    if kind == "p2p":
+        meta["buffer"] = _buffer_span(bound.get("tensor"))
     if bound.get("op") is not None:
         meta["reduce_op"] = str(bound["op"]).split(".")[-1]
     if nin and nout and nin != nout:
@@ -262,11 +281,24 @@ def _check_peer(op: str, peer, group) -> None:
     # gloo waits forever for a rank that does not exist; say so instead
     import torch.distributed as dist
     valid = list(group) if group is not None else list(range(dist.get_world_size()))
-    if not isinstance(peer, int) or peer not in valid:
+    try:
+        ok = operator.index(peer) in valid  # numpy integers are fine ranks too
+    except TypeError:
+        ok = False
+    if not ok:
         side = "dst" if op in ("send", "isend") else "src"
         raise ValueError(f"{op}({side}={peer!r}): there is no rank {peer!r} to talk to; valid ranks are "
                          f"{valid[0]}..{valid[-1]}" + (f" (the group {valid})" if group is not None else
                                                        f" (world_size={len(valid)})"))
+
+
+_GENUINE: dict[int, tuple] = {}  # id(wrapper) -> (wrapper, the torch function it traces)
+
+
+def genuine_of(obj):
+    """The torch function behind a tracing wrapper (``obj`` itself if it is none)."""
+    entry = _GENUINE.get(id(obj))
+    return entry[1] if entry is not None and entry[0] is obj else obj
 
 
 def _wrap(op: str, fn):
@@ -301,10 +333,14 @@ def _wrap(op: str, fn):
             rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0,
                                peer, group, nbytes, tag, "", meta))
         if out is not None and hasattr(out, "wait") and not isinstance(out, TracedWork):
+            rec.requests += 1
+            meta["request"] = rec.requests  # the wait event carries the same id
             return TracedWork(out, op, (kind, peer, group, nbytes, tag, meta))
         return out
 
-    traced.__disttrain_traced__ = fn
+    _GENUINE[id(traced)] = (traced, fn)
+    traced.__signature__ = inspect.signature(fn)  # help(dist.send) still shows torch's arguments
+    del traced.__wrapped__  # no back door to the untraced function
     return traced
 
 
@@ -316,7 +352,7 @@ def install() -> None:
         current = getattr(c10d, op, None)
         if current is None:
             continue
-        genuine = _ORIGINALS.setdefault(op, getattr(current, "__disttrain_traced__", current))
+        genuine = _ORIGINALS.setdefault(op, genuine_of(current))
         wrapped = _wrap(op, genuine)
         setattr(c10d, op, wrapped)
         if hasattr(dist, op):
@@ -424,20 +460,18 @@ class Run:
         recv_of_send = {id(s): r for s, r in pairs}
         send_of_recv = {id(r): s for s, r in pairs}
         # a receive is complete when its data is there: the end of recv, or of irecv's wait
-        waits = defaultdict(deque)
-        for e in self.events:
-            if e.kind == "wait" and e.name == "irecv":
-                waits[(e.rank, e.peer, e.tag or 0)].append(e)
+        wait_end = {e.meta["request"]: e.end for e in self.events
+                    if e.kind == "wait" and "request" in e.meta}
         actions = defaultdict(list)  # rank -> [(time, "send"|"recv", event)]
+        posted = defaultdict(list)   # rank -> irecvs, to catch forwarding a buffer before its wait
         for e in self.events:
             if e.op in ("send", "isend") and id(e) in recv_of_send:
                 actions[e.rank].append((e.start, "send", e))
             elif e.op in ("recv", "irecv") and id(e) in send_of_recv:
-                done = e.end
-                if e.op == "irecv":
-                    q = waits.get((e.rank, e.peer, e.tag or 0))
-                    done = q.popleft().end if q else e.end
+                done = wait_end.get(e.meta.get("request"), e.end) if e.op == "irecv" else e.end
                 actions[e.rank].append((done, "recv", e))
+                if e.op == "irecv":
+                    posted[e.rank].append(e)
         for seq in actions.values():
             seq.sort(key=lambda a: (a[0], a[1] == "send"))
         round_of: dict[int, int] = {}
@@ -451,7 +485,14 @@ class Run:
                 while pos[rank] < len(seq):
                     _, what, e = seq[pos[rank]]
                     if what == "send":
-                        round_of[id(e)] = max(last_send[rank], seen[rank]) + 1
+                        # sending from a buffer an irecv is still filling forwards that message
+                        # (racing its wait): the send depends on it all the same
+                        deps = [send_of_recv[id(r)] for r in posted[rank]
+                                if r.start < e.start and _overlap(r.meta.get("buffer"), e.meta.get("buffer"))]
+                        if any(id(d) not in round_of for d in deps):
+                            break
+                        needed = max((round_of[id(d)] for d in deps), default=0)
+                        round_of[id(e)] = max(last_send[rank], seen[rank], needed) + 1
                         last_send[rank] = round_of[id(e)]
                     else:
                         sender = send_of_recv[id(e)]

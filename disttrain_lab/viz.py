@@ -50,7 +50,10 @@ def timeline(run: Run, ax=None, title: str | None = None, arrows: bool = True,
         ax.broken_barh([(e.start * scale, width)], (y, 0.38), facecolors=_color(e),
                        edgecolors="black" if top else "none", linewidth=0.5)
         if top and e.name and width > span / 40:
-            label = e.name + "".join(str(v) for v in e.meta.values())
+            values = list(e.meta.values())
+            # "F3" for one value (a micro-batch), "reduce-scatter step=0" style otherwise
+            label = (e.name + str(values[0]) if len(values) == 1 else
+                     " ".join([e.name] + [f"{k}={v}" for k, v in list(e.meta.items())[:1]]))
             ax.text(e.start * scale + width / 2, y + 0.19, label, ha="center", va="center", fontsize=7)
     if arrows:
         for send, recv in run.messages():

@@ -378,3 +378,43 @@ def test_doctor_reports_backend_and_verdict():
                   "CUDA used in this process already: no"):
         assert field in text
     assert text.splitlines()[-1].startswith("READY")
+
+
+def test_tensor_operator_or_run_method_replaced_is_tampering(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "__ne__", lambda a, b: torch.zeros(1, dtype=torch.bool))
+    with pytest.raises(dl.TamperingError, match=r"torch.Tensor.__ne__"):
+        dl.launch(rank_times_ten, 2)
+    monkeypatch.undo()
+    monkeypatch.setattr(dl.Run, "rounds", lambda self: 1)
+    with pytest.raises(dl.TamperingError, match=r"Run.rounds"):
+        dl.launch(rank_times_ten, 2)
+
+
+def test_an_idle_worker_that_died_is_replaced():
+    pids = dl.launch(os.getpid, 2)
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.2)
+    assert dl.launch(rank_times_ten, 2) == [0, 10]
+
+
+def test_launch_from_a_thread_then_from_the_main_thread():
+    import threading
+    out = []
+    worker = threading.Thread(target=lambda: out.append(dl.launch(rank_times_ten, 2)))
+    worker.start()
+    worker.join()
+    assert out == [[0, 10]]
+    time.sleep(0.2)  # the forking thread is gone: its ranks got the parent-death signal
+    assert dl.launch(rank_times_ten, 2) == [0, 10]
+
+
+def test_init_process_group_in_the_function_gets_a_hint():
+    def torchrun_habit():
+        dist.init_process_group("gloo")
+    with pytest.raises(dl.RankError, match="remove the dist.init_process_group call"):
+        dl.launch(torchrun_habit, 2)
+
+
+def test_os_exit_zero_is_explained():
+    with pytest.raises(dl.RankDied, match=r"os._exit\(0\)"):
+        dl.launch(lambda: os._exit(0), 2)

@@ -219,3 +219,71 @@ def test_tracing_overhead_per_call_is_small():
     traced = dl.launch(pingpong, 2, 300, trace=True).results[0]
     plain = dl.launch(pingpong, 2, 300)[0]
     assert traced < 3 * plain + 0.05, (traced, plain)
+
+
+def chain_forwarding_before_wait():
+    """A chain broadcast that forwards an irecv buffer before waiting on it (a race that
+    gloo's I/O thread often wins): still N - 1 rounds, not 1."""
+    import time
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = torch.full((4,), float(r == 0))
+    if r > 0:
+        req = dist.irecv(t, r - 1)
+        time.sleep(0.05)
+    if r < n - 1:
+        dist.send(t, r + 1)
+    if r > 0:
+        req.wait()
+    return t
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_rounds_see_a_forwarded_buffer_before_its_wait(n):
+    run = dl.launch(chain_forwarding_before_wait, n, trace=True)
+    assert run.rounds() == n - 1
+
+
+def test_waits_pair_with_their_own_request():
+    def out_of_order():
+        r = dist.get_rank()
+        if r == 0:
+            dist.send(torch.ones(2), 1, tag=0)
+            dist.send(torch.ones(2), 1, tag=0)
+            return None
+        a, b = torch.empty(2), torch.empty(2)
+        first, second = dist.irecv(a, 0, tag=0), dist.irecv(b, 0, tag=0)
+        second.wait()
+        first.wait()
+    run = dl.launch(out_of_order, 2, trace=True)
+    posts = run.select(op="irecv", rank=1)
+    waits = {e.meta["request"]: e for e in run.select(kind="wait", rank=1)}
+    assert {p.meta["request"] for p in posts} == set(waits)
+
+
+def test_numpy_integer_peers_are_valid_ranks():
+    import numpy as np
+    def swap():
+        r = dist.get_rank()
+        t = torch.full((1,), float(r))
+        peer = np.int64(1 - r)
+        if r == 0:
+            dist.send(t, peer); dist.recv(t, peer)
+        else:
+            buf = torch.empty(1); dist.recv(buf, peer); dist.send(t, peer); t = buf
+        return float(t)
+    assert dl.launch(swap, 2) == [1.0, 0.0]
+
+
+def test_wrappers_expose_no_untraced_function():
+    def probe():
+        return [hasattr(dist.all_reduce, name) for name in ("__wrapped__", "__disttrain_traced__")]
+    assert dl.launch(probe, 2) == [[False, False], [False, False]]
+
+
+def test_a_rank_stuck_in_new_group_is_reported_as_such():
+    def only_rank_zero_makes_a_group():
+        if dist.get_rank() == 0:
+            dist.new_group([0, 1])
+    with pytest.raises(dl.LaunchTimeout) as err:
+        dl.launch(only_rank_zero_makes_a_group, 2, timeout=3)
+    assert "rank 0: new_group" in str(err.value) and "every rank of the world must call" in str(err.value)
