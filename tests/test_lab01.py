@@ -14,8 +14,6 @@ The full autograde round trip (full marks, blank 0, partial) lives in test_gradi
 from __future__ import annotations
 
 import copy
-import os
-import time
 from pathlib import Path
 
 import nbformat
@@ -23,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from nbclient import NotebookClient
 
 import disttrain_lab as dl
 from disttrain_lab import checks
 from disttrain_lab.costmodel import AlphaBeta, fit_alpha_beta
 from disttrain_lab.trace import Event, Run
+from tests.notebooks import blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 LAB = REPO / "solutions" / "01_point_to_point" / "01_point_to_point.ipynb"
@@ -42,48 +40,6 @@ EXERCISES = ["ping_pong", "ring_shift", "broadcast_linear", "broadcast_tree", "s
 
 def load_lab() -> nbformat.NotebookNode:
     return nbformat.read(LAB, as_version=4)
-
-
-def nbgrader_meta(cell) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {})
-
-
-def cell_by_id(nb, grade_id: str):
-    [cell] = [c for c in nb.cells if nbgrader_meta(c).get("grade_id") == grade_id]
-    return cell
-
-
-def execute(nb, autograding: bool, timeout: int = 240) -> tuple[nbformat.NotebookNode, float]:
-    """Execute a copy of nb in a fresh kernel, errors kept in the outputs; return it and the seconds taken."""
-    nb = copy.deepcopy(nb)
-    env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
-    if autograding:
-        env["NBGRADER_EXECUTION"] = "autograde"
-    env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(LAB.parent)}})
-    start = time.perf_counter()
-    client.execute(env=env)
-    return nb, time.perf_counter() - start
-
-
-def errors(cell) -> list[str]:
-    return [f"{o.ename}: {o.evalue}" for o in cell.get("outputs", []) if o.output_type == "error"]
-
-
-def text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
-
-
-def graded_cells(nb) -> list:
-    return [c for c in nb.cells if nbgrader_meta(c).get("grade")]
-
-
-def blank(nb) -> nbformat.NotebookNode:
-    """The student's version: what nbgrader's ClearSolutions makes of the solution cells."""
-    from nbgrader.preprocessors import ClearSolutions
-    nb, _ = ClearSolutions().preprocess(copy.deepcopy(nb), {"metadata": {"path": str(LAB.parent)}})
-    return nb
 
 
 # ----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 import disttrain_lab as dl
 from disttrain_lab import bench
 from tests.helpers import run_python
-from tests.test_lab01 import REPO, blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
+from tests.notebooks import REPO, blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
 
 matplotlib.use("Agg")
 
