@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp"], help="what to measure")
+    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero"], help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--notebook", help="allreduce, ddp: the lab notebook whose functions to measure "
-                       "(default: solutions/02_all_reduce/02_all_reduce.ipynb or solutions/03_data_parallel/"
-                       "03_data_parallel.ipynb, else the same under labs/)")
+    bench.add_argument("--notebook", help="allreduce, ddp, zero: the lab notebook whose functions to measure "
+                       "(default: solutions/02_all_reduce/02_all_reduce.ipynb, solutions/03_data_parallel/"
+                       "03_data_parallel.ipynb or solutions/04_zero/04_zero.ipynb, else the same under labs/)")
     bench.add_argument("--world-size", type=int, default=None, help="allreduce: number of ranks (default 4); "
-                       "ddp: (default 2)")
+                       "ddp, zero: (default 2)")
     bench.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of BucketedDDP and torch DDP")
     bench.add_argument("--max-bytes", type=int, default=64 << 20, help="allreduce: largest message")
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_allreduce(args)
         if args.what == "ddp":
             return _bench_ddp(args)
+        if args.what == "zero":
+            return _bench_zero(args)
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):
         from . import grading
@@ -134,6 +136,23 @@ def _bench_ddp(args) -> int:
     rows = bench_module.bench_ddp(versions, world_size=args.world_size or 2, repeats=args.repeats,
                                   bucket_mb=args.bucket_mb)
     print(bench_module.format_ddp_table(rows))
+    return 0
+
+
+ZERO_LAB = os.path.join("04_zero", "04_zero.ipynb")
+ZERO_CLASSES = {"Zero1Adam": 1, "Zero2Adam": 2, "Zero3Adam": 3}
+
+
+def _bench_zero(args) -> int:
+    """``bench zero``: the lab's ZeRO classes against ZeroRedundancyOptimizer and FSDP (2 ranks by default)."""
+    from . import bench as bench_module
+    found = _functions_from_lab(args, ZERO_LAB, [*ZERO_CLASSES, "zero_memory_per_rank"], "ZeRO classes")
+    if found is None:
+        return 2
+    versions = {name: (stage, found[name]) for name, stage in ZERO_CLASSES.items() if name in found}
+    rows = bench_module.bench_zero(versions, world_size=args.world_size or 2, repeats=args.repeats,
+                                   predict=found.get("zero_memory_per_rank"))
+    print(bench_module.format_zero_table(rows))
     return 0
 
 

@@ -1,0 +1,224 @@
+"""Lab 3 (data parallelism): the solution notebook runs, its graded tests can fail, and the
+DDP bench harness works.
+
+- The solution notebook executes top to bottom in a real kernel as the grader runs it
+  (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
+  timelines, bench table, bucket sweep and async-vs-sync plot.
+- The blank notebook (solutions cleared the way nbgrader releases it) fails every graded
+  cell, quickly.  Wrong answers (a shard that drops the remainder, naive DDP that sums
+  instead of averaging, a hook that waits for its own all-reduce, one all-reduce per
+  parameter instead of per bucket, a no_sync() that still communicates) fail the right
+  graded cell with a message that says why.
+- bench.bench_ddp / format_ddp_table / `disttrain-lab bench ddp`, on the solution's classes.
+
+The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import nbformat
+import pytest
+
+from disttrain_lab import bench
+from tests.helpers import run_python
+from tests.notebooks import REPO, blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
+
+LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
+BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {"shard": "def shard(", "naive_ddp": "def average_gradients(", "overlapped_ddp": "class OverlappedDDP",
+             "bucketed_ddp": "class BucketedDDP", "no_sync": "class AccumulatingDDP"}
+CLASSES = ["NaiveDDP", "OverlappedDDP", "BucketedDDP", "AccumulatingDDP"]
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The solution notebook's classes, as `disttrain-lab bench ddp` loads them."""
+    return bench.functions_from_notebook(LAB, CLASSES + ["shard", "shard_loss"])
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_notebook_is_nbgrader_source_without_outputs():
+    nb = load_lab()
+    assert nbgrader_meta(nb.cells[0]).get("grade_id") == "setup", "cell 1 must be the setup cell"
+    assert "DISTTRAIN_LAB_PIP" in nb.cells[0].source and "dl.doctor(short=True)" in nb.cells[0].source
+    assert "FAST = bool(os.environ.get(\"NBGRADER_EXECUTION\"))" in nb.cells[0].source
+    ids = [nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
+    for exercise, definition in EXERCISES.items():
+        solution = cell_by_id(nb, f"ex_{exercise}")
+        assert "### BEGIN SOLUTION" in solution.source and definition in solution.source
+        test = cell_by_id(nb, f"test_{exercise}")
+        meta = nbgrader_meta(test)
+        assert meta["locked"] and meta["points"] > 0, meta
+        assert test.source.startswith("checks.verify_untampered()"), exercise
+        assert "### BEGIN HIDDEN TESTS" in test.source
+    assert nbgrader_meta(cell_by_id(nb, "test_helpers"))["locked"], "the shared test helpers must be read-only"
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or not cell.outputs, "solutions/ is committed without outputs"
+
+
+def test_package_ships_no_solutions():
+    source = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    for definition in [*EXERCISES.values(), "def broadcast_parameters("]:
+        assert definition not in source, f"disttrain_lab must not contain a solution: {definition}"
+
+
+def test_hidden_tests_cover_the_issue():
+    # N = 2, 3, 4; tied and frozen models; batches that do not divide by N
+    nb = load_lab()
+    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES
+                     if e != "shard")
+    for needle in ('"tied", 4', '"frozen", 3', '"mlp", 3', "batch=9", "batch=7"):
+        assert needle in hidden, needle
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb, seconds = execute(load_lab(), autograding=True, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
+    assert not failed, f"cells raised: {failed}"
+    for cell in graded_cells(nb):
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
+    table = next(c for c in nb.cells if "bench.format_ddp_table(rows)" in c.source)
+    for name in ("naive", "overlapped", "bucketed (25 MB)", bench.TORCH_DDP):
+        assert name in text(table), text(table)
+    straggler = next(c for c in nb.cells if "def _timed_steps" in c.source)
+    assert "rank 1 slower by  50 ms" in text(straggler), text(straggler)
+    pictures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert pictures >= 3, f"expected the three timelines, the bucket sweep and the async/sync plot, got {pictures}"
+    assert seconds < BUDGET_S, f"the solution notebook took {seconds:.0f} s, the budget is {BUDGET_S} s"
+
+
+@pytest.mark.slow
+def test_blank_notebook_fails_every_graded_cell_fast():
+    nb, seconds = execute(blank(load_lab()), autograding=True, cwd=LAB.parent)
+    for cell in graded_cells(nb):
+        found = errors(cell)
+        assert found and "NotImplementedError" in found[0], (nbgrader_meta(cell)["grade_id"], found)
+    assert seconds < 90, f"the blank notebook should fail fast, it took {seconds:.0f} s"
+
+
+# Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
+WRONG = [
+    ("shard", '''
+def shard(x, rank, world_size):               # drops the len(x) % world_size last rows
+    size = len(x) // world_size
+    return x[rank * size:(rank + 1) * size]
+''', "none dropped"),
+    ("naive_ddp", '''
+def broadcast_parameters(model):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+
+def average_gradients(model):                 # sums, forgets to divide by N
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+''', "against one process training on the whole batch"),
+    ("overlapped_ddp", '''
+class OverlappedDDP:                          # waits inside each hook: no overlap
+    def __init__(self, model):
+        self.model, self.world_size = model, dist.get_world_size()
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def grad_ready(self, param):
+        dist.all_reduce(param.grad, async_op=True).wait()
+        param.grad /= self.world_size
+
+    def finish(self):
+        pass
+''', "(no overlap)"),
+    ("bucketed_ddp", '''
+class BucketedDDP:                            # ignores the buckets: one all-reduce per parameter
+    def __init__(self, model, bucket_mb=25.0):
+        self.model, self.world_size, self.pending = model, dist.get_world_size(), []
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def grad_ready(self, param):
+        self.pending.append((param, dist.all_reduce(param.grad, async_op=True)))
+
+    def finish(self):
+        for param, work in self.pending:
+            work.wait()
+            param.grad /= self.world_size
+        self.pending.clear()
+''', "all-reduce calls, expected 3"),
+    ("no_sync", '''
+class AccumulatingDDP(BucketedDDP):           # no_sync() that changes nothing
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+''', "under no_sync()"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[
+    "shard_drops_remainder", "naive_sums", "overlapped_waits_in_hook", "bucketed_per_parameter",
+    "no_sync_communicates"])
+def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
+    lab = load_lab()
+    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES if e != exercise]
+    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], given, *solutions)] + [
+        nbformat.v4.new_code_cell(wrong),
+        copy.deepcopy(cell_by_id(lab, "test_helpers")),
+        copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
+    if exercise == "bucketed_ddp":      # AccumulatingDDP subclasses it: define it after the wrong one
+        nb.cells.insert(-2, nb.cells.pop(2 + list(EXERCISES).index("no_sync") - 1))
+    nb, _ = execute(nb, autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-1]:
+        assert not errors(cell), errors(cell)
+    found = errors(nb.cells[-1])
+    assert found and message in found[0], found
+
+
+# ----------------------------------------------------------------------------------------
+# The bench harness
+
+def test_format_ddp_table():
+    rows = [{"version": name, "world_size": 2, "steps_per_s": s, "repeats": 5, "parameters": 8_400_000,
+             "ratio": s / 4.0} for name, s in (("bucketed", 3.8), (bench.TORCH_DDP, 4.0))]
+    table = bench.format_ddp_table(rows)
+    assert "training steps/s on 2 ranks, MLP of 8.4 M parameters, median of 5" in table
+    assert "0.95x" in table and "1.00x" in table
+
+
+def test_bench_ddp_measures_side_by_side(solution):
+    versions = {"naive": solution["NaiveDDP"], "bucketed": functools.partial(solution["BucketedDDP"], bucket_mb=0.01)}
+    rows = bench.bench_ddp(versions, world_size=2, sizes=(32, 64, 8), steps=2, repeats=2, warmup=1)
+    assert [r["version"] for r in rows] == ["naive", "bucketed", bench.TORCH_DDP]
+    for row in rows:
+        assert row["steps_per_s"] > 0 and row["parameters"] == 32 * 64 + 64 + 64 * 8 + 8
+    assert rows[-1]["ratio"] == 1.0
+
+
+def test_bench_ddp_rejects_one_rank():
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        bench.bench_ddp({}, world_size=1)
+
+
+@pytest.mark.slow
+def test_cli_bench_ddp_uses_the_notebook():
+    out = run_python(["-m", "disttrain_lab.cli", "bench", "ddp", "--notebook", str(LAB), "--repeats", "1",
+                      "--bucket-mb", "4"], timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stdout
+    for name in ("naive", "overlapped", "bucketed (4 MB)", bench.TORCH_DDP, "vs torch DDP"):
+        assert name in out.stdout, out.stdout
