@@ -9,6 +9,8 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
+from .helpers import alive
+
 CELLS = [
     "import disttrain_lab as dl, torch, torch.distributed as dist\n"
     "a = torch.randn(1500, 1500); _ = (a @ a).sum()   # the kernel's OpenMP pool is now busy-initialised",
@@ -82,7 +84,7 @@ def test_interrupting_the_kernel_stops_every_rank():
                 break
         assert interrupted and "interrupted: stopped all 3 ranks" in said and "KeyboardInterrupt" in said
         time.sleep(0.3)
-        assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+        assert not [p for p in pids if alive(p)]
         # the kernel is still usable afterwards
         reply = kc.execute_interactive("assert dl.launch(lambda: 7, 2) == [7, 7]", timeout=60)
         assert reply["content"]["status"] == "ok"

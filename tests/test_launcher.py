@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import disttrain_lab as dl
 
-from .helpers import child_pids, run_python, tmp_listing
+from .helpers import alive, child_pids, run_python, tmp_listing
 
 
 # --- what a student writes -------------------------------------------------------------
@@ -302,8 +302,8 @@ def test_interrupt_stops_all_ranks():
     out, _ = proc.communicate(timeout=30)
     assert "INTERRUPTED" in out
     time.sleep(0.2)
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
-    assert alive == [], f"ranks {alive} survived the interrupt"
+    survivors = [p for p in pids if alive(p)]
+    assert survivors == [], f"ranks {survivors} survived the interrupt"
 
 
 def test_ranks_die_with_a_killed_kernel():
@@ -319,9 +319,9 @@ def test_ranks_die_with_a_killed_kernel():
     proc.kill()  # SIGKILL: no Python cleanup runs in the parent
     proc.wait()
     deadline = time.time() + 5
-    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+    while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "orphaned ranks"
+    assert not [p for p in pids if alive(p)], "orphaned ranks"
 
 
 def test_eight_users_launching_at_once_on_one_host():
