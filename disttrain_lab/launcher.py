@@ -484,16 +484,18 @@ class _Pool:
         return None
 
     # ---- output relay -------------------------------------------------------------------
-    def _relay(self, w: _Worker) -> None:
+    def _relay(self, w: _Worker) -> bool:
+        """Show the complete lines a rank has written so far; False when nothing was read."""
         try:
             chunk = os.read(w.out_fd, 1 << 16)
         except (BlockingIOError, OSError):
-            return
+            return False
         if not chunk:
-            return
+            return False
         lines = (w.partial + chunk).split(b"\n")
         w.partial = lines.pop()
         self._show(w, lines)
+        return True
 
     def _show(self, w: _Worker, lines: list[bytes]) -> None:
         out = []
@@ -508,17 +510,11 @@ class _Pool:
             sys.stdout.flush()
 
     def _relay_all(self) -> None:
+        """Drain every rank's pipe, including a last line without a newline."""
         for w in self.workers:
             for _ in range(64):
-                try:
-                    chunk = os.read(w.out_fd, 1 << 16)
-                except (BlockingIOError, OSError):
+                if not self._relay(w):
                     break
-                if not chunk:
-                    break
-                lines = (w.partial + chunk).split(b"\n")
-                w.partial = lines.pop()
-                self._show(w, lines)
             if w.partial:
                 self._show(w, [w.partial])
                 w.partial = b""

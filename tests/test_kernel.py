@@ -1,7 +1,6 @@
 """dl.launch inside a real Jupyter kernel: what a student actually sees."""
 from __future__ import annotations
 
-import os
 import time
 
 import nbformat
