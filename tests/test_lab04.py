@@ -1,0 +1,205 @@
+"""Lab 4 (ZeRO): the solution notebook runs, its graded tests can fail, and the ZeRO bench works.
+
+- The solution notebook executes top to bottom as the grader runs it (NBGRADER_EXECUTION set),
+  within the 4-minute budget, every graded cell passing, with the calculator's bar chart, the
+  measured-against-predicted memory bars, a ZeRO-3 timeline and the bench table.
+- The blank notebook (solutions cleared the way nbgrader releases it) fails every graded cell,
+  quickly.  Wrong answers (ZeRO-1 keeping Adam state for the whole model, ZeRO-2 all-reducing its
+  gradients, ZeRO-3 never freeing what it gathered, shards without padding, a calculator that
+  rounds down) fail the right graded cell with a message that says why.
+- bench.bench_zero / `disttrain-lab bench zero` on the solution's own classes, against torch's
+  ZeroRedundancyOptimizer and FSDP; the package ships no solution (no memory formula either).
+
+The notebook helpers come from tests/notebooks.py (via test_lab01); disttrain_lab.memory has its
+own tests in test_memory.py; the autograde round trip lives in test_grading.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import matplotlib
+import nbformat
+import pytest
+
+from disttrain_lab import bench
+from tests.helpers import run_python
+from tests.test_lab01 import REPO, blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
+
+matplotlib.use("Agg")
+
+LAB = REPO / "solutions" / "04_zero" / "04_zero.ipynb"
+BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {"zero_memory": "zero_memory_per_rank", "zero1": "Zero1Adam", "zero2": "Zero2Adam", "zero3": "Zero3Adam"}
+CLASSES = {"Zero1Adam": 1, "Zero2Adam": 2, "Zero3Adam": 3}
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The solution notebook's classes and calculator, as `disttrain-lab bench zero` loads them."""
+    return bench.functions_from_notebook(LAB, [*CLASSES, "zero_memory_per_rank", "DataParallelAdam"])
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_notebook_is_nbgrader_source_without_outputs():
+    nb = load_lab()
+    assert nbgrader_meta(nb.cells[0]).get("grade_id") == "setup", "cell 1 must be the setup cell"
+    assert "DISTTRAIN_LAB_PIP" in nb.cells[0].source and "dl.doctor(short=True)" in nb.cells[0].source
+    assert "FAST = bool(os.environ.get(\"NBGRADER_EXECUTION\"))" in nb.cells[0].source
+    ids = [nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
+    for exercise, name in EXERCISES.items():
+        solution_cell = cell_by_id(nb, f"ex_{exercise}")
+        assert "### BEGIN SOLUTION" in solution_cell.source and (f"def {name}(" in solution_cell.source
+                                                                  or f"class {name}" in solution_cell.source)
+        test = cell_by_id(nb, f"test_{exercise}")
+        meta = nbgrader_meta(test)
+        assert meta["locked"] and meta["points"] > 0, meta
+        assert "### BEGIN HIDDEN TESTS" in test.source and test.source.startswith("checks.verify_untampered()")
+    assert nbgrader_meta(cell_by_id(nb, "test_helpers"))["locked"], "the shared test helpers must be read-only"
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or not cell.outputs, "solutions/ is committed without outputs"
+
+
+def test_package_ships_no_solutions():
+    source = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    for name in EXERCISES.values():
+        assert f"def {name}(" not in source and f"class {name}" not in source, f"disttrain_lab must not contain {name}"
+    memory_source = (REPO / "disttrain_lab" / "memory.py").read_text()
+    assert "stage" not in memory_source.lower(), "memory.py measures; the ZeRO formula is the lab's exercise"
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb, seconds = execute(load_lab(), autograding=True)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
+    assert not failed, f"cells raised: {failed}"
+    for cell in graded_cells(nb):
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
+        assert not [o for o in cell.outputs if o.get("name") == "stderr"], "a graded cell must not write to stderr"
+    measured = next(c for c in nb.cells if c.cell_type == "code" and "def _measure(cls" in c.source)
+    lines = [line.split() for line in text(measured).splitlines() if line[:1].isdigit()]
+    assert [line[0] for line in lines] == ["0", "1", "2", "3"], text(measured)
+    for line in lines:                 # stage, measured, formula, ratio, sent, "B", "2Ψ", "=", expected, "B"
+        assert 1.0 <= float(line[3]) <= 1.01 and line[4] == line[8], text(measured)
+    table = next(c for c in nb.cells if "bench.format_zero_table(rows)" in c.source)
+    for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "held/formula"]:
+        assert name in text(table), text(table)
+    pictures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert pictures >= 3, f"expected the calculator's bars, measured-vs-formula bars and a timeline, got {pictures}"
+    assert seconds < BUDGET_S, f"the solution notebook took {seconds:.0f} s, the budget is {BUDGET_S} s"
+
+
+@pytest.mark.slow
+def test_blank_notebook_fails_every_graded_cell_fast():
+    nb, seconds = execute(blank(load_lab()), autograding=True)
+    for cell in graded_cells(nb):
+        found = errors(cell)
+        assert found and "NotImplementedError" in found[0], (nbgrader_meta(cell)["grade_id"], found)
+    assert seconds < 90, f"the blank notebook should fail fast, it took {seconds:.0f} s"
+
+
+# Wrong answers the graded tests must catch: (graded cell, wrong code added after the solution cells,
+# words the failure must contain)
+WRONG = {
+    "zero1_full_adam_state": ("zero1", '''
+class Zero1Adam(DataParallelAdam):            # Adam over the whole model on every rank
+    pass
+''', "of optimizer state after backward; ZeRO-1 shards it"),
+    "zero1_without_padding": ("zero1", '''
+def padded_flat(t, world_size):               # no padding: 35 elements do not split into 2 equal shards
+    return t.detach().reshape(-1)
+''', "RankError: rank"),
+    "zero2_all_reduce": ("zero2", '''
+class Zero2Adam(Zero2Adam):                   # all-reduces each gradient, then keeps its shard
+    def grad_ready(self, p, shard):
+        dist.all_reduce(p.grad)
+        c = shard_size(p.numel(), self.world_size)
+        shard.grad = p.grad.view(-1)[self.rank * c:self.rank * c + shard.numel()] / self.world_size
+        p.grad = None
+''', "reduce-scatters the gradients"),
+    "zero2_keeps_full_gradients": ("zero2", '''
+class Zero2Adam(Zero2Adam):                   # reduce-scatters, but keeps the full gradient until zero_grad
+    def grad_ready(self, p, shard):
+        out = torch.empty(shard_size(p.numel(), self.world_size))
+        reduce_scatter(out, padded_flat(p.grad, self.world_size))
+        shard.grad = out[:shard.numel()] / self.world_size
+
+    def zero_grad(self):
+        super().zero_grad()
+        for p in self.params:
+            p.grad = None
+''', "of gradients after backward; ZeRO-2 shards it"),
+    "zero3_never_frees": ("zero3", '''
+class Zero3Adam(Zero3Adam):                   # gathers before forward, never frees after it
+    def after_forward(self, layer, args, output):
+        pass
+''', "still held the full parameters of layer(s) ['0']"),
+    "calculator_rounds_down": ("zero_memory", '''
+_solution = zero_memory_per_rank
+def zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
+    held = _solution(num_parameters, stage, world_size, param_bytes, grad_bytes, optimizer_bytes)
+    if stage == 3:
+        held = {k: v * num_parameters // world_size // -(-num_parameters // world_size) for k, v in held.items()}
+    return held
+''', "hidden"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(WRONG))
+def test_graded_cell_catches_a_wrong_answer(case):
+    exercise, wrong, message = WRONG[case]
+    lab = load_lab()
+    given = next(c for c in lab.cells if "class DataParallelAdam" in c.source)
+    upto = {"zero_memory": ["ex_zero_memory"], "zero1": ["ex_zero1"], "zero2": ["ex_zero1", "ex_zero2"],
+            "zero3": ["ex_zero1", "ex_zero3"]}[exercise]
+    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
+             cell_by_id(lab, "test_helpers"), cell_by_id(lab, f"test_{exercise}")]
+    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+    nb, _ = execute(nb, autograding=True)
+    for cell in nb.cells[:-1]:
+        assert not errors(cell), errors(cell)
+    found = errors(nb.cells[-1])
+    if message == "hidden":            # the visible test's N = 64 divides 7.5B: only a hidden case catches it
+        assert found and "zero_memory_per_rank(" in found[0] and "ceil" in found[0], found
+    else:
+        assert found and message in found[0], found
+
+
+# ----------------------------------------------------------------------------------------
+# The bench harness
+
+def test_bench_zero_side_by_side_with_torch(solution):
+    versions = {name: (stage, solution[name]) for name, stage in CLASSES.items()}
+    rows = bench.bench_zero(versions, world_size=2, sizes=(32, 64, 16), batch=4, steps=1, repeats=2,
+                            predict=solution["zero_memory_per_rank"])
+    by = {r["version"]: r for r in rows}
+    assert list(by) == [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP]
+    psi = 32 * 64 + 64 + 64 * 16 + 16
+    for name, row in by.items():
+        assert row["steps_per_s"] > 0 and row["parameters"] == psi
+        assert row["reference"] == (bench.TORCH_FSDP if row["stage"] == 3 else bench.TORCH_ZERO_REDUNDANCY)
+        # what each rank holds is the formula, within padding and Adam's step counters; torch's
+        # ZeroRedundancyOptimizer gives whole tensors to ranks, so its shards are uneven
+        slack = 1.15 if name == bench.TORCH_ZERO_REDUNDANCY else 1.01
+        assert row["predicted"] <= row["held"]["total"] <= row["predicted"] * slack + 4 * 64, (name, row)
+    assert by[bench.TORCH_FSDP]["ratio"] == 1.0 and by[bench.TORCH_ZERO_REDUNDANCY]["ratio"] == 1.0
+    table = bench.format_zero_table(rows)
+    assert "held/formula" in table and "Zero3Adam" in table and "vs torch" in table
+
+
+def test_cli_bench_zero_uses_the_notebook():
+    out = run_python(["-m", "disttrain_lab.cli", "bench", "zero", "--notebook", str(LAB), "--repeats", "1"],
+                     timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stdout
+    for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "8.4 M parameters"]:
+        assert name in out.stdout, out.stdout
