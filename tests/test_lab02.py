@@ -3,8 +3,8 @@ all-reduce bench harness and ring-steps picture work.
 
 - The solution notebook executes top to bottom in a real kernel as the grader runs it
   (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing.
-- The blank notebook (solutions cleared the way nbgrader releases it) fails every graded
-  cell, quickly.  Wrong answers (a ring that calls dist.all_reduce, a ring that sends the
+- (The blank notebook failing every graded cell is checked by the autograde round trip in
+  test_grading.py, on every lab.)  Wrong answers (a ring that calls dist.all_reduce, a ring that sends the
   whole tensor each step, a naive one without the broadcast, halving on 3 ranks without an
   error, a reduce-scatter that leaves the wrong chunk on each rank) fail the right graded
   cell with a message that says why.
@@ -26,7 +26,7 @@ import torch
 import disttrain_lab as dl
 from disttrain_lab import bench
 from tests.helpers import run_python
-from tests.notebooks import REPO, blank, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
+from tests.notebooks import REPO, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
 
 matplotlib.use("Agg")
 
@@ -91,15 +91,6 @@ def test_solution_notebook_executes_within_budget():
     pictures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert pictures >= 4, f"expected two timelines, the ring steps and the busbw plot, got {pictures} pictures"
     assert seconds < BUDGET_S, f"the solution notebook took {seconds:.0f} s, the budget is {BUDGET_S} s"
-
-
-@pytest.mark.slow
-def test_blank_notebook_fails_every_graded_cell_fast():
-    nb, seconds = execute(blank(load_lab()), autograding=True)
-    for cell in graded_cells(nb):
-        found = errors(cell)
-        assert found and "NotImplementedError" in found[0], (nbgrader_meta(cell)["grade_id"], found)
-    assert seconds < 90, f"the blank notebook should fail fast, it took {seconds:.0f} s"
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
