@@ -525,3 +525,317 @@ def format_zero_table(rows: list[dict]) -> str:
         lines.append(line)
     lines.append(f"(vs torch: stages 1-2 against {TORCH_ZERO_REDUNDANCY}, stage 3 against {TORCH_FSDP})")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Pipeline parallelism: training steps per second of naive, GPipe and 1F1B against
+# torch.distributed.pipelining's ScheduleGPipe, on a simulated accelerator
+# --------------------------------------------------------------------------------------
+TORCH_PIPELINE = "torch ScheduleGPipe"
+PIPELINE_MODEL = (64,) * 9        # 8 Linear layers of 64 × 64: two per stage on 4 ranks
+PIPELINE_COST = 0.5e-3            # simulated accelerator: seconds per sample for one stage's forward (backward: 2×)
+
+
+def _simulated_module(module, cost: float):
+    """``module`` on the lab's simulated accelerator: its forward sleeps ``cost`` s per sample,
+    its backward twice that, so a stage's time is fixed and needs no CPU core (2 cores, 4 ranks)."""
+    import torch
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.rows = len(x)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(2 * cost * ctx.rows)
+            return grad
+
+    class Simulated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x):
+            time.sleep(cost * len(x))
+            return Sleep.apply(self.inner(x))
+
+    return Simulated()
+
+
+def _torch_gpipe_runner(module, micro_batches: int, cost: float, x, y):
+    """One ScheduleGPipe training step of this rank's stage (``module``), as a callable."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(_simulated_module(module, cost), rank, p, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=micro_batches, loss_fn=torch.nn.functional.mse_loss)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == p - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        optimizer.step()
+    return step
+
+
+def _pipeline_step_times(versions: dict, split_stages, make_stage, sizes, batch: int, repeats: int, warmup: int,
+                         cost: float, torch_micro_batches) -> tuple[dict, dict]:
+    """In each rank: seconds per training step of every version, taking turns (order rotated).
+
+    ``versions`` maps a name to ``(step, m)``: ``step(stage, x, y)`` runs one pipeline step on
+    ``make_stage(module, rank, p, cost)``, this rank's part of ``split_stages(MLP(sizes), p)``.
+    ScheduleGPipe at each of ``torch_micro_batches`` runs beside them on the same split.
+    Returns (seconds per name, errors per name).
+    """
+    import torch
+    import torch.distributed as dist
+    from .models import MLP, regression_data
+    rank, p = dist.get_rank(), dist.get_world_size()
+    x, y = regression_data(batch, sizes[0], sizes[-1], seed=1)
+    runners, errors = {}, {}
+    for name, (step_fn, _) in versions.items():
+        stage = make_stage(split_stages(MLP(list(sizes), seed=0), p)[rank], rank, p, cost)
+        optimizer = torch.optim.SGD(stage.module.parameters(), lr=1e-3)
+
+        def run(stage=stage, optimizer=optimizer, step_fn=step_fn):
+            optimizer.zero_grad()
+            step_fn(stage, x, y)
+            optimizer.step()
+        runners[name] = run
+    for m in torch_micro_batches:
+        name = f"{TORCH_PIPELINE} m={m}"
+        try:
+            runners[name] = _torch_gpipe_runner(split_stages(MLP(list(sizes), seed=0), p)[rank], m, cost, x, y)
+        except Exception as exc:          # e.g. a torch without pipelining: say so in the table
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return take_turns(runners, repeats, warmup), errors
+
+
+def take_turns(runners: dict, repeats: int, warmup: int) -> dict:
+    """In each rank: seconds of each ``runners[name]()`` call, the names taking turns (the order
+    rotated every round, so none always goes first), a barrier before each; ``warmup`` rounds
+    are left out.  Returns name -> list of ``repeats`` seconds.  Call it on all ranks."""
+    import torch.distributed as dist
+    names, seconds = list(runners), {}
+    for i in range(warmup + repeats):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            runners[name]()
+            if i >= warmup:
+                seconds.setdefault(name, []).append(time.perf_counter() - start)
+    return seconds
+
+
+def bench_pipeline(versions: dict, split_stages, make_stage, world_size: int = 4, sizes=PIPELINE_MODEL,
+                   batch: int = 64, cost: float = PIPELINE_COST, repeats: int = 5, warmup: int = 1,
+                   torch_micro_batches=(1, 2, 4, 8), timeout: float = 600.0) -> list[dict]:
+    """Training steps per second of each pipeline version and of torch's ScheduleGPipe, side by
+    side in one launch on ``world_size`` stages of ``MLP(sizes)``, ``batch`` samples per step.
+
+    ``versions`` maps a name to ``(step, m)`` (see :func:`_pipeline_step_times`); ``split_stages``
+    and ``make_stage`` come from the lab notebook.  Every stage runs on the simulated accelerator:
+    ``cost`` s per sample forward, twice that backward, so the schedule, not the 2 CPU cores,
+    decides the time.  A row: the median over ``repeats`` of the slowest rank, ``speedup`` over
+    the first version (naive), and ``ideal`` = p·m/(m + p − 1), the speedup without communication.
+
+        >>> rows = bench_pipeline({"naive": (naive_step, 1), "GPipe m=4": (gpipe_m4, 4)}, split_stages, Stage)
+        >>> print(format_pipeline_table(rows))
+    """
+    from .launcher import launch
+    if world_size < 2:
+        raise ValueError(f"a pipeline needs world_size >= 2 stages, got {world_size}")
+    per_rank = launch(_pipeline_step_times, world_size, versions, split_stages, make_stage, tuple(sizes), batch,
+                      repeats, warmup, cost, tuple(torch_micro_batches), timeout=timeout)
+    errors = {name: why for _, errs in per_rank for name, why in errs.items()}
+    micro = {**{name: m for name, (_, m) in versions.items()},
+             **{f"{TORCH_PIPELINE} m={m}": m for m in torch_micro_batches}}
+    rows = []
+    for name, m in micro.items():
+        row = {"version": name, "micro_batches": m, "world_size": world_size, "batch": batch, "repeats": repeats,
+               "cost": cost, "ideal": world_size * m / (m + world_size - 1)}
+        if name in errors:
+            row["error"] = errors[name]
+        else:
+            slowest = [max(seconds[name][i] for seconds, _ in per_rank) for i in range(repeats)]
+            row["steps_per_s"] = 1 / statistics.median(slowest)
+        rows.append(row)
+    base = next((r["steps_per_s"] for r in rows if "steps_per_s" in r), 1.0)
+    for row in rows:
+        if "steps_per_s" in row:
+            row["speedup"] = row["steps_per_s"] / base
+    return rows
+
+
+def format_pipeline_table(rows: list[dict]) -> str:
+    """Steps/s, samples/s, speedup over the first row (naive) and the ideal p·m/(m + p − 1)."""
+    first = rows[0]
+    width = max(16, *(len(r["version"]) for r in rows)) + 2
+    lines = [f"training steps/s, {first['world_size']} stages, batch {first['batch']}, simulated accelerator "
+             f"{first['cost'] * 1e3:g} ms/sample forward (2x backward), median of {first['repeats']}",
+             f"{'version':<{width}} {'m':>3} {'steps/s':>8} {'samples/s':>10} {'speedup':>8} {'ideal':>6}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['version']:<{width}} {r['micro_batches']:>3} not measured: {r['error']}")
+        else:
+            lines.append(f"{r['version']:<{width}} {r['micro_batches']:>3} {r['steps_per_s']:>8.2f} "
+                         f"{r['steps_per_s'] * r['batch']:>10.0f} {r['speedup']:>7.2f}x {r['ideal']:>5.2f}x")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Tensor parallelism: step time and bytes per step of a Megatron-style MLP, side by side
+# with torch.distributed.tensor.parallel (ColwiseParallel / RowwiseParallel on a DeviceMesh)
+# --------------------------------------------------------------------------------------
+TORCH_TP = "torch Colwise/RowwiseParallel"
+TP_MODEL = (1024, 4096, 1024)        # a transformer block's MLP, d -> 4d -> d: 8.4 M parameters
+_NOT_COMMUNICATION = ("wait", "wrap")  # c10d ops that move no data (waiting, autograd wrappers)
+
+
+def _collective_bytes_counter():
+    """A dispatch mode adding up the bytes of every c10d collective called under it.
+
+    torch's tensor parallelism calls the functional collectives (``_c10d_functional``), which
+    the kit's trace does not see; this counts both kinds the same way, at the dispatcher.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.calls = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional") and not any(
+                    word in func.__name__ for word in _NOT_COMMUNICATION):
+                tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return CollectiveBytes()
+
+
+def _torch_tensor_parallel(dense, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import torch.distributed as dist
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return parallelize_module(dense, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int) -> dict:
+    """In each rank: per version, seconds per ``steps`` training steps (interleaved, order
+    rotated), collective bytes and calls of one step, or why it could not run.
+
+    ``versions`` maps a name to ``make(dense_mlp)`` returning the tensor-parallel module over all
+    ranks; torch's ``parallelize_module`` with ColwiseParallel/RowwiseParallel runs beside them.
+    The input requires a gradient, as inside a network, so backward all-reduces it too.
+    """
+    import torch
+    import torch.distributed as dist
+    from .launcher import device as rank_device
+    from .models import MLP, regression_data
+    device = rank_device()
+    data = regression_data(batch, sizes[0], sizes[-1], seed=1)
+    x, y = data.x.to(device), data.y.to(device)
+    runners, unavailable = {}, {}
+    for name, make in {**versions, TORCH_TP: None}.items():
+        dense = MLP(list(sizes), seed=0).to(device)
+        if make is not None:
+            model = make(dense)           # an error in the lab's class surfaces as it is
+        else:
+            try:
+                model = _torch_tensor_parallel(dense, device)
+            except Exception as exc:      # torch's version may not run on this backend: say why, measure ours
+                unavailable[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+                continue
+        runners[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    def step(model, optimizer):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x.clone().requires_grad_()), y).backward()
+        optimizer.step()
+
+    communicated = {}
+    for name, (model, optimizer) in runners.items():
+        counter = _collective_bytes_counter()
+        with counter:
+            step(model, optimizer)
+        communicated[name] = (counter.bytes, counter.calls)
+    names, seconds = list(runners), {}
+    for i in range(warmup + repeats):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(*runners[name])
+            if i >= warmup:
+                seconds.setdefault(name, []).append(time.perf_counter() - start)
+    return {"seconds": seconds, "communicated": communicated, "unavailable": unavailable}
+
+
+def bench_tp(versions: dict, world_sizes=(1, 2, 4), sizes=TP_MODEL, batch: int = 64, steps: int = 2,
+             repeats: int = 5, warmup: int = 1, timeout: float = 600.0) -> list[dict]:
+    """Training step time and bytes communicated per step of each tensor-parallel MLP in
+    ``versions`` (name -> ``make(dense)``, see :func:`_tp_step_times`) and of torch's
+    ``parallelize_module(ColwiseParallel, RowwiseParallel)``, side by side in one launch per
+    world size: same ``MLP(sizes)``, same batch.  A sample is ``steps`` steps on the slowest
+    rank; rows report the median of ``repeats`` samples after ``warmup``, rank 0's collective
+    bytes per step, and ``ratio`` = torch's step time ÷ this one's (above 1: faster than torch).
+
+        >>> print(format_tp_table(bench_tp({"TensorParallelMLP": TensorParallelMLP})))
+    """
+    from .launcher import launch
+    for n in world_sizes:
+        if sizes[1] % n:
+            raise ValueError(f"the hidden width {sizes[1]} must be divisible by every world size; {n} is not a divisor")
+    rows = []
+    for n in world_sizes:
+        per_rank = launch(_tp_step_times, n, versions, tuple(sizes), batch, steps, repeats, warmup, timeout=timeout)
+        first = per_rank[0]
+        for name in [*versions, TORCH_TP]:
+            row = {"version": name, "world_size": n, "batch": batch, "sizes": tuple(sizes), "repeats": repeats}
+            if name in first["unavailable"]:
+                row["error"] = first["unavailable"][name]
+            else:
+                slowest = [max(rank["seconds"][name][i] for rank in per_rank) for i in range(repeats)]
+                row["ms_per_step"] = 1e3 * statistics.median(slowest) / steps
+                row["bytes_per_step"], row["calls_per_step"] = first["communicated"][name]
+            rows.append(row)
+        reference = next((r for r in rows[-len(versions) - 1:] if r["version"] == TORCH_TP and "error" not in r), None)
+        for row in rows[-len(versions) - 1:]:
+            if reference is not None and "error" not in row:
+                row["ratio"] = reference["ms_per_step"] / row["ms_per_step"]
+    return rows
+
+
+def format_tp_table(rows: list[dict]) -> str:
+    """One line per (world size, version): ms per step, collective bytes and calls per step, vs torch."""
+    from .trace import format_bytes
+    first = rows[0]
+    sizes = first["sizes"]
+    parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    width = max(20, *(len(r["version"]) for r in rows)) + 2
+    lines = [f"training step of an MLP {' -> '.join(map(str, sizes))} ({parameters / 1e6:.1f} M parameters), "
+             f"batch {first['batch']}, median of {first['repeats']}; bytes and calls: rank 0's collectives per step",
+             f"{'N':>2} {'version':<{width}} {'ms/step':>8} {'bytes/step':>11} {'calls':>5} {'vs torch':>9}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['world_size']:>2} {r['version']:<{width}} not measured: {r['error']}")
+        else:
+            ratio = f"{r['ratio']:>8.2f}x" if "ratio" in r else f"{'-':>9}"
+            lines.append(f"{r['world_size']:>2} {r['version']:<{width}} {r['ms_per_step']:>8.1f} "
+                         f"{format_bytes(r['bytes_per_step']):>11} {r['calls_per_step']:>5} {ratio}")
+    return "\n".join(lines)

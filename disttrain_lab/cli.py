@@ -52,13 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero"], help="what to measure")
+    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero", "tp", "pipeline"],
+                       help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--notebook", help="allreduce, ddp, zero: the lab notebook whose functions to measure "
                        "(default: solutions/02_all_reduce/02_all_reduce.ipynb, solutions/03_data_parallel/"
-                       "03_data_parallel.ipynb or solutions/04_zero/04_zero.ipynb, else the same under labs/)")
+                       "03_data_parallel.ipynb, solutions/04_zero/04_zero.ipynb or solutions/05_pipeline/"
+                       "05_pipeline.ipynb, else the same under labs/)")
     bench.add_argument("--world-size", type=int, default=None, help="allreduce: number of ranks (default 4); "
-                       "ddp, zero: (default 2)")
+                       "ddp, zero: (default 2); pipeline: stages (default 4)")
     bench.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of BucketedDDP and torch DDP")
     bench.add_argument("--max-bytes", type=int, default=64 << 20, help="allreduce: largest message")
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_ddp(args)
         if args.what == "zero":
             return _bench_zero(args)
+        if args.what == "pipeline":
+            return _bench_pipeline(args)
+        if args.what == "tp":
+            return _bench_tp(args)
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):
         from . import grading
@@ -153,6 +159,48 @@ def _bench_zero(args) -> int:
     rows = bench_module.bench_zero(versions, world_size=args.world_size or 2, repeats=args.repeats,
                                    predict=found.get("zero_memory_per_rank"))
     print(bench_module.format_zero_table(rows))
+    return 0
+
+
+TP_LAB = os.path.join("06_tensor_parallel", "06_tensor_parallel.ipynb")
+
+
+def _bench_tp(args) -> int:
+    """``bench tp``: the lab's TensorParallelMLP against torch's ColwiseParallel/RowwiseParallel at N = 1, 2, 4
+    (``--world-size N``: only N)."""
+    from . import bench as bench_module
+    found = _functions_from_lab(args, TP_LAB, ["TensorParallelMLP"], "tensor-parallel MLP")
+    if found is None:
+        return 2
+    world_sizes = (args.world_size,) if args.world_size else (1, 2, 4)
+    rows = bench_module.bench_tp(found, world_sizes=world_sizes, repeats=args.repeats)
+    print(bench_module.format_tp_table(rows))
+    return 0
+
+
+PIPELINE_LAB = os.path.join("05_pipeline", "05_pipeline.ipynb")
+PIPELINE_FUNCTIONS = ("split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_step")
+
+
+def _bench_pipeline(args) -> int:
+    """``bench pipeline``: naive, GPipe at m = 1, 2, 4, 8 and 1F1B against torch's ScheduleGPipe (4 stages)."""
+    import functools
+    from . import bench as bench_module
+    found = _functions_from_lab(args, PIPELINE_LAB, PIPELINE_FUNCTIONS, "pipeline functions")
+    if found is None:
+        return 2
+    if not {"split_stages", "Stage"} <= found.keys():
+        print("the notebook must define split_stages and Stage", file=sys.stderr)
+        return 2
+    versions = {"naive": (found["naive_step"], 1)} if "naive_step" in found else {}
+    for m in (1, 2, 4, 8):
+        if "gpipe_step" in found:
+            versions[f"GPipe m={m}"] = (functools.partial(found["gpipe_step"], micro_batches=m), m)
+    if "one_f_one_b_step" in found:
+        versions["1F1B m=8"] = (functools.partial(found["one_f_one_b_step"], micro_batches=8), 8)
+    rows = bench_module.bench_pipeline(versions, found["split_stages"], found["Stage"],
+                                       world_size=args.world_size or 4, repeats=args.repeats)
+    print(bench_module.format_pipeline_table(rows))
     return 0
 
 

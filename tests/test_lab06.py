@@ -1,0 +1,231 @@
+"""Lab 6 (tensor parallelism): the solution notebook runs, its graded tests can fail, and the
+tensor-parallel bench harness works.
+
+- The solution notebook executes top to bottom in a real kernel as the grader runs it
+  (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
+  weight-slice picture, forward/backward timeline and bench table.
+- The blank notebook (solutions cleared the way nbgrader releases it) fails every graded
+  cell, quickly.  Wrong answers (f and g swapped, an all-reduce between the two linears, a
+  row-parallel layer that adds the bias on every rank, a layer that keeps views of the full
+  weight, 2D training that uses the world group for tensor parallelism) fail the right graded
+  cell with a message that says why.
+- viz.weight_slices, and bench.bench_tp / format_tp_table / `disttrain-lab bench tp`, on the
+  solution's class.
+
+The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import nbformat
+import pytest
+import torch
+
+from disttrain_lab import bench, viz
+from tests.helpers import run_python
+from tests.notebooks import REPO, cell_by_id, errors, execute, graded_cells, nbgrader_meta, text
+
+LAB = REPO / "solutions" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
+BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {"parallel_linear": "class ColumnParallelLinear(", "f_and_g": "class CopyToTensorParallel(",
+             "tp_mlp": "class TensorParallelMLP(", "2d": "def train_2d("}
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_notebook_is_nbgrader_source_without_outputs():
+    nb = load_lab()
+    assert nbgrader_meta(nb.cells[0]).get("grade_id") == "setup", "cell 1 must be the setup cell"
+    assert "DISTTRAIN_LAB_PIP" in nb.cells[0].source and "dl.doctor(short=True)" in nb.cells[0].source
+    assert "FAST = bool(os.environ.get(\"NBGRADER_EXECUTION\"))" in nb.cells[0].source
+    ids = [nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
+    for exercise, definition in EXERCISES.items():
+        solution = cell_by_id(nb, f"ex_{exercise}")
+        assert "### BEGIN SOLUTION" in solution.source and definition in solution.source
+        test = cell_by_id(nb, f"test_{exercise}")
+        meta = nbgrader_meta(test)
+        assert meta["locked"] and meta["points"] > 0, meta
+        assert test.source.startswith("checks.verify_untampered()"), exercise
+        assert "### BEGIN HIDDEN TESTS" in test.source
+    assert nbgrader_meta(cell_by_id(nb, "test_helpers"))["locked"], "the shared test helpers must be read-only"
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or not cell.outputs, "solutions/ is committed without outputs"
+
+
+def test_package_ships_no_solutions():
+    source = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    for definition in [*EXERCISES.values(), "class RowParallelLinear(", "class ReduceFromTensorParallel(",
+                       "def parallel_groups("]:
+        assert definition not in source, f"disttrain_lab must not contain a solution: {definition}"
+
+
+def test_hidden_tests_cover_the_issue():
+    # N = 2, 3 and 4; groups inside the world; sizes that do not divide by N raise ValueError
+    nb = load_lab()
+    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    for needle in ("_check_mlp(4,", "tp_size=2)", "_check_mlp(3,", "_check_2d(4, 4", "_check_2d(4, 1",
+                   "_expect_value_error(lambda: TensorParallelMLP", "bias=False"):
+        assert needle in hidden, needle
+    helpers = cell_by_id(nb, "test_helpers").source
+    assert 'e.exc_type == "ValueError" and "divisible" in e.exc_message' in helpers
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb, seconds = execute(load_lab(), autograding=True, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
+    assert not failed, f"cells raised: {failed}"
+    for cell in graded_cells(nb):
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
+    table = next(c for c in nb.cells if "bench.format_tp_table(rows)" in c.source)
+    for line in (" 1 TensorParallelMLP", " 2 TensorParallelMLP", " 4 TensorParallelMLP", f" 4 {bench.TORCH_TP}"):
+        assert line in text(table), text(table)
+    assert "not measured" not in text(table), text(table)
+    pictures = [c for c in nb.cells if c.cell_type == "code" and any("image/png" in o.get("data", {}) for o in c.outputs)]
+    sources = " ".join(c.source for c in pictures)
+    assert "dl.viz.weight_slices(" in sources and "dl.viz.timeline(" in sources, "expected the slice picture and the timeline"
+    assert seconds < BUDGET_S, f"the solution notebook took {seconds:.0f} s, the budget is {BUDGET_S} s"
+
+
+# Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
+WRONG = [
+    ("parallel_linear", '''
+class RowParallelLinear(nn.Module):           # every rank adds the bias: the all-reduce sums it in N times
+    def __init__(self, full, group=None):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        part = full.in_features // size
+        self.weight = nn.Parameter(full.weight.detach()[:, rank * part:(rank + 1) * part].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x_part):
+        return F.linear(x_part, self.weight, self.bias)
+''', "the bias must be added exactly once"),
+    ("parallel_linear", '''
+class ColumnParallelLinear(nn.Module):        # views into the full weight: nothing saved
+    def __init__(self, full, group=None):
+        super().__init__()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        part = full.out_features // size
+        self.weight = nn.Parameter(full.weight.detach()[rank * part:(rank + 1) * part])
+        self.bias = nn.Parameter(full.bias.detach()[rank * part:(rank + 1) * part])
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+''', "not a view into the full weight"),
+    ("f_and_g", '''
+class CopyToTensorParallel(ReduceFromTensorParallel):   # f and g swapped
+    pass
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+''', "did you swap f and g?"),
+    ("tp_mlp", '''
+class TensorParallelMLP(nn.Module):           # gathers the hidden activations: communication between the linears
+    def __init__(self, dense, group=None):
+        super().__init__()
+        self.group = group
+        self.column = ColumnParallelLinear(dense[0], group)
+        self.row = RowParallelLinear(dense[2], group)
+
+    def forward(self, x):
+        hidden = F.gelu(self.column(f(x, self.group)))
+        hidden = g(hidden, self.group) / dist.get_world_size(self.group)
+        return g(self.row(hidden), self.group)
+''', "none between the two layers"),
+    ("2d", '''
+def train_2d(dense, batches, tp_size, lr):   # tensor parallelism over the world group (and so no DP group)
+    model = TensorParallelMLP(dense)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model
+''', "must stay inside its TP group (0, 1)"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[
+    "row_bias_on_every_rank", "column_keeps_views", "f_and_g_swapped", "all_reduce_between_linears",
+    "2d_world_group_for_tp"])
+def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
+    lab = load_lab()
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    helpers = cell_by_id(lab, "test_helpers")
+    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], *solutions, helpers)] + [
+        nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
+    nb, _ = execute(nb, autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-1]:
+        assert not errors(cell), errors(cell)
+    found = errors(nb.cells[-1])
+    assert found and message in found[0], found
+
+
+# ----------------------------------------------------------------------------------------
+# The slice picture and the bench harness
+
+def test_weight_slices_locates_what_each_rank_holds():
+    import matplotlib
+    matplotlib.use("Agg")
+    w, b = torch.arange(24.0).view(6, 4), torch.arange(4.0)
+    held = [{"w": w[:3], "b": b}, {"w": w[3:], "b": b}]
+    axes = viz.weight_slices({"w": w, "b": b}, held)
+    owners = axes[0].images[0].get_array()
+    assert (owners[:3] == 2).all() and (owners[3:] == 3).all()       # rank r is drawn as r + 2
+    assert (axes[1].images[0].get_array() == 0).all()                # held by both ranks: "several"
+    with pytest.raises(ValueError, match="not a contiguous block"):
+        viz.weight_slices({"w": w}, [{"w": w[:3] + 1}])
+
+
+def test_format_tp_table():
+    rows = [{"version": name, "world_size": 2, "batch": 64, "sizes": (8, 32, 8), "repeats": 5, "ms_per_step": ms,
+             "bytes_per_step": 4096, "calls_per_step": 2, "ratio": 4.0 / ms} for name, ms in (("ours", 5.0), (bench.TORCH_TP, 4.0))]
+    rows.append({"version": "broken", "world_size": 2, "batch": 64, "sizes": (8, 32, 8), "repeats": 5, "error": "nope"})
+    table = bench.format_tp_table(rows)
+    assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
+    assert "0.80x" in table and "4.0 KiB" in table and "not measured: nope" in table
+
+
+@pytest.mark.slow
+def test_bench_tp_measures_side_by_side():
+    found = bench.functions_from_notebook(LAB, ["TensorParallelMLP"])
+    rows = bench.bench_tp(found, world_sizes=(1, 2), sizes=(16, 64, 16), batch=8, steps=1, repeats=2, warmup=1)
+    assert [(r["world_size"], r["version"]) for r in rows] == [
+        (1, "TensorParallelMLP"), (1, bench.TORCH_TP), (2, "TensorParallelMLP"), (2, bench.TORCH_TP)]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["ms_per_step"] > 0
+    # two all-reduces of a (8, 16) fp32 activation per step on 2 ranks, for both
+    assert [(r["bytes_per_step"], r["calls_per_step"]) for r in rows[2:]] == [(2 * 8 * 16 * 4, 2)] * 2
+    with pytest.raises(ValueError, match="divisible"):
+        bench.bench_tp(found, world_sizes=(3,), sizes=(16, 64, 16))
+
+
+@pytest.mark.slow
+def test_cli_bench_tp_uses_the_notebook():
+    out = run_python(["-m", "disttrain_lab.cli", "bench", "tp", "--notebook", str(LAB), "--repeats", "1",
+                      "--world-size", "2"], timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stdout
+    for words in ("tensor-parallel MLP from", " 2 TensorParallelMLP", f" 2 {bench.TORCH_TP}", "vs torch"):
+        assert words in out.stdout, out.stdout
