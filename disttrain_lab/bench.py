@@ -291,7 +291,8 @@ def functions_from_notebook(path, names) -> dict:
             continue                                   # graded tests and read-only test helpers
         if setup or definitions_only(cell.source):
             with contextlib.redirect_stdout(io.StringIO()):   # the setup cell's doctor line
-                exec(compile(cell.source, f"{path}:{meta.get('grade_id', 'cell')}", "exec"), namespace)
+                exec(compile(cell.source, f"{path}:{meta.get('grade_id', 'cell')}", "exec",
+                                 dont_inherit=True), namespace)  # not this module's __future__ imports
     return {name: namespace[name] for name in names if callable(namespace.get(name))}
 
 # --------------------------------------------------------------------------------------

@@ -52,3 +52,27 @@ def blank(nb) -> nbformat.NotebookNode:
     from nbgrader.preprocessors import ClearSolutions
     nb, _ = ClearSolutions().preprocess(copy.deepcopy(nb), {"metadata": {"path": str(REPO)}})
     return nb
+
+
+def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbformat.NotebookNode:
+    """Execute a solution notebook and check what every lab promises: no cell raises, every
+    graded cell prints its success line and nothing on stderr (nbgrader zeroes a test cell
+    that writes to stderr), all within ``budget_s``.  Returns the executed notebook."""
+    nb, seconds = execute(nbformat.read(path, as_version=4), autograding, cwd=Path(path).parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
+    assert not failed, f"cells raised: {failed}"
+    for cell in graded_cells(nb):
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
+        assert not [o for o in cell.outputs if o.get("name") == "stderr"], \
+            f"graded cell {nbgrader_meta(cell)['grade_id']} wrote to stderr"
+    assert seconds < budget_s, f"the solution notebook took {seconds:.0f} s, the budget is {budget_s} s"
+    return nb
+
+
+def output_of(nb, marker: str) -> str:
+    """The printed text of the first code cell whose source contains ``marker``."""
+    return text(next(c for c in nb.cells if c.cell_type == "code" and marker in c.source))
+
+
+def pictures(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)

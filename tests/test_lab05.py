@@ -1,0 +1,231 @@
+"""Lab 5 (pipeline parallelism): the solution notebook runs, its graded tests can fail, and the
+pipeline bench harness and Gantt chart work.
+
+- The solution notebook executes top to bottom in a real kernel as the grader runs it
+  (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
+  Gantt charts, bubble plot and bench table.
+- The blank notebook (solutions cleared the way nbgrader releases it) fails every graded cell,
+  quickly.  Wrong answers (a split with as many layers per stage instead of balanced parameters,
+  GPipe that runs F,B,F,B, activations sent to a non-neighbour, micro-batch losses not scaled,
+  1F1B that runs GPipe's order) fail the right graded cell with a message that says why.
+- viz.pipeline_idle / pipeline_schedule on a traced run; bench.bench_pipeline /
+  format_pipeline_table / `disttrain-lab bench pipeline`, on the solution's functions.
+
+The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import nbformat
+import pytest
+
+import disttrain_lab as dl
+from disttrain_lab import bench
+from tests.helpers import run_python
+from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, output_of, pictures, run_solution
+
+LAB = REPO / "solutions" / "05_pipeline" / "05_pipeline.ipynb"
+BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {"split": "def split_stages(", "naive": "def naive_step(", "gpipe": "def gpipe_step(",
+             "1f1b": "def one_f_one_b_step("}
+TESTS = {"split": ["test_split"], "naive": ["test_naive"], "gpipe": ["test_gpipe", "test_gpipe_bubble"],
+         "1f1b": ["test_1f1b"]}
+FUNCTIONS = ["split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_step"]
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+@pytest.fixture(scope="module")
+def solution() -> dict:
+    """The solution notebook's functions, as `disttrain-lab bench pipeline` loads them."""
+    return bench.functions_from_notebook(LAB, FUNCTIONS)
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_notebook_is_nbgrader_source_without_outputs():
+    nb = load_lab()
+    assert nbgrader_meta(nb.cells[0]).get("grade_id") == "setup", "cell 1 must be the setup cell"
+    assert "DISTTRAIN_LAB_PIP" in nb.cells[0].source and "dl.doctor(short=True)" in nb.cells[0].source
+    assert "FAST = bool(os.environ.get(\"NBGRADER_EXECUTION\"))" in nb.cells[0].source
+    ids = [nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
+    for exercise, definition in EXERCISES.items():
+        solution = cell_by_id(nb, f"ex_{exercise}")
+        assert "### BEGIN SOLUTION" in solution.source and definition in solution.source
+        for test_id in TESTS[exercise]:
+            test = cell_by_id(nb, test_id)
+            meta = nbgrader_meta(test)
+            assert meta["locked"] and meta["points"] > 0, meta
+            assert test.source.startswith("checks.verify_untampered()"), test_id
+            assert "### BEGIN HIDDEN TESTS" in test.source
+    assert nbgrader_meta(cell_by_id(nb, "test_helpers"))["locked"], "the shared test helpers must be read-only"
+    for cell in nb.cells:
+        assert cell.cell_type != "code" or not cell.outputs, "solutions/ is committed without outputs"
+
+
+def test_package_ships_no_solutions():
+    source = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    for definition in [*EXERCISES.values(), "def forward_microbatch(", "def backward_microbatch("]:
+        assert definition not in source, f"disttrain_lab must not contain a solution: {definition}"
+
+
+def test_hidden_tests_cover_the_issue():
+    # p = 2, 3, 4; several m, uneven micro-batches; bubble on 4 stages at m = 1, 2, 4, 8
+    nb = load_lab()
+    hidden = "".join(cell_by_id(nb, t).source.split("### BEGIN HIDDEN TESTS")[1] for ts in TESTS.values() for t in ts)
+    for needle in ("(4, 11, 3)", "(4, 16, 8)", "(3, 10, 4)", "(2, 9, 2)", "(4, 13, 6)", "4, [1, 2, 4, 8]",
+                   "one_f_one_b_step, 4, [2, 8]"):
+        assert needle in hidden, needle
+    helpers = cell_by_id(nb, "test_helpers").source
+    assert "BUBBLE_TOLERANCE = 0.08" in helpers and "checks.within(run, \"student\")" in helpers
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb = run_solution(LAB, BUDGET_S)
+    table = output_of(nb, "bench.format_pipeline_table(rows)")
+    for name in ("naive", "GPipe m=8", "1F1B m=8", f"{bench.TORCH_PIPELINE} m=4"):
+        assert name in table, table
+    assert pictures(nb) >= 3, f"expected the naive Gantt, the bubble plot and the three schedules, got {pictures(nb)}"
+    slider = next(c for c in nb.cells if "widgets.interact(show_gpipe" in c.source)
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in slider.outputs)
+
+
+# Wrong answers the graded tests must catch: (solution cell, wrong source, graded cell, words the failure must contain)
+WRONG = [
+    ("split", '''
+def split_stages(model, num_stages):          # as many blocks per stage, not as many parameters
+    children = list(model.named_children())
+    starts = [i for i, (_, layer) in enumerate(children) if i == 0 or list(layer.parameters())]
+    bounds = [starts[len(starts) * s // num_stages] for s in range(num_stages)] + [len(children)]
+    return [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(bounds, bounds[1:])]
+''', "test_split", "the most balanced split"),
+    ("gpipe", "F, B, F, B", "test_gpipe", "the schedule is F0 F1 F2 F3 B0 B1 B2 B3"),
+    ("gpipe", "activations to the last stage", "test_gpipe", "rank(s) [2]"),
+    ("gpipe", "unscaled", "test_gpipe", "scale each micro-batch's loss by rows / batch"),   # visible: 4 even ones
+    ("1f1b", '''
+def one_f_one_b_step(stage, x, y, micro_batches):   # GPipe's order under 1F1B's name
+    return gpipe_step(stage, x, y, micro_batches)
+''', "test_1f1b", "the schedule is F0 F1 B0 F2 B1 F3 B2 B3"),
+]
+
+
+def wrong_gpipe(kind: str, source: str) -> str:
+    """The solution's GPipe cell with one mistake."""
+    if kind == "F, B, F, B":        # each micro-batch's backward right after its forward: no pipelining
+        return source.replace(
+            "    stash = [forward_microbatch(stage, xs[i], ys[i], i, len(x), sends) for i in range(micro_batches)]\n"
+            "    loss = sum(backward_microbatch(stage, inputs, outputs, i, sends) for i, (inputs, outputs) in "
+            "enumerate(stash))",
+            "    loss = sum(backward_microbatch(stage, *forward_microbatch(stage, xs[i], ys[i], i, len(x), sends), i, "
+            "sends) for i in range(micro_batches))")
+    if kind == "unscaled":          # the sum of the micro-batch means: m times the gradient
+        return source.replace(" * (len(y) / batch)", "")
+    if kind == "activations to the last stage":   # every stage also copies its activation to the last one
+        return source.replace(
+            "        sends.append(dist.isend(outputs.detach(), dst=stage.index + 1))",
+            "        sends.append(dist.isend(outputs.detach(), dst=stage.index + 1))\n"
+            "        if stage.index + 1 != stage.count - 1:\n"
+            "            sends.append(dist.isend(outputs.detach(), dst=stage.count - 1))"
+        ).replace(
+            "    if stage.is_first:\n        inputs = x\n    else:",
+            "    for src in range(stage.count - 2) if stage.is_last else ():\n"
+            "        dist.recv(torch.empty(len(x), stage.input_width), src=src)\n"
+            "    if stage.is_first:\n        inputs = x\n    else:", 1)
+    raise ValueError(kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise, wrong, test_id, message", WRONG, ids=[
+    "split_by_layer_count", "gpipe_f_b_f_b", "gpipe_sends_to_non_neighbour", "gpipe_unscaled_losses",
+    "1f1b_in_gpipe_order"])
+def test_graded_cell_catches_a_wrong_answer(exercise, wrong, test_id, message):
+    lab = load_lab()
+    stage = next(c for c in lab.cells if "class Stage" in c.source)
+    solutions = []
+    for e in EXERCISES:
+        cell = copy.deepcopy(cell_by_id(lab, f"ex_{e}"))
+        if e == exercise:
+            cell.source = wrong if exercise != "gpipe" else wrong_gpipe(wrong, cell.source)
+            assert cell.source != cell_by_id(lab, f"ex_{e}").source, "the mistake was not planted"
+        solutions.append(cell)
+    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], stage)] + solutions + [
+        copy.deepcopy(cell_by_id(lab, "test_helpers")), copy.deepcopy(cell_by_id(lab, test_id))])
+    nb, _ = execute(nb, autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-1]:
+        assert not errors(cell), errors(cell)
+    found = errors(nb.cells[-1])
+    assert found and message in found[0], found
+
+
+# ----------------------------------------------------------------------------------------
+# The Gantt chart, the idle measurement and the bench harness
+
+def _traced_gpipe(stage_cls, split, gpipe, m):
+    import torch.distributed as dist
+    from disttrain_lab import models
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = stage_cls(split(models.MLP([8] * 5, seed=0), p)[rank], rank, p, 1e-2)   # 20 ms boxes
+    x, y = models.regression_data(8, 8, 8, seed=1)
+    for step in range(2):               # step 0 warms up (gloo's first messages are slow)
+        with dl.region("step", step=step):
+            gpipe(stage, x, y, micro_batches=m)
+
+
+def test_pipeline_idle_and_schedule(solution):
+    import matplotlib
+    matplotlib.use("Agg")
+    run = dl.launch(_traced_gpipe, 2, solution["Stage"], solution["split_stages"], solution["gpipe_step"], 4,
+                    trace=True)
+    assert [f"{e.name}{e.meta['microbatch']}" for e in dl.viz.pipeline_regions(run, 1, step=1)] == \
+        ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    idle = dl.viz.pipeline_idle(run, step=1)
+    assert all(abs(i - 1 / 5) < 0.15 for i in idle), idle       # (p − 1)/(m + p − 1) = 0.2
+    ax = dl.viz.pipeline_schedule(run, step=1)
+    assert "idle" in ax.get_title() and len(ax.get_yticklabels()) == 2
+    with pytest.raises(ValueError, match="no region \"step\" with step=3"):
+        dl.viz.pipeline_regions(run, 0, step=3)
+
+
+def test_format_pipeline_table():
+    rows = [{"version": "naive", "micro_batches": 1, "world_size": 4, "batch": 64, "repeats": 5, "cost": 5e-4,
+             "ideal": 1.0, "steps_per_s": 2.5, "speedup": 1.0},
+            {"version": f"{bench.TORCH_PIPELINE} m=4", "micro_batches": 4, "world_size": 4, "batch": 64, "repeats": 5,
+             "cost": 5e-4, "ideal": 16 / 7, "error": "RuntimeError: no"}]
+    table = bench.format_pipeline_table(rows)
+    assert "4 stages, batch 64, simulated accelerator 0.5 ms/sample" in table
+    assert "1.00x" in table and "not measured: RuntimeError: no" in table
+
+
+def test_bench_pipeline_measures_side_by_side(solution):
+    versions = {"naive": (solution["naive_step"], 1),
+                "GPipe m=2": (functools.partial(solution["gpipe_step"], micro_batches=2), 2)}
+    rows = bench.bench_pipeline(versions, solution["split_stages"], solution["Stage"], world_size=2,
+                                sizes=(16,) * 5, batch=8, cost=1e-4, repeats=1, warmup=1, torch_micro_batches=(2,))
+    assert [r["version"] for r in rows] == ["naive", "GPipe m=2", f"{bench.TORCH_PIPELINE} m=2"]
+    for row in rows:
+        assert row.get("steps_per_s", 0) > 0, row
+    assert rows[0]["speedup"] == 1.0 and rows[1]["ideal"] == pytest.approx(4 / 3)
+
+
+def test_bench_pipeline_rejects_one_stage():
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        bench.bench_pipeline({}, None, None, world_size=1)
+
+
+@pytest.mark.slow
+def test_cli_bench_pipeline_uses_the_notebook():
+    out = run_python(["-m", "disttrain_lab.cli", "bench", "pipeline", "--notebook", str(LAB), "--repeats", "1",
+                      "--world-size", "2"], timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stdout
+    for name in ("naive", "GPipe m=8", "1F1B m=8", f"{bench.TORCH_PIPELINE} m=8", "ideal"):
+        assert name in out.stdout, out.stdout
