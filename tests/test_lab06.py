@@ -24,7 +24,7 @@ import torch
 
 from disttrain_lab import bench, viz
 from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, output_of, run_solution
+from tests.notebooks import REPO, cell_by_id, errors, execute, output_of, run_solution
 
 LAB = REPO / "solutions" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
@@ -38,33 +38,6 @@ def load_lab() -> nbformat.NotebookNode:
 
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
-
-def test_notebook_is_nbgrader_source_without_outputs():
-    nb = load_lab()
-    assert nbgrader_meta(nb.cells[0]).get("grade_id") == "setup", "cell 1 must be the setup cell"
-    assert "DISTTRAIN_LAB_PIP" in nb.cells[0].source and "dl.doctor(short=True)" in nb.cells[0].source
-    assert "FAST = bool(os.environ.get(\"NBGRADER_EXECUTION\"))" in nb.cells[0].source
-    ids = [nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c)]
-    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
-    for exercise, definition in EXERCISES.items():
-        solution = cell_by_id(nb, f"ex_{exercise}")
-        assert "### BEGIN SOLUTION" in solution.source and definition in solution.source
-        test = cell_by_id(nb, f"test_{exercise}")
-        meta = nbgrader_meta(test)
-        assert meta["locked"] and meta["points"] > 0, meta
-        assert test.source.startswith("checks.verify_untampered()"), exercise
-        assert "### BEGIN HIDDEN TESTS" in test.source
-    assert nbgrader_meta(cell_by_id(nb, "test_helpers"))["locked"], "the shared test helpers must be read-only"
-    for cell in nb.cells:
-        assert cell.cell_type != "code" or not cell.outputs, "solutions/ is committed without outputs"
-
-
-def test_package_ships_no_solutions():
-    source = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
-    for definition in [*EXERCISES.values(), "class RowParallelLinear(", "class ReduceFromTensorParallel(",
-                       "def parallel_groups("]:
-        assert definition not in source, f"disttrain_lab must not contain a solution: {definition}"
-
 
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3 and 4; groups inside the world; sizes that do not divide by N raise ValueError

@@ -1,0 +1,70 @@
+"""What every lab notebook in solutions/ promises, checked the same way for all of them.
+
+(Executing each solution, the blank release failing every graded cell, and the autograde
+round trip are in test_labNN.py and test_grading.py.)
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tests.notebooks import REPO, nbgrader_meta
+
+LABS = sorted((REPO / "solutions").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
+
+
+def definitions(source: str) -> list[str]:
+    """Names of the functions and classes a cell defines at top level."""
+    tree = ast.parse(source)
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+
+
+@pytest.fixture(params=LABS, ids=[p.stem for p in LABS])
+def lab(request) -> nbformat.NotebookNode:
+    return nbformat.read(request.param, as_version=4)
+
+
+def test_setup_cell_first(lab):
+    setup = lab.cells[0]
+    assert nbgrader_meta(setup).get("grade_id") == "setup" and nbgrader_meta(setup).get("locked")
+    for needed in ('DISTTRAIN_LAB_PIP = "', "import disttrain_lab as dl", "dl.doctor(short=True)",
+                   'FAST = bool(os.environ.get("NBGRADER_EXECUTION"))'):
+        assert needed in setup.source, needed
+
+
+def test_every_exercise_is_followed_by_locked_graded_tests(lab):
+    ids = [nbgrader_meta(c)["grade_id"] for c in lab.cells if nbgrader_meta(c)]
+    assert len(ids) == len(set(ids)), f"grade ids must be unique: {ids}"
+    seen = []
+    for cell in lab.cells:
+        meta = nbgrader_meta(cell)
+        if meta.get("solution"):
+            assert meta["grade_id"].startswith("ex_"), meta["grade_id"]
+            assert "### BEGIN SOLUTION" in cell.source and definitions(cell.source), meta["grade_id"]
+            seen.append(meta["grade_id"])
+        elif meta.get("grade"):
+            assert seen, f"graded cell {meta['grade_id']} comes before any exercise"
+            assert meta.get("locked") and meta.get("points", 0) > 0, meta
+            assert cell.source.startswith("checks.verify_untampered()"), meta["grade_id"]
+            assert "### BEGIN HIDDEN TESTS" in cell.source and "### END HIDDEN TESTS" in cell.source, meta["grade_id"]
+    graded = [i for i in ids if i.startswith("test_")]
+    for exercise in seen:  # ex_X is graded by test_X, after it
+        name = "test_" + exercise[3:]
+        assert name in graded and ids.index(name) > ids.index(exercise), f"{exercise} has no graded {name} after it"
+
+
+def test_committed_without_outputs(lab):
+    assert not [i for i, c in enumerate(lab.cells) if c.cell_type == "code" and c.outputs]
+
+
+def test_package_ships_none_of_the_solutions(lab):
+    # students install disttrain_lab: no function or class they write may be defined in it
+    package = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    for cell in lab.cells:
+        if nbgrader_meta(cell).get("solution"):
+            for name in definitions(cell.source):
+                assert f"def {name}(" not in package and f"class {name}(" not in package \
+                    and f"class {name}:" not in package, f"disttrain_lab defines {name}, a solution"
