@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 
 def _trivial():
@@ -28,18 +27,22 @@ def _trivial():
 def _spawn_target(rank: int, world_size: int, port: int) -> None:
     # what torch.multiprocessing.spawn users write: join a group, work, leave
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     _trivial()
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def time_spawn(world_size: int) -> float:
-    import torch.distributed as dist
     import torch.multiprocessing as mp
     start = time.perf_counter()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    mp.spawn(_spawn_target, args=(world_size, store.port), nprocs=world_size, join=True)
+    mp.spawn(_spawn_target, args=(world_size, _free_port()), nprocs=world_size, join=True)
     return time.perf_counter() - start
 
 

@@ -44,6 +44,7 @@ def spawned_main() -> None:
 
 _FORKED = False
 _RETIRED_GROUPS: list = []
+_MAX_RETIRED = 32
 
 
 def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) -> None:
@@ -69,7 +70,9 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) ->
     conn.send_bytes(b"ready")
     while True:
         # Destroying a gloo group's C++ object takes ~40 ms; do it while idle, not in a call.
-        while _RETIRED_GROUPS and (len(_RETIRED_GROUPS) > 16 or not conn.poll(0.005)):
+        # Only when idle for a moment (between notebook cells), so a burst of launches never
+        # waits for it; at most _MAX_RETIRED groups (their sockets and threads) pile up.
+        while _RETIRED_GROUPS and (len(_RETIRED_GROUPS) > _MAX_RETIRED or not conn.poll(0.25)):
             _RETIRED_GROUPS.pop(0)
         try:
             job = pickle.loads(conn.recv_bytes())

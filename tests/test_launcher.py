@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -353,16 +354,14 @@ def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
         out = dl.launch(step, 2, 10)
         run = dl.launch(step, 2, 1, trace=True)
         assert run.calls()["all_reduce"] == 2, run.calls()
-        print("RANK", os.environ["RANK"], "PID", os.getpid(), "OUT", [v for _, v in out],
-              "SAME_PROCESS", out[int(os.environ["RANK"])][0] == os.getpid())
+        line = f"<RANK {os.environ['RANK']} OUT {[v for _, v in out]} SAME_PROCESS {out[int(os.environ['RANK'])][0] == os.getpid()}>"
+        os.write(1, line.encode())  # one write: the two ranks share torchrun's stdout
     """))
     proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
                       timeout=120, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RANK")]
-    assert len(lines) == 2
-    for line in lines:
-        assert "OUT [30.0, 30.0]" in line and "SAME_PROCESS True" in line
+    reports = re.findall(r"<RANK (\d) OUT \[30.0, 30.0\] SAME_PROCESS True>", proc.stdout)
+    assert sorted(reports) == ["0", "1"], proc.stdout[-3000:]
 
 
 def test_torchrun_world_size_mismatch_is_explained(monkeypatch):
@@ -418,3 +417,19 @@ def test_init_process_group_in_the_function_gets_a_hint():
 def test_os_exit_zero_is_explained():
     with pytest.raises(dl.RankDied, match=r"os._exit\(0\)"):
         dl.launch(lambda: os._exit(0), 2)
+
+
+def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
+    script = tmp_path / "deadlock.py"
+    script.write_text(textwrap.dedent("""
+        import disttrain_lab as dl, torch, torch.distributed as dist
+        def both_receive_first():
+            t = torch.zeros(4)
+            dist.recv(t, src=1 - dist.get_rank())
+        dl.launch(both_receive_first, 2, timeout=3)
+    """))
+    start = time.perf_counter()
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                      timeout=120, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and time.perf_counter() - start < 60
+    assert "not finished within the timeout of 3 s" in proc.stdout and "recv(src=" in proc.stdout, proc.stdout[-3000:]
