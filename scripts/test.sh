@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv (see scripts/setup.sh) and run the whole test suite.
-#   bash scripts/test.sh            # everything (about 15 minutes on 2 cores)
+#   bash scripts/test.sh            # everything (about 23 minutes on 2 cores)
 #   bash scripts/test.sh -m "not slow"   # skip notebook execution and autograding
 set -uo pipefail
 cd "$(dirname "$0")/.."
