@@ -329,21 +329,17 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
         else:
             forward, finish = model, wrap(model).finish
         runners[name] = (forward, finish, torch.optim.SGD(model.parameters(), lr=1e-3))
-    names, seconds = list(runners), {}
-    for i in range(warmup + repeats):
-        shift = i % len(names)                     # rotate the order so no version always goes first
-        for name in names[shift:] + names[:shift]:
-            forward, finish, optimizer = runners[name]
-            dist.barrier()
-            start = time.perf_counter()
+
+    def train(forward, finish, optimizer):
+        def run():
             for _ in range(steps):
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(forward(x), y).backward()
                 finish()
                 optimizer.step()
-            if i >= warmup:
-                seconds.setdefault(name, []).append(time.perf_counter() - start)
-    return seconds
+        return run
+
+    return take_turns({name: train(*parts) for name, parts in runners.items()}, repeats, warmup)
 
 
 def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int = 32, steps: int = 3,
@@ -384,12 +380,6 @@ def format_ddp_table(rows: list[dict]) -> str:
     lines += [f"{r['version']:<{width}} {r['steps_per_s']:>8.2f} {r['ratio']:>13.2f}x" for r in rows]
     return "\n".join(lines)
 
-
-if __name__ == "__main__" and "--torchrun-child" in sys.argv:
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    _trivial()
-    dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------
@@ -843,3 +833,10 @@ def format_tp_table(rows: list[dict]) -> str:
             lines.append(f"{r['world_size']:>2} {r['version']:<{width}} {r['ms_per_step']:>8.1f} "
                          f"{format_bytes(r['bytes_per_step']):>11} {r['calls_per_step']:>5} {ratio}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__" and "--torchrun-child" in sys.argv:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    _trivial()
+    dist.destroy_process_group()
