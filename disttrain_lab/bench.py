@@ -19,6 +19,12 @@ import sys
 import time
 
 
+def slowest_median(per_rank: list[list[float]]) -> float:
+    """Median over repeats of the slowest rank's seconds: a step of several ranks ends
+    when its last rank does.  ``per_rank[r][i]`` is rank r's time in repeat i."""
+    return statistics.median(max(times) for times in zip(*per_rank))
+
+
 def _trivial():
     import torch.distributed as dist
     return dist.get_rank() * 10
@@ -231,8 +237,7 @@ def bench_allreduce(algorithms: dict, world_size: int = 4, sizes=ALLREDUCE_SIZES
     per_rank = launch(_time_allreduce, world_size, working, list(sizes), repeats, warmup, dtype,
                       timeout=timeout)
     for name, nbytes in sorted(per_rank[0], key=lambda key: (key[1], list(working).index(key[0]))):
-        slowest = [max(rank[(name, nbytes)][i] for rank in per_rank) for i in range(repeats)]
-        median = statistics.median(slowest)
+        median = slowest_median([rank[(name, nbytes)] for rank in per_rank])
         rows.append({"algorithm": name, "world_size": world_size, "bytes": nbytes, "median_s": median,
                      "algbw": nbytes / median, "busbw": nbytes / median * busbw_factor(world_size),
                      "repeats": repeats})
@@ -361,8 +366,8 @@ def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int =
                       bucket_mb, timeout=timeout)
     rows = []
     for name in [*versions, TORCH_DDP]:
-        slowest = [max(rank[name][i] for rank in per_rank) for i in range(repeats)]
-        rows.append({"version": name, "world_size": world_size, "steps_per_s": steps / statistics.median(slowest),
+        rows.append({"version": name, "world_size": world_size,
+                     "steps_per_s": steps / slowest_median([rank[name] for rank in per_rank]),
                      "repeats": repeats, "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))})
     reference = next(r["steps_per_s"] for r in rows if r["version"] == TORCH_DDP)
     for row in rows:
@@ -482,10 +487,10 @@ def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int
     parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     rows = []
     for name in makers:
-        slowest = [max(rank["seconds"][name][i] for rank in per_rank) for i in range(repeats)]
         worst = max((rank["held"][name] for rank in per_rank), key=lambda h: h["total"])
         row = {"version": name, "stage": stages[name], "world_size": world_size, "parameters": parameters,
-               "steps_per_s": steps / statistics.median(slowest), "repeats": repeats, "held": worst}
+               "steps_per_s": steps / slowest_median([rank["seconds"][name] for rank in per_rank]),
+               "repeats": repeats, "held": worst}
         if predict is not None:
             row["predicted"] = int(predict(parameters, stages[name], world_size, param_bytes=4, grad_bytes=4,
                                            optimizer_bytes=8)["total"])
@@ -660,8 +665,7 @@ def bench_pipeline(versions: dict, split_stages, make_stage, world_size: int = 4
         if name in errors:
             row["error"] = errors[name]
         else:
-            slowest = [max(seconds[name][i] for seconds, _ in per_rank) for i in range(repeats)]
-            row["steps_per_s"] = 1 / statistics.median(slowest)
+            row["steps_per_s"] = 1 / slowest_median([seconds[name] for seconds, _ in per_rank])
         rows.append(row)
     base = next((r["steps_per_s"] for r in rows if "steps_per_s" in r), 1.0)
     for row in rows:
@@ -804,8 +808,7 @@ def bench_tp(versions: dict, world_sizes=(1, 2, 4), sizes=TP_MODEL, batch: int =
             if name in first["unavailable"]:
                 row["error"] = first["unavailable"][name]
             else:
-                slowest = [max(rank["seconds"][name][i] for rank in per_rank) for i in range(repeats)]
-                row["ms_per_step"] = 1e3 * statistics.median(slowest) / steps
+                row["ms_per_step"] = 1e3 * slowest_median([rank["seconds"][name] for rank in per_rank]) / steps
                 row["bytes_per_step"], row["calls_per_step"] = first["communicated"][name]
             rows.append(row)
         reference = next((r for r in rows[-len(versions) - 1:] if r["version"] == TORCH_TP and "error" not in r), None)
