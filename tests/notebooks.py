@@ -76,3 +76,14 @@ def output_of(nb, marker: str) -> str:
 
 def pictures(nb) -> int:
     return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def error_of_last_cell(nb, cwd: Path | None = None) -> str:
+    """Execute nb as the grader does; every cell but the last must run cleanly, and the last
+    (a graded test cell) must fail.  Returns its error, "ename: evalue"."""
+    nb, _ = execute(nb, autograding=True, cwd=cwd)
+    for cell in nb.cells[:-1]:
+        assert not errors(cell), errors(cell)
+    found = errors(nb.cells[-1])
+    assert found, "the graded cell passed a wrong answer"
+    return found[0]

@@ -23,7 +23,7 @@ import pytest
 
 from disttrain_lab import bench
 from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, errors, execute, text, output_of, pictures, run_solution
+from tests.notebooks import REPO, cell_by_id, text, output_of, pictures, run_solution, error_of_last_cell
 
 matplotlib.use("Agg")
 
@@ -126,14 +126,11 @@ def test_graded_cell_catches_a_wrong_answer(case):
     cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
              cell_by_id(lab, "test_helpers"), cell_by_id(lab, f"test_{exercise}")]
     nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
-    nb, _ = execute(nb, autograding=True)
-    for cell in nb.cells[:-1]:
-        assert not errors(cell), errors(cell)
-    found = errors(nb.cells[-1])
+    found = error_of_last_cell(nb)
     if message == "hidden":            # the visible test's N = 64 divides 7.5B: only a hidden case catches it
-        assert found and "zero_memory_per_rank(" in found[0] and "ceil" in found[0], found
+        assert "zero_memory_per_rank(" in found and "ceil" in found, found
     else:
-        assert found and message in found[0], found
+        assert message in found, found
 
 
 # ----------------------------------------------------------------------------------------
