@@ -24,7 +24,8 @@ def doctor(short: bool = False) -> str:
     gpus = torch.cuda.device_count()  # NVML: leaves CUDA uninitialised, so forked ranks may use it
     chosen = plan(world_size=2)   # device="cpu", the default: what every launch uses unless asked
     try:
-        on_gpu = plan(world_size=gpus, device="cuda").reason if gpus else "no GPU visible"
+        on_gpu = plan(world_size=gpus, device="cuda").reason.removeprefix("device='cuda': ") if gpus \
+            else "no GPU visible"
     except ValueError as exc:
         on_gpu = str(exc).split(". ")[0]
     if short:
@@ -48,7 +49,7 @@ def doctor(short: bool = False) -> str:
         verdict = "NOT READY: this torch has no gloo backend, which every lab needs on CPU."
     else:
         verdict = (f"READY: labs run up to 4 ranks with {chosen.backend} on the CPU"
-                   + (f", and up to {gpus} ranks with device='cuda' (one GPU per rank)." if gpus and
+                   + (f", and up to {gpus} rank(s) with device='cuda' (one GPU per rank)." if gpus and
                       dist.is_nccl_available() else "."))
     lines.append(verdict)
     return "\n".join(lines)
