@@ -454,21 +454,39 @@ class SubmissionExporter(NotebookExporter):
 
 
 class StampInstallSource(NbGraderPreprocessor):
-    """Release step: write the course's pip requirement for the kit into each lab's setup
-    cell (the line ``DISTTRAIN_LAB_PIP = "..."``), so Colab students install the right kit.
+    """Release step: write where the kit installs from into each lab's setup cell (the line
+    ``DISTTRAIN_LAB_PIP = "..."``), so a fresh kernel (Colab) can install it.
 
-    Set it once in grader/nbgrader_config.py:
-    ``c.StampInstallSource.pip_requirement = "disttrain-lab @ git+https://..."``.
+    Set it once in grader/nbgrader_config.py, e.g. ``c.StampInstallSource.pip_requirement =
+    "wheel:https://raw.githubusercontent.com/ORG/REPO/main/labs/wheels"``; the choices and
+    what each stamps are in :mod:`disttrain_lab.release`.  ``$DISTTRAIN_LAB_INSTALL_SOURCE``
+    (set by ``disttrain-lab release --install-source``) wins over the file.
     """
-    pip_requirement = Unicode("disttrain-lab", help="pip requirement a lab's setup cell installs").tag(config=True)
+    pip_requirement = Unicode("", help="where a lab's setup cell installs the kit from: 'wheel', "
+                              "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL").tag(config=True)
 
     _LINE = re.compile(r'^DISTTRAIN_LAB_PIP = "[^"\n]*"', re.MULTILINE)
 
+    def preprocess(self, nb, resources):
+        from .release import ENV_VAR, stamped_requirement
+        self._stamp = stamped_requirement(os.environ.get(ENV_VAR) or self.pip_requirement)
+        return super().preprocess(nb, resources)
+
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type == "code" and self._LINE.search(cell.source):
-            requirement = self.pip_requirement.replace('"', '\\"')
-            cell.source = self._LINE.sub(f'DISTTRAIN_LAB_PIP = "{requirement}"', cell.source)
+            requirement = self._stamp.replace('"', '\\"')
+            cell.source = self._LINE.sub(lambda _: f'DISTTRAIN_LAB_PIP = "{requirement}"', cell.source)
         return cell, resources
+
+
+def configured_install_source() -> str:
+    """The install source grader/nbgrader_config.py sets (``$DISTTRAIN_LAB_INSTALL_SOURCE`` wins)."""
+    from traitlets.config.loader import PyFileConfigLoader
+    from .release import ENV_VAR
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR]
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(GRADER_DIR)).load_config()
+    return str(config.StampInstallSource.get("pip_requirement", ""))
 
 
 def configure(c, limits: Limits | None = None) -> None:
@@ -625,9 +643,21 @@ def normalize_release(path: Path) -> None:
 
 
 def release(labs: list[str] | None = None, *, course: Path | None = None, source: Path | None = None,
-            release_to: Path | None = None, tmp_root: str | None = None) -> list[StepResult]:
-    """generate_assignment for each lab (all of solutions/ by default), into labs/."""
+            release_to: Path | None = None, tmp_root: str | None = None,
+            install_source: str | None = None) -> list[StepResult]:
+    """generate_assignment for each lab (all of solutions/ by default), into labs/.
+
+    ``install_source`` (default: the configured one, see :mod:`disttrain_lab.release`) is
+    stamped into every lab's setup cell; the unset placeholder is refused before anything
+    is written.  For ``wheel`` sources the kit's wheel is built into ``labs/wheels/``.
+    """
+    from . import release as install
+    chosen = install_source or configured_install_source()
+    install.stamped_requirement(chosen)  # raises InstallSourceError, saying what to set
     env = _env(course, source, release_to)
+    env[install.ENV_VAR] = chosen
+    if install.needs_wheel(chosen):
+        install.build_wheel(out=Path(release_to or release_dir()) / install.WHEELS)
     results = []
     for lab in labs or list_labs(source):
         result = run_nbgrader(["generate_assignment", lab, "--force"], timeout=600, env=env, tmp_root=tmp_root)
@@ -739,18 +769,27 @@ def cli_release(argv: list[str] | None = None) -> int:
                         "(default: $DISTTRAIN_COURSE_DIR or ~/.disttrain-lab/course)")
     parser.add_argument("--check", action="store_true",
                         help="release into a scratch directory and fail if labs/ differs from it")
+    parser.add_argument("--install-source", help="where the labs' setup cell installs the kit from "
+                        "(default: c.StampInstallSource.pip_requirement in grader/nbgrader_config.py): 'wheel', "
+                        "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL")
     args = parser.parse_args(argv)
-    if not args.check:
-        for result in release(args.labs, course=args.course_dir):
-            print(f"released {result.args[1]} -> {release_dir() / result.args[1]} ({result.seconds:.1f} s)")
-        return 0
-    stale = []
-    with tempfile.TemporaryDirectory(prefix="disttrain-check-") as scratch:
-        fresh = Path(scratch) / "labs"
-        labs = args.labs or list_labs()
-        release(labs, course=Path(scratch) / "course", release_to=fresh)
-        for lab in labs:
-            stale += release_differences(fresh / lab, release_dir() / lab)
+    from .release import WHEELS, InstallSourceError, wheel_differences
+    try:
+        if not args.check:
+            for result in release(args.labs, course=args.course_dir, install_source=args.install_source):
+                print(f"released {result.args[1]} -> {release_dir() / result.args[1]} ({result.seconds:.1f} s)")
+            return 0
+        stale = []
+        with tempfile.TemporaryDirectory(prefix="disttrain-check-") as scratch:
+            fresh = Path(scratch) / "labs"
+            labs = args.labs or list_labs()
+            release(labs, course=Path(scratch) / "course", release_to=fresh, install_source=args.install_source)
+            for lab in labs:
+                stale += release_differences(fresh / lab, release_dir() / lab)
+            stale += wheel_differences(fresh / WHEELS, release_dir() / WHEELS)
+    except InstallSourceError as exc:
+        print(f"disttrain-lab release: {exc}", file=sys.stderr)
+        return 2
     for line in stale:
         print(line)
     print("labs/ is up to date" if not stale else "labs/ is out of date: run `disttrain-lab release`")

@@ -82,6 +82,12 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
     if "initialize the default process group twice" in info["message"]:
         info = {**info, "message": info["message"] + "  (dl.launch already set up the process group on "
                 "every rank: remove the dist.init_process_group call from your function.)"}
+    if info["type"] == "NotImplementedError" and not info["message"] and frames:
+        # a lab's stub: `raise NotImplementedError()` under "# YOUR CODE HERE"
+        where = f"{_cell_name(frames[-1][0])}, line {frames[-1][1]}"
+        info = {**info, "message": f"{frames[-1][2]} is not written yet ({where} still raises the stub's "
+                "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
+                "then run this one again."}
     message = (f"rank {rank} raised {info['type']}: {info['message']}\n\n"
                f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
                f"{info['type']}: {info['message']}")

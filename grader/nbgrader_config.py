@@ -20,7 +20,11 @@ limits = Limits()   # 180 s per cell, 1500 s per notebook, 4 GiB per process; th
 # limits.cell_timeout = 300   # e.g. a slower course machine
 configure(c, limits=limits)
 
-# Where a student's setup cell installs the kit from when it is missing (Colab): a pip
-# requirement, stamped into every released lab by `disttrain-lab release`.
-c.StampInstallSource.pip_requirement = "disttrain-lab"
-# c.StampInstallSource.pip_requirement = "disttrain-lab @ git+https://github.com/YOUR-ORG/disttrain-lab"
+# Where a lab's setup cell installs the kit from when it is missing (Colab): stamped into
+# every released lab by `disttrain-lab release`, which refuses to release while it is unset.
+#   "wheel"          release builds the kit's wheel into labs/wheels/; labs install ../wheels/<file>
+#                    (a Hub or laptop that has the labs folder)
+#   "wheel:https://raw.githubusercontent.com/YOUR-ORG/YOUR-REPO/main/labs/wheels"
+#                    the same wheel from that URL: Colab opening the labs from GitHub (commit labs/wheels/)
+#   "git+https://github.com/YOUR-ORG/YOUR-REPO@v1"    pip builds the kit from your repository
+c.StampInstallSource.pip_requirement = "wheel"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv (see scripts/setup.sh) and open JupyterLab on the student notebooks.
+#   bash scripts/lab.sh                         # JupyterLab on labs/, opens your browser
+#   LAB_ROOT=solutions bash scripts/lab.sh      # another folder (the instructor's notebooks)
+#   bash scripts/lab.sh --no-browser --port=0   # anything after it goes to `jupyter lab`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/jupyter lab labs/ "$@"
+exec .venv/bin/jupyter lab "${LAB_ROOT:-labs/}" "$@"

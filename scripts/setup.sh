@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install the kit.
 #
-#   bash scripts/setup.sh          # kit + labs + test tools
+#   bash scripts/setup.sh          # kit + instructor tools (JupyterLab, nbgrader) + test tools
+#
+# Students on Colab or a Hub need none of this: a lab's setup cell installs the lean kit.
 #
 # torch: an installed torch is never replaced.  The venv sees the interpreter's
 # site-packages (--system-site-packages), so a torch that comes with the machine
@@ -23,5 +25,5 @@ else
     echo "setup: no torch found; installing the pinned CPU build torch==2.13.0"
     "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[test]"
+"$VPY" -m pip install -q -e ".[grader,test]"
 echo "setup: ready ($("$VPY" -c 'import torch, disttrain_lab; print("torch", torch.__version__, "disttrain_lab", disttrain_lab.__version__)'))"

@@ -521,3 +521,13 @@ def test_cuda_launch_uses_nccl_on_the_ranks_own_gpu():
     with pytest.raises(ValueError, match=f"{world + 1} ranks need {world + 1} GPUs, but {world} GPU"):
         dl.launch(_on_the_gpu, world + 1, 3, device="cuda")
     assert dl.launch(lambda: torch.cuda.is_initialized(), 2) == [False, False], "then back on the CPU"
+
+
+def test_a_stub_that_is_not_written_yet_says_so():
+    def ping_pong(x):
+        # YOUR CODE HERE
+        raise NotImplementedError()
+    with pytest.raises(dl.RankError) as err:
+        dl.launch(ping_pong, 2, 1)
+    assert "ping_pong is not written yet" in str(err.value)
+    assert "replace `raise NotImplementedError()` with your code" in str(err.value)

@@ -1,10 +1,13 @@
 """The project's own files install what it needs, and never an unpinned torch."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,3 +67,56 @@ def test_console_script_runs():
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "disttrain-lab"), "doctor"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "READY" in out.stdout
+
+
+# --- a student's install is lean --------------------------------------------------------
+
+STUDENT_DEPS = {"cloudpickle", "numpy", "matplotlib", "ipywidgets"}
+# what may replace Colab's own Jupyter front end, or is only the instructor's
+NEVER_FOR_STUDENTS = {"torch", "jupyterlab", "notebook", "jupyter-server", "nbgrader", "nbconvert", "nbclient",
+                      "jupyterhub", "jupyter-client", "ipykernel"}
+
+
+def test_student_dependencies_are_only_what_a_kernel_needs():
+    project = _pyproject()["project"]
+    assert {_name(r) for r in project["dependencies"]} == STUDENT_DEPS
+    assert {"jupyterlab", "nbgrader"} <= {_name(r) for r in project["optional-dependencies"]["grader"]}
+    assert '.[grader,test]' in (ROOT / "scripts" / "setup.sh").read_text()
+
+
+@pytest.mark.slow
+def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(tmp_path):
+    from disttrain_lab.release import build_wheel
+    from .freshenv import canonical, fresh_venv, installed, requirements_of
+    wheel = build_wheel(ROOT, tmp_path / "dist")
+    python = fresh_venv(tmp_path / "venv", ["torch"])
+    before = installed(python)
+    assert "torch" in before and "disttrain-lab" not in before and "numpy" not in before
+    report = tmp_path / "report.json"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+                           str(wheel)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    items = {canonical(i["metadata"]["name"]): i["metadata"] for i in json.loads(report.read_text())["install"]}
+    kit = items.pop("disttrain-lab")
+    assert requirements_of(kit.get("requires_dist")) == STUDENT_DEPS, "the wheel's own requirements"
+    # everything else pip would add is needed by the student dependencies, transitively
+    reachable, todo = set(), list(STUDENT_DEPS)
+    while todo:
+        name = todo.pop()
+        if name not in reachable:
+            reachable.add(name)
+            todo += requirements_of(items.get(name, {}).get("requires_dist"))
+    assert set(items) <= reachable, f"added beyond the student dependencies: {set(items) - reachable}"
+    assert not set(items) & set(before), f"would replace installed packages: {set(items) & set(before)}"
+    assert not set(items) & NEVER_FOR_STUDENTS, set(items) & NEVER_FOR_STUDENTS
+
+
+@pytest.mark.slow
+def test_committed_wheel_is_built_from_these_sources(tmp_path):
+    from disttrain_lab import grading
+    from disttrain_lab.release import build_wheel, needs_wheel, wheel_differences
+    if not needs_wheel(grading.configured_install_source()):
+        pytest.skip("the configured install source is not a wheel beside the labs")
+    build_wheel(ROOT, tmp_path)
+    assert not wheel_differences(tmp_path, ROOT / "labs" / "wheels"), \
+        "labs/wheels/ is stale: run `disttrain-lab release`"
