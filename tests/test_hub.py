@@ -1,0 +1,25 @@
+"""A real JupyterHub on one host: 8 students run lab 1 at the same moment through it
+(scripts/hub_check.py does the work; it is also the instructor's own check of a Hub setup)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from .helpers import run_python
+from .notebooks import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_eight_students_run_lab_one_at_once_through_a_real_hub(tmp_path):
+    summary_path = tmp_path / "hub.json"
+    proc = run_python([str(REPO / "scripts" / "hub_check.py"), "--users", "8", "--json", str(summary_path)],
+                      timeout=1800, env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    summary = json.loads(summary_path.read_text())
+    assert [r["user"] for r in summary["results"]] == [f"student{i}" for i in range(1, 9)]
+    assert all(r["ok"] and not r["problems"] for r in summary["results"]), summary["results"]
+    assert summary["left_behind"] == [], "processes outlived the Hub"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("disttrain-hub-")], "the Hub's folder was left"
