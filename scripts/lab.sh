@@ -7,4 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/jupyter lab "${LAB_ROOT:-labs/}" "$@"
+as_root=()
+[ "$(id -u)" = 0 ] && as_root=(--allow-root)   # containers and CI run as root; Jupyter refuses it otherwise
+exec .venv/bin/jupyter lab "${LAB_ROOT:-labs/}" "${as_root[@]}" "$@"
