@@ -42,10 +42,14 @@ from queue import Empty
 
 import nbformat
 from jupyter_core.utils import ensure_async, run_sync
+from jupyter_client.manager import AsyncKernelManager
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbconvert.exporters import NotebookExporter
 from nbgrader.preprocessors import Execute, NbGraderPreprocessor, OverwriteCells
 from traitlets import Integer, Unicode
+
+from . import sandbox
+from .kernel_guard import GUARD_SOURCE
 
 # ----------------------------------------------------------------------------------------
 # Where things live, and the limits (each overridable by an environment variable, so the
@@ -93,6 +97,13 @@ class Limits:
     # bytes of data per process (RLIMIT_DATA) in the kernel and every rank it starts
     student_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_TIMEOUT", 0))
     # hard cap on one student's nbgrader process; 0 = notebook_timeout + 5 minutes
+    student_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_STUDENT_MEMORY", 8 * 2**30))
+    # bytes for one student's kernel and every rank, /tmp and /dev/shm included (sandbox only)
+    student_pids: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_PIDS", 512))
+    # processes + threads for one student's kernel and every rank (sandbox only)
+    sandbox: str = field(default_factory=lambda: os.environ.get("DISTTRAIN_SANDBOX", "auto").strip() or "auto")
+    # "auto": sandbox each kernel where the host can (root, cgroup v1, namespaces), and say
+    # loudly where it cannot; "on": refuse to grade without it; "off": grade as the grader
 
     def __post_init__(self):
         for name in ("cell_timeout", "notebook_timeout"):
@@ -100,6 +111,17 @@ class Limits:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.student_timeout <= 0:
             self.student_timeout = self.notebook_timeout + 300
+        if self.sandbox not in ("auto", "on", "off"):
+            raise ValueError(f"sandbox must be 'auto', 'on' or 'off' (DISTTRAIN_SANDBOX), got {self.sandbox!r}")
+
+    def sandboxed(self) -> tuple[bool, str | None]:
+        """(whether kernels run in the sandbox, why not where the host cannot)."""
+        if self.sandbox == "off":
+            return False, "switched off (sandbox='off' / DISTTRAIN_SANDBOX=off)"
+        why = sandbox.problem()
+        if why and self.sandbox == "on":
+            raise RuntimeError(f"sandbox='on' but this host cannot isolate a student: {why}")
+        return why is None, why
 
 
 def release_ignore(solutions: Path) -> list[str]:
@@ -125,60 +147,69 @@ def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
                                   traceback=[f"\x1b[0;31m{ename}\x1b[0m: {message}"])
 
 
+NOTES_FILE = ".disttrain-grading.json"   # next to the autograded notebook; read by the grade report
+
+
+def _grade_id(cell) -> str:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "?")
+
+
 def _is_test_cell(cell) -> bool:
     nbg = cell.get("metadata", {}).get("nbgrader", {})
     return bool(nbg.get("grade")) and not nbg.get("solution")
 
 
-# Runs in the kernel before any student code: remember the genuine functions graded tests
-# rely on.  report() lists the replaced ones and puts the genuine objects back, so only the
-# exercise right after the tampering loses its points.
-_GUARD_SETUP = r'''
-def _disttrain_install_guard():
-    import sys, types
-    guard = types.ModuleType("_disttrain_grading_guard")
-    genuine = {}
+def _is_instructor_cell(cell) -> bool:
+    # locked cells that are neither graded nor a solution (a lab's setup cell): nbgrader
+    # restores their source from the gradebook, so the names they bind are the lab's own
+    nbg = cell.get("metadata", {}).get("nbgrader", {})
+    return bool(nbg.get("locked")) and not nbg.get("grade") and not nbg.get("solution")
+
+
+def _names_used(source: str) -> list[str]:
+    return sorted(set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", source)))
+
+
+def _names_bound(source: str) -> list[str]:
+    """Top-level names a cell binds (imports, defs, classes, plain assignments)."""
     try:
-        from disttrain_lab.trace import genuine_of as unwrap
-    except ImportError:
-        unwrap = lambda obj: obj
-    def watch(module):
-        for name, obj in list(vars(module).items()):
-            if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
-                genuine[(module.__name__, name)] = unwrap(obj)
-    try:
-        import torch, torch.distributed, torch.testing
-        watch(torch.distributed); watch(torch.testing)
-        for name in ("equal", "allclose", "isclose"):
-            genuine[("torch", name)] = getattr(torch, name)
-    except Exception:
-        pass
-    try:
-        import importlib, disttrain_lab
-        for sub in ("checks", "launcher", "trace", "integrity"):
-            try:
-                importlib.import_module("disttrain_lab." + sub)
-            except Exception:
-                pass
-        for modname, module in list(sys.modules.items()):
-            if modname.startswith("disttrain_lab") and module is not None and modname != "disttrain_lab.grading":
-                watch(module)
-    except Exception:
-        pass
-    def report():
-        replaced = []
-        for (modname, name), obj in genuine.items():
-            module = sys.modules.get(modname)
-            if module is not None and unwrap(getattr(module, name, None)) is not obj:
-                replaced.append(modname + "." + name)
-                setattr(module, name, obj)
-        return replaced
-    guard.report = report
-    sys.modules[guard.__name__] = guard
-_disttrain_install_guard()
-del _disttrain_install_guard
-'''
-_GUARD_REPORT = "__import__('sys').modules['_disttrain_grading_guard'].report()"
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names += [(a.asname or a.name).split(".")[0] for a in node.names if a.name != "*"]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names += [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return names
+
+
+def _guard_call(function: str, names: list[str]) -> str:
+    return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({names!r})"
+
+
+class SandboxKernelManager(AsyncKernelManager):
+    """Starts the kernel through disttrain_lab/sandbox.py (set ``sandbox_spec`` first)."""
+    sandbox_spec: dict = {}
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return sandbox.command(self.sandbox_spec, super().format_kernel_cmd(extra_arguments))
+
+
+def _hidden_paths() -> list[str]:
+    """What a sandboxed kernel must not see: the course (gradebook, every submission),
+    the solutions, the grading temp dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
+    extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
+    return [str(course_dir()), str(source_dir()), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
+
+
+def _kept_paths() -> list[str]:
+    """What it must read: the interpreter and the kit (bound back read-only where hidden)."""
+    return sorted({sys.base_prefix, sys.prefix, str(REPO_ROOT)})
 
 
 class RobustExecute(Execute):
@@ -188,6 +219,10 @@ class RobustExecute(Execute):
     memory_limit = Integer(4 * 2**30, help="RLIMIT_DATA bytes per kernel/rank process; 0 = none").tag(config=True)
     max_output_bytes = Integer(2_000_000, help="output kept per cell; more fails the cell").tag(config=True)
     probe_timeout = Integer(10, help="seconds an interrupted kernel has to answer again").tag(config=True)
+    sandbox = Unicode("off", help="'on': every kernel runs in disttrain_lab.sandbox; 'off': as the grader").tag(config=True)
+    sandbox_uid = Integer(64123, help="unprivileged uid (and gid) the sandboxed kernel runs as").tag(config=True)
+    student_memory = Integer(8 * 2**30, help="bytes for a sandboxed kernel and all it starts, /dev/shm and /tmp included").tag(config=True)
+    student_pids = Integer(512, help="processes and threads for a sandboxed kernel and all it starts").tag(config=True)
 
     # -- the notebook loop ---------------------------------------------------------------
 
@@ -195,8 +230,14 @@ class RobustExecute(Execute):
         self._deadline = time.monotonic() + self.notebook_timeout
         self._replayable: list[int] = []      # earlier cells that rebuild the kernel's state
         self._guard_ready = False
+        self._instructor_cells: list[int] = []
+        self._notes: list[str] = []
+        self._last_status = None
         self._output_bytes, self._output_capped = 0, False
-        return super().preprocess(nb, resources, km)
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            self._write_notes(resources)
 
     def preprocess_cell(self, cell, resources, index):
         self._check_assign_resources(resources)
@@ -208,8 +249,10 @@ class RobustExecute(Execute):
                 f"not run: the whole notebook may take at most {self.notebook_timeout} s "
                 "when graded, and the cells above used it up"))]
             return cell, self.resources
+        names = _names_used(cell.source) if _is_test_cell(cell) else []
         if _is_test_cell(cell):
-            replaced = self._replaced_functions()
+            replaced, notes = self._guard("before_test", names)
+            self._notes += [f"{_grade_id(cell)}: put back before the test: {n}" for n in notes]
             if replaced:
                 cell.outputs = [_error_output("TamperingError", (
                     "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
@@ -239,6 +282,18 @@ class RobustExecute(Execute):
             return cell, self.resources
         finally:
             self.timeout = cell_timeout
+        if _is_test_cell(cell):
+            changed, _ = self._guard("after_test", names)
+            if changed:        # the student's code, called by the test, changed what the test relies on
+                self._notes.append(f"{_grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
+                cell.outputs.append(_error_output("TamperingError", (
+                    "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
+                    "cannot be trusted, so this exercise gets 0 (the originals were put back)")))
+            elif self._last_status not in ("ok", None) and not any(o.output_type == "error" for o in cell.outputs):
+                cell.outputs.append(_error_output("GradingError", (
+                    f"the test did not pass (the kernel answered {self._last_status!r})")))
+        elif _is_instructor_cell(cell):
+            self._record_instructor_names(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if any(o.ename == "CellTimeoutError" for o in errors):
             if not self._kernel_answers():
@@ -252,32 +307,64 @@ class RobustExecute(Execute):
 
     # -- kernel start: memory limit and the tampering guard -------------------------------
 
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        if self.sandbox == "on":
+            km.__class__ = SandboxKernelManager
+            km.sandbox_spec = sandbox.spec(
+                uid=self.sandbox_uid, memory=self.student_memory, pids=self.student_pids,
+                data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
+                hide=_hidden_paths(), keep=_kept_paths())
+        elif self.sandbox != "off":
+            raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
+        return km
+
     def start_new_kernel(self, **kwargs):
         super().start_new_kernel(**kwargs)
         pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
-        if self.memory_limit and pid:
+        if self.memory_limit and pid and self.sandbox != "on":   # (the sandbox sets it before the kernel starts)
             import resource
             # hard and soft: the kernel cannot raise it back; ranks it forks/spawns inherit it
             resource.prlimit(pid, resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
 
     def start_new_kernel_client(self):
         kc = super().start_new_kernel_client()
-        self._guard_ready = self._run_quietly(_GUARD_SETUP, timeout=120) is not None
+        self._guard_ready = self._run_quietly(GUARD_SOURCE, timeout=120) is not None
         return kc
 
-    def _replaced_functions(self) -> list[str]:
+    def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str]]:
+        """(problems, notes) from the guard in the kernel; see disttrain_lab/kernel_guard.py."""
         if not self._guard_ready:
-            return []
-        reply = self._run_quietly("", timeout=30, expression=_GUARD_REPORT)
+            return [], []
+        reply = self._run_quietly("", timeout=30, expression=_guard_call(function, names))
         if reply is None:
-            return []          # the kernel is busy or gone: the cell itself will tell
+            return [], []          # the kernel is busy or gone: the cell itself will tell
         result = reply.get("user_expressions", {}).get("r", {})
         if result.get("status") != "ok":
-            return ["grading guard (it was removed)"]
+            return ["grading guard (it was removed)"], []
         try:
-            return list(ast.literal_eval(result["data"]["text/plain"]))
-        except (KeyError, ValueError, SyntaxError):
-            return ["grading guard (it was altered)"]
+            problems, notes = ast.literal_eval(result["data"]["text/plain"])
+            return [str(p) for p in problems], [str(n) for n in notes]
+        except (KeyError, ValueError, SyntaxError, TypeError):
+            return ["grading guard (it was altered)"], []
+
+    def _record_instructor_names(self, index: int) -> None:
+        if index not in self._instructor_cells:
+            self._instructor_cells.append(index)
+        names = _names_bound(self.nb.cells[index].source)
+        if self._guard_ready and names:
+            self._run_quietly("", timeout=30, expression=_guard_call("record", names))
+
+    async def _check_raise_for_error(self, cell, cell_index, exec_reply):
+        self._last_status = (exec_reply or {}).get("content", {}).get("status")
+        return await super()._check_raise_for_error(cell, cell_index, exec_reply)
+
+    def _write_notes(self, resources) -> None:
+        """What the guard put back or caught, for the grade report (never shown to the student)."""
+        path = (resources or {}).get("metadata", {}).get("path")
+        if path and os.path.isdir(path):
+            with open(os.path.join(path, NOTES_FILE), "w") as f:
+                json.dump({"notes": self._notes, "sandbox": self.sandbox}, f, indent=1)
 
     # -- restart and replay ----------------------------------------------------------------
 
@@ -292,7 +379,7 @@ class RobustExecute(Execute):
         self.km = self.create_kernel_manager()
         self.start_new_kernel()
         self.start_new_kernel_client()
-        for index in list(self._replayable):
+        for index in sorted(set(self._replayable) | set(self._instructor_cells)):
             remaining = self._deadline - time.monotonic()
             if remaining < 1:
                 return
@@ -301,9 +388,13 @@ class RobustExecute(Execute):
             except DeadKernelError:
                 reply = None
             if reply is None:          # it hangs or kills the kernel now: drop it and start over
-                self._replayable.remove(index)
+                for kept in (self._replayable, self._instructor_cells):
+                    if index in kept:
+                        kept.remove(index)
                 self._restart_and_replay()
                 return
+            if index in self._instructor_cells:
+                self._record_instructor_names(index)
 
     def _stop_kernel(self) -> None:
         async def stop():
@@ -471,6 +562,11 @@ class StampInstallSource(NbGraderPreprocessor):
         return cell, resources
 
 
+_NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
+                 "can read and change the gradebook, solutions and other students' files. Grade as root on "
+                 "Linux with cgroup v1 memory+pids (see grader/README.md, 'Threat model'). ***\n")
+
+
 def configure(c, limits: Limits | None = None) -> None:
     """Apply the whole grading setup to an nbgrader config object ``c``."""
     limits = limits or Limits()
@@ -483,6 +579,12 @@ def configure(c, limits: Limits | None = None) -> None:
     c.Execute.startup_timeout = 120
     c.RobustExecute.notebook_timeout = limits.notebook_timeout
     c.RobustExecute.memory_limit = limits.kernel_memory
+    use_sandbox, why = limits.sandboxed()
+    if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_NO_ISOLATION.format(why=why), file=sys.stderr)
+    c.RobustExecute.sandbox = "on" if use_sandbox else "off"
+    c.RobustExecute.student_memory = limits.student_memory
+    c.RobustExecute.student_pids = limits.student_pids
     c.LimitOutput.max_lines = 300
     c.LimitOutput.max_traceback = 60
     c.OverwriteCells.add_missing_cells = True
@@ -572,9 +674,10 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="disttrain-grade-", dir=tmp_root) as tmp:
         full_env = dict(os.environ, **(env or {}))
+        cgroup = f"disttrain-lab/{os.path.basename(tmp)}"     # every sandboxed kernel of this run below it
         full_env.update(PATH=bindir + os.pathsep + full_env.get("PATH", ""), TMPDIR=tmp,
                         JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"), MPLBACKEND="Agg",
-                        PYTHONDONTWRITEBYTECODE="1")
+                        PYTHONDONTWRITEBYTECODE="1", DISTTRAIN_SANDBOX_CGROUP=cgroup)
         proc = subprocess.Popen([sys.executable, "-m", "nbgrader", *args], cwd=GRADER_DIR, env=full_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -588,6 +691,8 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
             output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
         finally:
             _reap_orphans(before)
+            if sandbox.problem() is None:
+                sandbox.Cgroup(cgroup).destroy()
     return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
 
 
@@ -669,7 +774,12 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
     limits = limits or Limits()
     env = _env(course, source, release_from)
     env.update(DISTTRAIN_CELL_TIMEOUT=str(limits.cell_timeout), DISTTRAIN_NOTEBOOK_TIMEOUT=str(limits.notebook_timeout),
-               DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory))
+               DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory), DISTTRAIN_STUDENT_MEMORY=str(limits.student_memory),
+               DISTTRAIN_STUDENT_PIDS=str(limits.student_pids), DISTTRAIN_SANDBOX=limits.sandbox,
+               DISTTRAIN_SANDBOX_WARNED="1")
+    isolated, why = limits.sandboxed()
+    if not isolated:
+        log(_NO_ISOLATION.format(why=why))
     _ensure_in_gradebook(lab, course, env, tmp_root)
     students = students or students_of(lab, course)
     if not one_process_per_student:
