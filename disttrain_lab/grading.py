@@ -45,7 +45,7 @@ from jupyter_core.utils import ensure_async, run_sync
 from jupyter_client.manager import AsyncKernelManager
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbconvert.exporters import NotebookExporter
-from nbgrader.preprocessors import Execute, NbGraderPreprocessor, OverwriteCells
+from nbgrader.preprocessors import ClearHiddenTests, Execute, NbGraderPreprocessor, OverwriteCells
 from traitlets import Integer, Unicode
 
 from . import sandbox
@@ -166,6 +166,21 @@ def _is_instructor_cell(cell) -> bool:
     return bool(nbg.get("locked")) and not nbg.get("grade") and not nbg.get("solution")
 
 
+def _clamp_partial_credit(cell) -> None:
+    """nbgrader reads a number a test cell returns as partial credit and fails the whole
+    notebook when it exceeds the cell's points: keep it within [0, points]."""
+    points = float(cell.metadata.nbgrader.get("points", 0))
+    for output in cell.outputs:
+        if output.output_type == "execute_result":
+            try:
+                value = float(output.get("data", {}).get("text/plain", ""))
+            except (TypeError, ValueError):
+                return
+            if not 0 <= value <= points:
+                output.data["text/plain"] = repr(min(max(value, 0.0), points))
+            return
+
+
 def _names_used(source: str) -> list[str]:
     return sorted(set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", source)))
 
@@ -231,6 +246,7 @@ class RobustExecute(Execute):
         self._replayable: list[int] = []      # earlier cells that rebuild the kernel's state
         self._guard_ready = False
         self._instructor_cells: list[int] = []
+        self._kernel_kwargs = {}
         self._notes: list[str] = []
         self._last_status = None
         self._output_bytes, self._output_capped = 0, False
@@ -292,6 +308,7 @@ class RobustExecute(Execute):
             elif self._last_status not in ("ok", None) and not any(o.output_type == "error" for o in cell.outputs):
                 cell.outputs.append(_error_output("GradingError", (
                     f"the test did not pass (the kernel answered {self._last_status!r})")))
+            _clamp_partial_credit(cell)
         elif _is_instructor_cell(cell):
             self._record_instructor_names(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
@@ -320,6 +337,8 @@ class RobustExecute(Execute):
         return km
 
     def start_new_kernel(self, **kwargs):
+        # a restarted kernel starts where the first one did (the submission's folder)
+        kwargs = self._kernel_kwargs = kwargs or getattr(self, "_kernel_kwargs", {})
         super().start_new_kernel(**kwargs)
         pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
         if self.memory_limit and pid and self.sandbox != "on":   # (the sandbox sets it before the kernel starts)
@@ -327,8 +346,21 @@ class RobustExecute(Execute):
             # hard and soft: the kernel cannot raise it back; ranks it forks/spawns inherit it
             resource.prlimit(pid, resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
 
+    startup_retries = Integer(2, help="times a kernel that dies while starting is started again").tag(config=True)
+
     def start_new_kernel_client(self):
-        kc = super().start_new_kernel_client()
+        for attempt in range(self.startup_retries + 1):
+            try:
+                kc = super().start_new_kernel_client()
+                break
+            except RuntimeError as exc:        # "Kernel died before replying to kernel_info"
+                if attempt == self.startup_retries:
+                    raise
+                self.log.warning("the kernel died while starting (%s); starting it again", exc)
+                if self.km is not None:
+                    self._stop_kernel()
+                self.km = self.create_kernel_manager()
+                self.start_new_kernel()
         self._guard_ready = self._run_quietly(GUARD_SOURCE, timeout=120) is not None
         return kc
 
@@ -453,6 +485,32 @@ class RestoringOverwriteCells(OverwriteCells):
     only looks for the previous *graded* cell and raises KeyError when the cell before a
     deleted test is, e.g., a locked markdown cell."""
 
+    def preprocess_cell(self, cell, resources, index):
+        """Put the gradebook's nbgrader flags back first: one flipped ``grade``/``solution``/
+        ``locked`` flag would otherwise make the checksum check fail the whole notebook."""
+        from nbgrader.api import MissingEntry, TaskCell
+        nbg = cell.get("metadata", {}).get("nbgrader", {})
+        grade_id = nbg.get("grade_id")
+        if grade_id is not None:
+            def find(kind):
+                try:
+                    return getattr(self.gradebook, f"find_{kind}_cell")(grade_id, self.notebook_id, self.assignment_id)
+                except MissingEntry:
+                    return None
+            source_cell = find("source")
+            if source_cell is not None:
+                graded, solution = find("graded"), find("solution")
+                genuine = {"grade": graded is not None and not isinstance(graded, TaskCell),
+                           "solution": solution is not None, "locked": bool(source_cell.locked),
+                           "task": isinstance(graded, TaskCell)}
+                for flag, value in genuine.items():
+                    if bool(nbg.get(flag, False)) != value:
+                        self.report_change(grade_id, flag, value, nbg.get(flag))
+                        nbg[flag] = value
+                if graded is not None:
+                    nbg["points"] = float(graded.max_score)
+        return super().preprocess_cell(cell, resources, index)
+
     def add_missing_grade_cells(self, nb, resources):
         source_nb = self.gradebook.find_notebook(self.notebook_id, self.assignment_id)
         source_cells = list(source_nb.source_cells)
@@ -544,6 +602,82 @@ class SubmissionExporter(NotebookExporter):
         return nbformat.from_dict(nb)
 
 
+class FeedbackWithoutHiddenTests(ClearHiddenTests):
+    """Feedback step: the student sees each failing test's message, never the test code:
+    hidden test regions are cut from graded cells, and their error tracebacks (which
+    quote the failing line) become the bare ``Error: message``."""
+    enforce_metadata = False
+
+    def preprocess_cell(self, cell, resources, index):
+        if not _is_test_cell(cell):
+            return cell, resources
+        cell, resources = super().preprocess_cell(cell, resources, index)
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                output.traceback = [f"\x1b[0;31m{output.ename}\x1b[0m: {output.evalue}"]
+        return cell, resources
+
+
+# Constructs a grader should look at; a match only flags the submission for a human.
+HOSTILE_CONSTRUCTS = {
+    "IPython hook APIs": r"get_ipython\s*\(|set_custom_exc|\.events\.register|ast_transformers|input_transformers|"
+                         r"displayhook|excepthook|showtraceback|run_cell",
+    "frame or object-graph introspection": r"\bimport\s+(gc|inspect)\b|\bfrom\s+(gc|inspect)\s+import|\bgc\.|"
+                                           r"\binspect\.|sys\._getframe|f_back|f_globals|settrace|setprofile",
+    "code-object surgery": r"__code__|__defaults__|__kwdefaults__|__globals__|sys\.modules",
+    "ctypes / native code": r"\bctypes\b|\bcffi\b|\bmmap\b",
+    "process or file-system probing": r"/proc\b|/dev/shm|sqlite3|gradebook|\.\./|\bos\.kill|\bkillpg\b|"
+                                      r"\bsetsid\b|setpgid|\bos\.fork\b|daemon",
+    "builtins": r"\bbuiltins\b|__builtins__|__import__",
+}
+
+
+def scan_submission(path: Path) -> list[str]:
+    """Flags for a human: the student-editable cells of a submitted notebook that use a
+    grader-hostile construct (one line per construct: the kind, the cell, the text).
+    Flagging never changes a score."""
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:
+        return [f"could not be read for the scan ({type(exc).__name__})"]
+    flags = []
+    for index, cell in enumerate(nb.cells):
+        nbg = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.cell_type != "code" or (nbg.get("locked") and not nbg.get("solution")):
+            continue                      # locked cells are restored from the gradebook anyway
+        for kind, pattern in HOSTILE_CONSTRUCTS.items():
+            found = sorted({m.group(0) for m in re.finditer(pattern, cell.source)})
+            if found:
+                where = nbg.get("grade_id") or f"cell {index}"
+                flags.append(f"{kind} in {where}: {', '.join(found)[:120]}")
+    return flags
+
+
+def grade_report(lab: str, students: list[str], results: dict, course: Path,
+                 isolation: str | None) -> Path:
+    """<course>/reports/<lab>.txt: how each student was graded and what a human should look
+    at (grading failures, what the guard put back or caught, hostile constructs)."""
+    lines = [f"Grade report for {lab}",
+             "isolation: " + ("every kernel sandboxed (see grader/README.md, 'Threat model')" if isolation is None
+                              else f"NONE: {isolation}; student code ran as the grader"), ""]
+    for student in students:
+        result = results.get(student)
+        status = "ok" if result and result.returncode == 0 else \
+            ("STOPPED (time cap)" if result and result.timed_out else "FAILED")
+        notes_path = course / "autograded" / student / lab / NOTES_FILE
+        try:
+            notes = json.loads(notes_path.read_text()).get("notes", [])
+        except (OSError, ValueError):
+            notes = []
+        flags = scan_submission(course / "submitted" / student / lab / f"{lab}.ipynb")
+        lines.append(f"{student}: grading {status}" + ("" if notes or flags else ", nothing to look at"))
+        lines += [f"  guard: {n}" for n in notes] + [f"  flag: {f}" for f in flags]
+    path = course / "reports" / f"{lab}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 class StampInstallSource(NbGraderPreprocessor):
     """Release step: write the course's pip requirement for the kit into each lab's setup
     cell (the line ``DISTTRAIN_LAB_PIP = "..."``), so Colab students install the right kit.
@@ -598,6 +732,8 @@ def configure(c, limits: Limits | None = None) -> None:
     from nbconvert.preprocessors import ClearMetadataPreprocessor
     c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
                                           RestoringOverwriteCells, CheckCellMetadata]
+    from nbgrader.converters import GenerateFeedback
+    c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
     c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
                                            SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
 
@@ -787,7 +923,9 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         result = run_nbgrader(["autograde", lab, "--force"], timeout=limits.student_timeout * len(students),
                               env=env, tmp_root=tmp_root)
         log(f"autograde {lab} ({len(students)} students): rc={result.returncode} in {result.seconds:.1f} s")
-        return {student: result for student in students}
+        results = {student: result for student in students}
+        grade_report(lab, students, results, course, why if not isolated else None)
+        return results
     results = {}
     for student in students:
         result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
@@ -799,6 +937,8 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         log(f"autograde {lab} {student}: {status} in {result.seconds:.1f} s")
         if result.returncode != 0:
             log(result.output[-3000:])
+    report = grade_report(lab, students, results, course, why if not isolated else None)
+    log(f"grade report: {report}")
     return results
 
 

@@ -175,7 +175,7 @@ def main(argv: list[str]) -> None:
 
 def _init(the_spec: dict, cmd: list[str]) -> None:
     uid = the_spec["uid"]
-    size = f"size={the_spec['memory']}"
+    size = f"size={the_spec['memory'] // 2}"      # each of /tmp and /dev/shm; their pages count in the cgroup too
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     # read what the kernel needs before the mounts hide it: its connection file, its folder
     conn_index = cmd.index("-f") + 1 if "-f" in cmd else None
