@@ -9,12 +9,18 @@ module adds what a course on distributed training needs on top of it:
    cells to restore their definitions and carries on.  It also enforces a per-notebook
    wall-clock budget, a per-process memory limit in the kernel (and the ranks it starts),
    caps huge output while it arrives, and fails a graded test cell when code before it
-   replaced ``torch.distributed`` or ``disttrain_lab`` functions.
+   replaced ``torch.distributed`` or ``disttrain_lab`` functions.  Before each graded
+   test cell it resets IPython's hooks and restores the names tests use
+   (``kernel_guard.py``); where the host allows it, each kernel runs in a sandbox
+   (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files, cgroup
+   caps, one pid namespace killed as a unit).
 2. ``SubmissionExporter`` pre-checks each submission (empty file, malformed JSON, a
    notebook of another lab, metadata nbgrader chokes on) and grades such a file as the
    blank lab with a note at the top, so the feedback says why it scored 0.
 3. ``RestoringOverwriteCells`` puts deleted test cells back wherever they were deleted.
-4. ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` and the two
+4. ``FeedbackWithoutHiddenTests`` shows failing messages, not test code;
+   ``scan_submission`` and ``grade_report`` flag what a human should look at.
+5. ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` and the two
    command-line entry points ``cli_release`` and ``cli_grade``.  Each student is graded
    in its own ``nbgrader`` process under a wall-clock cap, in a private temp directory,
    and every process it started is gone afterwards.

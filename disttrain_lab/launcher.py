@@ -199,6 +199,12 @@ def _in_process_timeout(rank: int, timeout: float, status) -> None:
     os._exit(124)
 
 
+def _destroy_own_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _launch_in_process(fn, world_size, args, kwargs, want_trace, backend, timeout):
     import torch.distributed as dist
     env_world = int(os.environ["WORLD_SIZE"])
@@ -214,6 +220,10 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, backend, timeou
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(chosen.group_backend)
         os.environ["DISTTRAIN_LAB_RANK_BACKEND"] = chosen.backend
+        # we made the group, so we end it: left to interpreter shutdown, gloo's threads are
+        # torn down mid-call and the process can die of SIGABRT ("terminate called without
+        # an active exception") after the script succeeded
+        atexit.register(_destroy_own_group)
     integrity.verify()
     rank = dist.get_rank()
     dist.barrier()
