@@ -268,3 +268,30 @@ def test_scan_flags_hostile_constructs_only_in_student_cells(tmp_path):
     flags = grading.scan_submission(tmp_path / "x.ipynb")
     assert len(flags) == 2 and all(" in ex: " in f for f in flags), flags
     assert any(f.startswith("IPython hook APIs") for f in flags) and any("ctypes" in f for f in flags)
+
+
+def _collectives_on_the_group_object():
+    import torch
+    import torch.distributed as dist
+    import disttrain_lab as dl
+    pg = dist.distributed_c10d._get_default_group()
+    with dl.region("student"):
+        pg.allreduce([torch.ones(4)]).wait()                    # not through dist.all_reduce
+        if dist.get_rank() == 0:
+            pg.send([torch.ones(3)], 1, 0).wait()
+        else:
+            pg.recv([torch.zeros(3)], 0, 0).wait()
+    return dist.get_rank()
+
+
+@pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch has not landed")
+def test_collectives_called_on_a_process_group_are_traced():
+    # 3. a "p2p only" check cannot be passed by calling the collective on the group object
+    import disttrain_lab as dl
+    from disttrain_lab import checks
+    student = checks.within(dl.launch(_collectives_on_the_group_object, 2, trace=True, timeout=60), "student")
+    assert sorted((e.rank, e.op, e.bytes) for e in student.events) == \
+        [(0, "all_reduce", 16), (0, "send", 12), (1, "all_reduce", 16), (1, "recv", 12)]
+    assert [e.peer for e in checks.sends(student, 0)] == [1]
+    with pytest.raises(AssertionError, match="called the collective all_reduce"):
+        checks.assert_only_p2p(student, "ring")
