@@ -288,6 +288,7 @@ class RobustExecute(Execute):
             "allowed when grading (an infinite loop, a deadlock, a long sleep?) and was stopped"]}
         self._output_bytes, self._output_capped = 0, False
         started = time.monotonic()
+        self._last_status = None
         try:
             cell = self.execute_cell(cell, index, store_history=True)
         except DeadKernelError:
@@ -304,7 +305,8 @@ class RobustExecute(Execute):
             return cell, self.resources
         finally:
             self.timeout = cell_timeout
-        if _is_test_cell(cell):
+        timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
+        if _is_test_cell(cell) and not timed_out:
             changed, _ = self._guard("after_test", names)
             if changed:        # the student's code, called by the test, changed what the test relies on
                 self._notes.append(f"{_grade_id(cell)}: changed while the test ran: {', '.join(changed)}")

@@ -295,3 +295,23 @@ def test_collectives_called_on_a_process_group_are_traced():
     assert [e.peer for e in checks.sends(student, 0)] == [1]
     with pytest.raises(AssertionError, match="called the collective all_reduce"):
         checks.assert_only_p2p(student, "ring")
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path):
+    # 8. one failed start used to fail the student's whole grading
+    import sys
+    from jupyter_client.manager import AsyncKernelManager
+    starts = []
+
+    class DiesOnFirstStart(AsyncKernelManager):
+        def format_kernel_cmd(self, extra_arguments=None):
+            starts.append(1)
+            cmd = super().format_kernel_cmd(extra_arguments)
+            return [sys.executable, "-c", "raise SystemExit(3)"] if len(starts) == 1 else cmd
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    executor = grading.RobustExecute(kernel_manager_class=DiesOnFirstStart, timeout=60, startup_timeout=60)
+    nb, _ = executor.preprocess(nb, {"metadata": {"path": str(tmp_path)}})
+    assert len(starts) == 2
+    assert nb.cells[0].outputs[0].text == "42\n"
