@@ -315,3 +315,24 @@ def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path):
     nb, _ = executor.preprocess(nb, {"metadata": {"path": str(tmp_path)}})
     assert len(starts) == 2
     assert nb.cells[0].outputs[0].text == "42\n"
+
+
+def test_verify_untampered_sees_swapped_code_objects_and_defaults():
+    # 2. the in-rank guard compared identities only: same object, other code, passed
+    from disttrain_lab import checks, integrity
+    genuine = checks.sample_tensor.__defaults__
+    checks.sample_tensor.__defaults__ = (None, 1)
+    try:
+        with pytest.raises(integrity.TamperingError, match="default arguments of disttrain_lab.checks.sample_tensor"):
+            checks.verify_untampered()
+    finally:
+        checks.sample_tensor.__defaults__ = genuine
+    code = checks.passed.__code__
+    # code that claims to come from the kit's own file (so the file check alone would pass it)
+    checks.passed.__code__ = (lambda message: None).__code__.replace(co_filename=checks.__file__)
+    try:
+        with pytest.raises(integrity.TamperingError, match="disttrain_lab.checks.passed"):
+            checks.verify_untampered()
+    finally:
+        checks.passed.__code__ = code
+    checks.verify_untampered()
