@@ -613,7 +613,7 @@ class SubmissionExporter(NotebookExporter):
 class FeedbackWithoutHiddenTests(ClearHiddenTests):
     """Feedback step: the student sees each failing test's message, never the test code:
     hidden test regions are cut from graded cells, and their error tracebacks (which
-    quote the failing line) become the bare ``Error: message``."""
+    quote the failing line) are cut to their last line, ``Error: message``."""
     enforce_metadata = False
 
     def preprocess_cell(self, cell, resources, index):
@@ -621,8 +621,8 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
             return cell, resources
         cell, resources = super().preprocess_cell(cell, resources, index)
         for output in cell.get("outputs", []):
-            if output.output_type == "error":
-                output.traceback = [f"\x1b[0;31m{output.ename}\x1b[0m: {output.evalue}"]
+            if output.output_type == "error":   # a traceback's last line is "Error: message"
+                output.traceback = output.traceback[-1:] or [f"\x1b[0;31m{output.ename}\x1b[0m: {output.evalue}"]
         return cell, resources
 
 
