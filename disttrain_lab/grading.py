@@ -9,12 +9,18 @@ module adds what a course on distributed training needs on top of it:
    cells to restore their definitions and carries on.  It also enforces a per-notebook
    wall-clock budget, a per-process memory limit in the kernel (and the ranks it starts),
    caps huge output while it arrives, and fails a graded test cell when code before it
-   replaced ``torch.distributed`` or ``disttrain_lab`` functions.
+   replaced ``torch.distributed`` or ``disttrain_lab`` functions.  Before each graded
+   test cell it resets IPython's hooks and restores the names tests use
+   (``kernel_guard.py``); where the host allows it, each kernel runs in a sandbox
+   (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files, cgroup
+   caps, one pid namespace killed as a unit).
 2. ``SubmissionExporter`` pre-checks each submission (empty file, malformed JSON, a
    notebook of another lab, metadata nbgrader chokes on) and grades such a file as the
    blank lab with a note at the top, so the feedback says why it scored 0.
 3. ``RestoringOverwriteCells`` puts deleted test cells back wherever they were deleted.
-4. ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` and the two
+4. ``FeedbackWithoutHiddenTests`` shows failing messages, not test code;
+   ``scan_submission`` and ``grade_report`` flag what a human should look at.
+5. ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` and the two
    command-line entry points ``cli_release`` and ``cli_grade``.  Each student is graded
    in its own ``nbgrader`` process under a wall-clock cap, in a private temp directory,
    and every process it started is gone afterwards.
@@ -42,10 +48,14 @@ from queue import Empty
 
 import nbformat
 from jupyter_core.utils import ensure_async, run_sync
+from jupyter_client.manager import AsyncKernelManager
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbconvert.exporters import NotebookExporter
-from nbgrader.preprocessors import Execute, NbGraderPreprocessor, OverwriteCells
+from nbgrader.preprocessors import ClearHiddenTests, Execute, NbGraderPreprocessor, OverwriteCells
 from traitlets import Integer, Unicode
+
+from . import sandbox
+from .kernel_guard import GUARD_SOURCE
 
 # ----------------------------------------------------------------------------------------
 # Where things live, and the limits (each overridable by an environment variable, so the
@@ -93,6 +103,13 @@ class Limits:
     # bytes of data per process (RLIMIT_DATA) in the kernel and every rank it starts
     student_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_TIMEOUT", 0))
     # hard cap on one student's nbgrader process; 0 = notebook_timeout + 5 minutes
+    student_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_STUDENT_MEMORY", 8 * 2**30))
+    # bytes for one student's kernel and every rank, /tmp and /dev/shm included (sandbox only)
+    student_pids: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_PIDS", 512))
+    # processes + threads for one student's kernel and every rank (sandbox only)
+    sandbox: str = field(default_factory=lambda: os.environ.get("DISTTRAIN_SANDBOX", "auto").strip() or "auto")
+    # "auto": sandbox each kernel where the host can (root, cgroup v1, namespaces), and say
+    # loudly where it cannot; "on": refuse to grade without it; "off": grade as the grader
 
     def __post_init__(self):
         for name in ("cell_timeout", "notebook_timeout"):
@@ -100,6 +117,17 @@ class Limits:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.student_timeout <= 0:
             self.student_timeout = self.notebook_timeout + 300
+        if self.sandbox not in ("auto", "on", "off"):
+            raise ValueError(f"sandbox must be 'auto', 'on' or 'off' (DISTTRAIN_SANDBOX), got {self.sandbox!r}")
+
+    def sandboxed(self) -> tuple[bool, str | None]:
+        """(whether kernels run in the sandbox, why not where the host cannot)."""
+        if self.sandbox == "off":
+            return False, "switched off (sandbox='off' / DISTTRAIN_SANDBOX=off)"
+        why = sandbox.problem()
+        if why and self.sandbox == "on":
+            raise RuntimeError(f"sandbox='on' but this host cannot isolate a student: {why}")
+        return why is None, why
 
 
 def release_ignore(solutions: Path) -> list[str]:
@@ -125,60 +153,84 @@ def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
                                   traceback=[f"\x1b[0;31m{ename}\x1b[0m: {message}"])
 
 
+NOTES_FILE = ".disttrain-grading.json"   # next to the autograded notebook; read by the grade report
+
+
+def _grade_id(cell) -> str:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "?")
+
+
 def _is_test_cell(cell) -> bool:
     nbg = cell.get("metadata", {}).get("nbgrader", {})
     return bool(nbg.get("grade")) and not nbg.get("solution")
 
 
-# Runs in the kernel before any student code: remember the genuine functions graded tests
-# rely on.  report() lists the replaced ones and puts the genuine objects back, so only the
-# exercise right after the tampering loses its points.
-_GUARD_SETUP = r'''
-def _disttrain_install_guard():
-    import sys, types
-    guard = types.ModuleType("_disttrain_grading_guard")
-    genuine = {}
-    try:
-        from disttrain_lab.trace import genuine_of as unwrap
-    except ImportError:
-        unwrap = lambda obj: obj
-    def watch(module):
-        for name, obj in list(vars(module).items()):
-            if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
-                genuine[(module.__name__, name)] = unwrap(obj)
-    try:
-        import torch, torch.distributed, torch.testing
-        watch(torch.distributed); watch(torch.testing)
-        for name in ("equal", "allclose", "isclose"):
-            genuine[("torch", name)] = getattr(torch, name)
-    except Exception:
-        pass
-    try:
-        import importlib, disttrain_lab
-        for sub in ("checks", "launcher", "trace", "integrity"):
+def _is_instructor_cell(cell) -> bool:
+    # locked cells that are neither graded nor a solution (a lab's setup cell): nbgrader
+    # restores their source from the gradebook, so the names they bind are the lab's own
+    nbg = cell.get("metadata", {}).get("nbgrader", {})
+    return bool(nbg.get("locked")) and not nbg.get("grade") and not nbg.get("solution")
+
+
+def _clamp_partial_credit(cell) -> None:
+    """nbgrader reads a number a test cell returns as partial credit and fails the whole
+    notebook when it exceeds the cell's points: keep it within [0, points]."""
+    points = float(cell.metadata.nbgrader.get("points", 0))
+    for output in cell.outputs:
+        if output.output_type == "execute_result":
             try:
-                importlib.import_module("disttrain_lab." + sub)
-            except Exception:
-                pass
-        for modname, module in list(sys.modules.items()):
-            if modname.startswith("disttrain_lab") and module is not None and modname != "disttrain_lab.grading":
-                watch(module)
-    except Exception:
-        pass
-    def report():
-        replaced = []
-        for (modname, name), obj in genuine.items():
-            module = sys.modules.get(modname)
-            if module is not None and unwrap(getattr(module, name, None)) is not obj:
-                replaced.append(modname + "." + name)
-                setattr(module, name, obj)
-        return replaced
-    guard.report = report
-    sys.modules[guard.__name__] = guard
-_disttrain_install_guard()
-del _disttrain_install_guard
-'''
-_GUARD_REPORT = "__import__('sys').modules['_disttrain_grading_guard'].report()"
+                value = float(output.get("data", {}).get("text/plain", ""))
+            except (TypeError, ValueError):
+                return
+            if not 0 <= value <= points:
+                output.data["text/plain"] = repr(min(max(value, 0.0), points))
+            return
+
+
+def _names_used(source: str) -> list[str]:
+    return sorted(set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", source)))
+
+
+def _names_bound(source: str) -> list[str]:
+    """Top-level names a cell binds (imports, defs, classes, plain assignments)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names += [(a.asname or a.name).split(".")[0] for a in node.names if a.name != "*"]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names += [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return names
+
+
+def _guard_call(function: str, names: list[str]) -> str:
+    return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({names!r})"
+
+
+class SandboxKernelManager(AsyncKernelManager):
+    """Starts the kernel through disttrain_lab/sandbox.py (set ``sandbox_spec`` first)."""
+    sandbox_spec: dict = {}
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return sandbox.command(self.sandbox_spec, super().format_kernel_cmd(extra_arguments))
+
+
+def _hidden_paths() -> list[str]:
+    """What a sandboxed kernel must not see: the course (gradebook, every submission),
+    the solutions, the grading temp dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
+    extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
+    return [str(course_dir()), str(source_dir()), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
+
+
+def _kept_paths() -> list[str]:
+    """What it must read: the interpreter and the kit (bound back read-only where hidden)."""
+    return sorted({sys.base_prefix, sys.prefix, str(REPO_ROOT)})
 
 
 class RobustExecute(Execute):
@@ -188,6 +240,10 @@ class RobustExecute(Execute):
     memory_limit = Integer(4 * 2**30, help="RLIMIT_DATA bytes per kernel/rank process; 0 = none").tag(config=True)
     max_output_bytes = Integer(2_000_000, help="output kept per cell; more fails the cell").tag(config=True)
     probe_timeout = Integer(10, help="seconds an interrupted kernel has to answer again").tag(config=True)
+    sandbox = Unicode("off", help="'on': every kernel runs in disttrain_lab.sandbox; 'off': as the grader").tag(config=True)
+    sandbox_uid = Integer(64123, help="unprivileged uid (and gid) the sandboxed kernel runs as").tag(config=True)
+    student_memory = Integer(8 * 2**30, help="bytes for a sandboxed kernel and all it starts, /dev/shm and /tmp included").tag(config=True)
+    student_pids = Integer(512, help="processes and threads for a sandboxed kernel and all it starts").tag(config=True)
 
     # -- the notebook loop ---------------------------------------------------------------
 
@@ -195,8 +251,15 @@ class RobustExecute(Execute):
         self._deadline = time.monotonic() + self.notebook_timeout
         self._replayable: list[int] = []      # earlier cells that rebuild the kernel's state
         self._guard_ready = False
+        self._instructor_cells: list[int] = []
+        self._kernel_kwargs = {}
+        self._notes: list[str] = []
+        self._last_status = None
         self._output_bytes, self._output_capped = 0, False
-        return super().preprocess(nb, resources, km)
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            self._write_notes(resources)
 
     def preprocess_cell(self, cell, resources, index):
         self._check_assign_resources(resources)
@@ -208,8 +271,10 @@ class RobustExecute(Execute):
                 f"not run: the whole notebook may take at most {self.notebook_timeout} s "
                 "when graded, and the cells above used it up"))]
             return cell, self.resources
+        names = _names_used(cell.source) if _is_test_cell(cell) else []
         if _is_test_cell(cell):
-            replaced = self._replaced_functions()
+            replaced, notes = self._guard("before_test", names)
+            self._notes += [f"{_grade_id(cell)}: put back before the test: {n}" for n in notes]
             if replaced:
                 cell.outputs = [_error_output("TamperingError", (
                     "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
@@ -223,6 +288,7 @@ class RobustExecute(Execute):
             "allowed when grading (an infinite loop, a deadlock, a long sleep?) and was stopped"]}
         self._output_bytes, self._output_capped = 0, False
         started = time.monotonic()
+        self._last_status = None
         try:
             cell = self.execute_cell(cell, index, store_history=True)
         except DeadKernelError:
@@ -239,6 +305,20 @@ class RobustExecute(Execute):
             return cell, self.resources
         finally:
             self.timeout = cell_timeout
+        timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
+        if _is_test_cell(cell) and not timed_out:
+            changed, _ = self._guard("after_test", names)
+            if changed:        # the student's code, called by the test, changed what the test relies on
+                self._notes.append(f"{_grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
+                cell.outputs.append(_error_output("TamperingError", (
+                    "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
+                    "cannot be trusted, so this exercise gets 0 (the originals were put back)")))
+            elif self._last_status not in ("ok", None) and not any(o.output_type == "error" for o in cell.outputs):
+                cell.outputs.append(_error_output("GradingError", (
+                    f"the test did not pass (the kernel answered {self._last_status!r})")))
+            _clamp_partial_credit(cell)
+        elif _is_instructor_cell(cell):
+            self._record_instructor_names(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if any(o.ename == "CellTimeoutError" for o in errors):
             if not self._kernel_answers():
@@ -252,32 +332,79 @@ class RobustExecute(Execute):
 
     # -- kernel start: memory limit and the tampering guard -------------------------------
 
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        if self.sandbox == "on":
+            km.__class__ = SandboxKernelManager
+            km.sandbox_spec = sandbox.spec(
+                uid=self.sandbox_uid, memory=self.student_memory, pids=self.student_pids,
+                data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
+                hide=_hidden_paths(), keep=_kept_paths())
+        elif self.sandbox != "off":
+            raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
+        return km
+
     def start_new_kernel(self, **kwargs):
+        # a restarted kernel starts where the first one did (the submission's folder)
+        kwargs = self._kernel_kwargs = kwargs or getattr(self, "_kernel_kwargs", {})
         super().start_new_kernel(**kwargs)
         pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
-        if self.memory_limit and pid:
+        if self.memory_limit and pid and self.sandbox != "on":   # (the sandbox sets it before the kernel starts)
             import resource
             # hard and soft: the kernel cannot raise it back; ranks it forks/spawns inherit it
             resource.prlimit(pid, resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
 
+    startup_retries = Integer(2, help="times a kernel that dies while starting is started again").tag(config=True)
+
     def start_new_kernel_client(self):
-        kc = super().start_new_kernel_client()
-        self._guard_ready = self._run_quietly(_GUARD_SETUP, timeout=120) is not None
+        for attempt in range(self.startup_retries + 1):
+            try:
+                kc = super().start_new_kernel_client()
+                break
+            except RuntimeError as exc:        # "Kernel died before replying to kernel_info"
+                if attempt == self.startup_retries:
+                    raise
+                self.log.warning("the kernel died while starting (%s); starting it again", exc)
+                if self.km is not None:
+                    self._stop_kernel()
+                self.km = self.create_kernel_manager()
+                self.start_new_kernel()
+        self._guard_ready = self._run_quietly(GUARD_SOURCE, timeout=120) is not None
         return kc
 
-    def _replaced_functions(self) -> list[str]:
+    def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str]]:
+        """(problems, notes) from the guard in the kernel; see disttrain_lab/kernel_guard.py."""
         if not self._guard_ready:
-            return []
-        reply = self._run_quietly("", timeout=30, expression=_GUARD_REPORT)
+            return [], []
+        reply = self._run_quietly("", timeout=30, expression=_guard_call(function, names))
         if reply is None:
-            return []          # the kernel is busy or gone: the cell itself will tell
+            return [], []          # the kernel is busy or gone: the cell itself will tell
         result = reply.get("user_expressions", {}).get("r", {})
         if result.get("status") != "ok":
-            return ["grading guard (it was removed)"]
+            return ["grading guard (it was removed)"], []
         try:
-            return list(ast.literal_eval(result["data"]["text/plain"]))
-        except (KeyError, ValueError, SyntaxError):
-            return ["grading guard (it was altered)"]
+            problems, notes = ast.literal_eval(result["data"]["text/plain"])
+            return [str(p) for p in problems], [str(n) for n in notes]
+        except (KeyError, ValueError, SyntaxError, TypeError):
+            return ["grading guard (it was altered)"], []
+
+    def _record_instructor_names(self, index: int) -> None:
+        if index not in self._instructor_cells:
+            self._instructor_cells.append(index)
+        names = _names_bound(self.nb.cells[index].source)
+        if self._guard_ready and names:
+            self._run_quietly("", timeout=30, expression=_guard_call("record", names))
+
+    async def _check_raise_for_error(self, cell, cell_index, exec_reply):
+        self._last_status = (exec_reply or {}).get("content", {}).get("status")
+        return await super()._check_raise_for_error(cell, cell_index, exec_reply)
+
+    def _write_notes(self, resources) -> None:
+        """What the guard put back or caught, for the grade report (never shown to the student)."""
+        path = (resources or {}).get("metadata", {}).get("path")
+        if path and os.path.isdir(path):
+            with open(os.path.join(path, NOTES_FILE), "w") as f:
+                json.dump({"notes": self._notes, "sandbox": self.sandbox}, f, indent=1)
 
     # -- restart and replay ----------------------------------------------------------------
 
@@ -292,7 +419,7 @@ class RobustExecute(Execute):
         self.km = self.create_kernel_manager()
         self.start_new_kernel()
         self.start_new_kernel_client()
-        for index in list(self._replayable):
+        for index in sorted(set(self._replayable) | set(self._instructor_cells)):
             remaining = self._deadline - time.monotonic()
             if remaining < 1:
                 return
@@ -301,9 +428,13 @@ class RobustExecute(Execute):
             except DeadKernelError:
                 reply = None
             if reply is None:          # it hangs or kills the kernel now: drop it and start over
-                self._replayable.remove(index)
+                for kept in (self._replayable, self._instructor_cells):
+                    if index in kept:
+                        kept.remove(index)
                 self._restart_and_replay()
                 return
+            if index in self._instructor_cells:
+                self._record_instructor_names(index)
 
     def _stop_kernel(self) -> None:
         async def stop():
@@ -361,6 +492,32 @@ class RestoringOverwriteCells(OverwriteCells):
     """OverwriteCells whose deleted-test-cell restore never fails: nbgrader's own version
     only looks for the previous *graded* cell and raises KeyError when the cell before a
     deleted test is, e.g., a locked markdown cell."""
+
+    def preprocess_cell(self, cell, resources, index):
+        """Put the gradebook's nbgrader flags back first: one flipped ``grade``/``solution``/
+        ``locked`` flag would otherwise make the checksum check fail the whole notebook."""
+        from nbgrader.api import MissingEntry, TaskCell
+        nbg = cell.get("metadata", {}).get("nbgrader", {})
+        grade_id = nbg.get("grade_id")
+        if grade_id is not None:
+            def find(kind):
+                try:
+                    return getattr(self.gradebook, f"find_{kind}_cell")(grade_id, self.notebook_id, self.assignment_id)
+                except MissingEntry:
+                    return None
+            source_cell = find("source")
+            if source_cell is not None:
+                graded, solution = find("graded"), find("solution")
+                genuine = {"grade": graded is not None and not isinstance(graded, TaskCell),
+                           "solution": solution is not None, "locked": bool(source_cell.locked),
+                           "task": isinstance(graded, TaskCell)}
+                for flag, value in genuine.items():
+                    if bool(nbg.get(flag, False)) != value:
+                        self.report_change(grade_id, flag, value, nbg.get(flag))
+                        nbg[flag] = value
+                if graded is not None:
+                    nbg["points"] = float(graded.max_score)
+        return super().preprocess_cell(cell, resources, index)
 
     def add_missing_grade_cells(self, nb, resources):
         source_nb = self.gradebook.find_notebook(self.notebook_id, self.assignment_id)
@@ -453,6 +610,82 @@ class SubmissionExporter(NotebookExporter):
         return nbformat.from_dict(nb)
 
 
+class FeedbackWithoutHiddenTests(ClearHiddenTests):
+    """Feedback step: the student sees each failing test's message, never the test code:
+    hidden test regions are cut from graded cells, and their error tracebacks (which
+    quote the failing line) are cut to their last line, ``Error: message``."""
+    enforce_metadata = False
+
+    def preprocess_cell(self, cell, resources, index):
+        if not _is_test_cell(cell):
+            return cell, resources
+        cell, resources = super().preprocess_cell(cell, resources, index)
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":   # a traceback's last line is "Error: message"
+                output.traceback = output.traceback[-1:] or [f"\x1b[0;31m{output.ename}\x1b[0m: {output.evalue}"]
+        return cell, resources
+
+
+# Constructs a grader should look at; a match only flags the submission for a human.
+HOSTILE_CONSTRUCTS = {
+    "IPython hook APIs": r"get_ipython\s*\(|set_custom_exc|\.events\.register|ast_transformers|input_transformers|"
+                         r"displayhook|excepthook|showtraceback|run_cell",
+    "frame or object-graph introspection": r"\bimport\s+(gc|inspect)\b|\bfrom\s+(gc|inspect)\s+import|\bgc\.|"
+                                           r"\binspect\.|sys\._getframe|f_back|f_globals|settrace|setprofile",
+    "code-object surgery": r"__code__|__defaults__|__kwdefaults__|__globals__|sys\.modules",
+    "ctypes / native code": r"\bctypes\b|\bcffi\b|\bmmap\b",
+    "process or file-system probing": r"/proc\b|/dev/shm|sqlite3|gradebook|\.\./|\bos\.kill|\bkillpg\b|"
+                                      r"\bsetsid\b|setpgid|\bos\.fork\b|daemon",
+    "builtins": r"\bbuiltins\b|__builtins__|__import__",
+}
+
+
+def scan_submission(path: Path) -> list[str]:
+    """Flags for a human: the student-editable cells of a submitted notebook that use a
+    grader-hostile construct (one line per construct: the kind, the cell, the text).
+    Flagging never changes a score."""
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:
+        return [f"could not be read for the scan ({type(exc).__name__})"]
+    flags = []
+    for index, cell in enumerate(nb.cells):
+        nbg = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.cell_type != "code" or (nbg.get("locked") and not nbg.get("solution")):
+            continue                      # locked cells are restored from the gradebook anyway
+        for kind, pattern in HOSTILE_CONSTRUCTS.items():
+            found = sorted({m.group(0) for m in re.finditer(pattern, cell.source)})
+            if found:
+                where = nbg.get("grade_id") or f"cell {index}"
+                flags.append(f"{kind} in {where}: {', '.join(found)[:120]}")
+    return flags
+
+
+def grade_report(lab: str, students: list[str], results: dict, course: Path,
+                 isolation: str | None) -> Path:
+    """<course>/reports/<lab>.txt: how each student was graded and what a human should look
+    at (grading failures, what the guard put back or caught, hostile constructs)."""
+    lines = [f"Grade report for {lab}",
+             "isolation: " + ("every kernel sandboxed (see grader/README.md, 'Threat model')" if isolation is None
+                              else f"NONE: {isolation}; student code ran as the grader"), ""]
+    for student in students:
+        result = results.get(student)
+        status = "ok" if result and result.returncode == 0 else \
+            ("STOPPED (time cap)" if result and result.timed_out else "FAILED")
+        notes_path = course / "autograded" / student / lab / NOTES_FILE
+        try:
+            notes = json.loads(notes_path.read_text()).get("notes", [])
+        except (OSError, ValueError):
+            notes = []
+        flags = scan_submission(course / "submitted" / student / lab / f"{lab}.ipynb")
+        lines.append(f"{student}: grading {status}" + ("" if notes or flags else ", nothing to look at"))
+        lines += [f"  guard: {n}" for n in notes] + [f"  flag: {f}" for f in flags]
+    path = course / "reports" / f"{lab}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 class StampInstallSource(NbGraderPreprocessor):
     """Release step: write where the kit installs from into each lab's setup cell (the line
     ``DISTTRAIN_LAB_PIP = "..."``), so a fresh kernel (Colab) can install it.
@@ -489,6 +722,11 @@ def configured_install_source() -> str:
     return str(config.StampInstallSource.get("pip_requirement", ""))
 
 
+_NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
+                 "can read and change the gradebook, solutions and other students' files. Grade as root on "
+                 "Linux with cgroup v1 memory+pids (see grader/README.md, 'Threat model'). ***\n")
+
+
 def configure(c, limits: Limits | None = None) -> None:
     """Apply the whole grading setup to an nbgrader config object ``c``."""
     limits = limits or Limits()
@@ -501,6 +739,12 @@ def configure(c, limits: Limits | None = None) -> None:
     c.Execute.startup_timeout = 120
     c.RobustExecute.notebook_timeout = limits.notebook_timeout
     c.RobustExecute.memory_limit = limits.kernel_memory
+    use_sandbox, why = limits.sandboxed()
+    if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_NO_ISOLATION.format(why=why), file=sys.stderr)
+    c.RobustExecute.sandbox = "on" if use_sandbox else "off"
+    c.RobustExecute.student_memory = limits.student_memory
+    c.RobustExecute.student_pids = limits.student_pids
     c.LimitOutput.max_lines = 300
     c.LimitOutput.max_traceback = 60
     c.OverwriteCells.add_missing_cells = True
@@ -514,6 +758,8 @@ def configure(c, limits: Limits | None = None) -> None:
     from nbconvert.preprocessors import ClearMetadataPreprocessor
     c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
                                           RestoringOverwriteCells, CheckCellMetadata]
+    from nbgrader.converters import GenerateFeedback
+    c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
     c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
                                            SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
 
@@ -590,9 +836,10 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="disttrain-grade-", dir=tmp_root) as tmp:
         full_env = dict(os.environ, **(env or {}))
+        cgroup = f"disttrain-lab/{os.path.basename(tmp)}"     # every sandboxed kernel of this run below it
         full_env.update(PATH=bindir + os.pathsep + full_env.get("PATH", ""), TMPDIR=tmp,
                         JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"), MPLBACKEND="Agg",
-                        PYTHONDONTWRITEBYTECODE="1")
+                        PYTHONDONTWRITEBYTECODE="1", DISTTRAIN_SANDBOX_CGROUP=cgroup)
         proc = subprocess.Popen([sys.executable, "-m", "nbgrader", *args], cwd=GRADER_DIR, env=full_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -606,6 +853,8 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
             output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
         finally:
             _reap_orphans(before)
+            if sandbox.problem() is None:
+                sandbox.Cgroup(cgroup).destroy()
     return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
 
 
@@ -699,7 +948,12 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
     limits = limits or Limits()
     env = _env(course, source, release_from)
     env.update(DISTTRAIN_CELL_TIMEOUT=str(limits.cell_timeout), DISTTRAIN_NOTEBOOK_TIMEOUT=str(limits.notebook_timeout),
-               DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory))
+               DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory), DISTTRAIN_STUDENT_MEMORY=str(limits.student_memory),
+               DISTTRAIN_STUDENT_PIDS=str(limits.student_pids), DISTTRAIN_SANDBOX=limits.sandbox,
+               DISTTRAIN_SANDBOX_WARNED="1")
+    isolated, why = limits.sandboxed()
+    if not isolated:
+        log(_NO_ISOLATION.format(why=why))
     _ensure_in_gradebook(lab, course, env, tmp_root)
     students = students or students_of(lab, course)
     if not one_process_per_student:
@@ -707,7 +961,9 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         result = run_nbgrader(["autograde", lab, "--force"], timeout=limits.student_timeout * len(students),
                               env=env, tmp_root=tmp_root)
         log(f"autograde {lab} ({len(students)} students): rc={result.returncode} in {result.seconds:.1f} s")
-        return {student: result for student in students}
+        results = {student: result for student in students}
+        grade_report(lab, students, results, course, why if not isolated else None)
+        return results
     results = {}
     for student in students:
         result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
@@ -719,6 +975,8 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         log(f"autograde {lab} {student}: {status} in {result.seconds:.1f} s")
         if result.returncode != 0:
             log(result.output[-3000:])
+    report = grade_report(lab, students, results, course, why if not isolated else None)
+    log(f"grade report: {report}")
     return results
 
 

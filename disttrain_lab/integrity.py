@@ -50,7 +50,20 @@ def watch(module: types.ModuleType, names: list[str] | None = None) -> None:
                  and not isinstance(v, type)]
     for name in names:
         if hasattr(module, name):
-            _SNAPSHOT[(module.__name__, name)] = _unwrap(getattr(module, name))
+            genuine = _unwrap(getattr(module, name))
+            _SNAPSHOT[(module.__name__, name)] = genuine
+            _CODE[(module.__name__, name)] = _code_of(genuine)
+
+
+_CODE: dict[tuple[str, str], tuple] = {}   # (module, name) -> (__code__, __defaults__, __kwdefaults__)
+
+
+def _code_of(obj) -> tuple:
+    # swapping __code__ (even for another genuine torch function's) or the defaults
+    # changes what a function does while it stays the same object
+    f = getattr(obj, "__func__", obj)
+    return (getattr(f, "__code__", None), getattr(f, "__defaults__", None),
+            dict(getattr(f, "__kwdefaults__", None) or {}))
 
 
 def watch_class(cls: type, label: str) -> None:
@@ -94,6 +107,9 @@ def find_tampering() -> list[str]:
         code = getattr(current, "__code__", None)
         if code is not None and not os.path.abspath(code.co_filename).startswith(_genuine_home(module_name)):
             problems.append(f"the code of {module_name}.{name} was replaced by {_where(current)}")
+        elif _code_of(current) != _CODE.get((module_name, name), _code_of(current)):
+            problems.append(f"the code or default arguments of {module_name}.{name} were changed "
+                            "(__code__ / __defaults__ / __kwdefaults__)")
     return problems + _class_changes()
 
 

@@ -264,6 +264,12 @@ def _in_process_timeout(rank: int, timeout: float, status) -> None:
     os._exit(124)
 
 
+def _destroy_own_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout):
     import torch.distributed as dist
     env_world = int(os.environ["WORLD_SIZE"])
@@ -279,6 +285,10 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
             import torch
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(chosen.group_backend)
+        # we made the group, so we end it: left to interpreter shutdown, gloo's threads are
+        # torn down mid-call and the process can die of SIGABRT ("terminate called without
+        # an active exception") after the script succeeded
+        atexit.register(_destroy_own_group)
     os.environ["DISTTRAIN_LAB_RANK_DEVICE"] = chosen.device
     integrity.verify()
     rank = dist.get_rank()

@@ -357,6 +357,7 @@ def install() -> None:
         setattr(c10d, op, wrapped)
         if hasattr(dist, op):
             setattr(dist, op, wrapped)
+    _install_process_group_methods()
 
 
 def uninstall() -> None:
@@ -367,6 +368,60 @@ def uninstall() -> None:
         setattr(c10d, op, genuine)
         if hasattr(dist, op):
             setattr(dist, op, genuine)
+    for (cls, name), genuine in _METHOD_ORIGINALS.items():
+        setattr(cls, name, genuine)
+
+
+# ProcessGroup / Backend methods a rank can call directly (``group.allreduce([t], opts)``),
+# bypassing torch.distributed's functions: each such call is recorded too, as the op it is
+# (torch's own functions call these inside a traced call, where depth > 0 skips them).
+_PG_METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
+               "broadcast": "broadcast", "reduce": "reduce", "allgather": "all_gather",
+               "allgather_coalesced": "all_gather_coalesced", "_allgather_base": "all_gather_into_tensor",
+               "allgather_into_tensor_coalesced": "all_gather_into_tensor", "all_gather_single": "all_gather_single",
+               "gather": "gather", "scatter": "scatter", "reduce_scatter": "reduce_scatter",
+               "_reduce_scatter_base": "reduce_scatter_tensor", "reduce_scatter_single": "reduce_scatter_single",
+               "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor", "alltoall": "all_to_all",
+               "alltoall_base": "all_to_all_single", "all_to_all_single": "all_to_all_single",
+               "barrier": "barrier", "monitored_barrier": "monitored_barrier",
+               "send": "send", "recv": "recv", "recv_anysource": "recv"}
+_METHOD_ORIGINALS: dict[tuple, Any] = {}
+
+
+def _wrap_method(name: str, op: str, genuine):
+    kind = "p2p" if op in P2P_OPS else "collective"
+
+    def direct(self, *args, **kwargs):
+        rec = _REC
+        if rec.depth:
+            return genuine(self, *args, **kwargs)
+        rec.depth += 1
+        start = time.perf_counter()
+        try:
+            out = genuine(self, *args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            rec.depth -= 1
+        if rec.recording:
+            peer = args[1] if kind == "p2p" and len(args) > 1 and isinstance(args[1], int) else None
+            rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0, peer, None,
+                               _nbytes(args[0] if args else None), None, "", {"called": f"ProcessGroup.{name}"}))
+        return out
+
+    direct.__name__ = direct.__qualname__ = name
+    return direct
+
+
+def _install_process_group_methods() -> None:
+    from torch._C import _distributed_c10d as c10d_ext
+    classes = [getattr(c10d_ext, n) for n in dir(c10d_ext)
+               if isinstance(getattr(c10d_ext, n), type) and n in ("ProcessGroup", "Backend", "ProcessGroupGloo",
+                                                                    "ProcessGroupNCCL", "ProcessGroupMPI")]
+    for cls in classes:
+        for name, op in _PG_METHODS.items():
+            if name in vars(cls) and (cls, name) not in _METHOD_ORIGINALS:
+                _METHOD_ORIGINALS[(cls, name)] = vars(cls)[name]
+                setattr(cls, name, _wrap_method(name, op, vars(cls)[name]))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,194 @@
+"""The grading guard that runs inside a graded kernel (its source is sent to the kernel by
+``grading.RobustExecute`` before any student code; it is never imported by a student).
+
+Before each graded test cell ``before_test(names)`` puts back what a solution cell could
+have changed to turn a failing test into a passing one:
+
+* IPython's hooks: custom exception handlers, ``events`` callbacks (``post_run_cell`` ...),
+  input and AST transformers, the display hook and formatters, a trace function,
+  ``builtins.__import__``, methods set on the shell or its classes;
+* the modules in ``sys.modules`` and the names the test cell uses for them (``checks``,
+  ``dl``, ``torch``, ``dist`` ...), and names bound by the instructor's locked cells;
+* the functions of ``torch.distributed`` and ``disttrain_lab``: identity *and* code
+  objects (``__code__``, ``__defaults__``, ``__kwdefaults__``).
+
+It returns ``(problems, notes)``: problems fail the test (a replaced kit or torch
+function: the result cannot be trusted), notes are only reported (the genuine object was
+put back, so the test itself decides).  ``after_test(names)`` runs right after the test
+cell: anything changed *while the test ran* is a problem, so the cell fails.
+
+This is in-kernel defence: it stops every hook and rebinding a notebook can do through
+public APIs; code that digs into the guard's own state (``gc``, frames, ``ctypes``) is out
+of its reach and is flagged for a human by ``grading.scan_submission``.
+"""
+GUARD_SOURCE = r'''
+def _disttrain_install_guard():
+    import builtins, importlib, sys, types
+    guard = types.ModuleType("_disttrain_grading_guard")
+    try:
+        from disttrain_lab.trace import genuine_of as unwrap
+    except ImportError:
+        unwrap = lambda obj: obj
+
+    def fingerprint(obj):
+        f = getattr(obj, "__func__", obj)
+        return (obj, getattr(f, "__code__", None), getattr(f, "__defaults__", None),
+                dict(getattr(f, "__kwdefaults__", None) or {}))
+
+    def restore_code(obj, fp):
+        f = getattr(obj, "__func__", obj)
+        f.__code__, f.__defaults__, f.__kwdefaults__ = fp[1], fp[2], fp[3] or None
+
+    def changed_code(obj, fp):
+        f = getattr(obj, "__func__", obj)
+        return fp[1] is not None and (getattr(f, "__code__", None) is not fp[1]
+                                      or getattr(f, "__defaults__", None) != fp[2]
+                                      or dict(getattr(f, "__kwdefaults__", None) or {}) != fp[3])
+
+    functions, modules, instructor = {}, {}, {}
+    aliases = {"torch": "torch", "dist": "torch.distributed", "dl": "disttrain_lab",
+               "checks": "disttrain_lab.checks", "nn": "torch.nn", "F": "torch.nn.functional",
+               "np": "numpy", "os": "os", "time": "time", "math": "math", "sys": "sys"}
+
+    def watch(module, functions_too=True):
+        modules[module.__name__] = module
+        if functions_too:
+            for name, obj in list(vars(module).items()):
+                if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
+                    functions[(module.__name__, name)] = fingerprint(unwrap(obj))
+
+    for name in ("os", "time", "math", "sys"):
+        watch(importlib.import_module(name), functions_too=False)
+    try:
+        import torch, torch.distributed, torch.testing, torch.nn, torch.nn.functional
+        watch(torch, functions_too=False); watch(torch.nn, functions_too=False)
+        watch(torch.nn.functional, functions_too=False)
+        watch(torch.distributed); watch(torch.testing)
+        for name in ("equal", "allclose", "isclose"):
+            functions[("torch", name)] = fingerprint(getattr(torch, name))
+    except Exception:
+        pass
+    if "numpy" in sys.modules:
+        watch(sys.modules["numpy"], functions_too=False)
+    try:
+        import disttrain_lab
+        for sub in ("checks", "launcher", "trace", "integrity"):
+            try:
+                importlib.import_module("disttrain_lab." + sub)
+            except Exception:
+                pass
+        for modname, module in list(sys.modules.items()):
+            if modname.startswith("disttrain_lab") and module is not None and modname != "disttrain_lab.grading":
+                watch(module)
+    except Exception:
+        pass
+
+    shell = get_ipython()
+    tm = shell.input_transformer_manager
+    events = shell.events.callbacks
+    plain = shell.display_formatter.formatters["text/plain"]
+    hooks = {
+        "custom exception handler (set_custom_exc)": (lambda: shell.custom_exceptions,
+                                                       lambda v: setattr(shell, "custom_exceptions", v)),
+        "CustomTB": (lambda: shell.__dict__.get("CustomTB"), lambda v: setattr(shell, "CustomTB", v)),
+        "AST transformers": (lambda: list(shell.ast_transformers),
+                             lambda v: setattr(shell, "ast_transformers", list(v))),
+        "input transformers": (lambda: list(shell.input_transformers_post),
+                               lambda v: setattr(shell, "input_transformers_post", list(v))),
+        "input cleanup transforms": (lambda: list(tm.cleanup_transforms),
+                                     lambda v: setattr(tm, "cleanup_transforms", list(v))),
+        "input line transforms": (lambda: list(tm.line_transforms),
+                                  lambda v: setattr(tm, "line_transforms", list(v))),
+        "input token transformers": (lambda: list(tm.token_transformers),
+                                     lambda v: setattr(tm, "token_transformers", list(v))),
+        "the input transformer manager": (lambda: shell.input_transformer_manager,
+                                          lambda v: setattr(shell, "input_transformer_manager", v)),
+        "events callbacks": (lambda: {k: list(v) for k, v in events.items()},
+                             lambda v: [events.__setitem__(k, list(cbs)) for k, cbs in v.items()]),
+        "the events manager": (lambda: shell.events, lambda v: setattr(shell, "events", v)),
+        # (sys.displayhook, sys.excepthook and builtins.get_ipython are set and put back
+        # around every cell by IPython itself; the shell's own hooks are what persists)
+        "display hook": (lambda: shell.displayhook, lambda v: setattr(shell, "displayhook", v)),
+        "the display publisher": (lambda: shell.display_pub, lambda v: setattr(shell, "display_pub", v)),
+        "a trace/profile function": (lambda: (sys.gettrace(), sys.getprofile()),
+                                     lambda v: (sys.settrace(v[0]), sys.setprofile(v[1]))),
+        "builtins.__import__": (lambda: builtins.__import__, lambda v: setattr(builtins, "__import__", v)),
+        "builtins.print": (lambda: builtins.print, lambda v: setattr(builtins, "print", v)),
+        "the display formatter": (lambda: shell.display_formatter, lambda v: setattr(shell, "display_formatter", v)),
+        "text/plain printers": (lambda: tuple(dict(getattr(plain, a)) for a in ("type_printers", "deferred_printers",
+                                                                                 "singleton_printers")),
+                                lambda v: [getattr(plain, a).clear() or getattr(plain, a).update(d) for a, d in
+                                           zip(("type_printers", "deferred_printers", "singleton_printers"), v)]),
+    }
+    pristine = {name: get() for name, (get, _) in hooks.items()}
+    shell_attrs = set(vars(shell))
+    shell_classes = [(cls, dict(vars(cls))) for cls in type(shell).__mro__ if cls is not object]
+
+    def reset_hooks():
+        changed = []
+        for name, (get, put) in hooks.items():
+            if get() != pristine[name]:
+                changed.append(name)
+                put(pristine[name])
+        for attr in set(vars(shell)) - shell_attrs:       # e.g. shell.run_cell = ... on the instance
+            if callable(getattr(shell, attr, None)):
+                changed.append("shell." + attr)
+                delattr(shell, attr)
+        for cls, genuine in shell_classes:
+            for attr in set(vars(cls)) | set(genuine):
+                now, before = vars(cls).get(attr), genuine.get(attr)
+                if now is not before and (callable(now) or callable(before)) and not attr.startswith("__"):
+                    changed.append(cls.__name__ + "." + attr)
+                    if attr in genuine:
+                        setattr(cls, attr, genuine[attr])
+                    else:
+                        delattr(cls, attr)
+        return changed
+
+    def restore(names):
+        problems, notes = [], []
+        notes += ["IPython hook: " + h for h in reset_hooks()]
+        for modname, module in modules.items():
+            if sys.modules.get(modname) is not module:
+                notes.append("sys.modules[%r]" % modname)
+                sys.modules[modname] = module
+            parent, _, child = modname.rpartition(".")
+            if parent in modules and getattr(modules[parent], child, module) is not module:
+                notes.append(modname)
+                setattr(modules[parent], child, module)
+        ns = shell.user_ns
+        for name in names:
+            modname = aliases.get(name)
+            if modname in modules and ns.get(name, modules[modname]) is not modules[modname]:
+                notes.append("the name %r (%s)" % (name, modname))
+                ns[name] = modules[modname]
+        for name, fp in instructor.items():
+            if ns.get(name) is not fp[0]:
+                notes.append("the name %r (defined by the lab)" % name)
+                ns[name] = fp[0]
+            if changed_code(fp[0], fp):
+                problems.append("the code of %s (defined by the lab)" % name)
+                restore_code(fp[0], fp)
+        for (modname, name), fp in functions.items():
+            module = modules.get(modname) or sys.modules.get(modname)
+            current = unwrap(getattr(module, name, None)) if module is not None else None
+            if current is not fp[0]:
+                problems.append(modname + "." + name)
+                setattr(module, name, fp[0])
+            elif changed_code(current, fp):
+                problems.append("the code of " + modname + "." + name)
+                restore_code(current, fp)
+        return problems, notes
+
+    def record(names):
+        for name in names:
+            if name in shell.user_ns:
+                instructor[name] = fingerprint(shell.user_ns[name])
+
+    guard.before_test = lambda names: restore(names)
+    guard.after_test = lambda names: (lambda p, n: (p + n, []))(*restore(names))
+    guard.record = record
+    sys.modules[guard.__name__] = guard
+_disttrain_install_guard()
+del _disttrain_install_guard
+'''

@@ -1,0 +1,238 @@
+"""One sandbox per graded kernel: an unprivileged user, private /tmp and /dev/shm, hidden
+grader files, memory and process caps for the whole student, killed as one unit.
+
+The grader starts every kernel through this module (``python -I .../sandbox.py SPEC --
+KERNEL-COMMAND``, see ``command``), run as root::
+
+    wrapper (root, host namespaces)    creates the cgroups, waits, removes them
+    └── init (root, pid 1 of a new pid + mount namespace, in the cgroups)
+        │   private tmpfs on /tmp and /dev/shm; tmpfs over the gradebook/course, solutions,
+        │   the grading temp dir and the grader's home (the interpreter and the kit are
+        │   bound back read-only); a fresh /proc
+        └── kernel (uid SPEC.uid, no groups, no new privileges), cwd = a private copy of
+            the submission folder; every rank it starts stays below it
+
+When the kernel exits, init exits, and Linux kills every process left in the pid
+namespace: a child that called ``setsid`` or keeps forking cannot outlive the student.
+Memory charged to the cgroup includes tmpfs pages, so ``/dev/shm`` counts; the
+namespace's tmpfs mounts vanish with it.
+
+``problem()`` says why a host cannot isolate (not root, no cgroup v1 memory/pids, no
+namespaces); the grader then says so loudly and in the grade report.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None,
+                       ctypes.c_ulong(flags), data.encode() if data else None), f"mount {target}")
+
+
+def problem() -> str | None:
+    """Why this host cannot sandbox a kernel, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"sandboxing needs Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "the grader does not run as root, so it cannot switch users, mount or use cgroups"
+    for controller in ("memory", "pids"):
+        if not (CGROUP_ROOT / controller / "cgroup.procs").exists():
+            return f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
+    if not os.path.exists("/proc/self/ns/pid") or not os.path.exists("/proc/self/ns/mnt"):
+        return "the kernel has no pid/mount namespaces"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# cgroups: one per kernel, below one per grading run
+
+class Cgroup:
+    """A cgroup v1 node in the memory and pids hierarchies (``relative`` below each root)."""
+
+    def __init__(self, relative: str):
+        self.dirs = [CGROUP_ROOT / c / relative for c in ("memory", "pids")]
+
+    def create(self, memory: int, pids: int) -> "Cgroup":
+        for d in self.dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        mem, pid_dir = self.dirs
+        (mem / "memory.limit_in_bytes").write_text(str(memory))
+        if (mem / "memory.memsw.limit_in_bytes").exists():   # no swapping around the cap
+            (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
+        (pid_dir / "pids.max").write_text(str(pids))
+        return self
+
+    def add(self, pid: int) -> None:
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def pids(self) -> set[int]:
+        found = set()
+        for d in self.dirs:
+            for node in [d, *[p for p in d.rglob("*") if p.is_dir()]] if d.is_dir() else []:
+                try:
+                    found |= {int(x) for x in (node / "cgroup.procs").read_text().split()}
+                except OSError:
+                    pass
+        return found
+
+    def destroy(self, timeout: float = 30.0) -> None:
+        """Kill whatever is left in it (and below it), then remove it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = self.pids()
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for d in self.dirs:
+            for node in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) \
+                    if d.is_dir() else []:
+                _rmdir(node)
+            _rmdir(d)
+
+
+def _rmdir(path: Path) -> None:
+    for _ in range(100):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)       # the last killed task is still leaving the cgroup
+
+
+# ----------------------------------------------------------------------------------------
+# the spec the grader passes, and the command that starts a kernel in a sandbox
+
+def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str,
+         hide: list[str], keep: list[str]) -> dict:
+    return {"uid": uid, "memory": memory, "pids": pids, "data_limit": data_limit,
+            "cgroup": cgroup, "hide": hide, "keep": keep}
+
+
+def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
+    # run as a file, isolated (-I: no env, no script dir on sys.path): importing the
+    # disttrain_lab package would import torch, seconds per kernel start
+    return [sys.executable, "-I", os.path.abspath(__file__), json.dumps(the_spec), "--", *kernel_cmd]
+
+
+def main(argv: list[str]) -> None:
+    the_spec, cmd = json.loads(argv[0]), argv[2:]
+    name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
+    cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
+    go_r, go_w = os.pipe()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # an interrupt is for the kernel (its group gets it)
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
+    child = os.fork()
+    if child == 0:                                     # pid 1 of the new namespace
+        os.close(go_w)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.read(go_r, 1) != b"1":                   # the wrapper died before placing us
+            os._exit(1)
+        try:
+            _init(the_spec, cmd)
+        except BaseException as exc:                   # noqa: BLE001 - report any set-up failure
+            sys.stderr.write(f"[disttrain-lab sandbox] could not start the kernel: {exc!r}\n")
+            os._exit(70)
+    os.close(go_r)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
+    try:
+        cgroup.add(child)                              # before it runs anything
+        os.write(go_w, b"1")
+        _, status = os.waitpid(child, 0)
+    finally:
+        cgroup.destroy()
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
+
+
+def _init(the_spec: dict, cmd: list[str]) -> None:
+    uid = the_spec["uid"]
+    size = f"size={the_spec['memory'] // 2}"      # each of /tmp and /dev/shm; their pages count in the cgroup too
+    _mount("none", "/", None, MS_REC | MS_PRIVATE)
+    # read what the kernel needs before the mounts hide it: its connection file, its folder
+    conn_index = cmd.index("-f") + 1 if "-f" in cmd else None
+    conn = Path(cmd[conn_index]).read_bytes() if conn_index else None
+    keep_fds = {p: os.open(p, os.O_PATH) for p in the_spec["keep"] if os.path.isdir(p)}
+    for target in ("/tmp", "/dev/shm"):
+        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    work, home, runtime = Path("/tmp/work"), Path("/tmp/home"), Path("/tmp/.kernel")
+    shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    home.mkdir()
+    runtime.mkdir(mode=0o700)
+    if conn is not None:
+        (runtime / "kernel.json").write_bytes(conn)
+        cmd[conn_index] = str(runtime / "kernel.json")
+    for path in (work, home, runtime):
+        for root, dirs, files in os.walk(path):
+            for entry in [root] + [os.path.join(root, n) for n in dirs + files]:
+                os.lchown(entry, uid, uid)
+    # hide the grader's files; bind back (read-only) the interpreter and kit under them
+    private = ("/", "/tmp", "/dev/shm", "/proc")      # already private (or everything)
+    for hidden in sorted({os.path.realpath(p) for p in the_spec["hide"]} - set(private),
+                         key=lambda p: p.count(os.sep)):
+        if not os.path.exists(hidden):                 # e.g. below a folder hidden just before
+            continue
+        if os.path.isdir(hidden):
+            _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+            for kept, fd in keep_fds.items():
+                if kept.startswith(hidden.rstrip(os.sep) + os.sep):
+                    os.makedirs(kept, exist_ok=True)
+                    _mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND | MS_REC)
+                    _mount("none", kept, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+            _mount("none", hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+        else:
+            _mount("/dev/null", hidden, None, MS_BIND)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    env = dict(os.environ, HOME=str(home), TMPDIR="/tmp", JUPYTER_RUNTIME_DIR=str(runtime),
+               IPYTHONDIR=str(home / ".ipython"), MPLCONFIGDIR=str(home / ".matplotlib"),
+               USER="student", LOGNAME="student",
+               JPY_PARENT_PID="1")     # ipykernel's parent poller: its parent is this init now
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    kernel = os.fork()
+    if kernel == 0:
+        import resource
+        if the_spec["data_limit"]:
+            resource.setrlimit(resource.RLIMIT_DATA, (the_spec["data_limit"],) * 2)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        os.chdir(work)
+        os.execvpe(cmd[0], cmd, env)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(kernel, signal.SIGTERM))
+    while True:                                        # reap orphans until the kernel ends
+        pid, status = os.wait()
+        if pid == kernel:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,338 @@
+"""Grading that a student cannot cheat or harm (issue 16): one crafted submission per
+weakness class, graded in one batch between two honest classmates ("a_honest" is graded
+before every attacker, "z_honest" after).  Each attacker gets exactly its deserved score,
+the classmates keep theirs, the gradebook, solutions and other students' files are
+untouched, and nothing is left running or on disk.
+
+The batch needs a host that can sandbox (root, cgroup v1 memory+pids, namespaces), as CI
+has; elsewhere it is skipped with the reason, and the report test proves the grader says
+loudly that it graded without isolation.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from disttrain_lab import grading, sandbox
+from tests.test_grading import (FIXTURE_LIMITS, FIXTURES, HAS_LAUNCH, Course, feedback, grade_id,
+                                processes_with, submit, with_solution)
+
+CAN_SANDBOX = sandbox.problem() is None
+needs_sandbox = pytest.mark.skipif(not CAN_SANDBOX, reason=f"this host cannot sandbox: {sandbox.problem()}")
+pytestmark = pytest.mark.timeout(900)
+
+MARKER = "h16-escapee-marker"      # in the command line of every process an attacker leaves behind
+LIMITS = dict(FIXTURE_LIMITS, student_memory=1536 * 2**20, student_pids=256, sandbox="on")
+
+WRONG_MEAN = "def mean(xs):\n    return 0\n"
+MEAN_OK = "def mean(xs):\n    return sum(xs) / len(xs)\n"
+
+# ex_mean's solution cell of each attacker (fixture 00_basics: add 1 + mean 2 + scale 1)
+ATTACKS = {
+    # 1. hooks that turn a failing test cell into a passing one
+    "c1_hooks": WRONG_MEAN + (
+        "ip = get_ipython()\n"
+        "ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
+        "def _clear(result):\n    result.error_in_exec = None\n"
+        "ip.events.register('post_run_cell', _clear)\n"),
+    "c1_ast_transformer": WRONG_MEAN + (
+        "import ast\n"
+        "class _NoAssert(ast.NodeTransformer):\n"
+        "    def visit_Assert(self, node):\n        return ast.Pass()\n"
+        "get_ipython().ast_transformers.append(_NoAssert())\n"),
+    "c1_input_transformer": WRONG_MEAN + "get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])\n",
+    "c1_hooks_during_test": (
+        "def mean(xs):\n"
+        "    ip = get_ipython()\n"
+        "    ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
+        "    ip.events.register('post_run_cell', lambda result: setattr(result, 'error_in_exec', None))\n"
+        "    return 0\n"),
+    # 4. the grader's files: the gradebook, the solutions, another student's submission
+    "c4_files": (
+        "import os, json, sqlite3\n"
+        "_found, _roots = {}, [os.environ.get('DISTTRAIN_COURSE_DIR', ''), os.environ.get('DISTTRAIN_SOURCE_DIR', ''),\n"
+        "                      os.path.expanduser('~'), os.path.abspath('../../..')]\n"
+        "for _root in [r for r in _roots if r and r != '/']:\n"
+        "    for _dir, _, _files in os.walk(_root):\n"
+        "        for _f in _files:\n"
+        "            _found.setdefault(_f, []).append(os.path.join(_dir, _f))\n"
+        "        if sum(map(len, _found.values())) > 20000:\n"
+        "            break\n"
+        "def mean(xs):\n    return 0\n"
+        "for _name, _p in [(n, p) for n, ps in _found.items() for p in ps]:\n"
+        "    try:\n"
+        "        if _name == 'gradebook.db':\n"
+        "            _db = sqlite3.connect(_p)\n"
+        "            _db.execute('UPDATE grade SET manual_score = 0')\n"
+        "            _db.commit()\n"
+        "        elif _name == '00_basics.ipynb' and 'BEGIN SOLUTION' in open(_p).read():\n"
+        "            for _cell in json.load(open(_p))['cells']:\n"
+        "                if 'def mean' in ''.join(_cell['source']):\n"
+        "                    exec(''.join(_cell['source']))\n"
+        "        elif _name == '00_basics.ipynb' and 'z_honest' in _p:\n"
+        "            open(_p, 'w').write('{}')\n"
+        "    except Exception:\n"
+        "        pass\n"),
+    # 5. a process that leaves the kernel's group, keeps changing pid and kills later kernels
+    "c5_escape": MEAN_OK + (
+        "import subprocess, sys\n"
+        "_code = '''\n"
+        "import os, sys, time, signal\n"
+        "course = sys.argv[1].encode()\n"
+        "while True:\n"
+        "    if os.fork():\n"
+        "        os._exit(0)\n"
+        "    os.setsid()\n"
+        "    for pid in os.listdir('/proc'):\n"
+        "        try:\n"
+        "            if pid.isdigit() and int(pid) not in (os.getpid(), int(sys.argv[2])) \\\n"
+        "                    and course in open('/proc/%s/environ' % pid, 'rb').read() \\\n"
+        "                    and b'ipykernel' in open('/proc/%s/cmdline' % pid, 'rb').read():\n"
+        "                os.kill(int(pid), signal.SIGKILL)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    time.sleep(0.2)\n"
+        "'''\n"
+        f"subprocess.Popen([sys.executable, '-c', _code, os.environ['DISTTRAIN_COURSE_DIR'], str(os.getpid()), '{MARKER}'],\n"
+        "                 start_new_session=True)\n"),
+    # 6. shared memory: RLIMIT_DATA does not count it, and /dev/shm outlives a kernel
+    "c6_shm": MEAN_OK + (
+        "try:\n"
+        f"    with open('/dev/shm/{MARKER}', 'wb') as _f:\n"
+        "        for _ in range(12):\n"
+        "            _f.write(b'x' * 2**28)\n"
+        "except OSError:\n"
+        "    pass\n"),
+}
+DESERVED = {name: 2.0 for name in ATTACKS} | {"c5_escape": 4.0, "c6_shm": 4.0}
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _host_leftovers() -> list[str]:
+    found = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if MARKER in n]
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and MARKER.encode() in open(f"/proc/{entry}/cmdline", "rb").read():
+                found.append(f"pid {entry}")
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory):
+    course = Course(tmp_path_factory.mktemp("attacked"), "00_basics", FIXTURES, LIMITS)
+    course.do_release()
+    sol = course.solution
+    for name, source in ATTACKS.items():
+        submit(course.course, name, course.lab, with_solution(sol, "ex_mean", source))
+    # 8. a flipped `grade` flag on a test cell (nbgrader's checksum check failed the whole notebook)
+    flipped = copy.deepcopy(sol)
+    [cell] = [c for c in flipped.cells if grade_id(c) == "test_mean"]
+    cell.metadata.nbgrader["grade"] = False
+    submit(course.course, "c8_flipped_flag", course.lab, flipped)
+    submit(course.course, "a_honest", course.lab, sol)
+    submit(course.course, "z_honest", course.lab, sol)
+    course.source_digest = _digest(FIXTURES)
+    course.others_digest = _digest(course.course / "submitted" / "z_honest")
+    course.results = course.grade(one_process_per_student=False)
+    course.table = grading.scores(course.lab, course.course)
+    course.leftovers = _host_leftovers()
+    return course
+
+
+@pytest.mark.slow
+@needs_sandbox
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_attacker_gets_exactly_its_deserved_score(attacked, attack):
+    assert attacked.results[attack].returncode == 0, attacked.results[attack].output[-3000:]
+    deserved = DESERVED[attack]
+    mean = deserved - 2
+    assert attacked.table[attack] == {"test_add": 1.0, "test_mean": mean, "test_scale": 1.0, "total": deserved}
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_classmates_files_and_host_are_untouched(attacked):
+    full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
+    assert attacked.table["a_honest"] == full and attacked.table["z_honest"] == full
+    assert attacked.table["c8_flipped_flag"] == full          # 8: restored from the gradebook, not zeroed
+    assert _digest(FIXTURES) == attacked.source_digest
+    assert _digest(attacked.course / "submitted" / "z_honest") == attacked.others_digest
+    from nbgrader.api import Gradebook
+    with Gradebook(f"sqlite:///{attacked.course / 'gradebook.db'}") as gb:
+        manual = [g.manual_score for s in gb.find_assignment("00_basics").submissions
+                  for nb in s.notebooks for g in nb.grades if g.manual_score is not None]
+    assert manual == []
+    assert attacked.leftovers == []                          # 5, 6: no escaped process, no /dev/shm file
+    assert not processes_with(str(attacked.course))
+    assert not list(attacked.tmp.iterdir())
+    assert not list((sandbox.CGROUP_ROOT / "memory" / "disttrain-lab").glob("disttrain-grade-*"))
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_feedback_shows_messages_not_hidden_tests(attacked):
+    honest, wrong = feedback(attacked.course, "a_honest", "00_basics"), feedback(attacked.course, "c1_hooks", "00_basics")
+    for page in (honest, wrong):
+        assert page and "BEGIN HIDDEN TESTS" not in page and "mean([5]) == 5" not in page
+    assert "mean([1, 2, 3]) should be 2" in wrong           # 7: the failing message is there
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_grade_report_flags_for_a_human(attacked):
+    report = (attacked.course / "reports" / "00_basics.txt").read_text()
+    assert "isolation: every kernel sandboxed" in report
+    blocks = {b.split(":", 1)[0]: b for b in report.split("\n") if b and not b.startswith(" ")}
+    assert "nothing to look at" in blocks["a_honest"] and "nothing to look at" in blocks["z_honest"]
+    section = report.split("c1_hooks_during_test:")[1].split("\nc4")[0]
+    assert "IPython hook APIs" in section and "changed while the test ran" in section
+    assert "process or file-system probing" in report.split("c4_files:")[1].split("\nc5")[0]
+    assert "ctypes" not in report.split("a_honest:")[1].split("\n")[0]
+
+
+# ----------------------------------------------------------------------------------------
+# 2. names the tests use, and code objects (fixture 00_launch: allsum 2 + ring_next 1 points;
+# both tests call dl.launch, so a fake launch that "passes" allsum fails ring_next)
+
+ALLSUM_WRONG = "def allsum():\n    return 0.0\n"
+FAKE_LAUNCH = "lambda fn, world_size, *a, **k: [world_size * (world_size + 1) / 2.0] * world_size"
+LAUNCH_ATTACKS = {
+    "c2_rebind_dl": ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n",
+    "c2_code_swap": ALLSUM_WRONG + f"dl.launch.__code__ = ({FAKE_LAUNCH}).__code__\n",
+}
+
+
+@pytest.mark.slow
+@needs_sandbox
+@pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch has not landed")
+def test_rebound_names_and_swapped_code_objects(tmp_path):
+    course = Course(tmp_path, "00_launch", FIXTURES, dict(LIMITS, cell_timeout=60))
+    course.do_release()
+    for name, source in LAUNCH_ATTACKS.items():
+        submit(course.course, name, course.lab, with_solution(course.solution, "ex_allsum", source))
+    submit(course.course, "a_honest", course.lab, course.solution)
+    submit(course.course, "z_honest", course.lab, course.solution)
+    results = course.grade(one_process_per_student=False)
+    table = grading.scores(course.lab, course.course)
+    assert all(r.returncode == 0 for r in results.values())
+    assert table["a_honest"]["total"] == table["z_honest"]["total"] == 3
+    for name in LAUNCH_ATTACKS:
+        assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "total": 1.0}, name
+    page = feedback(course.course, "c2_code_swap", course.lab)
+    assert "TamperingError" in page and "disttrain_lab.launch" in page
+    report = (course.course / "reports" / "00_launch.txt").read_text()
+    assert "the name 'dl' (disttrain_lab)" in report.split("c2_rebind_dl:")[1]
+    assert not processes_with(str(course.course)) and not list(course.tmp.iterdir())
+
+
+# ----------------------------------------------------------------------------------------
+# cheap checks, no grading run
+
+def test_partial_credit_is_clamped_to_the_cells_points():
+    cell = nbformat.v4.new_code_cell("1", metadata={"nbgrader": {"grade": True, "points": 2}})
+    cell.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "1e9"}, execution_count=1)]
+    grading._clamp_partial_credit(cell)
+    assert cell.outputs[0].data["text/plain"] == "2.0"
+    cell.outputs[0].data["text/plain"] = "-3"
+    grading._clamp_partial_credit(cell)
+    assert cell.outputs[0].data["text/plain"] == "0.0"
+
+
+def test_no_isolation_is_said_loudly_and_in_the_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "problem", lambda: "the grader does not run as root")
+    with pytest.raises(RuntimeError, match="cannot isolate a student: the grader does not run as root"):
+        grading.Limits(sandbox="on").sandboxed()
+    assert grading.Limits(sandbox="auto").sandboxed() == (False, "the grader does not run as root")
+    path = grading.grade_report("00_basics", [], {}, tmp_path, "the grader does not run as root")
+    assert "isolation: NONE: the grader does not run as root" in path.read_text()
+
+
+def test_scan_flags_hostile_constructs_only_in_student_cells(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import ctypes\nget_ipython().events.register('post_run_cell', f)",
+                                  metadata={"nbgrader": {"grade_id": "ex", "solution": True, "locked": False}}),
+        nbformat.v4.new_code_cell("import gc", metadata={"nbgrader": {"grade_id": "t", "grade": True, "locked": True}}),
+        nbformat.v4.new_code_cell("def mean(xs):\n    return sum(xs) / len(xs)")])
+    nbformat.write(nb, tmp_path / "x.ipynb")
+    flags = grading.scan_submission(tmp_path / "x.ipynb")
+    assert len(flags) == 2 and all(" in ex: " in f for f in flags), flags
+    assert any(f.startswith("IPython hook APIs") for f in flags) and any("ctypes" in f for f in flags)
+
+
+def _collectives_on_the_group_object():
+    import torch
+    import torch.distributed as dist
+    import disttrain_lab as dl
+    pg = dist.distributed_c10d._get_default_group()
+    with dl.region("student"):
+        pg.allreduce([torch.ones(4)]).wait()                    # not through dist.all_reduce
+        if dist.get_rank() == 0:
+            pg.send([torch.ones(3)], 1, 0).wait()
+        else:
+            pg.recv([torch.zeros(3)], 0, 0).wait()
+    return dist.get_rank()
+
+
+@pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch has not landed")
+def test_collectives_called_on_a_process_group_are_traced():
+    # 3. a "p2p only" check cannot be passed by calling the collective on the group object
+    import disttrain_lab as dl
+    from disttrain_lab import checks
+    student = checks.within(dl.launch(_collectives_on_the_group_object, 2, trace=True, timeout=60), "student")
+    assert sorted((e.rank, e.op, e.bytes) for e in student.events) == \
+        [(0, "all_reduce", 16), (0, "send", 12), (1, "all_reduce", 16), (1, "recv", 12)]
+    assert [e.peer for e in checks.sends(student, 0)] == [1]
+    with pytest.raises(AssertionError, match="called the collective all_reduce"):
+        checks.assert_only_p2p(student, "ring")
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path):
+    # 8. one failed start used to fail the student's whole grading
+    import sys
+    from jupyter_client.manager import AsyncKernelManager
+    starts = []
+
+    class DiesOnFirstStart(AsyncKernelManager):
+        def format_kernel_cmd(self, extra_arguments=None):
+            starts.append(1)
+            cmd = super().format_kernel_cmd(extra_arguments)
+            return [sys.executable, "-c", "raise SystemExit(3)"] if len(starts) == 1 else cmd
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    executor = grading.RobustExecute(kernel_manager_class=DiesOnFirstStart, timeout=60, startup_timeout=60)
+    nb, _ = executor.preprocess(nb, {"metadata": {"path": str(tmp_path)}})
+    assert len(starts) == 2
+    assert nb.cells[0].outputs[0].text == "42\n"
+
+
+def test_verify_untampered_sees_swapped_code_objects_and_defaults():
+    # 2. the in-rank guard compared identities only: same object, other code, passed
+    from disttrain_lab import checks, integrity
+    genuine = checks.sample_tensor.__defaults__
+    checks.sample_tensor.__defaults__ = (None, 1)
+    try:
+        with pytest.raises(integrity.TamperingError, match="default arguments of disttrain_lab.checks.sample_tensor"):
+            checks.verify_untampered()
+    finally:
+        checks.sample_tensor.__defaults__ = genuine
+    code = checks.passed.__code__
+    # code that claims to come from the kit's own file (so the file check alone would pass it)
+    checks.passed.__code__ = (lambda message: None).__code__.replace(co_filename=checks.__file__)
+    try:
+        with pytest.raises(integrity.TamperingError, match="disttrain_lab.checks.passed"):
+            checks.verify_untampered()
+    finally:
+        checks.passed.__code__ = code
+    checks.verify_untampered()
