@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from . import integrity, trace
+from . import integrity, network, trace
 
 STARTUP_TIMEOUT = 180.0     # seconds: a fresh interpreter importing torch on a busy machine
 
@@ -113,6 +113,7 @@ def _run_job(job: dict, status) -> tuple:
     trace.write_status(status, rank, None)
     _set_rng_states(job["rng"])
     trace._REC.begin(rank, job["t0"], job["trace"], status)
+    network.begin(job.get("network"), world_size)  # None: nothing is installed
     try:
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         result = fn(*args, **kwargs)
@@ -121,6 +122,7 @@ def _run_job(job: dict, status) -> tuple:
     except BaseException as exc:  # noqa: BLE001  (SystemExit too: report it, don't die)
         reply = ("error", _error_info(exc))
     finally:
+        network.end(job.get("network"))
         raw = trace._REC.end()
     if reply[0] == "ok":
         # The group stays up until the next launch: a rank that returns early must not
