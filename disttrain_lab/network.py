@@ -308,10 +308,27 @@ class _DelayedWork:
         return out
 
     def get_future(self):
-        def delayed(fut):
-            _sleep_until(self._finish())
-            return fut.value()
-        return self._work.get_future().then(delayed)
+        import torch
+        delayed = torch.futures.Future()
+
+        def arrived(fut):
+            # runs on a gloo worker thread: never sleep there (callbacks chained on the future,
+            # PowerSGD's among them, wait for further collectives that need those threads);
+            # a timer thread completes the future at the emulated end instead
+            def complete():
+                try:
+                    delayed.set_result(fut.value())
+                except Exception as exc:  # noqa: BLE001  (the collective's error, passed on)
+                    delayed.set_exception(exc)
+            wait = self._finish() - time.perf_counter()
+            if wait <= 0:
+                complete()
+            else:
+                timer = threading.Timer(wait, complete)
+                timer.daemon = True
+                timer.start()
+        self._work.get_future().add_done_callback(arrived)
+        return delayed
 
     def is_completed(self) -> bool:
         return self._work.is_completed() and time.perf_counter() >= self._finish()
