@@ -113,8 +113,8 @@ def _run_job(job: dict, status) -> tuple:
     trace.write_status(status, rank, None)
     _set_rng_states(job["rng"])
     trace._REC.begin(rank, job["t0"], job["trace"], status)
-    network.begin(job.get("network"), world_size)  # None: nothing is installed
     try:
+        network.begin(job.get("network"), world_size)  # None: nothing is installed
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         result = fn(*args, **kwargs)
         integrity.verify()  # did the function replace torch.distributed while it ran?

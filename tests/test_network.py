@@ -242,3 +242,36 @@ def test_warm_ranks_forget_the_network_between_launches():
     assert statistics.mean(e.meta["network_s"] for e in
                            dl.launch(_send_16_kib, 2, network=slow, trace=True).select(op="send")) \
         == pytest.approx(slow.time(16 << 10))
+
+
+# --- under torchrun: the same emulation, in torchrun's own processes ------------------------
+
+@pytest.mark.slow
+def test_network_under_torchrun(tmp_path):
+    import re
+    import textwrap
+
+    from .helpers import run_python
+    script = tmp_path / "emulated.py"
+    script.write_text(textwrap.dedent("""
+        import os, time, torch, torch.distributed as dist, disttrain_lab as dl
+        net = dl.Network(latency=1e-3, bandwidth=1e7)           # 1 MiB: 106 ms
+        def step():
+            t = torch.zeros(1 << 18)
+            start = time.perf_counter()
+            if dist.get_rank() == 0:
+                dist.send(t, dst=1)
+            else:
+                dist.recv(t, src=0)
+            return time.perf_counter() - start
+        run = dl.launch(step, 2, network=net, trace=True)
+        model = net.time(1 << 20)
+        # no shared board across torchrun's processes: the sender holds the data back for the model's time
+        ok = (run.network == net and run.results[0] >= model and run.results[1] >= 0.5 * model
+              and run.select(op="send")[0].meta["network_s"] == model)
+        os.write(1, f"<RANK {os.environ['RANK']} OK {ok}>".encode())
+    """))
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+                      timeout=120, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert sorted(re.findall(r"<RANK (\d) OK True>", proc.stdout)) == ["0", "1"], proc.stdout[-3000:]
