@@ -18,12 +18,15 @@ The model (the one of labs 1 and 2):
   one at a time, both at once; ``duplex="half"``: one transfer at a time, in or out.
   Transfers of different ranks run in parallel.
 - How it is enforced, per rank, with two clocks (when its out-port and its in-port are free):
-  a ``send``/``isend`` waits until its out-port is free, holds it for ``alpha + beta * n``,
-  and only then hands the data to gloo, so nothing arrives early; a ``recv`` (or the
-  ``wait`` of an ``irecv``) completes no earlier than ``alpha + beta * n`` after the
-  previous message that the in-port carried.  Every emulated time is therefore a lower
-  bound: the real copy and the scheduling of processes come on top.  ``isend`` spends its
-  transfer time when it is called (the port is busy), so sends do not overlap computation.
+  a ``send``/``isend`` books its out-port for ``alpha + beta * n`` from when the port is free,
+  hands the data to gloo at once, and writes the moment the link will have carried it on a
+  board of arrival times shared by the ranks of the launch; the ``recv`` (or the ``wait`` of
+  the ``irecv``) returns no earlier than that moment, nor earlier than ``alpha + beta * n``
+  after the previous message its in-port carried.  A blocking ``send`` returns when its
+  transfer ends; the ``wait`` of an ``isend`` too, so computation between them overlaps the
+  transfer.  Every emulated time is a lower bound: the real copy runs meanwhile, and the
+  scheduling of processes comes on top.  (Under ``torchrun`` the ranks may be on several
+  hosts and share no board: a sender then holds its data back for the transfer time.)
 - Collectives cost their textbook algorithm under the same model (``collective_time``):
   all-reduce a ring, ``2(N-1)(alpha + beta*n/N)``; all-gather, reduce-scatter and all-to-all
   a ring, ``(N-1)(alpha + beta*n/N)`` with ``n`` the larger buffer; broadcast and reduce a
@@ -31,7 +34,8 @@ The model (the one of labs 1 and 2):
   ``(N-1)(alpha + beta*n/N)``; barrier ``ceil(log2 N) alpha``.  A half-duplex port pays the
   ring and all-to-all steps twice (each step sends and receives).  A collective ends no
   earlier than this time after the later of its call and the moment the rank's port is free,
-  nor before gloo's real collective ends.  ``async_op=True`` collectives run meanwhile: their
+  nor before gloo's real collective ends (so a rank that enters early is charged from its
+  own call: a late peer delays it only through gloo's real wait).  ``async_op=True`` collectives run meanwhile: their
   ``wait()`` and ``get_future()`` complete at that time, so they overlap with computation.
 - Only CPU tensors are slowed; GPU tensors travel over NCCL at the real speed.
 

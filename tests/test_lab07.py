@@ -161,6 +161,7 @@ def test_bench_compression_counts_the_compressed_bytes_side_by_side():
         assert row["steps_per_s"] > 0 and row["loss"] > 0 and row["steps"] == 4
 
 
+@pytest.mark.slow
 def test_cli_bench_compression_says_where_the_notebook_is_missing(tmp_path):
     from tests.helpers import run_python
     out = run_python(["-m", "disttrain_lab.cli", "bench", "compression", "--notebook", str(tmp_path / "none.ipynb")],
