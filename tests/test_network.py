@@ -127,17 +127,18 @@ def _ring(x: torch.Tensor) -> None:
         send.wait()
 
 
-def _race(numel: int) -> dict:
-    """Naive then ring on the same data; each rank's time and whether the sums are right."""
+def _race(numel: int, repeats: int = 1) -> dict:
+    """Naive then ring on the same data, ``repeats`` times; each rank's times and whether the sums are right."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name, fn in (("naive", _naive), ("ring", _ring)):
-        x = torch.full((numel,), float(rank + 1))
-        dist.barrier()
-        start = time.perf_counter()
-        fn(x)
-        out[name] = time.perf_counter() - start
-        out[name + " correct"] = bool(torch.all(x == n * (n + 1) / 2))
+    out = {"naive": [], "ring": []}
+    for _ in range(repeats):
+        for name, fn in (("naive", _naive), ("ring", _ring)):
+            x = torch.full((numel,), float(rank + 1))
+            dist.barrier()
+            start = time.perf_counter()
+            fn(x)
+            out[name].append(time.perf_counter() - start)
+            out[name + " correct"] = bool(torch.all(x == n * (n + 1) / 2))
     return out
 
 
@@ -149,14 +150,14 @@ def test_ring_beats_naive_by_the_models_ratio_at_16_mib_on_4_ranks(duplex, ratio
     naive_model = 2 * (n - 1) * net.time(size)       # rank 0's port carries 2(N-1) whole tensors
     ring_model = 2 * (n - 1) * per_message * net.time(size / n)
     assert naive_model / ring_model == pytest.approx(ratio, rel=0.01)   # N (full) or N/2 (half)
-    results = dl.launch(_race, n, size // 4, network=net, timeout=120)
+    results = dl.launch(_race, n, size // 4, 2, network=net, timeout=120)
     assert all(r["naive correct"] and r["ring correct"] for r in results), results
-    naive = max(r["naive"] for r in results)         # a step ends when its last rank does
-    ring = max(r["ring"] for r in results)
-    assert naive >= naive_model and ring >= ring_model
-    # real copies and additions come on top of both (more steps for the ring), so the
-    # measured ratio may fall short of the model's, but not by much at 16 MiB on 1 Gbit/s
-    assert 0.7 * ratio <= naive / ring <= 1.15 * ratio, (naive, ring)
+    # a call ends when its last rank does; every call takes at least the model's time
+    naive, ring = ([max(times) for times in zip(*(r[name] for r in results))] for name in ("naive", "ring"))
+    assert min(naive) >= naive_model and min(ring) >= ring_model
+    # real copies and additions come on top of both (more steps for the ring), and a busy
+    # moment of the machine can slow one call: the best of two is close to the model's ratio
+    assert 0.7 * ratio <= min(naive) / min(ring) <= 1.15 * ratio, (naive, ring)
 
 
 # --- collectives, async work and futures --------------------------------------------------
