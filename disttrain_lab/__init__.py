@@ -3,6 +3,7 @@
     import disttrain_lab as dl
     dl.launch(fn, 4)                    # run fn on 4 ranks, get their return values
     run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they made
+    dl.launch(fn, 4, network=dl.Network.preset("1 Gbit Ethernet"))   # over an emulated link
     dl.viz.timeline(run)                # per-rank timeline of a real run
 """
 __version__ = "0.1.0"
@@ -15,14 +16,15 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         "with `pip install torch==2.13.0` (or `bash scripts/setup.sh`); on Colab and most Hubs "
         "torch is already there.") from exc
 
-from . import checks, integrity, models, trace, viz  # noqa: E402
+from . import checks, integrity, models, network, trace, viz  # noqa: E402
 from .launcher import (  # noqa: E402
     LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, device, launch, plan, shutdown,
 )
+from .network import Network  # noqa: E402
 from .trace import Event, Run, region  # noqa: E402
 from .cli import doctor  # noqa: E402
 
-__all__ = ["launch", "doctor", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
+__all__ = ["launch", "Network", "network", "doctor", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
            "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace", "checks", "models"]
 
 integrity.watch_defaults()

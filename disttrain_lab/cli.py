@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero", "tp", "pipeline"],
+    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero", "tp", "pipeline", "compression"],
                        help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--notebook", help="allreduce, ddp, zero: the lab notebook whose functions to measure "
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_pipeline(args)
         if args.what == "tp":
             return _bench_tp(args)
+        if args.what == "compression":
+            from .bench_compression import main as bench_compression_main
+            return bench_compression_main(args, _functions_from_lab)
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):
         from . import grading

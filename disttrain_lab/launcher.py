@@ -46,8 +46,9 @@ from typing import Callable
 
 import cloudpickle
 
-from . import integrity, trace
+from . import integrity, network, trace
 from .integrity import TamperingError
+from .network import Network
 from .reports import LaunchError, LaunchTimeout, RankDied, RankError, rank_error, timeout_error
 from .worker import STARTUP_TIMEOUT, worker_main
 
@@ -163,7 +164,7 @@ def _resolve_device(device, backend) -> str:
     return _DEVICE_OF_BACKEND[backend]
 
 
-def _validate(fn, world_size, timeout) -> None:
+def _validate(fn, world_size, timeout, network=None) -> None:
     if not callable(fn):
         raise ValueError(f"launch needs a function to run on every rank, got {type(fn).__name__} "
                          f"{fn!r}; pass the function itself: dl.launch(my_fn, 4), not dl.launch(my_fn(), 4)")
@@ -172,13 +173,16 @@ def _validate(fn, world_size, timeout) -> None:
         raise ValueError(f"world_size must be an int from 1 to {limit}, got {world_size!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if network is not None and not isinstance(network, Network):
+        raise ValueError(f"network must be a dl.Network (e.g. dl.Network.preset('1 Gbit Ethernet')) or None "
+                         f"(the real links), got {type(network).__name__} {network!r}")
 
 
 # --------------------------------------------------------------------------------------
 # The public entry point
 # --------------------------------------------------------------------------------------
 def launch(fn: Callable, world_size: int, *args, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
-           trace: bool = False, backend: str | None = None, **kwargs):
+           trace: bool = False, backend: str | None = None, network: Network | None = None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
     Every rank starts with ``torch.distributed`` initialised (``dist.get_rank()``,
@@ -196,25 +200,28 @@ def launch(fn: Callable, world_size: int, *args, device: str = "cpu", timeout: f
     (not done within ``timeout`` seconds; says what each rank was blocked in).  In all
     three cases every rank has been stopped.
 
+    ``network=dl.Network(...)`` slows every transfer of CPU tensors down to at least what
+    that link would take (see ``disttrain_lab.network``); None (default): the real links.
+
         >>> dl.launch(lambda x: x + dist.get_rank(), 2, 10)
         [10, 11]
         >>> dl.launch(lambda: str(dl.device()), 2, device="cuda")   # on 2 GPUs
         ['cuda:0', 'cuda:1']
     """
     __tracebackhide__ = True  # IPython: show the student's frames, not the launcher's
-    _validate(fn, world_size, timeout)
+    _validate(fn, world_size, timeout, network)
     device = _resolve_device(device, backend)
     if _under_torchrun():
-        return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout)
+        return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
     payload = cloudpickle.dumps((fn, args, kwargs))
     with _POOL_LOCK:
         pool = _pool_for(world_size, chosen)
-        results, events, wall = pool.run(payload, world_size, timeout, trace)
+        results, events, wall = pool.run(payload, world_size, timeout, trace, network)
     if trace:
         return trace_module.Run(results=results, events=events, world_size=world_size,
-                                backend=chosen.backend, wall_time=wall)
+                                backend=chosen.backend, wall_time=wall, network=network)
     return results
 
 
@@ -270,7 +277,7 @@ def _destroy_own_group() -> None:
         dist.destroy_process_group()
 
 
-def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout):
+def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout, net=None):
     import torch.distributed as dist
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
@@ -302,10 +309,12 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
     watchdog = threading.Timer(timeout, _in_process_timeout, args=(rank, timeout, status))
     watchdog.daemon = True
     watchdog.start()
+    network.begin(net, world_size, shared=False)   # ranks may be on several hosts
     try:
         result = fn(*args, **kwargs)
     finally:
         watchdog.cancel()
+        network.end(net)
         raw = trace._REC.end()
         trace.uninstall()
     wall = time.perf_counter() - t0
@@ -316,7 +325,7 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
         return results
     events = sorted((e for _, evs in gathered for e in trace.to_events(evs)), key=lambda e: e.start)
     return trace.Run(results=results, events=events, world_size=world_size,
-                     backend=dist.get_backend(), wall_time=wall)
+                     backend=dist.get_backend(), wall_time=wall, network=net)
 
 
 # --------------------------------------------------------------------------------------
@@ -447,7 +456,7 @@ class _Pool:
                     self._relay(next(w for w in self.workers if w.out_fd == fd))
 
     # ---- one launch -------------------------------------------------------------------
-    def run(self, payload: bytes, world_size: int, timeout: float, want_trace: bool):
+    def run(self, payload: bytes, world_size: int, timeout: float, want_trace: bool, net=None):
         __tracebackhide__ = True
         self.calls += 1
         t0 = time.perf_counter()
@@ -461,7 +470,7 @@ class _Pool:
                 job = {"rank": w.rank, "world_size": world_size, "device": self.plan.device,
                        "group_backend": self.plan.group_backend,
                        "port": self.store.port, "prefix": f"{self.secret}/{self.calls}/", "payload": payload,
-                       "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng}
+                       "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng, "network": net}
                 w.conn.send_bytes(pickle.dumps(job))
             replies = self._collect(workers, t0 + timeout, timeout)
         except BaseException:

@@ -29,6 +29,8 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from . import network
+
 P2P_OPS = ("send", "recv", "isend", "irecv")
 COLLECTIVE_OPS = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
@@ -301,8 +303,10 @@ def genuine_of(obj):
     return entry[1] if entry is not None and entry[0] is obj else obj
 
 
-def _wrap(op: str, fn):
-    params = inspect.signature(fn).parameters
+def _wrap(op: str, fn, genuine=None):
+    # fn is torch's function, or the network emulation around it (then genuine is torch's)
+    genuine = fn if genuine is None else genuine
+    params = inspect.signature(genuine).parameters
     names = list(params)
     defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
 
@@ -330,6 +334,9 @@ def _wrap(op: str, fn):
         if op in ("recv",) and peer is None and isinstance(out, int):
             peer = out  # recv from any source returns the sender
         if rec.recording:
+            modelled = network.take_last_cost()
+            if modelled is not None:
+                meta["network_s"] = modelled
             rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0,
                                peer, group, nbytes, tag, "", meta))
         if out is not None and hasattr(out, "wait") and not isinstance(out, TracedWork):
@@ -338,14 +345,17 @@ def _wrap(op: str, fn):
             return TracedWork(out, op, (kind, peer, group, nbytes, tag, meta))
         return out
 
-    _GENUINE[id(traced)] = (traced, fn)
-    traced.__signature__ = inspect.signature(fn)  # help(dist.send) still shows torch's arguments
+    _GENUINE[id(traced)] = (traced, genuine)
+    traced.__signature__ = inspect.signature(genuine)  # help(dist.send) still shows torch's arguments
     del traced.__wrapped__  # no back door to the untraced function
     return traced
 
 
-def install() -> None:
-    """Wrap torch.distributed's communication functions in this process (idempotent)."""
+def install(emulate=None) -> None:
+    """Wrap torch.distributed's communication functions in this process (idempotent).
+
+    ``emulate(op, fn)``, if given, slows torch's ``fn`` down to an emulated network's time
+    (``network.emulator``); the tracer wraps the result, so traced times include the wait."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     for op in TRACED_OPS:
@@ -353,7 +363,7 @@ def install() -> None:
         if current is None:
             continue
         genuine = _ORIGINALS.setdefault(op, genuine_of(current))
-        wrapped = _wrap(op, genuine)
+        wrapped = _wrap(op, emulate(op, genuine) if emulate else genuine, genuine)
         setattr(c10d, op, wrapped)
         if hasattr(dist, op):
             setattr(dist, op, wrapped)
@@ -460,6 +470,7 @@ class Run:
     world_size: int
     backend: str = "gloo"
     wall_time: float = 0.0
+    network: Any = None     # the emulated dl.Network the launch ran on, or None (real links)
 
     def by_rank(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]

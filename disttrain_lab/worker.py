@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from . import integrity, trace
+from . import integrity, network, trace
 
 STARTUP_TIMEOUT = 180.0     # seconds: a fresh interpreter importing torch on a busy machine
 
@@ -116,6 +116,7 @@ def _run_job(job: dict, status) -> tuple:
     _set_rng_states(job["rng"])
     trace._REC.begin(rank, job["t0"], job["trace"], status)
     try:
+        network.begin(job.get("network"), world_size)  # None: nothing is installed
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         result = fn(*args, **kwargs)
         integrity.verify()  # did the function replace torch.distributed while it ran?
@@ -123,6 +124,7 @@ def _run_job(job: dict, status) -> tuple:
     except BaseException as exc:  # noqa: BLE001  (SystemExit too: report it, don't die)
         reply = ("error", _error_info(exc))
     finally:
+        network.end(job.get("network"))
         raw = trace._REC.end()
     if reply[0] == "ok":
         # The group stays up until the next launch: a rank that returns early must not

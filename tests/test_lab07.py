@@ -1,0 +1,169 @@
+"""Lab 7 (gradient compression): the solution notebook runs, and its graded tests catch wrong answers.
+
+- The notebook's structure: the hidden tests cover what the issue asks (N = 2, 3, 4, odd sizes,
+  empty and one-entry tensors, bytes on the wire, 1 % top-k with and without error feedback).
+- The solution notebook executes top to bottom in a real kernel as the grader runs it
+  (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
+  loss/bytes picture and the crossover picture on the emulated network.
+- Wrong answers (top-k by value instead of magnitude, a dense all-reduce in sparse_all_reduce,
+  error feedback that forgets the residual, INT8 that truncates, a hook that sums instead of
+  averaging) each fail the right graded cell with a message that says why.  All of them run in
+  one kernel, to keep the suite's time down.
+
+The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import nbformat
+import pytest
+
+from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, pictures, run_solution
+
+LAB = REPO / "solutions" / "07_compression" / "07_compression.ipynb"
+BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = ["topk", "sparse_all_reduce", "error_feedback", "int8", "hook"]
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_exercises_and_hidden_tests_cover_the_issue():
+    nb = load_lab()
+    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
+    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
+    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    for needle in ("(0, 0.5)", "(1, 0.01)", "(100, 1.0)", "_check_sparse(3, 1001", "_check_sparse(4, 4099",
+                   "_check_sparse(2, 0,", "_check_sparse(4, 1,", "_check_quantized_all_reduce(3, 0,",
+                   "_check_quantized_all_reduce(4, 7, 3)", "_check_hook_exact(3)", "_check_training()"):
+        assert needle in hidden, needle
+    hook = cell_by_id(nb, "ex_hook").source
+    assert "def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:" in hook
+    helpers = cell_by_id(nb, "test_helpers").source
+    assert 'e.meta.get("in_bytes", e.bytes)' in helpers        # bytes on the wire: each rank's own piece
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb = run_solution(LAB, BUDGET_S)
+    assert pictures(nb) == 2, "expected the loss/bytes picture and the crossover picture"
+    crossover = next(c for c in nb.cells if c.cell_type == "code" and "GBITS = " in c.source)
+    printed = "".join(o.get("text", "") for o in crossover.outputs)
+    assert "median ms per step, measured / predicted" in printed and "    0.1 " in printed, printed
+
+
+# Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
+WRONG = [
+    ("topk", "topk", '''
+def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
+    k = min(flat.numel(), math.ceil(density * flat.numel()))
+    indices = torch.topk(flat, k).indices.sort().values
+    return flat[indices], indices
+''', "keep the k largest |x|"),
+    ("sparse_all_reduce", "sparse_all_reduce", '''
+def sparse_all_reduce(values, indices, numel):    # decompress, then a dense all-reduce: no bytes saved
+    dense = topk_decompress(values, indices, numel)
+    dist.all_reduce(dense)
+    return dense
+''', "the dense gradient 4000 B"),
+    ("error_feedback", "error_feedback", '''
+class ErrorFeedback:                              # forgets what it did not send
+    def __init__(self, density):
+        self.density = density
+        self.residual = None
+
+    def compress(self, grad):
+        self.residual = torch.zeros_like(grad)
+        return topk_compress(grad, self.density)
+''', "ef.residual (gradient + old residual"),
+    ("int8", "int8", '''
+def quantize_int8(flat, chunk_size=1024, stochastic=False, generator=None):   # truncates instead of rounding
+    chunks = flat.split(chunk_size)
+    scales = torch.stack([c.abs().max() / 127 for c in chunks]) if flat.numel() else torch.zeros(0)
+    per_entry = scales.repeat_interleave(chunk_size)[: flat.numel()]
+    x = flat / torch.where(per_entry > 0, per_entry, torch.ones_like(per_entry))
+    if stochastic:
+        x = torch.floor(x + torch.rand(x.shape, generator=generator))
+    return x.clamp(-127, 127).to(torch.int8), scales
+''', "within scale / 2"),
+    ("hook", "hook", '''
+def topk_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:    # the sum, not the average
+    flat = bucket.buffer()
+    values, indices = state.feedback.setdefault(bucket.index(), ErrorFeedback(state.density)).compress(flat)
+    fut = torch.futures.Future()
+    fut.set_result(sparse_all_reduce(values, indices, flat.numel()))
+    return fut
+''', "against default_hooks.allreduce_hook"),
+]
+
+
+@pytest.mark.slow
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer, the solutions, the wrong definition, then its graded cell."""
+    lab = load_lab()
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"))]
+    graded_at = {}
+    for graded, _, wrong, _ in WRONG:
+        cells += [copy.deepcopy(s) for s in solutions]            # the right answers again, then one wrong
+        cells.append(nbformat.v4.new_code_cell(wrong))
+        graded_at[graded] = len(cells)
+        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at.values():
+            assert not errors(cell), (i, errors(cell))
+    for graded, _, _, message in WRONG:
+        found = errors(nb.cells[graded_at[graded]])
+        assert found, f"the graded cell test_{graded} passed a wrong answer"
+        assert message in found[0], (graded, found[0])
+
+
+# ----------------------------------------------------------------------------------------
+# disttrain-lab bench compression
+
+def test_format_compression_table():
+    from disttrain_lab.bench_compression import format_compression_table
+    rows = [{"version": name, "world_size": 2, "network": "1 Gbit/s", "repeats": 5, "steps_per_s": sps,
+             "bytes_per_step": nbytes, "loss": 0.5, "steps": 12, "parameters": 5508, "sizes": (16, 64, 64, 4),
+             "ratio": sps / 8.0} for name, sps, nbytes in (("dense", 8.0, 22032), ("top-k", 4.0, 672))]
+    table = format_compression_table(rows)
+    assert "MLP 16 -> 64 -> 64 -> 4 (0.0 M parameters), 2 ranks, 1 Gbit/s; median of 5" in table
+    assert "21.5 KiB" in table and "672 B" in table and "0.50x" in table and "loss after 12" in table
+
+
+@pytest.mark.slow
+def test_bench_compression_counts_the_compressed_bytes_side_by_side():
+    from disttrain_lab import Network, bench
+    from disttrain_lab.bench_compression import (TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, bench_compression,
+                                                 lab_versions)
+    found = bench.functions_from_notebook(LAB, ["TopKState", "topk_hook", "int8_hook"])
+    assert set(found) == {"TopKState", "topk_hook", "int8_hook"}
+    rows = bench_compression(lab_versions(found), sizes=(16, 64, 64, 4), batch=8, steps=1, repeats=2, warmup=2,
+                             network=Network.gbit(1))
+    by_name = {r["version"]: r for r in rows}
+    assert list(by_name) == [TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, "top-k 1% + error feedback", "INT8"]
+    numel = 5508                                           # 16·64 + 64 + 64·64 + 64 + 64·4 + 4
+    assert by_name[TORCH_DENSE]["bytes_per_step"] == 4 * numel
+    assert by_name[TORCH_FP16]["bytes_per_step"] == 2 * numel
+    assert by_name["top-k 1% + error feedback"]["bytes_per_step"] == 56 * (4 + 8)     # k = ceil(55.08)
+    assert by_name["INT8"]["bytes_per_step"] == numel + 4 * 6                         # 6 chunks of 1024
+    assert 0 < by_name[TORCH_POWERSGD]["bytes_per_step"] < numel
+    for row in rows:
+        assert row["steps_per_s"] > 0 and row["loss"] > 0 and row["steps"] == 4
+
+
+@pytest.mark.slow
+def test_cli_bench_compression_says_where_the_notebook_is_missing(tmp_path):
+    from tests.helpers import run_python
+    out = run_python(["-m", "disttrain_lab.cli", "bench", "compression", "--notebook", str(tmp_path / "none.ipynb")],
+                     timeout=120, cwd=REPO)
+    assert out.returncode == 2 and "no notebook to take the compression hooks from" in out.stdout, out.stdout
