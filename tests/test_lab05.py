@@ -25,7 +25,7 @@ import pytest
 
 import disttrain_lab as dl
 from disttrain_lab import bench
-from tests.helpers import run_python
+from tests.helpers import needs_gpus, run_python
 from tests.notebooks import (REPO, cell_by_id, error_of_last_cell, errors, execute, output_of, pictures,
                              run_solution, text)
 
@@ -71,6 +71,11 @@ def test_timing_checks_sit_in_their_own_graded_cells():
         source = cell_by_id(nb, timing).source
         assert "_check_bubble" in source.split("### BEGIN HIDDEN TESTS")[0], timing    # exercised visibly too
         assert "_check_pipeline" not in source, timing
+
+
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
+    from tests.notebooks import numbering_problems
+    assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -233,3 +238,34 @@ def test_cli_bench_pipeline_uses_the_notebook():
     assert out.returncode == 0, out.stdout
     for name in ("naive", "GPipe m=8", "1F1B m=8", f"{bench.TORCH_PIPELINE} m=8", "ideal"):
         assert name in out.stdout, out.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# On GPUs (device="cuda", NCCL): skipped, saying why, where fewer than 2 GPUs are visible
+
+def _gpipe_on_device(stage_cls, split, gpipe):
+    import torch.distributed as dist
+    from disttrain_lab import models
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = stage_cls(split(models.MLP([8] * 5, seed=0), p)[rank].to(dl.device()), rank, p)
+    x, y = (t.to(dl.device()) for t in models.regression_data(8, 8, 8, seed=1))
+    loss = gpipe(stage, x, y, micro_batches=4)
+    return loss, {name: q.grad.cpu() for name, q in stage.module.named_parameters()}, str(stage.device)
+
+
+@needs_gpus(2)
+def test_gpipe_on_two_gpus(solution):
+    import torch
+    import torch.nn.functional as F
+    from disttrain_lab import models
+    results = dl.launch(_gpipe_on_device, 2, solution["Stage"], solution["split_stages"], solution["gpipe_step"],
+                        device="cuda", timeout=120)
+    assert [device for _, _, device in results] == ["cuda:0", "cuda:1"]
+    model = models.MLP([8] * 5, seed=0)
+    x, y = models.regression_data(8, 8, 8, seed=1)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    assert results[1][0] == pytest.approx(loss.item(), rel=1e-4)
+    grads = {name: g for _, rank_grads, _ in results for name, g in rank_grads.items()}
+    for name, q in model.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, rtol=1e-4, atol=1e-5)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from disttrain_lab import bench, viz
-from tests.helpers import run_python
+from tests.helpers import needs_gpus, run_python
 from tests.notebooks import REPO, cell_by_id, error_of_last_cell, errors, execute, output_of, run_solution, text
 
 LAB = REPO / "solutions" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
@@ -61,6 +61,11 @@ def test_groups_and_errors_are_exercised_visibly():
     assert "ColumnParallelLinear(nn.Linear(4, 5))" in visible and "parallel_groups(3)" in visible
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     assert text.index("**Process groups.**") < text.index("### Exercise 1")
+
+
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
+    from tests.notebooks import numbering_problems
+    assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -224,3 +229,32 @@ def test_cli_bench_tp_uses_the_notebook():
     assert out.returncode == 0, out.stdout
     for words in ("tensor-parallel MLP from", " 2 TensorParallelMLP", f" 2 {bench.TORCH_TP}", "vs torch"):
         assert words in out.stdout, out.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# On GPUs (device="cuda", NCCL): skipped, saying why, where fewer than 2 GPUs are visible
+
+def _tp_mlp_on_device(tp_mlp):
+    import disttrain_lab as dl
+    from disttrain_lab import models
+    dense = models.MLP([8, 32, 8], seed=0).to(dl.device())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(dl.device()).requires_grad_()
+    y = tp_mlp(dense)(x)
+    y.backward(torch.ones_like(y))
+    return str(y.device), y.detach().cpu(), x.grad.cpu()
+
+
+@needs_gpus(2)
+def test_tensor_parallel_mlp_on_two_gpus():
+    import disttrain_lab as dl
+    from disttrain_lab import models
+    found = bench.functions_from_notebook(LAB, ["TensorParallelMLP"])
+    results = dl.launch(_tp_mlp_on_device, 2, found["TensorParallelMLP"], device="cuda", timeout=120)
+    dense = models.MLP([8, 32, 8], seed=0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    y = dense(x)
+    y.backward(torch.ones_like(y))
+    assert [device for device, _, _ in results] == ["cuda:0", "cuda:1"]
+    for _, got, grad in results:
+        torch.testing.assert_close(got, y.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grad, x.grad, rtol=1e-4, atol=1e-5)
