@@ -50,6 +50,12 @@ def solution() -> dict:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+def test_not_a_power_of_two_is_matched_by_type_only():
+    # the exercise promises a ValueError (or a correct fallback), not the words of its message
+    source = cell_by_id(load_lab(), "test_halving_doubling_all_reduce").source
+    assert 'e.exc_type == "ValueError", (' in source and '"power" in' not in source
+
+
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
     assert numbering_problems(load_lab()) == []
