@@ -8,7 +8,8 @@ pipeline bench harness and Gantt chart work.
   quickly.  Wrong answers (a split with as many layers per stage instead of balanced parameters,
   GPipe that runs F,B,F,B, activations sent to a non-neighbour, micro-batch losses not scaled,
   a received activation without requires_grad_(), 1F1B that runs GPipe's order) fail the right
-  graded cell with a message that says why; GPipe with its backwards in reverse order passes.
+  graded cell with a message that says why; GPipe with its backwards in reverse order passes;
+  1F1B is graded on its own (the grader's micro-batch helpers where exercise 3's fail).
   Timing (bubble) checks sit in graded cells of their own.
 - viz.pipeline_idle / pipeline_schedule on a traced run; bench.bench_pipeline /
   format_pipeline_table / `disttrain-lab bench pipeline`, on the solution's functions.
@@ -155,6 +156,14 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, test_id, message):
 def test_gpipe_backwards_in_reverse_order_pass():
     # the lecture's diagram runs B(m-1) ... B0: the graded cell (hidden cases included) accepts it
     nb, _ = execute(_notebook_with("gpipe", "B(m-1) ... B0", "test_gpipe"), autograding=True, cwd=LAB.parent)
+    assert not [errors(c) for c in nb.cells if errors(c)], [errors(c) for c in nb.cells if errors(c)]
+    assert "\N{WHITE HEAVY CHECK MARK}" in text(nb.cells[-1]), text(nb.cells[-1])
+
+
+@pytest.mark.slow
+def test_1f1b_is_graded_on_its_own():
+    # exercise 3's helpers without the loss scaling fail GPipe; 1F1B, which reuses them, is graded with the grader's
+    nb, _ = execute(_notebook_with("gpipe", "unscaled", "test_1f1b"), autograding=True, cwd=LAB.parent)
     assert not [errors(c) for c in nb.cells if errors(c)], [errors(c) for c in nb.cells if errors(c)]
     assert "\N{WHITE HEAVY CHECK MARK}" in text(nb.cells[-1]), text(nb.cells[-1])
 
