@@ -87,3 +87,27 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
     found = errors(nb.cells[-1])
     assert found, "the graded cell passed a wrong answer"
     return found[0]
+
+
+def numbering_problems(nb) -> list[str]:
+    """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
+    `##` section per markdown cell" (the table of contents reads well); empty when nothing does."""
+    import re
+    problems, heading, last = [], None, 0
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            lines = cell.source.splitlines()
+            if sum(line.startswith("## ") for line in lines) > 1:
+                problems.append(f"cell {i} holds several ## sections")
+            problems += [f"cell {i}: an exercise as a ## section: {line!r}" for line in lines
+                         if line.startswith("## ") and "Exercise" in line]
+            for line in lines:
+                found = re.match(r"### Exercise (\d+)\b", line)
+                if found:
+                    heading = int(found.group(1))
+        elif nbgrader_meta(cell).get("solution"):
+            if heading != last + 1:
+                problems.append(f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
+                                f"expected Exercise {last + 1}")
+            last = heading or last
+    return problems

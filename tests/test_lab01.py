@@ -45,6 +45,11 @@ def load_lab() -> nbformat.NotebookNode:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
+    from tests.notebooks import numbering_problems
+    assert numbering_problems(load_lab()) == []
+
+
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 

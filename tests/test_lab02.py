@@ -50,6 +50,20 @@ def solution() -> dict:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
+    # the exercise asks for a ValueError that says "power of two" (torch's own ValueError for a partner
+    # rank that does not exist must not pass), and the graded cell matches exactly that
+    nb = load_lab()
+    source = cell_by_id(nb, "test_halving_doubling_all_reduce").source
+    assert '"power of two" in said' in source
+    assert "says N must be a **power of two**" in "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
+    from tests.notebooks import numbering_problems
+    assert numbering_problems(load_lab()) == []
+
+
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 

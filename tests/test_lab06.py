@@ -8,7 +8,8 @@ tensor-parallel bench harness works.
   cell, quickly.  Wrong answers (f and g swapped, an all-reduce between the two linears, a
   row-parallel layer that adds the bias on every rank, a layer that keeps views of the full
   weight, 2D training that uses the world group for tensor parallelism) fail the right graded
-  cell with a message that says why.
+  cell with a message that says why.  train_2d is graded on its own: with a broken
+  TensorParallelMLP the grader trains with its own (hidden) one.
 - viz.weight_slices, and bench.bench_tp / format_tp_table / `disttrain-lab bench tp`, on the
   solution's class.
 
@@ -23,8 +24,8 @@ import pytest
 import torch
 
 from disttrain_lab import bench, viz
-from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, output_of, run_solution, error_of_last_cell
+from tests.helpers import needs_gpus, run_python
+from tests.notebooks import REPO, cell_by_id, error_of_last_cell, errors, execute, output_of, run_solution, text
 
 LAB = REPO / "solutions" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
@@ -42,12 +43,31 @@ def load_lab() -> nbformat.NotebookNode:
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3 and 4; groups inside the world; sizes that do not divide by N raise ValueError
     nb = load_lab()
-    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    hidden = "".join(part.split("### END HIDDEN TESTS")[0] for e in EXERCISES
+                     for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
     for needle in ("_check_mlp(4,", "tp_size=2)", "_check_mlp(3,", "_check_2d(4, 4", "_check_2d(4, 1",
                    "_expect_value_error(lambda: TensorParallelMLP", "bias=False"):
         assert needle in hidden, needle
     helpers = cell_by_id(nb, "test_helpers").source
+    # only the word the exercise asks for ("divisible") is matched, so that torch's own errors do not pass
     assert 'e.exc_type == "ValueError" and "divisible" in e.exc_message' in helpers
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "**not divisible**" in text and "not **divisible**" in text
+
+
+def test_groups_and_errors_are_exercised_visibly():
+    # every requirement a hidden case checks is exercised at least once where the student sees it
+    nb = load_lab()
+    visible = "\n".join(c.source.split("### BEGIN HIDDEN TESTS")[0] for c in nb.cells if c.cell_type == "code")
+    assert visible.count("dist.new_subgroups(") >= 3, "groups in the self-checks of exercises 1-3"
+    assert "ColumnParallelLinear(nn.Linear(4, 5))" in visible and "parallel_groups(3)" in visible
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert text.index("**Process groups.**") < text.index("### Exercise 1")
+
+
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
+    from tests.notebooks import numbering_problems
+    assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -147,6 +167,23 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     assert message in found, found
 
 
+@pytest.mark.slow
+def test_train_2d_is_graded_on_its_own():
+    # a TensorParallelMLP without g fails exercise 3; the grader grades the correct train_2d with its own MLP
+    lab = load_lab()
+    broken = cell_by_id(lab, "ex_tp_mlp").source.replace(
+        "        return g(self.row(hidden), self.group)", "        return self.row(hidden)")
+    assert broken != cell_by_id(lab, "ex_tp_mlp").source
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], cell_by_id(lab, "ex_parallel_linear"), cell_by_id(lab, "ex_f_and_g"),
+                                        cell_by_id(lab, "ex_2d"), cell_by_id(lab, "test_helpers"),
+                                        cell_by_id(lab, "test_tp_mlp"), cell_by_id(lab, "test_2d"))]
+    cells.insert(3, nbformat.v4.new_code_cell(broken))
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, cwd=LAB.parent)
+    assert errors(nb.cells[-2]), "exercise 3's graded cell should fail without g"
+    assert not errors(nb.cells[-1]), errors(nb.cells[-1])
+    assert "\N{WHITE HEAVY CHECK MARK}" in text(nb.cells[-1]), text(nb.cells[-1])
+
+
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 
@@ -194,3 +231,32 @@ def test_cli_bench_tp_uses_the_notebook():
     assert out.returncode == 0, out.stdout
     for words in ("tensor-parallel MLP from", " 2 TensorParallelMLP", f" 2 {bench.TORCH_TP}", "vs torch"):
         assert words in out.stdout, out.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# On GPUs (device="cuda", NCCL): skipped, saying why, where fewer than 2 GPUs are visible
+
+def _tp_mlp_on_device(tp_mlp):
+    import disttrain_lab as dl
+    from disttrain_lab import models
+    dense = models.MLP([8, 32, 8], seed=0).to(dl.device())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(dl.device()).requires_grad_()
+    y = tp_mlp(dense)(x)
+    y.backward(torch.ones_like(y))
+    return str(y.device), y.detach().cpu(), x.grad.cpu()
+
+
+@needs_gpus(2)
+def test_tensor_parallel_mlp_on_two_gpus():
+    import disttrain_lab as dl
+    from disttrain_lab import models
+    found = bench.functions_from_notebook(LAB, ["TensorParallelMLP"])
+    results = dl.launch(_tp_mlp_on_device, 2, found["TensorParallelMLP"], device="cuda", timeout=120)
+    dense = models.MLP([8, 32, 8], seed=0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    y = dense(x)
+    y.backward(torch.ones_like(y))
+    assert [device for device, _, _ in results] == ["cuda:0", "cuda:1"]
+    for _, got, grad in results:
+        torch.testing.assert_close(got, y.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grad, x.grad, rtol=1e-4, atol=1e-5)
