@@ -8,18 +8,21 @@
 - Wrong answers (top-k by value instead of magnitude, a dense all-reduce in sparse_all_reduce,
   error feedback that forgets the residual, INT8 that truncates, a hook that sums instead of
   averaging) each fail the right graded cell with a message that says why.  All of them run in
-  one kernel, to keep the suite's time down.
+  one kernel, to keep the suite's time down.  The same kernel runs the (ungraded) demonstration of
+  the hook inside Lab 3's BucketedDDP with no Lab 3 notebook and with the blank one: it says so and skips.
+- The solution run shows the hook inside the Lab 3 solution's BucketedDDP: 3 buckets, training like torch DDP.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
 from __future__ import annotations
 
 import copy
+import re
 
 import nbformat
 import pytest
 
-from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, pictures, run_solution
+from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, output_of, pictures, run_solution, text
 
 LAB = REPO / "solutions" / "07_compression" / "07_compression.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
@@ -58,6 +61,13 @@ def test_solution_notebook_executes_within_budget():
     crossover = next(c for c in nb.cells if c.cell_type == "code" and "GBITS = " in c.source)
     printed = "".join(o.get("text", "") for o in crossover.outputs)
     assert "median ms per step, measured / predicted" in printed and "    0.1 " in printed, printed
+    # The hook inside Lab 3's BucketedDDP (the Lab 3 solution beside it): 3 buckets, trains like torch DDP's run.
+    printed = output_of(nb, "with_comm_hook(BucketedDDP)")
+    assert "your BucketedDDP (3 buckets of [324, 4096, 1088] entries) + topk_hook" in printed, printed
+    losses = dict(re.findall(r"^(your BucketedDDP|torch DDP, top-k 1 % \+ error feedback|torch DDP, dense).*?(\d+\.\d+)"
+                             r"(?: after \d+ steps)?$", printed, re.M))
+    assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, dense"]), printed
+    assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, top-k 1 % + error feedback"]), printed
 
 
 # Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
@@ -117,10 +127,22 @@ def test_graded_cells_catch_wrong_answers():
         cells.append(nbformat.v4.new_code_cell(wrong))
         graded_at[graded] = len(cells)
         cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    # Then the BucketedDDP demonstration with no Lab 3 notebook, and with the released (blank) one.
+    demo = next(c for c in lab.cells if c.cell_type == "code" and "with_comm_hook(BucketedDDP)" in c.source)
+    cells.append(nbformat.v4.new_code_cell("SIZES, CURVE_STEPS = [16, 64, 64, 4], 2"))
+    skipped = {}
+    for name, lab3 in (("missing", "../no_such_lab/03_data_parallel.ipynb"),
+                       ("blank", str(REPO / "labs" / "03_data_parallel" / "03_data_parallel.ipynb"))):
+        skipped[name] = len(cells)
+        cells.append(nbformat.v4.new_code_cell(demo.source.replace('"../03_data_parallel/03_data_parallel.ipynb"',
+                                                                   repr(lab3))))
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
     for i, cell in enumerate(nb.cells):
         if i not in graded_at.values():
             assert not errors(cell), (i, errors(cell))
+    assert text(nb.cells[skipped["missing"]]).startswith("Skipped: no Lab 3 notebook at "), text(nb.cells[skipped["missing"]])
+    assert text(nb.cells[skipped["blank"]]).startswith("Skipped: BucketedDDP.__init__ is not written yet"), \
+        text(nb.cells[skipped["blank"]])
     for graded, _, _, message in WRONG:
         found = errors(nb.cells[graded_at[graded]])
         assert found, f"the graded cell test_{graded} passed a wrong answer"
