@@ -12,6 +12,12 @@ from .notebooks import REPO
 
 pytestmark = pytest.mark.slow
 
+# About 3 minutes on a 2-core machine (8 single-user servers, 8 kernels, 32 ranks): past what
+# the suite's 25-minute budget leaves, so CI runs it only when asked.
+if not os.environ.get("DISTTRAIN_HUB_TEST"):
+    pytest.skip("the real-Hub check takes ~3 min; DISTTRAIN_HUB_TEST=1 runs it here "
+                "(or: python scripts/hub_check.py)", allow_module_level=True)
+
 
 def test_eight_students_run_lab_one_at_once_through_a_real_hub(tmp_path):
     summary_path = tmp_path / "hub.json"
