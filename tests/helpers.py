@@ -24,12 +24,18 @@ def child_pids(parent: int | None = None) -> list[int]:
     return pids
 
 
-def tmp_listing() -> set[str]:
-    """What is in /tmp and /dev/shm (things a launch must not leave behind)."""
+# what torch, multiprocessing and this kit name their shared-memory files; a shared CI
+# machine has other users of /dev/shm, whose files are none of this test's business
+_SHM_PREFIXES = ("torch_", "sem.", "psm_", "mp-", "disttrain")
+
+
+def tmp_listing(tmp: str = "/tmp") -> set[str]:
+    """What is in ``tmp`` (give a launch a private TMPDIR: other processes on a shared machine
+    write to /tmp) and this kit's kind of files in /dev/shm: what a launch must not leave behind."""
     found = set()
-    for d in ("/tmp", "/dev/shm"):
+    for d, keep in ((tmp, lambda n: not n.startswith("pytest-")), ("/dev/shm", lambda n: n.startswith(_SHM_PREFIXES))):
         try:
-            found |= {os.path.join(d, n) for n in os.listdir(d) if not n.startswith("pytest-")}
+            found |= {os.path.join(d, n) for n in os.listdir(d) if keep(n)}
         except OSError:
             pass
     return found
