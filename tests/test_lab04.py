@@ -4,9 +4,10 @@
   within the 4-minute budget, every graded cell passing, with the calculator's bar chart, the
   measured-against-predicted memory bars, a ZeRO-3 timeline and the bench table.
 - The blank notebook (solutions cleared the way nbgrader releases it) fails every graded cell,
-  quickly.  Wrong answers (ZeRO-1 keeping Adam state for the whole model, ZeRO-2 all-reducing its
-  gradients, ZeRO-3 never freeing what it gathered, shards without padding, a calculator that
-  rounds down) fail the right graded cell with a message that says why.
+  quickly.  Wrong answers (ZeRO-1 keeping optimizer state for the whole model or forgetting the ÷ N,
+  ZeRO-2 all-reducing its gradients or keeping the full ones, ZeRO-3 never freeing what it gathered,
+  shards without padding, a calculator that rounds down) fail the right graded cell with a message
+  that says why; a failed ZeRO-1 does not cost ZeRO-2 its points.
 - bench.bench_zero / `disttrain-lab bench zero` on the solution's own classes, against torch's
   ZeroRedundancyOptimizer and FSDP; the package ships no solution (no memory formula either).
 
@@ -23,14 +24,15 @@ import pytest
 
 from disttrain_lab import bench
 from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, text, output_of, pictures, run_solution, error_of_last_cell
+from tests.notebooks import REPO, cell_by_id, errors, execute, text, output_of, pictures, run_solution, error_of_last_cell
 
 matplotlib.use("Agg")
 
 LAB = REPO / "solutions" / "04_zero" / "04_zero.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"zero_memory": "zero_memory_per_rank", "zero1": "Zero1Adam", "zero2": "Zero2Adam", "zero3": "Zero3Adam"}
-CLASSES = {"Zero1Adam": 1, "Zero2Adam": 2, "Zero3Adam": 3}
+EXERCISES = {"zero_memory": "zero_memory_per_rank", "zero1": "Zero1Optimizer", "zero2": "Zero2Optimizer",
+             "zero3": "Zero3Module"}
+CLASSES = {"Zero1Optimizer": 1, "Zero2Optimizer": 2, "Zero3Module": 3}
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -40,7 +42,7 @@ def load_lab() -> nbformat.NotebookNode:
 @pytest.fixture(scope="module")
 def solution() -> dict:
     """The solution notebook's classes and calculator, as `disttrain-lab bench zero` loads them."""
-    return bench.functions_from_notebook(LAB, [*CLASSES, "zero_memory_per_rank", "DataParallelAdam"])
+    return bench.functions_from_notebook(LAB, [*CLASSES, "zero_memory_per_rank", "DataParallelOptimizer"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -70,17 +72,30 @@ def test_solution_notebook_executes_within_budget():
 
 # Wrong answers the graded tests must catch: (graded cell, wrong code added after the solution cells,
 # words the failure must contain)
+ZERO1_WITHOUT_MEAN = '''
+class Zero1Optimizer(Zero1Optimizer):         # reduce-scatters the SUM: forgets the ÷ N
+    def step(self, closure=None):
+        for p, shard in zip(self.params, self.shards):
+            out = torch.empty(shard_size(p.numel(), self.world_size))
+            reduce_scatter(out, padded_flat(p.grad, self.world_size))
+            shard.grad = out[:shard.numel()]
+        self.optimizer.step()
+        for shard in self.shards:
+            shard.grad = None
+        self.all_gather_parameters()
+'''
 WRONG = {
-    "zero1_full_adam_state": ("zero1", '''
-class Zero1Adam(DataParallelAdam):            # Adam over the whole model on every rank
+    "zero1_full_optimizer_state": ("zero1", '''
+class Zero1Optimizer(DataParallelOptimizer):   # the wrapped optimizer over the whole model on every rank
     pass
 ''', "of optimizer state after backward; ZeRO-1 shards it"),
+    "zero1_without_mean": ("zero1", ZERO1_WITHOUT_MEAN, "times too large: divide the reduce-scattered gradient by N"),
     "zero1_without_padding": ("zero1", '''
 def padded_flat(t, world_size):               # no padding: 35 elements do not split into 2 equal shards
     return t.detach().reshape(-1)
 ''', "RankError: rank"),
     "zero2_all_reduce": ("zero2", '''
-class Zero2Adam(Zero2Adam):                   # all-reduces each gradient, then keeps its shard
+class Zero2Optimizer(Zero2Optimizer):         # all-reduces each gradient, then keeps its shard
     def grad_ready(self, p, shard):
         dist.all_reduce(p.grad)
         c = shard_size(p.numel(), self.world_size)
@@ -88,19 +103,19 @@ class Zero2Adam(Zero2Adam):                   # all-reduces each gradient, then 
         p.grad = None
 ''', "reduce-scatters the gradients"),
     "zero2_keeps_full_gradients": ("zero2", '''
-class Zero2Adam(Zero2Adam):                   # reduce-scatters, but keeps the full gradient until zero_grad
+class Zero2Optimizer(Zero2Optimizer):         # reduce-scatters, but keeps the full gradient until zero_grad
     def grad_ready(self, p, shard):
         out = torch.empty(shard_size(p.numel(), self.world_size))
         reduce_scatter(out, padded_flat(p.grad, self.world_size))
         shard.grad = out[:shard.numel()] / self.world_size
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         super().zero_grad()
         for p in self.params:
             p.grad = None
-''', "of gradients after backward; ZeRO-2 shards it"),
+''', "free the gradient you do not own"),
     "zero3_never_frees": ("zero3", '''
-class Zero3Adam(Zero3Adam):                   # gathers before forward, never frees after it
+class Zero3Module(Zero3Module):               # gathers before forward, never frees after it
     def after_forward(self, layer, args, output):
         pass
 ''', "still held the full parameters of layer(s) ['0']"),
@@ -115,22 +130,37 @@ def zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_
 }
 
 
+def _notebook(lab, upto: list[str], wrong: str, tests: list[str]) -> nbformat.NotebookNode:
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
+             cell_by_id(lab, "test_helpers"), *(cell_by_id(lab, f"test_{t}") for t in tests)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(WRONG))
 def test_graded_cell_catches_a_wrong_answer(case):
     exercise, wrong, message = WRONG[case]
-    lab = load_lab()
-    given = next(c for c in lab.cells if "class DataParallelAdam" in c.source)
     upto = {"zero_memory": ["ex_zero_memory"], "zero1": ["ex_zero1"], "zero2": ["ex_zero1", "ex_zero2"],
             "zero3": ["ex_zero1", "ex_zero3"]}[exercise]
-    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
-             cell_by_id(lab, "test_helpers"), cell_by_id(lab, f"test_{exercise}")]
-    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
-    found = error_of_last_cell(nb)
+    found = error_of_last_cell(_notebook(load_lab(), upto, wrong, [exercise]))
     if message == "hidden":            # the visible test's N = 64 divides 7.5B: only a hidden case catches it
         assert "zero_memory_per_rank(" in found and "ceil" in found, found
     else:
         assert message in found, found
+
+
+@pytest.mark.slow
+def test_a_failed_zero1_costs_zero2_nothing():
+    # ZeRO-2 builds on ZeRO-1: with a ZeRO-1 that forgets the ÷ N, the ZeRO-1 test fails and the ZeRO-2 test,
+    # run on the grader's own ZeRO-1, passes (dependent exercises do not chain losses)
+    nb, _ = execute(_notebook(load_lab(), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]),
+                    autograding=True)
+    for cell in nb.cells[:-2]:
+        assert not errors(cell), errors(cell)
+    zero1, zero2 = nb.cells[-2:]
+    assert errors(zero1) and "divide the reduce-scattered gradient by N" in errors(zero1)[0], errors(zero1)
+    assert not errors(zero2) and "the grader checks Zero2Optimizer on its own" in text(zero2), (errors(zero2), text(zero2))
 
 
 # ----------------------------------------------------------------------------------------
@@ -152,7 +182,7 @@ def test_bench_zero_side_by_side_with_torch(solution):
         assert row["predicted"] <= row["held"]["total"] <= row["predicted"] * slack + 4 * 64, (name, row)
     assert by[bench.TORCH_FSDP]["ratio"] == 1.0 and by[bench.TORCH_ZERO_REDUNDANCY]["ratio"] == 1.0
     table = bench.format_zero_table(rows)
-    assert "held/formula" in table and "Zero3Adam" in table and "vs torch" in table
+    assert "held/formula" in table and "Zero3Module" in table and "vs torch" in table
 
 
 def test_cli_bench_zero_uses_the_notebook():
