@@ -22,10 +22,16 @@ def doctor(short: bool = False) -> str:
     cores = os.cpu_count() or 1
     cuda_initialized = torch.cuda.is_initialized()
     gpus = torch.cuda.device_count()  # NVML: leaves CUDA uninitialised, so forked ranks may use it
-    chosen = plan(world_size=max(gpus, 2))
+    chosen = plan(world_size=2)   # device="cpu", the default: what every launch uses unless asked
+    try:
+        on_gpu = plan(world_size=gpus, device="cuda").reason.removeprefix("device='cuda': ") if gpus \
+            else "no GPU visible"
+    except ValueError as exc:
+        on_gpu = str(exc).split(". ")[0]
     if short:
         return (f"disttrain-lab: torch {torch.__version__}, {cores} CPU cores, {gpus} GPU(s); "
-                f"ranks use {chosen.backend} ({chosen.start_method})")
+                f"ranks use {chosen.backend} ({chosen.start_method})"
+                + (f"; device='cuda': NCCL on up to {gpus} ranks" if gpus else ""))
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
     lines = [
         f"python        {platform.python_version()} ({sys.executable})",
@@ -36,13 +42,15 @@ def doctor(short: bool = False) -> str:
                                            for i in range(gpus)) if not short and _own_process() else ""),
         f"backends      {', '.join(backends) or 'none'}",
         f"launcher      {chosen.backend}, {chosen.start_method}: {chosen.reason}",
+        f"              device='cuda': {on_gpu}",
         f"CUDA used in this process already: {'yes' if cuda_initialized else 'no'}",
     ]
     if not dist.is_gloo_available():
         verdict = "NOT READY: this torch has no gloo backend, which every lab needs on CPU."
     else:
-        verdict = (f"READY: labs run up to {max(gpus, 4) if gpus else 4} ranks with {chosen.backend}"
-                   + (" (one GPU per rank)" if chosen.backend == "nccl" else " on the CPU") + ".")
+        verdict = (f"READY: labs run up to 4 ranks with {chosen.backend} on the CPU"
+                   + (f", and up to {gpus} rank(s) with device='cuda' (one GPU per rank)." if gpus and
+                      dist.is_nccl_available() else "."))
     lines.append(verdict)
     return "\n".join(lines)
 

@@ -595,9 +595,9 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
 # The instructor's steps.
 
 def _env(course: Path | None, source: Path | None, release: Path | None) -> dict:
-    # grade on gloo everywhere: the same result on a GPU host as on a laptop, and no
-    # student can hold a GPU during grading (an instructor may override it)
-    env = {"DISTTRAIN_LAB_BACKEND": os.environ.get("DISTTRAIN_LAB_BACKEND", "gloo")}
+    # no backend override: dl.launch follows one policy (gloo on the CPU unless a lab asks
+    # for device="cuda"), so grading runs exactly what the notebook ran
+    env = {}
     for name, value in (("DISTTRAIN_COURSE_DIR", course), ("DISTTRAIN_SOURCE_DIR", source),
                         ("DISTTRAIN_RELEASE_DIR", release)):
         if value is not None:

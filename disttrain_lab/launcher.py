@@ -9,9 +9,11 @@
 
 How it works (see DESIGN.md, "Launching ranks from a notebook"):
 
-- Ranks are worker processes kept warm between calls.  Where it is safe they are forked
+- One policy (see :func:`plan`): ``device="cpu"`` (the default) runs gloo on the CPU and
+  never touches a GPU; ``device="cuda"`` gives rank k the k-th visible GPU and NCCL.
+- Ranks are worker processes kept warm between calls.  On the CPU they are forked
   from the notebook's kernel (0.1 s for 4 ranks; children run with one OpenMP thread,
-  which avoids the OpenMP-after-fork hang).  For NCCL they are fresh interpreters
+  which avoids the OpenMP-after-fork hang).  For GPUs they are fresh interpreters
   (``python -c``), because a forked child cannot use CUDA once the parent touched it.
 - The function travels by value with cloudpickle, so functions defined in a notebook
   cell work; return values (tensors included) come back the same way.
@@ -51,18 +53,23 @@ from .worker import STARTUP_TIMEOUT, worker_main
 
 DEFAULT_TIMEOUT = 60.0      # seconds a launch may take before it is stopped
 MAX_WORLD_SIZE = 32         # gloo ranks on one machine; NCCL: one per GPU
-BACKENDS = ("gloo", "nccl")
 MAX_OUTPUT_LINES = 2000     # per rank and launch; more is counted, not shown
 
-__all__ = ["launch", "device", "shutdown", "plan", "LaunchError", "RankError", "RankDied",
+__all__ = ["launch", "device", "shutdown", "plan", "Plan", "LaunchError", "RankError", "RankDied",
            "LaunchTimeout", "TamperingError"]
 
 
 # --------------------------------------------------------------------------------------
-# Choosing backend and start method
+# Choosing backend and start method: one policy, in the notebook and in grading alike
 # --------------------------------------------------------------------------------------
+DEVICES = ("cpu", "cuda")
+# backend= is the old spelling of device=: gloo meant the CPU, nccl meant one GPU per rank
+_DEVICE_OF_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
+
+
 @dataclass
 class Plan:
+    device: str           # "cpu" or "cuda": what dl.device() gives a rank
     backend: str          # "gloo", or "nccl": then CPU tensors still travel over gloo
     start_method: str     # "fork" or "spawn"
     reason: str
@@ -74,6 +81,7 @@ class Plan:
 
 
 def _gpu_count() -> int:
+    """GPUs visible to this process (CUDA_VISIBLE_DEVICES respected)."""
     try:
         import torch
         # device_count asks NVML and leaves CUDA uninitialised, so forked ranks can still
@@ -83,34 +91,79 @@ def _gpu_count() -> int:
         return 0
 
 
-def plan(world_size: int | None = None, backend: str | None = None) -> Plan:
-    """Which backend and start method ``launch`` will use for ``world_size`` ranks.
+def _check_device(device) -> str:
+    """"cpu" or "cuda" from a string or a torch.device; anything else is refused."""
+    if isinstance(device, str):
+        kind, index = device, None
+    else:  # torch.device("cuda") works too
+        kind, index = getattr(device, "type", device), getattr(device, "index", None)
+    if kind not in DEVICES or index is not None:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}: \"cpu\" runs every rank on the "
+                         f"CPU with gloo; \"cuda\" gives rank k the k-th visible GPU (NCCL). A rank asks "
+                         f"dl.device() which GPU is its own, so no index is given here")
+    return kind
 
-    Default: NCCL with one GPU per rank when there are enough GPUs (CPU tensors then
-    travel over gloo in the same group), otherwise gloo on CPU.  ``DISTTRAIN_LAB_BACKEND=gloo``
-    in the environment forces gloo (the grader sets it, so grading is the same everywhere).
+
+def plan(world_size: int | None = None, device: str = "cpu", *, local_world_size: int | None = None) -> Plan:
+    """Which backend and start method ``launch(..., device=device)`` uses for ``world_size`` ranks.
+
+    The policy (the same in a notebook, under the grader and under torchrun):
+
+    - ``device="cpu"`` (the default): gloo on the CPU, ranks forked from this process.
+      No rank touches a GPU (no CUDA context, no ``set_device``), however many there are.
+    - ``device="cuda"``: NCCL for CUDA tensors in a ``cpu:gloo,cuda:nccl`` group (so CPU
+      tensors still work), ranks are fresh interpreters (a forked child cannot use CUDA),
+      and rank k uses the k-th GPU visible to this process (``CUDA_VISIBLE_DEVICES``
+      respected).  More ranks than visible GPUs, or no GPU, is a ``ValueError``.
+
+    ``local_world_size``: the ranks on this machine when it differs from ``world_size``
+    (torchrun on several nodes).  The environment does not change the policy (the old
+    ``DISTTRAIN_LAB_BACKEND`` variable is no longer read).
     """
-    backend = backend or os.environ.get("DISTTRAIN_LAB_BACKEND") or None
+    device = _check_device(device)
+    local = world_size if local_world_size is None else local_world_size
+    spawn_only = sys.platform not in ("linux", "darwin")  # no fork() there
+    if device == "cpu":
+        method = "spawn" if spawn_only else "fork"
+        return Plan("cpu", "gloo", method, "device='cpu': gloo on the CPU; " + (
+            "ranks are fresh interpreters" if spawn_only else "ranks are forked from this process (fast)"))
+    gpus = _gpu_count()
+    if gpus == 0:
+        import torch
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build (torch.version.cuda is None)"
+        raise ValueError(f"device='cuda' needs a GPU, but this process sees none (torch.cuda.device_count() == 0; "
+                         f"torch {torch.__version__} is {build}; CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!s}). Use device='cpu' "
+                         f"(gloo on the CPU runs every lab), or run on a machine with GPUs")
+    if local is not None and local > gpus:
+        raise ValueError(f"device='cuda' gives each rank its own GPU: {local} ranks need {local} GPUs, but "
+                         f"{gpus} GPU(s) are visible to this server (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Use world_size <= {gpus}, "
+                         f"or device='cpu' for up to {MAX_WORLD_SIZE} ranks")
+    import torch.distributed as dist
+    if not dist.is_nccl_available():
+        raise ValueError("device='cuda' needs NCCL, and this torch was built without it "
+                         "(torch.distributed.is_nccl_available() is False); use device='cpu'")
+    return Plan("cuda", "nccl", "spawn", f"device='cuda': NCCL, rank k on the k-th of {gpus} visible GPU(s); "
+                "ranks are fresh interpreters (CUDA-safe)")
+
+
+def _resolve_device(device, backend) -> str:
+    """device=, or the deprecated backend= ("gloo" -> "cpu", "nccl" -> "cuda")."""
     if backend is None:
-        gpus = _gpu_count()
-        import torch.distributed as dist
-        if gpus and world_size is not None and gpus >= world_size and dist.is_nccl_available():
-            backend, reason = "nccl", f"{gpus} GPUs, one per rank"
-        elif gpus:
-            backend, reason = "gloo", f"{gpus} GPU(s) for {world_size} ranks: gloo on CPU"
-        else:
-            backend, reason = "gloo", "no GPU: gloo on CPU"
-    else:
-        reason = "asked for"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} (or None to choose), got {backend!r}")
-    if backend == "nccl" or sys.platform != "linux" and sys.platform != "darwin":
-        # a forked child cannot use CUDA once the parent touched it; fresh interpreters can
-        return Plan(backend, "spawn", reason + "; ranks are fresh interpreters (CUDA-safe)")
-    return Plan(backend, "fork", reason + "; ranks are forked from this process (fast)")
+        return _check_device(device)
+    if backend not in _DEVICE_OF_BACKEND:
+        raise ValueError(f"backend must be one of {tuple(_DEVICE_OF_BACKEND)} or None, got {backend!r}; "
+                         f"backend= is deprecated: say device='cpu' (gloo) or device='cuda' (NCCL)")
+    import warnings
+    warnings.warn(f"dl.launch(backend={backend!r}) is deprecated; use device={_DEVICE_OF_BACKEND[backend]!r}",
+                  DeprecationWarning, stacklevel=3)
+    if _check_device(device) != "cpu" and _check_device(device) != _DEVICE_OF_BACKEND[backend]:
+        raise ValueError(f"device={device!r} and backend={backend!r} disagree; give only device=")
+    return _DEVICE_OF_BACKEND[backend]
 
 
-def _validate(fn, world_size, timeout, backend) -> None:
+def _validate(fn, world_size, timeout) -> None:
     if not callable(fn):
         raise ValueError(f"launch needs a function to run on every rank, got {type(fn).__name__} "
                          f"{fn!r}; pass the function itself: dl.launch(my_fn, 4), not dl.launch(my_fn(), 4)")
@@ -119,14 +172,12 @@ def _validate(fn, world_size, timeout, backend) -> None:
         raise ValueError(f"world_size must be an int from 1 to {limit}, got {world_size!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None (choose automatically), got {backend!r}")
 
 
 # --------------------------------------------------------------------------------------
 # The public entry point
 # --------------------------------------------------------------------------------------
-def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
+def launch(fn: Callable, world_size: int, *args, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
            trace: bool = False, backend: str | None = None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
@@ -135,22 +186,28 @@ def launch(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOU
     or a :class:`disttrain_lab.Run` with the results and every rank's communication
     events when ``trace=True``.
 
+    ``device``: ``"cpu"`` (default) runs the ranks on the CPU with gloo and never touches a
+    GPU; ``"cuda"`` gives rank k the k-th visible GPU and NCCL for CUDA tensors (CPU tensors
+    still go over gloo).  Inside a rank, ``dl.device()`` is the device to put tensors on.
+    See :func:`plan` for the whole policy.  ``backend="gloo"/"nccl"`` is the deprecated
+    spelling of ``device="cpu"/"cuda"`` (it warns).
+
     Raises RankError (a rank raised), RankDied (a rank's process ended), LaunchTimeout
     (not done within ``timeout`` seconds; says what each rank was blocked in).  In all
     three cases every rank has been stopped.
 
         >>> dl.launch(lambda x: x + dist.get_rank(), 2, 10)
         [10, 11]
+        >>> dl.launch(lambda: str(dl.device()), 2, device="cuda")   # on 2 GPUs
+        ['cuda:0', 'cuda:1']
     """
     __tracebackhide__ = True  # IPython: show the student's frames, not the launcher's
-    _validate(fn, world_size, timeout, backend)
+    _validate(fn, world_size, timeout)
+    device = _resolve_device(device, backend)
     if _under_torchrun():
-        return _launch_in_process(fn, world_size, args, kwargs, trace, backend, timeout)
+        return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout)
     integrity.verify()
-    chosen = plan(world_size, backend)
-    if chosen.backend == "nccl" and _gpu_count() < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: {world_size} ranks but "
-                         f"{_gpu_count()} GPU(s); use backend='gloo' or world_size <= {_gpu_count()}")
+    chosen = plan(world_size, device)
     payload = cloudpickle.dumps((fn, args, kwargs))
     with _POOL_LOCK:
         pool = _pool_for(world_size, chosen)
@@ -165,11 +222,19 @@ trace_module = trace  # `trace` is also launch's keyword; keep the module reacha
 
 
 def device():
-    """The torch.device this rank computes on: ``cuda:<local rank>`` under NCCL, else CPU."""
+    """The torch.device this rank computes on: ``cuda:k`` for rank k of a ``device="cuda"``
+    launch (the k-th visible GPU; under torchrun, ``cuda:LOCAL_RANK``), else the CPU.
+
+        >>> dl.launch(lambda: dl.device(), 2)                 # [device('cpu'), device('cpu')]
+        >>> x = torch.ones(4, device=dl.device())             # inside a rank: on its own GPU
+    """
     import torch
-    import torch.distributed as dist
-    if dist.is_initialized() and "nccl" in os.environ.get("DISTTRAIN_LAB_RANK_BACKEND", str(dist.get_backend())):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    asked = os.environ.get("DISTTRAIN_LAB_RANK_DEVICE")
+    if asked is None:  # not in a launch's rank: a torchrun script that set up NCCL itself?
+        import torch.distributed as dist
+        asked = "cuda" if dist.is_initialized() and "nccl" in str(dist.get_backend()) else "cpu"
+    if asked == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
 
@@ -199,7 +264,7 @@ def _in_process_timeout(rank: int, timeout: float, status) -> None:
     os._exit(124)
 
 
-def _launch_in_process(fn, world_size, args, kwargs, want_trace, backend, timeout):
+def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout):
     import torch.distributed as dist
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
@@ -207,13 +272,14 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, backend, timeou
                          f"under torchrun every launch uses all of torchrun's ranks, so a script must use one "
                          f"world size; start torchrun with --nproc-per-node {world_size} (times nodes), or "
                          f"launch with world_size={env_world}")
+    # the same policy as in a notebook; only this node's ranks need a GPU each
+    chosen = plan(world_size, device, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if not dist.is_initialized():
-        chosen = plan(world_size, backend)
-        if chosen.backend == "nccl":
+        if chosen.device == "cuda":
             import torch
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(chosen.group_backend)
-        os.environ["DISTTRAIN_LAB_RANK_BACKEND"] = chosen.backend
+    os.environ["DISTTRAIN_LAB_RANK_DEVICE"] = chosen.device
     integrity.verify()
     rank = dist.get_rank()
     dist.barrier()
@@ -382,7 +448,7 @@ class _Pool:
             trace.write_status(self.status, w.rank, None)
         try:
             for w in workers:
-                job = {"rank": w.rank, "world_size": world_size, "backend": self.plan.backend,
+                job = {"rank": w.rank, "world_size": world_size, "device": self.plan.device,
                        "group_backend": self.plan.group_backend,
                        "port": self.store.port, "prefix": f"{self.secret}/{self.calls}/", "payload": payload,
                        "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng}

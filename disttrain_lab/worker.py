@@ -95,7 +95,7 @@ def _run_job(job: dict, status) -> tuple:
     import torch.distributed as dist
     rank, world_size = job["rank"], job["world_size"]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      DISTTRAIN_LAB_RANK_BACKEND=job["backend"],
+                      DISTTRAIN_LAB_RANK_DEVICE=job["device"],
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
     if not _FORKED:  # a fresh interpreter may use several threads; share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -104,7 +104,9 @@ def _run_job(job: dict, status) -> tuple:
     try:
         _retire_group()
         store = _store_client(job["port"])
-        if job["backend"] == "nccl":
+        if job["device"] == "cuda":
+            # rank k takes the k-th GPU visible to the server (CUDA_VISIBLE_DEVICES is
+            # inherited); a device="cpu" launch never gets here, so it opens no CUDA context
             torch.cuda.set_device(rank)
         dist.init_process_group(job["group_backend"], store=dist.PrefixStore(job["prefix"], store),
                                 rank=rank, world_size=world_size, timeout=pg_timeout)

@@ -49,3 +49,25 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def gpu_count() -> int:
+    """GPUs torch sees here (NVML: no CUDA context is opened in the test process)."""
+    import torch
+    return torch.cuda.device_count()
+
+
+def needs_gpus(n: int = 1):
+    """Mark a test ``gpu`` and skip it, saying why, where fewer than ``n`` GPUs are visible.
+
+        @needs_gpus(2)
+        def test_ddp_on_two_gpus(): ...
+    """
+    import pytest
+
+    def mark(test):
+        have = gpu_count()
+        test = pytest.mark.gpu(test)
+        return pytest.mark.skipif(have < n, reason=f"needs {n} GPU(s) for device='cuda'; "
+                                  f"torch.cuda.device_count() is {have} here")(test)
+    return mark

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import disttrain_lab as dl
 
-from .helpers import alive, child_pids, run_python, tmp_listing
+from .helpers import alive, child_pids, gpu_count, needs_gpus, run_python, tmp_listing
 
 
 # --- what a student writes -------------------------------------------------------------
@@ -150,6 +150,8 @@ def test_works_after_parent_ran_a_multithreaded_matmul():
     (dict(world_size=2, timeout=0), "timeout must be a number of seconds > 0"),
     (dict(world_size=2, timeout=-1), "timeout must be a number of seconds > 0"),
     (dict(world_size=2, backend="mpi"), "backend must be one of ('gloo', 'nccl')"),
+    (dict(world_size=2, device="gpu"), "device must be one of ('cpu', 'cuda')"),
+    (dict(world_size=2, device="cuda:1"), "device must be one of ('cpu', 'cuda')"),
 ])
 def test_bad_arguments_say_what_is_valid(kwargs, fragment):
     with pytest.raises(ValueError) as err:
@@ -433,3 +435,89 @@ def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
                       timeout=120, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and time.perf_counter() - start < 60
     assert "not finished within the timeout of 3 s" in proc.stdout and "recv(src=" in proc.stdout, proc.stdout[-3000:]
+
+
+# --- one device policy: gloo on the CPU unless a launch asks for device="cuda" ---------
+
+def _pretend_gpus(monkeypatch, n):
+    monkeypatch.setattr(dl.launcher, "_gpu_count", lambda: n)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+
+
+def test_cpu_is_the_default_however_many_gpus(monkeypatch):
+    _pretend_gpus(monkeypatch, 8)
+    monkeypatch.setenv("DISTTRAIN_LAB_BACKEND", "nccl")  # the old override is not read any more
+    for world_size in (1, 2, 3, 8, 9):
+        chosen = dl.plan(world_size)
+        assert (chosen.device, chosen.backend, chosen.start_method, chosen.group_backend) == \
+            ("cpu", "gloo", "fork", "gloo"), world_size
+
+
+def test_cuda_plan_is_nccl_in_fresh_interpreters(monkeypatch):
+    _pretend_gpus(monkeypatch, 4)
+    chosen = dl.plan(2, device="cuda")
+    assert (chosen.device, chosen.backend, chosen.start_method, chosen.group_backend) == \
+        ("cuda", "nccl", "spawn", "cpu:gloo,cuda:nccl")
+    assert dl.plan(4, device=torch.device("cuda")).backend == "nccl"
+
+
+def test_more_ranks_than_visible_gpus_names_both_numbers(monkeypatch):
+    _pretend_gpus(monkeypatch, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    with pytest.raises(ValueError) as err:
+        dl.launch(rank_times_ten, 3, device="cuda")
+    text = str(err.value)
+    assert "3 ranks need 3 GPUs" in text and "2 GPU(s) are visible" in text and "CUDA_VISIBLE_DEVICES=5,7" in text
+    assert "world_size <= 2" in text and "device='cpu'" in text
+
+
+def test_torchrun_checks_only_this_nodes_ranks_against_its_gpus(monkeypatch):
+    _pretend_gpus(monkeypatch, 2)
+    assert dl.plan(16, device="cuda", local_world_size=2).backend == "nccl"
+    with pytest.raises(ValueError, match="3 ranks need 3 GPUs"):
+        dl.plan(16, device="cuda", local_world_size=3)
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError) as err:
+        dl.launch(rank_times_ten, 1, device="cuda")
+    assert "device='cuda' needs a GPU, but this process sees none" in str(err.value)
+    assert "Use device='cpu'" in str(err.value)
+
+
+def test_cpu_ranks_never_initialise_cuda():
+    def cuda_state():
+        return torch.cuda.is_initialized(), str(dl.device()), os.environ.get("DISTTRAIN_LAB_RANK_DEVICE")
+    assert dl.launch(cuda_state, 2) == [(False, "cpu", "cpu")] * 2
+    assert not torch.cuda.is_initialized()
+    assert str(dl.device()) == "cpu", "outside a rank: the CPU"
+
+
+def test_backend_is_a_deprecated_spelling_of_device():
+    with pytest.warns(DeprecationWarning, match="use device='cpu'"):
+        assert dl.launch(rank_times_ten, 2, backend="gloo") == [0, 10]
+
+
+@needs_gpus(1)
+def test_cuda_launch_uses_nccl_on_the_ranks_own_gpu():
+    # defined here so that it travels by value to the fresh interpreters
+    def _on_the_gpu(n):
+        x = torch.full((n,), float(dist.get_rank() + 1), device=dl.device())
+        dist.all_reduce(x)                      # NCCL: a CUDA tensor
+        y = torch.ones(2)
+        dist.all_reduce(y)                      # gloo: a CPU tensor, in the same group
+        return (str(x.device), torch.cuda.current_device(), x.cpu().tolist(), y.tolist(),
+                os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    world = gpu_count()
+    run = dl.launch(_on_the_gpu, world, 3, device="cuda", trace=True, timeout=120)
+    total = float(world * (world + 1) // 2)
+    assert run.backend == "nccl"
+    for k, (where, current, x, y, visible) in enumerate(run.results):
+        assert (where, current, x, y) == (f"cuda:{k}", k, [total] * 3, [float(world)] * 2)
+        assert visible == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert not torch.cuda.is_initialized(), "the notebook's own process opened no CUDA context"
+    with pytest.raises(ValueError, match=f"{world + 1} ranks need {world + 1} GPUs, but {world} GPU"):
+        dl.launch(_on_the_gpu, world + 1, 3, device="cuda")
+    assert dl.launch(lambda: torch.cuda.is_initialized(), 2) == [False, False], "then back on the CPU"
