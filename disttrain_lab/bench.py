@@ -322,13 +322,14 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    from .launcher import device
     from .models import MLP, regression_data
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
-    x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
+    x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
     runners = {}
     for name, wrap in {**versions, TORCH_DDP: None}.items():
-        model = MLP(list(sizes), seed=0)
+        model = MLP(list(sizes), seed=0).to(device())
         if wrap is None:
             forward, finish = DistributedDataParallel(model, bucket_cap_mb=bucket_mb), (lambda: None)
         else:
@@ -349,11 +350,12 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
 
 
 def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int = 32, steps: int = 3,
-              repeats: int = 7, warmup: int = 2, bucket_mb: float = 25.0, timeout: float = 600.0) -> list[dict]:
+              repeats: int = 7, warmup: int = 2, bucket_mb: float = 25.0, timeout: float = 600.0,
+              device: str = "cpu") -> list[dict]:
     """Training steps per second of each data-parallel version in ``versions`` (name ->
     ``wrap(model)``, see :func:`_ddp_step_times`) and of torch's DistributedDataParallel,
     side by side in one launch: same model (``MLP(sizes)``), same data (``batch`` samples per
-    rank), one CPU thread per rank.  The versions take turns (order rotated each repeat);
+    rank), one CPU thread per rank (``device="cuda"``: one GPU per rank).  The versions take turns (order rotated each repeat);
     a sample is ``steps`` steps on the slowest rank; a row reports the median of ``repeats``
     samples after ``warmup`` ones, and ``ratio`` = steps/s ÷ torch DDP's.
 
@@ -364,7 +366,7 @@ def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int =
     if world_size < 2:
         raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
     per_rank = launch(_ddp_step_times, world_size, versions, tuple(sizes), batch, steps, repeats, warmup,
-                      bucket_mb, timeout=timeout)
+                      bucket_mb, timeout=timeout, device=device)
     rows = []
     for name in [*versions, TORCH_DDP]:
         rows.append({"version": name, "world_size": world_size,
@@ -437,13 +439,14 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
     import torch
     import torch.distributed as dist
     from . import memory
+    from .launcher import device
     from .models import MLP, regression_data
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
-    x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
+    x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
     runners = {}
     for name, make in versions.items():
-        model = MLP(list(sizes), seed=0)
+        model = MLP(list(sizes), seed=0).to(device())
         forward, optimizer = make(model, lr)
         runners[name] = (model, forward, optimizer)
     names, seconds, held = list(runners), {}, {}
@@ -467,7 +470,8 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
 
 
 def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int = 16, steps: int = 2,
-               repeats: int = 5, warmup: int = 1, lr: float = 1e-3, predict=None, timeout: float = 600.0) -> list[dict]:
+               repeats: int = 5, warmup: int = 1, lr: float = 1e-3, predict=None, timeout: float = 600.0,
+               device: str = "cpu") -> list[dict]:
     """Adam training steps per second and bytes held per rank of each ZeRO version, side by
     side with torch's ZeroRedundancyOptimizer (under DDP) and FSDP (``fully_shard``), in one launch.
 
@@ -493,7 +497,7 @@ def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int
     makers = {name: functools.partial(_lab_zero, stage, cls) for name, (stage, cls) in versions.items()}
     makers.update({TORCH_ZERO_REDUNDANCY: _torch_zero_redundancy, TORCH_FSDP: _torch_fsdp})
     per_rank = launch(_zero_step_times, world_size, makers, tuple(sizes), batch, steps, repeats, warmup, lr,
-                      timeout=timeout)
+                      timeout=timeout, device=device)
     parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     rows = []
     for name in makers:

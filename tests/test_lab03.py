@@ -24,7 +24,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import run_python
+from tests.helpers import needs_gpus, run_python
 from tests.notebooks import REPO, cell_by_id, errors, execute, output_of, pictures, run_solution, text, error_of_last_cell
 
 LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
@@ -232,6 +232,19 @@ def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
     assert "[1356, 384] B" in errors(bucketed)[0], errors(bucketed)
     assert not errors(no_sync) and "the grader checks no_sync() on its own BucketedDDP" in text(no_sync), (
         errors(no_sync), text(no_sync))
+
+
+@needs_gpus(2)
+def test_exercises_and_graded_cells_pass_on_gpus():
+    # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
+    lab = load_lab()
+    upto = lab.cells.index(cell_by_id(lab, "test_no_sync"))
+    cells = [copy.deepcopy(c) for c in lab.cells[:upto + 1] if c.cell_type == "code"]
+    [device_cell] = [c for c in cells if c.source.rstrip().endswith('DEVICE = "cpu"')]
+    device_cell.source = device_cell.source.replace('DEVICE = "cpu"', 'DEVICE = "cuda"')
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
 
 
 # ----------------------------------------------------------------------------------------

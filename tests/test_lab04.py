@@ -23,7 +23,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import run_python
+from tests.helpers import needs_gpus, run_python
 from tests.notebooks import REPO, cell_by_id, errors, execute, text, output_of, pictures, run_solution, error_of_last_cell
 
 matplotlib.use("Agg")
@@ -161,6 +161,19 @@ def test_a_failed_zero1_costs_zero2_nothing():
     zero1, zero2 = nb.cells[-2:]
     assert errors(zero1) and "divide the reduce-scattered gradient by N" in errors(zero1)[0], errors(zero1)
     assert not errors(zero2) and "the grader checks Zero2Optimizer on its own" in text(zero2), (errors(zero2), text(zero2))
+
+
+@needs_gpus(2)
+def test_exercises_and_graded_cells_pass_on_gpus():
+    # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
+    lab = load_lab()
+    upto = lab.cells.index(cell_by_id(lab, "test_zero3"))
+    cells = [copy.deepcopy(c) for c in lab.cells[:upto + 1] if c.cell_type == "code"]
+    [device_cell] = [c for c in cells if c.source.rstrip().endswith('DEVICE = "cpu"')]
+    device_cell.source = device_cell.source.replace('DEVICE = "cpu"', 'DEVICE = "cuda"')
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
 
 
 # ----------------------------------------------------------------------------------------
