@@ -5,12 +5,12 @@ DDP bench harness works.
   (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
   timelines, bench table, bucket sweep and async-vs-sync plot.
 - (The blank notebook failing every graded cell is checked by the autograde round trip in
-  test_grading.py, on every lab.)  Wrong answers (a shard that drops the remainder, naive DDP that sums
-  instead of averaging, a hook that waits for its own all-reduce, a no_sync() that still
-  communicates) fail the right
-  graded cell with a message that says why; so do a wrapper that is not an nn.Module like torch's
-  DDP, buckets filled in forward order, and a no_sync() built on a blocking all-reduce; a broken
-  BucketedDDP does not cost AccumulatingDDP its points.
+  test_grading.py, on every lab.)  Wrong answers (a shard that drops the remainder, a broadcast that
+  skips frozen parameters, naive DDP that sums instead of averaging, a hook that waits for its own
+  all-reduce, a no_sync() that still communicates) fail the right graded cell with a message that says
+  why; so do a wrapper that is not an nn.Module like torch's DDP, buckets filled in forward order, and
+  a no_sync() built on a blocking all-reduce; a broken BucketedDDP does not cost AccumulatingDDP its
+  points, nor a broken broadcast_parameters average_gradients.
 - bench.bench_ddp / format_ddp_table / `disttrain-lab bench ddp`, on the solution's classes.
 
 The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
@@ -29,7 +29,8 @@ from tests.notebooks import REPO, cell_by_id, errors, execute, output_of, pictur
 
 LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"shard": "def shard(", "naive_ddp": "def average_gradients(", "overlapped_ddp": "class OverlappedDDP",
+EXERCISES = {"shard": "def shard(", "broadcast_parameters": "def broadcast_parameters(",
+             "average_gradients": "def average_gradients(", "overlapped_ddp": "class OverlappedDDP",
              "bucketed_ddp": "class BucketedDDP", "no_sync": "class AccumulatingDDP"}
 CLASSES = ["NaiveDDP", "OverlappedDDP", "BucketedDDP", "AccumulatingDDP"]
 
@@ -50,8 +51,8 @@ def solution() -> dict:
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3, 4; tied and frozen models; batches that do not divide by N
     nb = load_lab()
-    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES
-                     if e != "shard")
+    hidden = "".join("".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
+                     for e in EXERCISES if e != "shard")
     for needle in ('"tied", 4', '"frozen", 3', '"mlp", 3', "batch=9", "batch=7"):
         assert needle in hidden, needle
 
@@ -76,11 +77,7 @@ def shard(x, rank, world_size):               # drops the len(x) % world_size la
     size = len(x) // world_size
     return x[rank * size:(rank + 1) * size]
 ''', "none dropped"),
-    ("naive_ddp", '''
-def broadcast_parameters(model):
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
-
+    ("average_gradients", '''
 def average_gradients(model):                 # sums, forgets to divide by N
     for p in model.parameters():
         if p.grad is not None:
@@ -173,11 +170,33 @@ def _notebook(lab, replaced: str, wrong: str, tests: list[str]) -> nbformat.Note
 
 @pytest.mark.slow
 @pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[
-    "shard_drops_remainder", "naive_sums", "overlapped_waits_in_hook", "overlapped_not_a_module",
+    "shard_drops_remainder", "average_gradients_sums", "overlapped_waits_in_hook", "overlapped_not_a_module",
     "no_sync_communicates", "no_sync_blocking_all_reduce"])
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     found = error_of_last_cell(_notebook(load_lab(), exercise, wrong, [exercise]), LAB.parent)
     assert message in found, found
+
+
+BROADCAST_SKIPS_FROZEN = '''
+def broadcast_parameters(model):              # forgets the frozen parameters
+    for p in model.parameters():
+        if p.requires_grad:
+            dist.broadcast(p.data, src=0)
+'''
+
+
+@pytest.mark.slow
+def test_broadcast_skipping_frozen_fails_and_costs_average_gradients_nothing():
+    # one execution: the broadcast test names the rule (its hidden frozen case); average_gradients, graded
+    # through NaiveDDP (which broadcasts), is graded with the grader's broadcast instead and keeps its points
+    nb, _ = execute(_notebook(load_lab(), "broadcast_parameters", BROADCAST_SKIPS_FROZEN,
+                              ["broadcast_parameters", "average_gradients"]), autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-2]:
+        assert not errors(cell), errors(cell)
+    broadcast, average = nb.cells[-2:]
+    assert errors(broadcast) and "frozen ones too, is copied from rank 0" in errors(broadcast)[0], errors(broadcast)
+    assert not errors(average) and "the grader checks average_gradients with its own" in text(average), (
+        errors(average), text(average))
 
 
 FORWARD_ORDER_BUCKETS = '''
@@ -245,6 +264,50 @@ def test_exercises_and_graded_cells_pass_on_gpus():
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=False, cwd=LAB.parent)
     failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
     assert not failed, failed
+
+
+ONE_RANK_CHECKS = '''
+# every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
+# with the graded cells' own checks (trace, overlap, buckets, single-process reference)
+for kind in ("mlp", "tied", "frozen"):
+    _buckets = _bucket_sizes(_model(kind, 0), 1 / 1024)
+    _runs = [
+        _check_ddp("NaiveDDP", NaiveDDP, kind, 1, batch=8, all_reduces=_per_parameter(kind)),
+        _check_ddp("OverlappedDDP", OverlappedDDP, kind, 1, batch=8, all_reduces=_per_parameter(kind), overlap=True),
+        _check_ddp("BucketedDDP", functools.partial(BucketedDDP, bucket_mb=1 / 1024), kind, 1, batch=8,
+                   buckets=_buckets, overlap=True),
+        _check_ddp("AccumulatingDDP", functools.partial(AccumulatingDDP, bucket_mb=1 / 1024), kind, 1, batch=12,
+                   micro_steps=3, buckets=_buckets, overlap=True)]
+    print("backends:", sorted({run.backend for run in _runs}))
+print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
+'''
+
+
+def one_rank_notebook(device: str) -> nbformat.NotebookNode:
+    """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
+    graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
+    lab = load_lab()
+    setup, device_cell = copy.deepcopy(lab.cells[0]), next(c for c in lab.cells if c.source.rstrip().endswith('DEVICE = "cpu"'))
+    device_cell = nbformat.v4.new_code_cell(device_cell.source.replace('DEVICE = "cpu"', f'DEVICE = "{device}"'))
+    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
+    cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
+             nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
+def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
+    nb, _ = execute(one_rank_notebook(device), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+    out = text(nb.cells[-1])
+    assert out.count(f"backends: ['{backend}']") == 3 and f"rank device: ['{rank_device}']" in out, out
+
+
+@needs_gpus(1)
+def test_exercises_on_one_gpu():
+    # a machine with ONE GPU: every exercise with DEVICE = "cuda" on one NCCL rank, against one process on the CPU
+    # (the 2-GPU test above needs two); the same body runs with device="cpu" (gloo) where there is no GPU
+    check_exercises_on_one_rank("cuda", "nccl", "cuda:0")
 
 
 # ----------------------------------------------------------------------------------------
