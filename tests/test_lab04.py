@@ -181,6 +181,44 @@ def test_exercises_and_graded_cells_pass_on_gpus():
     assert not failed, failed
 
 
+ONE_RANK_CHECKS = '''
+# every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
+# with the graded cells' own checks (memory, traffic, single-process reference), AdamW with weight decay
+_runs = [_check_zero(cls, stage, 1, sizes, kind=kind, opt="adamw")
+         for kind, sizes in (("mlp", [5, 7, 3]), ("frozen", [5, 7, 7, 3]), ("tied", [5, 7, 5]))
+         for stage, cls in ((1, Zero1Optimizer), (2, Zero2Optimizer), (3, Zero3Module))]
+print("backends:", sorted({run.backend for run in _runs}), len(_runs), "runs")
+print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
+'''
+
+
+def one_rank_notebook(device: str) -> nbformat.NotebookNode:
+    """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
+    graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
+    lab = load_lab()
+    setup, device_cell = lab.cells[0], next(c for c in lab.cells if c.source.rstrip().endswith('DEVICE = "cpu"'))
+    device_cell = nbformat.v4.new_code_cell(device_cell.source.replace('DEVICE = "cpu"', f'DEVICE = "{device}"'))
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
+             nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
+def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
+    nb, _ = execute(one_rank_notebook(device), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+    out = text(nb.cells[-1])
+    assert f"backends: ['{backend}'] 9 runs" in out and f"rank device: ['{rank_device}']" in out, out
+
+
+@needs_gpus(1)
+def test_exercises_on_one_gpu():
+    # a machine with ONE GPU: every exercise with DEVICE = "cuda" on one NCCL rank, against one process on the CPU
+    # (the 2-GPU test above needs two); the same body runs with device="cpu" (gloo) where there is no GPU
+    check_exercises_on_one_rank("cuda", "nccl", "cuda:0")
+
+
 # ----------------------------------------------------------------------------------------
 # The bench harness
 
