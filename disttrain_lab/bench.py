@@ -315,24 +315,26 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
     """In each rank: seconds per ``steps`` training steps of every version, interleaved.
 
     Each version trains its own copy of the same model on the same data; ``versions`` maps
-    a name to ``wrap(model)``, which returns an object whose ``finish()`` runs after
-    ``loss.backward()`` and before ``optimizer.step()``.  torch DDP (``bucket_cap_mb=bucket_mb``)
-    runs beside them as the reference.
+    a name to ``wrap(model)``, which returns a DDP-like module (``ddp(x)`` runs the model) whose
+    ``finish_gradient_synchronization()`` runs after ``loss.backward()`` and before
+    ``optimizer.step()``.  torch DDP (``bucket_cap_mb=bucket_mb``) runs beside them as the reference.
     """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    from .launcher import device
     from .models import MLP, regression_data
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
-    x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
+    x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
     runners = {}
     for name, wrap in {**versions, TORCH_DDP: None}.items():
-        model = MLP(list(sizes), seed=0)
+        model = MLP(list(sizes), seed=0).to(device())
         if wrap is None:
             forward, finish = DistributedDataParallel(model, bucket_cap_mb=bucket_mb), (lambda: None)
         else:
-            forward, finish = model, wrap(model).finish
+            ddp = wrap(model)
+            forward, finish = ddp, ddp.finish_gradient_synchronization
         runners[name] = (forward, finish, torch.optim.SGD(model.parameters(), lr=1e-3))
 
     def train(forward, finish, optimizer):
@@ -348,11 +350,12 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
 
 
 def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int = 32, steps: int = 3,
-              repeats: int = 7, warmup: int = 2, bucket_mb: float = 25.0, timeout: float = 600.0) -> list[dict]:
+              repeats: int = 7, warmup: int = 2, bucket_mb: float = 25.0, timeout: float = 600.0,
+              device: str = "cpu") -> list[dict]:
     """Training steps per second of each data-parallel version in ``versions`` (name ->
     ``wrap(model)``, see :func:`_ddp_step_times`) and of torch's DistributedDataParallel,
     side by side in one launch: same model (``MLP(sizes)``), same data (``batch`` samples per
-    rank), one CPU thread per rank.  The versions take turns (order rotated each repeat);
+    rank), one CPU thread per rank (``device="cuda"``: one GPU per rank).  The versions take turns (order rotated each repeat);
     a sample is ``steps`` steps on the slowest rank; a row reports the median of ``repeats``
     samples after ``warmup`` ones, and ``ratio`` = steps/s ÷ torch DDP's.
 
@@ -363,7 +366,7 @@ def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int =
     if world_size < 2:
         raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
     per_rank = launch(_ddp_step_times, world_size, versions, tuple(sizes), batch, steps, repeats, warmup,
-                      bucket_mb, timeout=timeout)
+                      bucket_mb, timeout=timeout, device=device)
     rows = []
     for name in [*versions, TORCH_DDP]:
         rows.append({"version": name, "world_size": world_size,
@@ -419,23 +422,32 @@ def _torch_fsdp(model, lr: float):
     return model, torch.optim.Adam(model.parameters(), lr=lr)
 
 
+def _lab_zero(stage: int, cls, model, lr: float):
+    """A lab's ZeRO class as its users build it: stages 1-2 wrap an optimizer like ZeroRedundancyOptimizer,
+    ``cls(model.parameters(), torch.optim.Adam, lr=lr)``; stage 3 wraps the model like ``fully_shard``,
+    with Adam on the wrapper's parameters (the shards).  Returns (forward, optimizer)."""
+    import torch
+    if stage == 3:
+        wrapped = cls(model)
+        return wrapped, torch.optim.Adam(wrapped.parameters(), lr=lr)
+    return model, cls(model.parameters(), torch.optim.Adam, lr=lr)
+
+
 def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, lr: float) -> dict:
     """In each rank: seconds per ``steps`` Adam steps of every version, interleaved, and the
     bytes each holds after the last backward (``memory.held``; gradients present)."""
     import torch
     import torch.distributed as dist
     from . import memory
+    from .launcher import device
     from .models import MLP, regression_data
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
-    x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
+    x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
     runners = {}
     for name, make in versions.items():
-        model = MLP(list(sizes), seed=0)
-        if name in (TORCH_ZERO_REDUNDANCY, TORCH_FSDP):
-            forward, optimizer = make(model, lr)
-        else:
-            forward, optimizer = model, make(model, lr)
+        model = MLP(list(sizes), seed=0).to(device())
+        forward, optimizer = make(model, lr)
         runners[name] = (model, forward, optimizer)
     names, seconds, held = list(runners), {}, {}
     for i in range(warmup + repeats):
@@ -458,13 +470,14 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
 
 
 def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int = 16, steps: int = 2,
-               repeats: int = 5, warmup: int = 1, lr: float = 1e-3, predict=None, timeout: float = 600.0) -> list[dict]:
+               repeats: int = 5, warmup: int = 1, lr: float = 1e-3, predict=None, timeout: float = 600.0,
+               device: str = "cpu") -> list[dict]:
     """Adam training steps per second and bytes held per rank of each ZeRO version, side by
     side with torch's ZeroRedundancyOptimizer (under DDP) and FSDP (``fully_shard``), in one launch.
 
-    ``versions`` maps a name to ``(stage, make)``, where ``make(model, lr)`` wraps a fresh
-    ``MLP(sizes)`` and returns an object with ``zero_grad()`` and ``step()`` (the lab's
-    ``Zero1Adam``...).  Same model, same data (``batch`` samples per rank), versions taking
+    ``versions`` maps a name to ``(stage, cls)``: the lab's ``Zero1Optimizer`` / ``Zero2Optimizer``
+    (built as ``cls(model.parameters(), torch.optim.Adam, lr=lr)``, like ZeroRedundancyOptimizer) or
+    ``Zero3Module`` (built as ``cls(model)``, like ``fully_shard``, with Adam on its shards).  Same model, same data (``batch`` samples per rank), versions taking
     turns; a sample is ``steps`` steps on the slowest rank, a row the median of ``repeats``.
     ``ratio`` compares steps/s with torch's version of the same stage (stages 1-2:
     ZeroRedundancyOptimizer, stage 3: FSDP).  ``held`` is the largest rank's
@@ -472,7 +485,7 @@ def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int
     calculator ``predict(num_parameters, stage, world_size, param_bytes=4, grad_bytes=4,
     optimizer_bytes=8) -> {"total": ...}`` (fp32 Adam): rows then carry ``predicted``.
 
-        >>> rows = bench_zero({"ZeRO-1": (1, Zero1Adam), "ZeRO-3": (3, Zero3Adam)}, predict=zero_memory_per_rank)
+        >>> rows = bench_zero({"ZeRO-1": (1, Zero1Optimizer), "ZeRO-3": (3, Zero3Module)}, predict=zero_memory_per_rank)
         >>> print(format_zero_table(rows))
     """
     from .launcher import launch
@@ -480,10 +493,11 @@ def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int
         raise ValueError(f"a ZeRO benchmark needs world_size >= 2, got {world_size}")
     stages = {name: stage for name, (stage, _) in versions.items()}
     stages.update({TORCH_ZERO_REDUNDANCY: 1, TORCH_FSDP: 3})
-    makers = {name: make for name, (_, make) in versions.items()}
+    import functools
+    makers = {name: functools.partial(_lab_zero, stage, cls) for name, (stage, cls) in versions.items()}
     makers.update({TORCH_ZERO_REDUNDANCY: _torch_zero_redundancy, TORCH_FSDP: _torch_fsdp})
     per_rank = launch(_zero_step_times, world_size, makers, tuple(sizes), batch, steps, repeats, warmup, lr,
-                      timeout=timeout)
+                      timeout=timeout, device=device)
     parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     rows = []
     for name in makers:

@@ -149,7 +149,7 @@ def _bench_ddp(args) -> int:
         return 2
     versions = {name: classes[cls] for name, cls in DDP_CLASSES.items() if cls in classes}
     if "bucketed" in versions:
-        versions[f"bucketed ({args.bucket_mb:g} MB)"] = functools.partial(versions.pop("bucketed"), bucket_mb=args.bucket_mb)
+        versions[f"bucketed ({args.bucket_mb:g} MiB)"] = functools.partial(versions.pop("bucketed"), bucket_mb=args.bucket_mb)
     rows = bench_module.bench_ddp(versions, world_size=args.world_size or 2, repeats=args.repeats,
                                   bucket_mb=args.bucket_mb)
     print(bench_module.format_ddp_table(rows))
@@ -157,7 +157,7 @@ def _bench_ddp(args) -> int:
 
 
 ZERO_LAB = os.path.join("04_zero", "04_zero.ipynb")
-ZERO_CLASSES = {"Zero1Adam": 1, "Zero2Adam": 2, "Zero3Adam": 3}
+ZERO_CLASSES = {"Zero1Optimizer": 1, "Zero2Optimizer": 2, "Zero3Module": 3}
 
 
 def _bench_zero(args) -> int:

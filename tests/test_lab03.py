@@ -5,10 +5,12 @@ DDP bench harness works.
   (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
   timelines, bench table, bucket sweep and async-vs-sync plot.
 - (The blank notebook failing every graded cell is checked by the autograde round trip in
-  test_grading.py, on every lab.)  Wrong answers (a shard that drops the remainder, naive DDP that sums
-  instead of averaging, a hook that waits for its own all-reduce, one all-reduce per
-  parameter instead of per bucket, a no_sync() that still communicates) fail the right
-  graded cell with a message that says why.
+  test_grading.py, on every lab.)  Wrong answers (a shard that drops the remainder, a broadcast that
+  skips frozen parameters, naive DDP that sums instead of averaging, a hook that waits for its own
+  all-reduce, a no_sync() that still communicates) fail the right graded cell with a message that says
+  why; so do a wrapper that is not an nn.Module like torch's DDP, buckets filled in forward order, and
+  a no_sync() built on a blocking all-reduce; a broken BucketedDDP does not cost AccumulatingDDP its
+  points, nor a broken broadcast_parameters average_gradients.
 - bench.bench_ddp / format_ddp_table / `disttrain-lab bench ddp`, on the solution's classes.
 
 The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
@@ -22,12 +24,13 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, output_of, pictures, run_solution, error_of_last_cell
+from tests.helpers import needs_gpus, run_python
+from tests.notebooks import REPO, cell_by_id, errors, execute, output_of, pictures, run_solution, text, error_of_last_cell
 
 LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"shard": "def shard(", "naive_ddp": "def average_gradients(", "overlapped_ddp": "class OverlappedDDP",
+EXERCISES = {"shard": "def shard(", "broadcast_parameters": "def broadcast_parameters(",
+             "average_gradients": "def average_gradients(", "overlapped_ddp": "class OverlappedDDP",
              "bucketed_ddp": "class BucketedDDP", "no_sync": "class AccumulatingDDP"}
 CLASSES = ["NaiveDDP", "OverlappedDDP", "BucketedDDP", "AccumulatingDDP"]
 
@@ -48,8 +51,8 @@ def solution() -> dict:
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3, 4; tied and frozen models; batches that do not divide by N
     nb = load_lab()
-    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES
-                     if e != "shard")
+    hidden = "".join("".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
+                     for e in EXERCISES if e != "shard")
     for needle in ('"tied", 4', '"frozen", 3', '"mlp", 3', "batch=9", "batch=7"):
         assert needle in hidden, needle
 
@@ -61,7 +64,7 @@ def test_hidden_tests_cover_the_issue():
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
     table = output_of(nb, "bench.format_ddp_table(rows)")
-    for name in ("naive", "overlapped", "bucketed (25 MB)", bench.TORCH_DDP):
+    for name in ("naive", "overlapped", "bucketed (25 MiB)", bench.TORCH_DDP):
         assert name in table, table
     assert "rank 1 slower by  50 ms" in output_of(nb, "def _timed_steps")
     assert pictures(nb) >= 3, f"expected the three timelines, the bucket sweep and the async/sync plot, got {pictures(nb)}"
@@ -74,35 +77,35 @@ def shard(x, rank, world_size):               # drops the len(x) % world_size la
     size = len(x) // world_size
     return x[rank * size:(rank + 1) * size]
 ''', "none dropped"),
-    ("naive_ddp", '''
-def broadcast_parameters(model):
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
-
+    ("average_gradients", '''
 def average_gradients(model):                 # sums, forgets to divide by N
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
 ''', "against one process training on the whole batch"),
     ("overlapped_ddp", '''
-class OverlappedDDP:                          # waits inside each hook: no overlap
-    def __init__(self, model):
-        self.model, self.world_size = model, dist.get_world_size()
-        for p in model.parameters():
+class OverlappedDDP(nn.Module):               # waits inside each hook: no overlap
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.world_size = module, dist.get_world_size()
+        for p in module.parameters():
             dist.broadcast(p.data, src=0)
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def forward(self, x):
+        return self.module(x)
 
     def grad_ready(self, param):
         dist.all_reduce(param.grad, async_op=True).wait()
         param.grad /= self.world_size
 
-    def finish(self):
+    def finish_gradient_synchronization(self):
         pass
 ''', "(no overlap)"),
-    ("bucketed_ddp", '''
-class BucketedDDP:                            # ignores the buckets: one all-reduce per parameter
-    def __init__(self, model, bucket_mb=25.0):
+    ("overlapped_ddp", '''
+class OverlappedDDP:                          # right numbers, but not an nn.Module like DDP
+    def __init__(self, model):
         self.model, self.world_size, self.pending = model, dist.get_world_size(), []
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
@@ -112,37 +115,199 @@ class BucketedDDP:                            # ignores the buckets: one all-red
     def grad_ready(self, param):
         self.pending.append((param, dist.all_reduce(param.grad, async_op=True)))
 
-    def finish(self):
+    def finish_gradient_synchronization(self):
         for param, work in self.pending:
             work.wait()
             param.grad /= self.world_size
         self.pending.clear()
-''', "all-reduce calls, expected 3"),
+''', "should be an nn.Module whose .module is the model it wraps"),
     ("no_sync", '''
 class AccumulatingDDP(BucketedDDP):           # no_sync() that changes nothing
     @contextlib.contextmanager
     def no_sync(self):
         yield
 ''', "under no_sync()"),
+    ("no_sync", '''
+class AccumulatingDDP(BucketedDDP):           # no_sync() right, but a blocking all-reduce inside the hook
+    require_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def grad_ready(self, param):
+        if self.require_sync:
+            i = self.bucket_of[param]
+            self.ready[i] += 1
+            if self.ready[i] == len(self.buckets[i]):
+                flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+                dist.all_reduce(flat)
+                for p, g in zip(self.buckets[i], flat.div_(self.world_size).split([p.numel() for p in self.buckets[i]])):
+                    p.grad.copy_(g.view_as(p))
+                self.pending[i] = None
+
+    def finish_gradient_synchronization(self):
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+''', "blocking all-reduce call(s)"),
 ]
+
+
+def _notebook(lab, replaced: str, wrong: str, tests: list[str]) -> nbformat.NotebookNode:
+    """The setup cell, the given code, every solution but ``replaced``'s, the wrong code in its place,
+    the test helpers and the graded cells ``tests``."""
+    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
+    cells = [lab.cells[0], given]
+    for e in EXERCISES:
+        cells.append(nbformat.v4.new_code_cell(wrong) if e == replaced else cell_by_id(lab, f"ex_{e}"))
+    cells += [cell_by_id(lab, "test_helpers"), *(cell_by_id(lab, f"test_{t}") for t in tests)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[
-    "shard_drops_remainder", "naive_sums", "overlapped_waits_in_hook", "bucketed_per_parameter",
-    "no_sync_communicates"])
+    "shard_drops_remainder", "average_gradients_sums", "overlapped_waits_in_hook", "overlapped_not_a_module",
+    "no_sync_communicates", "no_sync_blocking_all_reduce"])
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
-    lab = load_lab()
-    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
-    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES if e != exercise]
-    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], given, *solutions)] + [
-        nbformat.v4.new_code_cell(wrong),
-        copy.deepcopy(cell_by_id(lab, "test_helpers")),
-        copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
-    if exercise == "bucketed_ddp":      # AccumulatingDDP subclasses it: define it after the wrong one
-        nb.cells.insert(-2, nb.cells.pop(2 + list(EXERCISES).index("no_sync") - 1))
-    found = error_of_last_cell(nb, LAB.parent)
+    found = error_of_last_cell(_notebook(load_lab(), exercise, wrong, [exercise]), LAB.parent)
     assert message in found, found
+
+
+BROADCAST_SKIPS_FROZEN = '''
+def broadcast_parameters(model):              # forgets the frozen parameters
+    for p in model.parameters():
+        if p.requires_grad:
+            dist.broadcast(p.data, src=0)
+'''
+
+
+@pytest.mark.slow
+def test_broadcast_skipping_frozen_fails_and_costs_average_gradients_nothing():
+    # one execution: the broadcast test names the rule (its hidden frozen case); average_gradients, graded
+    # through NaiveDDP (which broadcasts), is graded with the grader's broadcast instead and keeps its points
+    nb, _ = execute(_notebook(load_lab(), "broadcast_parameters", BROADCAST_SKIPS_FROZEN,
+                              ["broadcast_parameters", "average_gradients"]), autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-2]:
+        assert not errors(cell), errors(cell)
+    broadcast, average = nb.cells[-2:]
+    assert errors(broadcast) and "frozen ones too, is copied from rank 0" in errors(broadcast)[0], errors(broadcast)
+    assert not errors(average) and "the grader checks average_gradients with its own" in text(average), (
+        errors(average), text(average))
+
+
+FORWARD_ORDER_BUCKETS = '''
+class BucketedDDP(nn.Module):                 # fills its buckets in forward order
+    def __init__(self, module, bucket_mb=25.0):
+        super().__init__()
+        self.module, self.world_size, self.buckets, self.pending = module, dist.get_world_size(), [], {}
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        cap, used = bucket_mb * 2**20, 0
+        for p in [p for p in module.parameters() if p.requires_grad]:
+            if not self.buckets or used + p.numel() * p.element_size() > cap:
+                self.buckets.append([])
+                used = 0
+            self.buckets[-1].append(p)
+            used += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready = [0] * len(self.buckets)
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def forward(self, x):
+        return self.module(x)
+
+    def grad_ready(self, param):
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+            self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
+
+    def finish_gradient_synchronization(self):
+        for i, (flat, work) in sorted(self.pending.items()):
+            work.wait()
+            for p, g in zip(self.buckets[i], flat.div_(self.world_size).split([p.numel() for p in self.buckets[i]])):
+                p.grad.copy_(g.view_as(p))
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+'''
+
+
+@pytest.mark.slow
+def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
+    # one execution: the bucketed test names the rule; no_sync, built on this BucketedDDP, is graded on the
+    # grader's own BucketedDDP instead and keeps its points (dependent exercises do not chain losses)
+    nb, _ = execute(_notebook(load_lab(), "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"]),
+                    autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-2]:
+        assert not errors(cell), errors(cell)
+    bucketed, no_sync = nb.cells[-2:]
+    assert errors(bucketed) and "in *reverse* order of model.parameters()" in errors(bucketed)[0], errors(bucketed)
+    assert "[1356, 384] B" in errors(bucketed)[0], errors(bucketed)
+    assert not errors(no_sync) and "the grader checks no_sync() on its own BucketedDDP" in text(no_sync), (
+        errors(no_sync), text(no_sync))
+
+
+@needs_gpus(2)
+def test_exercises_and_graded_cells_pass_on_gpus():
+    # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
+    lab = load_lab()
+    upto = lab.cells.index(cell_by_id(lab, "test_no_sync"))
+    cells = [copy.deepcopy(c) for c in lab.cells[:upto + 1] if c.cell_type == "code"]
+    [device_cell] = [c for c in cells if c.source.rstrip().endswith('DEVICE = "cpu"')]
+    device_cell.source = device_cell.source.replace('DEVICE = "cpu"', 'DEVICE = "cuda"')
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+
+
+ONE_RANK_CHECKS = '''
+# every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
+# with the graded cells' own checks (trace, overlap, buckets, single-process reference)
+for kind in ("mlp", "tied", "frozen"):
+    _buckets = _bucket_sizes(_model(kind, 0), 1 / 1024)
+    _runs = [
+        _check_ddp("NaiveDDP", NaiveDDP, kind, 1, batch=8, all_reduces=_per_parameter(kind)),
+        _check_ddp("OverlappedDDP", OverlappedDDP, kind, 1, batch=8, all_reduces=_per_parameter(kind), overlap=True),
+        _check_ddp("BucketedDDP", functools.partial(BucketedDDP, bucket_mb=1 / 1024), kind, 1, batch=8,
+                   buckets=_buckets, overlap=True),
+        _check_ddp("AccumulatingDDP", functools.partial(AccumulatingDDP, bucket_mb=1 / 1024), kind, 1, batch=12,
+                   micro_steps=3, buckets=_buckets, overlap=True)]
+    print("backends:", sorted({run.backend for run in _runs}))
+print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
+'''
+
+
+def one_rank_notebook(device: str) -> nbformat.NotebookNode:
+    """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
+    graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
+    lab = load_lab()
+    setup, device_cell = copy.deepcopy(lab.cells[0]), next(c for c in lab.cells if c.source.rstrip().endswith('DEVICE = "cpu"'))
+    device_cell = nbformat.v4.new_code_cell(device_cell.source.replace('DEVICE = "cpu"', f'DEVICE = "{device}"'))
+    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
+    cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
+             nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
+def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
+    nb, _ = execute(one_rank_notebook(device), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+    out = text(nb.cells[-1])
+    assert out.count(f"backends: ['{backend}']") == 3 and f"rank device: ['{rank_device}']" in out, out
+
+
+@needs_gpus(1)
+def test_exercises_on_one_gpu():
+    # a machine with ONE GPU: every exercise with DEVICE = "cuda" on one NCCL rank, against one process on the CPU
+    # (the 2-GPU test above needs two); the same body runs with device="cpu" (gloo) where there is no GPU
+    check_exercises_on_one_rank("cuda", "nccl", "cuda:0")
 
 
 # ----------------------------------------------------------------------------------------
@@ -175,5 +340,5 @@ def test_cli_bench_ddp_uses_the_notebook():
     out = run_python(["-m", "disttrain_lab.cli", "bench", "ddp", "--notebook", str(LAB), "--repeats", "1",
                       "--bucket-mb", "4"], timeout=240, cwd=REPO)
     assert out.returncode == 0, out.stdout
-    for name in ("naive", "overlapped", "bucketed (4 MB)", bench.TORCH_DDP, "vs torch DDP"):
+    for name in ("naive", "overlapped", "bucketed (4 MiB)", bench.TORCH_DDP, "vs torch DDP"):
         assert name in out.stdout, out.stdout

@@ -4,9 +4,10 @@
   within the 4-minute budget, every graded cell passing, with the calculator's bar chart, the
   measured-against-predicted memory bars, a ZeRO-3 timeline and the bench table.
 - The blank notebook (solutions cleared the way nbgrader releases it) fails every graded cell,
-  quickly.  Wrong answers (ZeRO-1 keeping Adam state for the whole model, ZeRO-2 all-reducing its
-  gradients, ZeRO-3 never freeing what it gathered, shards without padding, a calculator that
-  rounds down) fail the right graded cell with a message that says why.
+  quickly.  Wrong answers (ZeRO-1 keeping optimizer state for the whole model or forgetting the ÷ N,
+  ZeRO-2 all-reducing its gradients or keeping the full ones, ZeRO-3 never freeing what it gathered or
+  freeing a tied (shared) weight with the first layer that uses it, shards without padding, a calculator that rounds down) fail the right graded cell with a message
+  that says why; a failed ZeRO-1 does not cost ZeRO-2 its points.
 - bench.bench_zero / `disttrain-lab bench zero` on the solution's own classes, against torch's
   ZeroRedundancyOptimizer and FSDP; the package ships no solution (no memory formula either).
 
@@ -22,15 +23,16 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, text, output_of, pictures, run_solution, error_of_last_cell
+from tests.helpers import needs_gpus, run_python
+from tests.notebooks import REPO, cell_by_id, errors, execute, text, output_of, pictures, run_solution, error_of_last_cell
 
 matplotlib.use("Agg")
 
 LAB = REPO / "solutions" / "04_zero" / "04_zero.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"zero_memory": "zero_memory_per_rank", "zero1": "Zero1Adam", "zero2": "Zero2Adam", "zero3": "Zero3Adam"}
-CLASSES = {"Zero1Adam": 1, "Zero2Adam": 2, "Zero3Adam": 3}
+EXERCISES = {"zero_memory": "zero_memory_per_rank", "zero1": "Zero1Optimizer", "zero2": "Zero2Optimizer",
+             "zero3": "Zero3Module"}
+CLASSES = {"Zero1Optimizer": 1, "Zero2Optimizer": 2, "Zero3Module": 3}
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -40,7 +42,7 @@ def load_lab() -> nbformat.NotebookNode:
 @pytest.fixture(scope="module")
 def solution() -> dict:
     """The solution notebook's classes and calculator, as `disttrain-lab bench zero` loads them."""
-    return bench.functions_from_notebook(LAB, [*CLASSES, "zero_memory_per_rank", "DataParallelAdam"])
+    return bench.functions_from_notebook(LAB, [*CLASSES, "zero_memory_per_rank", "DataParallelOptimizer"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -70,9 +72,21 @@ def test_solution_notebook_executes_within_budget():
 
 # Wrong answers the graded tests must catch: (graded cell, wrong code added after the solution cells,
 # words the failure must contain)
+ZERO1_WITHOUT_MEAN = '''
+class Zero1Optimizer(Zero1Optimizer):         # reduce-scatters the SUM: forgets the ÷ N
+    def step(self, closure=None):
+        for p, shard in zip(self.params, self.shards):
+            out = torch.empty(shard_size(p.numel(), self.world_size))
+            reduce_scatter(out, padded_flat(p.grad, self.world_size))
+            shard.grad = out[:shard.numel()]
+        self.optimizer.step()
+        for shard in self.shards:
+            shard.grad = None
+        self.all_gather_parameters()
+'''
 WRONG = {
-    "zero1_full_adam_state": ("zero1", '''
-class Zero1Adam(DataParallelAdam):            # Adam over the whole model on every rank
+    "zero1_full_optimizer_state": ("zero1", '''
+class Zero1Optimizer(DataParallelOptimizer):   # the wrapped optimizer over the whole model on every rank
     pass
 ''', "of optimizer state after backward; ZeRO-1 shards it"),
     "zero1_without_padding": ("zero1", '''
@@ -80,7 +94,7 @@ def padded_flat(t, world_size):               # no padding: 35 elements do not s
     return t.detach().reshape(-1)
 ''', "RankError: rank"),
     "zero2_all_reduce": ("zero2", '''
-class Zero2Adam(Zero2Adam):                   # all-reduces each gradient, then keeps its shard
+class Zero2Optimizer(Zero2Optimizer):         # all-reduces each gradient, then keeps its shard
     def grad_ready(self, p, shard):
         dist.all_reduce(p.grad)
         c = shard_size(p.numel(), self.world_size)
@@ -88,22 +102,27 @@ class Zero2Adam(Zero2Adam):                   # all-reduces each gradient, then 
         p.grad = None
 ''', "reduce-scatters the gradients"),
     "zero2_keeps_full_gradients": ("zero2", '''
-class Zero2Adam(Zero2Adam):                   # reduce-scatters, but keeps the full gradient until zero_grad
+class Zero2Optimizer(Zero2Optimizer):         # reduce-scatters, but keeps the full gradient until zero_grad
     def grad_ready(self, p, shard):
         out = torch.empty(shard_size(p.numel(), self.world_size))
         reduce_scatter(out, padded_flat(p.grad, self.world_size))
         shard.grad = out[:shard.numel()] / self.world_size
 
-    def zero_grad(self):
+    def zero_grad(self, set_to_none=True):
         super().zero_grad()
         for p in self.params:
             p.grad = None
-''', "of gradients after backward; ZeRO-2 shards it"),
+''', "free the gradient you do not own"),
     "zero3_never_frees": ("zero3", '''
-class Zero3Adam(Zero3Adam):                   # gathers before forward, never frees after it
+class Zero3Module(Zero3Module):               # gathers before forward, never frees after it
     def after_forward(self, layer, args, output):
         pass
 ''', "still held the full parameters of layer(s) ['0']"),
+    "zero3_ignores_shared": ("zero3", '''
+class Zero3Module(Zero3Module):               # ignores shared=: the tied weight is freed with the encoder
+    def __init__(self, module, shared=()):
+        super().__init__(module)
+''', "a shared parameter belongs to the root unit"),
     "calculator_rounds_down": ("zero_memory", '''
 _solution = zero_memory_per_rank
 def zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
@@ -115,22 +134,89 @@ def zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_
 }
 
 
+def _notebook(lab, upto: list[str], wrong: str, tests: list[str]) -> nbformat.NotebookNode:
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
+             cell_by_id(lab, "test_helpers"), *(cell_by_id(lab, f"test_{t}") for t in tests)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(WRONG))
 def test_graded_cell_catches_a_wrong_answer(case):
     exercise, wrong, message = WRONG[case]
-    lab = load_lab()
-    given = next(c for c in lab.cells if "class DataParallelAdam" in c.source)
     upto = {"zero_memory": ["ex_zero_memory"], "zero1": ["ex_zero1"], "zero2": ["ex_zero1", "ex_zero2"],
             "zero3": ["ex_zero1", "ex_zero3"]}[exercise]
-    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
-             cell_by_id(lab, "test_helpers"), cell_by_id(lab, f"test_{exercise}")]
-    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
-    found = error_of_last_cell(nb)
+    found = error_of_last_cell(_notebook(load_lab(), upto, wrong, [exercise]))
     if message == "hidden":            # the visible test's N = 64 divides 7.5B: only a hidden case catches it
         assert "zero_memory_per_rank(" in found and "ceil" in found, found
     else:
         assert message in found, found
+
+
+@pytest.mark.slow
+def test_a_failed_zero1_costs_zero2_nothing():
+    # ZeRO-2 builds on ZeRO-1: with a ZeRO-1 that forgets the ÷ N, the ZeRO-1 test fails, saying so (its SGD
+    # case: Adam would hide the scale), and the ZeRO-2 test, run on the grader's own ZeRO-1, passes (dependent
+    # exercises do not chain losses).  One execution for both.
+    nb, _ = execute(_notebook(load_lab(), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]),
+                    autograding=True)
+    for cell in nb.cells[:-2]:
+        assert not errors(cell), errors(cell)
+    zero1, zero2 = nb.cells[-2:]
+    assert errors(zero1) and "times too large: divide the reduce-scattered gradient by N" in errors(zero1)[0], errors(zero1)
+    assert not errors(zero2) and "the grader checks Zero2Optimizer on its own" in text(zero2), (errors(zero2), text(zero2))
+
+
+@needs_gpus(2)
+def test_exercises_and_graded_cells_pass_on_gpus():
+    # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
+    lab = load_lab()
+    upto = lab.cells.index(cell_by_id(lab, "test_zero3"))
+    cells = [copy.deepcopy(c) for c in lab.cells[:upto + 1] if c.cell_type == "code"]
+    [device_cell] = [c for c in cells if c.source.rstrip().endswith('DEVICE = "cpu"')]
+    device_cell.source = device_cell.source.replace('DEVICE = "cpu"', 'DEVICE = "cuda"')
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+
+
+ONE_RANK_CHECKS = '''
+# every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
+# with the graded cells' own checks (memory, traffic, single-process reference), AdamW with weight decay
+_runs = [_check_zero(cls, stage, 1, sizes, kind=kind, opt="adamw")
+         for kind, sizes in (("mlp", [5, 7, 3]), ("frozen", [5, 7, 7, 3]), ("tied", [5, 7, 5]))
+         for stage, cls in ((1, Zero1Optimizer), (2, Zero2Optimizer), (3, Zero3Module))]
+print("backends:", sorted({run.backend for run in _runs}), len(_runs), "runs")
+print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
+'''
+
+
+def one_rank_notebook(device: str) -> nbformat.NotebookNode:
+    """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
+    graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
+    lab = load_lab()
+    setup, device_cell = lab.cells[0], next(c for c in lab.cells if c.source.rstrip().endswith('DEVICE = "cpu"'))
+    device_cell = nbformat.v4.new_code_cell(device_cell.source.replace('DEVICE = "cpu"', f'DEVICE = "{device}"'))
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
+             nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
+def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
+    nb, _ = execute(one_rank_notebook(device), autograding=False, cwd=LAB.parent)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+    out = text(nb.cells[-1])
+    assert f"backends: ['{backend}'] 9 runs" in out and f"rank device: ['{rank_device}']" in out, out
+
+
+@needs_gpus(1)
+def test_exercises_on_one_gpu():
+    # a machine with ONE GPU: every exercise with DEVICE = "cuda" on one NCCL rank, against one process on the CPU
+    # (the 2-GPU test above needs two); the same body runs with device="cpu" (gloo) where there is no GPU
+    check_exercises_on_one_rank("cuda", "nccl", "cuda:0")
 
 
 # ----------------------------------------------------------------------------------------
@@ -152,7 +238,7 @@ def test_bench_zero_side_by_side_with_torch(solution):
         assert row["predicted"] <= row["held"]["total"] <= row["predicted"] * slack + 4 * 64, (name, row)
     assert by[bench.TORCH_FSDP]["ratio"] == 1.0 and by[bench.TORCH_ZERO_REDUNDANCY]["ratio"] == 1.0
     table = bench.format_zero_table(rows)
-    assert "held/formula" in table and "Zero3Adam" in table and "vs torch" in table
+    assert "held/formula" in table and "Zero3Module" in table and "vs torch" in table
 
 
 def test_cli_bench_zero_uses_the_notebook():
