@@ -7,7 +7,7 @@
     >>> dl.launch(hello, world_size=4)          # prints "[rank k] hi from k"
     [0, 10, 20, 30]
 
-How it works (see DESIGN.md, "Launching ranks from a notebook"):
+How it works (see docs/architecture.md, "Launching ranks from a notebook"):
 
 - One policy (see :func:`plan`): ``device="cpu"`` (the default) runs gloo on the CPU and
   never touches a GPU; ``device="cuda"`` gives rank k the k-th visible GPU and NCCL.
