@@ -7,10 +7,13 @@
   loss/bytes picture and the crossover picture on the emulated network.
 - Wrong answers (top-k by value instead of magnitude, a dense all-reduce in sparse_all_reduce,
   error feedback that forgets the residual, INT8 that truncates, a hook that sums instead of
-  averaging) each fail the right graded cell with a message that says why.  All of them run in
+  averaging, a PowerSGD hook that skips orthogonalising P or keeps no error) each fail the right
+  graded cell with a message that says why.  All of them run in
   one kernel, to keep the suite's time down.  The same kernel runs the (ungraded) demonstration of
   the hook inside Lab 3's BucketedDDP with no Lab 3 notebook and with the blank one: it says so and skips.
 - The solution run shows the hook inside the Lab 3 solution's BucketedDDP: 3 buckets, training like torch DDP.
+- The PowerSGD stretch (solution run): torch DDP with one bucket, the student's powersgd_hook puts the
+  same bytes on the wire as torch's powerSGD_hook at the same rank, with a similar relative error.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -26,7 +29,7 @@ from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, ou
 
 LAB = REPO / "solutions" / "07_compression" / "07_compression.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["topk", "sparse_all_reduce", "error_feedback", "int8", "hook"]
+EXERCISES = ["topk", "sparse_all_reduce", "error_feedback", "int8", "hook", "powersgd"]
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -43,10 +46,16 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
     for needle in ("(0, 0.5)", "(1, 0.01)", "(100, 1.0)", "_check_sparse(3, 1001", "_check_sparse(4, 4099",
                    "_check_sparse(2, 0,", "_check_sparse(4, 1,", "_check_quantized_all_reduce(3, 0,",
-                   "_check_quantized_all_reduce(4, 7, 3)", "_check_hook_exact(3)", "_check_training()"):
+                   "_check_quantized_all_reduce(4, 7, 3)", "_check_hook_exact(3)", "_check_training()",
+                   "_check_powersgd(3, 1)", "_check_powersgd(3, 3, sizes=(11, 29, 19, 3))",
+                   "_check_powersgd(2, 1, sizes=(5, 31, 6))"):
         assert needle in hidden, needle
     hook = cell_by_id(nb, "ex_hook").source
     assert "def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:" in hook
+    powersgd = cell_by_id(nb, "ex_powersgd").source
+    assert ("def powersgd_hook(state: LabPowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:"
+            in powersgd)
+    assert nbgrader_meta(cell_by_id(nb, "powersgd_helpers"))["locked"]      # the graded tests use its helpers
     helpers = cell_by_id(nb, "test_helpers").source
     assert 'e.meta.get("in_bytes", e.bytes)' in helpers        # bytes on the wire: each rank's own piece
 
@@ -68,6 +77,19 @@ def test_solution_notebook_executes_within_budget():
                              r"(?: after \d+ steps)?$", printed, re.M))
     assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, dense"]), printed
     assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, top-k 1 % + error feedback"]), printed
+    # The PowerSGD stretch: the same bytes as torch's powerSGD_hook at the same rank, a similar error.
+    printed = output_of(nb, "# Self-check: torch DDP (one bucket)")
+    sent = re.search(r"in 6 steps: yours (\d+), torch's powerSGD_hook (\d+)", printed)
+    assert sent and sent[1] == sent[2], printed
+    error = re.search(r"average: yours ([\d.]+), torch's ([\d.]+)", printed)
+    assert error and float(error[1]) <= 1.25 * float(error[2]) + 0.02, printed
+
+
+def _powersgd_wrong(right: str, wrong: str) -> str:
+    """The solution's powersgd_hook cell with one line changed."""
+    source = cell_by_id(load_lab(), "ex_powersgd").source
+    assert right in source, right
+    return source.replace(right, wrong)
 
 
 # Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
@@ -112,6 +134,12 @@ def topk_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:    # the sum
     fut.set_result(sparse_all_reduce(values, indices, flat.numel()))
     return fut
 ''', "against default_hooks.allreduce_hook"),
+    ("powersgd", "powersgd", _powersgd_wrong(                # P not orthogonalised: P Qᵀ scales with |P|²
+        "ps = [torch.linalg.qr(part.view_as(p)).Q for", "ps = [part.view_as(p) for"),
+     "orthogonalise P after its all-reduce"),
+    ("powersgd", "powersgd", _powersgd_wrong(                # no error feedback
+        "    state.error_dict[index] = compensated - buffer\n", ""),
+     "error feedback keeps (gradient + old error) - average"),
 ]
 
 
@@ -120,12 +148,13 @@ def test_graded_cells_catch_wrong_answers():
     """One kernel: for each wrong answer, the solutions, the wrong definition, then its graded cell."""
     lab = load_lab()
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
-    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"))]
-    graded_at = {}
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"),
+                                        cell_by_id(lab, "powersgd_helpers"))]
+    graded_at = []
     for graded, _, wrong, _ in WRONG:
         cells += [copy.deepcopy(s) for s in solutions]            # the right answers again, then one wrong
         cells.append(nbformat.v4.new_code_cell(wrong))
-        graded_at[graded] = len(cells)
+        graded_at.append(len(cells))
         cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
     # Then the BucketedDDP demonstration with no Lab 3 notebook, and with the released (blank) one.
     demo = next(c for c in lab.cells if c.cell_type == "code" and "with_comm_hook(BucketedDDP)" in c.source)
@@ -138,13 +167,13 @@ def test_graded_cells_catch_wrong_answers():
                                                                    repr(lab3))))
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
     for i, cell in enumerate(nb.cells):
-        if i not in graded_at.values():
+        if i not in graded_at:
             assert not errors(cell), (i, errors(cell))
     assert text(nb.cells[skipped["missing"]]).startswith("Skipped: no Lab 3 notebook at "), text(nb.cells[skipped["missing"]])
     assert text(nb.cells[skipped["blank"]]).startswith("Skipped: BucketedDDP.__init__ is not written yet"), \
         text(nb.cells[skipped["blank"]])
-    for graded, _, _, message in WRONG:
-        found = errors(nb.cells[graded_at[graded]])
+    for (graded, _, _, message), at in zip(WRONG, graded_at):
+        found = errors(nb.cells[at])
         assert found, f"the graded cell test_{graded} passed a wrong answer"
         assert message in found[0], (graded, found[0])
 
