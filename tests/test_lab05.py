@@ -118,18 +118,20 @@ def wrong_gpipe(kind: str, source: str) -> str:
     """The solution's GPipe cell with one mistake."""
     if kind == "F, B, F, B":        # each micro-batch's backward right after its forward: no pipelining
         return source.replace(
-            "    stash = [forward_microbatch(stage, xs[i], ys[i], i, len(x), sends) for i in range(micro_batches)]\n"
-            "    loss = sum(backward_microbatch(stage, inputs, outputs, i, sends) for i, (inputs, outputs) in "
-            "enumerate(stash))",
-            "    loss = sum(backward_microbatch(stage, *forward_microbatch(stage, xs[i], ys[i], i, len(x), sends), i, "
-            "sends) for i in range(micro_batches))")
+            "    stash = [forward_microbatch(stage, xs[i], ys[i], i, len(x), sends, posted[i]) for i in range(micro_batches)]\n"
+            "    posted = [None if stage.is_last else receive(outputs.shape, stage.index + 1, stage.device) for _, outputs in stash]\n"
+            "    loss = sum(backward_microbatch(stage, inputs, outputs, i, sends, posted[i])\n"
+            "               for i, (inputs, outputs) in enumerate(stash))",
+            "    loss = sum(backward_microbatch(stage, *forward_microbatch(stage, xs[i], ys[i], i, len(x), sends, posted[i]),\n"
+            "                                   i, sends) for i in range(micro_batches))")
     if kind == "unscaled":          # the sum of the micro-batch means: m times the gradient
         return source.replace(" * (len(y) / batch)", "")
     if kind == "no requires_grad_":  # the received activation is a plain tensor: inputs.grad stays None
         return source.replace("        inputs.requires_grad_()\n", "")
     if kind == "B(m-1) ... B0":     # the lecture's order: backwards in reverse (accepted)
         return source.replace("for i, (inputs, outputs) in enumerate(stash))",
-                              "for i, (inputs, outputs) in reversed(list(enumerate(stash))))")
+                              "for i, (inputs, outputs) in reversed(list(enumerate(stash))))"
+                              ).replace("for _, outputs in stash]", "for _, outputs in reversed(stash)][::-1]")
     if kind == "activations to the last stage":   # every stage also copies its activation to the last one
         return source.replace(
             "        sends.append(dist.isend(outputs.detach(), dst=stage.index + 1))",
