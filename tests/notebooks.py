@@ -10,6 +10,10 @@ import nbformat
 from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parent.parent
+# A lab's time budget is a figure for a quiet 2-core machine (measured and reported with the
+# benchmarks); CI machines are shared, so a test allows this factor on top before it calls a
+# notebook too slow.  DISTTRAIN_TEST_SLOWDOWN=1 checks the budget itself on a quiet machine.
+SLOWDOWN = float(os.environ.get("DISTTRAIN_TEST_SLOWDOWN", "3"))
 
 
 def nbgrader_meta(cell) -> dict:
@@ -65,7 +69,8 @@ def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbfor
         assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
         assert not [o for o in cell.outputs if o.get("name") == "stderr"], \
             f"graded cell {nbgrader_meta(cell)['grade_id']} wrote to stderr"
-    assert seconds < budget_s, f"the solution notebook took {seconds:.0f} s, the budget is {budget_s} s"
+    assert seconds < budget_s * SLOWDOWN, (f"the solution notebook took {seconds:.0f} s, the budget is {budget_s} s "
+                                           f"(x{SLOWDOWN:g} allowed for a loaded machine)")
     return nb
 
 
