@@ -33,9 +33,11 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import hmac
 import json
 import re
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -55,7 +57,7 @@ from nbgrader.preprocessors import ClearHiddenTests, Execute, NbGraderPreprocess
 from traitlets import Integer, Unicode
 
 from . import sandbox
-from .kernel_guard import GUARD_SOURCE
+from .kernel_guard import GUARD_SOURCE, KEY_PLACEHOLDER, signature
 
 # ----------------------------------------------------------------------------------------
 # Where things live, and the limits (each overridable by an environment variable, so the
@@ -209,8 +211,19 @@ def _names_bound(source: str) -> list[str]:
     return names
 
 
-def _guard_call(function: str, names: list[str]) -> str:
-    return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({names!r})"
+# Run by the grader when the guard's answer was forged: drop the shell's own methods that
+# a solution cell shadowed on the instance (user_expressions evaluates the guard's call).
+_REPAIR_SHELL = (
+    "_ip = get_ipython()\n"
+    "for _n in ('user_expressions', 'run_cell', 'run_cell_async', 'run_ast_nodes', 'run_code', 'ev', 'ex',\n"
+    "           'showtraceback', '_showtraceback', 'set_custom_exc', 'transform_cell'):\n"
+    "    vars(_ip).pop(_n, None)\n"
+    "del _ip, _n\n")
+
+
+def _guard_call(function: str, names: list[str], *extra: str) -> str:
+    args = ", ".join([repr(names), *map(repr, extra)])
+    return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({args})"
 
 
 class SandboxKernelManager(AsyncKernelManager):
@@ -221,11 +234,30 @@ class SandboxKernelManager(AsyncKernelManager):
         return sandbox.command(self.sandbox_spec, super().format_kernel_cmd(extra_arguments))
 
 
+def _git_paths(root: Path = REPO_ROOT) -> list[str]:
+    """The repository's git data: its objects hold every solution and hidden test.  In a
+    worktree ``.git`` is a file naming the real git directory (and its common one)."""
+    git = root / ".git"
+    if not git.is_file():
+        return [str(git)]
+    found = [str(git)]
+    text = git.read_text(errors="replace").strip()
+    if text.startswith("gitdir:"):
+        gitdir = (root / text[len("gitdir:"):].strip()).resolve()
+        found.append(str(gitdir))
+        common = gitdir / "commondir"
+        if common.is_file():
+            found.append(str((gitdir / common.read_text().strip()).resolve()))
+    return found
+
+
 def _hidden_paths() -> list[str]:
     """What a sandboxed kernel must not see: the course (gradebook, every submission),
-    the solutions, the grading temp dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
+    the solutions and the repository's git data (which holds them too), the grading temp
+    dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
     extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
-    return [str(course_dir()), str(source_dir()), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
+    return [str(course_dir()), str(source_dir()), *_git_paths(), tempfile.gettempdir(),
+            os.path.expanduser("~"), *extra]
 
 
 def _kept_paths() -> list[str]:
@@ -369,24 +401,42 @@ class RobustExecute(Execute):
                     self._stop_kernel()
                 self.km = self.create_kernel_manager()
                 self.start_new_kernel()
-        self._guard_ready = self._run_quietly(GUARD_SOURCE, timeout=120) is not None
+        self._guard_key = secrets.token_bytes(32)      # signs the guard's answers (kernel_guard.py)
+        self._guard_ready = self._run_quietly(GUARD_SOURCE.replace(KEY_PLACEHOLDER, self._guard_key.hex()),
+                                              timeout=120) is not None
         return kc
 
     def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str]]:
-        """(problems, notes) from the guard in the kernel; see disttrain_lab/kernel_guard.py."""
+        """(problems, notes) from the guard in the kernel; see disttrain_lab/kernel_guard.py.
+        An answer that is not the guard's own (signed) is a problem; the grader then puts
+        back IPython's own evaluation methods and asks once more, so that later tests are
+        graded on their merits."""
         if not self._guard_ready:
             return [], []
-        reply = self._run_quietly("", timeout=30, expression=_guard_call(function, names))
-        if reply is None:
-            return [], []          # the kernel is busy or gone: the cell itself will tell
+        problems, notes = self._ask_guard(function, names)
+        if problems and problems[0].startswith("grading guard"):
+            self._run_quietly(_REPAIR_SHELL, timeout=30)
+            again, notes = self._ask_guard(function, names)
+            problems = problems + [p for p in again if not p.startswith("grading guard")] \
+                if not (again and again[0].startswith("grading guard")) else again
+        return problems, notes
+
+    def _ask_guard(self, function: str, names: list[str]) -> tuple[list[str], list[str]]:
+        nonce = secrets.token_hex(16)
+        reply = self._run_quietly("", timeout=30, expression=_guard_call(function, names, nonce))
+        if reply is None:          # busy past 30 s (or gone): a clean state cannot be shown
+            return ["grading guard (it did not answer within 30 s)"], []
         result = reply.get("user_expressions", {}).get("r", {})
         if result.get("status") != "ok":
             return ["grading guard (it was removed)"], []
         try:
-            problems, notes = ast.literal_eval(result["data"]["text/plain"])
-            return [str(p) for p in problems], [str(n) for n in notes]
+            problems, notes, mac = ast.literal_eval(result["data"]["text/plain"])
+            problems, notes = list(problems), list(notes)
         except (KeyError, ValueError, SyntaxError, TypeError):
             return ["grading guard (it was altered)"], []
+        if not (isinstance(mac, str) and hmac.compare_digest(mac, signature(self._guard_key, nonce, (problems, notes)))):
+            return ["grading guard (its answer was not the guard's own: IPython's evaluation was replaced)"], []
+        return [str(p) for p in problems], [str(n) for n in notes]
 
     def _record_instructor_names(self, index: int) -> None:
         if index not in self._instructor_cells:

@@ -17,10 +17,25 @@ function: the result cannot be trusted), notes are only reported (the genuine ob
 put back, so the test itself decides).  ``after_test(names)`` runs right after the test
 cell: anything changed *while the test ran* is a problem, so the cell fails.
 
+Its answers are signed: the grader sends the guard a fresh key with its source and a fresh
+nonce with every call, and the guard returns ``(problems, notes, hmac)``.  A solution cell
+that replaces how IPython evaluates the grader's expression (``shell.user_expressions``, the
+formatters) to answer "nothing changed" cannot sign that answer, so the test fails.
+
 This is in-kernel defence: it stops every hook and rebinding a notebook can do through
 public APIs; code that digs into the guard's own state (``gc``, frames, ``ctypes``) is out
 of its reach and is flagged for a human by ``grading.scan_submission``.
 """
+KEY_PLACEHOLDER = "__DISTTRAIN_GUARD_KEY__"
+
+
+def signature(key: bytes, nonce: str, result: tuple) -> str:
+    """What the guard's HMAC over ``(problems, notes)`` must be (the grader's side)."""
+    import hashlib
+    import hmac
+    return hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest()
+
+
 GUARD_SOURCE = r'''
 def _disttrain_install_guard():
     import builtins, importlib, sys, types
@@ -185,8 +200,14 @@ def _disttrain_install_guard():
             if name in shell.user_ns:
                 instructor[name] = fingerprint(shell.user_ns[name])
 
-    guard.before_test = lambda names: restore(names)
-    guard.after_test = lambda names: (lambda p, n: (p + n, []))(*restore(names))
+    import hashlib, hmac
+    key = bytes.fromhex("__DISTTRAIN_GUARD_KEY__")    # a fresh key per kernel, put in by the grader
+
+    def signed(result, nonce):
+        return result + (hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest(),)
+
+    guard.before_test = lambda names, nonce: signed(restore(names), nonce)
+    guard.after_test = lambda names, nonce: signed((lambda p, n: (p + n, []))(*restore(names)), nonce)
     guard.record = record
     sys.modules[guard.__name__] = guard
 _disttrain_install_guard()

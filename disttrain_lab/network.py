@@ -356,7 +356,7 @@ def _global_peer(bound: dict, key: str):
     import torch.distributed as dist
     peer = bound.get(key)
     if peer is None and bound.get("group_" + key) is not None:
-        peer = dist.get_global_rank(bound["group"], bound["group_" + key])
+        peer = dist.get_global_rank(bound.get("group") or dist.group.WORLD, bound["group_" + key])
     return peer
 
 

@@ -132,8 +132,19 @@ def build_wheel(root: Path = PROJECT_ROOT, out: Path | None = None) -> Path:
 
 
 def wheel_contents(path: Path) -> dict[str, bytes]:
+    """What a student installs from the wheel: the package's files and its metadata.  The
+    build tool's own records (``WHEEL``'s generator, ``RECORD``'s hashes of those, the
+    metadata format version) change with every setuptools release, not with the kit."""
     with zipfile.ZipFile(path) as z:
-        return {name: z.read(name) for name in z.namelist()}
+        found = {}
+        for name in z.namelist():
+            if name.endswith(".dist-info/RECORD") or name.endswith(".dist-info/WHEEL"):
+                continue
+            data = z.read(name)
+            if name.endswith(".dist-info/METADATA"):
+                data = b"\n".join(line for line in data.split(b"\n") if not line.startswith(b"Metadata-Version:"))
+            found[name] = data
+        return found
 
 
 def wheel_differences(fresh: Path, committed: Path) -> list[str]:

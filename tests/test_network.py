@@ -85,10 +85,12 @@ def test_a_1_mib_send_on_1_gbit_takes_alpha_plus_beta_n():
     for send, recv in zip(sends, recvs):
         # the trace carries the model's time of each message, and took at least that long
         assert send.meta["network_s"] == pytest.approx(model, rel=0.10)
-        assert send.duration >= model and recv.duration >= model - 1e-3
+        # (the receiver's own clock starts when it leaves the barrier, which on a loaded machine
+        # can be later than the sender's: the arrival is what the model bounds)
+        assert send.duration >= model
         assert recv.end - send.start >= model            # the data arrived no earlier than α + βn
     sender, receiver = run.results
-    assert min(sender) >= model and min(receiver) >= model - 1e-3
+    assert min(sender) >= model
     # the best of 7 is within 10 % (plus the real loopback copy of 1 MiB, ~1 ms); charging a
     # message twice (torch's send is isend + wait) would make it 2 × 8.4 ms
     assert min(sender) <= 1.10 * model + 4e-3, sender
@@ -144,8 +146,10 @@ def _race(numel: int, repeats: int = 1) -> dict:
 
 @pytest.mark.parametrize("duplex, ratio", [("full", 4.0), ("half", 2.0)])
 def test_ring_beats_naive_by_the_models_ratio_at_16_mib_on_4_ranks(duplex, ratio):
+    # a link slow enough (400 Mbit/s) that the model's times (2 s and 0.5 s) dwarf the real
+    # loopback copies and additions, which a loaded machine can stretch to ~0.25 s
     n, size = 4, 16 * MiB
-    net = dl.Network(latency=50e-6, bandwidth=1.25e8, duplex=duplex)
+    net = dl.Network(latency=50e-6, bandwidth=5e7, duplex=duplex)
     per_message = 2 if duplex == "half" else 1       # half duplex: a ring step sends *and* receives
     naive_model = 2 * (n - 1) * net.time(size)       # rank 0's port carries 2(N-1) whole tensors
     ring_model = 2 * (n - 1) * per_message * net.time(size / n)

@@ -46,6 +46,14 @@ ATTACKS = {
         "    def visit_Assert(self, node):\n        return ast.Pass()\n"
         "get_ipython().ast_transformers.append(_NoAssert())\n"),
     "c1_input_transformer": WRONG_MEAN + "get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])\n",
+    # ... and one that answers the grader's guard itself, so that the hooks are never reset
+    "c1_forged_guard": WRONG_MEAN + (
+        "ip = get_ipython()\n"
+        "ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
+        "def _clear(result):\n    result.error_in_exec = None\n"
+        "ip.events.register('post_run_cell', _clear)\n"
+        "ip.user_expressions = lambda expressions: {k: {'status': 'ok', 'metadata': {},\n"
+        "    'data': {'text/plain': \"([], [], '0' * 64)\"}} for k in expressions}\n"),
     "c1_hooks_during_test": (
         "def mean(xs):\n"
         "    ip = get_ipython()\n"
@@ -77,7 +85,17 @@ ATTACKS = {
         "        elif _name == '00_basics.ipynb' and 'z_honest' in _p:\n"
         "            open(_p, 'w').write('{}')\n"
         "    except Exception:\n"
-        "        pass\n"),
+        "        pass\n"
+        # the repository's git objects hold every solution: a readable .git would be a leak
+        "import disttrain_lab as _dl\n"
+        "_git = os.path.join(os.path.dirname(os.path.dirname(_dl.__file__)), '.git')\n"
+        "try:\n"
+        "    _leak = bool(os.listdir(_git)) if os.path.isdir(_git) else os.path.getsize(_git) > 0\n"
+        "except OSError:\n"
+        "    _leak = False\n"
+        "if _leak:\n"
+        "    def mean(xs):\n"
+        "        return sum(xs) / len(xs)\n"),
     # 5. a process that leaves the kernel's group, keeps changing pid and kills later kernels
     "c5_escape": MEAN_OK + (
         "import subprocess, sys\n"
@@ -144,7 +162,15 @@ def attacked(tmp_path_factory):
     submit(course.course, "z_honest", course.lab, sol)
     course.source_digest = _digest(FIXTURES)
     course.others_digest = _digest(course.course / "submitted" / "z_honest")
-    course.results = course.grade(one_process_per_student=False)
+    # the cgroups this grading makes (another grading on a shared host makes its own)
+    course.cgroups, genuine_init = [], sandbox.Cgroup.__init__
+
+    def recording_init(self, relative):
+        course.cgroups.append(relative)
+        genuine_init(self, relative)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sandbox.Cgroup, "__init__", recording_init)
+        course.results = course.grade(one_process_per_student=False)
     course.table = grading.scores(course.lab, course.course)
     course.leftovers = _host_leftovers()
     return course
@@ -176,7 +202,8 @@ def test_classmates_files_and_host_are_untouched(attacked):
     assert attacked.leftovers == []                          # 5, 6: no escaped process, no /dev/shm file
     assert not processes_with(str(attacked.course))
     assert not list(attacked.tmp.iterdir())
-    assert not list((sandbox.CGROUP_ROOT / "memory" / "disttrain-lab").glob("disttrain-grade-*"))
+    assert attacked.cgroups, "the grading made no cgroup to check"
+    assert not [d for name in attacked.cgroups for d in sandbox.Cgroup(name).dirs if d.exists()]
 
 
 @pytest.mark.slow
