@@ -38,6 +38,10 @@ The model (the one of labs 1 and 2):
   own call: a late peer delays it only through gloo's real wait).  ``async_op=True`` collectives run meanwhile: their
   ``wait()`` and ``get_future()`` complete at that time, so they overlap with computation.
 - Only CPU tensors are slowed; GPU tensors travel over NCCL at the real speed.
+- Only calls made through ``torch.distributed``'s Python functions are slowed.  Not slowed:
+  methods called on a ``ProcessGroup`` object directly, collectives torch issues from C++
+  (DDP's built-in all-reduce when no communication hook is registered, its constructor's
+  broadcast), and an ``irecv`` from any source (``src=None``), which has no known sender.
 
 ``network=None`` (the default) installs nothing: the launch runs exactly as without this
 module.  With a network, ``Run.network`` says which, and every traced communication event
