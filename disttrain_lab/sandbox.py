@@ -183,6 +183,12 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
     keep_fds = {p: os.open(p, os.O_PATH) for p in the_spec["keep"] if os.path.isdir(p)}
     for target in ("/tmp", "/dev/shm"):
         _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    # the interpreter or the kit may live under /tmp (a CI clone): bind them back, read-only
+    for kept, fd in keep_fds.items():
+        if any(kept.startswith(t + os.sep) for t in ("/tmp", "/dev/shm")):
+            os.makedirs(kept, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND | MS_REC)
+            _mount("none", kept, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
     work, home, runtime = Path("/tmp/work"), Path("/tmp/home"), Path("/tmp/.kernel")
     shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     home.mkdir()
