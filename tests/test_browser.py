@@ -154,7 +154,13 @@ def _saved(page, path: Path) -> dict:
     deadline = time.monotonic() + 60
     while path.stat().st_mtime_ns == before and time.monotonic() < deadline:
         time.sleep(0.2)
-    return json.loads(path.read_text())
+    while True:     # the server may still be writing the file: read until it is whole JSON
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _broken_images(page) -> int:

@@ -216,9 +216,12 @@ def test_tracing_overhead_per_call_is_small():
                 dist.recv(t, 0)
                 dist.send(t, 0)
         return time.perf_counter() - start
-    traced = dl.launch(pingpong, 2, 300, trace=True).results[0]
-    plain = dl.launch(pingpong, 2, 300)[0]
-    assert traced < 3 * plain + 0.05, (traced, plain)
+    # taking turns, best of three each: a busy moment of a shared machine slows one run, not all
+    traced, plain = [], []
+    for _ in range(3):
+        traced.append(dl.launch(pingpong, 2, 300, trace=True).results[0])
+        plain.append(dl.launch(pingpong, 2, 300)[0])
+    assert min(traced) < 3 * min(plain) + 0.05, (traced, plain)
 
 
 def chain_forwarding_before_wait():
