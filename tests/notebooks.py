@@ -116,3 +116,25 @@ def numbering_problems(nb) -> list[str]:
                                 f"expected Exercise {last + 1}")
             last = heading or last
     return problems
+
+
+def device_setting(nb, device: str):
+    """A new cell: the lab's ``DEVICE = "cpu"`` cell saying ``DEVICE = "<device>"`` instead."""
+    cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.rstrip().endswith('DEVICE = "cpu"'))
+    return nbformat.v4.new_code_cell(cell.source.replace('DEVICE = "cpu"', f'DEVICE = "{device}"'))
+
+
+def code_cells_on_device(nb, last_grade_id: str, device: str) -> nbformat.NotebookNode:
+    """Every code cell up to the graded cell ``last_grade_id``, with ``DEVICE = device``."""
+    upto = nb.cells.index(cell_by_id(nb, last_grade_id))
+    cells = [device_setting(nb, device) if c.source.rstrip().endswith('DEVICE = "cpu"') else copy.deepcopy(c)
+             for c in nb.cells[:upto + 1] if c.cell_type == "code"]
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def execute_without_errors(nb, cwd: Path) -> nbformat.NotebookNode:
+    """Execute nb as a student does; no cell may raise.  Returns the executed notebook."""
+    nb, _ = execute(nb, autograding=False, cwd=cwd)
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
+    assert not failed, failed
+    return nb

@@ -25,7 +25,8 @@ import pytest
 
 from disttrain_lab import bench
 from tests.helpers import needs_gpus, run_python
-from tests.notebooks import REPO, cell_by_id, errors, execute, output_of, pictures, run_solution, text, error_of_last_cell
+from tests.notebooks import (REPO, cell_by_id, errors, execute, output_of, pictures, run_solution,
+                             text, error_of_last_cell, code_cells_on_device, device_setting, execute_without_errors)
 
 LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
 BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
@@ -256,14 +257,7 @@ def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
 @needs_gpus(2)
 def test_exercises_and_graded_cells_pass_on_gpus():
     # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
-    lab = load_lab()
-    upto = lab.cells.index(cell_by_id(lab, "test_no_sync"))
-    cells = [copy.deepcopy(c) for c in lab.cells[:upto + 1] if c.cell_type == "code"]
-    [device_cell] = [c for c in cells if c.source.rstrip().endswith('DEVICE = "cpu"')]
-    device_cell.source = device_cell.source.replace('DEVICE = "cpu"', 'DEVICE = "cuda"')
-    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=False, cwd=LAB.parent)
-    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
-    assert not failed, failed
+    execute_without_errors(code_cells_on_device(load_lab(), "test_no_sync", "cuda"), LAB.parent)
 
 
 ONE_RANK_CHECKS = '''
@@ -287,8 +281,7 @@ def one_rank_notebook(device: str) -> nbformat.NotebookNode:
     """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
     graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
     lab = load_lab()
-    setup, device_cell = copy.deepcopy(lab.cells[0]), next(c for c in lab.cells if c.source.rstrip().endswith('DEVICE = "cpu"'))
-    device_cell = nbformat.v4.new_code_cell(device_cell.source.replace('DEVICE = "cpu"', f'DEVICE = "{device}"'))
+    setup, device_cell = lab.cells[0], device_setting(lab, device)
     given = next(c for c in lab.cells if "def shard_loss(" in c.source)
     cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
              nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
@@ -296,9 +289,7 @@ def one_rank_notebook(device: str) -> nbformat.NotebookNode:
 
 
 def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
-    nb, _ = execute(one_rank_notebook(device), autograding=False, cwd=LAB.parent)
-    failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
-    assert not failed, failed
+    nb = execute_without_errors(one_rank_notebook(device), LAB.parent)
     out = text(nb.cells[-1])
     assert out.count(f"backends: ['{backend}']") == 3 and f"rank device: ['{rank_device}']" in out, out
 
