@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 from pathlib import Path
 
 import nbformat
