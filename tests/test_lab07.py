@@ -182,7 +182,7 @@ def test_graded_cells_catch_wrong_answers():
 # disttrain-lab bench compression
 
 def test_format_compression_table():
-    from disttrain_lab.bench_compression import format_compression_table
+    from disttrain_lab.bench.compression import format_compression_table
     rows = [{"version": name, "world_size": 2, "network": "1 Gbit/s", "repeats": 5, "steps_per_s": sps,
              "bytes_per_step": nbytes, "loss": 0.5, "steps": 12, "parameters": 5508, "sizes": (16, 64, 64, 4),
              "ratio": sps / 8.0} for name, sps, nbytes in (("dense", 8.0, 22032), ("top-k", 4.0, 672))]
@@ -194,7 +194,7 @@ def test_format_compression_table():
 @pytest.mark.slow
 def test_bench_compression_counts_the_compressed_bytes_side_by_side():
     from disttrain_lab import Network, bench
-    from disttrain_lab.bench_compression import (TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, bench_compression,
+    from disttrain_lab.bench.compression import (TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, bench_compression,
                                                  lab_versions)
     found = bench.functions_from_notebook(LAB, ["TopKState", "topk_hook", "int8_hook"])
     assert set(found) == {"TopKState", "topk_hook", "int8_hook"}

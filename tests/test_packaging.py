@@ -71,7 +71,7 @@ def test_console_script_runs():
 
 # --- a student's install is lean --------------------------------------------------------
 
-STUDENT_DEPS = {"cloudpickle", "numpy", "matplotlib", "ipywidgets"}
+STUDENT_DEPS = {"cloudpickle", "numpy", "matplotlib", "ipywidgets", "tqdm"}
 # what may replace Colab's own Jupyter front end, or is only the instructor's
 NEVER_FOR_STUDENTS = {"torch", "jupyterlab", "notebook", "jupyter-server", "nbgrader", "nbconvert", "nbclient",
                       "jupyterhub", "jupyter-client", "ipykernel"}

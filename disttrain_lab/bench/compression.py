@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 
-from .bench import slowest_median, take_turns
-from .network import Network
+from ..network import Network
+from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
 
 TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"
@@ -54,8 +54,8 @@ def _compression_step_times(versions: dict, sizes, batch: int, steps: int, repea
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from .models import MLP, regression_data
-    from .trace import region
+    from ..models import MLP, regression_data
+    from ..trace import region
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
@@ -90,8 +90,8 @@ def bench_compression(versions: dict, world_size: int = 2, network: Network | No
     """Steps/s, bytes per step and final loss of each hook in ``versions`` (name -> ``(make_state,
     hook)``) and of torch's allreduce, fp16 and PowerSGD hooks, side by side in one launch over
     ``network`` (default: 1 Gbit Ethernet).  ``ratio`` is steps/s ÷ the dense all-reduce's."""
-    from . import checks
-    from .launcher import launch
+    from .. import checks
+    from ..launcher import launch
     if world_size < 2:
         raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
     network = network or Network.preset("1 Gbit Ethernet")
@@ -114,7 +114,7 @@ def bench_compression(versions: dict, world_size: int = 2, network: Network | No
 
 
 def format_compression_table(rows: list[dict]) -> str:
-    from .trace import format_bytes
+    from ..trace import format_bytes
     first = rows[0]
     lines = [f"compression hooks in torch DDP: MLP {' -> '.join(map(str, first['sizes']))} "
              f"({first['parameters'] / 1e6:.1f} M parameters), {first['world_size']} ranks, {first['network']}; "
@@ -127,14 +127,20 @@ def format_compression_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-COMPRESSION_LAB = os.path.join("07_compression", "07_compression.ipynb")
+NAME = "compression"
+HELP = "lab 7's compression hooks against torch's allreduce, fp16 and PowerSGD hooks on an emulated link"
+LAB = COMPRESSION_LAB = os.path.join("07_compression", "07_compression.ipynb")
 
 
-def main(args, functions_from_lab) -> int:
-    """``disttrain-lab bench compression [--notebook PATH] [--world-size N] [--repeats R]``."""
-    found = functions_from_lab(args, COMPRESSION_LAB, ("TopKState", "topk_hook", "int8_hook"), "compression hooks")
+def add_arguments(parser) -> None:
+    add_notebook_argument(parser, LAB)
+    parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+
+
+def run(args) -> int:
+    found = functions_from_lab(args, LAB, ("TopKState", "topk_hook", "int8_hook"), "compression hooks")
     if found is None:
         return 2
-    rows = bench_compression(lab_versions(found), world_size=args.world_size or 2, repeats=args.repeats)
+    rows = bench_compression(lab_versions(found), world_size=args.world_size, repeats=args.repeats)
     print(format_compression_table(rows))
     return 0

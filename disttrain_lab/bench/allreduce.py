@@ -1,0 +1,148 @@
+"""``disttrain-lab bench allreduce``: all-reduce implementations measured the way nccl-tests does
+(algbw and busbw against message size), side by side with ``dist.all_reduce``.  The
+implementations come from a lab notebook (this package holds no solutions).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from .common import add_notebook_argument, functions_from_lab, progress, slowest_median
+
+
+TORCH_ALL_REDUCE = "dist.all_reduce"
+ALLREDUCE_SIZES = tuple(4 << (2 * k) << 10 for k in range(8))   # 4 KiB, 16 KiB, ..., 64 MiB
+
+
+def busbw_factor(world_size: int) -> float:
+    """busbw / algbw for all-reduce: 2(N-1)/N, the share of S that crosses each rank's link
+    in an optimal algorithm, so busbw can be compared with the link's bandwidth at any N."""
+    return 2 * (world_size - 1) / world_size
+
+
+def _torch_all_reduce(x):
+    import torch.distributed as dist
+    dist.all_reduce(x)
+    return x
+
+
+def _probe_allreduce(fn, numel: int):
+    """One call of ``fn`` on a small uneven tensor, compared with dist.all_reduce on the same ranks."""
+    import torch
+    import torch.distributed as dist
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    fn(x)                                          # in place, like dist.all_reduce
+    return float((x - expected).abs().max())
+
+
+def _time_allreduce(algorithms: dict, sizes, repeats: int, warmup: int, dtype_name: str) -> dict:
+    """In each rank: seconds per call of every algorithm at every size, interleaved."""
+    import torch
+    import torch.distributed as dist
+    dtype = getattr(torch, dtype_name)
+    names = list(algorithms)
+    seconds: dict = {}
+    for nbytes in sizes:
+        numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+        source = torch.ones(numel, dtype=dtype)
+        x = torch.empty(numel, dtype=dtype)        # preallocated: time the algorithm, not malloc
+        for i in range(warmup + repeats):
+            shift = i % len(names)                 # rotate the order so no algorithm always goes first
+            for name in names[shift:] + names[:shift]:
+                x.copy_(source)                    # an in-place all-reduce overwrote it
+                dist.barrier()
+                start = time.perf_counter()
+                algorithms[name](x)
+                elapsed = time.perf_counter() - start
+                if i >= warmup:
+                    seconds.setdefault((name, nbytes), []).append(elapsed)
+    return seconds
+
+
+def bench_allreduce(algorithms: dict, world_size: int = 4, sizes=ALLREDUCE_SIZES, repeats: int = 5,
+                    warmup: int = 1, dtype: str = "float32", timeout: float = 600.0) -> list[dict]:
+    """busbw of each all-reduce in ``algorithms`` (name -> fn(x), in place, SUM) and of
+    ``dist.all_reduce``, side by side in one launch on ``world_size`` ranks.
+
+    For every size, the algorithms take turns (order rotated each repeat); each call's time
+    is the slowest rank's, and a row reports the median over ``repeats``:
+    algbw = S / t and busbw = algbw * 2(N-1)/N (nccl-tests' definitions).  Each algorithm is
+    first checked once against dist.all_reduce; one that raises or is wrong gets a row with
+    ``error`` instead of being timed.
+
+        >>> rows = bench_allreduce({"ring": ring_all_reduce}, world_size=4, sizes=[1 << 20])
+        >>> print(format_allreduce_table(rows))
+    """
+    from ..launcher import LaunchError, launch
+    if world_size < 2:
+        raise ValueError(f"an all-reduce benchmark needs world_size >= 2, got {world_size}")
+    rows, working = [], {}
+    for name, fn in progress(algorithms.items(), total=len(algorithms), desc="bench allreduce: checking",
+                             unit="algorithm"):
+        try:
+            errors = launch(_probe_allreduce, world_size, fn, 1000 + world_size - 1, timeout=60)
+            problem = None if max(errors) < 1e-9 else f"wrong result (max abs error {max(errors):.3g})"
+        except LaunchError as exc:
+            problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if problem:
+            rows.append({"algorithm": name, "world_size": world_size, "error": problem})
+        else:
+            working[name] = fn
+    working[TORCH_ALL_REDUCE] = _torch_all_reduce
+    per_rank = launch(_time_allreduce, world_size, working, list(sizes), repeats, warmup, dtype,
+                      timeout=timeout)
+    for name, nbytes in sorted(per_rank[0], key=lambda key: (key[1], list(working).index(key[0]))):
+        median = slowest_median([rank[(name, nbytes)] for rank in per_rank])
+        rows.append({"algorithm": name, "world_size": world_size, "bytes": nbytes, "median_s": median,
+                     "algbw": nbytes / median, "busbw": nbytes / median * busbw_factor(world_size),
+                     "repeats": repeats})
+    return rows
+
+
+def format_allreduce_table(rows: list[dict]) -> str:
+    """busbw (GB/s) per message size, one column per algorithm, each / dist.all_reduce's."""
+    from ..trace import format_bytes
+    timed = [r for r in rows if "error" not in r]
+    names = list(dict.fromkeys(r["algorithm"] for r in timed))
+    if not timed:
+        return "\n".join(f"{r['algorithm']}: not measured: {r['error']}" for r in rows)
+    by = {(r["algorithm"], r["bytes"]): r for r in timed}
+    world_size = timed[0]["world_size"]
+    width = max(12, *(len(n) for n in names)) + 2
+    lines = [f"busbw in GB/s on {world_size} ranks, median of {timed[0]['repeats']} "
+             f"(in brackets: / {TORCH_ALL_REDUCE})",
+             f"{'size':>9}" + "".join(f"{n:>{width + 8}}" for n in names)]
+    for nbytes in sorted({r["bytes"] for r in timed}):
+        torch_row = by.get((TORCH_ALL_REDUCE, nbytes))
+        cells = []
+        for n in names:
+            row = by.get((n, nbytes))
+            ratio = f"({row['busbw'] / torch_row['busbw']:.2f}x)" if row and torch_row else ""
+            cells.append(f"{row['busbw'] / 1e9:>{width}.3f} {ratio:>7}" if row else f"{'-':>{width + 8}}")
+        lines.append(f"{format_bytes(nbytes):>9}" + "".join(cells))
+    lines += [f"{r['algorithm']}: not measured: {r['error']}" for r in rows if "error" in r]
+    return "\n".join(lines)
+
+
+NAME = "allreduce"
+HELP = "lab 2's all-reduces against dist.all_reduce (busbw per message size)"
+LAB = os.path.join("02_all_reduce", "02_all_reduce.ipynb")
+FUNCTIONS = ("naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce")
+
+
+def add_arguments(parser) -> None:
+    add_notebook_argument(parser, LAB)
+    parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
+    parser.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message")
+
+
+def run(args) -> int:
+    functions = functions_from_lab(args, LAB, FUNCTIONS, "all-reduce functions")
+    if functions is None:
+        return 2
+    sizes = [s for s in ALLREDUCE_SIZES if s <= args.max_bytes]
+    print(format_allreduce_table(bench_allreduce(functions, world_size=args.world_size, sizes=sizes,
+                                                 repeats=args.repeats)))
+    return 0

@@ -1,0 +1,183 @@
+"""``disttrain-lab bench pipeline``: training steps per second of naive, GPipe and 1F1B against
+``torch.distributed.pipelining``'s ScheduleGPipe, on a simulated accelerator."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
+
+
+TORCH_PIPELINE = "torch ScheduleGPipe"
+PIPELINE_MODEL = (64,) * 9        # 8 Linear layers of 64 × 64: two per stage on 4 ranks
+PIPELINE_COST = 0.5e-3            # simulated accelerator: seconds per sample for one stage's forward (backward: 2×)
+
+
+def _simulated_module(module, cost: float):
+    """``module`` on the lab's simulated accelerator: its forward sleeps ``cost`` s per sample,
+    its backward twice that, so a stage's time is fixed and needs no CPU core (2 cores, 4 ranks)."""
+    import torch
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.rows = len(x)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(2 * cost * ctx.rows)
+            return grad
+
+    class Simulated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x):
+            time.sleep(cost * len(x))
+            return Sleep.apply(self.inner(x))
+
+    return Simulated()
+
+
+def _torch_gpipe_runner(module, micro_batches: int, cost: float, x, y):
+    """One ScheduleGPipe training step of this rank's stage (``module``), as a callable."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(_simulated_module(module, cost), rank, p, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=micro_batches, loss_fn=torch.nn.functional.mse_loss)
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == p - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        optimizer.step()
+    return step
+
+
+def _pipeline_step_times(versions: dict, split_stages, make_stage, sizes, batch: int, repeats: int, warmup: int,
+                         cost: float, torch_micro_batches) -> tuple[dict, dict]:
+    """In each rank: seconds per training step of every version, taking turns (order rotated).
+
+    ``versions`` maps a name to ``(step, m)``: ``step(stage, x, y)`` runs one pipeline step on
+    ``make_stage(module, rank, p, cost)``, this rank's part of ``split_stages(MLP(sizes), p)``.
+    ScheduleGPipe at each of ``torch_micro_batches`` runs beside them on the same split.
+    Returns (seconds per name, errors per name).
+    """
+    import torch
+    import torch.distributed as dist
+    from ..models import MLP, regression_data
+    rank, p = dist.get_rank(), dist.get_world_size()
+    x, y = regression_data(batch, sizes[0], sizes[-1], seed=1)
+    runners, errors = {}, {}
+    for name, (step_fn, _) in versions.items():
+        stage = make_stage(split_stages(MLP(list(sizes), seed=0), p)[rank], rank, p, cost)
+        optimizer = torch.optim.SGD(stage.module.parameters(), lr=1e-3)
+
+        def run(stage=stage, optimizer=optimizer, step_fn=step_fn):
+            optimizer.zero_grad()
+            step_fn(stage, x, y)
+            optimizer.step()
+        runners[name] = run
+    for m in torch_micro_batches:
+        name = f"{TORCH_PIPELINE} m={m}"
+        try:
+            runners[name] = _torch_gpipe_runner(split_stages(MLP(list(sizes), seed=0), p)[rank], m, cost, x, y)
+        except Exception as exc:          # e.g. a torch without pipelining: say so in the table
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return take_turns(runners, repeats, warmup), errors
+
+
+
+def bench_pipeline(versions: dict, split_stages, make_stage, world_size: int = 4, sizes=PIPELINE_MODEL,
+                   batch: int = 64, cost: float = PIPELINE_COST, repeats: int = 5, warmup: int = 1,
+                   torch_micro_batches=(1, 2, 4, 8), timeout: float = 600.0) -> list[dict]:
+    """Training steps per second of each pipeline version and of torch's ScheduleGPipe, side by
+    side in one launch on ``world_size`` stages of ``MLP(sizes)``, ``batch`` samples per step.
+
+    ``versions`` maps a name to ``(step, m)`` (see :func:`_pipeline_step_times`); ``split_stages``
+    and ``make_stage`` come from the lab notebook.  Every stage runs on the simulated accelerator:
+    ``cost`` s per sample forward, twice that backward, so the schedule, not the 2 CPU cores,
+    decides the time.  A row: the median over ``repeats`` of the slowest rank, ``speedup`` over
+    the first version (naive), and ``ideal`` = p·m/(m + p − 1), the speedup without communication.
+
+        >>> rows = bench_pipeline({"naive": (naive_step, 1), "GPipe m=4": (gpipe_m4, 4)}, split_stages, Stage)
+        >>> print(format_pipeline_table(rows))
+    """
+    from ..launcher import launch
+    if world_size < 2:
+        raise ValueError(f"a pipeline needs world_size >= 2 stages, got {world_size}")
+    per_rank = launch(_pipeline_step_times, world_size, versions, split_stages, make_stage, tuple(sizes), batch,
+                      repeats, warmup, cost, tuple(torch_micro_batches), timeout=timeout)
+    errors = {name: why for _, errs in per_rank for name, why in errs.items()}
+    micro = {**{name: m for name, (_, m) in versions.items()},
+             **{f"{TORCH_PIPELINE} m={m}": m for m in torch_micro_batches}}
+    rows = []
+    for name, m in micro.items():
+        row = {"version": name, "micro_batches": m, "world_size": world_size, "batch": batch, "repeats": repeats,
+               "cost": cost, "ideal": world_size * m / (m + world_size - 1)}
+        if name in errors:
+            row["error"] = errors[name]
+        else:
+            row["steps_per_s"] = 1 / slowest_median([seconds[name] for seconds, _ in per_rank])
+        rows.append(row)
+    base = next((r["steps_per_s"] for r in rows if "steps_per_s" in r), 1.0)
+    for row in rows:
+        if "steps_per_s" in row:
+            row["speedup"] = row["steps_per_s"] / base
+    return rows
+
+
+def format_pipeline_table(rows: list[dict]) -> str:
+    """Steps/s, samples/s, speedup over the first row (naive) and the ideal p·m/(m + p − 1)."""
+    first = rows[0]
+    width = max(16, *(len(r["version"]) for r in rows)) + 2
+    lines = [f"training steps/s, {first['world_size']} stages, batch {first['batch']}, simulated accelerator "
+             f"{first['cost'] * 1e3:g} ms/sample forward (2x backward), median of {first['repeats']}",
+             f"{'version':<{width}} {'m':>3} {'steps/s':>8} {'samples/s':>10} {'speedup':>8} {'ideal':>6}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['version']:<{width}} {r['micro_batches']:>3} not measured: {r['error']}")
+        else:
+            lines.append(f"{r['version']:<{width}} {r['micro_batches']:>3} {r['steps_per_s']:>8.2f} "
+                         f"{r['steps_per_s'] * r['batch']:>10.0f} {r['speedup']:>7.2f}x {r['ideal']:>5.2f}x")
+    return "\n".join(lines)
+
+
+NAME = "pipeline"
+HELP = "lab 5's naive, GPipe (m = 1, 2, 4, 8) and 1F1B against torch's ScheduleGPipe"
+LAB = os.path.join("05_pipeline", "05_pipeline.ipynb")
+FUNCTIONS = ("split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_step")
+
+
+def add_arguments(parser) -> None:
+    add_notebook_argument(parser, LAB)
+    parser.add_argument("--world-size", type=int, default=4, help="number of stages (default 4)")
+
+
+def run(args) -> int:
+    import functools
+    found = functions_from_lab(args, LAB, FUNCTIONS, "pipeline functions")
+    if found is None:
+        return 2
+    if not {"split_stages", "Stage"} <= found.keys():
+        print("the notebook must define split_stages and Stage", file=sys.stderr)
+        return 2
+    versions = {"naive": (found["naive_step"], 1)} if "naive_step" in found else {}
+    for m in (1, 2, 4, 8):
+        if "gpipe_step" in found:
+            versions[f"GPipe m={m}"] = (functools.partial(found["gpipe_step"], micro_batches=m), m)
+    if "one_f_one_b_step" in found:
+        versions["1F1B m=8"] = (functools.partial(found["one_f_one_b_step"], micro_batches=8), 8)
+    print(format_pipeline_table(bench_pipeline(versions, found["split_stages"], found["Stage"],
+                                               world_size=args.world_size, repeats=args.repeats)))
+    return 0

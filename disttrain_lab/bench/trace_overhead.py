@@ -1,0 +1,72 @@
+"""``disttrain-lab bench trace``: what tracing costs per ping-pong round trip, against torch's own
+``send``/``recv`` and the launcher's always-on status wrappers."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from .common import progress
+
+
+def _pingpong_modes(trips: int, nbytes: int) -> dict:
+    """Seconds per round trip on rank 0 for: torch's own functions, the launcher's
+    status-only wrappers (always on in a launched rank), and full tracing."""
+    import torch
+    import torch.distributed as dist
+    from .. import trace
+    rank = dist.get_rank()
+    t = torch.zeros(max(1, nbytes // 4))
+    genuine = (trace._ORIGINALS["send"], trace._ORIGINALS["recv"])
+    wrapped = (dist.send, dist.recv)
+    out = {}
+    for mode, (send, recv), record in (("torch", genuine, False), ("status only", wrapped, False),
+                                       ("traced", wrapped, True), ("torch again", genuine, False)):
+        trace._REC.recording = record
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(trips):
+            if rank == 0:
+                send(t, 1)
+                recv(t, 1)
+            else:
+                recv(t, 0)
+                send(t, 0)
+        out[mode] = (time.perf_counter() - start) / trips
+        trace._REC.events.clear()
+    trace._REC.recording = False
+    return out
+
+
+def bench_trace(trips: int = 2000, sizes=(4, 1 << 20), repeats: int = 5) -> list[dict]:
+    """Tracing overhead per ping-pong round trip, medians of ``repeats`` runs."""
+    from ..launcher import launch
+    rows = []
+    for nbytes in sizes:
+        runs = [launch(_pingpong_modes, 2, trips if nbytes < 1024 else trips // 20, nbytes)[0]
+                for _ in progress(range(repeats), desc=f"bench trace, {nbytes} B", unit="run")]
+        base = statistics.median([min(r["torch"], r["torch again"]) for r in runs])
+        for mode in ("torch", "status only", "traced"):
+            med = statistics.median([min(r["torch"], r["torch again"]) if mode == "torch" else r[mode] for r in runs])
+            rows.append({"bytes": nbytes, "mode": mode, "us_per_trip": med * 1e6, "ratio": med / base})
+    return rows
+
+
+def format_trace_table(rows: list[dict]) -> str:
+    lines = [f"{'message':>9} {'mode':<12} {'us/round trip':>14} {'vs torch':>9}"]
+    for row in rows:
+        from ..trace import format_bytes
+        lines.append(f"{format_bytes(row['bytes']):>9} {row['mode']:<12} {row['us_per_trip']:>14.1f} {row['ratio']:>8.2f}x")
+    return "\n".join(lines)
+
+
+NAME = "trace"
+HELP = "what tracing costs per ping-pong round trip"
+
+
+def add_arguments(parser) -> None:
+    pass
+
+
+def run(args) -> int:
+    print(format_trace_table(bench_trace(repeats=args.repeats)))
+    return 0
