@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +55,9 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbconvert.exporters import NotebookExporter
 from nbgrader.preprocessors import ClearHiddenTests, Execute, NbGraderPreprocessor, OverwriteCells
-from traitlets import Integer, Unicode
+from traitlets import Float, Integer, Unicode
 
-from . import sandbox
+from . import cell_times, sandbox
 from .kernel_guard import GUARD_SOURCE, KEY_PLACEHOLDER, signature
 
 # ----------------------------------------------------------------------------------------
@@ -109,6 +110,9 @@ class Limits:
     # bytes for one student's kernel and every rank, /tmp and /dev/shm included (sandbox only)
     student_pids: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_PIDS", 512))
     # processes + threads for one student's kernel and every rank (sandbox only)
+    cell_time_scale: float = field(default_factory=lambda: float(os.environ.get("DISTTRAIN_CELL_TIME_SCALE", "") or 1))
+    # multiplies the per-cell limits derived from the solution's own cell times (cell_times.py):
+    # 2 on a grading machine twice as slow as the one that recorded them
     sandbox: str = field(default_factory=lambda: os.environ.get("DISTTRAIN_SANDBOX", "auto").strip() or "auto")
     # "auto": sandbox each kernel where the host can (root, cgroup v1, namespaces), and say
     # loudly where it cannot; "on": refuse to grade without it; "off": grade as the grader
@@ -119,6 +123,8 @@ class Limits:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.student_timeout <= 0:
             self.student_timeout = self.notebook_timeout + 300
+        if self.cell_time_scale <= 0:
+            raise ValueError(f"cell_time_scale must be positive (DISTTRAIN_CELL_TIME_SCALE), got {self.cell_time_scale}")
         if self.sandbox not in ("auto", "on", "off"):
             raise ValueError(f"sandbox must be 'auto', 'on' or 'off' (DISTTRAIN_SANDBOX), got {self.sandbox!r}")
 
@@ -276,6 +282,7 @@ class RobustExecute(Execute):
     sandbox_uid = Integer(64123, help="unprivileged uid (and gid) the sandboxed kernel runs as").tag(config=True)
     student_memory = Integer(8 * 2**30, help="bytes for a sandboxed kernel and all it starts, /dev/shm and /tmp included").tag(config=True)
     student_pids = Integer(512, help="processes and threads for a sandboxed kernel and all it starts").tag(config=True)
+    cell_time_scale = Float(1.0, help="multiplies the per-cell limits derived from the solution's cell times").tag(config=True)
 
     # -- the notebook loop ---------------------------------------------------------------
 
@@ -288,6 +295,9 @@ class RobustExecute(Execute):
         self._notes: list[str] = []
         self._last_status = None
         self._output_bytes, self._output_capped = 0, False
+        self._cell_seconds: dict[str, float] = {}     # this run's time per cell (recorded for the solution)
+        lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
+        self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
         try:
             return super().preprocess(nb, resources, km)
         finally:
@@ -312,7 +322,9 @@ class RobustExecute(Execute):
                     "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
                     "replaced it; this exercise gets 0 (the originals were put back for the rest)"))]
                 return cell, self.resources
-        limit = int(max(1, min(self.timeout or remaining, remaining)))
+        key = cell_times.cell_key(cell)
+        # the solution's own time for this cell, times a generous factor (cell_times.py), else the cell limit
+        limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
         cell_timeout = self.timeout
         self.timeout = limit
         self.error_on_timeout = {"ename": "CellTimeoutError", "evalue": "", "traceback": [
@@ -337,6 +349,7 @@ class RobustExecute(Execute):
             return cell, self.resources
         finally:
             self.timeout = cell_timeout
+            self._cell_seconds[key] = round(time.monotonic() - started, 3)
         timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
         if _is_test_cell(cell) and not timed_out:
             changed, _ = self._guard("after_test", names)
@@ -369,7 +382,8 @@ class RobustExecute(Execute):
         if self.sandbox == "on":
             km.__class__ = SandboxKernelManager
             km.sandbox_spec = sandbox.spec(
-                uid=self.sandbox_uid, memory=self.student_memory, pids=self.student_pids,
+                uid=self.sandbox_uid + int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")),  # one uid per parallel job
+                memory=self.student_memory, pids=self.student_pids,
                 data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
                 hide=_hidden_paths(), keep=_kept_paths())
         elif self.sandbox != "off":
@@ -454,7 +468,7 @@ class RobustExecute(Execute):
         path = (resources or {}).get("metadata", {}).get("path")
         if path and os.path.isdir(path):
             with open(os.path.join(path, NOTES_FILE), "w") as f:
-                json.dump({"notes": self._notes, "sandbox": self.sandbox}, f, indent=1)
+                json.dump({"notes": self._notes, "sandbox": self.sandbox, "cell_seconds": self._cell_seconds}, f, indent=1)
 
     # -- restart and replay ----------------------------------------------------------------
 
@@ -782,12 +796,15 @@ def configure(c, limits: Limits | None = None) -> None:
     limits = limits or Limits()
     course_dir().mkdir(parents=True, exist_ok=True)
     c.CourseDirectory.root = str(course_dir())
+    # parallel students write to one gradebook: wait for another job's write (sqlite's default is 5 s)
+    c.CourseDirectory.db_url = f"sqlite:///{course_dir() / 'gradebook.db'}?timeout=300"
     c.CourseDirectory.source_directory = str(source_dir())
     c.CourseDirectory.release_directory = str(release_dir())
     c.CourseDirectory.ignore = release_ignore(source_dir())
     c.Execute.timeout = limits.cell_timeout
     c.Execute.startup_timeout = 120
     c.RobustExecute.notebook_timeout = limits.notebook_timeout
+    c.RobustExecute.cell_time_scale = limits.cell_time_scale
     c.RobustExecute.memory_limit = limits.kernel_memory
     use_sandbox, why = limits.sandboxed()
     if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
@@ -855,9 +872,24 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
 
 
-def _reap_orphans(before: set[int]) -> None:
+def _environ_has(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read()
+    except OSError:
+        return False
+
+
+_RUNNING: dict[int, subprocess.Popen] = {}    # nbgrader processes of this grader now, by pid (parallel jobs)
+
+
+def _reap_orphans(before: set[int], marker: bytes | None = None) -> None:
+    """Kill what a step left behind: every new descendant when no other step runs beside it, else
+    only those whose environment carries this step's ``marker`` (a parallel job's own)."""
     for _ in range(3):
         leftovers = [p for p in _descendants(os.getpid()) if p not in before]
+        if _RUNNING and marker is not None:
+            leftovers = [p for p in leftovers if p not in _RUNNING and _environ_has(p, marker)]
         if not leftovers:
             return
         _kill(leftovers)
@@ -866,6 +898,40 @@ def _reap_orphans(before: set[int]) -> None:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+
+
+_STEP_PREFIX = "disttrain-grade-"
+
+
+def clean_stale_steps(tmp_root: str | None = None) -> None:
+    """Remove what grading runs that were killed (SIGKILL, a restart) left: their temp
+    directories and cgroups (whose sandboxed kernels die with them).  A step's names carry
+    its grader's pid, so only steps of graders no longer running are touched."""
+    root = Path(tmp_root or tempfile.gettempdir())
+    stale = []
+    for path in root.glob(f"{_STEP_PREFIX}*-*"):
+        pid = path.name[len(_STEP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            stale.append(path.name)
+            shutil.rmtree(path, ignore_errors=True)
+    if sandbox.problem() is None:
+        for parent in (sandbox.CGROUP_ROOT / "memory" / "disttrain-lab",):
+            for node in parent.glob(f"{_STEP_PREFIX}*-*") if parent.is_dir() else []:
+                pid = node.name[len(_STEP_PREFIX):].split("-", 1)[0]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    sandbox.Cgroup(f"disttrain-lab/{node.name}").destroy()
+
+
+def stop_running_steps() -> None:
+    """Kill every nbgrader step this grader runs now, and all they started (an interrupted run)."""
+    for pid in list(_RUNNING):
+        _kill(_descendants(pid) + [pid])
+
+
+# the nbgrader process dies with the thread that started it (PR_SET_PDEATHSIG), so a grader
+# killed with SIGKILL leaves no step running on; then `python -m nbgrader ARGS`
+_NBGRADER_CHILD = ("import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
+                   "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)")
 
 
 @dataclass
@@ -878,21 +944,26 @@ class StepResult:
 
 
 def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
-                 tmp_root: str | None = None) -> StepResult:
-    """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies)."""
+                 tmp_root: str | None = None, slot: int = 0) -> StepResult:
+    """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
+
+    Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
+    ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid."""
     _become_subreaper()
     before = set(_descendants(os.getpid()))
     bindir = os.path.dirname(sys.executable)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="disttrain-grade-", dir=tmp_root) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root) as tmp:
         full_env = dict(os.environ, **(env or {}))
         cgroup = f"disttrain-lab/{os.path.basename(tmp)}"     # every sandboxed kernel of this run below it
         full_env.update(PATH=bindir + os.pathsep + full_env.get("PATH", ""), TMPDIR=tmp,
                         JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"), MPLBACKEND="Agg",
-                        PYTHONDONTWRITEBYTECODE="1", DISTTRAIN_SANDBOX_CGROUP=cgroup)
-        proc = subprocess.Popen([sys.executable, "-m", "nbgrader", *args], cwd=GRADER_DIR, env=full_env,
+                        PYTHONDONTWRITEBYTECODE="1", DISTTRAIN_SANDBOX_CGROUP=cgroup,
+                        DISTTRAIN_SANDBOX_SLOT=str(slot), DISTTRAIN_GRADE_STEP=os.path.basename(tmp))
+        proc = subprocess.Popen([sys.executable, "-c", _NBGRADER_CHILD, *args], cwd=GRADER_DIR, env=full_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
+        _RUNNING[proc.pid] = proc
         timed_out = False
         try:
             output, _ = proc.communicate(timeout=timeout)
@@ -902,7 +973,8 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
             output, _ = proc.communicate()
             output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
         finally:
-            _reap_orphans(before)
+            _RUNNING.pop(proc.pid, None)
+            _reap_orphans(before, f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode())
             if sandbox.problem() is None:
                 sandbox.Cgroup(cgroup).destroy()
     return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
@@ -991,16 +1063,18 @@ def _ensure_in_gradebook(lab: str, course: Path, env: dict, tmp_root: str | None
 
 def autograde(lab: str, students: list[str] | None = None, *, course: Path | None = None,
               source: Path | None = None, release_from: Path | None = None, limits: Limits | None = None,
-              tmp_root: str | None = None, one_process_per_student: bool = True,
-              log=print) -> dict[str, StepResult]:
-    """Autograde each student in its own nbgrader process; one result per student."""
+              tmp_root: str | None = None, one_process_per_student: bool = True, jobs: int = 1,
+              on_result=None, log=print) -> dict[str, StepResult]:
+    """Autograde each student in its own nbgrader process, ``jobs`` at a time; one result per
+    student.  ``on_result(student, result)`` is called as each finishes (from a worker thread).
+    An interrupt (KeyboardInterrupt) stops every running student and is raised again."""
     course = Path(course or course_dir()).resolve()
     limits = limits or Limits()
     env = _env(course, source, release_from)
     env.update(DISTTRAIN_CELL_TIMEOUT=str(limits.cell_timeout), DISTTRAIN_NOTEBOOK_TIMEOUT=str(limits.notebook_timeout),
                DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory), DISTTRAIN_STUDENT_MEMORY=str(limits.student_memory),
                DISTTRAIN_STUDENT_PIDS=str(limits.student_pids), DISTTRAIN_SANDBOX=limits.sandbox,
-               DISTTRAIN_SANDBOX_WARNED="1")
+               DISTTRAIN_CELL_TIME_SCALE=str(limits.cell_time_scale), DISTTRAIN_SANDBOX_WARNED="1")
     isolated, why = limits.sandboxed()
     if not isolated:
         log(_NO_ISOLATION.format(why=why))
@@ -1014,18 +1088,50 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         results = {student: result for student in students}
         grade_report(lab, students, results, course, why if not isolated else None)
         return results
-    results = {}
-    for student in students:
-        result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
-                              timeout=limits.student_timeout, env=env, tmp_root=tmp_root)
-        results[student] = result
+    import concurrent.futures
+    import queue
+    results, slots, stopping = {}, queue.Queue(), threading.Event()
+    for slot in range(jobs):
+        slots.put(slot)
+
+    def grade_one(student: str) -> None:
+        slot = slots.get()      # a free slot: its sandbox uid and nobody else's while this student runs
+        try:
+            if stopping.is_set():
+                return
+            result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
+                                  timeout=limits.student_timeout, env=env, tmp_root=tmp_root, slot=slot)
+        finally:
+            slots.put(slot)
+        if stopping.is_set():   # killed by the interrupt: not a grade
+            return
         if result.timed_out:      # as nbgrader does for a failed submission: no half-written results
             shutil.rmtree(course / "autograded" / student / lab, ignore_errors=True)
+        results[student] = result
         status = "ok" if result.returncode == 0 else ("STOPPED (time cap)" if result.timed_out else "FAILED")
-        log(f"autograde {lab} {student}: {status} in {result.seconds:.1f} s")
-        if result.returncode != 0:
-            log(result.output[-3000:])
-    report = grade_report(lab, students, results, course, why if not isolated else None)
+        if on_result is not None:
+            on_result(student, result)
+        else:
+            log(f"autograde {lab} {student}: {status} in {result.seconds:.1f} s")
+            if result.returncode != 0:
+                log(result.output[-3000:])
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="grade")
+    futures = []
+    try:
+        futures = [pool.submit(grade_one, student) for student in students]
+        for future in concurrent.futures.as_completed(futures):
+            future.result()
+    except BaseException:
+        stopping.set()
+        for future in futures:
+            future.cancel()
+        stop_running_steps()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    graded = [s for s in students if s in results]
+    report = grade_report(lab, graded, results, course, why if not isolated else None)
     log(f"grade report: {report}")
     return results
 
@@ -1080,12 +1186,21 @@ def cli_release(argv: list[str] | None = None) -> int:
     parser.add_argument("--install-source", help="where the labs' setup cell installs the kit from "
                         "(default: c.StampInstallSource.pip_requirement in grader/nbgrader_config.py): 'wheel', "
                         "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL")
+    parser.add_argument("--time-cells", action="store_true",
+                        help="also grade each lab's solution once and record its cell times in grader/cell_times/ "
+                        "(the grader derives each cell's time limit from them; see disttrain_lab/cell_times.py)")
     args = parser.parse_args(argv)
+    from rich.progress import track
     from .release import WHEELS, InstallSourceError, wheel_differences
     try:
         if not args.check:
-            for result in release(args.labs, course=args.course_dir, install_source=args.install_source):
-                print(f"released {result.args[1]} -> {release_dir() / result.args[1]} ({result.seconds:.1f} s)")
+            labs = args.labs or list_labs()
+            for lab in track(labs, description="releasing", transient=True, console=_stderr_console()):
+                for result in release([lab], course=args.course_dir, install_source=args.install_source):
+                    print(f"released {lab} -> {release_dir() / lab} ({result.seconds:.1f} s)")
+            for lab in track(labs if args.time_cells else [], description="timing the solutions' cells",
+                             transient=True, console=_stderr_console()):
+                print(f"cell times of {lab}: {cell_times.record(lab, cell_times.measure(lab))}")
             return 0
         stale = []
         with tempfile.TemporaryDirectory(prefix="disttrain-check-") as scratch:
@@ -1102,6 +1217,11 @@ def cli_release(argv: list[str] | None = None) -> int:
         print(line)
     print("labs/ is up to date" if not stale else "labs/ is out of date: run `disttrain-lab release`")
     return 1 if stale else 0
+
+
+def _stderr_console():
+    from rich.console import Console
+    return Console(stderr=True)
 
 
 def _comparable(nb_path: Path) -> list:
@@ -1124,28 +1244,6 @@ def release_differences(fresh: Path, committed: Path) -> list[str]:
 
 
 def cli_grade(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="disttrain-lab grade",
-                                     description="Autograde one lab, generate feedback, export grades as CSV.")
-    parser.add_argument("lab")
-    parser.add_argument("--student", action="append", help="grade only this student (repeatable)")
-    parser.add_argument("--course-dir", type=Path, help="course directory (default: $DISTTRAIN_COURSE_DIR "
-                        "or ~/.disttrain-lab/course); submissions are in submitted/<student>/<lab>/")
-    parser.add_argument("--csv", type=Path, help="where to write grades (default: <course-dir>/grades.csv)")
-    parser.add_argument("--no-feedback", action="store_true", help="skip generating feedback HTML")
-    args = parser.parse_args(argv)
-    course = Path(args.course_dir or course_dir()).resolve()
-    students = args.student or students_of(args.lab, course)
-    if not students:
-        print(f"no submissions found in {course / 'submitted'}/<student>/{args.lab}/")
-        return 1
-    results = autograde(args.lab, students, course=course)
-    if not args.no_feedback:
-        generate_feedback(args.lab, args.student, course=course)
-    csv_path = export_grades(args.csv, course=course)
-    table = scores(args.lab, course)
-    for student in students:
-        row = table.get(student, {})
-        failed = "" if results[student].returncode == 0 else "  (grading failed: needs a look)"
-        print(f"{student:20s} {row.get('total', 0):6.1f}{failed}")
-    print(f"grades: {csv_path}\nfeedback: {course / 'feedback' / '<student>' / args.lab}")
-    return 0
+    """``disttrain-lab grade``: see :mod:`disttrain_lab.gradeclass` (parallel, resumable, shards)."""
+    from .gradeclass import cli_grade as grade_class_cli
+    return grade_class_cli(argv)

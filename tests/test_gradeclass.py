@@ -1,0 +1,225 @@
+"""Grading a class (disttrain_lab/gradeclass.py): parallel students, resume after a kill,
+shards merged into one grades CSV, per-cell limits from the solution's own cell times.
+
+One small class of lab-1 submissions (alice: the solution, bob: the blank lab, carol: the
+last exercise left blank) is graded twice: serially by the real command line, killed with
+SIGKILL after its first student and run again (the reference single run), and in two shards
+of two "machines" with two students at a time, whose gradebooks merge into one CSV.  The
+names split the class 1 + 2 over two shards, so the second shard grades two students at once.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from disttrain_lab import cell_times, gradeclass, grading
+
+from .test_grading import (FIXTURE_LIMITS, FIXTURES, REPO, Course, all_points, grade_id, load, points_after,
+                           processes_with, submit, with_solution)
+
+LAB = "01_point_to_point"
+STUDENTS = ("alice", "bob", "carol")        # shards of 2: alice in 1/2, bob and carol in 2/2
+
+pytestmark = pytest.mark.timeout(1500)
+
+
+# ----------------------------------------------------------------------------------------
+# fast: the rules
+
+def test_shards_partition_the_class():
+    names = [f"student{i:03d}" for i in range(200)] + list(STUDENTS)
+    for n in (1, 2, 3, 7):
+        counts = [sum(gradeclass.in_shard(s, (i, n)) for i in range(1, n + 1)) for s in names]
+        assert counts == [1] * len(names), f"with {n} shards a student is in {set(counts)} shards"
+    assert [gradeclass.in_shard(s, (1, 2)) for s in STUDENTS] == [True, False, False]
+    assert gradeclass.parse_shard("2/3") == (2, 3)
+    for bad in ("0/2", "3/2", "1", "a/b"):
+        with pytest.raises(ValueError, match="I/N"):
+            gradeclass.parse_shard(bad)
+
+
+def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path))
+    assert cell_times.limits_for("lab") == {}          # never timed: the plain cell limit applies
+    cell_times.record("lab", {"quick": 0.5, "slow": 30.0})
+    assert cell_times.limits_for("lab") == {"quick": cell_times.FLOOR, "slow": cell_times.FACTOR * 30}
+    assert cell_times.limits_for("lab", scale=2) == {"quick": 2 * cell_times.FLOOR, "slow": 2 * cell_times.FACTOR * 30}
+
+
+def test_default_jobs_follow_cores_and_memory():
+    jobs, rule = gradeclass.default_jobs(grading.Limits(student_memory=2**30))
+    cores = len(os.sched_getaffinity(0))
+    assert jobs == max(1, min(cores // 4, gradeclass._available_memory() // 2**30))
+    assert "4 cores" in rule and "memory" in rule
+
+
+# ----------------------------------------------------------------------------------------
+# slow: one small class of lab 1
+
+@pytest.fixture(scope="module")
+def lab1_class(tmp_path_factory):
+    """The released lab 1 and the class's three submissions (each with the same timestamp.txt)."""
+    course = Course(tmp_path_factory.mktemp("release"), LAB, REPO / "solutions", None)
+    course.do_release()
+    sol = course.solution
+    solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    last = solution_ids[-1]
+    [blank_last] = [c.source for c in course.blank().cells if grade_id(c) == last]
+    total, lost = all_points(sol), points_after(sol, last)
+    course.submissions = {"alice": sol, "bob": course.blank(), "carol": with_solution(sol, last, blank_last)}
+    course.expected = {"alice": total, "bob": {k: 0.0 for k in total},
+                       "carol": {k: (0.0 if k in lost else v) for k, v in total.items()}}
+    return course
+
+
+def new_course(lab1_class, root: Path) -> dict:
+    """A course directory with the class submitted, and the environment the command line reads."""
+    course, tmp = root / "course", root / "tmp"
+    tmp.mkdir(parents=True)
+    for student, nb in lab1_class.submissions.items():
+        submit(course, student, LAB, nb)
+        (course / "submitted" / student / LAB / "timestamp.txt").write_text("2026-01-01 12:00:00.000000 UTC")
+    return dict(os.environ, DISTTRAIN_COURSE_DIR=str(course), DISTTRAIN_SOURCE_DIR=str(REPO / "solutions"),
+                DISTTRAIN_RELEASE_DIR=str(lab1_class.release), TMPDIR=str(tmp), DISTTRAIN_LAB_PROGRESS="0")
+
+
+def grade_cli(env: dict, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "disttrain_lab.cli", "grade", LAB, "--no-progress", *args],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 900.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        assert proc.poll() is None, f"the grading run ended before {what}:\n{proc.stdout.read()[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} within {timeout:.0f} s")
+
+
+def scores_by_exercise(course: Path, expected: dict) -> dict:
+    table = grading.scores(LAB, course)
+    return {s: {k: table[s][k] for k in expected[s]} for s in table}
+
+
+@pytest.fixture(scope="module")
+def single_run(lab1_class, tmp_path_factory):
+    """The class graded serially by `disttrain-lab grade --jobs 1`, SIGKILLed after its first student
+    and run again: (course dir, the ledger's first finished entry before the kill, its autograded mtime)."""
+    env = new_course(lab1_class, tmp_path_factory.mktemp("single"))
+    course = Path(env["DISTTRAIN_COURSE_DIR"])
+    ledger = course / gradeclass.LEDGER_DIR / f"{LAB}.json"
+    proc = grade_cli(env, "--jobs", "1", "--no-feedback")
+
+    def first_finished():
+        try:
+            return gradeclass.Ledger(course, LAB).entries or None
+        except Exception:     # noqa: BLE001 - written atomically, but not yet there
+            return None
+
+    try:
+        before = wait_for(first_finished, "a student graded", proc)
+        os.kill(proc.pid, signal.SIGKILL)            # the real process, mid-way through the class
+    finally:
+        proc.kill()
+        proc.wait()
+    before = gradeclass.Ledger(course, LAB).entries       # what the killed run recorded
+    assert 1 <= len(before) < len(STUDENTS), before
+    mtimes = {s: (course / "autograded" / s / LAB / f"{LAB}.ipynb").stat().st_mtime_ns for s in before}
+    rerun = grade_cli(env)
+    out, _ = rerun.communicate(timeout=1200)
+    assert rerun.returncode == 0, out[-3000:]
+    return {"course": course, "env": env, "before": before, "mtimes": mtimes, "out": out, "ledger": ledger}
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_class, single_run):
+    course, before = single_run["course"], single_run["before"]
+    after = gradeclass.Ledger(course, LAB).entries
+    assert sorted(after) == sorted(STUDENTS)
+    for student, entry in before.items():      # graded before the kill: kept, not graded again
+        assert after[student].finished == entry.finished and after[student].digest == entry.digest
+        assert (course / "autograded" / student / LAB / f"{LAB}.ipynb").stat().st_mtime_ns == \
+            single_run["mtimes"][student]
+    assert f"{len(before)} of {len(STUDENTS)} students already graded" in single_run["out"]
+    assert scores_by_exercise(course, lab1_class.expected) == lab1_class.expected
+    # the summary: every student, and the class's pass rate per exercise
+    for student in STUDENTS:
+        assert student in single_run["out"]
+    assert "pass rate per exercise" in single_run["out"]
+    # nothing of the killed run is left: no process, no temp dir
+    assert not processes_with(str(course))
+    assert not list(Path(single_run["env"]["TMPDIR"]).iterdir())
+    # a third run has nothing to grade; --force grades a changed submission only when it changed
+    submit(course, "bob", LAB, lab1_class.submissions["bob"])     # the same bytes: not a change
+    again = grade_cli(single_run["env"], "--no-feedback")
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0 and "3 of 3 students already graded" in out, out[-3000:]
+    assert gradeclass.Ledger(course, LAB).entries["bob"].finished == after["bob"].finished
+
+
+@pytest.mark.slow
+def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_path):
+    gradebooks = []
+    for shard in ("1/2", "2/2"):                     # two machines, each with the whole submitted/ folder
+        env = new_course(lab1_class, tmp_path / shard.replace("/", "of"))
+        proc = grade_cli(env, "--jobs", "2", "--shard", shard, "--no-feedback")
+        out, _ = proc.communicate(timeout=1200)
+        assert proc.returncode == 0, out[-3000:]
+        course = Path(env["DISTTRAIN_COURSE_DIR"])
+        graded = sorted(gradeclass.Ledger(course, LAB).entries)
+        assert graded == [s for s in STUDENTS if gradeclass.in_shard(s, gradeclass.parse_shard(shard))]
+        # students graded two at a time score what the serial run gave them
+        assert scores_by_exercise(course, lab1_class.expected) == \
+            {s: lab1_class.expected[s] for s in graded}
+        gradebooks.append(course / "gradebook.db")
+    merged = tmp_path / "merged.csv"
+    proc = subprocess.run([sys.executable, "-m", "disttrain_lab.cli", "grade", "merge", str(merged), *map(str, gradebooks)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    single = single_run["course"] / "grades.csv"        # nbgrader's own export of the single run
+
+    def rows(path):
+        with open(path) as f:
+            return sorted(tuple(r.items()) for r in csv.DictReader(f))
+    assert rows(merged) == rows(single)
+    assert len(rows(merged)) == len(STUDENTS)
+    # the same shard twice: a student graded on two machines is refused, not doubled
+    proc = subprocess.run([sys.executable, "-m", "disttrain_lab.cli", "grade", "merge", str(tmp_path / "twice.csv"),
+                           str(gradebooks[1]), str(gradebooks[1])], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert proc.returncode == 1 and "graded for" in proc.stderr and "both" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path, monkeypatch):
+    # the fixture lab: its solution timed once (as `disttrain-lab release --time-cells` does)
+    monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path / "times"))
+    course = Course(tmp_path / "c", "00_basics", FIXTURES, dict(FIXTURE_LIMITS, cell_timeout=600,
+                                                                   notebook_timeout=900, student_timeout=900))
+    seconds = cell_times.measure("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
+    assert {"test_add", "test_mean", "test_scale"} <= seconds.keys()
+    cell_times.record("00_basics", seconds)
+    limit = cell_times.limits_for("00_basics")["test_mean"]
+    assert limit < 600
+    course.do_release()
+    submit(course.course, "spinner", course.lab,
+           with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"))
+    result = course.grade(["spinner"])["spinner"]
+    assert result.returncode == 0, result.output[-3000:]
+    assert grading.scores(course.lab, course.course)["spinner"] == {"test_add": 1.0, "test_mean": 0.0,
+                                                                     "test_scale": 1.0, "total": 2.0}
+    [cell] = [c for c in course.autograded("spinner").cells if grade_id(c) == "test_mean"]
+    text = "".join(o.get("evalue", "") + "".join(o.get("traceback", [])) for o in cell.outputs)
+    assert f"longer than the {limit} s allowed" in text, text     # not the 600 s cell limit
+    assert not list(course.tmp.iterdir())
