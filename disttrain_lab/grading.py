@@ -881,6 +881,8 @@ def _environ_has(pid: int, marker: bytes) -> bool:
 
 
 _RUNNING: dict[int, subprocess.Popen] = {}    # nbgrader processes of this grader now, by pid (parallel jobs)
+_STEPS = [0]                                    # steps under way (from before their start to after their reaping)
+_STEPS_LOCK = threading.Lock()
 
 
 def _reap_orphans(before: set[int], marker: bytes | None = None) -> None:
@@ -888,7 +890,7 @@ def _reap_orphans(before: set[int], marker: bytes | None = None) -> None:
     only those whose environment carries this step's ``marker`` (a parallel job's own)."""
     for _ in range(3):
         leftovers = [p for p in _descendants(os.getpid()) if p not in before]
-        if _RUNNING and marker is not None:
+        if _STEPS[0] > 1 and marker is not None:
             leftovers = [p for p in leftovers if p not in _RUNNING and _environ_has(p, marker)]
         if not leftovers:
             return
@@ -950,6 +952,16 @@ def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
     Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
     ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid."""
     _become_subreaper()
+    with _STEPS_LOCK:
+        _STEPS[0] += 1
+    try:
+        return _run_step(args, timeout, env, tmp_root, slot)
+    finally:
+        with _STEPS_LOCK:
+            _STEPS[0] -= 1
+
+
+def _run_step(args: list[str], timeout: float, env: dict | None, tmp_root: str | None, slot: int) -> StepResult:
     before = set(_descendants(os.getpid()))
     bindir = os.path.dirname(sys.executable)
     started = time.monotonic()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 
 from disttrain_lab import cell_times, gradeclass, grading
 
-from .test_grading import (FIXTURE_LIMITS, FIXTURES, REPO, Course, all_points, grade_id, load, points_after,
+from .test_grading import (FIXTURE_LIMITS, FIXTURES, REPO, Course, all_points, grade_id, points_after,
                            processes_with, submit, with_solution)
 
 LAB = "01_point_to_point"
@@ -59,6 +58,29 @@ def test_default_jobs_follow_cores_and_memory():
     cores = len(os.sched_getaffinity(0))
     assert jobs == max(1, min(cores // 4, gradeclass._available_memory() // 2**30))
     assert "4 cores" in rule and "memory" in rule
+
+
+def test_diagnose_names_what_failed(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+    course, lab = tmp_path, "lab"
+
+    def cell(grade, ename):
+        c = new_code_cell("x", metadata={"nbgrader": {"grade_id": grade}} if grade else {})
+        c.outputs = [new_output("error", ename=ename, evalue="", traceback=[])]
+        return c
+    (course / "autograded" / "s" / lab).mkdir(parents=True)
+    nbformat.write(new_notebook(cells=[cell("test_a", "DeadKernelError"), cell("test_b", "CellTimeoutError"),
+                                       cell(None, "CellTimeoutError")]),
+                   course / "autograded" / "s" / lab / f"{lab}.ipynb")
+    submit(course, "s", lab, new_notebook(cells=[new_code_cell("import ctypes")]))
+    ok = grading.StepResult([], 0, "", 1.0)
+    assert gradeclass.diagnose(course, lab, "s", ok) == [
+        "kernel death: test_a", "cell time limit: test_b, 1 other cell(s)",
+        "flagged: 1 construct(s) to look at (see the grade report)"]
+    stopped = grading.StepResult([], -9, "", 1.0, timed_out=True)
+    assert gradeclass.diagnose(course, lab, "s", stopped)[0] == "timeout: STOPPED (time cap)"
+    assert gradeclass.diagnose(course, lab, "s", grading.StepResult([], 1, "", 1.0))[0].startswith("crash")
 
 
 # ----------------------------------------------------------------------------------------
@@ -136,7 +158,7 @@ def single_run(lab1_class, tmp_path_factory):
     before = gradeclass.Ledger(course, LAB).entries       # what the killed run recorded
     assert 1 <= len(before) < len(STUDENTS), before
     mtimes = {s: (course / "autograded" / s / LAB / f"{LAB}.ipynb").stat().st_mtime_ns for s in before}
-    rerun = grade_cli(env)
+    rerun = grade_cli(env, "--no-feedback")
     out, _ = rerun.communicate(timeout=1200)
     assert rerun.returncode == 0, out[-3000:]
     return {"course": course, "env": env, "before": before, "mtimes": mtimes, "out": out, "ledger": ledger}
