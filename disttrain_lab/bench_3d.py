@@ -122,7 +122,7 @@ def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup
                      "tokens_per_s": BENCH_BATCH * cfg.seq_len / median, "step_s": slowest})
     return {
         "what": "Lab 8: train_3d step times on the two-tier emulated network (median of the slowest rank)",
-        "command": " ".join(["disttrain-lab", "bench", "3d"] + sys.argv[1:]) if sys.argv else "bench_3d",
+        "command": _command(),
         "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "steps": steps, "repeats": repeats, "warmup": warmup,
@@ -138,6 +138,14 @@ def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup
                     f"one process's training FLOP/s ({flops_single:.3g}) x min(1, cores / ranks)"},
         "runs": runs,
     }
+
+
+def _command() -> str:
+    """How this process was started, as a person would type it again."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program in ("bench_3d.py", "__main__.py"):
+        return " ".join(["python -m disttrain_lab.bench_3d"] + sys.argv[1:])
+    return " ".join([program or "disttrain-lab"] + sys.argv[1:])
 
 
 def predictions(record: dict, planner: dict) -> list[float] | None:
