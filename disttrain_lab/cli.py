@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero", "tp", "pipeline", "compression"],
+    bench.add_argument("what", choices=["launch", "trace", "allreduce", "ddp", "zero", "tp", "pipeline", "compression",
+                                          "3d"],
                        help="what to measure")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--notebook", help="allreduce, ddp, zero: the lab notebook whose functions to measure "
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                        "ddp, zero: (default 2); pipeline: stages (default 4)")
     bench.add_argument("--bucket-mb", type=float, default=25.0, help="ddp: bucket size of BucketedDDP and torch DDP")
     bench.add_argument("--max-bytes", type=int, default=64 << 20, help="allreduce: largest message")
+    from .bench_3d import add_arguments as bench_3d_arguments
+    bench_3d_arguments(bench)        # 3d: --steps, --write, --no-progress
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
                    add_help=False)
     sub.add_parser("grade", help="autograde submissions, write feedback, export grades", add_help=False)
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "compression":
             from .bench_compression import main as bench_compression_main
             return bench_compression_main(args, _functions_from_lab)
+        if args.what == "3d":
+            from .bench_3d import run as bench_3d_run
+            return bench_3d_run(args)
         raise ValueError(f"unknown benchmark {args.what!r}")
     if args.command in ("release", "grade"):
         from . import grading
