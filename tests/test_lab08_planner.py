@@ -155,3 +155,41 @@ def test_blank_notebook_fails_every_graded_cell(lab_folder):
         grade_id = nbgrader_meta(cell)["grade_id"]
         assert errors(cell), f"{grade_id} passed on the blank notebook: {text(cell)[-300:]}"
         assert "NotImplementedError" in " ".join(errors(cell)), (grade_id, errors(cell))
+
+
+# wrong answers, each in its own exercise, so each graded cell is caught by its own mistake:
+# grade id of the exercise -> (the solution's line, the mistake); the graded cell that must fail
+WRONG = {
+    "planner_step_time": ("ranks=range(plan.tp))", ")", "planner_test_step_time"),          # TP tier ignored
+    "planner_plans": ("if memory <= cluster.memory:", "if True:", "planner_test_plans"),      # keeps what does not fit
+    "scaling_fit": ("np.polyfit(np.log(x), np.log(y), 1)", "np.polyfit(np.log10(x), np.log10(y), 1)",
+                    "scaling_test_fit"),                                                      # log10 fit, exp back
+    "scaling_optimal": ("math.sqrt(flops / (6 * tokens_per_param))", "math.sqrt(flops / 6) / tokens_per_param",
+                        "scaling_test_optimal"),
+}
+
+
+@pytest.mark.slow
+def test_wrong_answers_fail_their_graded_cells(lab_folder):
+    nb = load_lab()
+    for exercise, (right, wrong, _) in WRONG.items():
+        cell = cell_by_id(nb, exercise)
+        assert right in cell.source, (exercise, right)
+        cell.source = cell.source.replace(right, wrong)
+    nb, _ = execute(nb, autograding=True, cwd=lab_folder)
+    for exercise, (_, _, graded) in WRONG.items():
+        assert errors(cell_by_id(nb, graded)), f"{graded} passed with the mistake in {exercise}"
+    assert not errors(cell_by_id(nb, "planner_test_memory")), errors(cell_by_id(nb, "planner_test_memory"))
+
+
+def test_bench_3d_reads_the_planner_and_predicts_each_measured_run():
+    # what `disttrain-lab bench 3d` prints beside each measurement (no run here: the table is
+    # made from the shipped measurements)
+    from disttrain_lab import bench_3d
+    record = json.loads((LAB_DIR / "step_times.json").read_text())
+    planner = bench_3d.lab_functions(str(LAB), ["ModelSpec", "ClusterSpec", "Plan", "step_time"])
+    predicted = bench_3d.predictions(record, planner)
+    assert len(predicted) == len(record["runs"]) and all(p > 0 for p in predicted)
+    table = bench_3d.format_table(record, predicted)
+    assert "dp=2 tp=2 pp=2 m=2" in table and "predicted" in table
+    assert bench_3d.predictions(record, {}) is None and "n/a" in bench_3d.format_table(record, None)
