@@ -16,8 +16,8 @@ communication (a lower bound that a loaded machine cannot shorten) is most of ev
 the ranking is the network's and holds on a busy machine.  The measurements can be written as
 JSON (``--write``), the file Lab 8's planner checks its ranking against:
 
-    $ disttrain-lab bench 3d --write solutions/08_capstone/step_times.json
-    $ python -m disttrain_lab.bench_3d --write solutions/08_capstone/step_times.json
+    $ disttrain-lab bench 3d --write solutions/08_capstone/data/step_times.json
+    $ python -m disttrain_lab.bench_3d --write solutions/08_capstone/data/step_times.json
 """
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ For each budget C (FLOPs) and each model size N (parameters), the run trains on 
 tokens (the 6 N D rule: forward 2 N, backward 4 N FLOPs per token) and records the loss on
 held-out text.  Small models see many tokens, large ones few: at each budget one size in the
 middle does best (Chinchilla's "IsoFLOP" profiles, Hoffmann et al. 2022, approach 2).  The lab
-ships the measurements (``solutions/08_capstone/scaling_runs.json``); the notebook only fits them.
+ships the measurements (``solutions/08_capstone/data/scaling_runs.json``); the notebook only fits them.
 
-    python scripts/scaling_runs.py --out solutions/08_capstone/scaling_runs.json
+    python scripts/scaling_runs.py --out solutions/08_capstone/data/scaling_runs.json
 
 Runs on one CPU thread (the machine is shared); ~10 minutes on a 2-core laptop.
 """
@@ -64,7 +64,7 @@ def train(cfg: models.GPTConfig, tokens: int, train_tokens: torch.Tensor, held_o
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("solutions", "08_capstone", "scaling_runs.json"))
+    parser.add_argument("--out", default=os.path.join("solutions", "08_capstone", "data", "scaling_runs.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     train_tokens = models.corpus_tokens(CORPUS_TOKENS, seed=0)

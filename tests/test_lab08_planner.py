@@ -1,7 +1,7 @@
 """Lab 8, sections 3 (a parallelism planner) and 5 (scaling laws).
 
-- The shipped measurements: ``step_times.json`` (``disttrain-lab bench 3d``: train_3d in several
-  configurations on the two-tier emulated network) and ``scaling_runs.json``
+- The shipped measurements: ``data/step_times.json`` (``disttrain-lab bench 3d``: train_3d in several
+  configurations on the two-tier emulated network) and ``data/scaling_runs.json``
   (``scripts/scaling_runs.py``) say how, where and when they were made, and hold what the
   exercises need (2 x 2 x 2, pure DP 8, pure TP 8; several sizes at each budget).
 - The notebook's structure: the graded cells exist and their hidden tests cover the issue's
@@ -48,7 +48,7 @@ def _mine(nb) -> list:
 # The shipped measurements (fast)
 
 def test_step_times_say_how_they_were_measured_and_cover_the_issue():
-    record = json.loads((LAB_DIR / "step_times.json").read_text())
+    record = json.loads((LAB_DIR / "data" / "step_times.json").read_text())
     for key in ("command", "torch", "machine", "date"):
         assert record[key], key
     assert "bench_3d" in record["command"] or "bench 3d" in record["command"], record["command"]
@@ -62,7 +62,7 @@ def test_step_times_say_how_they_were_measured_and_cover_the_issue():
 
 
 def test_scaling_runs_hold_several_sizes_per_budget():
-    record = json.loads((LAB_DIR / "scaling_runs.json").read_text())
+    record = json.loads((LAB_DIR / "data" / "scaling_runs.json").read_text())
     for key in ("command", "torch", "machine", "date"):
         assert record[key], key
     budgets = {r["budget"] for r in record["runs"]}
@@ -91,7 +91,7 @@ def test_graded_cells_and_hidden_tests_cover_the_issue():
                    "memory=1e9)) == []"):                             # memory rejection
         assert needle in hidden["planner_test_plans"], needle
     measured = cell_by_id(nb, "planner_test_step_time").source
-    assert "_rho >= 0.7" in measured and "< 3" in measured and 'Path("step_times.json")' not in measured
+    assert "_rho >= 0.7" in measured and "< 3" in measured and 'Path("data/step_times.json")' not in measured
     assert "_ref_step" in hidden["planner_test_step_time"]
     assert "np.polyfit" not in cell_by_id(nb, "scaling_test_fit").source   # the reference is written out
     assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "scaling_test_optimal").source
@@ -108,8 +108,9 @@ def lab_folder(tmp_path_factory) -> Path:
     """A lab folder as the student gets it: the notebook and the measurements beside it."""
     folder = tmp_path_factory.mktemp("lab08")
     shutil.copy(LAB, folder / LAB.name)
+    (folder / "data").mkdir()
     for name in DATA:
-        shutil.copy(LAB_DIR / name, folder / name)
+        shutil.copy(LAB_DIR / "data" / name, folder / "data" / name)
     return folder
 
 
@@ -186,7 +187,7 @@ def test_bench_3d_reads_the_planner_and_predicts_each_measured_run():
     # what `disttrain-lab bench 3d` prints beside each measurement (no run here: the table is
     # made from the shipped measurements)
     from disttrain_lab import bench_3d
-    record = json.loads((LAB_DIR / "step_times.json").read_text())
+    record = json.loads((LAB_DIR / "data" / "step_times.json").read_text())
     planner = bench_3d.lab_functions(str(LAB), ["ModelSpec", "ClusterSpec", "Plan", "step_time"])
     predicted = bench_3d.predictions(record, planner)
     assert len(predicted) == len(record["runs"]) and all(p > 0 for p in predicted)
