@@ -87,7 +87,14 @@ def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup
     """Median step time (slowest rank) and tokens/s of ``train_3d`` in each configuration, one
     launch of 8 ranks on ``network`` (default: ``bench_network()``).  Returns the JSON record."""
     import torch
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:              # tqdm comes with the kit's `grader` extra (the instructor's tools)
+        from contextlib import nullcontext
+
+        def tqdm(*args, **kwargs):
+            return nullcontext(type("NoBar", (), {"update": lambda self, n=1: None,
+                                                  "set_postfix_str": lambda self, s: None})())
 
     from . import models
     from .launcher import launch
