@@ -63,7 +63,7 @@ def _one_run(train_3d, cfg, batches, config, lr: float) -> list[float]:
 
 
 def single_process_flops(cfg, batch) -> float:
-    """FLOP/s of one process training the bench GPT (6 N per token), best of 5 steps."""
+    """FLOP/s of one process training the bench GPT (6 N per token), best of 6 steps."""
     import time
 
     import torch
@@ -84,8 +84,9 @@ def single_process_flops(cfg, batch) -> float:
 
 def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup: int = 1, lr: float = 0.5,
              network: Network | None = None, timeout: float = 1200.0, progress: bool = True) -> dict:
-    """Median step time (slowest rank) and tokens/s of ``train_3d`` in each configuration, one
-    launch of 8 ranks on ``network`` (default: ``bench_network()``).  Returns the JSON record."""
+    """Median step time (slowest rank) and tokens/s of ``train_3d`` in each configuration, on
+    ``network`` (default: ``bench_network()``), one launch per run, the configurations taking
+    turns.  Returns the JSON record (``--write`` saves it)."""
     import torch
     try:
         from tqdm import tqdm
