@@ -9,6 +9,19 @@ every transfer down to at least what a real link would take:
     >>> dl.launch(train_step, 4, network=slow)
     >>> dl.launch(train_step, 4, network=dl.Network.preset("100 Gbit InfiniBand"))
 
+A cluster has two tiers of links: the GPUs of one node talk over NVLink, nodes over
+InfiniBand or Ethernet.  ``Network.two_tier`` builds that network:
+
+    >>> dgx = dl.Network.two_tier(devices_per_node=4, intra="NVLink", inter="100 Gbit InfiniBand")
+    >>> dl.launch(train_step, 8, network=dgx)          # ranks 0-3 are node 0, ranks 4-7 node 1
+
+The node of a rank is ``rank // devices_per_node``.  A send between two ranks of one node
+pays the intra-node link, between nodes the inter-node link; a collective on a group pays
+its algorithm (below) on the slowest tier the group spans: a group inside one node the
+intra-node link, a group across nodes the slower of the two (a ring across nodes goes at
+the pace of its slowest hop).  Each tier is a port of its own (a GPU's NVLink and its
+node's network card carry traffic at the same time).
+
 The model (the one of labs 1 and 2):
 
 - A message of ``n`` bytes over one link takes ``alpha + beta * n`` seconds
@@ -27,7 +40,8 @@ The model (the one of labs 1 and 2):
   transfer.  Every emulated time is a lower bound: the real copy runs meanwhile, and the
   scheduling of processes comes on top.  (Under ``torchrun`` the ranks may be on several
   hosts and share no board: a sender then holds its data back for the transfer time.)
-- Collectives cost their textbook algorithm under the same model (``collective_time``):
+- Collectives cost their textbook algorithm under the same model (``collective_time``;
+  two tiers: on the slowest tier the group spans):
   all-reduce a ring, ``2(N-1)(alpha + beta*n/N)``; all-gather, reduce-scatter and all-to-all
   a ring, ``(N-1)(alpha + beta*n/N)`` with ``n`` the larger buffer; broadcast and reduce a
   binomial tree, ``ceil(log2 N)(alpha + beta*n)``; scatter and gather the root's port,
@@ -76,6 +90,10 @@ class Network:
     bandwidth: float            # bytes per second through one port in one direction (1 / beta)
     duplex: str = "full"        # "full": send and receive at once; "half": one transfer at a time
     name: str = ""              # shown in plots and tables, e.g. "1 Gbit Ethernet"
+    # two tiers (both or neither; see Network.two_tier): the fields above are then the link
+    # inside a node, and ranks r and s share a node when r // devices_per_node == s // devices_per_node
+    devices_per_node: int | None = None   # ranks per node
+    inter: "Network | None" = None        # the link between nodes (a one-tier Network)
 
     def __post_init__(self) -> None:
         for field_name, unit in (("latency", "seconds per message"), ("bandwidth", "bytes per second")):
@@ -88,6 +106,17 @@ class Network:
             raise ValueError(f"Network duplex must be one of {DUPLEX}, got {self.duplex!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"Network name must be a string, got {self.name!r}")
+        if (self.devices_per_node is None) != (self.inter is None):
+            raise ValueError(f"Network devices_per_node and inter go together (two tiers) or not at all (one link), "
+                             f"got devices_per_node={self.devices_per_node!r}, inter={self.inter!r}; e.g. "
+                             f"Network.two_tier(devices_per_node=4, intra='NVLink', inter='100 Gbit InfiniBand')")
+        if self.devices_per_node is not None:
+            d = self.devices_per_node
+            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+                raise ValueError(f"Network devices_per_node must be an int >= 1 (ranks per node), got {d!r}")
+            if not isinstance(self.inter, Network) or self.inter.devices_per_node is not None:
+                raise ValueError(f"Network inter must be a one-tier Network (the link between nodes, e.g. "
+                                 f"Network.preset('100 Gbit InfiniBand')), got {self.inter!r}")
 
     @classmethod
     def preset(cls, name: str) -> "Network":
@@ -105,6 +134,47 @@ class Network:
             raise ValueError(f"Network bandwidth must be a finite number > 0 Gbit/s, got {gbits_per_s!r}")
         return cls(latency=latency, bandwidth=gbits_per_s * 1.25e8, duplex=duplex, name=f"{gbits_per_s:g} Gbit/s")
 
+    @classmethod
+    def two_tier(cls, devices_per_node: int, intra: "Network | str" = "NVLink",
+                 inter: "Network | str" = "100 Gbit InfiniBand") -> "Network":
+        """Nodes of ``devices_per_node`` ranks: ``intra`` links the ranks of a node, ``inter`` the nodes.
+
+            >>> net = Network.two_tier(4, intra="NVLink", inter="100 Gbit InfiniBand")
+            >>> net.link(0, 3).name, net.link(3, 4).name          # rank 3 is on node 0, rank 4 on node 1
+            ('NVLink', '100 Gbit InfiniBand')
+
+        ``intra`` and ``inter`` are one-tier Networks or names of ``PRESETS``."""
+        links = {}
+        for field_name, link in (("intra", intra), ("inter", inter)):
+            if isinstance(link, str):
+                link = cls.preset(link)
+            if not isinstance(link, Network) or link.devices_per_node is not None:
+                raise ValueError(f"Network.two_tier {field_name} must be a one-tier Network or a preset name "
+                                 f"({sorted(PRESETS)}), got {link!r}")
+            links[field_name] = link
+        intra = links["intra"]
+        return cls(latency=intra.latency, bandwidth=intra.bandwidth, duplex=intra.duplex, name=intra.name,
+                   devices_per_node=devices_per_node, inter=links["inter"])
+
+    @property
+    def intra(self) -> "Network":
+        """The link inside a node (a one-tier network: the whole network when it has one tier)."""
+        if self.inter is None:
+            return self
+        return Network(latency=self.latency, bandwidth=self.bandwidth, duplex=self.duplex, name=self.name)
+
+    def node(self, rank: int) -> int:
+        """The node of global ``rank`` (0 for every rank of a one-tier network)."""
+        return rank // self.devices_per_node if self.devices_per_node else 0
+
+    def tier(self, *ranks: int) -> str:
+        """``"intra"`` when ``ranks`` share a node (always, with one tier), else ``"inter"``."""
+        return "intra" if len({self.node(r) for r in ranks}) <= 1 else "inter"
+
+    def link(self, *ranks: int) -> "Network":
+        """The link a message between ``ranks`` (a sender and a receiver) pays."""
+        return self.intra if self.tier(*ranks) == "intra" else self.inter
+
     @property
     def alpha(self) -> float:
         return self.latency
@@ -121,11 +191,24 @@ class Network:
         """Seconds for one message of ``nbytes`` over one link: alpha + beta * n."""
         return self.latency + nbytes / self.bandwidth
 
-    def collective_time(self, op: str, nbytes: float, world_size: int) -> float:
-        """Seconds the model gives collective ``op`` on ``nbytes`` (see the module docstring)."""
-        return collective_time(self, op, nbytes, world_size)
+    def collective_time(self, op: str, nbytes: float, world_size: int, ranks=None) -> float:
+        """Seconds the model gives collective ``op`` on ``nbytes`` (see the module docstring).
+
+        ``ranks``: the group's global ranks (two tiers: the group pays the slowest tier it spans;
+        without them, the link inside a node)."""
+        return self.collective_tier(op, nbytes, world_size, ranks)[1]
+
+    def collective_tier(self, op: str, nbytes: float, world_size: int, ranks=None) -> tuple[str, float]:
+        """(tier, seconds) of collective ``op`` on the group of global ``ranks``: the slowest tier it spans."""
+        intra = collective_time(self.intra, op, nbytes, world_size)
+        if ranks is None or self.tier(*ranks) == "intra":
+            return "intra", intra
+        inter = collective_time(self.inter, op, nbytes, world_size)
+        return ("inter", inter) if inter >= intra else ("intra", intra)
 
     def __str__(self) -> str:
+        if self.inter is not None:
+            return f"nodes of {self.devices_per_node} ranks; inside a node {self.intra}; across nodes {self.inter}"
         label = f"{self.name}: " if self.name else ""
         return (f"{label}latency {self.latency * 1e6:g} µs, bandwidth {self.bandwidth * 8 / 1e9:g} Gbit/s "
                 f"({self.bandwidth / 1e9:g} GB/s), {self.duplex} duplex")
@@ -224,10 +307,16 @@ class _Board:
         entry[0], entry[2] = tag, arrival
         entry[1] = seq
 
-    def arrival(self, src: int, tag: int) -> float:
-        """When the next message from ``src`` with ``tag`` arrives (0.0 if it was not posted)."""
+    def expect(self, src: int, tag: int) -> int:
+        """The sequence number of the next receive from ``src`` with ``tag``: taken when the
+        receive is posted (gloo pairs receives with sends in the order they are posted, so
+        irecvs waited in another order still get their own message's arrival)."""
         seq = self.received.get((src, tag), 0)
         self.received[(src, tag)] = seq + 1
+        return seq
+
+    def arrival(self, src: int, tag: int, seq: int) -> float:
+        """When message number ``seq`` from ``src`` with ``tag`` arrives (0.0 if it was not posted)."""
         row = self.times[src, self.rank]
         hits = np.flatnonzero((row[:, 1] == seq) & (row[:, 0] == tag))
         return float(row[hits[0], 2]) if len(hits) else 0.0
@@ -237,12 +326,22 @@ class _Board:
         self.memory.close()
 
 
-class _Ports:
-    """This rank's port clocks (perf_counter seconds at which each direction is free)."""
+class _Clock:
+    """One port of this rank (one tier's link): perf_counter seconds at which each direction is free."""
 
-    def __init__(self, net: Network, world_size: int, board: _Board | None) -> None:
-        self.net, self.world_size, self.board = net, world_size, board
+    def __init__(self, duplex: str) -> None:
+        self.half = duplex == "half"
         self.out_free = self.in_free = 0.0
+
+
+class _Ports:
+    """This rank's ports, one per tier of the network, and the call in progress."""
+
+    def __init__(self, net: Network, world_size: int, board: _Board | None, rank: int) -> None:
+        self.net, self.world_size, self.board, self.rank = net, world_size, board, rank
+        self.clocks = {"intra": _Clock(net.duplex)}
+        if net.inter is not None:
+            self.clocks["inter"] = _Clock(net.inter.duplex)
         self.lock = threading.Lock()   # futures of async collectives complete on gloo's threads
         self.last_cost = None          # the model time of the call in progress, for the tracer
         self.depth = 0                 # > 0 inside torch's function: calls it makes are not charged again
@@ -256,32 +355,35 @@ class _Ports:
         finally:
             self.depth -= 1
 
-    def reserve_out(self, cost: float) -> float:
-        """Hold the out-port for ``cost`` seconds from when it is free; return when that ends."""
+    def reserve_out(self, cost: float, tier: str) -> float:
+        """Hold the out-port of ``tier`` for ``cost`` seconds from when it is free; return when that ends."""
         with self.lock:
-            start = max(time.perf_counter(), self.out_free, self.in_free if self.net.duplex == "half" else 0.0)
-            self.out_free = start + cost
-            if self.net.duplex == "half":
-                self.in_free = self.out_free
-            return self.out_free
+            c = self.clocks[tier]
+            start = max(time.perf_counter(), c.out_free, c.in_free if c.half else 0.0)
+            c.out_free = start + cost
+            if c.half:
+                c.in_free = c.out_free
+            return c.out_free
 
-    def take_in(self, cost: float, arrival: float) -> float:
+    def take_in(self, cost: float, arrival: float, tier: str) -> float:
         """A message of model time ``cost`` that its sender's link finished at ``arrival`` is
         complete no earlier than then, nor than ``cost`` after the in-port's previous message
         (half duplex: after the port's previous transfer)."""
         with self.lock:
-            busy_until = max(self.in_free, self.out_free if self.net.duplex == "half" else 0.0)
+            c = self.clocks[tier]
+            busy_until = max(c.in_free, c.out_free if c.half else 0.0)
             end = max(time.perf_counter(), arrival, busy_until + cost)
-            self.in_free = end
-            if self.net.duplex == "half":
-                self.out_free = end
+            c.in_free = end
+            if c.half:
+                c.out_free = end
             return end
 
-    def reserve_both(self, cost: float, since: float) -> float:
-        """A collective holds both directions for ``cost`` from max(since, ports free)."""
+    def reserve_both(self, cost: float, since: float, tier: str) -> float:
+        """A collective holds both directions of ``tier`` for ``cost`` from max(since, ports free)."""
         with self.lock:
-            start = max(since, self.out_free, self.in_free)
-            self.out_free = self.in_free = start + cost
+            c = self.clocks[tier]
+            start = max(since, c.out_free, c.in_free)
+            c.out_free = c.in_free = start + cost
             return start + cost
 
 
@@ -382,14 +484,16 @@ def _emulated(op: str, fn, params: list[str]):
             tensor = bound.get("tensor")
             if ports is None or ports.depth or not _is_cpu([tensor]):
                 return fn(*args, **kwargs)
-            cost = ports.net.time(_nbytes(tensor))
+            dst = _global_peer(bound, "dst")
+            tier = ports.net.tier(ports.rank, dst)
+            cost = ports.net.link(ports.rank, dst).time(_nbytes(tensor))
             ports.last_cost = cost
-            arrival = ports.reserve_out(cost)
+            arrival = ports.reserve_out(cost, tier)
             if ports.board is None:          # no shared board (torchrun): the data leaves late
                 _sleep_until(arrival)
                 with ports.inside():
                     return fn(*args, **kwargs)
-            ports.board.post(_global_peer(bound, "dst"), bound.get("tag") or 0, arrival)
+            ports.board.post(dst, bound.get("tag") or 0, arrival)
             with ports.inside():
                 out = fn(*args, **kwargs)
             if op == "send":
@@ -406,21 +510,32 @@ def _emulated(op: str, fn, params: list[str]):
             tensor = bound.get("tensor")
             if ports is None or ports.depth or not _is_cpu([tensor]):
                 return fn(*args, **kwargs)
-            cost = ports.net.time(_nbytes(tensor))
+            src, tag = _global_peer(bound, "src"), bound.get("tag") or 0
+            nbytes = _nbytes(tensor)
+            # the sequence number of an irecv is taken now, when it is posted, not at its wait()
+            seq = ports.board.expect(src, tag) if ports.board is not None and src is not None else None
+            cost = ports.net.link(ports.rank, src).time(nbytes) if src is not None else ports.net.time(nbytes)
             ports.last_cost = cost
             with ports.inside():
                 out = fn(*args, **kwargs)
-            src, tag = _global_peer(bound, "src"), bound.get("tag") or 0
-
-            def arrival(sender):
-                return ports.board.arrival(sender, tag) if ports.board is not None and sender is not None else 0.0
             if op == "recv":
-                sender = src if src is not None else out   # recv from any source returns the sender
-                _sleep_until(ports.take_in(cost, arrival(sender)))
+                if src is None and out is not None and out >= 0:   # recv from any source returns the sender
+                    src = out
+                    seq = ports.board.expect(src, tag) if ports.board is not None else None
+                    cost = ports.net.link(ports.rank, src).time(nbytes)
+                    ports.last_cost = cost
+                arrival = ports.board.arrival(src, tag, seq) if seq is not None else 0.0
+                tier = ports.net.tier(ports.rank, src) if src is not None else "intra"
+                _sleep_until(ports.take_in(cost, arrival, tier))
                 return out
             if out is None:
                 return out
-            return _DelayedWork(out, _once(lambda: ports.take_in(cost, arrival(src))))
+            tier = ports.net.tier(ports.rank, src) if src is not None else "intra"
+
+            def finish():
+                arrival = ports.board.arrival(src, tag, seq) if seq is not None else 0.0
+                return ports.take_in(cost, arrival, tier)
+            return _DelayedWork(out, _once(finish))
         return recv
 
     # a collective: its cost starts when this rank calls it (or its port is free)
@@ -436,14 +551,17 @@ def _emulated(op: str, fn, params: list[str]):
         group = bound.get("group")
         import torch.distributed as dist
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        cost = collective_time(ports.net, op, nbytes, world)
+        ranks = None
+        if ports.net.inter is not None:   # two tiers: which ranks the group holds decides its tier
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
+        tier, cost = ports.net.collective_tier(op, nbytes, world, ranks)
         ports.last_cost = cost
         called = time.perf_counter()
         with ports.inside():
             out = fn(*args, **kwargs)
         if out is not None and hasattr(out, "wait"):  # async_op=True: it ends at wait / the future
-            return _DelayedWork(out, _once(lambda: ports.reserve_both(cost, called)))
-        _sleep_until(ports.reserve_both(cost, called))
+            return _DelayedWork(out, _once(lambda: ports.reserve_both(cost, called, tier)))
+        _sleep_until(ports.reserve_both(cost, called, tier))
         return out
     return collective
 
@@ -469,8 +587,9 @@ def begin(net: Network | None, world_size: int, shared: bool = True) -> None:
     if net is None:
         return
     from . import trace
+    import torch.distributed as dist
     board = _Board(world_size) if shared and world_size > 1 else None
-    _STATE = _Ports(net, world_size, board)
+    _STATE = _Ports(net, world_size, board, dist.get_rank() if dist.is_initialized() else 0)
     trace.install(emulate=emulator)
 
 

@@ -280,3 +280,127 @@ def test_network_under_torchrun(tmp_path):
                       timeout=120, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert sorted(re.findall(r"<RANK (\d) OK True>", proc.stdout)) == ["0", "1"], proc.stdout[-3000:]
+
+
+# --- two tiers: nodes of devices_per_node ranks, a link inside a node and one across --------
+
+FAST = dl.Network(latency=1e-4, bandwidth=1e9, name="fast")        # 256 KiB: 0.36 ms
+SLOW = dl.Network(latency=1e-3, bandwidth=2e7, name="slow")        # 256 KiB: 14.1 ms
+KIB256 = 256 << 10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"devices_per_node": 4}, "devices_per_node and inter go together"),
+    ({"inter": SLOW}, "devices_per_node and inter go together"),
+    ({"devices_per_node": 0, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got 0"),
+    ({"devices_per_node": True, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got True"),
+    ({"devices_per_node": 2.5, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got 2.5"),
+    ({"devices_per_node": 2, "inter": "slow"}, r"Network inter must be a one-tier Network"),
+    ({"devices_per_node": 2, "inter": dl.Network.two_tier(2, FAST, SLOW)}, r"Network inter must be a one-tier"),
+])
+def test_bad_two_tier_parameters_raise_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dl.Network(latency=1e-4, bandwidth=1e9, **kwargs)
+
+
+def test_two_tier_constructor_refuses_unknown_links():
+    with pytest.raises(ValueError, match="no network preset 'NVLink 5'"):
+        dl.Network.two_tier(4, intra="NVLink 5")
+    with pytest.raises(ValueError, match="two_tier inter must be a one-tier Network or a preset name"):
+        dl.Network.two_tier(4, inter=12.5e9)
+
+
+def test_two_tier_model_links_and_collectives():
+    dgx = dl.Network.two_tier(devices_per_node=4, intra="NVLink", inter="100 Gbit InfiniBand")
+    nvl, ib = dl.Network.preset("NVLink"), dl.Network.preset("100 Gbit InfiniBand")
+    assert dgx.intra == nvl and dgx.inter == ib and dgx.devices_per_node == 4
+    assert [dgx.node(r) for r in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert dgx.link(0, 3) == nvl and dgx.link(3, 4) == ib and dgx.link(5, 6) == nvl
+    assert dgx.tier(4, 5, 6, 7) == "intra" and dgx.tier(0, 4) == "inter"
+    # a group pays its algorithm on the slowest tier it spans; one node: the intra link
+    assert dgx.collective_tier("all_reduce", MiB, 4, [4, 5, 6, 7]) == ("intra", 6 * nvl.time(MiB / 4))
+    assert dgx.collective_tier("all_reduce", MiB, 2, [1, 5]) == ("inter", 2 * ib.time(MiB / 2))
+    assert dgx.collective_time("all_gather", MiB, 8, range(8)) == 7 * ib.time(MiB / 8)
+    assert dgx.collective_time("all_reduce", MiB, 4) == 6 * nvl.time(MiB / 4)   # no ranks: inside a node
+    # an inter link faster than the intra one: a group across nodes still goes at its slowest hop
+    odd = dl.Network.two_tier(2, intra=SLOW, inter=FAST)
+    assert odd.collective_tier("all_reduce", MiB, 4, range(4)) == ("intra", 6 * SLOW.time(MiB / 4))
+    assert "nodes of 4 ranks" in str(dgx) and "NVLink" in str(dgx) and "InfiniBand" in str(dgx)
+    assert one_tier_is_its_own_intra_link()
+
+
+def one_tier_is_its_own_intra_link() -> bool:
+    return GBIT.intra is GBIT and GBIT.tier(0, 7) == "intra" and GBIT.link(0, 9) is GBIT
+
+
+def _two_tier_traffic(nbytes: int) -> dict:
+    rank = dist.get_rank()
+    t = torch.full((nbytes // 4,), float(rank))
+    groups = {name: dist.new_group(ranks) for name, ranks in
+              (("node 0", [0, 1]), ("node 1", [2, 3]), ("across a", [0, 2]), ("across b", [1, 3]))}
+    dist.barrier()
+    if rank == 0:
+        dist.send(t, dst=1)          # same node
+        dist.send(t, dst=2)          # across nodes
+    elif rank in (1, 2):
+        dist.recv(t, src=0)
+    mine = [name for name, g in groups.items() if rank in dist.get_process_group_ranks(g)]
+    for name in mine:
+        x = torch.ones(nbytes // 4)
+        dist.all_reduce(x, group=groups[name])
+        assert torch.all(x == 2)
+    x = torch.ones(nbytes // 4)
+    dist.all_reduce(x)
+    return {"correct": bool(torch.all(x == 4))}
+
+
+def test_two_tier_launch_pays_the_tier_each_transfer_and_group_uses():
+    net = dl.Network.two_tier(2, intra=FAST, inter=SLOW)   # ranks 0, 1 on node 0; 2, 3 on node 1
+    run = dl.launch(_two_tier_traffic, 4, KIB256, network=net, trace=True, timeout=120)
+    assert run.network == net and all(r["correct"] for r in run.results)
+    to_1, to_2 = run.select(op="send", rank=0, peer=1), run.select(op="send", rank=0, peer=2)
+    assert len(to_1) == len(to_2) == 1
+    assert to_1[0].meta["network_s"] == FAST.time(KIB256) and to_2[0].meta["network_s"] == SLOW.time(KIB256)
+    for send in to_1 + to_2:
+        assert send.duration >= send.meta["network_s"]
+    for send, recv in run.messages():
+        assert recv.end - send.start >= send.meta["network_s"]
+    reduces = run.select(op="all_reduce")
+    assert len(reduces) == 4 * 3                       # per rank: its node, its cross pair, the world
+    inside, across, world = (2 * FAST.time(KIB256 / 2), 2 * SLOW.time(KIB256 / 2),
+                             6 * SLOW.time(KIB256 / 4))
+    assert sorted(e.meta["network_s"] for e in reduces) == sorted([inside] * 4 + [across] * 4 + [world] * 4)
+    for e in reduces:
+        assert e.duration >= e.meta["network_s"]
+
+
+def _irecvs_waited_in_reverse(nbytes: int) -> float:
+    """Rank 0 isends two messages of one tag to rank 1, which posts two irecvs and waits the
+    second first.  Returns rank 0's start, and rank 1's absolute end of each wait (perf_counter
+    is one clock for all processes of the machine)."""
+    first, second = torch.full((nbytes // 4,), 1.0), torch.full((nbytes // 4,), 2.0)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        works = [dist.isend(first, dst=1), dist.isend(second, dst=1)]
+        for w in works:
+            w.wait()
+        return {"start": start}
+    a, b = torch.zeros_like(first), torch.zeros_like(second)
+    work_a, work_b = dist.irecv(a, src=0), dist.irecv(b, src=0)
+    work_b.wait()
+    end_b = time.perf_counter()
+    work_a.wait()
+    end_a = time.perf_counter()
+    return {"end a": end_a, "end b": end_b, "correct": bool(torch.all(a == 1) and torch.all(b == 2))}
+
+
+def test_irecvs_waited_out_of_order_get_their_own_arrival_times():
+    # the second message leaves after the first on rank 0's port: it arrives 2 (α + βn) after
+    # rank 0 starts.  Pairing by the order of the waits (the bug) gave the second irecv the
+    # first message's arrival, α + βn.
+    cost = SLOW.time(2 * MiB)                                    # 0.1 s
+    sender, receiver = dl.launch(_irecvs_waited_in_reverse, 2, 2 * MiB, network=SLOW, timeout=60)
+    assert receiver["correct"]
+    assert receiver["end b"] - sender["start"] >= 2 * cost
+    assert receiver["end a"] - sender["start"] >= cost

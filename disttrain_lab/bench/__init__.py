@@ -26,6 +26,7 @@ BENCHMARKS = (
     "pipeline",
     "tp",
     "compression",
+    "three_d",
 )
 
 

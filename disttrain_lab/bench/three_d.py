@@ -1,0 +1,256 @@
+"""``disttrain-lab bench 3d``: Lab 8's DP x TP x PP composition, configuration against configuration.
+
+The lab's ``train_3d`` (loaded from the lab notebook) trains the same small GPT on the same
+batches on 8 ranks in several shapes — 2 x 2 x 2, pure data parallel (8 x 1 x 1), pure tensor
+parallel (1 x 8 x 1, where the heads divide), and the others that fit — side by side, one
+launch per run, taking turns (as ``bench.take_turns`` does) so a busy moment of the machine hurts
+them alike.
+Per configuration: the median step time of the slowest rank, tokens per second, and the
+planner's prediction (the lab's ``step_time``, when the notebook defines it).
+
+The ranks run on a two-tier emulated network (``dl.Network.two_tier``: 2 nodes of 4 ranks)
+whose links are slow on purpose (``BENCH_INTRA``, ``BENCH_INTER``): 8 ranks on a 2-core laptop
+share 2 cores, so their compute is serialized as it never is on a cluster, and a fast emulated
+link would leave that artefact to decide the ranking.  With links this slow the emulated
+communication (a lower bound that a loaded machine cannot shorten) is most of every step, so
+the ranking is the network's and holds on a busy machine.  The measurements can be written as
+JSON (``--write``), the file Lab 8's planner checks its ranking against:
+
+    $ disttrain-lab bench 3d --write solutions/08_capstone/data/step_times.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+
+from ..network import Network
+from .common import functions_from_notebook
+
+NAME = "3d"
+HELP = "Lab 8: train_3d in several DP x TP x PP shapes on a two-tier emulated network, with the planner's predictions"
+
+LAB = os.path.join("08_capstone", "08_capstone.ipynb")
+# the bench's GPT: section 2's, with 8 heads so that pure tensor parallelism on 8 ranks fits
+BENCH_MODEL = {"vocab": 32, "seq_len": 16, "d_model": 32, "n_heads": 8, "n_layers": 2}
+BENCH_BATCH = 64                 # sequences per step (global)
+DEVICES_PER_NODE = 4
+# slow links (see the module docstring): 10 MB/s inside a node, 1 MB/s across.  The latencies are
+# long too (2 ms, 5 ms): an emulated call ends no earlier than gloo's real one, so a latency longer
+# than the real cost of a collective among 8 processes on 2 cores (~1 ms) absorbs that cost
+BENCH_INTRA = Network(latency=2e-3, bandwidth=10e6, name="bench intra-node link (10 MB/s, 2 ms)")
+BENCH_INTER = Network(latency=5e-3, bandwidth=1e6, name="bench inter-node link (1 MB/s, 5 ms)")
+# (dp, tp, pp, micro-batches); ranks in Megatron's order: tp fastest, then dp, then pp
+CONFIGS = [(2, 2, 2, 2), (8, 1, 1, 1), (1, 8, 1, 1), (4, 2, 1, 1), (2, 4, 1, 1), (4, 1, 2, 2), (1, 4, 2, 2)]
+
+
+def bench_network() -> Network:
+    return Network.two_tier(DEVICES_PER_NODE, intra=BENCH_INTRA, inter=BENCH_INTER)
+
+
+def _label(config) -> str:
+    dp, tp, pp, m = config
+    return f"dp={dp} tp={tp} pp={pp} m={m}"
+
+
+def _one_run(train_3d, cfg, batches, config, lr: float) -> list[float]:
+    """In each rank: one run of ``train_3d`` in ``config``; this rank's seconds per step."""
+    dp, tp, pp, m = config
+    return list(train_3d(cfg, batches, dp=dp, tp=tp, pp=pp, micro_batches=m, lr=lr)["step_s"])
+
+
+def single_process_flops(cfg, batch) -> float:
+    """FLOP/s of one process training the bench GPT (6 N per token), best of 6 steps."""
+    import time
+
+    import torch
+
+    from . import models
+    model = models.GPT(cfg, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        models.lm_loss(model(x), y).backward()
+        optimizer.step()
+        best = min(best, time.perf_counter() - start)
+    return 6 * cfg.params() * x.numel() / best
+
+
+def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup: int = 1, lr: float = 0.5,
+             network: Network | None = None, timeout: float = 1200.0, progress: bool = True) -> dict:
+    """Median step time (slowest rank) and tokens/s of ``train_3d`` in each configuration, on
+    ``network`` (default: ``bench_network()``), one launch per run, the configurations taking
+    turns.  Returns the JSON record (``--write`` saves it)."""
+    import torch
+    try:
+        from tqdm import tqdm
+    except ImportError:              # tqdm comes with the kit's `grader` extra (the instructor's tools)
+        from contextlib import nullcontext
+
+        def tqdm(*args, **kwargs):
+            return nullcontext(type("NoBar", (), {"update": lambda self, n=1: None,
+                                                  "set_postfix_str": lambda self, s: None})())
+
+    from . import models
+    from .launcher import launch
+    network = network or bench_network()
+    world = {dp * tp * pp for dp, tp, pp, _ in configs}
+    if len(world) != 1:
+        raise ValueError(f"every configuration must use the same number of ranks, got dp*tp*pp = {sorted(world)}")
+    cfg = models.GPTConfig(**BENCH_MODEL)
+    batches = models.lm_batches(models.corpus_tokens(20_000), BENCH_BATCH, cfg.seq_len, steps, seed=1)
+    ranks = world.pop()
+    # taking turns as bench.take_turns does, one launch per run (the warm ranks stay up, and
+    # the progress bar can move): round i starts at configuration i, so none always goes first
+    measured = {config: [] for config in configs}     # config -> runs -> ranks -> steps
+    rounds = [list(configs[i % len(configs):]) + list(configs[:i % len(configs)]) for i in range(warmup + repeats)]
+    with tqdm(total=sum(map(len, rounds)), desc="bench 3d", unit="run", disable=not progress, file=sys.stderr) as bar:
+        for i, order in enumerate(rounds):
+            for config in order:
+                bar.set_postfix_str(_label(config))
+                per_rank = launch(_one_run, ranks, train_3d, cfg, batches, config, lr, network=network, timeout=timeout)
+                if i >= warmup:
+                    measured[config].append(per_rank)
+                bar.update()
+    flops_single = single_process_flops(cfg, batches[0])
+    flops = flops_single * min(1.0, (os.cpu_count() or 1) / ranks)
+    runs = []
+    for config in configs:
+        dp, tp, pp, m = config
+        # a step ends when its slowest rank does
+        slowest = [max(step) for per_rank in measured[config] for step in zip(*per_rank)]
+        median = statistics.median(slowest)
+        runs.append({"dp": dp, "tp": tp, "pp": pp, "micro_batches": m, "zero": 0, "median_step_s": median,
+                     "tokens_per_s": BENCH_BATCH * cfg.seq_len / median, "step_s": slowest})
+    return {
+        "what": "Lab 8: train_3d step times on the two-tier emulated network (median of the slowest rank)",
+        "command": _command(),
+        "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "steps": steps, "repeats": repeats, "warmup": warmup,
+        "model": {"layers": cfg.n_layers, "hidden": cfg.d_model, "heads": cfg.n_heads, "seq": cfg.seq_len,
+                  "batch": BENCH_BATCH, "vocab": cfg.vocab, "bytes_per_value": 4},
+        "gpt_config": dict(BENCH_MODEL), "parameters": cfg.params(),
+        "cluster": {"devices": ranks, "devices_per_node": network.devices_per_node,
+                    "intra": {"latency": network.intra.latency, "bandwidth": network.intra.bandwidth,
+                              "name": network.intra.name},
+                    "inter": {"latency": network.inter.latency, "bandwidth": network.inter.bandwidth,
+                              "name": network.inter.name},
+                    "memory": 1e9, "flops": flops, "flops_note":
+                    f"one process's training FLOP/s ({flops_single:.3g}) x min(1, cores / ranks)"},
+        "runs": runs,
+    }
+
+
+def _command() -> str:
+    """How this process was started, as a person would type it again."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return " ".join([program or "disttrain-lab"] + sys.argv[1:])
+
+
+def predictions(record: dict, planner: dict) -> list[float] | None:
+    """The planner's predicted seconds per step for each run of ``record`` (None without a planner)."""
+    names = ("ModelSpec", "ClusterSpec", "Plan", "step_time")
+    if not all(name in planner for name in names):
+        return None
+    c = record["cluster"]
+    net = Network.two_tier(c["devices_per_node"], intra=Network(**c["intra"]), inter=Network(**c["inter"]))
+    model = planner["ModelSpec"](**record["model"])
+    cluster = planner["ClusterSpec"](devices=c["devices"], network=net, memory=c["memory"], flops=c["flops"])
+    return [planner["step_time"](model, cluster, planner["Plan"](r["dp"], r["tp"], r["pp"], r["micro_batches"], r["zero"]))
+            for r in record["runs"]]
+
+
+def format_table(record: dict, predicted: list[float] | None) -> str:
+    c = record["cluster"]
+    net = Network.two_tier(c["devices_per_node"], intra=Network(**c["intra"]), inter=Network(**c["inter"]))
+    lines = [f"Lab 8 train_3d, GPT of {record['parameters']} parameters, batch {record['model']['batch']} x "
+             f"{record['model']['seq']} tokens, {c['devices']} ranks; {net}",
+             f"median of {record['repeats']} x {record['steps']} steps, slowest rank",
+             f"{'configuration':<24} {'s/step':>8} {'tokens/s':>9} {'predicted':>10}"]
+    for i, r in enumerate(sorted(record["runs"], key=lambda r: r["median_step_s"])):
+        j = record["runs"].index(r)
+        guess = f"{predicted[j]:9.3f}s" if predicted else "      n/a"
+        lines.append(f"{_label((r['dp'], r['tp'], r['pp'], r['micro_batches'])):<24} {r['median_step_s']:8.3f} "
+                     f"{r['tokens_per_s']:9.0f} {guess:>10}")
+    return "\n".join(lines)
+
+
+def lab_functions(path: str, names) -> dict:
+    """``names`` as the notebook at ``path`` defines them (``bench.functions_from_notebook``), read-only
+    given cells included: Lab 8's ``train_3d`` needs its ``Grid`` dataclass and the planner its
+    ``ModelSpec``, ``ClusterSpec`` and ``Plan``, which the lab gives in locked cells (graded cells
+    and test helpers are still left out)."""
+    import tempfile
+
+    import nbformat
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if meta.get("locked") and not meta.get("grade") and "test" not in meta.get("grade_id", "test"):
+            meta["locked"] = False    # a given definition, not a test helper
+    with tempfile.TemporaryDirectory(prefix="disttrain-bench-3d-") as tmp:
+        copy = os.path.join(tmp, os.path.basename(path))
+        nbformat.write(nb, copy)
+        return functions_from_notebook(copy, names)
+
+
+def _with_reference_pieces(fn, notebook: str) -> None:
+    """Lab 8 takes Lab 6's tensor-parallel pieces from the student's Lab 6 or, failing that, from
+    the kit's ``data/reference_pieces.py`` beside it, in a cell that runs checks (which
+    ``functions_from_notebook`` does not run): the benchmark gives ``fn`` the kit's pieces."""
+    pieces = os.path.join(os.path.dirname(notebook), "data", "reference_pieces.py")
+    if os.path.exists(pieces):
+        given: dict = {"__name__": "__lab_notebook__"}
+        with open(pieces) as f:
+            exec(compile(f.read(), pieces, "exec", dont_inherit=True), given)
+        for name, value in given.items():
+            if not name.startswith("__"):
+                fn.__globals__.setdefault(name, value)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--notebook", help="the lab notebook defining train_3d and the planner (default "
+                        f"{os.path.join('solutions', LAB)}, else the same under labs/)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run of a configuration")
+    parser.add_argument("--write", metavar="JSON", help="write the measurements there (Lab 8's step_times.json)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(repeats=3)
+
+
+def _lab_path(args) -> str | None:
+    return args.notebook or next((p for p in (os.path.join("solutions", LAB), os.path.join("labs", LAB))
+                                  if os.path.exists(p)), None)
+
+
+def run(args) -> int:
+    path = _lab_path(args)
+    if path is None or not os.path.exists(path):
+        print(f"no notebook to take train_3d from: pass --notebook PATH (looked for solutions/{LAB}, labs/{LAB})",
+              file=sys.stderr)
+        return 2
+    found = lab_functions(path, ["train_3d", "ModelSpec", "ClusterSpec", "Plan", "step_time"])
+    if "train_3d" not in found:
+        print(f"{path} does not define train_3d", file=sys.stderr)
+        return 2
+    _with_reference_pieces(found["train_3d"], path)
+    planner = found
+    record = bench_3d(found["train_3d"], steps=args.steps, repeats=args.repeats,
+                      progress=not getattr(args, "no_progress", False))
+    record["notebook"] = path
+    predicted = predictions(record, planner)
+    print(format_table(record, predicted))
+    if args.write:
+        with open(args.write, "w") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+        print(f"wrote {args.write}")
+    return 0
+

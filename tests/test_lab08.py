@@ -1,0 +1,179 @@
+"""Lab 8 (capstone): the solution notebook runs, and its graded tests catch wrong answers.
+
+- The notebook's structure: five exercises, each followed by its graded cell; the hidden tests
+  cover several grids (1 × 2 × 4, 4 × 1 × 2, ...), uneven micro-batches, 3 and 4 ranks, the
+  errors each exercise must raise; the kit's Lab 6 pieces ship with Lab 8 (data/) and not in
+  the package students install.
+- ONE kernel (a module fixture) executes the solution notebook as the grader runs it
+  (NBGRADER_EXECUTION set), within its 5-minute budget, every graded cell passing, with its
+  three pictures; then, in the same kernel, wrong answers (Megatron's order mixed up, attention
+  without f, blocks keyed by their place in the stage, gradients summed instead of averaged,
+  LARS without its trust ratio) each fail their graded cell saying why, and the Lab 6 pieces
+  fall back on the reference ones when the Lab 6 notebook is missing or blank.
+
+The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import re
+
+import nbformat
+import pytest
+
+from tests.notebooks import (REPO, SLOWDOWN, cell_by_id, errors, execute, graded_cells, nbgrader_meta,
+                             numbering_problems, output_of, pictures, text)
+
+LAB = REPO / "solutions" / "08_capstone" / "08_capstone.ipynb"
+BUDGET_S = 300          # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = ["grid_groups", "tp_attention", "pipeline_stage", "three_d", "lars"]
+
+
+def load_lab() -> nbformat.NotebookNode:
+    return nbformat.read(LAB, as_version=4)
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+def test_exercises_and_hidden_tests_cover_the_issue():
+    nb = load_lab()
+    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
+    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
+    assert numbering_problems(nb) == []
+    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    for needle in ("_check_grid(1, 2, 4)", "_check_grid(4, 1, 2)", "_check_grid(3, 2, 1)", "grid_groups(3, 2, 2), 8",
+                   "_check_attention(4, models.GPTConfig(seq_len=7, d_model=24, n_heads=6), batch=1, tp=2)",
+                   "_check_attention(3,", "n_heads=2)).blocks[0].attn), 4",
+                   "_check_stage(1, 1, 3,", "_check_stage(2, 2, 2,", "n_layers=3)), grid_groups(1, 1, 2)), 2",
+                   "_check_3d(1, 2, 2, micro_batches=3, batch=10", "_check_3d(1, 2, 4,", "_check_3d(2, 1, 2,",
+                   "models.lm_batches(TOKENS, 5,", "zero_grad=1", "groups=[", "lrs=[0.1, 0.2, 0.3, 0.4]"):
+        assert needle in hidden, needle
+    # the traffic the graded test expects comes from the configuration, not from the solution
+    helpers = cell_by_id(nb, "test_helpers_three_d").source
+    assert "def _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)" in helpers
+    assert "train_3d(" not in helpers.split("def _expected_traffic")[1].split("def _train_3d_in_rank")[0]
+    assert "def train_3d(cfg: models.GPTConfig, batches: list, *, dp: int, tp: int, pp: int, micro_batches: int," \
+        in cell_by_id(nb, "ex_three_d").source
+    for cell in graded_cells(nb):
+        assert nbgrader_meta(cell)["locked"] and nbgrader_meta(cell)["points"] > 0
+
+
+def test_reference_pieces_ship_with_lab_8_only():
+    pieces = REPO / "solutions" / "08_capstone" / "data" / "reference_pieces.py"
+    released = REPO / "labs" / "08_capstone" / "data" / "reference_pieces.py"
+    assert released.read_bytes() == pieces.read_bytes()
+    package = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").rglob("*.py"))
+    for name in ("ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP"):
+        assert f"class {name}(" in pieces.read_text() and f"class {name}(" not in package, name
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it, then wrong answers in the same kernel (slow)
+
+def _replaced(exercise: str, right: str, wrong: str) -> str:
+    """The solution cell of ``exercise`` with one line changed."""
+    source = cell_by_id(load_lab(), f"ex_{exercise}").source
+    assert right in source, right
+    return source.replace(right, wrong)
+
+
+# Wrong answers: (exercise, wrong definition, words the graded cell's failure must contain)
+WRONG = [
+    ("grid_groups", _replaced("grid_groups",             # dp fastest: not Megatron's order
+                              "tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)",
+                              "dp_rank, tp_rank, pp_rank = rank % dp, rank // dp % tp, rank // (tp * dp)"),
+     "tp_rank = 0, expected 1"),
+    ("tp_attention", _replaced("tp_attention", "x = f(x, self.group)", "x = x"),        # no all-reduce backward
+     "backward: one all-reduce, f's"),
+    ("pipeline_stage", _replaced("pipeline_stage",        # blocks keyed by their place in the stage
+                                 "self.blocks[str(i)] = block", "self.blocks[str(len(self.blocks))] = block"),
+     "holds blocks ['0'], expected ['1']"),
+    ("three_d", _replaced("three_d", "            flat /= dp\n", ""),                  # the sum, not the average
+     "against the single-process run"),
+    ("lars", _replaced("lars", "trust = group[\"trust_coefficient\"] * w_norm / (g_norm + group[\"weight_decay\"] * "
+                               "w_norm + group[\"eps\"])", "trust = 1.0"),              # momentum SGD
+     "LARS({'lr': 0.5, 'weight_decay': 0.01, 'trust_coefficient': 0.02}) after 3 step(s)"),
+]
+
+CATCH = '''
+_source = {source!r}
+try:
+    exec(compile(_source, "graded cell {grade_id}", "exec"), globals())
+except Exception as _error:
+    print("FAILED:", type(_error).__name__, _error)
+else:
+    print("PASSED")
+'''
+
+
+@pytest.fixture(scope="module")
+def executed():
+    """The solution notebook, then each wrong answer and its graded cell, then the solution again;
+    then the Lab 6 pieces loaded from a missing and from the blank Lab 6 notebook.  One kernel."""
+    lab = load_lab()
+    cells = [copy.deepcopy(c) for c in lab.cells]
+    solution_end = len(cells)
+    wrong_at = []
+    for exercise, wrong, _ in WRONG:
+        cells.append(nbformat.v4.new_code_cell(wrong))
+        wrong_at.append(len(cells))                   # the cell running the graded cell
+        cells.append(nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, f"test_{exercise}").source,
+                                                            grade_id=f"test_{exercise}")))
+        cells.append(copy.deepcopy(cell_by_id(lab, f"ex_{exercise}")))
+    fallback_at = len(cells)
+    blank_lab6 = REPO / "labs" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
+    cells.append(nbformat.v4.new_code_cell(
+        f"_found = [load_tp_pieces(path) for path in ('../no_such_lab/06_tensor_parallel.ipynb', {str(blank_lab6)!r})]\n"
+        "print(repr([(sorted(pieces), pieces['f'].__module__, why) for pieces, why in _found]))\n"))
+    for i, cell in enumerate(cells[solution_end:]):
+        cell.id = f"extra-{i}"                        # copies of solution cells: ids must stay unique
+    nb, seconds = execute(nbformat.v4.new_notebook(cells=cells, metadata=lab.metadata), autograding=True,
+                          timeout=300, cwd=LAB.parent)
+    return nb, seconds, solution_end, wrong_at, fallback_at
+
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget(executed):
+    nb, seconds, solution_end, _, _ = executed
+    failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
+    assert not failed, f"cells raised: {failed}"
+    for cell in graded_cells(nbformat.v4.new_notebook(cells=nb.cells[:solution_end])):
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
+        assert not [o for o in cell.outputs if o.get("name") == "stderr"], nbgrader_meta(cell)["grade_id"]
+    assert seconds < BUDGET_S * SLOWDOWN, (f"the solution notebook (and the wrong answers after it) took {seconds:.0f} s, "
+                                           f"the budget is {BUDGET_S} s (x{SLOWDOWN:g} allowed for a loaded machine)")
+    assert pictures(nb) == 3, "expected the single-process loss curve, the 2 × 2 × 2 timeline and the large-batch curves"
+    # run beside the Lab 6 solution, the lab takes its pieces from there
+    assert output_of(nb, "_pieces, _source = load_tp_pieces()").startswith(
+        "tensor-parallel pieces: your Lab 6 (../06_tensor_parallel/06_tensor_parallel.ipynb)")
+    # the 2 × 2 × 2 self-check: 8 TP all-reduces + 1 DP all-reduce, 2 sends and 2 receives, per step (3 steps)
+    printed = output_of(nb, "# Self-check: 8 ranks, 2 × 2 × 2")
+    assert "rank 0, 3 steps: 27 all_reduce, 6 isend, 6 recv" in printed, printed
+    # the large-batch picture: × 8 from step 0 diverges, LARS ends below plain SGD at the same rate
+    printed = output_of(nb, "LARGE_BATCH_RUNS = {")
+    final = {name.strip(): value for name, value in re.findall(r"^(.+?)\s+final loss\s+(\S+)$", printed, re.M)}
+    assert final["SGD, lr 2.4 (× 8) from step 0"] == "nan", printed
+    assert float(final["LARS, lr 1, η 0.01, 5 warm-up steps"]) < float(final["SGD, lr 0.3 (not scaled)"]), printed
+    assert float(final["1 rank, batch 8"]) < float(final["LARS, lr 1, η 0.01, 5 warm-up steps"]), printed
+
+
+@pytest.mark.slow
+def test_graded_cells_catch_wrong_answers(executed):
+    nb, _, _, wrong_at, _ = executed
+    for (exercise, _, message), at in zip(WRONG, wrong_at):
+        printed = text(nb.cells[at])
+        assert printed.startswith("FAILED: AssertionError"), f"test_{exercise} passed a wrong answer: {printed[:500]}"
+        assert message in printed, (exercise, printed[:2000])
+
+
+@pytest.mark.slow
+def test_lab6_pieces_fall_back_on_the_reference(executed):
+    nb, _, _, _, fallback_at = executed
+    (missing, blank) = ast.literal_eval(text(nb.cells[fallback_at]).splitlines()[-1])
+    names = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP", "f", "g"]
+    assert missing[:2] == blank[:2] == (names, "<run_path>"), (missing, blank)   # data/reference_pieces.py's
+    assert missing[2].startswith("the kit's reference pieces (data/reference_pieces.py): no Lab 6 notebook at"), missing
+    assert blank[2].startswith("the kit's reference pieces (data/reference_pieces.py): your Lab 6 pieces did not run "
+                               "(RankError") and "NotImplementedError" in blank[2], blank
