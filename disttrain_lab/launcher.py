@@ -150,18 +150,22 @@ def plan(world_size: int | None = None, device: str = "cpu", *, local_world_size
 
 
 def _resolve_device(device, backend) -> str:
-    """device=, or the deprecated backend= ("gloo" -> "cpu", "nccl" -> "cuda")."""
+    """device= (None: "cpu"), or the deprecated backend= ("gloo" -> "cpu", "nccl" -> "cuda")."""
     if backend is None:
-        return _check_device(device)
+        return _check_device("cpu" if device is None else device)
     if backend not in _DEVICE_OF_BACKEND:
         raise ValueError(f"backend must be one of {tuple(_DEVICE_OF_BACKEND)} or None, got {backend!r}; "
                          f"backend= is deprecated: say device='cpu' (gloo) or device='cuda' (NCCL)")
+    implied = _DEVICE_OF_BACKEND[backend]
+    if device is not None and _check_device(device) != implied:
+        # gloo runs on the CPU; NCCL moves only CUDA tensors, so it needs device='cuda'
+        raise ValueError(f"device={device!r} and backend={backend!r} disagree: backend={backend!r} needs "
+                         f"device={implied!r} ({'NCCL moves only CUDA tensors' if backend == 'nccl' else 'gloo runs on the CPU'}). "
+                         f"backend= is deprecated: give only device= (device='cpu' for gloo, device='cuda' for NCCL)")
     import warnings
-    warnings.warn(f"dl.launch(backend={backend!r}) is deprecated; use device={_DEVICE_OF_BACKEND[backend]!r}",
+    warnings.warn(f"dl.launch(backend={backend!r}) is deprecated; use device={implied!r}",
                   DeprecationWarning, stacklevel=3)
-    if _check_device(device) != "cpu" and _check_device(device) != _DEVICE_OF_BACKEND[backend]:
-        raise ValueError(f"device={device!r} and backend={backend!r} disagree; give only device=")
-    return _DEVICE_OF_BACKEND[backend]
+    return implied
 
 
 def _validate(fn, world_size, timeout, network=None) -> None:
@@ -181,7 +185,7 @@ def _validate(fn, world_size, timeout, network=None) -> None:
 # --------------------------------------------------------------------------------------
 # The public entry point
 # --------------------------------------------------------------------------------------
-def launch(fn: Callable, world_size: int, *args, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT,
+def launch(fn: Callable, world_size: int, *args, device: str | None = None, timeout: float = DEFAULT_TIMEOUT,
            trace: bool = False, backend: str | None = None, network: Network | None = None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
@@ -190,11 +194,12 @@ def launch(fn: Callable, world_size: int, *args, device: str = "cpu", timeout: f
     or a :class:`disttrain_lab.Run` with the results and every rank's communication
     events when ``trace=True``.
 
-    ``device``: ``"cpu"`` (default) runs the ranks on the CPU with gloo and never touches a
+    ``device``: ``"cpu"`` (the default, also when None) runs the ranks on the CPU with gloo and never touches a
     GPU; ``"cuda"`` gives rank k the k-th visible GPU and NCCL for CUDA tensors (CPU tensors
     still go over gloo).  Inside a rank, ``dl.device()`` is the device to put tensors on.
     See :func:`plan` for the whole policy.  ``backend="gloo"/"nccl"`` is the deprecated
-    spelling of ``device="cpu"/"cuda"`` (it warns).
+    spelling of ``device="cpu"/"cuda"`` (it warns; with a device= that disagrees, e.g.
+    ``device="cpu", backend="nccl"``, it is a ValueError).
 
     Raises RankError (a rank raised), RankDied (a rank's process ended), LaunchTimeout
     (not done within ``timeout`` seconds; says what each rank was blocked in).  In all
@@ -506,6 +511,8 @@ class _Pool:
                     try:
                         reply = cloudpickle.loads(w.conn.recv_bytes())
                     except (EOFError, OSError, ConnectionError):
+                        reply = None      # raised below, not in here: the EOFError is not the student's news
+                    if reply is None:
                         self._rank_died(w, workers)
                     if reply[0] == "error":
                         self._relay_all()

@@ -16,6 +16,25 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 class LaunchError(RuntimeError):
     """Something went wrong on the ranks of a ``dl.launch``; all ranks were stopped."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (Jupyter) shows for this error: the usual traceback, cut where the kit's
+        own frames begin, so that it ends at the student's line that called ``dl.launch`` (the
+        ranks' tracebacks are in the message).  IPython always shows the frame that raised,
+        ``__tracebackhide__`` or not, hence this hook."""
+        import types
+        from IPython import get_ipython
+        shell = get_ipython()
+        if shell is None:
+            raise NotImplementedError("not in IPython")   # IPython then shows the usual traceback
+        kept, tb = [], self.__traceback__
+        while tb is not None and not tb.tb_frame.f_globals.get("__name__", "").startswith(__package__ + "."):
+            kept.append(tb)
+            tb = tb.tb_next
+        trimmed = None
+        for entry in reversed(kept):
+            trimmed = types.TracebackType(trimmed, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+        return shell.InteractiveTB.structured_traceback(type(self), self, trimmed)
+
 
 class RankError(LaunchError):
     """A rank raised an exception.  ``str(e)`` shows the rank's traceback, ending at your line."""

@@ -153,6 +153,8 @@ def test_works_after_parent_ran_a_multithreaded_matmul():
     (dict(world_size=2, backend="mpi"), "backend must be one of ('gloo', 'nccl')"),
     (dict(world_size=2, device="gpu"), "device must be one of ('cpu', 'cuda')"),
     (dict(world_size=2, device="cuda:1"), "device must be one of ('cpu', 'cuda')"),
+    (dict(world_size=2, device="cpu", backend="nccl"), "backend='nccl' needs device='cuda'"),
+    (dict(world_size=2, device="cuda", backend="gloo"), "backend='gloo' needs device='cpu'"),
 ])
 def test_bad_arguments_say_what_is_valid(kwargs, fragment):
     with pytest.raises(ValueError) as err:
@@ -211,6 +213,32 @@ def test_deadlocks_and_loops_become_a_report_within_the_timeout(fn, lines, diagn
         assert line in text, text
     assert diagnosis in text
     assert set(err.value.blocked) == {0, 1}
+
+
+def test_jupyter_shows_a_launch_error_ending_at_the_students_line():
+    # IPython renders the error as a notebook does; the launcher's frames (_collect, _rank_died) must not show
+    script = textwrap.dedent("""
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance(colors="NoColor")
+        shell.run_cell("import os, disttrain_lab as dl\\n"
+                       "def boom():\\n"
+                       "    import torch.distributed as dist\\n"
+                       "    if dist.get_rank() == 1:\\n"
+                       "        raise ValueError('student bug')\\n")
+        print("=== RankError")
+        shell.run_cell("dl.launch(boom, 2)")
+        print("=== RankDied")
+        shell.run_cell("dl.launch(lambda: os._exit(3), 2)")
+    """)
+    out = run_python(["-c", script], timeout=240).stdout
+    for kind, students_line, message in [("RankError", "dl.launch(boom, 2)", "rank 1 raised ValueError: student bug"),
+                                         ("RankDied", "dl.launch(lambda: os._exit(3), 2)", "exited with code 3")]:
+        shown = out.split(f"=== {kind}")[1].split("===")[0]
+        assert message in shown, out
+        assert "launcher.py" not in shown and "_collect" not in shown and "skipping hidden" not in shown, shown
+        assert "During handling of the above exception" not in shown, shown
+        arrows = [line for line in shown.splitlines() if line.startswith("---->")]
+        assert arrows and arrows[-1].endswith(students_line), shown
 
 
 def test_rank_calling_os_exit_is_reported():
