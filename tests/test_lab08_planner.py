@@ -201,7 +201,7 @@ def test_wrong_answers_fail_their_graded_cells(lab_folder):
 def test_bench_3d_reads_the_planner_and_predicts_each_measured_run():
     # what `disttrain-lab bench 3d` prints beside each measurement (no run here: the table is
     # made from the shipped measurements)
-    from disttrain_lab import bench_3d
+    from disttrain_lab.bench import three_d as bench_3d
     record = json.loads((LAB_DIR / "data" / "step_times.json").read_text())
     planner = bench_3d.lab_functions(str(LAB), ["ModelSpec", "ClusterSpec", "Plan", "step_time"])
     predicted = bench_3d.predictions(record, planner)
