@@ -6,9 +6,11 @@
   the package students install.
 - ONE kernel (a module fixture) executes the solution notebook as the grader runs it
   (NBGRADER_EXECUTION set), within its 5-minute budget, every graded cell passing, with its
-  three pictures; then, in the same kernel, wrong answers (Megatron's order mixed up, attention
+  pictures; the planner ranks the measured runs of data/step_times.json and finds GPT-3's
+  8-way tensor parallelism; the scaling-law fit and Chinchilla's table are printed; then, in the same kernel, wrong answers (Megatron's order mixed up, attention
   without f, blocks keyed by their place in the stage, gradients summed instead of averaged,
-  LARS without its trust ratio) each fail their graded cell saying why, and the Lab 6 pieces
+  LARS without its trust ratio, the planner ignoring the TP tier or keeping plans that do not
+  fit, a log10 power-law fit, a wrong compute-optimal N) each fail their graded cell saying why, and the Lab 6 pieces
   fall back on the reference ones when the Lab 6 notebook is missing or blank.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
@@ -72,14 +74,24 @@ def test_reference_pieces_ship_with_lab_8_only():
 # ----------------------------------------------------------------------------------------
 # Executing it, then wrong answers in the same kernel (slow)
 
+def exercise_cells(exercise: str) -> tuple[str, str]:
+    """(grade id of the exercise's cell, grade id of its graded cell)."""
+    if exercise.startswith(("planner_", "scaling_")):
+        section, name = exercise.split("_", 1)
+        return exercise, f"{section}_test_{name}"
+    return f"ex_{exercise}", f"test_{exercise}"
+
+
 def _replaced(exercise: str, right: str, wrong: str) -> str:
     """The solution cell of ``exercise`` with one line changed."""
-    source = cell_by_id(load_lab(), f"ex_{exercise}").source
+    source = cell_by_id(load_lab(), exercise_cells(exercise)[0]).source
     assert right in source, right
     return source.replace(right, wrong)
 
 
-# Wrong answers: (exercise, wrong definition, words the graded cell's failure must contain)
+# Wrong answers: (exercise, wrong definition, words the graded cell's failure must contain); the
+# exercise's cell is ex_<exercise> and its graded cell test_<exercise>, or, in sections 3 and 5,
+# <section>_<name> and <section>_test_<name>
 WRONG = [
     ("grid_groups", _replaced("grid_groups",             # dp fastest: not Megatron's order
                               "tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)",
@@ -95,7 +107,18 @@ WRONG = [
     ("lars", _replaced("lars", "trust = group[\"trust_coefficient\"] * w_norm / (g_norm + group[\"weight_decay\"] * "
                                "w_norm + group[\"eps\"])", "trust = 1.0"),              # momentum SGD
      "LARS({'lr': 0.5, 'weight_decay': 0.01, 'trust_coefficient': 0.02}) after 3 step(s)"),
+    ("planner_step_time", _replaced("planner_step_time", "ranks=range(plan.tp))", ")"),   # TP tier ignored
+     "PLANNER_STEP"),
+    ("planner_plans", _replaced("planner_plans", "if memory <= cluster.memory:", "if True:"),   # keeps what does not fit
+     "PLANNER_PLANS"),
+    ("scaling_fit", _replaced("scaling_fit", "np.polyfit(np.log(x), np.log(y), 1)",           # log10 fit, exp back
+                              "np.polyfit(np.log10(x), np.log10(y), 1)"),
+     "SCALING_FIT"),
+    ("scaling_optimal", _replaced("scaling_optimal", "math.sqrt(flops / (6 * tokens_per_param))",
+                                  "math.sqrt(flops / 6) / tokens_per_param"),
+     "SCALING_OPTIMAL"),
 ]
+
 
 CATCH = '''
 _source = {source!r}
@@ -117,11 +140,11 @@ def executed():
     solution_end = len(cells)
     wrong_at = []
     for exercise, wrong, _ in WRONG:
+        solution, graded = exercise_cells(exercise)
         cells.append(nbformat.v4.new_code_cell(wrong))
         wrong_at.append(len(cells))                   # the cell running the graded cell
-        cells.append(nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, f"test_{exercise}").source,
-                                                            grade_id=f"test_{exercise}")))
-        cells.append(copy.deepcopy(cell_by_id(lab, f"ex_{exercise}")))
+        cells.append(nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, graded).source, grade_id=graded)))
+        cells.append(copy.deepcopy(cell_by_id(lab, solution)))
     fallback_at = len(cells)
     blank_lab6 = REPO / "labs" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
     cells.append(nbformat.v4.new_code_cell(
@@ -144,7 +167,8 @@ def test_solution_notebook_executes_within_budget(executed):
         assert not [o for o in cell.outputs if o.get("name") == "stderr"], nbgrader_meta(cell)["grade_id"]
     assert seconds < BUDGET_S * SLOWDOWN, (f"the solution notebook (and the wrong answers after it) took {seconds:.0f} s, "
                                            f"the budget is {BUDGET_S} s (x{SLOWDOWN:g} allowed for a loaded machine)")
-    assert pictures(nb) == 3, "expected the single-process loss curve, the 2 × 2 × 2 timeline and the large-batch curves"
+    assert pictures(nb) == 5, ("expected the single-process loss curve, the 2 × 2 × 2 timeline, the planner's predicted "
+                               "against measured step times, the large-batch curves and the IsoFLOP profiles")
     # run beside the Lab 6 solution, the lab takes its pieces from there
     assert output_of(nb, "_pieces, _source = load_tp_pieces()").startswith(
         "tensor-parallel pieces: your Lab 6 (../06_tensor_parallel/06_tensor_parallel.ipynb)")
@@ -160,11 +184,34 @@ def test_solution_notebook_executes_within_budget(executed):
 
 
 @pytest.mark.slow
+def test_planner_ranks_the_measured_runs_and_finds_gpt3s_tensor_parallelism(executed):
+    nb = executed[0]
+    printed = output_of(nb, "_pred = [step_time(_bench_model")
+    rho = float(re.search(r"Spearman rank correlation (-?\d\.\d+)", printed).group(1))
+    assert rho >= 0.7, printed
+    assert "dp=2    tp=2   pp=2" in printed and "dp=8    tp=1   pp=1" in printed and "dp=1    tp=8   pp=1" in printed
+    gpt3 = output_of(nb, "plans1024 = plan_parallelism(")
+    assert "GPT-3 (175.2 B parameters) on 1024 GPUs" in gpt3, gpt3
+    best = re.search(r"plans fit\n\s+dp=(\d+)\s+tp=(\d+)\s+pp=(\d+)", gpt3)
+    assert best and int(best.group(2)) == 8, gpt3     # the published 8-way tensor parallelism, inside a node
+
+
+@pytest.mark.slow
+def test_scaling_laws_fit_and_check_chinchillas_table(executed):
+    nb = executed[0]
+    printed = output_of(nb, "_cn, N_EXPONENT = fit_power_law")
+    exponent = float(re.search(r"N_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
+    assert 0 < exponent < 1.5, printed                   # bigger budgets, bigger optimal models
+    table = output_of(nb, "CHINCHILLA_TABLE = [")
+    assert "10T" not in table and len(table.strip().splitlines()) >= 10, table
+
+
+@pytest.mark.slow
 def test_graded_cells_catch_wrong_answers(executed):
     nb, _, _, wrong_at, _ = executed
     for (exercise, _, message), at in zip(WRONG, wrong_at):
         printed = text(nb.cells[at])
-        assert printed.startswith("FAILED: AssertionError"), f"test_{exercise} passed a wrong answer: {printed[:500]}"
+        assert printed.startswith("FAILED: AssertionError"), f"{exercise} passed a wrong answer: {printed[:500]}"
         assert message in printed, (exercise, printed[:2000])
 
 
