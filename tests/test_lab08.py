@@ -108,15 +108,15 @@ WRONG = [
                                "w_norm + group[\"eps\"])", "trust = 1.0"),              # momentum SGD
      "LARS({'lr': 0.5, 'weight_decay': 0.01, 'trust_coefficient': 0.02}) after 3 step(s)"),
     ("planner_step_time", _replaced("planner_step_time", "ranks=range(plan.tp))", ")"),   # TP tier ignored
-     "PLANNER_STEP"),
+     "step_time(dp=1    tp=8   pp=1"),
     ("planner_plans", _replaced("planner_plans", "if memory <= cluster.memory:", "if True:"),   # keeps what does not fit
-     "PLANNER_PLANS"),
+     "not valid or not fitting"),
     ("scaling_fit", _replaced("scaling_fit", "np.polyfit(np.log(x), np.log(y), 1)",           # log10 fit, exp back
                               "np.polyfit(np.log10(x), np.log10(y), 1)"),
-     "SCALING_FIT"),
+     "fit_power_law on y = 3 x^2: expected (c, e) = (3, 2)"),
     ("scaling_optimal", _replaced("scaling_optimal", "math.sqrt(flops / (6 * tokens_per_param))",
                                   "math.sqrt(flops / 6) / tokens_per_param"),
-     "SCALING_OPTIMAL"),
+     "compute_optimal(5.76e+23): expected"),
 ]
 
 
@@ -209,10 +209,12 @@ def test_scaling_laws_fit_and_check_chinchillas_table(executed):
 @pytest.mark.slow
 def test_graded_cells_catch_wrong_answers(executed):
     nb, _, _, wrong_at, _ = executed
+    missed = {}
     for (exercise, _, message), at in zip(WRONG, wrong_at):
-        printed = text(nb.cells[at])
-        assert printed.startswith("FAILED: AssertionError"), f"{exercise} passed a wrong answer: {printed[:500]}"
-        assert message in printed, (exercise, printed[:2000])
+        printed = text(nb.cells[at])      # a graded cell may print its visible checks' ✅ before failing
+        if "FAILED: AssertionError" not in printed or message not in printed.split("FAILED: AssertionError", 1)[1]:
+            missed[exercise] = printed[:2000]
+    assert not missed, f"graded cells that passed a wrong answer, or failed without saying why: {missed}"
 
 
 @pytest.mark.slow
