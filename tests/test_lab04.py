@@ -5,8 +5,9 @@
   measured-against-predicted memory bars, a ZeRO-3 timeline and the bench table.
 - The blank notebook (solutions cleared the way nbgrader releases it) fails every graded cell,
   quickly.  Wrong answers (ZeRO-1 keeping optimizer state for the whole model or forgetting the ÷ N,
-  ZeRO-2 all-reducing its gradients or keeping the full ones, ZeRO-3 never freeing what it gathered or
-  freeing a tied (shared) weight with the first layer that uses it, shards without padding, a calculator that rounds down) fail the right graded cell with a message
+  ZeRO-2 all-reducing its gradients or keeping the full ones, ZeRO-3 never freeing what it gathered, keeping
+  a frozen layer whole after gathering it for backward, or freeing a tied (shared) weight with the first layer that
+  uses it, shards without padding, a calculator that rounds down) fail the right graded cell with a message
   that says why; a failed ZeRO-1 does not cost ZeRO-2 its points.
 - bench.bench_zero / `disttrain-lab bench zero` on the solution's own classes, against torch's
   ZeroRedundancyOptimizer and FSDP; the package ships no solution (no memory formula either).
@@ -119,6 +120,11 @@ class Zero3Module(Zero3Module):               # gathers before forward, never fr
     def after_forward(self, layer, args, output):
         pass
 ''', "still held the full parameters of layer(s) ['0']"),
+    "zero3_keeps_frozen_whole": ("zero3", '''
+class Zero3Module(Zero3Module):               # gathers a frozen middle layer for backward, never frees it
+    def after_backward(self, layer):
+        pass
+''', "a frozen parameter never reaches grad_ready: free it in after_backward"),
     "zero3_ignores_shared": ("zero3", '''
 class Zero3Module(Zero3Module):               # ignores shared=: the tied weight is freed with the encoder
     def __init__(self, module, shared=()):
