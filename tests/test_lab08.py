@@ -1,6 +1,6 @@
 """Lab 8 (capstone): the solution notebook runs, and its graded tests catch wrong answers.
 
-- The notebook's structure: five exercises, each followed by its graded cell; the hidden tests
+- The notebook's structure: ten exercises (sections 2-5), each followed by its graded cell; the hidden tests
   cover several grids (1 × 2 × 4, 4 × 1 × 2, ...), uneven micro-batches, 3 and 4 ranks, the
   errors each exercise must raise; the kit's Lab 6 pieces ship with Lab 8 (data/) and not in
   the package students install.
@@ -29,7 +29,9 @@ from tests.notebooks import (REPO, SLOWDOWN, cell_by_id, errors, execute, graded
 
 LAB = REPO / "solutions" / "08_capstone" / "08_capstone.ipynb"
 BUDGET_S = 300          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["grid_groups", "tp_attention", "pipeline_stage", "three_d", "lars"]
+EXERCISES = ["grid_groups", "tp_attention", "pipeline_stage", "three_d",            # section 2
+             "planner_memory", "planner_step_time", "planner_plans",                  # section 3
+             "lars", "scaling_fit", "scaling_optimal"]                                # sections 4, 5
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -76,9 +78,6 @@ def test_reference_pieces_ship_with_lab_8_only():
 
 def exercise_cells(exercise: str) -> tuple[str, str]:
     """(grade id of the exercise's cell, grade id of its graded cell)."""
-    if exercise.startswith(("planner_", "scaling_")):
-        section, name = exercise.split("_", 1)
-        return exercise, f"{section}_test_{name}"
     return f"ex_{exercise}", f"test_{exercise}"
 
 
@@ -90,8 +89,7 @@ def _replaced(exercise: str, right: str, wrong: str) -> str:
 
 
 # Wrong answers: (exercise, wrong definition, words the graded cell's failure must contain); the
-# exercise's cell is ex_<exercise> and its graded cell test_<exercise>, or, in sections 3 and 5,
-# <section>_<name> and <section>_test_<name>
+# exercise's cell is ex_<exercise> and its graded cell test_<exercise>
 WRONG = [
     ("grid_groups", _replaced("grid_groups",             # dp fastest: not Megatron's order
                               "tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)",

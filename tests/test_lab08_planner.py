@@ -26,8 +26,8 @@ from tests.notebooks import REPO, cell_by_id, graded_cells, nbgrader_meta
 
 LAB_DIR = REPO / "solutions" / "08_capstone"
 LAB = LAB_DIR / "08_capstone.ipynb"
-GRADED = ["planner_test_memory", "planner_test_plans", "planner_test_step_time",
-          "scaling_test_fit", "scaling_test_optimal"]
+GRADED = ["test_planner_memory", "test_planner_plans", "test_planner_step_time",
+          "test_scaling_fit", "test_scaling_optimal"]
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -50,7 +50,7 @@ def sections_3_and_5(nb) -> nbformat.NotebookNode:
 
 
 def _mine(nb) -> list:
-    return [c for c in graded_cells(nb) if nbgrader_meta(c)["grade_id"].startswith(("planner_", "scaling_"))]
+    return [c for c in graded_cells(nb) if nbgrader_meta(c)["grade_id"].startswith(("test_planner_", "test_scaling_"))]
 
 
 # ----------------------------------------------------------------------------------------
@@ -92,20 +92,21 @@ def test_graded_cells_and_hidden_tests_cover_the_issue():
     assert [nbgrader_meta(c)["grade_id"] for c in _mine(sections_3_and_5(nb))] == [nbgrader_meta(c)["grade_id"]
                                                                                   for c in _mine(nb)]
     assert sorted(nbgrader_meta(c)["grade_id"] for c in _mine(nb)) == sorted(GRADED)
-    for exercise in ("planner_memory", "planner_step_time", "planner_plans", "scaling_fit", "scaling_optimal"):
+    for exercise in ("ex_planner_memory", "ex_planner_step_time", "ex_planner_plans", "ex_scaling_fit",
+                     "ex_scaling_optimal"):
         assert nbgrader_meta(cell_by_id(nb, exercise))["solution"]
     hidden = {g: cell_by_id(nb, g).source.split("### BEGIN HIDDEN TESTS")[1] for g in GRADED}
-    plans = cell_by_id(nb, "planner_test_plans").source
+    plans = cell_by_id(nb, "test_planner_plans").source
     assert "pure DP first" in plans                                   # a model that fits: pure DP
     for needle in ("p.tp == 1 and p.pp == 1 and p.zero == 0",         # cannot fit unsharded: no pure DP
                    "_plans[0].tp <= 8",                               # TP stays on the fast tier
                    "memory=1e9)) == []"):                             # memory rejection
-        assert needle in hidden["planner_test_plans"], needle
-    measured = cell_by_id(nb, "planner_test_step_time").source
+        assert needle in hidden["test_planner_plans"], needle
+    measured = cell_by_id(nb, "test_planner_step_time").source
     assert "_rho >= 0.7" in measured and "< 3" in measured and 'Path("data/step_times.json")' not in measured
-    assert "_ref_step" in hidden["planner_test_step_time"]
-    assert "np.polyfit" not in cell_by_id(nb, "scaling_test_fit").source   # the reference is written out
-    assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "scaling_test_optimal").source
+    assert "_ref_step" in hidden["test_planner_step_time"]
+    assert "np.polyfit" not in cell_by_id(nb, "test_scaling_fit").source   # the reference is written out
+    assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "test_scaling_optimal").source
     # the graded tests' references are formulas in the test, never code of the kit
     for g in GRADED:
         assert "disttrain_lab" not in cell_by_id(nb, g).source
