@@ -1202,16 +1202,14 @@ def cli_release(argv: list[str] | None = None) -> int:
                         help="also grade each lab's solution once and record its cell times in grader/cell_times/ "
                         "(the grader derives each cell's time limit from them; see disttrain_lab/cell_times.py)")
     args = parser.parse_args(argv)
-    from rich.progress import track
     from .release import WHEELS, InstallSourceError, wheel_differences
     try:
         if not args.check:
             labs = args.labs or list_labs()
-            for lab in track(labs, description="releasing", transient=True, console=_stderr_console()):
+            for lab in _track(labs, "releasing"):
                 for result in release([lab], course=args.course_dir, install_source=args.install_source):
                     print(f"released {lab} -> {release_dir() / lab} ({result.seconds:.1f} s)")
-            for lab in track(labs if args.time_cells else [], description="timing the solutions' cells",
-                             transient=True, console=_stderr_console()):
+            for lab in _track(labs if args.time_cells else [], "timing the solutions' cells"):
                 print(f"cell times of {lab}: {cell_times.record(lab, cell_times.measure(lab))}")
             return 0
         stale = []
@@ -1231,9 +1229,13 @@ def cli_release(argv: list[str] | None = None) -> int:
     return 1 if stale else 0
 
 
-def _stderr_console():
+def _track(items: list, description: str):
+    """``items`` with a progress bar on stderr (rich); what the loop prints stays on stdout."""
     from rich.console import Console
-    return Console(stderr=True)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, redirect_stdout=False) as progress:
+        yield from progress.track(items)
 
 
 def _comparable(nb_path: Path) -> list:
