@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
@@ -130,6 +130,33 @@ def _rmdir(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# the kernel's environment: an allowlist, never the grader's own (tokens, HOME, course paths)
+
+# names passed through as they are: the locale, thread counts, the kit's and torch's settings
+ENV_NAMES = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "OMP_NUM_THREADS",
+             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONDONTWRITEBYTECODE",
+             "PYTHONUNBUFFERED", "PYTHONHASHSEED", "NBGRADER_EXECUTION", "CUDA_VISIBLE_DEVICES"}
+ENV_PREFIXES = ("LC_", "DISTTRAIN_LAB_", "GLOO_", "NCCL_")
+
+
+def kernel_env(environ: dict, *, home: str, runtime: str, keep: list[str]) -> dict:
+    """What a sandboxed kernel sees of the grader's environment: the allowlist above;
+    ``PYTHONPATH`` only with its entries inside the kept paths (the kit); ``HOME`` and the
+    config dirs in the sandbox's private home.  Everything else -- a token, the course's
+    paths (``DISTTRAIN_COURSE_DIR``), the grader's ``HOME`` -- stays out."""
+    env = {k: v for k, v in environ.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    inside = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and any(os.path.realpath(p) == k or os.path.realpath(p).startswith(k.rstrip(os.sep) + os.sep)
+                           for k in keep)]
+    if inside:
+        env["PYTHONPATH"] = os.pathsep.join(inside)
+    env.update(HOME=home, TMPDIR="/tmp", JUPYTER_RUNTIME_DIR=runtime, IPYTHONDIR=os.path.join(home, ".ipython"),
+               MPLCONFIGDIR=os.path.join(home, ".matplotlib"), USER="student", LOGNAME="student",
+               JPY_PARENT_PID="1")     # ipykernel's parent poller: its parent is the sandbox's init
+    return env
+
+
+# ----------------------------------------------------------------------------------------
 # the spec the grader passes, and the command that starts a kernel in a sandbox
 
 def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str,
@@ -150,7 +177,8 @@ def main(argv: list[str]) -> None:
     cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
     go_r, go_w = os.pipe()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # an interrupt is for the kernel (its group gets it)
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
+    # a new IPC namespace too: System V shared memory would outlive the student otherwise
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
     child = os.fork()
     if child == 0:                                     # pid 1 of the new namespace
         os.close(go_w)
@@ -217,10 +245,7 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
         else:
             _mount("/dev/null", hidden, None, MS_BIND)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    env = dict(os.environ, HOME=str(home), TMPDIR="/tmp", JUPYTER_RUNTIME_DIR=str(runtime),
-               IPYTHONDIR=str(home / ".ipython"), MPLCONFIGDIR=str(home / ".matplotlib"),
-               USER="student", LOGNAME="student",
-               JPY_PARENT_PID="1")     # ipykernel's parent poller: its parent is this init now
+    env = kernel_env(os.environ, home=str(home), runtime=str(runtime), keep=[os.path.realpath(k) for k in keep_fds])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     kernel = os.fork()
     if kernel == 0:
