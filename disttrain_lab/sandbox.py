@@ -17,16 +17,25 @@ namespace: a child that called ``setsid`` or keeps forking cannot outlive the st
 Memory charged to the cgroup includes tmpfs pages, so ``/dev/shm`` counts; the
 namespace's tmpfs mounts vanish with it.
 
-``problem()`` says why a host cannot isolate (not root, no cgroup v1 memory/pids, no
-namespaces); the grader then says so loudly and in the grade report.
+Where the grader is not root but bubblewrap runs (user namespaces), the kernel runs under
+``bwrap`` instead (``method() == "bwrap"``): the same private /tmp and /dev/shm (size-capped
+tmpfs), hidden grader files, a read-only root file system, new pid and IPC namespaces, killed
+with its wrapper -- but no cgroup, so no memory or process cap for the whole student, and
+the grader's own uid outside the namespace; ``caveat()`` says so, and the grader repeats it
+loudly and in the grade report.
+
+``problem()`` says why a host cannot isolate at all (not root and no working bwrap, no
+cgroup v1 memory/pids, no namespaces); the grader then says so loudly and in the report.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,15 +62,56 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
 
 def problem() -> str | None:
     """Why this host cannot sandbox a kernel, or None when it can."""
+    return _host()[1]
+
+
+def method() -> str | None:
+    """How kernels are sandboxed here: "root" (the full sandbox), "bwrap" (no root) or None."""
+    return _host()[0]
+
+
+BWRAP_CAVEAT = ("the grader is not root, so kernels run under bubblewrap: private /tmp and /dev/shm, "
+                "hidden grader files, read-only file system, own pid namespace, killed with the grading -- "
+                "but NO memory or process cap for the whole student (cgroups need root), and files the "
+                "grader can read outside the hidden paths stay readable")
+
+
+def caveat() -> str | None:
+    """What the sandbox cannot do on this host although it runs (None: nothing)."""
+    return BWRAP_CAVEAT if method() == "bwrap" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _host() -> tuple[str | None, str | None]:
     if not sys.platform.startswith("linux"):
-        return f"sandboxing needs Linux (this is {sys.platform})"
+        return None, f"sandboxing needs Linux (this is {sys.platform})"
+    if not os.path.exists("/proc/self/ns/pid") or not os.path.exists("/proc/self/ns/mnt"):
+        return None, "the kernel has no pid/mount namespaces"
     if os.geteuid() != 0:
-        return "the grader does not run as root, so it cannot switch users, mount or use cgroups"
+        why = _bwrap_problem()
+        return ("bwrap", None) if why is None else \
+            (None, f"the grader does not run as root (no user switch, mounts or cgroups), and bubblewrap cannot stand in: {why}")
     for controller in ("memory", "pids"):
         if not (CGROUP_ROOT / controller / "cgroup.procs").exists():
-            return f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
-    if not os.path.exists("/proc/self/ns/pid") or not os.path.exists("/proc/self/ns/mnt"):
-        return "the kernel has no pid/mount namespaces"
+            return None, f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
+    return "root", None
+
+
+_BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--die-with-parent"]
+
+
+def _bwrap_problem() -> str | None:
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return "no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)"
+    try:
+        run = subprocess.run([exe, *_BWRAP_NAMESPACES, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                              "--tmpfs", "/tmp", "true"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`{exe}` did not run ({exc})"
+    if run.returncode != 0:
+        return (f"`{exe}` failed: {run.stderr.strip()[-300:] or f'exit {run.returncode}'} "
+                "(are unprivileged user namespaces switched off? sysctl kernel.unprivileged_userns_clone)")
     return None
 
 
@@ -162,7 +212,7 @@ def kernel_env(environ: dict, *, home: str, runtime: str, keep: list[str]) -> di
 def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str,
          hide: list[str], keep: list[str]) -> dict:
     return {"uid": uid, "memory": memory, "pids": pids, "data_limit": data_limit,
-            "cgroup": cgroup, "hide": hide, "keep": keep}
+            "cgroup": cgroup, "hide": hide, "keep": keep, "method": method()}
 
 
 def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
@@ -173,6 +223,8 @@ def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> None:
     the_spec, cmd = json.loads(argv[0]), argv[2:]
+    if the_spec.get("method") == "bwrap":
+        _run_bwrap(the_spec, cmd)
     name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
     cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
     go_r, go_w = os.pipe()
@@ -263,6 +315,67 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
         pid, status = os.wait()
         if pid == kernel:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
+
+
+# ----------------------------------------------------------------------------------------
+# without root: bubblewrap (a user namespace mapping the grader's uid to SPEC.uid)
+
+def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
+    """wrapper (the grader) -> bwrap -> kernel, in new user, pid, IPC and mount namespaces.
+    The submission folder, home and connection file are staged below the grading's temp
+    dir (hidden from the kernel) and bound in; the stage is removed when the kernel ends."""
+    import resource
+    import tempfile
+    size = str(the_spec["memory"] // 2)
+    stage = Path(tempfile.mkdtemp(prefix="sandbox-"))
+    try:
+        work, home, runtime = stage / "work", stage / "home", stage / "kernel"
+        shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        home.mkdir()
+        runtime.mkdir(mode=0o700)
+        if "-f" in cmd:
+            conn_index = cmd.index("-f") + 1
+            (runtime / "kernel.json").write_bytes(Path(cmd[conn_index]).read_bytes())
+            cmd[conn_index] = "/tmp/.kernel/kernel.json"
+        keep = sorted({os.path.realpath(p) for p in the_spec["keep"] if os.path.isdir(p)})
+        args = [shutil.which("bwrap") or "bwrap", *_BWRAP_NAMESPACES, "--uid", str(the_spec["uid"]),
+                "--gid", str(the_spec["uid"]), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        # the same order as the root sandbox: /tmp and /dev/shm, then the hidden folders by
+        # depth; after each, the kept folders below it are bound back read-only
+        private = ["/tmp", "/dev/shm"]
+        hidden = sorted({os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private},
+                        key=lambda p: p.count(os.sep))
+        done: list[str] = []
+        for target in private + hidden:
+            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done):
+                continue                               # below a folder hidden already
+            done.append(target)
+            below = [k for k in keep if k.startswith(target.rstrip(os.sep) + os.sep)]
+            if target in private:
+                args += ["--size", size, "--tmpfs", target]
+            elif os.path.isdir(target):
+                args += ["--tmpfs", target]
+            elif os.path.exists(target):
+                args += ["--ro-bind", "/dev/null", target]
+            for kept in below:
+                args += ["--ro-bind", kept, kept]
+            if target not in private and os.path.isdir(target):
+                args += ["--remount-ro", target]
+        args += ["--bind", str(work), "/tmp/work", "--bind", str(home), "/tmp/home",
+                 "--bind", str(runtime), "/tmp/.kernel", "--chdir", "/tmp/work", "--", *cmd]
+        env = kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
+        limit = the_spec["data_limit"]
+
+        def in_child() -> None:
+            if limit:
+                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # an interrupt is for the kernel (its group gets it)
+        proc = subprocess.Popen(args, env=env, preexec_fn=in_child)
+        signal.signal(signal.SIGTERM, lambda *_: proc.kill())
+        code = proc.wait()
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    os._exit(code & 0xFF if code >= 0 else 1)
 
 
 if __name__ == "__main__":

@@ -461,3 +461,83 @@ def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
 def _uid(pid: int) -> int:
     [line] = [x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("Uid:")]
     return int(line.split()[1])
+
+
+# ----------------------------------------------------------------------------------------
+# a grader without root: kernels under bubblewrap (run for real: the grading as another uid)
+
+UNPRIVILEGED = 64200
+# as root, in a private mount namespace: make each path given reachable by "other" (a 0755
+# tmpfs over its first ancestor that is not, the path bound back), then exec the command
+_OPEN_PATHS = """
+import os, subprocess, sys, tempfile
+sep = sys.argv.index('--')
+subprocess.run(['mount', '--make-rprivate', '/'], check=True)
+for need in sys.argv[1:sep]:
+    parts = need.strip('/').split('/')
+    for i in range(1, len(parts)):
+        ancestor = '/' + '/'.join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            stash = tempfile.mkdtemp()
+            subprocess.run(['mount', '--rbind', need, stash], check=True)
+            subprocess.run(['mount', '-t', 'tmpfs', '-o', 'mode=0755', 'tmpfs', ancestor], check=True)
+            os.makedirs(need, exist_ok=True)
+            subprocess.run(['mount', '--move', stash, need], check=True)
+            break
+os.execvp(sys.argv[sep + 1], sys.argv[sep + 1:])
+"""
+_GRADE_AS_IS = """
+import json, sys
+from pathlib import Path
+from disttrain_lab import grading, sandbox
+root, fixtures = Path(sys.argv[1]), Path(sys.argv[2])
+assert sandbox.method() == 'bwrap', sandbox.problem()
+results = grading.autograde('00_basics', course=root / 'course', source=fixtures, release_from=root / 'release',
+                            limits=grading.Limits(**json.loads(sys.argv[3])), tmp_root=str(root / 'tmp'),
+                            one_process_per_student=False)
+print('SCORES', json.dumps({'rc': {s: r.returncode for s, r in results.items()},
+                            'scores': grading.scores('00_basics', root / 'course')}))
+"""
+
+
+def _can_drop_root() -> str | None:
+    import shutil
+    if os.geteuid() != 0:
+        return "needs root to start the grading as another user"
+    missing = [t for t in ("bwrap", "setpriv", "unshare", "mount") if shutil.which(t) is None]
+    return f"missing {', '.join(missing)} (Debian: apt-get install bubblewrap util-linux mount)" if missing else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_can_drop_root() is not None, reason=str(_can_drop_root()))
+def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
+    import json
+    import subprocess
+    import sys
+    course = Course(tmp_path, "00_basics", FIXTURES, None)
+    course.do_release()                                        # (as root: the release is not under test)
+    for name in ("c4_files", "c6_shm"):
+        source = ATTACKS[name].replace("@COURSE@", str(course.course)).replace("@ROOT@", str(tmp_path))
+        submit(course.course, name, course.lab, with_solution(course.solution, "ex_mean", source))
+    submit(course.course, "a_honest", course.lab, course.solution)
+    others = _digest(course.course / "submitted" / "a_honest")
+    (tmp_path / "home").mkdir()
+    subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(tmp_path)], check=True)
+    needs = sorted({sys.base_prefix, sys.prefix, str(grading.REPO_ROOT), str(tmp_path)})
+    env = dict(os.environ, HOME=str(tmp_path / "home"), **{SECRET_NAME: "grader-secret-" + os.urandom(8).hex()})
+    run = subprocess.run(["unshare", "--mount", sys.executable, "-I", "-c", _OPEN_PATHS, *needs, "--",
+                          "setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
+                          sys.executable, "-c", _GRADE_AS_IS, str(tmp_path), str(FIXTURES),
+                          json.dumps(dict(LIMITS, sandbox="on"))],
+                         cwd=grading.REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("SCORES ")] or [run.stdout[-3000:] + run.stderr[-3000:]]
+    got = json.loads(line[len("SCORES "):])
+    assert set(got["rc"].values()) == {0}, run.stdout[-3000:]
+    full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
+    assert got["scores"]["a_honest"] == full and got["scores"]["c6_shm"] == full
+    assert got["scores"]["c4_files"]["total"] == 2.0         # no secret, no gradebook, no solutions, no .git
+    assert "LIMITED isolation" in run.stdout and "NO memory or process cap" in run.stdout
+    report = (course.course / "reports" / "00_basics.txt").read_text()
+    assert "isolation: every kernel sandboxed" in report and "isolation LIMITED: the grader is not root" in report
+    assert _digest(course.course / "submitted" / "a_honest") == others
+    assert _host_leftovers() == [] and not processes_with(str(course.course)) and not list(course.tmp.iterdir())
