@@ -372,6 +372,9 @@ class RobustExecute(Execute):
                 uid=self.sandbox_uid, memory=self.student_memory, pids=self.student_pids,
                 data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
                 hide=_hidden_paths(), keep=_kept_paths())
+            # the sandbox has its own network namespace: ZMQ over unix sockets in a folder
+            # made for this kernel (the sandbox binds it in and removes it)
+            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-"), "k")
         elif self.sandbox != "off":
             raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
         return km

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x20000000, 0x08000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
@@ -97,7 +97,7 @@ def _host() -> tuple[str | None, str | None]:
     return "root", None
 
 
-_BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--die-with-parent"]
+_BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent"]
 
 
 def _bwrap_problem() -> str | None:
@@ -180,6 +180,43 @@ def _rmdir(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# the network: loopback only; the kernel's ZMQ channels go over unix sockets (transport "ipc")
+
+def _loopback_up() -> None:
+    import fcntl
+    import socket
+    import struct
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, struct.pack("16sH22x", b"lo", 0)))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def _hosts() -> str:
+    """/etc/hosts for the sandbox: the host's, plus every loopback address named, so that
+    reverse look-ups of the ranks' sockets (c10d does them) answer from the file: there is
+    no DNS in the namespace, and a look-up that waits for one prints a warning to stderr,
+    which fails a graded cell."""
+    try:
+        text = Path("/etc/hosts").read_text()
+    except OSError:
+        text = ""
+    name = os.uname().nodename
+    return text.rstrip("\n") + f"\n127.0.0.1 localhost {name}\n::1 localhost {name}\n::ffff:127.0.0.1 localhost {name}\n"
+
+
+def _ipc_dir(conn: dict | None) -> str | None:
+    """The folder of a kernel's unix sockets (the grader made it for this kernel alone), or
+    None for TCP (the grader could not reach a kernel in its own network namespace)."""
+    if not conn:
+        return None
+    if conn.get("transport") != "ipc":
+        raise ValueError(f"a sandboxed kernel has its own network namespace, so its connection file must use "
+                         f"transport 'ipc' (unix sockets), not {conn.get('transport')!r}")
+    return os.path.dirname(os.path.realpath(conn["ip"]))
+
+
+# ----------------------------------------------------------------------------------------
 # the kernel's environment: an allowlist, never the grader's own (tokens, HOME, course paths)
 
 # names passed through as they are: the locale, thread counts, the kit's and torch's settings
@@ -225,12 +262,15 @@ def main(argv: list[str]) -> None:
     the_spec, cmd = json.loads(argv[0]), argv[2:]
     if the_spec.get("method") == "bwrap":
         _run_bwrap(the_spec, cmd)
+    ipc_dir = _ipc_dir(json.loads(Path(cmd[cmd.index("-f") + 1]).read_bytes())) if "-f" in cmd else None
     name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
     cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
     go_r, go_w = os.pipe()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # an interrupt is for the kernel (its group gets it)
-    # a new IPC namespace too: System V shared memory would outlive the student otherwise
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC), "unshare")
+    # a new IPC namespace too (System V shared memory would outlive the student), and a new
+    # network namespace with only loopback: ranks talk over 127.0.0.1 among themselves, and
+    # reach no other student's ranks or rendezvous, nor the host's services
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
     child = os.fork()
     if child == 0:                                     # pid 1 of the new namespace
         os.close(go_w)
@@ -250,6 +290,8 @@ def main(argv: list[str]) -> None:
         _, status = os.waitpid(child, 0)
     finally:
         cgroup.destroy()
+        if ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
 
 
@@ -258,11 +300,19 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
     size = f"size={the_spec['memory'] // 2}"      # each of /tmp and /dev/shm; their pages count in the cgroup too
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     # read what the kernel needs before the mounts hide it: its connection file, its folder
+    _loopback_up()
     conn_index = cmd.index("-f") + 1 if "-f" in cmd else None
-    conn = Path(cmd[conn_index]).read_bytes() if conn_index else None
+    conn = json.loads(Path(cmd[conn_index]).read_bytes()) if conn_index else None
+    ipc_dir = _ipc_dir(conn)
+    if ipc_dir:                                        # the kernel creates its sockets there
+        os.chown(ipc_dir, uid, uid)
+        ipc_fd = os.open(ipc_dir, os.O_PATH)
     keep_fds = {p: os.open(p, os.O_PATH) for p in the_spec["keep"] if os.path.isdir(p)}
     for target in ("/tmp", "/dev/shm"):
         _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    if os.path.isfile("/etc/hosts"):
+        Path("/tmp/.hosts").write_text(_hosts())          # (root's, read-only to the kernel)
+        _mount("/tmp/.hosts", "/etc/hosts", None, MS_BIND)
     # the interpreter or the kit may live under /tmp (a CI clone): bind them back, read-only
     for kept, fd in keep_fds.items():
         if any(kept.startswith(t + os.sep) for t in ("/tmp", "/dev/shm")):
@@ -274,7 +324,11 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
     home.mkdir()
     runtime.mkdir(mode=0o700)
     if conn is not None:
-        (runtime / "kernel.json").write_bytes(conn)
+        if ipc_dir:
+            (runtime / "ipc").mkdir()
+            _mount(f"/proc/self/fd/{ipc_fd}", str(runtime / "ipc"), None, MS_BIND)
+            conn["ip"] = str(runtime / "ipc" / os.path.basename(conn["ip"]))
+        (runtime / "kernel.json").write_text(json.dumps(conn))
         cmd[conn_index] = str(runtime / "kernel.json")
     for path in (work, home, runtime):
         for root, dirs, files in os.walk(path):
@@ -327,19 +381,25 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
     import resource
     import tempfile
     size = str(the_spec["memory"] // 2)
-    stage = Path(tempfile.mkdtemp(prefix="sandbox-"))
+    stage, ipc_dir = Path(tempfile.mkdtemp(prefix="sandbox-")), None
     try:
         work, home, runtime = stage / "work", stage / "home", stage / "kernel"
         shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
         home.mkdir()
         runtime.mkdir(mode=0o700)
+        (stage / "hosts").write_text(_hosts())
         if "-f" in cmd:
             conn_index = cmd.index("-f") + 1
-            (runtime / "kernel.json").write_bytes(Path(cmd[conn_index]).read_bytes())
+            conn = json.loads(Path(cmd[conn_index]).read_bytes())
+            ipc_dir = _ipc_dir(conn)
+            if ipc_dir:                                # bound in below, where the kernel looks
+                conn["ip"] = "/tmp/.kernel/ipc/" + os.path.basename(conn["ip"])
+            (runtime / "kernel.json").write_text(json.dumps(conn))
             cmd[conn_index] = "/tmp/.kernel/kernel.json"
         keep = sorted({os.path.realpath(p) for p in the_spec["keep"] if os.path.isdir(p)})
         args = [shutil.which("bwrap") or "bwrap", *_BWRAP_NAMESPACES, "--uid", str(the_spec["uid"]),
-                "--gid", str(the_spec["uid"]), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+                "--gid", str(the_spec["uid"]), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else [])]
         # the same order as the root sandbox: /tmp and /dev/shm, then the hidden folders by
         # depth; after each, the kept folders below it are bound back read-only
         private = ["/tmp", "/dev/shm"]
@@ -362,7 +422,8 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
             if target not in private and os.path.isdir(target):
                 args += ["--remount-ro", target]
         args += ["--bind", str(work), "/tmp/work", "--bind", str(home), "/tmp/home",
-                 "--bind", str(runtime), "/tmp/.kernel", "--chdir", "/tmp/work", "--", *cmd]
+                 "--bind", str(runtime), "/tmp/.kernel", *(["--bind", ipc_dir, "/tmp/.kernel/ipc"] if ipc_dir else []),
+                 "--chdir", "/tmp/work", "--", *cmd]
         env = kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
         limit = the_spec["data_limit"]
 
@@ -375,6 +436,8 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
         code = proc.wait()
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        if ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(code & 0xFF if code >= 0 else 1)
 
 

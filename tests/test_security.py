@@ -373,13 +373,14 @@ def test_verify_untampered_sees_swapped_code_objects_and_defaults():
 # concurrent students: two sandboxes at once (as `grade --jobs` runs them), no grading needed
 
 _NEIGHBOUR = """
-import os, sys
-print('ready', flush=True)
+import os, socket, sys
+server = socket.create_server(('127.0.0.1', 0))      # as a rank's rendezvous would
+print('ready', server.getsockname()[1], flush=True)
 sys.stdin.readline()
 print('alive', flush=True)
 """
 _PROBER = """
-import json, os, signal, sys
+import json, os, signal, socket, sys
 seen, marker = [], sys.argv[1][::-1].encode()    # (given reversed: its own command line has it too)
 for pid in filter(str.isdigit, os.listdir('/proc')):
     try:
@@ -392,7 +393,12 @@ try:
     kill = 'sent'
 except OSError as exc:
     kill = type(exc).__name__
-print(json.dumps({'seen': seen, 'kill': kill, 'pids': sorted(map(int, filter(str.isdigit, os.listdir('/proc'))))}),
+try:
+    socket.create_connection(('127.0.0.1', int(sys.argv[3])), timeout=30).close()
+    connect = 'connected'
+except OSError as exc:
+    connect = type(exc).__name__
+print(json.dumps({'seen': seen, 'kill': kill, 'connect': connect, 'pids': sorted(map(int, filter(str.isdigit, os.listdir('/proc'))))}),
       flush=True)
 sys.stdin.readline()
 os.kill(-1, signal.SIGKILL)                           # everything this uid may signal
@@ -430,13 +436,15 @@ def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
     neighbour = _sandboxed(tmp_path, 64124, cgroup, _NEIGHBOUR, MARKER + "-neighbour")
     prober = None
     try:
-        assert neighbour.stdout.readline() == "ready\n"
+        ready, port = neighbour.stdout.readline().split()
+        assert ready == "ready"
         neighbour_pid = _kernel_of(neighbour.pid)
-        prober = _sandboxed(tmp_path, 64123, cgroup, _PROBER, (MARKER + "-neighbour")[::-1], str(neighbour_pid))
+        prober = _sandboxed(tmp_path, 64123, cgroup, _PROBER, (MARKER + "-neighbour")[::-1], str(neighbour_pid), port)
         report = json.loads(prober.stdout.readline())
         prober_pid = _kernel_of(prober.pid)
         # neither sees the other: its /proc shows its own namespace (init and itself)
         assert report["seen"] == [] and report["kill"] == "ProcessLookupError" and report["pids"] == [1, 2], report
+        assert report["connect"] == "ConnectionRefusedError", report   # its own loopback, not the neighbour's
         mine, theirs = _cgroups_of(prober_pid), _cgroups_of(neighbour_pid)
         assert set(mine) == set(theirs) == {"memory", "pids"}
         for c in mine:      # one cgroup per kernel, below the run's, never shared
