@@ -4,13 +4,16 @@ grader files, memory and process caps for the whole student, killed as one unit.
 The grader starts every kernel through this module (``python -I .../sandbox.py SPEC --
 KERNEL-COMMAND``, see ``command``), run as root::
 
-    wrapper (root, host namespaces)    creates the cgroups, waits, removes them
-    └── init (root, pid 1 of a new pid + mount namespace, in the cgroups)
-        │   private tmpfs on /tmp and /dev/shm; tmpfs over the gradebook/course, solutions,
-        │   the grading temp dir and the grader's home (the interpreter and the kit are
-        │   bound back read-only); a fresh /proc
-        └── kernel (uid SPEC.uid, no groups, no new privileges), cwd = a private copy of
-            the submission folder; every rank it starts stays below it
+    wrapper (root)    creates the cgroups, unshares mount, pid, IPC and network namespaces,
+    │                 waits, removes the cgroups
+    └── init (root, pid 1 of the new pid namespace, in the cgroups)
+        │   loopback up (the only interface); private tmpfs on /tmp and /dev/shm; tmpfs over
+        │   the gradebook/course, solutions, the grading temp dir and the grader's home (the
+        │   interpreter and the kit are bound back read-only); the kernel's socket folder
+        │   bound in (ZMQ over unix sockets: the grader is in another network namespace);
+        │   a fresh /proc
+        └── kernel (uid SPEC.uid, no groups, no new privileges, an allowlisted environment),
+            cwd = a private copy of the submission folder; every rank it starts stays below it
 
 When the kernel exits, init exits, and Linux kills every process left in the pid
 namespace: a child that called ``setsid`` or keeps forking cannot outlive the student.
@@ -19,7 +22,8 @@ namespace's tmpfs mounts vanish with it.
 
 Where the grader is not root but bubblewrap runs (user namespaces), the kernel runs under
 ``bwrap`` instead (``method() == "bwrap"``): the same private /tmp and /dev/shm (size-capped
-tmpfs), hidden grader files, a read-only root file system, new pid and IPC namespaces, killed
+tmpfs), hidden grader files, a read-only root file system, new pid, IPC and network
+namespaces, the same environment allowlist, killed
 with its wrapper -- but no cgroup, so no memory or process cap for the whole student, and
 the grader's own uid outside the namespace; ``caveat()`` says so, and the grader repeats it
 loudly and in the grade report.
@@ -85,8 +89,9 @@ def caveat() -> str | None:
 def _host() -> tuple[str | None, str | None]:
     if not sys.platform.startswith("linux"):
         return None, f"sandboxing needs Linux (this is {sys.platform})"
-    if not os.path.exists("/proc/self/ns/pid") or not os.path.exists("/proc/self/ns/mnt"):
-        return None, "the kernel has no pid/mount namespaces"
+    missing = [ns for ns in ("pid", "mnt", "ipc", "net") if not os.path.exists(f"/proc/self/ns/{ns}")]
+    if missing:
+        return None, f"the Linux kernel has no {'/'.join(missing)} namespaces"
     if os.geteuid() != 0:
         why = _bwrap_problem()
         return ("bwrap", None) if why is None else \

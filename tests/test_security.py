@@ -289,6 +289,16 @@ def test_no_isolation_is_said_loudly_and_in_the_report(tmp_path, monkeypatch):
     assert "isolation: NONE: the grader does not run as root" in path.read_text()
 
 
+def test_the_kernel_sees_an_allowlist_of_the_graders_environment():
+    grader = {"PATH": "/usr/bin", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "2", "DISTTRAIN_LAB_BACKEND": "gloo",
+              SECRET_NAME: "x", "HOME": "/root", "DISTTRAIN_COURSE_DIR": "/srv/course", "PYTHONPATH": "/kit/src:/root/lib"}
+    env = sandbox.kernel_env(grader, home="/tmp/home", runtime="/tmp/.kernel", keep=["/kit"])
+    assert {k: env[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")} == \
+        {k: grader[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")}
+    assert SECRET_NAME not in env and "DISTTRAIN_COURSE_DIR" not in env
+    assert env["HOME"] == "/tmp/home" and env["PYTHONPATH"] == "/kit/src"     # only the kit's entry
+
+
 def test_scan_flags_hostile_constructs_only_in_student_cells(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("import ctypes\nget_ipython().events.register('post_run_cell', f)",
