@@ -75,7 +75,7 @@ def method() -> str | None:
 
 
 BWRAP_CAVEAT = ("the grader is not root, so kernels run under bubblewrap: private /tmp and /dev/shm, "
-                "hidden grader files, read-only file system, own pid namespace, killed with the grading -- "
+                "hidden grader files, read-only file system, own pid, IPC and network namespaces, killed with the grading -- "
                 "but NO memory or process cap for the whole student (cgroups need root), and files the "
                 "grader can read outside the hidden paths stay readable")
 
