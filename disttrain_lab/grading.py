@@ -373,8 +373,10 @@ class RobustExecute(Execute):
                 data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
                 hide=_hidden_paths(), keep=_kept_paths())
             # the sandbox has its own network namespace: ZMQ over unix sockets in a folder
-            # made for this kernel (the sandbox binds it in and removes it)
-            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-"), "k")
+            # made for this kernel (the sandbox binds it in and removes it); a unix socket's
+            # path holds at most 107 bytes, so a deep temp dir gives way to /tmp
+            where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
+            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
         elif self.sandbox != "off":
             raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
         return km
