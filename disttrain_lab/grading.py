@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import copy
 import hmac
 import json
@@ -377,6 +378,7 @@ class RobustExecute(Execute):
             # path holds at most 107 bytes, so a deep temp dir gives way to /tmp
             where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
             km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
+            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)   # (a killed wrapper cannot)
         elif self.sandbox != "off":
             raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
         return km
