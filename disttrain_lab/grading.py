@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import copy
 import hmac
 import json
@@ -386,6 +387,12 @@ class RobustExecute(Execute):
                 memory=self.student_memory, pids=self.student_pids,
                 data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
                 hide=_hidden_paths(), keep=_kept_paths())
+            # the sandbox has its own network namespace: ZMQ over unix sockets in a folder
+            # made for this kernel (the sandbox binds it in and removes it); a unix socket's
+            # path holds at most 107 bytes, so a deep temp dir gives way to /tmp
+            where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
+            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
+            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)   # (a killed wrapper cannot)
         elif self.sandbox != "off":
             raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
         return km
@@ -731,7 +738,8 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path,
     at (grading failures, what the guard put back or caught, hostile constructs)."""
     lines = [f"Grade report for {lab}",
              "isolation: " + ("every kernel sandboxed (see grader/README.md, 'Threat model')" if isolation is None
-                              else f"NONE: {isolation}; student code ran as the grader"), ""]
+                              else f"NONE: {isolation}; student code ran as the grader")
+             + (f"\nisolation LIMITED: {sandbox.caveat()}" if isolation is None and sandbox.caveat() else ""), ""]
     for student in students:
         result = results.get(student)
         status = "ok" if result and result.returncode == 0 else \
@@ -788,7 +796,10 @@ def configured_install_source() -> str:
 
 _NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
                  "can read and change the gradebook, solutions and other students' files. Grade as root on "
-                 "Linux with cgroup v1 memory+pids (see grader/README.md, 'Threat model'). ***\n")
+                 "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n")
+
+
+_LIMITED_ISOLATION = "\n*** disttrain-lab: grading with LIMITED isolation: {why} (see grader/README.md). ***\n"
 
 
 def configure(c, limits: Limits | None = None) -> None:
@@ -809,6 +820,8 @@ def configure(c, limits: Limits | None = None) -> None:
     use_sandbox, why = limits.sandboxed()
     if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
         print(_NO_ISOLATION.format(why=why), file=sys.stderr)
+    elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
     c.RobustExecute.sandbox = "on" if use_sandbox else "off"
     c.RobustExecute.student_memory = limits.student_memory
     c.RobustExecute.student_pids = limits.student_pids
@@ -987,7 +1000,7 @@ def _run_step(args: list[str], timeout: float, env: dict | None, tmp_root: str |
         finally:
             _RUNNING.pop(proc.pid, None)
             _reap_orphans(before, f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode())
-            if sandbox.problem() is None:
+            if sandbox.method() == "root":
                 sandbox.Cgroup(cgroup).destroy()
     return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
 
@@ -1090,6 +1103,8 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
     isolated, why = limits.sandboxed()
     if not isolated:
         log(_NO_ISOLATION.format(why=why))
+    elif sandbox.caveat():
+        log(_LIMITED_ISOLATION.format(why=sandbox.caveat()))
     _ensure_in_gradebook(lab, course, env, tmp_root)
     students = students or students_of(lab, course)
     if not one_process_per_student:

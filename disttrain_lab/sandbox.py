@@ -4,35 +4,48 @@ grader files, memory and process caps for the whole student, killed as one unit.
 The grader starts every kernel through this module (``python -I .../sandbox.py SPEC --
 KERNEL-COMMAND``, see ``command``), run as root::
 
-    wrapper (root, host namespaces)    creates the cgroups, waits, removes them
-    └── init (root, pid 1 of a new pid + mount namespace, in the cgroups)
-        │   private tmpfs on /tmp and /dev/shm; tmpfs over the gradebook/course, solutions,
-        │   the grading temp dir and the grader's home (the interpreter and the kit are
-        │   bound back read-only); a fresh /proc
-        └── kernel (uid SPEC.uid, no groups, no new privileges), cwd = a private copy of
-            the submission folder; every rank it starts stays below it
+    wrapper (root)    creates the cgroups, unshares mount, pid, IPC and network namespaces,
+    │                 waits, removes the cgroups
+    └── init (root, pid 1 of the new pid namespace, in the cgroups)
+        │   loopback up (the only interface); private tmpfs on /tmp and /dev/shm; tmpfs over
+        │   the gradebook/course, solutions, the grading temp dir and the grader's home (the
+        │   interpreter and the kit are bound back read-only); the kernel's socket folder
+        │   bound in (ZMQ over unix sockets: the grader is in another network namespace);
+        │   a fresh /proc
+        └── kernel (uid SPEC.uid, no groups, no new privileges, an allowlisted environment),
+            cwd = a private copy of the submission folder; every rank it starts stays below it
 
 When the kernel exits, init exits, and Linux kills every process left in the pid
 namespace: a child that called ``setsid`` or keeps forking cannot outlive the student.
 Memory charged to the cgroup includes tmpfs pages, so ``/dev/shm`` counts; the
 namespace's tmpfs mounts vanish with it.
 
-``problem()`` says why a host cannot isolate (not root, no cgroup v1 memory/pids, no
-namespaces); the grader then says so loudly and in the grade report.
+Where the grader is not root but bubblewrap runs (user namespaces), the kernel runs under
+``bwrap`` instead (``method() == "bwrap"``): the same private /tmp and /dev/shm (size-capped
+tmpfs), hidden grader files, a read-only root file system, new pid, IPC and network
+namespaces, the same environment allowlist, killed
+with its wrapper -- but no cgroup, so no memory or process cap for the whole student, and
+the grader's own uid outside the namespace; ``caveat()`` says so, and the grader repeats it
+loudly and in the grade report.
+
+``problem()`` says why a host cannot isolate at all (not root and no working bwrap, no
+cgroup v1 memory/pids, no namespaces); the grader then says so loudly and in the report.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x20000000, 0x08000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
@@ -53,15 +66,57 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
 
 def problem() -> str | None:
     """Why this host cannot sandbox a kernel, or None when it can."""
+    return _host()[1]
+
+
+def method() -> str | None:
+    """How kernels are sandboxed here: "root" (the full sandbox), "bwrap" (no root) or None."""
+    return _host()[0]
+
+
+BWRAP_CAVEAT = ("the grader is not root, so kernels run under bubblewrap: private /tmp and /dev/shm, "
+                "hidden grader files, read-only file system, own pid, IPC and network namespaces, killed with the grading -- "
+                "but NO memory or process cap for the whole student (cgroups need root), and files the "
+                "grader can read outside the hidden paths stay readable")
+
+
+def caveat() -> str | None:
+    """What the sandbox cannot do on this host although it runs (None: nothing)."""
+    return BWRAP_CAVEAT if method() == "bwrap" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _host() -> tuple[str | None, str | None]:
     if not sys.platform.startswith("linux"):
-        return f"sandboxing needs Linux (this is {sys.platform})"
+        return None, f"sandboxing needs Linux (this is {sys.platform})"
+    missing = [ns for ns in ("pid", "mnt", "ipc", "net") if not os.path.exists(f"/proc/self/ns/{ns}")]
+    if missing:
+        return None, f"the Linux kernel has no {'/'.join(missing)} namespaces"
     if os.geteuid() != 0:
-        return "the grader does not run as root, so it cannot switch users, mount or use cgroups"
+        why = _bwrap_problem()
+        return ("bwrap", None) if why is None else \
+            (None, f"the grader does not run as root (no user switch, mounts or cgroups), and bubblewrap cannot stand in: {why}")
     for controller in ("memory", "pids"):
         if not (CGROUP_ROOT / controller / "cgroup.procs").exists():
-            return f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
-    if not os.path.exists("/proc/self/ns/pid") or not os.path.exists("/proc/self/ns/mnt"):
-        return "the kernel has no pid/mount namespaces"
+            return None, f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
+    return "root", None
+
+
+_BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent"]
+
+
+def _bwrap_problem() -> str | None:
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return "no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)"
+    try:
+        run = subprocess.run([exe, *_BWRAP_NAMESPACES, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                              "--tmpfs", "/tmp", "true"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`{exe}` did not run ({exc})"
+    if run.returncode != 0:
+        return (f"`{exe}` failed: {run.stderr.strip()[-300:] or f'exit {run.returncode}'} "
+                "(are unprivileged user namespaces switched off? sysctl kernel.unprivileged_userns_clone)")
     return None
 
 
@@ -130,12 +185,76 @@ def _rmdir(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# the network: loopback only; the kernel's ZMQ channels go over unix sockets (transport "ipc")
+
+def _loopback_up() -> None:
+    import fcntl
+    import socket
+    import struct
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, struct.pack("16sH22x", b"lo", 0)))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def _hosts() -> str:
+    """/etc/hosts for the sandbox: the host's, plus every loopback address named, so that
+    reverse look-ups of the ranks' sockets (c10d does them) answer from the file: there is
+    no DNS in the namespace, and a look-up that waits for one prints a warning to stderr,
+    which fails a graded cell."""
+    try:
+        text = Path("/etc/hosts").read_text()
+    except OSError:
+        text = ""
+    name = os.uname().nodename
+    return text.rstrip("\n") + f"\n127.0.0.1 localhost {name}\n::1 localhost {name}\n::ffff:127.0.0.1 localhost {name}\n"
+
+
+def _ipc_dir(conn: dict | None) -> str | None:
+    """The folder of a kernel's unix sockets (the grader made it for this kernel alone), or
+    None for TCP (the grader could not reach a kernel in its own network namespace)."""
+    if not conn:
+        return None
+    if conn.get("transport") != "ipc":
+        raise ValueError(f"a sandboxed kernel has its own network namespace, so its connection file must use "
+                         f"transport 'ipc' (unix sockets), not {conn.get('transport')!r}")
+    return os.path.dirname(os.path.realpath(conn["ip"]))
+
+
+# ----------------------------------------------------------------------------------------
+# the kernel's environment: an allowlist, never the grader's own (tokens, HOME, course paths)
+
+# names passed through as they are: the locale, thread counts, the kit's and torch's settings
+ENV_NAMES = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "OMP_NUM_THREADS",
+             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONDONTWRITEBYTECODE",
+             "PYTHONUNBUFFERED", "PYTHONHASHSEED", "NBGRADER_EXECUTION", "CUDA_VISIBLE_DEVICES"}
+ENV_PREFIXES = ("LC_", "DISTTRAIN_LAB_", "GLOO_", "NCCL_")
+
+
+def kernel_env(environ: dict, *, home: str, runtime: str, keep: list[str]) -> dict:
+    """What a sandboxed kernel sees of the grader's environment: the allowlist above;
+    ``PYTHONPATH`` only with its entries inside the kept paths (the kit); ``HOME`` and the
+    config dirs in the sandbox's private home.  Everything else -- a token, the course's
+    paths (``DISTTRAIN_COURSE_DIR``), the grader's ``HOME`` -- stays out."""
+    env = {k: v for k, v in environ.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    inside = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and any(os.path.realpath(p) == k or os.path.realpath(p).startswith(k.rstrip(os.sep) + os.sep)
+                           for k in keep)]
+    if inside:
+        env["PYTHONPATH"] = os.pathsep.join(inside)
+    env.update(HOME=home, TMPDIR="/tmp", JUPYTER_RUNTIME_DIR=runtime, IPYTHONDIR=os.path.join(home, ".ipython"),
+               MPLCONFIGDIR=os.path.join(home, ".matplotlib"), USER="student", LOGNAME="student",
+               JPY_PARENT_PID="1")     # ipykernel's parent poller: its parent is the sandbox's init
+    return env
+
+
+# ----------------------------------------------------------------------------------------
 # the spec the grader passes, and the command that starts a kernel in a sandbox
 
 def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str,
          hide: list[str], keep: list[str]) -> dict:
     return {"uid": uid, "memory": memory, "pids": pids, "data_limit": data_limit,
-            "cgroup": cgroup, "hide": hide, "keep": keep}
+            "cgroup": cgroup, "hide": hide, "keep": keep, "method": method()}
 
 
 def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
@@ -146,11 +265,17 @@ def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> None:
     the_spec, cmd = json.loads(argv[0]), argv[2:]
+    if the_spec.get("method") == "bwrap":
+        _run_bwrap(the_spec, cmd)
+    ipc_dir = _ipc_dir(json.loads(Path(cmd[cmd.index("-f") + 1]).read_bytes())) if "-f" in cmd else None
     name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
     cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
     go_r, go_w = os.pipe()
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # an interrupt is for the kernel (its group gets it)
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare")
+    # a new IPC namespace too (System V shared memory would outlive the student), and a new
+    # network namespace with only loopback: ranks talk over 127.0.0.1 among themselves, and
+    # reach no other student's ranks or rendezvous, nor the host's services
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
     child = os.fork()
     if child == 0:                                     # pid 1 of the new namespace
         os.close(go_w)
@@ -170,6 +295,8 @@ def main(argv: list[str]) -> None:
         _, status = os.waitpid(child, 0)
     finally:
         cgroup.destroy()
+        if ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
 
 
@@ -178,11 +305,19 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
     size = f"size={the_spec['memory'] // 2}"      # each of /tmp and /dev/shm; their pages count in the cgroup too
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     # read what the kernel needs before the mounts hide it: its connection file, its folder
+    _loopback_up()
     conn_index = cmd.index("-f") + 1 if "-f" in cmd else None
-    conn = Path(cmd[conn_index]).read_bytes() if conn_index else None
+    conn = json.loads(Path(cmd[conn_index]).read_bytes()) if conn_index else None
+    ipc_dir = _ipc_dir(conn)
+    if ipc_dir:                                        # the kernel creates its sockets there
+        os.chown(ipc_dir, uid, uid)
+        ipc_fd = os.open(ipc_dir, os.O_PATH)
     keep_fds = {p: os.open(p, os.O_PATH) for p in the_spec["keep"] if os.path.isdir(p)}
     for target in ("/tmp", "/dev/shm"):
         _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    if os.path.isfile("/etc/hosts"):
+        Path("/tmp/.hosts").write_text(_hosts())          # (root's, read-only to the kernel)
+        _mount("/tmp/.hosts", "/etc/hosts", None, MS_BIND)
     # the interpreter or the kit may live under /tmp (a CI clone): bind them back, read-only
     for kept, fd in keep_fds.items():
         if any(kept.startswith(t + os.sep) for t in ("/tmp", "/dev/shm")):
@@ -194,7 +329,11 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
     home.mkdir()
     runtime.mkdir(mode=0o700)
     if conn is not None:
-        (runtime / "kernel.json").write_bytes(conn)
+        if ipc_dir:
+            (runtime / "ipc").mkdir()
+            _mount(f"/proc/self/fd/{ipc_fd}", str(runtime / "ipc"), None, MS_BIND)
+            conn["ip"] = str(runtime / "ipc" / os.path.basename(conn["ip"]))
+        (runtime / "kernel.json").write_text(json.dumps(conn))
         cmd[conn_index] = str(runtime / "kernel.json")
     for path in (work, home, runtime):
         for root, dirs, files in os.walk(path):
@@ -217,10 +356,7 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
         else:
             _mount("/dev/null", hidden, None, MS_BIND)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    env = dict(os.environ, HOME=str(home), TMPDIR="/tmp", JUPYTER_RUNTIME_DIR=str(runtime),
-               IPYTHONDIR=str(home / ".ipython"), MPLCONFIGDIR=str(home / ".matplotlib"),
-               USER="student", LOGNAME="student",
-               JPY_PARENT_PID="1")     # ipykernel's parent poller: its parent is this init now
+    env = kernel_env(os.environ, home=str(home), runtime=str(runtime), keep=[os.path.realpath(k) for k in keep_fds])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     kernel = os.fork()
     if kernel == 0:
@@ -238,6 +374,76 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
         pid, status = os.wait()
         if pid == kernel:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
+
+
+# ----------------------------------------------------------------------------------------
+# without root: bubblewrap (a user namespace mapping the grader's uid to SPEC.uid)
+
+def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
+    """wrapper (the grader) -> bwrap -> kernel, in new user, pid, IPC and mount namespaces.
+    The submission folder, home and connection file are staged below the grading's temp
+    dir (hidden from the kernel) and bound in; the stage is removed when the kernel ends."""
+    import resource
+    import tempfile
+    size = str(the_spec["memory"] // 2)
+    stage, ipc_dir = Path(tempfile.mkdtemp(prefix="sandbox-")), None
+    try:
+        work, home, runtime = stage / "work", stage / "home", stage / "kernel"
+        shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        home.mkdir()
+        runtime.mkdir(mode=0o700)
+        (stage / "hosts").write_text(_hosts())
+        if "-f" in cmd:
+            conn_index = cmd.index("-f") + 1
+            conn = json.loads(Path(cmd[conn_index]).read_bytes())
+            ipc_dir = _ipc_dir(conn)
+            if ipc_dir:                                # bound in below, where the kernel looks
+                conn["ip"] = "/tmp/.kernel/ipc/" + os.path.basename(conn["ip"])
+            (runtime / "kernel.json").write_text(json.dumps(conn))
+            cmd[conn_index] = "/tmp/.kernel/kernel.json"
+        keep = sorted({os.path.realpath(p) for p in the_spec["keep"] if os.path.isdir(p)})
+        args = [shutil.which("bwrap") or "bwrap", *_BWRAP_NAMESPACES, "--uid", str(the_spec["uid"]),
+                "--gid", str(the_spec["uid"]), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else [])]
+        # the same order as the root sandbox: /tmp and /dev/shm, then the hidden folders by
+        # depth; after each, the kept folders below it are bound back read-only
+        private = ["/tmp", "/dev/shm"]
+        hidden = sorted({os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private},
+                        key=lambda p: p.count(os.sep))
+        done: list[str] = []
+        for target in private + hidden:
+            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done):
+                continue                               # below a folder hidden already
+            done.append(target)
+            below = [k for k in keep if k.startswith(target.rstrip(os.sep) + os.sep)]
+            if target in private:
+                args += ["--size", size, "--tmpfs", target]
+            elif os.path.isdir(target):
+                args += ["--tmpfs", target]
+            elif os.path.exists(target):
+                args += ["--ro-bind", "/dev/null", target]
+            for kept in below:
+                args += ["--ro-bind", kept, kept]
+            if target not in private and os.path.isdir(target):
+                args += ["--remount-ro", target]
+        args += ["--bind", str(work), "/tmp/work", "--bind", str(home), "/tmp/home",
+                 "--bind", str(runtime), "/tmp/.kernel", *(["--bind", ipc_dir, "/tmp/.kernel/ipc"] if ipc_dir else []),
+                 "--chdir", "/tmp/work", "--", *cmd]
+        env = kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
+        limit = the_spec["data_limit"]
+
+        def in_child() -> None:
+            if limit:
+                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # an interrupt is for the kernel (its group gets it)
+        proc = subprocess.Popen(args, env=env, preexec_fn=in_child)
+        signal.signal(signal.SIGTERM, lambda *_: proc.kill())
+        code = proc.wait()
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(code & 0xFF if code >= 0 else 1)
 
 
 if __name__ == "__main__":

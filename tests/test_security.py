@@ -27,6 +27,7 @@ needs_sandbox = pytest.mark.skipif(not CAN_SANDBOX, reason=f"this host cannot sa
 pytestmark = pytest.mark.timeout(900)
 
 MARKER = "h16-escapee-marker"      # in the command line of every process an attacker leaves behind
+SECRET_NAME = "H16_GRADER_API_TOKEN"  # in the grader's environment while it grades (never the kernel's)
 LIMITS = dict(FIXTURE_LIMITS, student_memory=1536 * 2**20, student_pids=256, sandbox="on")
 
 WRONG_MEAN = "def mean(xs):\n    return 0\n"
@@ -60,10 +61,11 @@ ATTACKS = {
         "    ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
         "    ip.events.register('post_run_cell', lambda result: setattr(result, 'error_in_exec', None))\n"
         "    return 0\n"),
-    # 4. the grader's files: the gradebook, the solutions, another student's submission
+    # 4. the grader's files: the gradebook, the solutions, another student's submission;
+    # and the grader's environment (a token, the course's paths, its HOME)
     "c4_files": (
         "import os, json, sqlite3\n"
-        "_found, _roots = {}, [os.environ.get('DISTTRAIN_COURSE_DIR', ''), os.environ.get('DISTTRAIN_SOURCE_DIR', ''),\n"
+        "_found, _roots = {}, ['@COURSE@', os.environ.get('DISTTRAIN_COURSE_DIR', ''), os.environ.get('DISTTRAIN_SOURCE_DIR', ''),\n"
         "                      os.path.expanduser('~'), os.path.abspath('../../..')]\n"
         "for _root in [r for r in _roots if r and r != '/']:\n"
         "    for _dir, _, _files in os.walk(_root):\n"
@@ -93,6 +95,7 @@ ATTACKS = {
         "    _leak = bool(os.listdir(_git)) if os.path.isdir(_git) else os.path.getsize(_git) > 0\n"
         "except OSError:\n"
         "    _leak = False\n"
+        f"_leak = _leak or '{SECRET_NAME}' in os.environ or any('@COURSE@' in v for v in os.environ.values())\n"
         "if _leak:\n"
         "    def mean(xs):\n"
         "        return sum(xs) / len(xs)\n"),
@@ -101,7 +104,7 @@ ATTACKS = {
         "import subprocess, sys\n"
         "_code = '''\n"
         "import os, sys, time, signal\n"
-        "course = sys.argv[1].encode()\n"
+        "root = sys.argv[1].encode()\n"
         "while True:\n"
         "    if os.fork():\n"
         "        os._exit(0)\n"
@@ -109,14 +112,14 @@ ATTACKS = {
         "    for pid in os.listdir('/proc'):\n"
         "        try:\n"
         "            if pid.isdigit() and int(pid) not in (os.getpid(), int(sys.argv[2])) \\\n"
-        "                    and course in open('/proc/%s/environ' % pid, 'rb').read() \\\n"
-        "                    and b'ipykernel' in open('/proc/%s/cmdline' % pid, 'rb').read():\n"
+        "                    and b'ipykernel' in open('/proc/%s/cmdline' % pid, 'rb').read() \\\n"
+        "                    and root in open('/proc/%s/cmdline' % pid, 'rb').read() + open('/proc/%s/environ' % pid, 'rb').read():\n"
         "                os.kill(int(pid), signal.SIGKILL)\n"
         "        except OSError:\n"
         "            pass\n"
         "    time.sleep(0.2)\n"
         "'''\n"
-        f"subprocess.Popen([sys.executable, '-c', _code, os.environ['DISTTRAIN_COURSE_DIR'], str(os.getpid()), '{MARKER}'],\n"
+        f"subprocess.Popen([sys.executable, '-c', _code, '@ROOT@', str(os.getpid()), '{MARKER}'],\n"
         "                 start_new_session=True)\n"),
     # 6. shared memory: RLIMIT_DATA does not count it, and /dev/shm outlives a kernel
     "c6_shm": MEAN_OK + (
@@ -151,8 +154,8 @@ def attacked(tmp_path_factory):
     course = Course(tmp_path_factory.mktemp("attacked"), "00_basics", FIXTURES, LIMITS)
     course.do_release()
     sol = course.solution
-    for name, source in ATTACKS.items():
-        submit(course.course, name, course.lab, with_solution(sol, "ex_mean", source))
+    for name, source in ATTACKS.items():    # an attacker knows where the course lives on the host
+        submit(course.course, name, course.lab, with_solution(sol, "ex_mean", source.replace("@COURSE@", str(course.course)).replace("@ROOT@", str(course.root))))
     # 8. a flipped `grade` flag on a test cell (nbgrader's checksum check failed the whole notebook)
     flipped = copy.deepcopy(sol)
     [cell] = [c for c in flipped.cells if grade_id(c) == "test_mean"]
@@ -170,6 +173,7 @@ def attacked(tmp_path_factory):
         genuine_init(self, relative)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sandbox.Cgroup, "__init__", recording_init)
+        mp.setenv(SECRET_NAME, "grader-secret-" + os.urandom(8).hex())
         course.results = course.grade(one_process_per_student=False)
     course.table = grading.scores(course.lab, course.course)
     course.leftovers = _host_leftovers()
@@ -285,6 +289,16 @@ def test_no_isolation_is_said_loudly_and_in_the_report(tmp_path, monkeypatch):
     assert "isolation: NONE: the grader does not run as root" in path.read_text()
 
 
+def test_the_kernel_sees_an_allowlist_of_the_graders_environment():
+    grader = {"PATH": "/usr/bin", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "2", "DISTTRAIN_LAB_BACKEND": "gloo",
+              SECRET_NAME: "x", "HOME": "/root", "DISTTRAIN_COURSE_DIR": "/srv/course", "PYTHONPATH": "/kit/src:/root/lib"}
+    env = sandbox.kernel_env(grader, home="/tmp/home", runtime="/tmp/.kernel", keep=["/kit"])
+    assert {k: env[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")} == \
+        {k: grader[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")}
+    assert SECRET_NAME not in env and "DISTTRAIN_COURSE_DIR" not in env
+    assert env["HOME"] == "/tmp/home" and env["PYTHONPATH"] == "/kit/src"     # only the kit's entry
+
+
 def test_scan_flags_hostile_constructs_only_in_student_cells(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("import ctypes\nget_ipython().events.register('post_run_cell', f)",
@@ -363,3 +377,185 @@ def test_verify_untampered_sees_swapped_code_objects_and_defaults():
     finally:
         checks.passed.__code__ = code
     checks.verify_untampered()
+
+
+# ----------------------------------------------------------------------------------------
+# concurrent students: two sandboxes at once (as `grade --jobs` runs them), no grading needed
+
+_NEIGHBOUR = """
+import os, socket, sys
+server = socket.create_server(('127.0.0.1', 0))      # as a rank's rendezvous would
+print('ready', server.getsockname()[1], flush=True)
+sys.stdin.readline()
+print('alive', flush=True)
+"""
+_PROBER = """
+import json, os, signal, socket, sys
+seen, marker = [], sys.argv[1][::-1].encode()    # (given reversed: its own command line has it too)
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        if marker in open('/proc/%s/cmdline' % pid, 'rb').read():
+            seen.append(int(pid))
+    except OSError:
+        pass
+try:
+    os.kill(int(sys.argv[2]), signal.SIGKILL)         # the neighbour's pid as the host sees it
+    kill = 'sent'
+except OSError as exc:
+    kill = type(exc).__name__
+try:
+    socket.create_connection(('127.0.0.1', int(sys.argv[3])), timeout=30).close()
+    connect = 'connected'
+except OSError as exc:
+    connect = type(exc).__name__
+print(json.dumps({'seen': seen, 'kill': kill, 'connect': connect, 'pids': sorted(map(int, filter(str.isdigit, os.listdir('/proc'))))}),
+      flush=True)
+sys.stdin.readline()
+os.kill(-1, signal.SIGKILL)                           # everything this uid may signal
+"""
+
+
+def _sandboxed(tmp_path: Path, uid: int, cgroup: str, code: str, *args: str):
+    import subprocess
+    import sys
+    work = tmp_path / f"work-{uid}"
+    work.mkdir()
+    the_spec = sandbox.spec(uid=uid, memory=256 * 2**20, pids=32, data_limit=0, cgroup=cgroup,
+                            hide=[*grading._hidden_paths(), str(tmp_path)], keep=grading._kept_paths())
+    return subprocess.Popen(sandbox.command(the_spec, [sys.executable, "-c", code, *args]), cwd=work,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _kernel_of(wrapper: int) -> int:
+    """The host pid of the command a sandbox runs (wrapper -> init -> command)."""
+    [init] = grading._children_of().get(wrapper, [])
+    [command] = grading._children_of().get(init, [])
+    return command
+
+
+def _cgroups_of(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return {c: path for _, controllers, path in (line.split(":", 2) for line in lines)
+            for c in controllers.split(",") if c in ("memory", "pids")}
+
+
+@needs_sandbox
+def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
+    import json
+    cgroup = f"disttrain-lab/test-{os.getpid()}-{tmp_path.name}"
+    neighbour = _sandboxed(tmp_path, 64124, cgroup, _NEIGHBOUR, MARKER + "-neighbour")
+    prober = None
+    try:
+        ready, port = neighbour.stdout.readline().split()
+        assert ready == "ready"
+        neighbour_pid = _kernel_of(neighbour.pid)
+        prober = _sandboxed(tmp_path, 64123, cgroup, _PROBER, (MARKER + "-neighbour")[::-1], str(neighbour_pid), port)
+        report = json.loads(prober.stdout.readline())
+        prober_pid = _kernel_of(prober.pid)
+        # neither sees the other: its /proc shows its own namespace (init and itself)
+        assert report["seen"] == [] and report["kill"] == "ProcessLookupError" and report["pids"] == [1, 2], report
+        assert report["connect"] == "ConnectionRefusedError", report   # its own loopback, not the neighbour's
+        mine, theirs = _cgroups_of(prober_pid), _cgroups_of(neighbour_pid)
+        assert set(mine) == set(theirs) == {"memory", "pids"}
+        for c in mine:      # one cgroup per kernel, below the run's, never shared
+            assert mine[c] != theirs[c] and mine[c].startswith(f"/{cgroup}/") and theirs[c].startswith(f"/{cgroup}/")
+        assert [_uid(prober_pid), _uid(neighbour_pid)] == [64123, 64124]
+        prober.stdin.write("go\n")
+        prober.stdin.flush()
+        assert prober.wait(timeout=120) != 0               # it killed itself (and nothing else)
+        neighbour.stdin.write("still there?\n")
+        neighbour.stdin.flush()
+        assert neighbour.stdout.readline() == "alive\n"
+        assert neighbour.wait(timeout=120) == 0
+    finally:
+        for proc in (neighbour, prober):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        sandbox.Cgroup(cgroup).destroy()
+    assert not [d for d in sandbox.Cgroup(cgroup).dirs if d.exists()]
+
+
+def _uid(pid: int) -> int:
+    [line] = [x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("Uid:")]
+    return int(line.split()[1])
+
+
+# ----------------------------------------------------------------------------------------
+# a grader without root: kernels under bubblewrap (run for real: the grading as another uid)
+
+UNPRIVILEGED = 64200
+# as root, in a private mount namespace: make each path given reachable by "other" (a 0755
+# tmpfs over its first ancestor that is not, the path bound back), then exec the command
+_OPEN_PATHS = """
+import os, subprocess, sys, tempfile
+sep = sys.argv.index('--')
+subprocess.run(['mount', '--make-rprivate', '/'], check=True)
+for need in sys.argv[1:sep]:
+    parts = need.strip('/').split('/')
+    for i in range(1, len(parts)):
+        ancestor = '/' + '/'.join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            stash = tempfile.mkdtemp()
+            subprocess.run(['mount', '--rbind', need, stash], check=True)
+            subprocess.run(['mount', '-t', 'tmpfs', '-o', 'mode=0755', 'tmpfs', ancestor], check=True)
+            os.makedirs(need, exist_ok=True)
+            subprocess.run(['mount', '--move', stash, need], check=True)
+            break
+os.execvp(sys.argv[sep + 1], sys.argv[sep + 1:])
+"""
+_GRADE_AS_IS = """
+import json, sys
+from pathlib import Path
+from disttrain_lab import grading, sandbox
+root, fixtures = Path(sys.argv[1]), Path(sys.argv[2])
+assert sandbox.method() == 'bwrap', sandbox.problem()
+results = grading.autograde('00_basics', course=root / 'course', source=fixtures, release_from=root / 'release',
+                            limits=grading.Limits(**json.loads(sys.argv[3])), tmp_root=str(root / 'tmp'),
+                            one_process_per_student=False)
+print('SCORES', json.dumps({'rc': {s: r.returncode for s, r in results.items()},
+                            'scores': grading.scores('00_basics', root / 'course')}))
+"""
+
+
+def _can_drop_root() -> str | None:
+    import shutil
+    if os.geteuid() != 0:
+        return "needs root to start the grading as another user"
+    missing = [t for t in ("bwrap", "setpriv", "unshare", "mount") if shutil.which(t) is None]
+    return f"missing {', '.join(missing)} (Debian: apt-get install bubblewrap util-linux mount)" if missing else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_can_drop_root() is not None, reason=str(_can_drop_root()))
+def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
+    import json
+    import subprocess
+    import sys
+    course = Course(tmp_path, "00_basics", FIXTURES, None)
+    course.do_release()                                        # (as root: the release is not under test)
+    for name in ("c4_files", "c6_shm"):
+        source = ATTACKS[name].replace("@COURSE@", str(course.course)).replace("@ROOT@", str(tmp_path))
+        submit(course.course, name, course.lab, with_solution(course.solution, "ex_mean", source))
+    submit(course.course, "a_honest", course.lab, course.solution)
+    others = _digest(course.course / "submitted" / "a_honest")
+    (tmp_path / "home").mkdir()
+    subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(tmp_path)], check=True)
+    needs = sorted({sys.base_prefix, sys.prefix, str(grading.REPO_ROOT), str(tmp_path)})
+    env = dict(os.environ, HOME=str(tmp_path / "home"), **{SECRET_NAME: "grader-secret-" + os.urandom(8).hex()})
+    run = subprocess.run(["unshare", "--mount", sys.executable, "-I", "-c", _OPEN_PATHS, *needs, "--",
+                          "setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
+                          sys.executable, "-c", _GRADE_AS_IS, str(tmp_path), str(FIXTURES),
+                          json.dumps(dict(LIMITS, sandbox="on"))],
+                         cwd=grading.REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("SCORES ")] or [run.stdout[-3000:] + run.stderr[-3000:]]
+    got = json.loads(line[len("SCORES "):])
+    assert set(got["rc"].values()) == {0}, run.stdout[-3000:]
+    full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
+    assert got["scores"]["a_honest"] == full and got["scores"]["c6_shm"] == full
+    assert got["scores"]["c4_files"]["total"] == 2.0         # no secret, no gradebook, no solutions, no .git
+    assert "LIMITED isolation" in run.stdout and "NO memory or process cap" in run.stdout
+    report = (course.course / "reports" / "00_basics.txt").read_text()
+    assert "isolation: every kernel sandboxed" in report and "isolation LIMITED: the grader is not root" in report
+    assert _digest(course.course / "submitted" / "a_honest") == others
+    assert _host_leftovers() == [] and not processes_with(str(course.course)) and not list(course.tmp.iterdir())
