@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,10 +35,18 @@ def execute(nb, autograding: bool, timeout: int = 240, cwd: Path | None = None) 
     if autograding:
         env["NBGRADER_EXECUTION"] = "autograde"
     env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+    # the kernel's channels over unix sockets: TCP ports picked by the client and bound later by
+    # the kernel can be taken meanwhile by another process of a busy machine ("Address already
+    # in use", the kernel dies before replying)
+    sockets = tempfile.mkdtemp(prefix="nbk-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
+    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(cwd or REPO)}})
     start = time.perf_counter()
-    client.execute(env=env)
+    try:
+        client.execute(env=env)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     return nb, time.perf_counter() - start
 
 
