@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (see scripts/setup.sh) and run the whole test suite.
 #   bash scripts/test.sh            # everything: about 25 min on 2 cores, two pytest workers
-#                                   # (pytest-xdist), each taking one test file (one lab's round
-#                                   # trip in test_grading.py) at a time: tests/conftest.py
+#                                   # (pytest-xdist), each taking one test file at a time, the
+#                                   # longest first (tests/conftest.py)
 #   bash scripts/test.sh -m "not slow"   # skip notebook execution, autograding, the browser
 #   bash scripts/test.sh tests/test_lab03.py   # one lab's tests
 #   DISTTRAIN_TEST_WORKERS=0 bash scripts/test.sh   # one process, in order (about 35 min)
@@ -15,8 +15,8 @@ export PATH="$PWD/.venv/bin:$PATH"   # nbgrader shells out to alembic and jupyte
 # Most of the suite waits on kernels, ranks and nbgrader processes rather than computing, so
 # two workers on two cores take ~2/3 of the time; a file's tests stay together (its
 # module-scoped fixtures, e.g. one grading run shared by many assertions, are made once),
-# the longest first (tests/conftest.py groups them).
-.venv/bin/python -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# the longest first (tests/conftest.py).
+.venv/bin/python -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
     echo "pytest collected no tests"   # exit 5: nothing to run is not a failure of the kit

@@ -28,6 +28,22 @@ def cell_by_id(nb, grade_id: str):
     return cell
 
 
+class UnixSocketKernelManager(KernelManager):
+    """A kernel whose channels are unix sockets in a folder of its own: TCP ports picked by the
+    client and bound later by the kernel can be taken meanwhile by another process of a busy
+    machine ("Address already in use": the kernel dies before replying)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sockets = tempfile.mkdtemp(prefix="nbk-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self.transport, self.ip = "ipc", os.path.join(self.sockets, "k")
+
+    async def _async_cleanup_resources(self, restart: bool = False) -> None:
+        await super()._async_cleanup_resources(restart=restart)
+        if not restart:
+            shutil.rmtree(self.sockets, ignore_errors=True)
+
+
 def execute(nb, autograding: bool, timeout: int = 240, cwd: Path | None = None) -> tuple[nbformat.NotebookNode, float]:
     """Execute a copy of nb in a fresh kernel, errors kept in the outputs; return it and the seconds taken."""
     nb = copy.deepcopy(nb)
@@ -35,18 +51,11 @@ def execute(nb, autograding: bool, timeout: int = 240, cwd: Path | None = None) 
     if autograding:
         env["NBGRADER_EXECUTION"] = "autograde"
     env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    # the kernel's channels over unix sockets: TCP ports picked by the client and bound later by
-    # the kernel can be taken meanwhile by another process of a busy machine ("Address already
-    # in use", the kernel dies before replying)
-    sockets = tempfile.mkdtemp(prefix="nbk-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
-    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", allow_errors=True,
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                            kernel_manager_class=UnixSocketKernelManager,
                             resources={"metadata": {"path": str(cwd or REPO)}})
     start = time.perf_counter()
-    try:
-        client.execute(env=env)
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
+    client.execute(env=env)               # starts the kernel, and shuts it down at the end
     return nb, time.perf_counter() - start
 
 
