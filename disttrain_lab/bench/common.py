@@ -22,11 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def functions_from_notebook(path, names) -> dict:
+def functions_from_notebook(path, names, given: bool = False) -> dict:
     """The functions ``names`` as a lab notebook defines them: runs its setup cell and every
     code cell made only of imports, ``def``s, ``class``es and constant assignments (solution
     cells, given helpers), never test cells (graded or read-only), benchmarks or plots.  Names the notebook does
-    not define are left out of the result."""
+    not define are left out of the result.  ``given=True`` also runs read-only definitions the
+    lab gives (locked cells whose grade id does not name a test, e.g. Lab 8's ``Plan``)."""
     import ast
     import contextlib
     import io
@@ -48,7 +49,8 @@ def functions_from_notebook(path, names) -> dict:
     for cell in nb.cells:
         meta = cell.get("metadata", {}).get("nbgrader", {})
         setup = meta.get("grade_id") == "setup"
-        if cell.cell_type != "code" or meta.get("grade") or (meta.get("locked") and not setup):
+        given_definition = given and "test" not in meta.get("grade_id", "test")
+        if cell.cell_type != "code" or meta.get("grade") or (meta.get("locked") and not (setup or given_definition)):
             continue                                   # graded tests and read-only test helpers
         if setup or definitions_only(cell.source):
             with contextlib.redirect_stdout(io.StringIO()):   # the setup cell's doctor line
