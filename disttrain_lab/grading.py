@@ -233,6 +233,10 @@ def _guard_call(function: str, names: list[str], *extra: str) -> str:
     return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({args})"
 
 
+def _growth(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else after - before
+
+
 class SandboxKernelManager(AsyncKernelManager):
     """Starts the kernel through disttrain_lab/sandbox.py (set ``sandbox_spec`` first)."""
     sandbox_spec: dict = {}
@@ -315,8 +319,10 @@ class RobustExecute(Execute):
                 "when graded, and the cells above used it up"))]
             return cell, self.resources
         names = _names_used(cell.source) if _is_test_cell(cell) else []
+        traffic = None
         if _is_test_cell(cell):
-            replaced, notes = self._guard("before_test", names)
+            replaced, notes, traced = self._guard("before_test", names)
+            traffic = (traced, self._loopback_bytes())
             self._notes += [f"{_grade_id(cell)}: put back before the test: {n}" for n in notes]
             if replaced:
                 cell.outputs = [_error_output("TamperingError", (
@@ -353,12 +359,22 @@ class RobustExecute(Execute):
             self._cell_seconds[key] = round(time.monotonic() - started, 3)
         timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
         if _is_test_cell(cell) and not timed_out:
-            changed, _ = self._guard("after_test", names)
+            changed, _, traced = self._guard("after_test", names)
+            claimed, counted = _growth(traffic[0], traced), _growth(traffic[1], self._loopback_bytes())
             if changed:        # the student's code, called by the test, changed what the test relies on
                 self._notes.append(f"{_grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
                 cell.outputs.append(_error_output("TamperingError", (
                     "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
                     "cannot be trusted, so this exercise gets 0 (the originals were put back)")))
+            elif claimed is not None and counted is not None and claimed > counted:
+                self._notes.append(f"{_grade_id(cell)}: the trace claims {claimed} B sent point to point, "
+                                   f"the operating system counted {counted} B")
+                cell.outputs.append(_error_output("TrafficError", (
+                    f"the traces of this test's launches say the ranks sent {claimed:,} bytes point to "
+                    f"point, but the operating system counted only {counted:,} bytes on the ranks' network "
+                    "while the cell ran (it counts every byte sent between ranks, headers included, so it "
+                    "can only be more): the trace was altered, or data moved some other way than "
+                    "torch.distributed; this exercise gets 0")))
             elif self._last_status not in ("ok", None) and not any(o.output_type == "error" for o in cell.outputs):
                 cell.outputs.append(_error_output("GradingError", (
                     f"the test did not pass (the kernel answered {self._last_status!r})")))
@@ -427,37 +443,42 @@ class RobustExecute(Execute):
                                               timeout=120) is not None
         return kc
 
-    def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str]]:
-        """(problems, notes) from the guard in the kernel; see disttrain_lab/kernel_guard.py.
-        An answer that is not the guard's own (signed) is a problem; the grader then puts
-        back IPython's own evaluation methods and asks once more, so that later tests are
-        graded on their merits."""
+    def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str], int | None]:
+        """(problems, notes, traced bytes) from the guard in the kernel; see
+        disttrain_lab/kernel_guard.py.  An answer that is not the guard's own (signed) is a
+        problem; the grader then puts back IPython's own evaluation methods and asks once
+        more, so that later tests are graded on their merits."""
         if not self._guard_ready:
-            return [], []
-        problems, notes = self._ask_guard(function, names)
+            return [], [], None
+        problems, notes, traced = self._ask_guard(function, names)
         if problems and problems[0].startswith("grading guard"):
             self._run_quietly(_REPAIR_SHELL, timeout=30)
-            again, notes = self._ask_guard(function, names)
+            again, notes, traced = self._ask_guard(function, names)
             problems = problems + [p for p in again if not p.startswith("grading guard")] \
                 if not (again and again[0].startswith("grading guard")) else again
-        return problems, notes
+        return problems, notes, traced
 
-    def _ask_guard(self, function: str, names: list[str]) -> tuple[list[str], list[str]]:
+    def _ask_guard(self, function: str, names: list[str]) -> tuple[list[str], list[str], int | None]:
         nonce = secrets.token_hex(16)
         reply = self._run_quietly("", timeout=30, expression=_guard_call(function, names, nonce))
         if reply is None:          # busy past 30 s (or gone): a clean state cannot be shown
-            return ["grading guard (it did not answer within 30 s)"], []
+            return ["grading guard (it did not answer within 30 s)"], [], None
         result = reply.get("user_expressions", {}).get("r", {})
         if result.get("status") != "ok":
-            return ["grading guard (it was removed)"], []
+            return ["grading guard (it was removed)"], [], None
         try:
-            problems, notes, mac = ast.literal_eval(result["data"]["text/plain"])
+            problems, notes, traced, mac = ast.literal_eval(result["data"]["text/plain"])
             problems, notes = list(problems), list(notes)
         except (KeyError, ValueError, SyntaxError, TypeError):
-            return ["grading guard (it was altered)"], []
-        if not (isinstance(mac, str) and hmac.compare_digest(mac, signature(self._guard_key, nonce, (problems, notes)))):
-            return ["grading guard (its answer was not the guard's own: IPython's evaluation was replaced)"], []
-        return [str(p) for p in problems], [str(n) for n in notes]
+            return ["grading guard (it was altered)"], [], None
+        if not (isinstance(mac, str) and hmac.compare_digest(mac, signature(self._guard_key, nonce, (problems, notes, traced)))):
+            return ["grading guard (its answer was not the guard's own: IPython's evaluation was replaced)"], [], None
+        return [str(p) for p in problems], [str(n) for n in notes], traced if isinstance(traced, int) else None
+
+    def _loopback_bytes(self) -> int | None:
+        """What the OS counted on the kernel's loopback so far (sandbox.loopback_bytes)."""
+        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+        return sandbox.loopback_bytes(pid) if pid else None
 
     def _record_instructor_names(self, index: int) -> None:
         if index not in self._instructor_cells:
@@ -708,6 +729,10 @@ HOSTILE_CONSTRUCTS = {
     "process or file-system probing": r"/proc\b|/dev/shm|sqlite3|gradebook|\.\./|\bos\.kill|\bkillpg\b|"
                                       r"\bsetsid\b|setpgid|\bos\.fork\b|daemon",
     "builtins": r"\bbuiltins\b|__builtins__|__import__",
+    # a trace's events can be forged from inside a rank; the grader's byte count catches sends
+    # that never happened, these show where the data may have moved instead
+    "the tracer's internals, or a channel besides torch.distributed":
+        r"\b_REC\b|_RUN_OBSERVERS|\btrace\._|\bsocket\b|shared_memory|\bmultiprocessing\b|\bos\.pipe\b|\bzmq\b",
 }
 
 

@@ -17,8 +17,14 @@ function: the result cannot be trusted), notes are only reported (the genuine ob
 put back, so the test itself decides).  ``after_test(names)`` runs right after the test
 cell: anything changed *while the test ran* is a problem, so the cell fails.
 
+Both also answer how many point-to-point bytes the traced launches so far claim to have
+sent over gloo (every ``Run`` that ``dl.launch`` returns is shown to the guard through
+``disttrain_lab.trace._RUN_OBSERVERS``): the grader compares the growth of that count over a
+test cell with the bytes the operating system counted on the ranks' network in the same
+time, so a trace whose events were forged (sends that never happened) fails the test.
+
 Its answers are signed: the grader sends the guard a fresh key with its source and a fresh
-nonce with every call, and the guard returns ``(problems, notes, hmac)``.  A solution cell
+nonce with every call, and the guard returns ``(problems, notes, traced_bytes, hmac)``.  A solution cell
 that replaces how IPython evaluates the grader's expression (``shell.user_expressions``, the
 formatters) to answer "nothing changed" cannot sign that answer, so the test fails.
 
@@ -30,7 +36,7 @@ KEY_PLACEHOLDER = "__DISTTRAIN_GUARD_KEY__"
 
 
 def signature(key: bytes, nonce: str, result: tuple) -> str:
-    """What the guard's HMAC over ``(problems, notes)`` must be (the grader's side)."""
+    """What the guard's HMAC over ``(problems, notes, traced_bytes)`` must be (the grader's side)."""
     import hashlib
     import hmac
     return hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest()
@@ -65,8 +71,14 @@ def _disttrain_install_guard():
                "checks": "disttrain_lab.checks", "nn": "torch.nn", "F": "torch.nn.functional",
                "np": "numpy", "os": "os", "time": "time", "math": "math", "sys": "sys"}
 
+    submodules = {}
+
     def watch(module, functions_too=True):
         modules[module.__name__] = module
+        if module.__name__.startswith("disttrain_lab"):     # e.g. launcher.trace: the module it calls
+            for name, obj in list(vars(module).items()):
+                if isinstance(obj, types.ModuleType):
+                    submodules[(module.__name__, name)] = obj
         if functions_too:
             for name, obj in list(vars(module).items()):
                 if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
@@ -95,6 +107,21 @@ def _disttrain_install_guard():
         for modname, module in list(sys.modules.items()):
             if modname.startswith("disttrain_lab") and module is not None and modname != "disttrain_lab.grading":
                 watch(module)
+    except Exception:
+        pass
+
+    # the point-to-point bytes every traced launch's events claim (gloo only: NCCL's bytes
+    # do not cross the network the grader counts)
+    traffic, ledger = [0], None
+    try:
+        from disttrain_lab import trace as trace_module
+        claimed, observers = trace_module.p2p_bytes_claimed, trace_module._RUN_OBSERVERS
+
+        def observe(run):
+            if getattr(run, "backend", None) == "gloo":
+                traffic[0] += claimed(run.events)
+        observers.append(observe)
+        ledger = (trace_module, observers, observe)
     except Exception:
         pass
 
@@ -171,6 +198,18 @@ def _disttrain_install_guard():
             if parent in modules and getattr(modules[parent], child, module) is not module:
                 notes.append(modname)
                 setattr(modules[parent], child, module)
+        for (modname, name), obj in submodules.items():
+            if getattr(modules[modname], name, obj) is not obj:
+                notes.append(modname + "." + name)
+                setattr(modules[modname], name, obj)
+        if ledger is not None:
+            trace_module, observers, observe = ledger
+            if getattr(trace_module, "_RUN_OBSERVERS", None) is not observers:
+                notes.append("disttrain_lab.trace._RUN_OBSERVERS (the grader's count of traced bytes)")
+                trace_module._RUN_OBSERVERS = observers
+            if not any(o is observe for o in observers):
+                notes.append("the grader's count of traced bytes (removed from _RUN_OBSERVERS)")
+                observers.append(observe)
         ns = shell.user_ns
         for name in names:
             modname = aliases.get(name)
@@ -206,8 +245,8 @@ def _disttrain_install_guard():
     def signed(result, nonce):
         return result + (hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest(),)
 
-    guard.before_test = lambda names, nonce: signed(restore(names), nonce)
-    guard.after_test = lambda names, nonce: signed((lambda p, n: (p + n, []))(*restore(names)), nonce)
+    guard.before_test = lambda names, nonce: signed(restore(names) + (traffic[0],), nonce)
+    guard.after_test = lambda names, nonce: signed((lambda p, n: (p + n, [], traffic[0]))(*restore(names)), nonce)
     guard.record = record
     sys.modules[guard.__name__] = guard
 _disttrain_install_guard()

@@ -225,8 +225,11 @@ def launch(fn: Callable, world_size: int, *args, device: str | None = None, time
         pool = _pool_for(world_size, chosen)
         results, events, wall = pool.run(payload, world_size, timeout, trace, network)
     if trace:
-        return trace_module.Run(results=results, events=events, world_size=world_size,
-                                backend=chosen.backend, wall_time=wall, network=network)
+        run = trace_module.Run(results=results, events=events, world_size=world_size,
+                               backend=chosen.backend, wall_time=wall, network=network)
+        for observe in tuple(trace_module._RUN_OBSERVERS):
+            observe(run)
+        return run
     return results
 
 

@@ -210,6 +210,49 @@ def _hosts() -> str:
     return text.rstrip("\n") + f"\n127.0.0.1 localhost {name}\n::1 localhost {name}\n::ffff:127.0.0.1 localhost {name}\n"
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                children = [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+                found += children
+                todo += children
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def loopback_bytes(pid: int) -> int | None:
+    """Bytes sent so far over loopback in the network namespace of the kernel started as
+    ``pid``: the sandbox's own namespace (the first process below ``pid`` in a namespace other
+    than the grader's), or the host's when the kernel is not sandboxed (more traffic than the
+    student's, never less: traffic between local addresses always crosses ``lo``).  Headers
+    and acknowledgements included, so at least every payload byte the ranks sent each other.
+    None where it cannot be read."""
+    try:
+        own = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
+    where = pid
+    for p in [pid] + _descendants(pid):
+        try:
+            if os.readlink(f"/proc/{p}/ns/net") != own:
+                where = p
+                break
+        except OSError:
+            continue
+    try:
+        for line in Path(f"/proc/{where}/net/dev").read_text().splitlines():
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])          # receive: 8 fields, then transmit bytes
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _ipc_dir(conn: dict | None) -> str | None:
     """The folder of a kernel's unix sockets (the grader made it for this kernel alone), or
     None for TCP (the grader could not reach a kernel in its own network namespace)."""
@@ -411,11 +454,14 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
         hidden = sorted({os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private},
                         key=lambda p: p.count(os.sep))
         done: list[str] = []
+        bound: list[str] = []                          # kept folders bound back so far
         for target in private + hidden:
-            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done):
-                continue                               # below a folder hidden already
+            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done) \
+                    and not any(target == k or target.startswith(k.rstrip(os.sep) + os.sep) for k in bound):
+                continue                               # below a folder hidden already (and not bound back)
             done.append(target)
             below = [k for k in keep if k.startswith(target.rstrip(os.sep) + os.sep)]
+            bound += below
             if target in private:
                 args += ["--size", size, "--tmpfs", target]
             elif os.path.isdir(target):

@@ -27,7 +27,7 @@ import struct
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import network
 
@@ -457,6 +457,23 @@ def region(name: str, **meta) -> Iterator[None]:
 def to_events(raw: list[tuple]) -> list[Event]:
     return [Event(rank=r, op=op, kind=k, start=s, end=e, peer=p, group=g, bytes=b, tag=t,
                   name=n, meta=m) for (r, op, k, s, e, p, g, b, t, n, m) in raw]
+
+
+# Called with every Run that ``dl.launch`` returns (the grader's guard counts the bytes its
+# events claim, to compare with what the operating system counted; see docs/architecture.md)
+_RUN_OBSERVERS: list[Callable[["Run"], None]] = []
+
+
+def p2p_bytes_claimed(events) -> int:
+    """Point-to-point bytes the events say were sent (send + isend), negative claims as 0."""
+    total = 0
+    for e in events:
+        try:
+            if e.kind == "p2p" and e.op in ("send", "isend"):
+                total += max(0, int(e.bytes))
+        except (AttributeError, TypeError, ValueError):
+            pass
+    return total
 
 
 # --------------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ def test_other_students_intact_and_nothing_left_behind(broken_batch):
 
 
 # ----------------------------------------------------------------------------------------
-# broken ranks (fixture 00_launch: allsum 2 + ring_next 1 points; allsum is broken)
+# broken ranks (fixture 00_launch: allsum 2 + ring_next 1 + shift 1 points; allsum is broken)
 
 ALLSUM_OK = ("def allsum():\n    t = torch.tensor([dist.get_rank() + 1.0])\n    dist.all_reduce(t)\n"
              "    return t.item()\n")
@@ -332,10 +332,10 @@ def test_broken_ranks_lose_only_that_exercise(tmp_path):
     submit(course.course, "honest_full", course.lab, course.solution)
     results = course.grade(one_process_per_student=False)
     table = grading.scores(course.lab, course.course)
-    assert table["honest_full"]["total"] == 3
+    assert table["honest_full"]["total"] == 4
     for name in BROKEN_ALLSUM:
         assert results[name].returncode == 0, results[name].output[-3000:]
-        assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "total": 1.0}, name
+        assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0}, name
     assert not processes_with(str(course.course))
     assert not list(course.tmp.iterdir())
 

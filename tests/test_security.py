@@ -233,38 +233,102 @@ def test_grade_report_flags_for_a_human(attacked):
 
 
 # ----------------------------------------------------------------------------------------
-# 2. names the tests use, and code objects (fixture 00_launch: allsum 2 + ring_next 1 points;
-# both tests call dl.launch, so a fake launch that "passes" allsum fails ring_next)
+# 2. names the tests use, and code objects; 3. a forged trace (fixture 00_launch: allsum 2 +
+# ring_next 1 + shift 1 points; every test calls dl.launch, so a fake launch that "passes"
+# allsum fails ring_next; shift's test checks the bytes each rank's trace says it sent)
 
 ALLSUM_WRONG = "def allsum():\n    return 0.0\n"
 FAKE_LAUNCH = "lambda fn, world_size, *a, **k: [world_size * (world_size + 1) / 2.0] * world_size"
+# the right answer without a byte moved (the test's inputs are torch.full(rank)), and the
+# sends the test looks for appended to the rank's own recorder
+FORGED_SHIFT = (
+    "def shift(x):\n"
+    "    from disttrain_lab import trace as _t\n"
+    "    rank, n = dist.get_rank(), dist.get_world_size()\n"
+    "    _t._REC.events.append((rank, 'send', 'p2p', 0.0, 0.0, (rank + 1) % n, None, x.nbytes, None, '', {}))\n"
+    "    return torch.full_like(x, float((rank - 1) % n))\n")
 LAUNCH_ATTACKS = {
-    "c2_rebind_dl": ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n",
-    "c2_code_swap": ALLSUM_WRONG + f"dl.launch.__code__ = ({FAKE_LAUNCH}).__code__\n",
+    "c2_rebind_dl": ("ex_allsum", ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n"),
+    "c2_code_swap": ("ex_allsum", ALLSUM_WRONG + f"dl.launch.__code__ = ({FAKE_LAUNCH}).__code__\n"),
+    "c3_forged_trace": ("ex_shift", FORGED_SHIFT),
+    # ... and the guard's count of what traces claim, taken out of the launcher's reach
+    "c3_forged_trace_unobserved": ("ex_shift", FORGED_SHIFT + "from disttrain_lab import trace as _t\n"
+                                                              "_t._RUN_OBSERVERS.clear()\n"),
 }
+LAUNCH_DESERVED = {"c2_rebind_dl": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
+                   "c2_code_swap": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
+                   "c3_forged_trace": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
+                   "c3_forged_trace_unobserved": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0,
+                                                  "total": 3.0}}
 
 
 @pytest.mark.slow
 @needs_sandbox
 @pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch has not landed")
-def test_rebound_names_and_swapped_code_objects(tmp_path):
+def test_rebound_names_swapped_code_and_forged_traces(tmp_path):
     course = Course(tmp_path, "00_launch", FIXTURES, dict(LIMITS, cell_timeout=60))
     course.do_release()
-    for name, source in LAUNCH_ATTACKS.items():
-        submit(course.course, name, course.lab, with_solution(course.solution, "ex_allsum", source))
+    for name, (exercise, source) in LAUNCH_ATTACKS.items():
+        submit(course.course, name, course.lab, with_solution(course.solution, exercise, source))
     submit(course.course, "a_honest", course.lab, course.solution)
     submit(course.course, "z_honest", course.lab, course.solution)
     results = course.grade(one_process_per_student=False)
     table = grading.scores(course.lab, course.course)
     assert all(r.returncode == 0 for r in results.values())
-    assert table["a_honest"]["total"] == table["z_honest"]["total"] == 3
+    assert table["a_honest"]["total"] == table["z_honest"]["total"] == 4
     for name in LAUNCH_ATTACKS:
-        assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "total": 1.0}, name
+        assert table[name] == LAUNCH_DESERVED[name], name
     page = feedback(course.course, "c2_code_swap", course.lab)
     assert "TamperingError" in page and "disttrain_lab.launch" in page
+    page = feedback(course.course, "c3_forged_trace", course.lab)
+    assert "TrafficError" in page and "sent 5,242,880 bytes" in page and "operating system counted only" in page
     report = (course.course / "reports" / "00_launch.txt").read_text()
     assert "the name 'dl' (disttrain_lab)" in report.split("c2_rebind_dl:")[1]
+    assert "the grader's count of traced bytes" in report.split("c3_forged_trace_unobserved:")[1]
+    assert "the trace claims 5242880 B sent point to point" in report.split("c3_forged_trace:")[1]
+    assert "the tracer's internals" in report.split("c3_forged_trace:")[1]
+    assert "nothing to look at" in report.split("a_honest:")[1].split("\n")[0]
     assert not processes_with(str(course.course)) and not list(course.tmp.iterdir())
+
+
+def _forged_shift():
+    import torch
+    import torch.distributed as dist
+    namespace = {"torch": torch, "dist": dist}
+    exec(FORGED_SHIFT, namespace)
+    return namespace["shift"](torch.full((2**18,), float(dist.get_rank())))
+
+
+def _honest_shift():
+    import torch
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, got = torch.full((2**18,), float(rank)), torch.empty(2**18)
+    req = dist.isend(x, (rank + 1) % n)
+    dist.recv(got, (rank - 1) % n)
+    req.wait()
+    return got
+
+
+@pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch has not landed")
+def test_a_forged_trace_fools_the_trace_but_not_the_operating_system():
+    # the attack is real: the trace alone cannot tell the forged shift from the honest one ...
+    import disttrain_lab as dl
+    from disttrain_lab import trace
+    runs, claimed = {}, []
+    trace._RUN_OBSERVERS.append(lambda run: claimed.append(trace.p2p_bytes_claimed(run.events)))
+    try:
+        for name, fn in (("forged", _forged_shift), ("honest", _honest_shift)):
+            before = sandbox.loopback_bytes(os.getpid())
+            runs[name] = (dl.launch(fn, 2, trace=True, timeout=60), sandbox.loopback_bytes(os.getpid()) - before)
+    finally:
+        trace._RUN_OBSERVERS.pop()
+    for run, _ in runs.values():
+        assert [float(t[0]) for t in run.results] == [1.0, 0.0]
+        assert [run.bytes_sent(r) for r in range(2)] == [2**20, 2**20]
+    assert claimed == [2**21, 2**21]              # every traced Run was shown to the observers
+    # ... what the OS counted can: every byte the honest ranks sent crossed loopback
+    assert runs["honest"][1] >= 2**21
 
 
 # ----------------------------------------------------------------------------------------
