@@ -325,6 +325,7 @@ class RobustExecute(Execute):
             traffic = (traced, self._loopback_bytes())
             self._notes += [f"{_grade_id(cell)}: put back before the test: {n}" for n in notes]
             if replaced:
+                self._notes.append(f"{_grade_id(cell)}: replaced before the test (scored 0): {', '.join(replaced)}")
                 cell.outputs = [_error_output("TamperingError", (
                     "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
                     "replaced it; this exercise gets 0 (the originals were put back for the rest)"))]

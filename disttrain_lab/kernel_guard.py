@@ -10,7 +10,8 @@ have changed to turn a failing test into a passing one:
 * the modules in ``sys.modules`` and the names the test cell uses for them (``checks``,
   ``dl``, ``torch``, ``dist`` ...), and names bound by the instructor's locked cells;
 * the functions of ``torch.distributed`` and ``disttrain_lab``: identity *and* code
-  objects (``__code__``, ``__defaults__``, ``__kwdefaults__``).
+  objects (``__code__``, ``__defaults__``, ``__kwdefaults__``); the methods of the kit's
+  classes (``Run.bytes_sent`` ...) and the modules its modules call (``launcher.trace``).
 
 It returns ``(problems, notes)``: problems fail the test (a replaced kit or torch
 function: the result cannot be trusted), notes are only reported (the genuine object was
@@ -71,14 +72,20 @@ def _disttrain_install_guard():
                "checks": "disttrain_lab.checks", "nn": "torch.nn", "F": "torch.nn.functional",
                "np": "numpy", "os": "os", "time": "time", "math": "math", "sys": "sys"}
 
-    submodules = {}
+    submodules, classes = {}, {}
+
+    def is_method(value):
+        return isinstance(value, (types.FunctionType, staticmethod, classmethod, property))
 
     def watch(module, functions_too=True):
         modules[module.__name__] = module
-        if module.__name__.startswith("disttrain_lab"):     # e.g. launcher.trace: the module it calls
+        if module.__name__.startswith("disttrain_lab"):
             for name, obj in list(vars(module).items()):
-                if isinstance(obj, types.ModuleType):
+                if isinstance(obj, types.ModuleType):        # e.g. launcher.trace: the module it calls
                     submodules[(module.__name__, name)] = obj
+                elif isinstance(obj, type) and obj.__module__ == module.__name__:   # e.g. Run.bytes_sent
+                    classes[(module.__name__, name)] = (obj, {a: (v, getattr(v, "__code__", None))
+                                                              for a, v in vars(obj).items() if is_method(v)})
         if functions_too:
             for name, obj in list(vars(module).items()):
                 if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
@@ -198,6 +205,18 @@ def _disttrain_install_guard():
             if parent in modules and getattr(modules[parent], child, module) is not module:
                 notes.append(modname)
                 setattr(modules[parent], child, module)
+        for (modname, name), (cls, methods) in classes.items():
+            now = vars(cls)
+            for attr in set(methods) | {a for a, v in now.items() if is_method(v)}:
+                genuine, code = methods.get(attr, (None, None))
+                if now.get(attr) is not genuine or (code is not None and genuine.__code__ is not code):
+                    problems.append("%s.%s.%s" % (modname, name, attr))
+                    if genuine is None:
+                        delattr(cls, attr)
+                    else:
+                        setattr(cls, attr, genuine)
+                        if code is not None:
+                            genuine.__code__ = code
         for (modname, name), obj in submodules.items():
             if getattr(modules[modname], name, obj) is not obj:
                 notes.append(modname + "." + name)

@@ -250,6 +250,8 @@ FORGED_SHIFT = (
 LAUNCH_ATTACKS = {
     "c2_rebind_dl": ("ex_allsum", ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n"),
     "c2_code_swap": ("ex_allsum", ALLSUM_WRONG + f"dl.launch.__code__ = ({FAKE_LAUNCH}).__code__\n"),
+    "c2_class_patch": ("ex_shift", "def shift(x):\n    return torch.full_like(x, float((dist.get_rank() - 1) % dist.get_world_size()))\n"
+                                   "dl.Run.bytes_sent = lambda self, rank: 2**20\n"),
     "c3_forged_trace": ("ex_shift", FORGED_SHIFT),
     # ... and the guard's count of what traces claim, taken out of the launcher's reach
     "c3_forged_trace_unobserved": ("ex_shift", FORGED_SHIFT + "from disttrain_lab import trace as _t\n"
@@ -257,6 +259,7 @@ LAUNCH_ATTACKS = {
 }
 LAUNCH_DESERVED = {"c2_rebind_dl": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
                    "c2_code_swap": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
+                   "c2_class_patch": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
                    "c3_forged_trace": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
                    "c3_forged_trace_unobserved": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0,
                                                   "total": 3.0}}
@@ -280,10 +283,12 @@ def test_rebound_names_swapped_code_and_forged_traces(tmp_path):
         assert table[name] == LAUNCH_DESERVED[name], name
     page = feedback(course.course, "c2_code_swap", course.lab)
     assert "TamperingError" in page and "disttrain_lab.launch" in page
+    assert "TamperingError" in feedback(course.course, "c2_class_patch", course.lab)
     page = feedback(course.course, "c3_forged_trace", course.lab)
     assert "TrafficError" in page and "sent 5,242,880 bytes" in page and "operating system counted only" in page
     report = (course.course / "reports" / "00_launch.txt").read_text()
     assert "the name 'dl' (disttrain_lab)" in report.split("c2_rebind_dl:")[1]
+    assert "disttrain_lab.trace.Run.bytes_sent" in report.split("c2_class_patch:")[1].split("\nc2_code_swap")[0]
     assert "the grader's count of traced bytes" in report.split("c3_forged_trace_unobserved:")[1]
     assert "the trace claims 5242880 B sent point to point" in report.split("c3_forged_trace:")[1]
     assert "the tracer's internals" in report.split("c3_forged_trace:")[1]
