@@ -114,10 +114,10 @@ class Course:
         return grading.release([self.lab], course=self.course, source=self.source,
                                release_to=self.release, tmp_root=str(self.tmp))
 
-    def grade(self, students=None, one_process_per_student=True):
+    def grade(self, students=None, one_process_per_student=True, jobs=1):
         results = grading.autograde(self.lab, students, course=self.course, source=self.source,
                                     release_from=self.release, limits=self.limits, tmp_root=str(self.tmp),
-                                    one_process_per_student=one_process_per_student)
+                                    one_process_per_student=one_process_per_student, jobs=jobs)
         step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
         assert step.returncode == 0, step.output[-3000:]
         return results
@@ -259,8 +259,10 @@ def broken_batch(tmp_path_factory):
     submit(course.course, "honest_blank", lab, course.blank())
     [blank_scale] = [c.source for c in course.blank().cells if grade_id(c) == "ex_scale"]
     submit(course.course, "partial", lab, with_solution(sol, "ex_scale", blank_scale))
-    # one plain `nbgrader autograde 00_basics` for the whole batch: also proves the plain path
-    course.results = course.grade(one_process_per_student=False)
+    # two students at a time, each in its own nbgrader process (`disttrain-lab grade --jobs 2`):
+    # most of the batch waits on cell limits and kernel restarts (the plain one-process
+    # `nbgrader autograde` path is proven by the round trips)
+    course.results = course.grade(jobs=2)
     course.table = grading.scores(lab, course.course)
     return course
 

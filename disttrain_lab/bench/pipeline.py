@@ -15,20 +15,34 @@ PIPELINE_COST = 0.5e-3            # simulated accelerator: seconds per sample fo
 
 
 def _simulated_module(module, cost: float):
-    """``module`` on the lab's simulated accelerator: its forward sleeps ``cost`` s per sample,
-    its backward twice that, so a stage's time is fixed and needs no CPU core (2 cores, 4 ranks)."""
+    """``module`` on the lab's simulated accelerator, as the lab's ``Stage`` models it: forward
+    takes ``cost`` s per sample, backward twice that, the layers' real CPU work included (it
+    sleeps for what is left), so a stage's time is fixed and needs no CPU core (2 cores, 4 ranks)."""
     import torch
 
-    class Sleep(torch.autograd.Function):
+    class Done(torch.autograd.Function):
+        """Applied to the module's output: its backward runs first and sets the deadline."""
         @staticmethod
-        def forward(ctx, x):
-            ctx.rows = len(x)
+        def forward(ctx, x, box):
+            ctx.rows, ctx.box = len(x), box
             return x.view_as(x)
 
         @staticmethod
         def backward(ctx, grad):
-            time.sleep(2 * cost * ctx.rows)
-            return grad
+            ctx.box[0] = time.perf_counter() + 2 * cost * ctx.rows
+            return grad, None
+
+    class Until(torch.autograd.Function):
+        """Applied to the module's input: its backward runs last and waits for the deadline."""
+        @staticmethod
+        def forward(ctx, x, box):
+            ctx.box = box
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(max(0.0, ctx.box[0] - time.perf_counter()))
+            return grad, None
 
     class Simulated(torch.nn.Module):
         def __init__(self):
@@ -36,8 +50,13 @@ def _simulated_module(module, cost: float):
             self.inner = module
 
         def forward(self, x):
-            time.sleep(cost * len(x))
-            return Sleep.apply(self.inner(x))
+            busy_until = time.perf_counter() + cost * len(x)
+            box = [0.0]
+            if not x.requires_grad:           # the first stage: its backward must reach Until too
+                x = x.detach().requires_grad_()
+            out = Done.apply(self.inner(Until.apply(x, box)), box)
+            time.sleep(max(0.0, busy_until - time.perf_counter()))
+            return out
 
     return Simulated()
 
