@@ -201,27 +201,29 @@ def test_rounds_of_k_ring_steps_with_isend_irecv(n):
     assert len(run.messages()) == n * 2 * (n - 1)
 
 
-def test_tracing_overhead_per_call_is_small():
-    """A traced send/recv pair costs little next to gloo itself (the number is in the
-    benchmark `disttrain-lab bench trace`; here only a generous sanity bound)."""
-    def pingpong(trips):
-        import time
-        t = torch.ones(1)
-        start = time.perf_counter()
-        for _ in range(trips):
-            if dist.get_rank() == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            else:
-                dist.recv(t, 0)
-                dist.send(t, 0)
-        return time.perf_counter() - start
-    # taking turns, best of three each: a busy moment of a shared machine slows one run, not all
-    traced, plain = [], []
-    for _ in range(3):
-        traced.append(dl.launch(pingpong, 2, 300, trace=True).results[0])
-        plain.append(dl.launch(pingpong, 2, 300)[0])
-    assert min(traced) < 3 * min(plain) + 0.05, (traced, plain)
+def _pingpong(trips):
+    t = torch.ones(1)
+    for _ in range(trips):
+        if dist.get_rank() == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+    return float(t)
+
+
+def test_tracing_records_each_call_once_and_changes_nothing_else():
+    """What tracing costs is measured by the benchmark (`disttrain-lab bench trace`: the
+    time of a traced round trip against a plain one), not by a timed test, which a busy
+    shared machine would fail; here: one event per call, nothing else recorded, same results."""
+    run = dl.launch(_pingpong, 2, 300, trace=True)
+    assert run.results == dl.launch(_pingpong, 2, 300) == [1.0, 1.0]
+    for rank, peer in ((0, 1), (1, 0)):
+        events = run.by_rank(rank)
+        assert [e.op for e in events] == (["send", "recv"] if rank == 0 else ["recv", "send"]) * 300
+        assert all(e.peer == peer and e.bytes == 4 and e.kind == "p2p" for e in events)
+    assert len(run.messages()) == 600
 
 
 def chain_forwarding_before_wait():
