@@ -189,11 +189,15 @@ def test_bench_allreduce_measures_side_by_side_and_skips_broken(solution):
 
 def test_cli_bench_allreduce_uses_the_notebook():
     out = run_python(["-m", "disttrain_lab.cli", "bench", "allreduce", "--notebook", str(LAB),
-                      "--world-size", "2", "--max-bytes", str(16 << 10), "--repeats", "2"], timeout=240, cwd=REPO)
+                      "--world-size", "2", "--min-bytes", str(16 << 10), "--max-bytes", str(64 << 10),
+                      "--repeats", "2"], timeout=240, cwd=REPO)
     assert out.returncode == 0, out.stdout
-    for name in FUNCTIONS + ["dist.all_reduce", "16.0 KiB"]:
+    for name in FUNCTIONS + ["dist.all_reduce", "16.0 KiB", "64.0 KiB"]:
         assert name in out.stdout, out.stdout
-    assert "not measured" not in out.stdout, out.stdout
+    assert " 4.0 KiB" not in out.stdout and "not measured" not in out.stdout, out.stdout
+    empty = run_python(["-m", "disttrain_lab.cli", "bench", "allreduce", "--notebook", str(LAB),
+                        "--min-bytes", str(5 << 10), "--max-bytes", str(15 << 10)], timeout=240, cwd=REPO)
+    assert empty.returncode == 2 and "no size between --min-bytes 5120 and --max-bytes 15360" in empty.stdout, empty.stdout
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ implementations come from a lab notebook (this package holds no solutions).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from .common import add_notebook_argument, functions_from_lab, progress, slowest_median
@@ -135,6 +136,8 @@ FUNCTIONS = ("naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halv
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
     parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
+    parser.add_argument("--min-bytes", type=int, default=0, help="smallest message (e.g. 67108864: 64 MiB only, "
+                        "for many repeats of one size)")
     parser.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message")
 
 
@@ -142,7 +145,11 @@ def run(args) -> int:
     functions = functions_from_lab(args, LAB, FUNCTIONS, "all-reduce functions")
     if functions is None:
         return 2
-    sizes = [s for s in ALLREDUCE_SIZES if s <= args.max_bytes]
+    sizes = [s for s in ALLREDUCE_SIZES if args.min_bytes <= s <= args.max_bytes]
+    if not sizes:
+        print(f"bench allreduce: no size between --min-bytes {args.min_bytes} and --max-bytes {args.max_bytes}; "
+              f"the sizes are {', '.join(str(s) for s in ALLREDUCE_SIZES)}", file=sys.stderr)
+        return 2
     print(format_allreduce_table(bench_allreduce(functions, world_size=args.world_size, sizes=sizes,
                                                  repeats=args.repeats)))
     return 0
