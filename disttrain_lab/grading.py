@@ -984,6 +984,37 @@ class StepResult:
     timed_out: bool = False
 
 
+PIPE_GRACE = 10.0    # seconds nbgrader's output may still flow after nbgrader itself has exited
+
+
+def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tuple[str, bool]:
+    """``proc``'s output (stdout, a text pipe) and whether it ran past ``timeout`` (then it is killed).
+
+    Waits for ``proc`` itself, not for the end of its pipe: a process it left behind (a kernel
+    from a failed start-up retry) inherits the pipe and would hold it open until the step's
+    timeout.  If the pipe is still open ``PIPE_GRACE`` s after ``proc`` exited, ``kill_leftovers()``
+    stops what is left and the read ends."""
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)    # line by line
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill(_descendants(proc.pid) + [proc.pid])
+        proc.wait()
+    reader.join(PIPE_GRACE)
+    if reader.is_alive():
+        kill_leftovers()
+        reader.join(PIPE_GRACE)
+    if reader.is_alive():           # held by a process we cannot see: keep what came, do not wait on
+        return ("".join(chunks) + f"\n[disttrain-lab] nbgrader exited, but a process it started still held its "
+                f"output {2 * PIPE_GRACE:.0f} s later; the output may be cut short\n"), timed_out
+    proc.stdout.close()
+    return "".join(chunks), timed_out
+
+
 def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
                  tmp_root: str | None = None, slot: int = 0) -> StepResult:
     """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
@@ -1015,17 +1046,14 @@ def _run_step(args: list[str], timeout: float, env: dict | None, tmp_root: str |
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         _RUNNING[proc.pid] = proc
-        timed_out = False
+        marker = f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode()
         try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill(_descendants(proc.pid) + [proc.pid])
-            output, _ = proc.communicate()
-            output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
+            output, timed_out = _wait_and_read(proc, timeout, lambda: _reap_orphans(before, marker))
+            if timed_out:
+                output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
         finally:
             _RUNNING.pop(proc.pid, None)
-            _reap_orphans(before, f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode())
+            _reap_orphans(before, marker)
             if sandbox.method() == "root":
                 sandbox.Cgroup(cgroup).destroy()
     return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)

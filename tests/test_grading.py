@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -365,6 +369,31 @@ def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch
     assert (course.course / "feedback" / "honest" / course.lab / f"{course.lab}.html").exists()
     assert not processes_with(str(course.course))
     assert not list(course.tmp.iterdir())
+
+
+def _step_with_a_leftover(body: str):
+    """A process like nbgrader whose child (a kernel from a failed start-up retry) inherits its stdout."""
+    child = f"import subprocess, sys, time; subprocess.Popen(['sleep', '600']); print('graded', flush=True); {body}"
+    return subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def test_a_process_left_holding_nbgraders_output_does_not_hold_the_grader(monkeypatch):
+    monkeypatch.setattr(grading, "PIPE_GRACE", 1.0)
+    grading._become_subreaper()                   # as run_nbgrader does: the leftover becomes ours
+    before = set(grading._descendants(os.getpid()))
+    started = time.monotonic()
+    output, timed_out = grading._wait_and_read(_step_with_a_leftover("sys.exit(3)"), 120,
+                                               lambda: grading._reap_orphans(before))
+    assert time.monotonic() - started < 60        # not the step's timeout, nor the leftover's 600 s
+    assert "graded" in output and not timed_out
+    assert set(grading._descendants(os.getpid())) <= before, "the leftover was not stopped"
+    # a step that runs past its timeout is stopped, and what it printed is kept
+    proc = _step_with_a_leftover("time.sleep(600)")
+    output, timed_out = grading._wait_and_read(proc, 3, lambda: grading._reap_orphans(before))
+    assert timed_out and "graded" in output and proc.returncode == -signal.SIGKILL
+    grading._reap_orphans(before)                 # as run_nbgrader does after every step
+    assert set(grading._descendants(os.getpid())) <= before
 
 
 # ----------------------------------------------------------------------------------------
