@@ -19,6 +19,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import grading, sandbox
+from disttrain_lab.grading import execute, steps
 from tests.test_grading import (FIXTURE_LIMITS, FIXTURES, HAS_LAUNCH, Course, feedback, grade_id,
                                 processes_with, submit, with_solution)
 
@@ -342,10 +343,10 @@ def test_a_forged_trace_fools_the_trace_but_not_the_operating_system():
 def test_partial_credit_is_clamped_to_the_cells_points():
     cell = nbformat.v4.new_code_cell("1", metadata={"nbgrader": {"grade": True, "points": 2}})
     cell.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "1e9"}, execution_count=1)]
-    grading._clamp_partial_credit(cell)
+    execute._clamp_partial_credit(cell)
     assert cell.outputs[0].data["text/plain"] == "2.0"
     cell.outputs[0].data["text/plain"] = "-3"
-    grading._clamp_partial_credit(cell)
+    execute._clamp_partial_credit(cell)
     assert cell.outputs[0].data["text/plain"] == "0.0"
 
 
@@ -490,15 +491,15 @@ def _sandboxed(tmp_path: Path, uid: int, cgroup: str, code: str, *args: str):
     work = tmp_path / f"work-{uid}"
     work.mkdir()
     the_spec = sandbox.spec(uid=uid, memory=256 * 2**20, pids=32, data_limit=0, cgroup=cgroup,
-                            hide=[*grading._hidden_paths(), str(tmp_path)], keep=grading._kept_paths())
+                            hide=[*execute._hidden_paths(), str(tmp_path)], keep=execute._kept_paths())
     return subprocess.Popen(sandbox.command(the_spec, [sys.executable, "-c", code, *args]), cwd=work,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def _kernel_of(wrapper: int) -> int:
     """The host pid of the command a sandbox runs (wrapper -> init -> command)."""
-    [init] = grading._children_of().get(wrapper, [])
-    [command] = grading._children_of().get(init, [])
+    [init] = steps._children_of().get(wrapper, [])
+    [command] = steps._children_of().get(init, [])
     return command
 
 

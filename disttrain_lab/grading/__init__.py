@@ -1,0 +1,47 @@
+"""Autograding that no submission can break: release, autograde, feedback, grades.
+
+nbgrader does the bookkeeping (gradebook, checksums, hidden tests, feedback); this
+package adds what a course on distributed training needs on top of it:
+
+1. ``execute.RobustExecute`` runs the notebook like nbgrader's ``Execute`` but survives the
+   kernel dying (``os._exit``, a crash, out of memory) and cells that ignore the
+   interrupt: it marks the cell with a message, restarts the kernel, replays the earlier
+   cells to restore their definitions and carries on.  It also enforces a per-notebook
+   wall-clock budget, a per-process memory limit in the kernel (and the ranks it starts),
+   caps huge output while it arrives, and fails a graded test cell when code before it
+   replaced ``torch.distributed`` or ``disttrain_lab`` functions.  Before each graded
+   test cell it resets IPython's hooks and restores the names tests use
+   (``kernel_guard.py``); where the host allows it, each kernel runs in a sandbox
+   (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files, cgroup
+   caps, one pid namespace killed as a unit).
+2. ``submission.SubmissionExporter`` pre-checks each submission (empty file, malformed JSON,
+   a notebook of another lab, metadata nbgrader chokes on) and grades such a file as the
+   blank lab with a note at the top, so the feedback says why it scored 0.
+   ``submission.RestoringOverwriteCells`` puts deleted test cells back wherever they were
+   deleted; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code;
+   ``scan_submission`` and ``grade_report`` flag what a human should look at.
+3. ``steps.run_nbgrader`` runs one nbgrader step in its own process under a wall-clock cap,
+   in a private temp directory, and every process it started is gone afterwards.
+4. ``course``: ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` /
+   ``scores`` and ``disttrain-lab release`` (``disttrain-lab grade`` is ``gradeclass.py``).
+5. ``config``: where a course lives, the ``Limits``, and ``configure``, the wiring that
+   ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
+   ``grader/`` behaves exactly like ``disttrain-lab grade``.
+"""
+from __future__ import annotations
+
+from .config import (GRADER_DIR, REPO_ROOT, Limits, configure, configured_install_source, course_dir,
+                     release_dir, release_ignore, source_dir)
+from .course import (autograde, cli_grade, cli_release, export_grades, generate_feedback, list_labs,
+                     normalize_release, release, release_differences, scores, students_of)
+from .execute import NOTES_FILE, RobustExecute
+from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
+from .submission import (FeedbackWithoutHiddenTests, RestoringOverwriteCells, StampInstallSource,
+                         SubmissionExporter, grade_report, scan_submission)
+
+__all__ = ["GRADER_DIR", "REPO_ROOT", "Limits", "configure", "configured_install_source", "course_dir",
+           "release_dir", "release_ignore", "source_dir", "autograde", "cli_grade", "cli_release", "export_grades",
+           "generate_feedback", "list_labs", "normalize_release", "release", "release_differences", "scores",
+           "students_of", "NOTES_FILE", "RobustExecute", "StepResult", "clean_stale_steps", "run_nbgrader",
+           "stop_running_steps", "FeedbackWithoutHiddenTests", "RestoringOverwriteCells", "StampInstallSource",
+           "SubmissionExporter", "grade_report", "scan_submission"]

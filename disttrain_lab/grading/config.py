@@ -1,0 +1,164 @@
+"""Where a course lives, the limits a grading run applies, and ``configure``: the whole setup
+applied to an nbgrader config object (``grader/nbgrader_config.py`` calls it)."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+from .. import sandbox
+
+# ----------------------------------------------------------------------------------------
+# Where things live, and the limits (each overridable by an environment variable, so the
+# config file, the CLI and the tests all agree).
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GRADER_DIR = REPO_ROOT / "grader"
+
+
+def course_dir() -> Path:
+    """gradebook.db, submitted/, autograded/, feedback/: outside the repo."""
+    return Path(os.environ.get("DISTTRAIN_COURSE_DIR", "~/.disttrain-lab/course")).expanduser().resolve()
+
+
+def source_dir() -> Path:
+    return Path(os.environ.get("DISTTRAIN_SOURCE_DIR", REPO_ROOT / "solutions")).resolve()
+
+
+def release_dir() -> Path:
+    return Path(os.environ.get("DISTTRAIN_RELEASE_DIR", REPO_ROOT / "labs")).resolve()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(float(value)) if value.strip() else default
+
+
+def _env_bytes(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip().upper()
+    if not value:
+        return default
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    if value[-1] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value)
+
+
+@dataclass
+class Limits:
+    cell_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_CELL_TIMEOUT", 180))
+    # seconds for one cell; a correct lab cell takes well under a minute on 2 cores
+    notebook_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_NOTEBOOK_TIMEOUT", 1500))
+    # seconds for the whole notebook, kernel restarts and replays included
+    kernel_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_KERNEL_MEMORY", 4 * 2**30))
+    # bytes of data per process (RLIMIT_DATA) in the kernel and every rank it starts
+    student_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_TIMEOUT", 0))
+    # hard cap on one student's nbgrader process; 0 = notebook_timeout + 5 minutes
+    student_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_STUDENT_MEMORY", 8 * 2**30))
+    # bytes for one student's kernel and every rank, /tmp and /dev/shm included (sandbox only)
+    student_pids: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_PIDS", 512))
+    # processes + threads for one student's kernel and every rank (sandbox only)
+    cell_time_scale: float = field(default_factory=lambda: float(os.environ.get("DISTTRAIN_CELL_TIME_SCALE", "") or 1))
+    # multiplies the per-cell limits derived from the solution's own cell times (cell_times.py):
+    # 2 on a grading machine twice as slow as the one that recorded them
+    sandbox: str = field(default_factory=lambda: os.environ.get("DISTTRAIN_SANDBOX", "auto").strip() or "auto")
+    # "auto": sandbox each kernel where the host can (root, cgroup v1, namespaces), and say
+    # loudly where it cannot; "on": refuse to grade without it; "off": grade as the grader
+
+    def __post_init__(self):
+        for name in ("cell_timeout", "notebook_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.student_timeout <= 0:
+            self.student_timeout = self.notebook_timeout + 300
+        if self.cell_time_scale <= 0:
+            raise ValueError(f"cell_time_scale must be positive (DISTTRAIN_CELL_TIME_SCALE), got {self.cell_time_scale}")
+        if self.sandbox not in ("auto", "on", "off"):
+            raise ValueError(f"sandbox must be 'auto', 'on' or 'off' (DISTTRAIN_SANDBOX), got {self.sandbox!r}")
+
+    def sandboxed(self) -> tuple[bool, str | None]:
+        """(whether kernels run in the sandbox, why not where the host cannot)."""
+        if self.sandbox == "off":
+            return False, "switched off (sandbox='off' / DISTTRAIN_SANDBOX=off)"
+        why = sandbox.problem()
+        if why and self.sandbox == "on":
+            raise RuntimeError(f"sandbox='on' but this host cannot isolate a student: {why}")
+        return why is None, why
+
+
+def release_ignore(solutions: Path) -> list[str]:
+    """CourseDirectory.ignore for generate_assignment: everything in a lab folder except
+    its notebooks and its ``data/`` folder, so no solution module or answer file is
+    ever copied into labs/."""
+    ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", ".*"]
+    if solutions.is_dir():
+        for lab in sorted(solutions.iterdir()):
+            if lab.is_dir():
+                for entry in sorted(lab.iterdir()):
+                    if entry.suffix != ".ipynb" and entry.name != "data" and entry.name not in ignore:
+                        ignore.append(entry.name)
+    return ignore
+
+
+def configured_install_source() -> str:
+    """The install source grader/nbgrader_config.py sets (``$DISTTRAIN_LAB_INSTALL_SOURCE`` wins)."""
+    from traitlets.config.loader import PyFileConfigLoader
+    from ..release import ENV_VAR
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR]
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(GRADER_DIR)).load_config()
+    return str(config.StampInstallSource.get("pip_requirement", ""))
+
+
+_NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
+                 "can read and change the gradebook, solutions and other students' files. Grade as root on "
+                 "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n")
+
+
+_LIMITED_ISOLATION = "\n*** disttrain-lab: grading with LIMITED isolation: {why} (see grader/README.md). ***\n"
+
+
+def configure(c, limits: Limits | None = None) -> None:
+    """Apply the whole grading setup to an nbgrader config object ``c``."""
+    limits = limits or Limits()
+    from .execute import RobustExecute
+    from .submission import FeedbackWithoutHiddenTests, RestoringOverwriteCells, StampInstallSource
+    course_dir().mkdir(parents=True, exist_ok=True)
+    c.CourseDirectory.root = str(course_dir())
+    # parallel students write to one gradebook: wait for another job's write (sqlite's default is 5 s)
+    c.CourseDirectory.db_url = f"sqlite:///{course_dir() / 'gradebook.db'}?timeout=300"
+    c.CourseDirectory.source_directory = str(source_dir())
+    c.CourseDirectory.release_directory = str(release_dir())
+    c.CourseDirectory.ignore = release_ignore(source_dir())
+    c.Execute.timeout = limits.cell_timeout
+    c.Execute.startup_timeout = 120
+    c.RobustExecute.notebook_timeout = limits.notebook_timeout
+    c.RobustExecute.cell_time_scale = limits.cell_time_scale
+    c.RobustExecute.memory_limit = limits.kernel_memory
+    use_sandbox, why = limits.sandboxed()
+    if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_NO_ISOLATION.format(why=why), file=sys.stderr)
+    elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
+    c.RobustExecute.sandbox = "on" if use_sandbox else "off"
+    c.RobustExecute.student_memory = limits.student_memory
+    c.RobustExecute.student_pids = limits.student_pids
+    c.LimitOutput.max_lines = 300
+    c.LimitOutput.max_traceback = 60
+    c.OverwriteCells.add_missing_cells = True
+    c.Autograde.exporter_class = "disttrain_lab.grading.submission.SubmissionExporter"
+    # stamp the install source before the setup cell is locked and checksummed
+    from nbgrader.converters import GenerateAssignment
+    steps = list(GenerateAssignment().preprocessors)
+    c.GenerateAssignment.preprocessors = [StampInstallSource] + [p for p in steps if p is not StampInstallSource]
+    from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
+                                        IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
+    from nbconvert.preprocessors import ClearMetadataPreprocessor
+    c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
+                                          RestoringOverwriteCells, CheckCellMetadata]
+    from nbgrader.converters import GenerateFeedback
+    c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
+    c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
+                                           SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]

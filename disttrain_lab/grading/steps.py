@@ -1,0 +1,205 @@
+"""Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from .. import sandbox
+from .config import GRADER_DIR
+
+# ----------------------------------------------------------------------------------------
+# Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind.
+
+def _children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children, found, todo = _children_of(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _become_subreaper() -> None:
+    # orphans of the grading run (a kernel whose nbgrader was killed, a rank that escaped)
+    # are re-parented to us instead of init, so we can find and stop them
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
+
+
+def _environ_has(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read()
+    except OSError:
+        return False
+
+
+_RUNNING: dict[int, subprocess.Popen] = {}    # nbgrader processes of this grader now, by pid (parallel jobs)
+_STEPS = [0]                                    # steps under way (from before their start to after their reaping)
+_STEPS_LOCK = threading.Lock()
+
+
+def _reap_orphans(before: set[int], marker: bytes | None = None) -> None:
+    """Kill what a step left behind: every new descendant when no other step runs beside it, else
+    only those whose environment carries this step's ``marker`` (a parallel job's own)."""
+    for _ in range(3):
+        leftovers = [p for p in _descendants(os.getpid()) if p not in before]
+        if _STEPS[0] > 1 and marker is not None:
+            leftovers = [p for p in leftovers if p not in _RUNNING and _environ_has(p, marker)]
+        if not leftovers:
+            return
+        _kill(leftovers)
+        for pid in leftovers:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+_STEP_PREFIX = "disttrain-grade-"
+
+
+def clean_stale_steps(tmp_root: str | None = None) -> None:
+    """Remove what grading runs that were killed (SIGKILL, a restart) left: their temp
+    directories and cgroups (whose sandboxed kernels die with them).  A step's names carry
+    its grader's pid, so only steps of graders no longer running are touched."""
+    root = Path(tmp_root or tempfile.gettempdir())
+    stale = []
+    for path in root.glob(f"{_STEP_PREFIX}*-*"):
+        pid = path.name[len(_STEP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            stale.append(path.name)
+            shutil.rmtree(path, ignore_errors=True)
+    if sandbox.problem() is None:
+        for parent in (sandbox.CGROUP_ROOT / "memory" / "disttrain-lab",):
+            for node in parent.glob(f"{_STEP_PREFIX}*-*") if parent.is_dir() else []:
+                pid = node.name[len(_STEP_PREFIX):].split("-", 1)[0]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    sandbox.Cgroup(f"disttrain-lab/{node.name}").destroy()
+
+
+def stop_running_steps() -> None:
+    """Kill every nbgrader step this grader runs now, and all they started (an interrupted run)."""
+    for pid in list(_RUNNING):
+        _kill(_descendants(pid) + [pid])
+
+
+# the nbgrader process dies with the thread that started it (PR_SET_PDEATHSIG), so a grader
+# killed with SIGKILL leaves no step running on; then `python -m nbgrader ARGS`
+_NBGRADER_CHILD = ("import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
+                   "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)")
+
+
+@dataclass
+class StepResult:
+    args: list[str]
+    returncode: int
+    output: str
+    seconds: float
+    timed_out: bool = False
+
+
+PIPE_GRACE = 10.0    # seconds nbgrader's output may still flow after nbgrader itself has exited
+
+
+def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tuple[str, bool]:
+    """``proc``'s output (stdout, a text pipe) and whether it ran past ``timeout`` (then it is killed).
+
+    Waits for ``proc`` itself, not for the end of its pipe: a process it left behind (a kernel
+    from a failed start-up retry) inherits the pipe and would hold it open until the step's
+    timeout.  If the pipe is still open ``PIPE_GRACE`` s after ``proc`` exited, ``kill_leftovers()``
+    stops what is left and the read ends."""
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)    # line by line
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill(_descendants(proc.pid) + [proc.pid])
+        proc.wait()
+    reader.join(PIPE_GRACE)
+    if reader.is_alive():
+        kill_leftovers()
+        reader.join(PIPE_GRACE)
+    if reader.is_alive():           # held by a process we cannot see: keep what came, do not wait on
+        return ("".join(chunks) + f"\n[disttrain-lab] nbgrader exited, but a process it started still held its "
+                f"output {2 * PIPE_GRACE:.0f} s later; the output may be cut short\n"), timed_out
+    proc.stdout.close()
+    return "".join(chunks), timed_out
+
+
+def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
+                 tmp_root: str | None = None, slot: int = 0) -> StepResult:
+    """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
+
+    Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
+    ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid."""
+    _become_subreaper()
+    with _STEPS_LOCK:
+        _STEPS[0] += 1
+    try:
+        return _run_step(args, timeout, env, tmp_root, slot)
+    finally:
+        with _STEPS_LOCK:
+            _STEPS[0] -= 1
+
+
+def _run_step(args: list[str], timeout: float, env: dict | None, tmp_root: str | None, slot: int) -> StepResult:
+    before = set(_descendants(os.getpid()))
+    bindir = os.path.dirname(sys.executable)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root) as tmp:
+        full_env = dict(os.environ, **(env or {}))
+        cgroup = f"disttrain-lab/{os.path.basename(tmp)}"     # every sandboxed kernel of this run below it
+        full_env.update(PATH=bindir + os.pathsep + full_env.get("PATH", ""), TMPDIR=tmp,
+                        JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"), MPLBACKEND="Agg",
+                        PYTHONDONTWRITEBYTECODE="1", DISTTRAIN_SANDBOX_CGROUP=cgroup,
+                        DISTTRAIN_SANDBOX_SLOT=str(slot), DISTTRAIN_GRADE_STEP=os.path.basename(tmp))
+        proc = subprocess.Popen([sys.executable, "-c", _NBGRADER_CHILD, *args], cwd=GRADER_DIR, env=full_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        _RUNNING[proc.pid] = proc
+        marker = f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode()
+        try:
+            output, timed_out = _wait_and_read(proc, timeout, lambda: _reap_orphans(before, marker))
+            if timed_out:
+                output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
+        finally:
+            _RUNNING.pop(proc.pid, None)
+            _reap_orphans(before, marker)
+            if sandbox.method() == "root":
+                sandbox.Cgroup(cgroup).destroy()
+    return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
