@@ -6,7 +6,7 @@
 #   course  (gradebook.db, submitted/, autograded/, feedback/), outside the repo:
 #            ~/.disttrain-lab/course                        ($DISTTRAIN_COURSE_DIR)
 #
-# disttrain_lab.grading.configure applies the rest; see disttrain_lab/grading/config.py:
+# disttrain_lab.grading.configure applies the rest; see disttrain_lab/grading/__init__.py:
 #   c.Execute.timeout (per cell), RobustExecute.notebook_timeout (per notebook),
 #   RobustExecute.memory_limit (RLIMIT_DATA per kernel/rank process), LimitOutput,
 #   OverwriteCells.add_missing_cells, the robust executor, the submission pre-checks,

@@ -24,14 +24,18 @@ package adds what a course on distributed training needs on top of it:
    in a private temp directory, and every process it started is gone afterwards.
 4. ``course``: ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` /
    ``scores`` and ``disttrain-lab release`` (``disttrain-lab grade`` is ``gradeclass.py``).
-5. ``config``: where a course lives, the ``Limits``, and ``configure``, the wiring that
-   ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
+5. ``config``: where a course lives, and the ``Limits``.  ``configure`` (below) is the wiring
+   that ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
    ``grader/`` behaves exactly like ``disttrain-lab grade``.
 """
 from __future__ import annotations
 
-from .config import (GRADER_DIR, REPO_ROOT, Limits, configure, configured_install_source, course_dir,
-                     release_dir, release_ignore, source_dir)
+import os
+import sys
+
+from .. import sandbox
+from .config import (_LIMITED_ISOLATION, _NO_ISOLATION, GRADER_DIR, REPO_ROOT, Limits, configured_install_source,
+                     course_dir, release_dir, release_ignore, source_dir)
 from .course import (autograde, cli_grade, cli_release, export_grades, generate_feedback, list_labs,
                      normalize_release, release, release_differences, scores, students_of)
 from .execute import NOTES_FILE, RobustExecute
@@ -45,3 +49,45 @@ __all__ = ["GRADER_DIR", "REPO_ROOT", "Limits", "configure", "configured_install
            "students_of", "NOTES_FILE", "RobustExecute", "StepResult", "clean_stale_steps", "run_nbgrader",
            "stop_running_steps", "FeedbackWithoutHiddenTests", "RestoringOverwriteCells", "StampInstallSource",
            "SubmissionExporter", "grade_report", "scan_submission"]
+
+
+def configure(c, limits: Limits | None = None) -> None:
+    """Apply the whole grading setup to an nbgrader config object ``c``."""
+    limits = limits or Limits()
+    course_dir().mkdir(parents=True, exist_ok=True)
+    c.CourseDirectory.root = str(course_dir())
+    # parallel students write to one gradebook: wait for another job's write (sqlite's default is 5 s)
+    c.CourseDirectory.db_url = f"sqlite:///{course_dir() / 'gradebook.db'}?timeout=300"
+    c.CourseDirectory.source_directory = str(source_dir())
+    c.CourseDirectory.release_directory = str(release_dir())
+    c.CourseDirectory.ignore = release_ignore(source_dir())
+    c.Execute.timeout = limits.cell_timeout
+    c.Execute.startup_timeout = 120
+    c.RobustExecute.notebook_timeout = limits.notebook_timeout
+    c.RobustExecute.cell_time_scale = limits.cell_time_scale
+    c.RobustExecute.memory_limit = limits.kernel_memory
+    use_sandbox, why = limits.sandboxed()
+    if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_NO_ISOLATION.format(why=why), file=sys.stderr)
+    elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+        print(_LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
+    c.RobustExecute.sandbox = "on" if use_sandbox else "off"
+    c.RobustExecute.student_memory = limits.student_memory
+    c.RobustExecute.student_pids = limits.student_pids
+    c.LimitOutput.max_lines = 300
+    c.LimitOutput.max_traceback = 60
+    c.OverwriteCells.add_missing_cells = True
+    c.Autograde.exporter_class = "disttrain_lab.grading.submission.SubmissionExporter"
+    # stamp the install source before the setup cell is locked and checksummed
+    from nbgrader.converters import GenerateAssignment
+    steps = list(GenerateAssignment().preprocessors)
+    c.GenerateAssignment.preprocessors = [StampInstallSource] + [p for p in steps if p is not StampInstallSource]
+    from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
+                                        IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
+    from nbconvert.preprocessors import ClearMetadataPreprocessor
+    c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
+                                          RestoringOverwriteCells, CheckCellMetadata]
+    from nbgrader.converters import GenerateFeedback
+    c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
+    c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
+                                           SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
