@@ -15,8 +15,8 @@ export PATH="$PWD/.venv/bin:$PATH"   # nbgrader shells out to alembic and jupyte
 # Most of the suite waits on kernels, ranks and nbgrader processes rather than computing, so
 # two workers on two cores take ~2/3 of the time; a file's tests stay together (its
 # module-scoped fixtures, e.g. one grading run shared by many assertions, are made once),
-# the longest first (tests/conftest.py).
-.venv/bin/python -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
+# the longest first (tests/conftest.py; xdist would otherwise hand out the files with most tests first).
+.venv/bin/python -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
     echo "pytest collected no tests"   # exit 5: nothing to run is not a failure of the kit
