@@ -28,8 +28,6 @@ from .. import cell_times, sandbox
 from ..kernel_guard import GUARD_SOURCE, KEY_PLACEHOLDER, signature
 from .config import REPO_ROOT, course_dir, source_dir
 
-# ----------------------------------------------------------------------------------------
-# Executing a submission.
 
 def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
     # an error output is what makes nbgrader give a graded cell 0 points

@@ -16,8 +16,6 @@ from pathlib import Path
 from .. import sandbox
 from .config import GRADER_DIR
 
-# ----------------------------------------------------------------------------------------
-# Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind.
 
 def _children_of() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
