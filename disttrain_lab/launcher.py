@@ -46,7 +46,7 @@ from typing import Callable
 
 import cloudpickle
 
-from . import integrity, network, trace
+from . import codemap, integrity, network, trace
 from .integrity import TamperingError
 from .network import Network
 from .reports import LaunchError, LaunchTimeout, RankDied, RankError, rank_error, timeout_error
@@ -220,10 +220,10 @@ def launch(fn: Callable, world_size: int, *args, device: str | None = None, time
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
-    payload = cloudpickle.dumps((fn, args, kwargs))
+    payload, where = codemap.dumps((fn, args, kwargs))   # where: each code's real cell, for tracebacks
     with _POOL_LOCK:
         pool = _pool_for(world_size, chosen)
-        results, events, wall = pool.run(payload, world_size, timeout, trace, network)
+        results, events, wall = pool.run(payload, world_size, timeout, trace, network, where)
     if trace:
         run = trace_module.Run(results=results, events=events, world_size=world_size,
                                backend=chosen.backend, wall_time=wall, network=network)
@@ -464,7 +464,8 @@ class _Pool:
                     self._relay(next(w for w in self.workers if w.out_fd == fd))
 
     # ---- one launch -------------------------------------------------------------------
-    def run(self, payload: bytes, world_size: int, timeout: float, want_trace: bool, net=None):
+    def run(self, payload: bytes, world_size: int, timeout: float, want_trace: bool, net=None,
+            where: dict[str, str] | None = None):
         __tracebackhide__ = True
         self.calls += 1
         t0 = time.perf_counter()
@@ -480,7 +481,7 @@ class _Pool:
                        "port": self.store.port, "prefix": f"{self.secret}/{self.calls}/", "payload": payload,
                        "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng, "network": net}
                 w.conn.send_bytes(pickle.dumps(job))
-            replies = self._collect(workers, t0 + timeout, timeout)
+            replies = self._collect(workers, t0 + timeout, timeout, where or {})
         except BaseException:
             self.close()  # ranks that already got the job must not run on (Ctrl-C while sending)
             raise
@@ -493,7 +494,7 @@ class _Pool:
         events.sort(key=lambda e: (e.start, e.rank))
         return results, events, wall
 
-    def _collect(self, workers: list[_Worker], deadline_pc: float, timeout: float) -> dict:
+    def _collect(self, workers: list[_Worker], deadline_pc: float, timeout: float, where: dict[str, str]) -> dict:
         __tracebackhide__ = True
         replies: dict[int, tuple] = {}
         by_conn = {w.conn.fileno(): w for w in workers}
@@ -522,7 +523,8 @@ class _Pool:
                         self.close()
                         if reply[1]["type"] == "TamperingError":
                             raise TamperingError(f"rank {w.rank}: {reply[1]['message']}")
-                        raise rank_error(w.rank, reply[1], [o.rank for o in workers if o is not w])
+                        info = {**reply[1], "frames": codemap.relocate(reply[1]["frames"], where)}
+                        raise rank_error(w.rank, info, [o.rank for o in workers if o is not w])
                     replies[w.rank] = reply
             self._relay_all()
         except KeyboardInterrupt:

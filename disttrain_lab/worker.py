@@ -12,13 +12,12 @@ import os
 import pickle
 import signal
 import sys
-import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from . import integrity, network, trace
+from . import codemap, integrity, network, trace
 
 STARTUP_TIMEOUT = 180.0     # seconds: a fresh interpreter importing torch on a busy machine
 
@@ -166,7 +165,7 @@ def _retire_group() -> None:
 
 
 def _error_info(exc: BaseException) -> dict:
-    frames = [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)]
+    frames = codemap.frames_of(exc.__traceback__)   # with each code's key: the parent knows its cell
     message = str(exc)
     if isinstance(exc, SystemExit):
         message = f"sys.exit({exc.code!r}) was called inside the rank"

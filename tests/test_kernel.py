@@ -36,6 +36,30 @@ CELLS = [
     "        return 1 / 0\n"
     "    dist.barrier()\n"
     "dl.launch(broken, 2)",
+    # what a rank's traceback names, whatever file name the pickler gives rebuilt code
+    # (cloudpickle >= 3.1.3 writes "<dynamic-code>"): a helper from another cell, a lambda,
+    # a nested function, a method of a class defined in a cell, a lab's stub
+    "def helper(x):\n"
+    "    y = x + 1\n"
+    "    return 1 / (y - y)",
+    "def calls_helper():\n"
+    "    return helper(dist.get_rank())\n"
+    "dl.launch(calls_helper, 2)",
+    "g = lambda: [1][dist.get_rank() + 5]\n"
+    "dl.launch(g, 2)",
+    "def outer():\n"
+    "    def inner():\n"
+    "        raise ValueError('inner broke')\n"
+    "    return inner()\n"
+    "dl.launch(outer, 2)",
+    "class Model:\n"
+    "    def go(self):\n"
+    "        return {}['missing']\n"
+    "dl.launch(Model().go, 2)",
+    "def ping_pong():\n"
+    "    # YOUR CODE HERE\n"
+    "    raise NotImplementedError()\n"
+    "dl.launch(ping_pong, 2)",
 ]
 
 
@@ -56,6 +80,21 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
     assert "rank 1 raised ZeroDivisionError" in err.evalue
     # the traceback points at the student's cell and line, as IPython names cells
     assert "Cell In[4], line 3, in broken" in err.evalue and "return 1 / 0" in err.evalue
+    assert "<dynamic-code>" not in "".join(o.get("evalue", "") for c in outputs for o in c)
+
+    def error(i):
+        (err,) = [o for o in outputs[i] if o.output_type == "error"]
+        return err.evalue
+
+    assert "Cell In[6], line 2, in calls_helper\n    return helper(dist.get_rank())\n" in error(5)
+    assert "Cell In[5], line 3, in helper\n    return 1 / (y - y)\n" in error(5)
+    assert "Cell In[7], line 1, in <lambda>\n    g = lambda: [1][dist.get_rank() + 5]" in error(6)
+    assert "Cell In[8], line 4, in outer\n    return inner()\n" in error(7)
+    assert "Cell In[8], line 3, in inner\n    raise ValueError('inner broke')" in error(7)
+    assert "Cell In[9], line 3, in go\n    return {}['missing']" in error(8)
+    assert ("ping_pong is not written yet (Cell In[10], line 3 still raises the stub's NotImplementedError)"
+            in error(9))
+    assert "Cell In[10], line 3, in ping_pong\n    raise NotImplementedError()" in error(9)
 
 
 @pytest.mark.slow
