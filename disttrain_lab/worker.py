@@ -7,6 +7,7 @@ and sends back the result or the exception.
 """
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import pickle
@@ -58,6 +59,10 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) ->
                                   errors="backslashreplace")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
                                   errors="backslashreplace")
+    if faulthandler.is_enabled():
+        # inherited from the parent (pytest enables it on its own copy of the terminal): a
+        # rank's crash report goes to the rank's relayed stderr, like everything it prints
+        faulthandler.enable(file=sys.stderr)
     import torch
     global _FORKED
     _FORKED = forked

@@ -6,6 +6,8 @@ round trip are in test_labNN.py and test_grading.py.)
 from __future__ import annotations
 
 import ast
+import functools
+import zipfile
 from pathlib import Path
 
 import nbformat
@@ -60,9 +62,21 @@ def test_committed_without_outputs(lab):
     assert not [i for i, c in enumerate(lab.cells) if c.cell_type == "code" and c.outputs]
 
 
+@functools.cache
+def _installed_sources() -> str:
+    """Every Python file students install: the package's folders at every depth (bench/,
+    grading/ ...) and every file of the committed wheel the labs install from."""
+    texts = [p.read_text() for p in sorted((REPO / "disttrain_lab").rglob("*.py"))]
+    for wheel in sorted((REPO / "labs" / "wheels").glob("*.whl")):
+        with zipfile.ZipFile(wheel) as z:
+            texts += [z.read(n).decode() for n in z.namelist() if n.endswith(".py")]
+    assert len(texts) > 40, "expected the package's files and the wheel's"
+    return "\n".join(texts)
+
+
 def test_package_ships_none_of_the_solutions(lab):
     # students install disttrain_lab: no function or class they write may be defined in it
-    package = "\n".join(p.read_text() for p in (REPO / "disttrain_lab").glob("*.py"))
+    package = _installed_sources()
     for cell in lab.cells:
         if nbgrader_meta(cell).get("solution"):
             for name in definitions(cell.source):

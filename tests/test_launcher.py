@@ -1,6 +1,7 @@
 """dl.launch: results, prints, errors, deadlocks, timeouts, cleanup, concurrency, torchrun."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import signal
@@ -252,13 +253,26 @@ def test_rank_calling_os_exit_is_reported():
     assert "exited with code 3" in str(err.value)
 
 
-def test_rank_calling_abort_is_reported():
-    def aborts():
-        if dist.get_rank() == 0:
-            os.abort()
-        dist.barrier()
+def _aborts():
+    if dist.get_rank() == 0:
+        os.abort()
+    dist.barrier()
+
+
+def test_rank_calling_abort_is_reported(capfd):
     with pytest.raises(dl.RankDied, match="SIGABRT"):
-        dl.launch(aborts, 2, timeout=30)
+        dl.launch(_aborts, 2, timeout=30)
+    if faulthandler.is_enabled():   # pytest's: the rank's crash report is one of the rank's lines
+        assert "[rank 0] Fatal Python error: Aborted" in "".join(capfd.readouterr())
+
+
+def test_a_rank_that_aborts_prints_nothing_to_the_test_runners_terminal():
+    # pytest's faulthandler writes to its own copy of the terminal, which a forked rank inherits
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"{__file__}::test_rank_calling_abort_is_reported"],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "1 passed" in out.stdout, out.stdout + out.stderr
+    assert "Fatal Python error" not in out.stdout + out.stderr
 
 
 def test_sys_exit_in_a_rank_is_an_error_not_a_silent_death():
