@@ -2,6 +2,13 @@
 # Create (or reuse) the project's virtual environment in .venv and install the kit.
 #
 #   bash scripts/setup.sh          # kit + instructor tools (JupyterLab, nbgrader) + test tools
+#   DISTTRAIN_RESOLUTION=lowest bash scripts/setup.sh   # the same in .venv-lowest, every direct
+#                                  # dependency at the lowest version pyproject.toml allows
+#
+# Without DISTTRAIN_RESOLUTION, pip resolves the newest versions the registry serves (what a
+# fresh machine, CI and a new user get).  With `lowest`, uv (installed into that venv)
+# resolves `--resolution lowest-direct`: each dependency we name at its lower bound, theirs at
+# their newest, which proves the lower bounds in pyproject.toml true.
 #
 # Students on Colab or a Hub need none of this: a lab's setup cell installs the lean kit.
 #
@@ -13,7 +20,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=${VENV:-.venv}
+RESOLUTION=${DISTTRAIN_RESOLUTION:-newest}
+case "$RESOLUTION" in
+    newest) VENV=${VENV:-.venv} ;;
+    lowest) VENV=${VENV:-.venv-lowest} ;;
+    *) echo "setup: DISTTRAIN_RESOLUTION must be 'newest' (the default) or 'lowest', not '$RESOLUTION'" >&2; exit 2 ;;
+esac
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
 fi
@@ -25,5 +37,10 @@ else
     echo "setup: no torch found; installing the pinned CPU build torch==2.13.0"
     "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[grader,test]"
-echo "setup: ready ($("$VPY" -c 'import torch, disttrain_lab; print("torch", torch.__version__, "disttrain_lab", disttrain_lab.__version__)'))"
+if [ "$RESOLUTION" = lowest ]; then
+    "$VPY" -m pip install -q uv
+    "$VENV/bin/uv" pip install -q --python "$VPY" --resolution lowest-direct -e ".[grader,test]"
+else
+    "$VPY" -m pip install -q -e ".[grader,test]"
+fi
+echo "setup: ready in $VENV, $RESOLUTION versions ($("$VPY" -c 'import torch, disttrain_lab; print("torch", torch.__version__, "disttrain_lab", disttrain_lab.__version__)'))"

@@ -8,15 +8,19 @@
 #   DISTTRAIN_TEST_WORKERS=0 bash scripts/test.sh   # one process, in order (about 35 min)
 #   DISTTRAIN_HUB_TEST=1 bash scripts/test.sh tests/test_hub.py   # the real JupyterHub (~3 min)
 #   bash scripts/test.sh -m gpu     # the GPU tests (skipped, with the reason, without GPUs)
+#   DISTTRAIN_RESOLUTION=lowest bash scripts/test.sh   # on the lowest versions pyproject.toml
+#                                   # allows, in .venv-lowest (see scripts/setup.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${DISTTRAIN_RESOLUTION:-newest}" in lowest) VENV=${VENV:-.venv-lowest} ;; *) VENV=${VENV:-.venv} ;; esac
+export VENV
 bash scripts/setup.sh || exit 1
-export PATH="$PWD/.venv/bin:$PATH"   # nbgrader shells out to alembic and jupyter by PATH
+export PATH="$PWD/$VENV/bin:$PATH"   # nbgrader shells out to alembic and jupyter by PATH
 # Most of the suite waits on kernels, ranks and nbgrader processes rather than computing, so
 # two workers on two cores take ~2/3 of the time; a file's tests stay together (its
 # module-scoped fixtures, e.g. one grading run shared by many assertions, are made once),
 # the longest first (tests/conftest.py; xdist would otherwise hand out the files with most tests first).
-.venv/bin/python -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
     echo "pytest collected no tests"   # exit 5: nothing to run is not a failure of the kit

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import shutil
 import tempfile
 import time
@@ -50,7 +51,7 @@ def execute(nb, autograding: bool, timeout: int = 240, cwd: Path | None = None) 
     env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
     if autograding:
         env["NBGRADER_EXECUTION"] = "autograde"
-    env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"   # this venv's tools
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                             kernel_manager_class=UnixSocketKernelManager,
                             resources={"metadata": {"path": str(cwd or REPO)}})

@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +66,7 @@ def test_package_holds_no_solutions():
 
 
 def test_console_script_runs():
-    out = subprocess.run([str(ROOT / ".venv" / "bin" / "disttrain-lab"), "doctor"], capture_output=True,
+    out = subprocess.run([str(Path(sys.executable).parent / "disttrain-lab"), "doctor"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "READY" in out.stdout
 
@@ -120,3 +122,24 @@ def test_committed_wheel_is_built_from_these_sources(tmp_path):
     build_wheel(ROOT, tmp_path)
     assert not wheel_differences(tmp_path, ROOT / "labs" / "wheels"), \
         "labs/wheels/ is stale: run `disttrain-lab release`"
+
+
+@pytest.mark.slow
+def test_every_lower_bound_is_what_the_lowest_resolution_installs():
+    # `DISTTRAIN_RESOLUTION=lowest bash scripts/test.sh` runs the suite on these versions; a bound
+    # that nothing can install (jupyterlab>=4.0 beside nbgrader 0.9.6) would claim support untested
+    project = _pyproject()["project"]
+    bounds = {}
+    for requirement in [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]:
+        floor = re.search(r"(>=|==)\s*([0-9][^,;\s]*)", requirement)
+        assert floor, f"{requirement}: every dependency names its lowest version"
+        bounds[_name(requirement)] = floor.group(2)
+    uv = Path(sys.executable).parent / "uv"
+    out = subprocess.run([str(uv), "pip", "compile", "pyproject.toml", "--all-extras", "--resolution", "lowest-direct",
+                          "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}", "--quiet",
+                          "--no-header", "--no-annotate"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    resolved = dict(line.split("==", 1) for line in out.stdout.split() if "==" in line and not line.startswith("-"))
+    resolved = {_name(n): v for n, v in resolved.items()}
+    wrong = {n: (b, resolved.get(n)) for n, b in bounds.items() if n not in resolved or Version(resolved[n]) != Version(b)}
+    assert not wrong, f"declared lower bound vs what the lowest resolution installs: {wrong}"
