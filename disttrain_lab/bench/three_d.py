@@ -69,7 +69,7 @@ def single_process_flops(cfg, batch) -> float:
 
     import torch
 
-    from . import models
+    from .. import models
     model = models.GPT(cfg, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch
@@ -98,8 +98,8 @@ def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup
             return nullcontext(type("NoBar", (), {"update": lambda self, n=1: None,
                                                   "set_postfix_str": lambda self, s: None})())
 
-    from . import models
-    from .launcher import launch
+    from .. import models
+    from ..launcher import launch
     network = network or bench_network()
     world = {dp * tp * pp for dp, tp, pp, _ in configs}
     if len(world) != 1:
