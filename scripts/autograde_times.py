@@ -7,15 +7,16 @@ so that a change in the machine's load hits both alike; the ratio on/off is prin
 load average before and after."""
 import argparse, os, statistics, shutil, tempfile
 from pathlib import Path
-import nbformat
-from tqdm import tqdm
-from disttrain_lab import grading
 REPO = Path(__file__).resolve().parent.parent
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("labs", nargs="*")
 parser.add_argument("--sandbox", default="auto", help="comma-separated modes to compare: auto, on, off")
 parser.add_argument("--rounds", type=int, default=3)
 args = parser.parse_args()
+# after the arguments: --help answers at once, without loading nbgrader
+import nbformat  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from disttrain_lab import grading  # noqa: E402
 labs, modes = args.labs or grading.list_labs(REPO / "solutions"), args.sandbox.split(",")
 root = Path(tempfile.mkdtemp(prefix="agtime-"))
 course, release, tmp = root / "course", root / "release", root / "tmp"

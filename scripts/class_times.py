@@ -17,10 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import nbformat
-
-from disttrain_lab import grading
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -49,6 +45,10 @@ def main() -> int:
     parser.add_argument("--students", type=int, default=24)
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
+    # after the arguments: --help answers at once, without loading nbgrader
+    import nbformat
+
+    from disttrain_lab import grading
     lab = args.lab
     root = Path(tempfile.mkdtemp(prefix="class-times-"))
     course, release, tmp = root / "course", root / "release", root / "tmp"

@@ -17,8 +17,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from disttrain_lab import launch  # noqa: E402
-from disttrain_lab.bench.common import functions_from_notebook  # noqa: E402
 
 
 def _phases(fns, nbytes, repeats):
@@ -53,6 +51,9 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
+    # after the arguments: --help answers at once, without loading torch
+    from disttrain_lab import launch
+    from disttrain_lab.bench.common import functions_from_notebook
     fns = functions_from_notebook(args.notebook, ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"])
     per_rank = launch(_phases, args.world_size, fns, args.mib << 20, args.repeats, timeout=900)
     slowest = {name: statistics.median(max(r[name][i] for r in per_rank) for i in range(args.repeats))

@@ -4,6 +4,7 @@
 #   bash scripts/setup.sh          # kit + instructor tools (JupyterLab, nbgrader) + test tools
 #   DISTTRAIN_RESOLUTION=lowest bash scripts/setup.sh   # the same in .venv-lowest, every direct
 #                                  # dependency at the lowest version pyproject.toml allows
+#   bash scripts/setup.sh --help   # this text
 #
 # Without DISTTRAIN_RESOLUTION, pip resolves the newest versions the registry serves (what a
 # fresh machine, CI and a new user get).  With `lowest`, uv (installed into that venv)
@@ -17,6 +18,9 @@
 # (Colab, a Hub image, a conda env) is used as it is.  Only where no torch can be
 # imported do we install the pinned CPU build, torch==2.13.0 -- never an unpinned torch,
 # which would pull several GB of CUDA packages.
+case "${1:-}" in -h|--help)    # the usage above, and nothing else done
+    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

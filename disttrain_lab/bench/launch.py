@@ -99,11 +99,15 @@ HELP = "starting ranks: dl.launch cold and warm, mp.spawn, torchrun"
 
 
 def add_arguments(parser) -> None:
-    pass
+    parser.add_argument("--world-size", type=int, default=None, help="only this number of ranks (default: 2, 4)")
+    parser.add_argument("--slow-repeats", type=int, default=3, help="starts of mp.spawn and of torchrun per "
+                        "number of ranks, each taking seconds (default 3; dl.launch: --repeats, warm at least 20)")
 
 
 def run(args) -> int:
-    print(format_launch_table(bench_launch(repeats=args.repeats)))
+    world_sizes = (args.world_size,) if args.world_size else (2, 4)
+    print(format_launch_table(bench_launch(world_sizes=world_sizes, repeats=args.repeats,
+                                           slow_repeats=args.slow_repeats)))
     return 0
 
 

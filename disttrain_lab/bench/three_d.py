@@ -207,6 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--notebook", help="the lab notebook defining train_3d and the planner (default "
                         f"{os.path.join('solutions', LAB)}, else the same under labs/)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per run of a configuration")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds of every configuration run first and not "
+                        "timed (default 1; 0 for a quick look, whose steps are then timed cold)")
     parser.add_argument("--write", metavar="JSON", help="write the measurements there (Lab 8's step_times.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(repeats=3)
@@ -229,7 +231,7 @@ def run(args) -> int:
         return 2
     _with_reference_pieces(found["train_3d"], path)
     planner = found
-    record = bench_3d(found["train_3d"], steps=args.steps, repeats=args.repeats,
+    record = bench_3d(found["train_3d"], steps=args.steps, repeats=args.repeats, warmup=args.warmup,
                       progress=not getattr(args, "no_progress", False))
     record["notebook"] = path
     predicted = predictions(record, planner)

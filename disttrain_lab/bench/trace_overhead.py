@@ -42,7 +42,7 @@ def bench_trace(trips: int = 2000, sizes=(4, 1 << 20), repeats: int = 5) -> list
     from ..launcher import launch
     rows = []
     for nbytes in sizes:
-        runs = [launch(_pingpong_modes, 2, trips if nbytes < 1024 else trips // 20, nbytes)[0]
+        runs = [launch(_pingpong_modes, 2, trips if nbytes < 1024 else max(1, trips // 20), nbytes)[0]
                 for _ in progress(range(repeats), desc=f"bench trace, {nbytes} B", unit="run")]
         base = statistics.median([min(r["torch"], r["torch again"]) for r in runs])
         for mode in ("torch", "status only", "traced"):
@@ -64,9 +64,10 @@ HELP = "what tracing costs per ping-pong round trip"
 
 
 def add_arguments(parser) -> None:
-    pass
+    parser.add_argument("--trips", type=int, default=2000, help="round trips per run of each mode with a 4 B "
+                        "message (default 2000; with 1 MiB, a twentieth of them)")
 
 
 def run(args) -> int:
-    print(format_trace_table(bench_trace(repeats=args.repeats)))
+    print(format_trace_table(bench_trace(trips=args.trips, repeats=args.repeats)))
     return 0

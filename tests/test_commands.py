@@ -1,0 +1,192 @@
+"""Every command a user can type runs here, for real, in its own process: a smoke test each.
+
+- ``disttrain-lab bench NAME`` for every benchmark of ``bench.benchmarks()`` that no other test
+  runs from the command line, with tiny settings and one repeat; checked: it exits 0 and prints
+  its table (header and rows, never its speed).  The others are run by the lab's own test
+  (:data:`COVERED_ELSEWHERE`), and a benchmark added with neither fails
+  :func:`test_every_benchmark_has_a_smoke_test`.
+- ``disttrain-lab bench --help`` (and every ``bench NAME --help``), ``grade --help``, ``release --help``,
+  ``release --check``.
+- run elsewhere: ``disttrain-lab doctor`` in tests/test_packaging.py::test_console_script_runs (the
+  console script, READY; its text: tests/test_launcher.py::test_doctor_reports_backend_and_verdict);
+  ``disttrain-lab grade LAB`` and ``grade merge`` in tests/test_gradeclass.py; the labs' release in
+  tests/test_grading.py and tests/test_install.py.
+- every script under ``scripts/`` with ``--help``: it prints its usage and does nothing else
+  (a shell script's setup, JupyterLab or pytest never start).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disttrain_lab.bench import benchmarks
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+
+# `disttrain-lab bench NAME` run from the command line, with tiny settings, by a lab's own test
+# (which also checks its table against the solution's names): not run again here
+COVERED_ELSEWHERE = {
+    "allreduce": "tests/test_lab02.py::test_cli_bench_allreduce_uses_the_notebook",
+    "ddp": "tests/test_lab03.py::test_cli_bench_ddp_uses_the_notebook",
+    "zero": "tests/test_lab04.py::test_cli_bench_zero_uses_the_notebook",
+    "pipeline": "tests/test_lab05.py::test_cli_bench_pipeline_uses_the_notebook",
+    "tp": "tests/test_lab06.py::test_cli_bench_tp_uses_the_notebook",
+}
+
+# the others, run here: NAME -> (tiny options, what its output must hold)
+SMOKE = {
+    "launch": (["--world-size", "2", "--slow-repeats", "1"],
+               ["method", "ranks", "median", "vs warm launch", "dl.launch warm", "dl.launch cold", "mp.spawn",
+                "torchrun --standalone"]),
+    "trace": (["--trips", "100"],
+              ["message", "mode", "us/round trip", "vs torch", "4 B torch", "4 B status only", "4 B traced",
+               "1.0 MiB torch", "1.0 MiB traced"]),
+    "compression": ([],               # its model as it is: ~10 s on 2 cores
+                    ["compression hooks in torch DDP: MLP 512 -> 1024 -> 1024 -> 512", "2 ranks", "median of 1",
+                     "steps/s", "bytes/step/rank", "vs dense", "torch allreduce_hook (dense)",
+                     "torch fp16_compress_hook", "torch powerSGD_hook, rank 2", "top-k 1% + error feedback",
+                     "INT8"]),
+    # its rows (every configuration, with the planner's prediction) are checked in test_bench_3d
+    "3d": (["--steps", "1", "--warmup", "0", "--no-progress"],
+           ["Lab 8 train_3d, GPT of", "8 ranks", "median of 1 x 1 steps, slowest rank", "configuration", "s/step",
+            "tokens/s", "predicted"]),
+}
+
+
+def disttrain_lab() -> list[str]:
+    """The console script beside this interpreter (what a user types), else ``python -m``."""
+    script = Path(sys.executable).parent / "disttrain-lab"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "disttrain_lab.cli"]
+
+
+def run(command: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    # the repository's own course folders, whatever this shell points at
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("DISTTRAIN_COURSE_DIR", "DISTTRAIN_SOURCE_DIR", "DISTTRAIN_RELEASE_DIR")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**clean, **(env or {})})
+
+
+def said(out: subprocess.CompletedProcess) -> str:
+    return f"exit {out.returncode}\n--- stdout\n{out.stdout[-6000:]}\n--- stderr\n{out.stderr[-6000:]}"
+
+
+# ----------------------------------------------------------------------------------------
+# disttrain-lab bench NAME
+
+def test_every_benchmark_has_a_smoke_test():
+    names = set(benchmarks())
+    assert not set(SMOKE) & set(COVERED_ELSEWHERE), "run here and elsewhere"
+    assert set(SMOKE) | set(COVERED_ELSEWHERE) == names, (
+        f"`disttrain-lab bench NAME` without a smoke test: {sorted(names - set(SMOKE) - set(COVERED_ELSEWHERE))} "
+        f"(give it tiny options in SMOKE); gone: {sorted((set(SMOKE) | set(COVERED_ELSEWHERE)) - names)}")
+    # the tests named really run that benchmark's command line
+    for name, where in COVERED_ELSEWHERE.items():
+        path, test = where.split("::")
+        source = (REPO / path).read_text()
+        [fn] = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == test]
+        assert f'"bench", "{name}"' in ast.get_source_segment(source, fn), f"{where} does not run bench {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(benchmarks()) - set(COVERED_ELSEWHERE) - {"3d"}))
+def test_bench(name):
+    if name not in SMOKE:
+        pytest.fail(f"bench {name}: no smoke test; give it tiny options in SMOKE")
+    options, expected = SMOKE[name]
+    out = run(disttrain_lab() + ["bench", name, "--repeats", "1", *options], timeout=240)
+    assert out.returncode == 0, said(out)
+    missing = [words for words in expected if words not in out.stdout]
+    assert not missing, f"not printed: {missing}\n{said(out)}"
+
+
+@pytest.mark.slow
+def test_bench_3d(tmp_path):
+    """Lab 8's 3d benchmark on every configuration, one step each, the planner's prediction beside each."""
+    from disttrain_lab.bench.three_d import CONFIGS
+    options, expected = SMOKE["3d"]
+    record = tmp_path / "step_times.json"
+    out = run(disttrain_lab() + ["bench", "3d", "--repeats", "1", *options, "--write", str(record)], timeout=240)
+    assert out.returncode == 0, said(out)
+    missing = [words for words in expected if words not in out.stdout]
+    assert not missing, f"not printed: {missing}\n{said(out)}"
+    rows = [line for line in out.stdout.splitlines() if line.startswith("dp=")]
+    assert sorted(row[:24].strip() for row in rows) == sorted(f"dp={dp} tp={tp} pp={pp} m={m}"
+                                                             for dp, tp, pp, m in CONFIGS), said(out)
+    assert all(row.endswith("s") and "n/a" not in row for row in rows), said(out)   # the planner's predictions
+    assert f"wrote {record}" in out.stdout
+    written = json.loads(record.read_text())
+    assert (written["steps"], written["repeats"], written["warmup"]) == (1, 1, 0)
+    assert [(r["dp"], r["tp"], r["pp"], r["micro_batches"]) for r in written["runs"]] == CONFIGS
+    assert all(r["median_step_s"] > 0 and len(r["step_s"]) == 1 for r in written["runs"])
+
+
+def test_bench_help_lists_every_benchmark():
+    out = run(disttrain_lab() + ["bench", "--help"], timeout=120)
+    assert out.returncode == 0 and "usage: disttrain-lab bench" in out.stdout, said(out)
+    missing = [name for name in benchmarks() if name not in out.stdout]
+    assert not missing, said(out)
+
+
+def test_each_benchmark_has_help(capsys):
+    from disttrain_lab import cli
+    for name in benchmarks():
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["bench", name, "--help"])
+        text = capsys.readouterr().out
+        assert stopped.value.code == 0 and f"usage: disttrain-lab bench {name}" in text and "--repeats" in text, text
+
+
+# ----------------------------------------------------------------------------------------
+# disttrain-lab grade, release (doctor: see the module's docstring)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, expected", [
+    ("grade", ["usage: disttrain-lab grade", "lab", "--jobs", "--shard", "--force", "grade merge"]),
+    ("release", ["usage: disttrain-lab release", "labs", "--check", "--install-source", "--time-cells"]),
+])
+def test_help(command, expected):
+    # slow: both load nbgrader (~3 s)
+    out = run(disttrain_lab() + [command, "--help"], timeout=120)
+    assert out.returncode == 0, said(out)
+    text = " ".join(out.stdout.split())        # argparse wraps its lines to the terminal's width
+    missing = [words for words in expected if words not in text]
+    assert not missing, f"not printed: {missing}\n{said(out)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_release_check():
+    """Releases every lab and builds the wheel in a scratch folder (~30 s on 2 cores): labs/ and
+    labs/wheels/ are what the sources make (after changing the kit's sources: `disttrain-lab release`)."""
+    out = run(disttrain_lab() + ["release", "--check"], timeout=560)
+    assert out.returncode == 0 and "labs/ is up to date" in out.stdout, said(out)
+
+
+# ----------------------------------------------------------------------------------------
+# scripts/: each answers --help with its usage, and does nothing else
+
+@pytest.mark.parametrize("script", sorted(p for p in SCRIPTS.iterdir() if p.is_file() and not p.name.startswith(".")),
+                         ids=lambda p: p.name)      # not __pycache__/, which importing a script leaves
+def test_script_help(script, tmp_path):
+    if script.suffix == ".py":
+        command = [sys.executable, str(script), "--help"]
+    elif script.suffix == ".sh":
+        command = ["bash", str(script), "--help"]
+    else:
+        pytest.fail(f"{script.name}: neither a .py nor a .sh script; say here how to run it with --help")
+    # were a shell script to go on past --help, its setup would fail at once (no python to make a venv
+    # with) and in a scratch folder, instead of installing
+    venv = tmp_path / "venv"
+    out = run(command, timeout=60, env={"PYTHON": "false", "VENV": str(venv)})
+    assert out.returncode == 0, said(out)
+    usage = "usage:" in out.stdout.lower() or f"bash scripts/{script.name}" in out.stdout
+    assert usage and script.name in out.stdout, said(out)
+    assert not venv.exists() and not out.stderr.strip(), said(out)
