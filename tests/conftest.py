@@ -15,7 +15,7 @@ SECONDS = {"test_grading.py": 1254, "test_browser.py": 364, "test_gradeclass.py"
            "test_lab05.py": 145, "test_lab03.py": 124, "test_lab04.py": 105, "test_lab06.py": 71,
            "test_lab01.py": 70, "test_lab02.py": 61, "test_launcher.py": 53, "test_lab07.py": 38,
            "test_lab08.py": 36, "test_install.py": 29, "test_network.py": 22,
-           "test_torchrun_nodes.py": 25}
+           "test_torchrun_nodes.py": 25, "test_commands.py": 75}
 
 
 def pytest_collection_modifyitems(config, items):
