@@ -9,8 +9,11 @@ case "${1:-}" in -h|--help)    # the usage above, and nothing else done
 esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the venv scripts/setup.sh makes: .venv, or .venv-lowest with DISTTRAIN_RESOLUTION=lowest (as in test.sh)
+case "${DISTTRAIN_RESOLUTION:-newest}" in lowest) VENV=${VENV:-.venv-lowest} ;; *) VENV=${VENV:-.venv} ;; esac
+export VENV
 bash scripts/setup.sh
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="$PWD/$VENV/bin:$PATH"
 as_root=()
 [ "$(id -u)" = 0 ] && as_root=(--allow-root)   # containers and CI run as root; Jupyter refuses it otherwise
-exec .venv/bin/jupyter lab "${LAB_ROOT:-labs/}" "${as_root[@]}" "$@"
+exec "$VENV/bin/jupyter" lab "${LAB_ROOT:-labs/}" "${as_root[@]}" "$@"
