@@ -17,12 +17,11 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         "torch is already there.") from exc
 
 from . import checks, integrity, models, network, trace, viz  # noqa: E402
-from .launcher import (  # noqa: E402
-    LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, device, launch, plan, shutdown,
-)
+from .devices import device, doctor, plan  # noqa: E402
+from .launcher import LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
+from .pool import shutdown  # noqa: E402
 from .trace import Event, Run, region  # noqa: E402
-from .cli import doctor  # noqa: E402
 
 __all__ = ["launch", "Network", "network", "doctor", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
            "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace", "checks", "models"]

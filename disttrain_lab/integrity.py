@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import types
 
+from .trace import TRACED_OPS, Event, Run, genuine_of
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _SNAPSHOT: dict[tuple[str, str], object] = {}   # (module, name) -> genuine object
 
@@ -39,7 +41,6 @@ def _genuine_home(module_name: str) -> str:
 
 def _unwrap(obj):
     # the tracer wraps torch.distributed's functions in launched ranks; that is allowed
-    from .trace import genuine_of
     return genuine_of(obj)
 
 
@@ -128,13 +129,11 @@ def watch_defaults() -> None:
     import torch
     import torch.distributed as dist
     import torch.testing
-    from .trace import TRACED_OPS
     names = list(TRACED_OPS) + ["init_process_group", "get_rank", "get_world_size", "new_group",
                                 "batch_isend_irecv", "all_gather_object", "broadcast_object_list"]
     watch(dist, names)
     watch(torch, ["equal", "allclose", "isclose", "ne", "eq", "logical_not", "any", "all", "where"])
     watch(torch.testing, ["assert_close"])
-    from .trace import Event, Run
     watch_class(torch.Tensor, "torch.Tensor")
     watch_class(torch._C.TensorBase, "torch._C.TensorBase")
     watch_class(Run, "disttrain_lab.Run")

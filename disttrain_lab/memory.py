@@ -32,6 +32,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .trace import format_bytes
+
 __all__ = ["Held", "held", "tensor_bytes", "storage_key", "ParameterWatch", "Snapshot", "layers_with_parameters"]
 
 _MAX_DEPTH = 8          # how deep held() follows attributes, lists and dicts from an object passed
@@ -76,7 +78,6 @@ class Held:
                 "optimizer_state": self.optimizer_state, "other": self.other, "total": self.total}
 
     def __str__(self) -> str:
-        from .trace import format_bytes
         return ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.as_dict().items())
 
 

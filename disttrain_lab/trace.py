@@ -15,6 +15,14 @@ calls are what you see, with real byte counts.
 The records come back to the notebook as a :class:`Run`, which answers the questions the
 labs grade: bytes sent per rank, calls per op, which collectives ran, and how many
 communication rounds a point-to-point algorithm took.
+
+What other modules of the kit use (all public; nothing here imports them back):
+
+- the launcher and the worker start and stop a rank's recorder with
+  :func:`begin_recording` / :func:`end_recording` and install the wrappers with :func:`install`;
+- the emulated network (``disttrain_lab.emulation``) passes its wrappers and its cost hook to
+  :func:`install` and reads a call's tensors with :data:`IN_ARGS`, :data:`OUT_ARGS` and
+  :func:`payload_bytes`.
 """
 from __future__ import annotations
 
@@ -29,8 +37,6 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from . import network
-
 P2P_OPS = ("send", "recv", "isend", "irecv")
 COLLECTIVE_OPS = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
@@ -43,9 +49,10 @@ COLLECTIVE_OPS = (
 SETUP_OPS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration")
 TRACED_OPS = P2P_OPS + COLLECTIVE_OPS + SETUP_OPS
 
-# Argument names that hold the tensors of a call, and which side (in/out) they are.
-_IN_ARGS = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list", "scatter_list")
-_OUT_ARGS = ("output_tensor", "output", "tensor_list", "output_tensor_list", "gather_list")
+# Argument names that hold the tensors of a call, and which side (in/out) they are
+# (the emulated network reads a call's size with them too).
+IN_ARGS = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list", "scatter_list")
+OUT_ARGS = ("output_tensor", "output", "tensor_list", "output_tensor_list", "gather_list")
 
 
 @dataclass
@@ -164,7 +171,11 @@ class _Recorder:
         self.recording = False
         self.events: list[tuple] = []
         self.depth = 0
+        self.requests = 0
         self.status_buf = None
+        # an emulated network's hook (install(last_cost=...)): the model's seconds of the call
+        # that just ended, stored in its event; None when no network is emulated
+        self.last_cost: Callable[[], float | None] | None = None
 
     def begin(self, rank: int, t0: float, recording: bool, status_buf) -> None:
         self.rank, self.t0, self.recording, self.status_buf = rank, t0, recording, status_buf
@@ -187,11 +198,34 @@ _REC = _Recorder()
 _ORIGINALS: dict[str, Any] = {}   # op name -> genuine torch function, filled by install()
 
 
-def _nbytes(x) -> int:
+def begin_recording(rank: int, t0: float, recording: bool, status_buf) -> None:
+    """Start this process's recorder for one launch of ``rank`` (one rank per process).
+
+    ``t0``: the launch's start (``perf_counter``); event times are seconds since then.
+    ``recording``: append an event per call (``trace=True``); without it only the status
+    slot is written.  ``status_buf``: the memory the launcher reads the slots from."""
+    _REC.begin(rank, t0, recording, status_buf)
+
+
+def end_recording() -> list[tuple]:
+    """Stop recording; return the raw events (see :func:`to_events`) and clear the status slot."""
+    return _REC.end()
+
+
+def set_recording(on: bool) -> list[tuple]:
+    """Switch event recording on or off in the middle of a launch (the status slot is
+    written either way); return the events recorded so far, which are forgotten.
+    ``disttrain-lab bench trace`` measures the wrappers with and without it."""
+    events, _REC.events, _REC.recording = _REC.events, [], on
+    return events
+
+
+def payload_bytes(x) -> int:
+    """The logical payload of a call's argument: bytes of a tensor or a list of tensors (0 for anything else)."""
     if x is None:
         return 0
     if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
+        return sum(payload_bytes(t) for t in x)
     try:
         return x.numel() * x.element_size()
     except AttributeError:
@@ -237,8 +271,8 @@ def _call_info(op: str, bound: dict, full: bool) -> tuple:
                 peer = group[bound[key]] if group else bound[key]
     if peer is None and op in ("broadcast", "reduce", "scatter", "gather"):
         peer = 0
-    nin = max((_nbytes(bound.get(k)) for k in _IN_ARGS), default=0)
-    nout = max((_nbytes(bound.get(k)) for k in _OUT_ARGS), default=0)
+    nin = max((payload_bytes(bound.get(k)) for k in IN_ARGS), default=0)
+    nout = max((payload_bytes(bound.get(k)) for k in OUT_ARGS), default=0)
     meta = {}
     if not full:  # status only: the fields a deadlock report needs
         return kind, peer, group, max(nin, nout), bound.get("tag"), meta
@@ -334,7 +368,7 @@ def _wrap(op: str, fn, genuine=None):
         if op in ("recv",) and peer is None and isinstance(out, int):
             peer = out  # recv from any source returns the sender
         if rec.recording:
-            modelled = network.take_last_cost()
+            modelled = rec.last_cost() if rec.last_cost is not None else None
             if modelled is not None:
                 meta["network_s"] = modelled
             rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0,
@@ -351,13 +385,17 @@ def _wrap(op: str, fn, genuine=None):
     return traced
 
 
-def install(emulate=None) -> None:
+def install(emulate: Callable | None = None, last_cost: Callable[[], float | None] | None = None) -> None:
     """Wrap torch.distributed's communication functions in this process (idempotent).
 
     ``emulate(op, fn)``, if given, slows torch's ``fn`` down to an emulated network's time
-    (``network.emulator``); the tracer wraps the result, so traced times include the wait."""
+    (``emulation.wrap``); the tracer wraps the result, so traced times include the wait.
+    ``last_cost()``, given with it, returns the model's seconds of the call that just ended
+    (or None); a traced event keeps it as ``meta["network_s"]``.  ``install()`` without
+    them puts back the tracer's wrappers around torch's own functions."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+    _REC.last_cost = last_cost if emulate is not None else None
     for op in TRACED_OPS:
         current = getattr(c10d, op, None)
         if current is None:
@@ -415,7 +453,7 @@ def _wrap_method(name: str, op: str, genuine):
         if rec.recording:
             peer = args[1] if kind == "p2p" and len(args) > 1 and isinstance(args[1], int) else None
             rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0, peer, None,
-                               _nbytes(args[0] if args else None), None, "", {"called": f"ProcessGroup.{name}"}))
+                               payload_bytes(args[0] if args else None), None, "", {"called": f"ProcessGroup.{name}"}))
         return out
 
     direct.__name__ = direct.__qualname__ = name
@@ -462,6 +500,12 @@ def to_events(raw: list[tuple]) -> list[Event]:
 # Called with every Run that ``dl.launch`` returns (the grader's guard counts the bytes its
 # events claim, to compare with what the operating system counted; see docs/architecture.md)
 _RUN_OBSERVERS: list[Callable[["Run"], None]] = []
+
+
+def notify_observers(run: "Run") -> None:
+    """Show ``run`` to every observer (``dl.launch`` calls it with every Run it returns)."""
+    for observe in tuple(_RUN_OBSERVERS):
+        observe(run)
 
 
 def p2p_bytes_claimed(events) -> int:

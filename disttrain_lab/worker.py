@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from . import codemap, integrity, network, trace
+from . import codemap, emulation, integrity, trace
 
 STARTUP_TIMEOUT = 180.0     # seconds: a fresh interpreter importing torch on a busy machine
 
@@ -118,9 +118,9 @@ def _run_job(job: dict, status) -> tuple:
         return ("error", _error_info(exc))
     trace.write_status(status, rank, None)
     _set_rng_states(job["rng"])
-    trace._REC.begin(rank, job["t0"], job["trace"], status)
+    trace.begin_recording(rank, job["t0"], job["trace"], status)
     try:
-        network.begin(job.get("network"), world_size)  # None: nothing is installed
+        emulation.begin(job["network"], world_size)  # None: nothing is installed
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         result = fn(*args, **kwargs)
         integrity.verify()  # did the function replace torch.distributed while it ran?
@@ -128,8 +128,8 @@ def _run_job(job: dict, status) -> tuple:
     except BaseException as exc:  # noqa: BLE001  (SystemExit too: report it, don't die)
         reply = ("error", _error_info(exc))
     finally:
-        network.end(job.get("network"))
-        raw = trace._REC.end()
+        emulation.end(job["network"])
+        raw = trace.end_recording()
     if reply[0] == "ok":
         # The group stays up until the next launch: a rank that returns early must not
         # break a peer still inside a collective (that peer should time out and say so).

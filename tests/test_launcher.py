@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import disttrain_lab as dl
+from disttrain_lab import devices, pool
 
 from .helpers import alive, child_pids, gpu_count, needs_gpus, run_python, tmp_listing
 
@@ -108,12 +109,12 @@ def test_prints_are_relayed_with_rank_prefix(capfd):
 
 def test_huge_output_is_capped(capfd):
     def chatty():
-        for i in range(dl.launcher.MAX_OUTPUT_LINES + 500):
+        for i in range(pool.MAX_OUTPUT_LINES + 500):
             print("line", i)
         return "done"
     assert dl.launch(chatty, 2) == ["done", "done"]
     out = capfd.readouterr().out
-    assert out.count("[rank 0] line") == dl.launcher.MAX_OUTPUT_LINES
+    assert out.count("[rank 0] line") == pool.MAX_OUTPUT_LINES
     assert "500 more lines not shown" in out
 
 
@@ -488,7 +489,7 @@ def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
 # --- one device policy: gloo on the CPU unless a launch asks for device="cuda" ---------
 
 def _pretend_gpus(monkeypatch, n):
-    monkeypatch.setattr(dl.launcher, "_gpu_count", lambda: n)
+    monkeypatch.setattr(devices, "_gpu_count", lambda: n)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
 
 

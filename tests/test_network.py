@@ -221,10 +221,10 @@ def _send_16_kib() -> bool:
         dist.send(t, dst=1)
     else:
         dist.recv(t, src=0)
-    from disttrain_lab import network, trace
+    from disttrain_lab import emulation, trace
     # nothing of the emulation is left: the tracer wraps torch's own function directly
     inner = [c.cell_contents for c in dist.send.__closure__ if callable(c.cell_contents)]
-    return network._STATE is None and trace.genuine_of(dist.send) in inner
+    return emulation._STATE is None and trace.genuine_of(dist.send) in inner
 
 
 def test_network_none_changes_nothing_after_an_emulated_launch():

@@ -1,0 +1,394 @@
+"""The warm pool of rank processes behind ``dl.launch`` (see docs/architecture.md,
+"Launching ranks from a notebook").
+
+A pool of ``size`` worker processes is kept between launches; a launch with
+``world_size <= size`` and the same plan uses its first ranks.  On the CPU the workers are
+forked from the notebook's kernel (0.1 s for 4 ranks); for GPUs they are fresh interpreters.
+One ``TCPStore`` per pool, on port 0 with a secret key prefix, carries every launch's fresh
+process group.  Each worker's stdout/stderr is relayed into the cell as ``[rank k] ...``.
+The pool waits on every rank with a deadline; an exception, a rank that dies, a timeout or
+Ctrl-C stops every rank (SIGKILL) and raises here; the pool is rebuilt on the next launch.
+
+    results, events, wall = pool.run(payload, world_size, chosen_plan, timeout, want_trace, network, where)
+    pool.shutdown()
+"""
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import pickle
+import random
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from . import codemap, trace
+from .devices import Plan
+from .integrity import TamperingError
+from .network import Network
+from .reports import LaunchError, RankDied, rank_error, timeout_error
+from .worker import STARTUP_TIMEOUT, worker_main
+
+__all__ = ["run", "shutdown", "MAX_OUTPUT_LINES"]
+
+MAX_OUTPUT_LINES = 2000     # per rank and launch; more is counted, not shown
+
+_POOL: "_Pool | None" = None
+_POOL_LOCK = threading.RLock()
+
+
+def run(payload: bytes, world_size: int, chosen: Plan, timeout: float, want_trace: bool,
+        network: Network | None, where: dict[str, str]) -> tuple[list, list[trace.Event], float]:
+    """Run the pickled ``(fn, args, kwargs)`` on the first ``world_size`` ranks of a warm pool
+    for ``chosen`` (started, or rebuilt, when none fits); return (results, events, wall seconds).
+
+    ``network``: the emulated ``dl.Network`` the ranks run on, or None.  ``where``: each code
+    object's real cell (``codemap.dumps``), so a rank's traceback names the student's line."""
+    __tracebackhide__ = True
+    with _POOL_LOCK:
+        return _pool_for(world_size, chosen).run(payload, world_size, timeout, want_trace, network, where)
+
+
+def shutdown() -> None:
+    """Stop the warm worker processes (they are also stopped when Python exits)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.close()
+            _POOL = None
+
+
+def _pool_for(world_size: int, chosen: Plan) -> "_Pool":
+    global _POOL
+    if _POOL is not None and not _POOL.usable_for(world_size, chosen):
+        _POOL.close()
+        _POOL = None
+    if _POOL is None:
+        _POOL = _Pool(world_size, chosen)
+    return _POOL
+
+
+class _Worker:
+    def __init__(self, rank: int, pid: int, conn: Connection, out_fd: int, popen=None):
+        self.rank, self.pid, self.conn, self.out_fd, self.popen = rank, pid, conn, out_fd, popen
+        self.partial = b""
+        self.shown = 0
+        self.hidden = 0
+
+
+class _Pool:
+    """``size`` warm workers; a call with world_size <= size uses the first ones."""
+
+    def __init__(self, size: int, chosen: Plan):
+        self.size, self.plan = size, chosen
+        self.owner_pid = os.getpid()
+        self.workers: list[_Worker] = []
+        self.calls = 0
+        self.broken = False
+        if chosen.start_method == "spawn":
+            self.status_fd = os.memfd_create("disttrain-lab-status")
+            os.ftruncate(self.status_fd, trace.SLOT_BYTES * size)
+            self.status = mmap.mmap(self.status_fd, trace.SLOT_BYTES * size)
+        else:
+            self.status_fd = None
+            self.status = mmap.mmap(-1, trace.SLOT_BYTES * size)
+        self.store = None
+        # the store listens on every interface; an unguessable key prefix keeps others on a
+        # shared host from writing into this pool's process groups
+        self.secret = secrets.token_hex(16)
+        try:
+            for rank in range(size):
+                self.workers.append(self._start_worker(rank))
+            self._wait_ready()
+            # One store per pool, created after the forks (so no child inherits its socket),
+            # on port 0: the OS picks a free port, so launches on a shared host never clash.
+            # Workers keep one connection to it; each launch uses its own key prefix.
+            self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=STARTUP_TIMEOUT))
+        except BaseException:
+            self.close()
+            raise
+
+    def usable_for(self, world_size: int, chosen: Plan) -> bool:
+        return (not self.broken and self.owner_pid == os.getpid() and world_size <= self.size
+                and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)
+                and self._all_alive())
+
+    def _all_alive(self) -> bool:
+        """False if any idle worker died since the last launch (killed, out of memory, or
+        its parent-death signal fired because the thread that forked it ended)."""
+        for w in self.workers:
+            try:
+                pid, _ = os.waitpid(w.pid, os.WNOHANG)
+            except ChildProcessError:
+                return False
+            if pid:
+                return False
+        return True
+
+    # ---- starting workers ---------------------------------------------------------
+    def _start_worker(self, rank: int) -> _Worker:
+        parent_sock, child_sock = socket.socketpair()
+        out_r, out_w = os.pipe()
+        if self.plan.start_method == "fork":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # child: never return into the caller's stack
+                code = 1
+                try:
+                    parent_sock.close()
+                    os.close(out_r)
+                    worker_main(child_sock.detach(), out_w, self.status, forked=True, parent=self.owner_pid)
+                    code = 0
+                finally:
+                    os._exit(code)
+            popen = None
+        else:
+            fds = (child_sock.fileno(), out_w, self.status_fd)
+            popen = subprocess.Popen(
+                [sys.executable, "-c", "from disttrain_lab.worker import spawned_main; spawned_main()",
+                 *map(str, fds), str(self.owner_pid), str(trace.SLOT_BYTES * self.size)],
+                pass_fds=fds, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, close_fds=True)
+            pid = popen.pid
+        child_sock.close()
+        os.close(out_w)
+        os.set_blocking(out_r, False)
+        return _Worker(rank, pid, Connection(parent_sock.detach()), out_r, popen)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        waiting = {w.conn.fileno(): w for w in self.workers}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaunchError(f"ranks {sorted(w.rank for w in waiting.values())} did not start "
+                                  f"within {STARTUP_TIMEOUT:.0f} s")
+            ready, _, _ = select.select(list(waiting) + [w.out_fd for w in self.workers], [], [], left)
+            for fd in ready:
+                if fd in waiting:
+                    w = waiting.pop(fd)
+                    try:
+                        w.conn.recv_bytes()
+                    except (EOFError, OSError):
+                        self._relay_all()
+                        raise LaunchError(f"rank {w.rank} failed to start (exit code {self._reap(w)})")
+                else:
+                    self._relay(next(w for w in self.workers if w.out_fd == fd))
+
+    # ---- one launch -------------------------------------------------------------------
+    def run(self, payload: bytes, world_size: int, timeout: float, want_trace: bool, network: Network | None,
+            where: dict[str, str]):
+        __tracebackhide__ = True
+        self.calls += 1
+        t0 = time.perf_counter()
+        workers = self.workers[:world_size]
+        rng = _rng_states()
+        for w in workers:
+            w.shown = w.hidden = 0
+            trace.write_status(self.status, w.rank, None)
+        try:
+            for w in workers:
+                job = {"rank": w.rank, "world_size": world_size, "device": self.plan.device,
+                       "group_backend": self.plan.group_backend,
+                       "port": self.store.port, "prefix": f"{self.secret}/{self.calls}/", "payload": payload,
+                       "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng, "network": network}
+                w.conn.send_bytes(pickle.dumps(job))
+            replies = self._collect(workers, t0 + timeout, timeout, where)
+        except BaseException:
+            self.close()  # ranks that already got the job must not run on (Ctrl-C while sending)
+            raise
+        wall = time.perf_counter() - t0
+        results, events = [], []
+        for w in workers:
+            _, result, raw = replies[w.rank]
+            results.append(result)
+            events.extend(trace.to_events(raw))
+        events.sort(key=lambda e: (e.start, e.rank))
+        return results, events, wall
+
+    def _collect(self, workers: list[_Worker], deadline_pc: float, timeout: float, where: dict[str, str]) -> dict:
+        __tracebackhide__ = True
+        replies: dict[int, tuple] = {}
+        by_conn = {w.conn.fileno(): w for w in workers}
+        by_out = {w.out_fd: w for w in workers}
+        try:
+            while len(replies) < len(workers):
+                left = deadline_pc - time.perf_counter()
+                if left <= 0:
+                    self._relay_all()
+                    self._timeout(workers, replies, timeout)
+                pending = [fd for fd, w in by_conn.items() if w.rank not in replies]
+                ready, _, _ = select.select(pending + list(by_out), [], [], min(left, 1.0))
+                for fd in ready:
+                    if fd in by_out:
+                        self._relay(by_out[fd])
+                        continue
+                    w = by_conn[fd]
+                    try:
+                        reply = cloudpickle.loads(w.conn.recv_bytes())
+                    except (EOFError, OSError, ConnectionError):
+                        reply = None      # raised below, not in here: the EOFError is not the student's news
+                    if reply is None:
+                        self._rank_died(w, workers)
+                    if reply[0] == "error":
+                        self._relay_all()
+                        self.close()
+                        if reply[1]["type"] == "TamperingError":
+                            raise TamperingError(f"rank {w.rank}: {reply[1]['message']}")
+                        info = {**reply[1], "frames": codemap.relocate(reply[1]["frames"], where)}
+                        raise rank_error(w.rank, info, [o.rank for o in workers if o is not w])
+                    replies[w.rank] = reply
+            self._relay_all()
+        except KeyboardInterrupt:
+            self.close()
+            print(f"[disttrain-lab] interrupted: stopped all {len(workers)} ranks", file=sys.stderr)
+            raise
+        finally:
+            self._flush_hidden(workers)
+        return replies
+
+    # ---- failures ---------------------------------------------------------------------
+    def _rank_died(self, w: _Worker, workers: list[_Worker]):
+        __tracebackhide__ = True
+        self._relay_all()
+        code = self._reap(w)
+        self.close()
+        if code is not None and code < 0:
+            sig = signal.Signals(-code).name
+            hint = {"SIGABRT": "abort() was called (os.abort, or a C++ assertion)",
+                    "SIGSEGV": "it crashed (segmentation fault)",
+                    "SIGKILL": "it was killed, often for using too much memory"}.get(sig, "")
+            how = f"was killed by {sig}" + (f": {hint}" if hint else "")
+        else:
+            how = f"exited with code {code}" + (" (os._exit or sys.exit inside the rank?)" if code else
+                                                  " before returning a value (os._exit(0) inside the rank?)")
+        others = ", ".join(str(o.rank) for o in workers if o is not w)
+        raise RankDied(f"rank {w.rank} ended without returning: its process {how}. "
+                       f"The other ranks ({others}) were stopped.", w.rank, code)
+
+    def _timeout(self, workers: list[_Worker], replies: dict, timeout: float):
+        __tracebackhide__ = True
+        now = time.perf_counter()
+        states: dict[int, trace.Blocked | str | None] = {}
+        for w in workers:
+            if w.rank in replies:
+                states[w.rank] = "finished"
+            else:
+                states[w.rank] = trace.read_status(self.status, w.rank)
+        self.close()
+        raise timeout_error(states, now, timeout)
+
+    def _reap(self, w: _Worker) -> int | None:
+        """Exit code of a worker (negative: killed by that signal); waits briefly."""
+        for _ in range(50):
+            try:
+                pid, status = os.waitpid(w.pid, os.WNOHANG)
+            except ChildProcessError:
+                return w.popen.returncode if w.popen else None
+            if pid:
+                if w.popen is not None:
+                    w.popen.returncode = os.waitstatus_to_exitcode(status)
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        return None
+
+    # ---- output relay -------------------------------------------------------------------
+    def _relay(self, w: _Worker) -> bool:
+        """Show the complete lines a rank has written so far; False when nothing was read."""
+        try:
+            chunk = os.read(w.out_fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            return False
+        if not chunk:
+            return False
+        lines = (w.partial + chunk).split(b"\n")
+        w.partial = lines.pop()
+        self._show(w, lines)
+        return True
+
+    def _show(self, w: _Worker, lines: list[bytes]) -> None:
+        out = []
+        for line in lines:
+            if w.shown < MAX_OUTPUT_LINES:
+                out.append(f"[rank {w.rank}] {line.decode(errors='replace')}\n")
+                w.shown += 1
+            else:
+                w.hidden += 1
+        if out:
+            sys.stdout.write("".join(out))
+            sys.stdout.flush()
+
+    def _relay_all(self) -> None:
+        """Drain every rank's pipe, including a last line without a newline."""
+        for w in self.workers:
+            for _ in range(64):
+                if not self._relay(w):
+                    break
+            if w.partial:
+                self._show(w, [w.partial])
+                w.partial = b""
+
+    def _flush_hidden(self, workers: list[_Worker]) -> None:
+        for w in workers:
+            if w.hidden:
+                sys.stdout.write(f"[rank {w.rank}] ... {w.hidden} more lines not shown "
+                                 f"(at most {MAX_OUTPUT_LINES} per rank)\n")
+                w.hidden = 0
+
+    # ---- stopping -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Kill every worker (SIGKILL: a rank blocked in C++ ignores anything gentler)."""
+        self.broken = True
+        if os.getpid() != self.owner_pid:
+            return
+        for w in self.workers:
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for w in self.workers:
+            try:
+                os.waitpid(w.pid, 0)
+            except ChildProcessError:
+                pass
+            if w.popen is not None:
+                w.popen.returncode = w.popen.returncode if w.popen.returncode is not None else -9
+            for closer in (w.conn.close, lambda: os.close(w.out_fd)):
+                try:
+                    closer()
+                except OSError:
+                    pass
+        self.workers = []
+        self.store = None
+        if self.status_fd is not None:
+            os.close(self.status_fd)
+            self.status_fd = None
+
+
+@atexit.register
+def _stop_pool_at_exit() -> None:
+    if _POOL is not None:
+        _POOL.close()
+
+
+def _rng_states() -> dict:
+    """The notebook's random states now: warm ranks start every launch from them, as a
+    rank forked at this moment would (no hidden state carried over from earlier launches)."""
+    states = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
