@@ -70,9 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         return args.benchmark.run(args)
-    if args.command in ("release", "grade"):
-        from . import grading
-        return getattr(grading, f"cli_{args.command}")(rest)
+    # the grading wing needs the instructor's tools (the [grader] extra: nbgrader, rich), which a
+    # student's install lacks: imported only when an instructor's command runs
+    if args.command == "release":
+        from .grading import course
+        return course.cli_release(rest)
+    if args.command == "grade":
+        from .grading import classgrade
+        return classgrade.cli_grade(rest)
     raise ValueError(f"unknown command {args.command!r}")
 
 
