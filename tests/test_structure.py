@@ -1,0 +1,208 @@
+"""The package's two halves and how they may import each other (STYLE.md, principle 13).
+
+The student kit is the top of ``disttrain_lab`` (and ``bench/``); the grading wing is
+``disttrain_lab/grading/``; ``cli.py`` is the top floor that dispatches to both.  Read from
+the source with ``ast`` (every import, at module level or inside a function, relative ones
+resolved): no import circle anywhere in the package; nothing outside the grading wing but
+``cli.py`` imports it; no module takes an underscored name from another module.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "disttrain_lab"
+GRADING = "disttrain_lab.grading"
+TOP_FLOOR = "disttrain_lab.cli"
+
+# Known exceptions, to be emptied as the modules named are reworked (each is (module, what)).
+KNOWN_PRIVATE_USES = {
+    # the tracer's internals used by its neighbours: launcher/trace/network are being split in a
+    # parallel branch, which gives them public names
+    ("disttrain_lab.network", "disttrain_lab.trace._ORIGINALS"),
+    ("disttrain_lab.network", "disttrain_lab.trace._IN_ARGS"),
+    ("disttrain_lab.network", "disttrain_lab.trace._OUT_ARGS"),
+    ("disttrain_lab.network", "disttrain_lab.trace._nbytes"),
+    ("disttrain_lab.worker", "disttrain_lab.trace._REC"),
+    ("disttrain_lab.launcher", "disttrain_lab.trace._REC"),
+    ("disttrain_lab.bench.trace_overhead", "disttrain_lab.trace._ORIGINALS"),
+    ("disttrain_lab.bench.trace_overhead", "disttrain_lab.trace._REC"),
+    # the guard program (sent into a graded kernel as text) counts traced bytes through the
+    # tracer's observer list; it keeps doing exactly that until trace offers a public hook
+    ("disttrain_lab.grading.guard_program", "disttrain_lab.trace._RUN_OBSERVERS"),
+}
+KNOWN_CIRCLE_EDGES = {
+    # __init__.py takes doctor() from cli.py, and cli.py dispatches to the grading wing, which
+    # uses the kit's root (install_source: __version__): doctor is moving out of cli.py in a
+    # parallel branch, which removes this edge
+    ("disttrain_lab", "disttrain_lab.cli"),
+    # trace imports network, and network's functions import trace back (its wrappers and
+    # originals): part of the launcher/trace/network split in a parallel branch
+    ("disttrain_lab.network", "disttrain_lab.trace"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _imports(name: str, path: Path) -> tuple[set[str], set[str]]:
+    """(the package's modules ``name`` imports, the underscored names it takes from other modules)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets, private, bound = set(), set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES:
+                    targets.add(alias.name)
+                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname \
+                        else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source not in MODULES:
+                continue
+            for alias in node.names:
+                if f"{source}.{alias.name}" in MODULES:           # a module: from . import trace
+                    targets.add(f"{source}.{alias.name}")
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+                else:                                             # a name: from .trace import Run
+                    targets.add(source)
+                    if _is_private(alias.name):
+                        private.add(f"{source}.{alias.name}")
+
+    def module_of(node) -> str | None:
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            parent = module_of(node.value)
+            return f"{parent}.{node.attr}" if parent and f"{parent}.{node.attr}" in MODULES else None
+        return None
+
+    for node in ast.walk(tree):      # trace._REC, dl.trace._REC: an underscored name of a module
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = module_of(node.value)
+            if owner is not None and owner != name:
+                private.add(f"{owner}.{node.attr}")
+    targets.discard(name)
+    return targets, private
+
+
+GRAPH, PRIVATE = {}, {}
+for _name, _path in MODULES.items():
+    GRAPH[_name], PRIVATE[_name] = _imports(_name, _path)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_both_halves_and_every_kind_of_import():
+    # the reader itself: relative, absolute and function-level imports all appear
+    assert "disttrain_lab.trace" in GRAPH["disttrain_lab.network"]            # from .trace import ... in a function
+    assert "disttrain_lab.grading.classgrade" in GRAPH[TOP_FLOOR]            # the CLI's dispatch
+    assert "disttrain_lab.grading.config" in GRAPH["disttrain_lab.grading.install_source"]
+    assert "disttrain_lab.trace" in GRAPH["disttrain_lab.grading.guard_program"]   # absolute, in a function
+    assert "disttrain_lab.trace._REC" in PRIVATE["disttrain_lab.worker"]       # trace._REC
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert {m for m in MODULES if m.startswith(GRADING + ".")} >= {
+        f"{GRADING}.{m}" for m in ("classgrade", "cell_times", "cells", "config", "course", "execute", "guard",
+                                   "guard_program", "install_source", "sandbox", "steps", "submission")}
+
+
+def test_no_import_circle_anywhere_in_the_package():
+    graph = {m: {t for t in targets if (m, t) not in KNOWN_CIRCLE_EDGES} for m, targets in GRAPH.items()}
+    assert _circles(graph) == [], "modules that import each other, directly or around a circle"
+    for edge in KNOWN_CIRCLE_EDGES:          # an exception that no longer exists is taken off the list
+        assert edge[1] in GRAPH[edge[0]], f"{edge} is no longer imported: remove it from KNOWN_CIRCLE_EDGES"
+
+
+def test_the_student_kit_never_imports_the_grading_wing():
+    wrong = {m: sorted(t for t in targets if t == GRADING or t.startswith(GRADING + "."))
+             for m, targets in GRAPH.items()
+             if not (m == GRADING or m.startswith(GRADING + ".")) and m != TOP_FLOOR}
+    assert {m: t for m, t in wrong.items() if t} == {}, "grading may use the kit, never the reverse"
+
+
+def test_no_module_takes_an_underscored_name_from_another():
+    used = {(m, name) for m, names in PRIVATE.items() for name in names}
+    assert sorted(used - KNOWN_PRIVATE_USES) == [], "use a public name (or make one) instead"
+    assert sorted(KNOWN_PRIVATE_USES - used) == [], "fixed: take it off KNOWN_PRIVATE_USES"
+
+
+def test_importing_the_kit_loads_nothing_of_the_grading_wing():
+    # what a student's kernel does; the grading wing needs the instructor's tools (nbgrader)
+    out = subprocess.run([sys.executable, "-c", "import sys, disttrain_lab, disttrain_lab.bench; "
+                          "print(sorted(m for m in sys.modules if m.startswith('disttrain_lab.grading') "
+                          "or m.split('.')[0] in ('nbgrader', 'rich')))"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------
+# the guard program: a module file, sent into the kernel as text
+
+def test_the_guard_program_compiles_and_runs_nothing_when_imported():
+    from disttrain_lab.grading import guard
+    path = PACKAGE / "grading" / "guard_program.py"
+    compile(path.read_text(), str(path), "exec")
+    assert guard.PROGRAM == path.read_text()
+    assert guard.PROGRAM.count(guard.KEY_PLACEHOLDER) == 1
+    key = bytes(range(32))
+    assert key.hex() in guard.program(key) and guard.KEY_PLACEHOLDER not in guard.program(key)
+    # importing it (tooling, a doc build) defines the installer and runs nothing
+    sys.modules.pop("_disttrain_grading_guard", None)
+    from disttrain_lab.grading import guard_program
+    assert callable(guard_program._disttrain_install_guard)
+    assert "_disttrain_grading_guard" not in sys.modules
+
+
+def test_the_sandbox_runs_as_a_file_without_the_package():
+    # the grader starts it with `python -I FILE` (no package on the path): it imports nothing of the package
+    assert GRAPH["disttrain_lab.grading.sandbox"] == set()
