@@ -59,15 +59,15 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _imports(name: str, path: Path) -> tuple[set[str], set[str]]:
-    """(the package's modules ``name`` imports, the underscored names it takes from other modules)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def _imports(name: str, source: str, is_package: bool, modules) -> tuple[set[str], set[str]]:
+    """(the ``modules`` that module ``name`` imports, the underscored names it takes from the others)."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
     targets, private, bound = set(), set(), {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name in MODULES:
+                if alias.name in modules:
                     targets.add(alias.name)
                     bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname \
                         else alias.name.split(".")[0]
@@ -75,26 +75,26 @@ def _imports(name: str, path: Path) -> tuple[set[str], set[str]]:
             if node.level:
                 base = package.split(".")
                 base = base[:len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
+                origin = ".".join(base + ([node.module] if node.module else []))
             else:
-                source = node.module or ""
-            if source not in MODULES:
+                origin = node.module or ""
+            if origin not in modules:
                 continue
             for alias in node.names:
-                if f"{source}.{alias.name}" in MODULES:           # a module: from . import trace
-                    targets.add(f"{source}.{alias.name}")
-                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+                if f"{origin}.{alias.name}" in modules:           # a module: from . import trace
+                    targets.add(f"{origin}.{alias.name}")
+                    bound[alias.asname or alias.name] = f"{origin}.{alias.name}"
                 else:                                             # a name: from .trace import Run
-                    targets.add(source)
+                    targets.add(origin)
                     if _is_private(alias.name):
-                        private.add(f"{source}.{alias.name}")
+                        private.add(f"{origin}.{alias.name}")
 
     def module_of(node) -> str | None:
         if isinstance(node, ast.Name):
             return bound.get(node.id)
         if isinstance(node, ast.Attribute):
             parent = module_of(node.value)
-            return f"{parent}.{node.attr}" if parent and f"{parent}.{node.attr}" in MODULES else None
+            return f"{parent}.{node.attr}" if parent and f"{parent}.{node.attr}" in modules else None
         return None
 
     for node in ast.walk(tree):      # trace._REC, dl.trace._REC: an underscored name of a module
@@ -108,7 +108,7 @@ def _imports(name: str, path: Path) -> tuple[set[str], set[str]]:
 
 GRAPH, PRIVATE = {}, {}
 for _name, _path in MODULES.items():
-    GRAPH[_name], PRIVATE[_name] = _imports(_name, _path)
+    GRAPH[_name], PRIVATE[_name] = _imports(_name, _path.read_text(), _path.name == "__init__.py", MODULES)
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,14 +142,23 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_graph_sees_both_halves_and_every_kind_of_import():
-    # the reader itself: relative, absolute and function-level imports all appear
-    assert "disttrain_lab.trace" in GRAPH["disttrain_lab.network"]            # from .trace import ... in a function
-    assert "disttrain_lab.grading.classgrade" in GRAPH[TOP_FLOOR]            # the CLI's dispatch
-    assert "disttrain_lab.grading.config" in GRAPH["disttrain_lab.grading.install_source"]
-    assert "disttrain_lab.trace" in GRAPH["disttrain_lab.grading.guard_program"]   # absolute, in a function
-    assert "disttrain_lab.trace._REC" in PRIVATE["disttrain_lab.worker"]       # trace._REC
+def test_the_reader_sees_every_kind_of_import():
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c", "pkg.sub.d"}
+    source = ("import os\n"
+              "from . import d\n"                                  # a sibling module
+              "from ..a import thing, _hidden, __version__\n"      # names of a module (one underscored)
+              "import pkg.b\n"
+              "def f():\n"
+              "    from pkg import a as alias\n"                   # absolute, in a function
+              "    import pkg.sub.d as dee\n"
+              "    return alias._secret, pkg.b._other, dee._own, d.public\n")
+    targets, private = _imports("pkg.sub.c", source, False, modules)
+    assert targets == {"pkg.a", "pkg.b", "pkg.sub.d"}
+    assert private == {"pkg.a._hidden", "pkg.a._secret", "pkg.b._other", "pkg.sub.d._own"}
+    assert _imports("pkg.sub", "from . import c\nfrom .. import b\n", True, modules)[0] == {"pkg.sub.c", "pkg.b"}
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # and in the package: the CLI's dispatch (in a function) reaches the grading wing
+    assert {"disttrain_lab.grading.course", "disttrain_lab.grading.classgrade"} <= GRAPH[TOP_FLOOR]
     assert {m for m in MODULES if m.startswith(GRADING + ".")} >= {
         f"{GRADING}.{m}" for m in ("classgrade", "cell_times", "cells", "config", "course", "execute", "guard",
                                    "guard_program", "install_source", "sandbox", "steps", "submission")}
