@@ -17,24 +17,29 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
                    add_help=False)
     sub.add_parser("grade", help="autograde submissions, write feedback, export grades", add_help=False)
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(argv)   # release and grade parse their own arguments
+    if rest and args.command not in ("release", "grade"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")   # a typo must not run the default
     if args.command == "doctor":
         print(doctor())
         return 0
     if args.command == "bench":
         return args.benchmark.run(args)
-    if args.command in ("release", "grade"):
-        # the instructor's side: it needs the [grader] extra (nbgrader), which a student's
-        # install lacks, and the kit never imports it at the top
-        from . import grading
-        return getattr(grading, f"cli_{args.command}")(rest)
+    # the grading wing needs the instructor's tools (the [grader] extra: nbgrader, rich), which a
+    # student's install lacks: imported only when an instructor's command runs
+    if args.command == "release":
+        from .grading import course
+        return course.cli_release(rest)
+    if args.command == "grade":
+        from .grading import classgrade
+        return classgrade.cli_grade(rest)
     raise ValueError(f"unknown command {args.command!r}")
 
 
 def _add_benchmarks(bench) -> None:
     """``bench NAME``: one subcommand per module in ``bench.BENCHMARKS``, each with its own options."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--repeats", type=int, default=5, help="samples per median (default 5)")
+    common.add_argument("--repeats", type=int, default=5, help="samples per median (default %(default)s)")
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
     for name, module in benchmarks().items():
         parser = names.add_parser(name, help=module.HELP, description=module.__doc__, parents=[common],

@@ -1,4 +1,4 @@
-"""Grading a class (disttrain_lab/gradeclass.py): parallel students, resume after a kill,
+"""Grading a class (disttrain_lab/grading/classgrade.py): parallel students, resume after a kill,
 shards merged into one grades CSV, per-cell limits from the solution's own cell times.
 
 One small class of lab-1 submissions (alice: the solution, bob: the blank lab, carol: the
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_lab import cell_times, gradeclass, grading
+from disttrain_lab import grading
+from disttrain_lab.grading import cell_times, classgrade
+from disttrain_lab.grading.course import measure_cell_times
 
 from .test_grading import (FIXTURE_LIMITS, FIXTURES, REPO, Course, all_points, grade_id, points_after,
                            processes_with, submit, with_solution)
@@ -36,13 +38,13 @@ pytestmark = pytest.mark.timeout(1500)
 def test_shards_partition_the_class():
     names = [f"student{i:03d}" for i in range(200)] + list(STUDENTS)
     for n in (1, 2, 3, 7):
-        counts = [sum(gradeclass.in_shard(s, (i, n)) for i in range(1, n + 1)) for s in names]
+        counts = [sum(classgrade.in_shard(s, (i, n)) for i in range(1, n + 1)) for s in names]
         assert counts == [1] * len(names), f"with {n} shards a student is in {set(counts)} shards"
-    assert [gradeclass.in_shard(s, (1, 2)) for s in STUDENTS] == [True, False, False]
-    assert gradeclass.parse_shard("2/3") == (2, 3)
+    assert [classgrade.in_shard(s, (1, 2)) for s in STUDENTS] == [True, False, False]
+    assert classgrade.parse_shard("2/3") == (2, 3)
     for bad in ("0/2", "3/2", "1", "a/b"):
         with pytest.raises(ValueError, match="I/N"):
-            gradeclass.parse_shard(bad)
+            classgrade.parse_shard(bad)
 
 
 def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkeypatch):
@@ -54,9 +56,9 @@ def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkey
 
 
 def test_default_jobs_follow_cores_and_memory():
-    jobs, rule = gradeclass.default_jobs(grading.Limits(student_memory=2**30))
+    jobs, rule = classgrade.default_jobs(grading.Limits(student_memory=2**30))
     cores = len(os.sched_getaffinity(0))
-    assert jobs == max(1, min(cores // 4, gradeclass._available_memory() // 2**30))
+    assert jobs == max(1, min(cores // 4, classgrade._available_memory() // 2**30))
     assert "4 cores" in rule and "memory" in rule
 
 
@@ -75,12 +77,12 @@ def test_diagnose_names_what_failed(tmp_path):
                    course / "autograded" / "s" / lab / f"{lab}.ipynb")
     submit(course, "s", lab, new_notebook(cells=[new_code_cell("import ctypes")]))
     ok = grading.StepResult([], 0, "", 1.0)
-    assert gradeclass.diagnose(course, lab, "s", ok) == [
+    assert classgrade.diagnose(course, lab, "s", ok) == [
         "kernel death: test_a", "cell time limit: test_b, 1 other cell(s)",
         "flagged: 1 construct(s) to look at (see the grade report)"]
     stopped = grading.StepResult([], -9, "", 1.0, timed_out=True)
-    assert gradeclass.diagnose(course, lab, "s", stopped)[0] == "timeout: STOPPED (time cap)"
-    assert gradeclass.diagnose(course, lab, "s", grading.StepResult([], 1, "", 1.0))[0].startswith("crash")
+    assert classgrade.diagnose(course, lab, "s", stopped)[0] == "timeout: STOPPED (time cap)"
+    assert classgrade.diagnose(course, lab, "s", grading.StepResult([], 1, "", 1.0))[0].startswith("crash")
 
 
 # ----------------------------------------------------------------------------------------
@@ -140,12 +142,12 @@ def single_run(lab1_class, tmp_path_factory):
     and run again: (course dir, the ledger's first finished entry before the kill, its autograded mtime)."""
     env = new_course(lab1_class, tmp_path_factory.mktemp("single"))
     course = Path(env["DISTTRAIN_COURSE_DIR"])
-    ledger = course / gradeclass.LEDGER_DIR / f"{LAB}.json"
+    ledger = course / classgrade.LEDGER_DIR / f"{LAB}.json"
     proc = grade_cli(env, "--jobs", "1", "--no-feedback")
 
     def first_finished():
         try:
-            return gradeclass.Ledger(course, LAB).entries or None
+            return classgrade.Ledger(course, LAB).entries or None
         except Exception:     # noqa: BLE001 - written atomically, but not yet there
             return None
 
@@ -155,7 +157,7 @@ def single_run(lab1_class, tmp_path_factory):
     finally:
         proc.kill()
         proc.wait()
-    before = gradeclass.Ledger(course, LAB).entries       # what the killed run recorded
+    before = classgrade.Ledger(course, LAB).entries       # what the killed run recorded
     assert 1 <= len(before) < len(STUDENTS), before
     mtimes = {s: (course / "autograded" / s / LAB / f"{LAB}.ipynb").stat().st_mtime_ns for s in before}
     rerun = grade_cli(env, "--no-feedback")
@@ -167,7 +169,7 @@ def single_run(lab1_class, tmp_path_factory):
 @pytest.mark.slow
 def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_class, single_run):
     course, before = single_run["course"], single_run["before"]
-    after = gradeclass.Ledger(course, LAB).entries
+    after = classgrade.Ledger(course, LAB).entries
     assert sorted(after) == sorted(STUDENTS)
     for student, entry in before.items():      # graded before the kill: kept, not graded again
         assert after[student].finished == entry.finished and after[student].digest == entry.digest
@@ -187,7 +189,7 @@ def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_c
     again = grade_cli(single_run["env"], "--no-feedback")
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0 and "3 of 3 students already graded" in out, out[-3000:]
-    assert gradeclass.Ledger(course, LAB).entries["bob"].finished == after["bob"].finished
+    assert classgrade.Ledger(course, LAB).entries["bob"].finished == after["bob"].finished
 
 
 @pytest.mark.slow
@@ -199,8 +201,8 @@ def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_p
         out, _ = proc.communicate(timeout=1200)
         assert proc.returncode == 0, out[-3000:]
         course = Path(env["DISTTRAIN_COURSE_DIR"])
-        graded = sorted(gradeclass.Ledger(course, LAB).entries)
-        assert graded == [s for s in STUDENTS if gradeclass.in_shard(s, gradeclass.parse_shard(shard))]
+        graded = sorted(classgrade.Ledger(course, LAB).entries)
+        assert graded == [s for s in STUDENTS if classgrade.in_shard(s, classgrade.parse_shard(shard))]
         # students graded two at a time score what the serial run gave them
         assert scores_by_exercise(course, lab1_class.expected) == \
             {s: lab1_class.expected[s] for s in graded}
@@ -229,7 +231,7 @@ def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path,
     monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path / "times"))
     course = Course(tmp_path / "c", "00_basics", FIXTURES, dict(FIXTURE_LIMITS, cell_timeout=600,
                                                                    notebook_timeout=900, student_timeout=900))
-    seconds = cell_times.measure("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
+    seconds = measure_cell_times("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
     assert {"test_add", "test_mean", "test_scale"} <= seconds.keys()
     cell_times.record("00_basics", seconds)
     limit = cell_times.limits_for("00_basics")["test_mean"]

@@ -22,7 +22,7 @@ import pytest
 
 import disttrain_lab
 from disttrain_lab import grading
-from disttrain_lab.grading import steps
+from disttrain_lab.grading import classgrade, steps
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "source"
@@ -363,7 +363,7 @@ def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch
                         "DISTTRAIN_CELL_TIMEOUT": 600, "DISTTRAIN_STUDENT_TIMEOUT": 60}.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr("tempfile.tempdir", None)     # let tempfile see the new TMPDIR
-    assert grading.cli_grade([course.lab]) == 0
+    assert classgrade.cli_grade([course.lab]) == 0
     out = capsys.readouterr().out
     assert "STOPPED (time cap)" in out and "grading failed" in out
     table = grading.scores(course.lab, course.course)
@@ -412,7 +412,7 @@ def test_install_source_is_stamped_into_the_setup_cell():
 
 @pytest.mark.slow
 def test_released_labs_carry_the_configured_install_source():
-    from disttrain_lab.release import stamped_requirement
+    from disttrain_lab.grading.install_source import stamped_requirement
     configured = stamped_requirement(grading.configured_install_source())
     for lab in sorted((REPO / "labs").glob("*/*.ipynb")):
         setup = load(lab).cells[0].source

@@ -13,7 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from disttrain_lab import __version__, grading
-from disttrain_lab.release import InstallSourceError, stamped_requirement, wheel_name
+from disttrain_lab.grading.install_source import InstallSourceError, stamped_requirement, wheel_name
 
 from .freshenv import fresh_venv, installed
 from .notebooks import REPO, nbgrader_meta

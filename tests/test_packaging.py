@@ -88,7 +88,7 @@ def test_student_dependencies_are_only_what_a_kernel_needs():
 
 @pytest.mark.slow
 def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(tmp_path):
-    from disttrain_lab.release import build_wheel
+    from disttrain_lab.grading.install_source import build_wheel
     from .freshenv import canonical, fresh_venv, installed, requirements_of
     wheel = build_wheel(ROOT, tmp_path / "dist")
     python = fresh_venv(tmp_path / "venv", ["torch"])
@@ -116,7 +116,7 @@ def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(
 @pytest.mark.slow
 def test_committed_wheel_is_built_from_these_sources(tmp_path):
     from disttrain_lab import grading
-    from disttrain_lab.release import build_wheel, needs_wheel, wheel_differences
+    from disttrain_lab.grading.install_source import build_wheel, needs_wheel, wheel_differences
     if not needs_wheel(grading.configured_install_source()):
         pytest.skip("the configured install source is not a wheel beside the labs")
     build_wheel(ROOT, tmp_path)

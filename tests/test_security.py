@@ -18,8 +18,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from disttrain_lab import grading, sandbox
-from disttrain_lab.grading import execute, steps
+from disttrain_lab import grading
+from disttrain_lab.grading import execute, sandbox, steps
 from tests.test_grading import (FIXTURE_LIMITS, FIXTURES, HAS_LAUNCH, Course, feedback, grade_id,
                                 processes_with, submit, with_solution)
 
@@ -577,7 +577,8 @@ os.execvp(sys.argv[sep + 1], sys.argv[sep + 1:])
 _GRADE_AS_IS = """
 import json, sys
 from pathlib import Path
-from disttrain_lab import grading, sandbox
+from disttrain_lab import grading
+from disttrain_lab.grading import sandbox
 root, fixtures = Path(sys.argv[1]), Path(sys.argv[2])
 assert sandbox.method() == 'bwrap', sandbox.problem()
 results = grading.autograde('00_basics', course=root / 'course', source=fixtures, release_from=root / 'release',

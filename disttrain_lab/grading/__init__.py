@@ -1,7 +1,9 @@
-"""Autograding that no submission can break: release, autograde, feedback, grades.
+"""The grading wing: what only an instructor's machine runs.  Autograding that no submission
+can break: release, autograde, feedback, grades.
 
-nbgrader does the bookkeeping (gradebook, checksums, hidden tests, feedback); this
-package adds what a course on distributed training needs on top of it:
+The student kit (the modules at the top of ``disttrain_lab``) never imports this package;
+this package uses the kit.  nbgrader does the bookkeeping (gradebook, checksums, hidden
+tests, feedback); this package adds what a course on distributed training needs on top of it:
 
 1. ``execute.RobustExecute`` runs the notebook like nbgrader's ``Execute`` but survives the
    kernel dying (``os._exit``, a crash, out of memory) and cells that ignore the
@@ -10,10 +12,11 @@ package adds what a course on distributed training needs on top of it:
    wall-clock budget, a per-process memory limit in the kernel (and the ranks it starts),
    caps huge output while it arrives, and fails a graded test cell when code before it
    replaced ``torch.distributed`` or ``disttrain_lab`` functions.  Before each graded
-   test cell it resets IPython's hooks and restores the names tests use
-   (``kernel_guard.py``); where the host allows it, each kernel runs in a sandbox
-   (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files, cgroup
-   caps, one pid namespace killed as a unit).
+   test cell it resets IPython's hooks and restores the names tests use (``guard.py``, which
+   sends ``guard_program.py`` into the kernel); where the host allows it, each kernel runs in
+   a sandbox (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files,
+   cgroup caps, one pid namespace killed as a unit).  ``cells.py`` says which cells are tests;
+   ``cell_times.py`` gives each cell a time limit from the solution's own time.
 2. ``submission.SubmissionExporter`` pre-checks each submission (empty file, malformed JSON,
    a notebook of another lab, metadata nbgrader chokes on) and grades such a file as the
    blank lab with a note at the top, so the feedback says why it scored 0.
@@ -23,7 +26,9 @@ package adds what a course on distributed training needs on top of it:
 3. ``steps.run_nbgrader`` runs one nbgrader step in its own process under a wall-clock cap,
    in a private temp directory, and every process it started is gone afterwards.
 4. ``course``: ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` /
-   ``scores`` and ``disttrain-lab release`` (``disttrain-lab grade`` is ``gradeclass.py``).
+   ``scores`` and ``disttrain-lab release``; ``classgrade``: ``disttrain-lab grade`` (a class
+   in parallel, resumable, in shards).  ``install_source``: where a lab's setup cell installs
+   the kit from, and the wheel beside the labs.
 5. ``config``: where a course lives, and the ``Limits``.  ``configure`` (below) is the wiring
    that ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
    ``grader/`` behaves exactly like ``disttrain-lab grade``.
@@ -33,18 +38,24 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import sandbox
-from .config import (_LIMITED_ISOLATION, _NO_ISOLATION, GRADER_DIR, REPO_ROOT, Limits, configured_install_source,
-                     course_dir, release_dir, release_ignore, source_dir)
-from .course import (autograde, cli_grade, cli_release, export_grades, generate_feedback, list_labs,
-                     normalize_release, release, release_differences, scores, students_of)
+from nbconvert.preprocessors import ClearMetadataPreprocessor
+from nbgrader.converters import GenerateAssignment, GenerateFeedback
+from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
+                                    IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
+
+from . import sandbox
+from .config import (GRADER_DIR, LIMITED_ISOLATION, NO_ISOLATION, REPO_ROOT, Limits, course_dir, release_dir,
+                     release_ignore, source_dir)
+from .course import (autograde, cli_release, export_grades, generate_feedback, list_labs, normalize_release,
+                     release, release_differences, scores, students_of)
 from .execute import NOTES_FILE, RobustExecute
+from .install_source import configured_install_source
 from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
 from .submission import (FeedbackWithoutHiddenTests, RestoringOverwriteCells, StampInstallSource,
                          SubmissionExporter, grade_report, scan_submission)
 
 __all__ = ["GRADER_DIR", "REPO_ROOT", "Limits", "configure", "configured_install_source", "course_dir",
-           "release_dir", "release_ignore", "source_dir", "autograde", "cli_grade", "cli_release", "export_grades",
+           "release_dir", "release_ignore", "source_dir", "autograde", "cli_release", "export_grades",
            "generate_feedback", "list_labs", "normalize_release", "release", "release_differences", "scores",
            "students_of", "NOTES_FILE", "RobustExecute", "StepResult", "clean_stale_steps", "run_nbgrader",
            "stop_running_steps", "FeedbackWithoutHiddenTests", "RestoringOverwriteCells", "StampInstallSource",
@@ -68,9 +79,9 @@ def configure(c, limits: Limits | None = None) -> None:
     c.RobustExecute.memory_limit = limits.kernel_memory
     use_sandbox, why = limits.sandboxed()
     if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
-        print(_NO_ISOLATION.format(why=why), file=sys.stderr)
+        print(NO_ISOLATION.format(why=why), file=sys.stderr)
     elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
-        print(_LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
+        print(LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
     c.RobustExecute.sandbox = "on" if use_sandbox else "off"
     c.RobustExecute.student_memory = limits.student_memory
     c.RobustExecute.student_pids = limits.student_pids
@@ -79,15 +90,10 @@ def configure(c, limits: Limits | None = None) -> None:
     c.OverwriteCells.add_missing_cells = True
     c.Autograde.exporter_class = "disttrain_lab.grading.submission.SubmissionExporter"
     # stamp the install source before the setup cell is locked and checksummed
-    from nbgrader.converters import GenerateAssignment
     steps = list(GenerateAssignment().preprocessors)
     c.GenerateAssignment.preprocessors = [StampInstallSource] + [p for p in steps if p is not StampInstallSource]
-    from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
-                                        IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
-    from nbconvert.preprocessors import ClearMetadataPreprocessor
     c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
                                           RestoringOverwriteCells, CheckCellMetadata]
-    from nbgrader.converters import GenerateFeedback
     c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
     c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
                                            SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]

@@ -1,19 +1,18 @@
-"""Where a course lives, the limits a grading run applies, and ``configure``: the whole setup
-applied to an nbgrader config object (``grader/nbgrader_config.py`` calls it)."""
+"""Where a course lives and the limits a grading run applies (``configure`` in ``__init__.py``
+applies them to nbgrader; ``grader/nbgrader_config.py`` calls it)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-
-from .. import sandbox
+from . import sandbox
 
 # ----------------------------------------------------------------------------------------
 # Where things live, and the limits (each overridable by an environment variable, so the
 # config file, the CLI and the tests all agree).
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]      # the checkout: grader/, solutions/, labs/, the kit
 GRADER_DIR = REPO_ROOT / "grader"
 
 
@@ -45,24 +44,37 @@ def _env_bytes(name: str, default: int) -> int:
     return int(value)
 
 
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, "") or default)
+
+
+def _env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip() or default
+
+
+def _limit(variable: str, read, default):
+    """A field of Limits whose default is read from the environment variable ``variable`` (named here only)."""
+    return field(default_factory=lambda: read(variable, default), metadata={"variable": variable})
+
+
 @dataclass
 class Limits:
-    cell_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_CELL_TIMEOUT", 180))
+    cell_timeout: int = _limit("DISTTRAIN_CELL_TIMEOUT", _env_int, 180)
     # seconds for one cell; a correct lab cell takes well under a minute on 2 cores
-    notebook_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_NOTEBOOK_TIMEOUT", 1500))
+    notebook_timeout: int = _limit("DISTTRAIN_NOTEBOOK_TIMEOUT", _env_int, 1500)
     # seconds for the whole notebook, kernel restarts and replays included
-    kernel_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_KERNEL_MEMORY", 4 * 2**30))
+    kernel_memory: int = _limit("DISTTRAIN_KERNEL_MEMORY", _env_bytes, 4 * 2**30)
     # bytes of data per process (RLIMIT_DATA) in the kernel and every rank it starts
-    student_timeout: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_TIMEOUT", 0))
+    student_timeout: int = _limit("DISTTRAIN_STUDENT_TIMEOUT", _env_int, 0)
     # hard cap on one student's nbgrader process; 0 = notebook_timeout + 5 minutes
-    student_memory: int = field(default_factory=lambda: _env_bytes("DISTTRAIN_STUDENT_MEMORY", 8 * 2**30))
+    student_memory: int = _limit("DISTTRAIN_STUDENT_MEMORY", _env_bytes, 8 * 2**30)
     # bytes for one student's kernel and every rank, /tmp and /dev/shm included (sandbox only)
-    student_pids: int = field(default_factory=lambda: _env_int("DISTTRAIN_STUDENT_PIDS", 512))
+    student_pids: int = _limit("DISTTRAIN_STUDENT_PIDS", _env_int, 512)
     # processes + threads for one student's kernel and every rank (sandbox only)
-    cell_time_scale: float = field(default_factory=lambda: float(os.environ.get("DISTTRAIN_CELL_TIME_SCALE", "") or 1))
+    cell_time_scale: float = _limit("DISTTRAIN_CELL_TIME_SCALE", _env_float, 1)
     # multiplies the per-cell limits derived from the solution's own cell times (cell_times.py):
     # 2 on a grading machine twice as slow as the one that recorded them
-    sandbox: str = field(default_factory=lambda: os.environ.get("DISTTRAIN_SANDBOX", "auto").strip() or "auto")
+    sandbox: str = _limit("DISTTRAIN_SANDBOX", _env_str, "auto")
     # "auto": sandbox each kernel where the host can (root, cgroup v1, namespaces), and say
     # loudly where it cannot; "on": refuse to grade without it; "off": grade as the grader
 
@@ -73,14 +85,25 @@ class Limits:
         if self.student_timeout <= 0:
             self.student_timeout = self.notebook_timeout + 300
         if self.cell_time_scale <= 0:
-            raise ValueError(f"cell_time_scale must be positive (DISTTRAIN_CELL_TIME_SCALE), got {self.cell_time_scale}")
+            raise ValueError(f"cell_time_scale must be positive ({self.variable('cell_time_scale')}), "
+                             f"got {self.cell_time_scale}")
         if self.sandbox not in ("auto", "on", "off"):
-            raise ValueError(f"sandbox must be 'auto', 'on' or 'off' (DISTTRAIN_SANDBOX), got {self.sandbox!r}")
+            raise ValueError(f"sandbox must be 'auto', 'on' or 'off' ({self.variable('sandbox')}), got {self.sandbox!r}")
+
+    @classmethod
+    def variable(cls, name: str) -> str:
+        """The environment variable that sets the limit ``name``."""
+        return {f.name: f.metadata["variable"] for f in fields(cls)}[name]
+
+    def environment(self) -> dict[str, str]:
+        """These limits as environment variables: ``Limits()`` in a process given them is these limits
+        (how the grader hands them to each nbgrader process)."""
+        return {f.metadata["variable"]: str(getattr(self, f.name)) for f in fields(self)}
 
     def sandboxed(self) -> tuple[bool, str | None]:
         """(whether kernels run in the sandbox, why not where the host cannot)."""
         if self.sandbox == "off":
-            return False, "switched off (sandbox='off' / DISTTRAIN_SANDBOX=off)"
+            return False, f"switched off (sandbox='off' / {self.variable('sandbox')}=off)"
         why = sandbox.problem()
         if why and self.sandbox == "on":
             raise RuntimeError(f"sandbox='on' but this host cannot isolate a student: {why}")
@@ -101,19 +124,9 @@ def release_ignore(solutions: Path) -> list[str]:
     return ignore
 
 
-def configured_install_source() -> str:
-    """The install source grader/nbgrader_config.py sets (``$DISTTRAIN_LAB_INSTALL_SOURCE`` wins)."""
-    from traitlets.config.loader import PyFileConfigLoader
-    from ..release import ENV_VAR
-    if os.environ.get(ENV_VAR):
-        return os.environ[ENV_VAR]
-    config = PyFileConfigLoader("nbgrader_config.py", path=str(GRADER_DIR)).load_config()
-    return str(config.StampInstallSource.get("pip_requirement", ""))
+NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
+                "can read and change the gradebook, solutions and other students' files. Grade as root on "
+                "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n")
 
 
-_NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
-                 "can read and change the gradebook, solutions and other students' files. Grade as root on "
-                 "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n")
-
-
-_LIMITED_ISOLATION = "\n*** disttrain-lab: grading with LIMITED isolation: {why} (see grader/README.md). ***\n"
+LIMITED_ISOLATION = "\n*** disttrain-lab: grading with LIMITED isolation: {why} (see grader/README.md). ***\n"

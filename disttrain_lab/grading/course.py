@@ -1,9 +1,13 @@
-"""The instructor's steps (release, autograde, feedback, grades, scores) and the command line
-``disttrain-lab release`` (``disttrain-lab grade`` is :mod:`disttrain_lab.gradeclass`)."""
+"""The instructor's steps (release, autograde, feedback, grades, scores, timing the solution's
+cells) and the command line ``disttrain-lab release`` (``disttrain-lab grade`` is
+:mod:`disttrain_lab.grading.classgrade`)."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
+import queue
 import shutil
 import sys
 import tempfile
@@ -11,10 +15,12 @@ import threading
 from pathlib import Path
 
 import nbformat
+from nbgrader.api import Gradebook, MissingEntry
 
-from .. import cell_times, sandbox
-from .config import (_LIMITED_ISOLATION, _NO_ISOLATION, Limits, configured_install_source, course_dir,
-                     release_dir, source_dir)
+from . import cell_times, sandbox
+from . import install_source as install     # (release() has an argument named install_source)
+from .config import LIMITED_ISOLATION, NO_ISOLATION, Limits, course_dir, release_dir, source_dir
+from .execute import NOTES_FILE
 from .steps import StepResult, run_nbgrader, stop_running_steps
 from .submission import grade_report
 
@@ -56,12 +62,11 @@ def release(labs: list[str] | None = None, *, course: Path | None = None, source
             install_source: str | None = None) -> list[StepResult]:
     """generate_assignment for each lab (all of solutions/ by default), into labs/.
 
-    ``install_source`` (default: the configured one, see :mod:`disttrain_lab.release`) is
-    stamped into every lab's setup cell; the unset placeholder is refused before anything
+    ``install_source`` (default: the configured one, see :mod:`disttrain_lab.grading.install_source`)
+    is stamped into every lab's setup cell; the unset placeholder is refused before anything
     is written.  For ``wheel`` sources the kit's wheel is built into ``labs/wheels/``.
     """
-    from .. import release as install
-    chosen = install_source or configured_install_source()
+    chosen = install_source or install.configured_install_source()
     install.stamped_requirement(chosen)  # raises InstallSourceError, saying what to set
     env = _env(course, source, release_to)
     env[install.ENV_VAR] = chosen
@@ -83,7 +88,6 @@ def students_of(lab: str, course: Path | None = None) -> list[str]:
 
 
 def _ensure_in_gradebook(lab: str, course: Path, env: dict, tmp_root: str | None) -> None:
-    from nbgrader.api import Gradebook, MissingEntry
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         try:
             gb.find_assignment(lab)
@@ -109,15 +113,12 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
     course = Path(course or course_dir()).resolve()
     limits = limits or Limits()
     env = _env(course, source, release_from)
-    env.update(DISTTRAIN_CELL_TIMEOUT=str(limits.cell_timeout), DISTTRAIN_NOTEBOOK_TIMEOUT=str(limits.notebook_timeout),
-               DISTTRAIN_KERNEL_MEMORY=str(limits.kernel_memory), DISTTRAIN_STUDENT_MEMORY=str(limits.student_memory),
-               DISTTRAIN_STUDENT_PIDS=str(limits.student_pids), DISTTRAIN_SANDBOX=limits.sandbox,
-               DISTTRAIN_CELL_TIME_SCALE=str(limits.cell_time_scale), DISTTRAIN_SANDBOX_WARNED="1")
+    env.update(limits.environment(), DISTTRAIN_SANDBOX_WARNED="1")   # nbgrader's process: the same Limits()
     isolated, why = limits.sandboxed()
     if not isolated:
-        log(_NO_ISOLATION.format(why=why))
+        log(NO_ISOLATION.format(why=why))
     elif sandbox.caveat():
-        log(_LIMITED_ISOLATION.format(why=sandbox.caveat()))
+        log(LIMITED_ISOLATION.format(why=sandbox.caveat()))
     _ensure_in_gradebook(lab, course, env, tmp_root)
     students = students or students_of(lab, course)
     if not one_process_per_student:
@@ -128,8 +129,6 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         results = {student: result for student in students}
         grade_report(lab, students, results, course, why if not isolated else None)
         return results
-    import concurrent.futures
-    import queue
     results, slots, stopping = {}, queue.Queue(), threading.Event()
     for slot in range(jobs):
         slots.put(slot)
@@ -196,7 +195,6 @@ def export_grades(csv_path: Path | None = None, *, course: Path | None = None,
 
 def scores(lab: str, course: Path | None = None) -> dict[str, dict[str, float]]:
     """{student: {grade_id: score, ..., "total": score}} from the gradebook."""
-    from nbgrader.api import Gradebook
     course = Path(course or course_dir()).resolve()
     table = {}
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
@@ -212,8 +210,37 @@ def scores(lab: str, course: Path | None = None) -> dict[str, dict[str, float]]:
     return table
 
 
+def measure_cell_times(lab: str, *, source: Path | None = None, tmp_root: str | None = None) -> dict[str, float]:
+    """Grade the solution of ``lab`` once, in a scratch course, under the plain cell limit, and
+    return its seconds per cell key (as RobustExecute measured them): what ``cell_times.record``
+    keeps for ``disttrain-lab release --time-cells``."""
+    source = Path(source or source_dir())
+    with tempfile.TemporaryDirectory(prefix="disttrain-cell-times-", dir=tmp_root) as scratch:
+        scratch = Path(scratch)
+        course, release_to, empty = scratch / "course", scratch / "release", scratch / "no-times"
+        empty.mkdir()
+        folder = course / "submitted" / "solution" / lab
+        folder.mkdir(parents=True)
+        (folder / f"{lab}.ipynb").write_bytes((source / lab / f"{lab}.ipynb").read_bytes())
+        saved = os.environ.get(cell_times.ENV_VAR)
+        os.environ[cell_times.ENV_VAR] = str(empty)       # time it under the plain limit
+        try:
+            release([lab], course=course, source=source, release_to=release_to, tmp_root=tmp_root)
+            result = autograde(lab, ["solution"], course=course, source=source, release_from=release_to,
+                               tmp_root=tmp_root, log=lambda *a: None)["solution"]
+        finally:
+            if saved is None:
+                os.environ.pop(cell_times.ENV_VAR)
+            else:
+                os.environ[cell_times.ENV_VAR] = saved
+        if result.returncode != 0:
+            raise RuntimeError(f"grading the solution of {lab} failed:\n{result.output[-3000:]}")
+        notes = json.loads((course / "autograded" / "solution" / lab / NOTES_FILE).read_text())
+        return notes["cell_seconds"]
+
+
 # ----------------------------------------------------------------------------------------
-# Command line: `disttrain-lab release` and `disttrain-lab grade`.
+# Command line: `disttrain-lab release`.
 
 def cli_release(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disttrain-lab release",
@@ -228,9 +255,8 @@ def cli_release(argv: list[str] | None = None) -> int:
                         "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL")
     parser.add_argument("--time-cells", action="store_true",
                         help="also grade each lab's solution once and record its cell times in grader/cell_times/ "
-                        "(the grader derives each cell's time limit from them; see disttrain_lab/cell_times.py)")
+                        "(the grader derives each cell's time limit from them; see disttrain_lab/grading/cell_times.py)")
     args = parser.parse_args(argv)
-    from ..release import WHEELS, InstallSourceError, wheel_differences
     try:
         if not args.check:
             labs = args.labs or list_labs()
@@ -238,7 +264,7 @@ def cli_release(argv: list[str] | None = None) -> int:
                 for result in release([lab], course=args.course_dir, install_source=args.install_source):
                     print(f"released {lab} -> {release_dir() / lab} ({result.seconds:.1f} s)")
             for lab in _track(labs if args.time_cells else [], "timing the solutions' cells"):
-                print(f"cell times of {lab}: {cell_times.record(lab, cell_times.measure(lab))}")
+                print(f"cell times of {lab}: {cell_times.record(lab, measure_cell_times(lab))}")
             return 0
         stale = []
         with tempfile.TemporaryDirectory(prefix="disttrain-check-") as scratch:
@@ -247,8 +273,8 @@ def cli_release(argv: list[str] | None = None) -> int:
             release(labs, course=Path(scratch) / "course", release_to=fresh, install_source=args.install_source)
             for lab in labs:
                 stale += release_differences(fresh / lab, release_dir() / lab)
-            stale += wheel_differences(fresh / WHEELS, release_dir() / WHEELS)
-    except InstallSourceError as exc:
+            stale += install.wheel_differences(fresh / install.WHEELS, release_dir() / install.WHEELS)
+    except install.InstallSourceError as exc:
         print(f"disttrain-lab release: {exc}", file=sys.stderr)
         return 2
     for line in stale:
@@ -259,6 +285,8 @@ def cli_release(argv: list[str] | None = None) -> int:
 
 def _track(items: list, description: str):
     """``items`` with a progress bar on stderr (rich); what the loop prints stays on stdout."""
+    # rich only when the command line draws: every nbgrader process imports this module
+    # (grader/nbgrader_config.py imports disttrain_lab.grading) and never needs it
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -283,9 +311,3 @@ def release_differences(fresh: Path, committed: Path) -> list[str]:
         if not same:
             lines.append(f"differs from a fresh release: {committed / rel}")
     return lines
-
-
-def cli_grade(argv: list[str] | None = None) -> int:
-    """``disttrain-lab grade``: see :mod:`disttrain_lab.gradeclass` (parallel, resumable, shards)."""
-    from ..gradeclass import cli_grade as grade_class_cli
-    return grade_class_cli(argv)

@@ -24,8 +24,8 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
 
-from .. import cell_times, sandbox
-from ..kernel_guard import GUARD_SOURCE, KEY_PLACEHOLDER, signature
+from . import cell_times, guard, sandbox
+from .cells import grade_id, is_instructor_cell, is_test_cell
 from .config import REPO_ROOT, course_dir, source_dir
 
 
@@ -36,22 +36,6 @@ def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
 
 
 NOTES_FILE = ".disttrain-grading.json"   # next to the autograded notebook; read by the grade report
-
-
-def _grade_id(cell) -> str:
-    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "?")
-
-
-def _is_test_cell(cell) -> bool:
-    nbg = cell.get("metadata", {}).get("nbgrader", {})
-    return bool(nbg.get("grade")) and not nbg.get("solution")
-
-
-def _is_instructor_cell(cell) -> bool:
-    # locked cells that are neither graded nor a solution (a lab's setup cell): nbgrader
-    # restores their source from the gradebook, so the names they bind are the lab's own
-    nbg = cell.get("metadata", {}).get("nbgrader", {})
-    return bool(nbg.get("locked")) and not nbg.get("grade") and not nbg.get("solution")
 
 
 def _clamp_partial_credit(cell) -> None:
@@ -111,7 +95,7 @@ def _growth(before: int | None, after: int | None) -> int | None:
 
 
 class SandboxKernelManager(AsyncKernelManager):
-    """Starts the kernel through disttrain_lab/sandbox.py (set ``sandbox_spec`` first)."""
+    """Starts the kernel through disttrain_lab/grading/sandbox.py (set ``sandbox_spec`` first)."""
     sandbox_spec: dict = {}
 
     def format_kernel_cmd(self, extra_arguments=None):
@@ -156,7 +140,7 @@ class RobustExecute(Execute):
     memory_limit = Integer(4 * 2**30, help="RLIMIT_DATA bytes per kernel/rank process; 0 = none").tag(config=True)
     max_output_bytes = Integer(2_000_000, help="output kept per cell; more fails the cell").tag(config=True)
     probe_timeout = Integer(10, help="seconds an interrupted kernel has to answer again").tag(config=True)
-    sandbox = Unicode("off", help="'on': every kernel runs in disttrain_lab.sandbox; 'off': as the grader").tag(config=True)
+    sandbox = Unicode("off", help="'on': every kernel runs in disttrain_lab.grading.sandbox; 'off': as the grader").tag(config=True)
     sandbox_uid = Integer(64123, help="unprivileged uid (and gid) the sandboxed kernel runs as").tag(config=True)
     student_memory = Integer(8 * 2**30, help="bytes for a sandboxed kernel and all it starts, /dev/shm and /tmp included").tag(config=True)
     student_pids = Integer(512, help="processes and threads for a sandboxed kernel and all it starts").tag(config=True)
@@ -191,14 +175,14 @@ class RobustExecute(Execute):
                 f"not run: the whole notebook may take at most {self.notebook_timeout} s "
                 "when graded, and the cells above used it up"))]
             return cell, self.resources
-        names = _names_used(cell.source) if _is_test_cell(cell) else []
+        names = _names_used(cell.source) if is_test_cell(cell) else []
         traffic = None
-        if _is_test_cell(cell):
+        if is_test_cell(cell):
             replaced, notes, traced = self._guard("before_test", names)
             traffic = (traced, self._loopback_bytes())
-            self._notes += [f"{_grade_id(cell)}: put back before the test: {n}" for n in notes]
+            self._notes += [f"{grade_id(cell)}: put back before the test: {n}" for n in notes]
             if replaced:
-                self._notes.append(f"{_grade_id(cell)}: replaced before the test (scored 0): {', '.join(replaced)}")
+                self._notes.append(f"{grade_id(cell)}: replaced before the test (scored 0): {', '.join(replaced)}")
                 cell.outputs = [_error_output("TamperingError", (
                     "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
                     "replaced it; this exercise gets 0 (the originals were put back for the rest)"))]
@@ -232,16 +216,16 @@ class RobustExecute(Execute):
             self.timeout = cell_timeout
             self._cell_seconds[key] = round(time.monotonic() - started, 3)
         timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
-        if _is_test_cell(cell) and not timed_out:
+        if is_test_cell(cell) and not timed_out:
             changed, _, traced = self._guard("after_test", names)
             claimed, counted = _growth(traffic[0], traced), _growth(traffic[1], self._loopback_bytes())
             if changed:        # the student's code, called by the test, changed what the test relies on
-                self._notes.append(f"{_grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
+                self._notes.append(f"{grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
                 cell.outputs.append(_error_output("TamperingError", (
                     "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
                     "cannot be trusted, so this exercise gets 0 (the originals were put back)")))
             elif claimed is not None and counted is not None and claimed > counted:
-                self._notes.append(f"{_grade_id(cell)}: the trace claims {claimed} B sent point to point, "
+                self._notes.append(f"{grade_id(cell)}: the trace claims {claimed} B sent point to point, "
                                    f"the operating system counted {counted} B")
                 cell.outputs.append(_error_output("TrafficError", (
                     f"the traces of this test's launches say the ranks sent {claimed:,} bytes point to "
@@ -253,7 +237,7 @@ class RobustExecute(Execute):
                 cell.outputs.append(_error_output("GradingError", (
                     f"the test did not pass (the kernel answered {self._last_status!r})")))
             _clamp_partial_credit(cell)
-        elif _is_instructor_cell(cell):
+        elif is_instructor_cell(cell):
             self._record_instructor_names(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if any(o.ename == "CellTimeoutError" for o in errors):
@@ -262,7 +246,7 @@ class RobustExecute(Execute):
                     "the cell did not stop when interrupted; the kernel was restarted and "
                     "the cells above were run again")))
                 self._restart_and_replay()
-        elif not _is_test_cell(cell) and (not errors or time.monotonic() - started < 10):
+        elif not is_test_cell(cell) and (not errors or time.monotonic() - started < 10):
             self._replayable.append(index)
         return cell, self.resources
 
@@ -312,14 +296,13 @@ class RobustExecute(Execute):
                     self._stop_kernel()
                 self.km = self.create_kernel_manager()
                 self.start_new_kernel()
-        self._guard_key = secrets.token_bytes(32)      # signs the guard's answers (kernel_guard.py)
-        self._guard_ready = self._run_quietly(GUARD_SOURCE.replace(KEY_PLACEHOLDER, self._guard_key.hex()),
-                                              timeout=120) is not None
+        self._guard_key = secrets.token_bytes(32)      # signs the guard's answers (guard.py)
+        self._guard_ready = self._run_quietly(guard.program(self._guard_key), timeout=120) is not None
         return kc
 
     def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str], int | None]:
         """(problems, notes, traced bytes) from the guard in the kernel; see
-        disttrain_lab/kernel_guard.py.  An answer that is not the guard's own (signed) is a
+        disttrain_lab/grading/guard.py.  An answer that is not the guard's own (signed) is a
         problem; the grader then puts back IPython's own evaluation methods and asks once
         more, so that later tests are graded on their merits."""
         if not self._guard_ready:
@@ -345,7 +328,7 @@ class RobustExecute(Execute):
             problems, notes = list(problems), list(notes)
         except (KeyError, ValueError, SyntaxError, TypeError):
             return ["grading guard (it was altered)"], [], None
-        if not (isinstance(mac, str) and hmac.compare_digest(mac, signature(self._guard_key, nonce, (problems, notes, traced)))):
+        if not (isinstance(mac, str) and hmac.compare_digest(mac, guard.signature(self._guard_key, nonce, (problems, notes, traced)))):
             return ["grading guard (its answer was not the guard's own: IPython's evaluation was replaced)"], [], None
         return [str(p) for p in problems], [str(n) for n in notes], traced if isinstance(traced, int) else None
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from .. import sandbox
+from . import sandbox
 from .config import GRADER_DIR
 
 

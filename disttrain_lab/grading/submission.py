@@ -12,11 +12,14 @@ from pathlib import Path
 
 import nbformat
 from nbconvert.exporters import NotebookExporter
+from nbgrader.api import Gradebook, MissingEntry, TaskCell
 from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor, OverwriteCells
 from traitlets import Integer, Unicode
 
-from .. import sandbox
-from .execute import NOTES_FILE, _is_test_cell
+from . import sandbox
+from .cells import is_test_cell
+from .execute import NOTES_FILE
+from .install_source import ENV_VAR, stamped_requirement
 
 # ----------------------------------------------------------------------------------------
 # Sanitizing a submission.
@@ -29,7 +32,6 @@ class RestoringOverwriteCells(OverwriteCells):
     def preprocess_cell(self, cell, resources, index):
         """Put the gradebook's nbgrader flags back first: one flipped ``grade``/``solution``/
         ``locked`` flag would otherwise make the checksum check fail the whole notebook."""
-        from nbgrader.api import MissingEntry, TaskCell
         nbg = cell.get("metadata", {}).get("nbgrader", {})
         grade_id = nbg.get("grade_id")
         if grade_id is not None:
@@ -121,7 +123,6 @@ class SubmissionExporter(NotebookExporter):
         return nb
 
     def _check_lab(self, nb, ids: dict) -> None:
-        from nbgrader.api import Gradebook
         with Gradebook(ids["db_url"]) as gb:
             expected = {c.name for c in gb.find_notebook(ids["notebook"], ids["assignment"]).source_cells}
         present = {c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells} - {None}
@@ -150,7 +151,7 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
     enforce_metadata = False
 
     def preprocess_cell(self, cell, resources, index):
-        if not _is_test_cell(cell):
+        if not is_test_cell(cell):
             return cell, resources
         cell, resources = super().preprocess_cell(cell, resources, index)
         for output in cell.get("outputs", []):
@@ -230,7 +231,7 @@ class StampInstallSource(NbGraderPreprocessor):
 
     Set it once in grader/nbgrader_config.py, e.g. ``c.StampInstallSource.pip_requirement =
     "wheel:https://raw.githubusercontent.com/ORG/REPO/main/labs/wheels"``; the choices and
-    what each stamps are in :mod:`disttrain_lab.release`.  ``$DISTTRAIN_LAB_INSTALL_SOURCE``
+    what each stamps are in :mod:`disttrain_lab.grading.install_source`.  ``$DISTTRAIN_LAB_INSTALL_SOURCE``
     (set by ``disttrain-lab release --install-source``) wins over the file.
     """
     pip_requirement = Unicode("", help="where a lab's setup cell installs the kit from: 'wheel', "
@@ -239,7 +240,6 @@ class StampInstallSource(NbGraderPreprocessor):
     _LINE = re.compile(r'^DISTTRAIN_LAB_PIP = "[^"\n]*"', re.MULTILINE)
 
     def preprocess(self, nb, resources):
-        from ..release import ENV_VAR, stamped_requirement
         self._stamp = stamped_requirement(os.environ.get(ENV_VAR) or self.pip_requirement)
         return super().preprocess(nb, resources)
 

@@ -14,7 +14,8 @@ with ``disttrain-lab release --install-source SOURCE``.  ``SOURCE`` is one of:
     https://.../<file>.whl        a wheel you host yourself
 
 A bare ``disttrain-lab`` is refused: no package of that name is published, so the first
-cell of every lab would fail for a new user.
+cell of every lab would fail for a new user.  ``configured_install_source()`` says which source
+is set; ``submission.StampInstallSource`` writes what it stamps into each released lab.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import __version__
+from traitlets.config.loader import PyFileConfigLoader
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent   # the kit's source checkout
+from .. import __version__
+from .config import GRADER_DIR, REPO_ROOT
+
 WHEELS = "wheels"                                        # beside the labs: labs/wheels/
 ENV_VAR = "DISTTRAIN_LAB_INSTALL_SOURCE"                 # overrides the configured source
 
@@ -40,6 +43,14 @@ CHOICES = ("wheel", "wheel:https://raw.githubusercontent.com/ORG/REPO/BRANCH/lab
 
 class InstallSourceError(ValueError):
     """The configured install source would not install the kit on a fresh kernel."""
+
+
+def configured_install_source() -> str:
+    """The install source grader/nbgrader_config.py sets (``$DISTTRAIN_LAB_INSTALL_SOURCE`` wins)."""
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR]
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(GRADER_DIR)).load_config()
+    return str(config.StampInstallSource.get("pip_requirement", ""))
 
 
 def wheel_name(version: str = __version__) -> str:
@@ -93,7 +104,7 @@ def _source_digest(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def build_wheel(root: Path = PROJECT_ROOT, out: Path | None = None) -> Path:
+def build_wheel(root: Path = REPO_ROOT, out: Path | None = None) -> Path:
     """Build the kit's wheel (``pip wheel``) into ``out``; returns its path.
 
     Reproducible: the same sources give the same bytes (SOURCE_DATE_EPOCH), so a release

@@ -34,7 +34,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import cell_times, grading
+import nbformat
+from nbgrader.api import Gradebook, MissingEntry
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from . import cell_times
+from .config import Limits, course_dir, source_dir
+from .course import autograde, export_grades, generate_feedback, students_of
+from .steps import StepResult, clean_stale_steps
+from .submission import grade_report, scan_submission
 
 LEDGER_DIR = "grading-state"
 
@@ -42,10 +52,10 @@ LEDGER_DIR = "grading-state"
 # ----------------------------------------------------------------------------------------
 # How many students at once
 
-def default_jobs(limits: grading.Limits | None = None) -> tuple[int, str]:
+def default_jobs(limits: Limits | None = None) -> tuple[int, str]:
     """(jobs, the rule in words): one per 4 cores, since a student's notebook runs up to 4
     ranks, and one per ``student_memory`` (the cap of one student's sandbox) of available memory."""
-    limits = limits or grading.Limits()
+    limits = limits or Limits()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     available = _available_memory()
     by_cores, by_memory = max(1, cores // 4), max(1, available // limits.student_memory)
@@ -135,9 +145,8 @@ def in_shard(student: str, shard: tuple[int, int]) -> bool:
 # ----------------------------------------------------------------------------------------
 # What went wrong for one student
 
-def diagnose(course: Path, lab: str, student: str, result: grading.StepResult) -> list[str]:
+def diagnose(course: Path, lab: str, student: str, result: StepResult) -> list[str]:
     """What a human should know: timeout, crash, kernel death, cell time limit, flagged."""
-    import nbformat
     problems = []
     if result.timed_out:
         problems.append("timeout: STOPPED (time cap)")
@@ -160,7 +169,7 @@ def diagnose(course: Path, lab: str, student: str, result: grading.StepResult) -
         if found[ename]:
             problems.append(f"{what}: " + ", ".join(named + ([f"{others} other cell(s)"] if others else [])))
     # hostile constructs a human should look at (what the guard put back is in the grade report too)
-    flags = grading.scan_submission(course / "submitted" / student / lab / f"{lab}.ipynb")
+    flags = scan_submission(course / "submitted" / student / lab / f"{lab}.ipynb")
     if flags:
         problems.append(f"flagged: {len(flags)} construct(s) to look at (see the grade report)")
     return problems
@@ -170,16 +179,15 @@ def diagnose(course: Path, lab: str, student: str, result: grading.StepResult) -
 # Grading the class
 
 def grade_class(lab: str, students: list[str], *, course: Path, source: Path | None = None,
-                release_from: Path | None = None, limits: grading.Limits | None = None,
+                release_from: Path | None = None, limits: Limits | None = None,
                 tmp_root: str | None = None, jobs: int = 1, force: bool = False,
                 show_progress: bool = True, console=None) -> dict[str, Outcome]:
     """Autograde ``students`` of ``lab``, ``jobs`` at a time, skipping those the ledger says were
     graded as they are now (unless ``force``).  Returns an Outcome per student."""
-    from rich.console import Console
     course = Path(course).resolve()
-    source = Path(source or grading.source_dir())
+    source = Path(source or source_dir())
     console = console or Console(stderr=True)
-    grading.clean_stale_steps(tmp_root)        # what a killed run left: temp dirs, cgroups, kernels
+    clean_stale_steps(tmp_root)        # what a killed run left: temp dirs, cgroups, kernels
     ledger = Ledger(course, lab)
     digests = {s: submission_digest(course, s, lab, source) for s in students}
     todo = [s for s in students if force or s not in ledger.entries or ledger.entries[s].digest != digests[s]]
@@ -194,7 +202,7 @@ def grade_class(lab: str, students: list[str], *, course: Path, source: Path | N
     progress = _progress_bar(console, show_progress)
     task = progress.add_task(f"grading {lab}", total=len(todo), failures=0)
 
-    def finished(student: str, result: grading.StepResult) -> None:
+    def finished(student: str, result: StepResult) -> None:
         nonlocal failures
         status = "graded" if result.returncode == 0 else ("stopped" if result.timed_out else "failed")
         outcome = Outcome(student, digests[student], status, round(result.seconds, 1),
@@ -208,20 +216,18 @@ def grade_class(lab: str, students: list[str], *, course: Path, source: Path | N
                                    markup=True, highlight=False)
 
     with progress:
-        grading.autograde(lab, todo, course=course, source=source, release_from=release_from, limits=limits,
+        autograde(lab, todo, course=course, source=source, release_from=release_from, limits=limits,
                           tmp_root=tmp_root, jobs=jobs, on_result=finished,
                           log=lambda *a: progress.console.print(*a, markup=False, highlight=False))
     outcomes = {s: done[s] for s in students if s in done}
-    isolated, why = (limits or grading.Limits()).sandboxed()
-    as_results = {s: grading.StepResult([], 0 if o.status == "graded" else 1, "", o.seconds, o.status == "stopped")
+    isolated, why = (limits or Limits()).sandboxed()
+    as_results = {s: StepResult([], 0 if o.status == "graded" else 1, "", o.seconds, o.status == "stopped")
                   for s, o in outcomes.items()}
-    grading.grade_report(lab, list(outcomes), as_results, course, None if isolated else why)   # the whole class
+    grade_report(lab, list(outcomes), as_results, course, None if isolated else why)   # the whole class
     return outcomes
 
 
 def _progress_bar(console, show: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("failures: {task.fields[failures]}"), TimeElapsedColumn(),
                     TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not show)
@@ -232,7 +238,6 @@ def _progress_bar(console, show: bool):
 
 def gradebook_points(lab: str, course: Path) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """({student: {grade_id: score, "total": score}}, {grade_id: max points}) from the gradebook."""
-    from nbgrader.api import Gradebook
     table, maximum = {}, {}
     with Gradebook(f"sqlite:///{Path(course) / 'gradebook.db'}") as gb:
         assignment = gb.find_assignment(lab)
@@ -249,7 +254,6 @@ def gradebook_points(lab: str, course: Path) -> tuple[dict[str, dict[str, float]
 
 def summary(lab: str, outcomes: dict[str, Outcome], course: Path, console) -> None:
     """Per student: score, time, what failed; per exercise: the class's pass rate (full marks)."""
-    from rich.table import Table
     points, maximum = gradebook_points(lab, course)
     total = sum(maximum.values())
     students = Table(title=f"{lab}: {len(outcomes)} students", title_justify="left")
@@ -281,7 +285,6 @@ EXPORT_KEYS = ("assignment", "duedate", "timestamp", "student_id", "last_name", 
 
 def _export_rows(gradebook: Path) -> dict[tuple[str, str], tuple[bool, dict]]:
     """(assignment, student) -> (graded there, the row nbgrader's CSV export writes for it)."""
-    from nbgrader.api import Gradebook, MissingEntry
     rows = {}
     with Gradebook(f"sqlite:///{Path(gradebook).resolve()}") as gb:
         for assignment in gb.assignments:
@@ -353,7 +356,6 @@ def cli_grade(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
         return cli_merge(argv[1:])
-    from rich.console import Console
     parser = argparse.ArgumentParser(prog="disttrain-lab grade", description=(
         "Autograde one lab, generate feedback, export grades as CSV.  `disttrain-lab grade merge OUT.csv "
         "GRADEBOOK.db ...` merges the gradebooks of a class graded in shards."))
@@ -371,10 +373,10 @@ def cli_grade(argv: list[str] | None = None) -> int:
                         "of the name); merge the shards' gradebooks with `disttrain-lab grade merge`")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    course = Path(args.course_dir or grading.course_dir()).resolve()
+    course = Path(args.course_dir or course_dir()).resolve()
     err = Console(stderr=True)
     out = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=not sys.stdout.isatty())
-    students = args.student or grading.students_of(args.lab, course)
+    students = args.student or students_of(args.lab, course)
     if args.shard:
         try:
             shard = parse_shard(args.shard)
@@ -385,7 +387,7 @@ def cli_grade(argv: list[str] | None = None) -> int:
         print(f"no submissions found in {course / 'submitted'}/<student>/{args.lab}/"
               + (f" in shard {args.shard}" if args.shard else ""))
         return 1
-    limits = grading.Limits()
+    limits = Limits()
     jobs, rule = (args.jobs, f"{args.jobs} (--jobs)") if args.jobs else default_jobs(limits)
     if jobs < 1:
         parser.error(f"--jobs must be at least 1, got {jobs}")
@@ -400,8 +402,8 @@ def cli_grade(argv: list[str] | None = None) -> int:
     regraded = [s for s, o in outcomes.items() if o.regraded]
     feedback = [course / "feedback" / s / args.lab / f"{args.lab}.html" for s in outcomes]
     if not args.no_feedback and (regraded or not all(p.exists() for p in feedback)):
-        grading.generate_feedback(args.lab, regraded if len(regraded) == 1 else None, course=course)
-    csv_path = grading.export_grades(args.csv, course=course)
+        generate_feedback(args.lab, regraded if len(regraded) == 1 else None, course=course)
+    csv_path = export_grades(args.csv, course=course)
     summary(args.lab, outcomes, course, out)
     print(f"grades: {csv_path}\nfeedback: {course / 'feedback' / '<student>' / args.lab}")
     return 0

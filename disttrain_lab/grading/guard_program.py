@@ -1,49 +1,14 @@
-"""The grading guard that runs inside a graded kernel (its source is sent to the kernel by
-``grading.RobustExecute`` before any student code; it is never imported by a student).
-
-Before each graded test cell ``before_test(names)`` puts back what a solution cell could
-have changed to turn a failing test into a passing one:
-
-* IPython's hooks: custom exception handlers, ``events`` callbacks (``post_run_cell`` ...),
-  input and AST transformers, the display hook and formatters, a trace function,
-  ``builtins.__import__``, methods set on the shell or its classes;
-* the modules in ``sys.modules`` and the names the test cell uses for them (``checks``,
-  ``dl``, ``torch``, ``dist`` ...), and names bound by the instructor's locked cells;
-* the functions of ``torch.distributed`` and ``disttrain_lab``: identity *and* code
-  objects (``__code__``, ``__defaults__``, ``__kwdefaults__``); the methods of the kit's
-  classes (``Run.bytes_sent`` ...) and the modules its modules call (``launcher.trace``).
-
-It returns ``(problems, notes)``: problems fail the test (a replaced kit or torch
-function: the result cannot be trusted), notes are only reported (the genuine object was
-put back, so the test itself decides).  ``after_test(names)`` runs right after the test
-cell: anything changed *while the test ran* is a problem, so the cell fails.
-
-Both also answer how many point-to-point bytes the traced launches so far claim to have
-sent over gloo (every ``Run`` that ``dl.launch`` returns is shown to the guard through
-``disttrain_lab.trace._RUN_OBSERVERS``): the grader compares the growth of that count over a
-test cell with the bytes the operating system counted on the ranks' network in the same
-time, so a trace whose events were forged (sends that never happened) fails the test.
-
-Its answers are signed: the grader sends the guard a fresh key with its source and a fresh
-nonce with every call, and the guard returns ``(problems, notes, traced_bytes, hmac)``.  A solution cell
-that replaces how IPython evaluates the grader's expression (``shell.user_expressions``, the
-formatters) to answer "nothing changed" cannot sign that answer, so the test fails.
-
-This is in-kernel defence: it stops every hook and rebinding a notebook can do through
-public APIs; code that digs into the guard's own state (``gc``, frames, ``ctypes``) is out
-of its reach and is flagged for a human by ``grading.scan_submission``.
-"""
-KEY_PLACEHOLDER = "__DISTTRAIN_GUARD_KEY__"
+# The grading guard: the program the grader runs inside every graded kernel, before any
+# student code.  It is a module so that it is linted and compiled like any other, but it is
+# never imported to be used: grading/guard.py reads this file as text, puts in a fresh key
+# (the placeholder below) and grading/execute.py sends it into the kernel.  Importing it only
+# defines a function; the last lines run it as the kernel's __main__.  What it does and why:
+# grading/guard.py.
+#
+# Everything lives inside one function, so the kernel's namespace gains nothing but the
+# module "_disttrain_grading_guard" in sys.modules: before_test, after_test and record.
 
 
-def signature(key: bytes, nonce: str, result: tuple) -> str:
-    """What the guard's HMAC over ``(problems, notes, traced_bytes)`` must be (the grader's side)."""
-    import hashlib
-    import hmac
-    return hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest()
-
-
-GUARD_SOURCE = r'''
 def _disttrain_install_guard():
     import builtins, importlib, sys, types
     guard = types.ModuleType("_disttrain_grading_guard")
@@ -81,7 +46,7 @@ def _disttrain_install_guard():
         modules[module.__name__] = module
         if module.__name__.startswith("disttrain_lab"):
             for name, obj in list(vars(module).items()):
-                if isinstance(obj, types.ModuleType):        # e.g. launcher.trace: the module it calls
+                if isinstance(obj, types.ModuleType):        # e.g. launcher.tracer: the module it calls
                     submodules[(module.__name__, name)] = obj
                 elif isinstance(obj, type) and obj.__module__ == module.__name__:   # e.g. Run.bytes_sent
                     classes[(module.__name__, name)] = (obj, {a: (v, getattr(v, "__code__", None))
@@ -105,8 +70,9 @@ def _disttrain_install_guard():
     if "numpy" in sys.modules:
         watch(sys.modules["numpy"], functions_too=False)
     try:
-        import disttrain_lab
-        for sub in ("checks", "launcher", "trace", "integrity"):
+        import disttrain_lab  # noqa: F401  (loads the kit; the loop below watches its modules)
+        for sub in ("checks", "launcher", "devices", "pool", "worker", "trace", "network", "emulation",
+                    "integrity"):
             try:
                 importlib.import_module("disttrain_lab." + sub)
             except Exception:
@@ -132,7 +98,7 @@ def _disttrain_install_guard():
     except Exception:
         pass
 
-    shell = get_ipython()
+    shell = get_ipython()      # noqa: F821  (the kernel's IPython shell)
     tm = shell.input_transformer_manager
     events = shell.events.callbacks
     plain = shell.display_formatter.formatters["text/plain"]
@@ -268,6 +234,8 @@ def _disttrain_install_guard():
     guard.after_test = lambda names, nonce: signed((lambda p, n: (p + n, [], traffic[0]))(*restore(names)), nonce)
     guard.record = record
     sys.modules[guard.__name__] = guard
-_disttrain_install_guard()
-del _disttrain_install_guard
-'''
+
+
+if __name__ == "__main__":          # in the kernel (sent as text); never when imported
+    _disttrain_install_guard()
+    del _disttrain_install_guard
