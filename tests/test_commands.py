@@ -135,6 +135,14 @@ def test_bench_help_lists_every_benchmark():
     assert not missing, said(out)
 
 
+@pytest.mark.parametrize("argv", [["doctor", "--bogus"], ["bench", "trace", "--bogus", "5"]])
+def test_an_unknown_option_is_an_error_not_the_default_run(argv, capsys):
+    from disttrain_lab import cli
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)   # raises before anything runs: a benchmark would take seconds
+    assert exited.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_each_benchmark_has_help(capsys):
     from disttrain_lab import cli
     for name in benchmarks():

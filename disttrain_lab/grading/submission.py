@@ -174,7 +174,8 @@ HOSTILE_CONSTRUCTS = {
     # a trace's events can be forged from inside a rank; the grader's byte count catches sends
     # that never happened, these show where the data may have moved instead
     "the tracer's internals, or a channel besides torch.distributed":
-        r"\b_REC\b|_RUN_OBSERVERS|\btrace\._|\bsocket\b|shared_memory|\bmultiprocessing\b|\bos\.pipe\b|\bzmq\b",
+        r"\b_REC\b|_RUN_OBSERVERS|\btrace\._|\b(begin|end|set)_recording\b|\bnotify_observers\b|\bemulation\.|"
+        r"\bsocket\b|shared_memory|\bmultiprocessing\b|\bos\.pipe\b|\bzmq\b",
 }
 
 
