@@ -1,11 +1,12 @@
 """disttrain-lab: write distributed training yourself, run it on real ranks from a notebook.
 
-    import disttrain_lab as dl
-    dl.launch(fn, 4)                    # run fn on 4 ranks, get their return values
-    run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they made
-    dl.launch(fn, 4, network=dl.Network.preset("1 Gbit Ethernet"))   # over an emulated link
-    dl.viz.timeline(run)                # per-rank timeline of a real run
+import disttrain_lab as dl
+dl.launch(fn, 4)                    # run fn on 4 ranks, get their return values
+run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they made
+dl.launch(fn, 4, network=dl.Network.preset("1 Gbit Ethernet"))   # over an emulated link
+dl.viz.timeline(run)                # per-rank timeline of a real run
 """
+
 __version__ = "0.1.0"
 
 try:
@@ -14,7 +15,8 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError(
         "disttrain_lab needs PyTorch, which is not installed here. Install the pinned CPU build "
         "with `pip install torch==2.13.0` (or `bash scripts/setup.sh`); on Colab and most Hubs "
-        "torch is already there.") from exc
+        "torch is already there."
+    ) from exc
 
 from . import checks, integrity, models, network, trace, viz  # noqa: E402
 from .devices import device, doctor, plan  # noqa: E402
@@ -23,7 +25,26 @@ from .network import Network  # noqa: E402
 from .pool import shutdown  # noqa: E402
 from .trace import Event, Run, region  # noqa: E402
 
-__all__ = ["launch", "Network", "network", "doctor", "device", "shutdown", "plan", "region", "Run", "Event", "LaunchError",
-           "RankError", "RankDied", "LaunchTimeout", "TamperingError", "viz", "trace", "checks", "models"]
+__all__ = [
+    "launch",
+    "Network",
+    "network",
+    "doctor",
+    "device",
+    "shutdown",
+    "plan",
+    "region",
+    "Run",
+    "Event",
+    "LaunchError",
+    "RankError",
+    "RankDied",
+    "LaunchTimeout",
+    "TamperingError",
+    "viz",
+    "trace",
+    "checks",
+    "models",
+]
 
 integrity.watch_defaults()

@@ -13,11 +13,12 @@ Reference answers never come from here: a graded test computes them with torch i
 compare, how to read a trace (``within``, ``assert_only_p2p``, ``sends``), and the guard
 against a notebook that replaced the functions grading relies on.
 """
+
 from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,8 +38,19 @@ _TOLERANCES = {
     torch.float64: (1e-7, 1e-7),
 }
 
-__all__ = ["passed", "assert_close", "sample_tensor", "within", "assert_only_p2p", "sends",
-           "receives", "verify_untampered", "TamperingError", "SEND_OPS", "RECV_OPS"]
+__all__ = [
+    "passed",
+    "assert_close",
+    "sample_tensor",
+    "within",
+    "assert_only_p2p",
+    "sends",
+    "receives",
+    "verify_untampered",
+    "TamperingError",
+    "SEND_OPS",
+    "RECV_OPS",
+]
 
 
 def passed(message: str) -> None:
@@ -49,8 +61,9 @@ def passed(message: str) -> None:
 # --------------------------------------------------------------------------------------
 # Comparing tensors
 # --------------------------------------------------------------------------------------
-def assert_close(actual, expected: torch.Tensor, what: str = "result", *,
-                 rtol: float | None = None, atol: float | None = None) -> None:
+def assert_close(
+    actual, expected: torch.Tensor, what: str = "result", *, rtol: float | None = None, atol: float | None = None
+) -> None:
     """Assert ``actual`` is a tensor like ``expected``: same shape, dtype and values.
 
     Floats are compared with a tolerance (defaults per dtype, above); integers exactly.
@@ -60,17 +73,23 @@ def assert_close(actual, expected: torch.Tensor, what: str = "result", *,
         AssertionError: result: expected shape (4,), got shape (3,)
     """
     if not isinstance(actual, torch.Tensor):
-        raise AssertionError(f"{what}: expected a torch.Tensor of shape {tuple(expected.shape)} and "
-                             f"dtype {_dtype(expected)}, got {type(actual).__name__} {_short(actual)}")
+        raise AssertionError(
+            f"{what}: expected a torch.Tensor of shape {tuple(expected.shape)} and "
+            f"dtype {_dtype(expected)}, got {type(actual).__name__} {_short(actual)}"
+        )
     if type(actual) is not torch.Tensor and not isinstance(actual, torch.nn.Parameter):
         # a subclass can redefine comparisons (__torch_function__): compare plain data
-        raise AssertionError(f"{what}: expected a plain torch.Tensor, got the subclass {type(actual).__name__}; "
-                             f"return the tensor itself (e.g. x.detach() or torch.as_tensor(x))")
+        raise AssertionError(
+            f"{what}: expected a plain torch.Tensor, got the subclass {type(actual).__name__}; "
+            f"return the tensor itself (e.g. x.detach() or torch.as_tensor(x))"
+        )
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}, got shape {tuple(actual.shape)}")
     if actual.dtype != expected.dtype:
-        raise AssertionError(f"{what}: expected dtype {_dtype(expected)}, got {_dtype(actual)} "
-                             f"(keep the dtype of the input; torch's own op does)")
+        raise AssertionError(
+            f"{what}: expected dtype {_dtype(expected)}, got {_dtype(actual)} "
+            f"(keep the dtype of the input; torch's own op does)"
+        )
     a, e = actual.detach().cpu(), expected.detach().cpu()
     if a.is_floating_point() or a.is_complex():
         default_rtol, default_atol = _TOLERANCES.get(a.dtype, (1e-6, 1e-6))
@@ -84,13 +103,14 @@ def assert_close(actual, expected: torch.Tensor, what: str = "result", *,
     count = int(bad.sum())
     if count == 0:
         return
-    diff = (a.double() - e.double()).abs().masked_fill(~bad, 0)   # worst among the bad ones
+    diff = (a.double() - e.double()).abs().masked_fill(~bad, 0)  # worst among the bad ones
     worst = _index(int(diff.argmax()), a.shape)
     first = _index(int(bad.flatten().nonzero()[0]), a.shape)
     raise AssertionError(
         f"{what}: values differ from the expected ones: max abs diff {float(diff.max()):.6g} at index "
         f"{worst} (got {a[worst].item()}, expected {e[worst].item()}); {count} of {a.numel()} elements "
-        f"differ, the first at index {first}; dtype {_dtype(a)}, shape {tuple(a.shape)}; {rule}")
+        f"differ, the first at index {first}; dtype {_dtype(a)}, shape {tuple(a.shape)}; {rule}"
+    )
 
 
 def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
@@ -145,13 +165,19 @@ def within(run: Run, region: str) -> Run:
         if e.kind == "region" and e.name == region:
             windows.setdefault(e.rank, []).append((e.start, e.end))
     if not windows:
-        raise ValueError(f"the run has no region named {region!r}; regions seen: "
-                         f"{sorted({e.name for e in run.events if e.kind == 'region'}) or 'none'}. "
-                         f"Mark the code with `with dl.region({region!r}):` inside the launched function")
-    inside = [e for e in run.events if e.kind != "region" and any(
-        start <= e.start <= end for start, end in windows.get(e.rank, ()))]
-    return Run(results=run.results, events=inside, world_size=run.world_size,
-               backend=run.backend, wall_time=run.wall_time)
+        raise ValueError(
+            f"the run has no region named {region!r}; regions seen: "
+            f"{sorted({e.name for e in run.events if e.kind == 'region'}) or 'none'}. "
+            f"Mark the code with `with dl.region({region!r}):` inside the launched function"
+        )
+    inside = [
+        e
+        for e in run.events
+        if e.kind != "region" and any(start <= e.start <= end for start, end in windows.get(e.rank, ()))
+    ]
+    return Run(
+        results=run.results, events=inside, world_size=run.world_size, backend=run.backend, wall_time=run.wall_time
+    )
 
 
 def sends(run: Run, rank: int, peer: int | None = None) -> list[Event]:
@@ -167,9 +193,9 @@ def receives(run: Run, rank: int, peer: int | None = None) -> list[Event]:
 def assert_only_p2p(run: Run, exercise: str) -> None:
     """Fail if ``run`` used any communication other than send/recv/isend/irecv (and wait).
 
-        >>> assert_only_p2p(within(run, "student"), exercise="broadcast_tree")
-        AssertionError: broadcast_tree must be built from point-to-point calls only
-        (send, recv, isend, irecv), but it called broadcast on rank 0 (1×), rank 1 (1×) ...
+    >>> assert_only_p2p(within(run, "student"), exercise="broadcast_tree")
+    AssertionError: broadcast_tree must be built from point-to-point calls only
+    (send, recv, isend, irecv), but it called broadcast on rank 0 (1×), rank 1 (1×) ...
     """
     used = Counter((e.op, e.rank) for e in run.events if e.kind == "collective")
     if not used:
@@ -180,7 +206,8 @@ def assert_only_p2p(run: Run, exercise: str) -> None:
     found = "; ".join(f"{op} on {', '.join(where)}" for op, where in by_op.items())
     raise AssertionError(
         f"{exercise} must be built from point-to-point calls only ({', '.join(P2P_OPS)}), "
-        f"but it called the collective {found}. Replace it with sends and receives.")
+        f"but it called the collective {found}. Replace it with sends and receives."
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -198,5 +225,7 @@ def verify_untampered() -> None:
 
 # Remember this module's own functions too, so replacing a check is caught like replacing
 # dist.broadcast.  (integrity.watch_defaults() covers torch; it ran when the package loaded.)
-integrity.watch(sys.modules[__name__], [name for name in __all__ if callable(globals()[name])
-                                        and not isinstance(globals()[name], type)])
+integrity.watch(
+    sys.modules[__name__],
+    [name for name in __all__ if callable(globals()[name]) and not isinstance(globals()[name], type)],
+)

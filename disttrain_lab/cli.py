@@ -1,4 +1,5 @@
 """``disttrain-lab doctor | bench | release | grade``."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,12 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
     _add_benchmarks(bench)
-    sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)",
-                   add_help=False)
+    sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)", add_help=False)
     sub.add_parser("grade", help="autograde submissions, write feedback, export grades", add_help=False)
-    args, rest = parser.parse_known_args(argv)   # release and grade parse their own arguments
+    args, rest = parser.parse_known_args(argv)  # release and grade parse their own arguments
     if rest and args.command not in ("release", "grade"):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")   # a typo must not run the default
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")  # a typo must not run the default
     if args.command == "doctor":
         print(doctor())
         return 0
@@ -29,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     # student's install lacks: imported only when an instructor's command runs
     if args.command == "release":
         from .grading import course
+
         return course.cli_release(rest)
     if args.command == "grade":
         from .grading import classgrade
+
         return classgrade.cli_grade(rest)
     raise ValueError(f"unknown command {args.command!r}")
 
@@ -42,8 +44,13 @@ def _add_benchmarks(bench) -> None:
     common.add_argument("--repeats", type=int, default=5, help="samples per median (default %(default)s)")
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
     for name, module in benchmarks().items():
-        parser = names.add_parser(name, help=module.HELP, description=module.__doc__, parents=[common],
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = names.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            parents=[common],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(parser)
         parser.set_defaults(benchmark=module)
 

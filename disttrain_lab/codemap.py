@@ -13,6 +13,7 @@ traceback, and the parent puts the real file name (e.g. IPython's cell file) bac
     frames = frames_of(exc.__traceback__)         # in the rank: (file, line, name, text, key)
     frames = relocate(frames, where)              # in the parent: (file, line, name, text)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,8 +67,7 @@ def dumps(obj) -> tuple[bytes, dict[str, str]]:
 def frames_of(tb) -> list[tuple]:
     """A traceback's frames as (file, line, function, source line, code key): plain data."""
     keys = [code_key(frame.f_code) for frame, _ in traceback.walk_tb(tb)]
-    return [(f.filename, f.lineno, f.name, f.line, key)
-            for f, key in zip(traceback.extract_tb(tb), keys)]
+    return [(f.filename, f.lineno, f.name, f.line, key) for f, key in zip(traceback.extract_tb(tb), keys)]
 
 
 def relocate(frames: list, where: dict[str, str]) -> list[tuple]:

@@ -13,10 +13,11 @@ n = alpha / beta bytes.  Every collective's cost in later labs is a sum of such 
     >>> print(model)            # alpha = 50 µs, beta = 0.206 ns/B (4.86 GB/s), ...
     >>> model.predict(1e6)      # seconds for a 1 MB message
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -26,8 +27,9 @@ __all__ = ["AlphaBeta", "fit_alpha_beta"]
 @dataclass(frozen=True)
 class AlphaBeta:
     """time(n bytes) = alpha + beta * n."""
-    alpha: float   # seconds per message (latency)
-    beta: float    # seconds per byte (1 / bandwidth)
+
+    alpha: float  # seconds per message (latency)
+    beta: float  # seconds per byte (1 / bandwidth)
 
     def predict(self, nbytes):
         """Seconds to send ``nbytes`` (a number or a numpy array) as one message."""
@@ -44,8 +46,10 @@ class AlphaBeta:
         return float("inf") if self.beta <= 0 else self.alpha / self.beta
 
     def __str__(self) -> str:
-        return (f"alpha = {self.alpha * 1e6:.1f} µs, beta = {self.beta * 1e9:.3g} ns/B "
-                f"({self.bandwidth / 1e9:.3g} GB/s), crossover at {self.crossover_bytes / 1e3:.3g} kB")
+        return (
+            f"alpha = {self.alpha * 1e6:.1f} µs, beta = {self.beta * 1e9:.3g} ns/B "
+            f"({self.bandwidth / 1e9:.3g} GB/s), crossover at {self.crossover_bytes / 1e3:.3g} kB"
+        )
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
@@ -59,8 +63,7 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBe
     n = np.asarray(nbytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
     if n.shape != t.shape or n.ndim != 1:
-        raise ValueError(f"nbytes and seconds must be two lists of the same length, got shapes "
-                         f"{n.shape} and {t.shape}")
+        raise ValueError(f"nbytes and seconds must be two lists of the same length, got shapes {n.shape} and {t.shape}")
     if len(np.unique(n)) < 2:
         raise ValueError(f"fitting alpha and beta needs at least two different message sizes, got {n.tolist()}")
     if not np.all(t > 0):

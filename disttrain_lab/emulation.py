@@ -14,6 +14,7 @@ model time (``take_last_cost``); the tracer never imports this module.  How the 
 enforced (two port clocks per rank and tier, a board of arrival times in shared memory) is
 described in ``disttrain_lab.network``'s docstring and beside the classes below.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,7 @@ __all__ = ["begin", "end", "wrap", "take_last_cost"]
 # --------------------------------------------------------------------------------------
 # The board: when each message in flight arrives, shared by the ranks of a launch
 # --------------------------------------------------------------------------------------
-_SLOTS = 256   # per (sender, receiver) pair: messages in flight whose arrival time is kept
+_SLOTS = 256  # per (sender, receiver) pair: messages in flight whose arrival time is kept
 
 
 class _Board:
@@ -67,15 +68,15 @@ class _Board:
         try:
             self.memory = mmap.mmap(fd, nbytes)
         finally:
-            barrier()      # everyone has it mapped: the fd may go
+            barrier()  # everyone has it mapped: the fd may go
             os.close(fd)
         self.times = np.ndarray((world_size, world_size, _SLOTS, 3), dtype=np.float64, buffer=self.memory)
         if rank == 0:
-            self.times[..., 1] = -1.0    # no message in any slot
+            self.times[..., 1] = -1.0  # no message in any slot
         barrier()
         self.rank = rank
-        self.sent: dict[tuple, int] = {}      # (dst, tag) -> messages sent
-        self.posted: dict[int, int] = {}      # dst -> slots used
+        self.sent: dict[tuple, int] = {}  # (dst, tag) -> messages sent
+        self.posted: dict[int, int] = {}  # dst -> slots used
         self.received: dict[tuple, int] = {}  # (src, tag) -> messages received
 
     def post(self, dst: int, tag: int, arrival: float) -> None:
@@ -84,7 +85,7 @@ class _Board:
         slot = self.posted.get(dst, 0)
         self.posted[dst] = slot + 1
         entry = self.times[self.rank, dst, slot % _SLOTS]
-        entry[1] = -1.0                  # invalid while being written
+        entry[1] = -1.0  # invalid while being written
         entry[0], entry[2] = tag, arrival
         entry[1] = seq
 
@@ -126,9 +127,9 @@ class _Ports:
         self.clocks = {"intra": _Clock(network.duplex)}
         if network.inter is not None:
             self.clocks["inter"] = _Clock(network.inter.duplex)
-        self.lock = threading.Lock()   # futures of async collectives complete on gloo's threads
-        self.last_cost = None          # the model time of the call in progress, for the tracer
-        self.depth = 0                 # > 0 inside torch's function: calls it makes are not charged again
+        self.lock = threading.Lock()  # futures of async collectives complete on gloo's threads
+        self.last_cost = None  # the model time of the call in progress, for the tracer
+        self.depth = 0  # > 0 inside torch's function: calls it makes are not charged again
 
     @contextlib.contextmanager
     def inside(self):
@@ -185,12 +186,12 @@ class _Ports:
         """(tier, seconds) of collective ``op`` on ``nbytes`` over ``group`` (None: the world)."""
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
         ranks = None
-        if self.network.inter is not None:   # two tiers: which ranks the group holds decides its tier
+        if self.network.inter is not None:  # two tiers: which ranks the group holds decides its tier
             ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
         return self.network.collective_tier(op, nbytes, world, ranks)
 
 
-_STATE: _Ports | None = None   # this rank's ports while a network is emulated (begin .. end)
+_STATE: _Ports | None = None  # this rank's ports while a network is emulated (begin .. end)
 
 
 # --------------------------------------------------------------------------------------
@@ -227,6 +228,7 @@ class _DelayedWork:
                     delayed.set_result(fut.value())
                 except Exception as exc:  # noqa: BLE001  (the collective's error, passed on)
                     delayed.set_exception(exc)
+
             wait = self._finish() - time.perf_counter()
             if wait <= 0:
                 complete()
@@ -234,6 +236,7 @@ class _DelayedWork:
                 timer = threading.Timer(wait, complete)
                 timer.daemon = True
                 timer.start()
+
         self._work.get_future().add_done_callback(arrived)
         return delayed
 
@@ -252,6 +255,7 @@ def _once(compute):
         if not memo:
             memo.append(compute())
         return memo[0]
+
     return get
 
 
@@ -275,6 +279,7 @@ def _global_peer(bound: dict, key: str):
 
 def _emulated_send(op: str, fn, params: list[str]):
     """``send``/``isend`` (torch's ``fn``): book the out-port, post the arrival, hand gloo the data."""
+
     @functools.wraps(fn)
     def send(*args, **kwargs):
         ports = _STATE
@@ -286,7 +291,7 @@ def _emulated_send(op: str, fn, params: list[str]):
         cost = ports.message_time(dst, trace.payload_bytes(tensor))
         ports.last_cost = cost
         arrival = ports.reserve_out(cost, ports.network.tier(ports.rank, dst))
-        if ports.board is None:          # no shared board (torchrun): the data leaves late
+        if ports.board is None:  # no shared board (torchrun): the data leaves late
             _sleep_until(arrival)
             with ports.inside():
                 return fn(*args, **kwargs)
@@ -297,11 +302,13 @@ def _emulated_send(op: str, fn, params: list[str]):
             _sleep_until(arrival)
             return out
         return _DelayedWork(out, lambda: arrival)
+
     return send
 
 
 def _emulated_recv(op: str, fn, params: list[str]):
     """``recv``/``irecv`` (torch's ``fn``): done no earlier than the message's arrival on the board."""
+
     @functools.wraps(fn)
     def recv(*args, **kwargs):
         ports = _STATE
@@ -321,13 +328,14 @@ def _emulated_recv(op: str, fn, params: list[str]):
             if out is None:
                 return out
             return _DelayedWork(out, _once(lambda: ports.received(src, tag, seq, cost)))
-        if src is None and out is not None and out >= 0:   # recv from any source returns the sender
+        if src is None and out is not None and out >= 0:  # recv from any source returns the sender
             src = out
             seq = ports.board.expect(src, tag) if ports.board is not None else None
             cost = ports.message_time(src, nbytes)
             ports.last_cost = cost
         _sleep_until(ports.received(src, tag, seq, cost))
         return out
+
     return recv
 
 
@@ -354,13 +362,14 @@ def _emulated_collective(op: str, fn, params: list[str]):
             return _DelayedWork(out, _once(lambda: ports.reserve_both(cost, called, tier)))
         _sleep_until(ports.reserve_both(cost, called, tier))
         return out
+
     return collective
 
 
 def wrap(op: str, fn):
     """The wrapper ``trace.install(emulate=wrap)`` puts between the tracer and torch's ``fn``."""
     if op in trace.SETUP_OPS:
-        return fn      # making a group moves no data worth a model
+        return fn  # making a group moves no data worth a model
     params = list(inspect.signature(fn).parameters)
     if op in ("send", "isend"):
         slowed = _emulated_send(op, fn, params)
@@ -369,8 +378,9 @@ def wrap(op: str, fn):
     elif op in trace.COLLECTIVE_OPS:
         slowed = _emulated_collective(op, fn, params)
     else:
-        raise ValueError(f"no emulation for torch.distributed.{op}; the emulated ops are "
-                         f"{trace.P2P_OPS + trace.COLLECTIVE_OPS}")
+        raise ValueError(
+            f"no emulation for torch.distributed.{op}; the emulated ops are {trace.P2P_OPS + trace.COLLECTIVE_OPS}"
+        )
     del slowed.__wrapped__  # like the tracer's wrappers: no way around the emulation
     return slowed
 

@@ -7,6 +7,7 @@ checks the trace; both are meaningless if the notebook replaced ``dist.all_reduc
 torch's (or this package's) own files.  The launcher refuses to run, and checks refuse
 to pass, when anything is listed.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ import types
 from .trace import TRACED_OPS, Event, Run, genuine_of
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_SNAPSHOT: dict[tuple[str, str], object] = {}   # (module, name) -> genuine object
+_SNAPSHOT: dict[tuple[str, str], object] = {}  # (module, name) -> genuine object
 
 
 class TamperingError(RuntimeError):
@@ -36,6 +37,7 @@ def _genuine_home(module_name: str) -> str:
     if module_name.startswith("disttrain_lab"):
         return _PACKAGE_DIR
     import torch
+
     return os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -47,8 +49,9 @@ def _unwrap(obj):
 def watch(module: types.ModuleType, names: list[str] | None = None) -> None:
     """Remember the current objects of ``module`` (all public callables by default)."""
     if names is None:
-        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                 and not isinstance(v, type)]
+        names = [
+            n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and not isinstance(v, type)
+        ]
     for name in names:
         if hasattr(module, name):
             genuine = _unwrap(getattr(module, name))
@@ -56,15 +59,18 @@ def watch(module: types.ModuleType, names: list[str] | None = None) -> None:
             _CODE[(module.__name__, name)] = _code_of(genuine)
 
 
-_CODE: dict[tuple[str, str], tuple] = {}   # (module, name) -> (__code__, __defaults__, __kwdefaults__)
+_CODE: dict[tuple[str, str], tuple] = {}  # (module, name) -> (__code__, __defaults__, __kwdefaults__)
 
 
 def _code_of(obj) -> tuple:
     # swapping __code__ (even for another genuine torch function's) or the defaults
     # changes what a function does while it stays the same object
     f = getattr(obj, "__func__", obj)
-    return (getattr(f, "__code__", None), getattr(f, "__defaults__", None),
-            dict(getattr(f, "__kwdefaults__", None) or {}))
+    return (
+        getattr(f, "__code__", None),
+        getattr(f, "__defaults__", None),
+        dict(getattr(f, "__kwdefaults__", None) or {}),
+    )
 
 
 def watch_class(cls: type, label: str) -> None:
@@ -98,6 +104,7 @@ def _behaves(value) -> bool:
 def find_tampering() -> list[str]:
     """One line per replaced function; empty when everything is genuine."""
     import sys
+
     problems = []
     for (module_name, name), genuine in _SNAPSHOT.items():
         module = sys.modules.get(module_name)
@@ -109,8 +116,10 @@ def find_tampering() -> list[str]:
         if code is not None and not os.path.abspath(code.co_filename).startswith(_genuine_home(module_name)):
             problems.append(f"the code of {module_name}.{name} was replaced by {_where(current)}")
         elif _code_of(current) != _CODE.get((module_name, name), _code_of(current)):
-            problems.append(f"the code or default arguments of {module_name}.{name} were changed "
-                            "(__code__ / __defaults__ / __kwdefaults__)")
+            problems.append(
+                f"the code or default arguments of {module_name}.{name} were changed "
+                "(__code__ / __defaults__ / __kwdefaults__)"
+            )
     return problems + _class_changes()
 
 
@@ -121,7 +130,8 @@ def verify() -> None:
         raise TamperingError(
             "grading relies on torch's and disttrain_lab's own functions, but "
             + "; ".join(problems)
-            + ". Remove the code that assigns to them (and restart the kernel).")
+            + ". Remove the code that assigns to them (and restart the kernel)."
+        )
 
 
 def watch_defaults() -> None:
@@ -129,8 +139,16 @@ def watch_defaults() -> None:
     import torch
     import torch.distributed as dist
     import torch.testing
-    names = list(TRACED_OPS) + ["init_process_group", "get_rank", "get_world_size", "new_group",
-                                "batch_isend_irecv", "all_gather_object", "broadcast_object_list"]
+
+    names = list(TRACED_OPS) + [
+        "init_process_group",
+        "get_rank",
+        "get_world_size",
+        "new_group",
+        "batch_isend_irecv",
+        "all_gather_object",
+        "broadcast_object_list",
+    ]
     watch(dist, names)
     watch(torch, ["equal", "allclose", "isclose", "ne", "eq", "logical_not", "any", "all", "where"])
     watch(torch.testing, ["assert_close"])

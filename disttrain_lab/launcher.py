@@ -28,6 +28,7 @@ policy, ``pool`` the warm ranks, ``worker`` a rank's side:
 - Under ``torchrun`` (RANK and WORLD_SIZE set) ``launch`` just calls the function on the
   current rank, so the same notebook code runs as a script on a cluster.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,7 +36,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,10 +50,20 @@ from .network import Network
 from .pool import shutdown
 from .reports import LaunchError, LaunchTimeout, RankDied, RankError
 
-DEFAULT_TIMEOUT = 60.0      # seconds a launch may take before it is stopped
+DEFAULT_TIMEOUT = 60.0  # seconds a launch may take before it is stopped
 
-__all__ = ["launch", "device", "shutdown", "plan", "Plan", "LaunchError", "RankError", "RankDied",
-           "LaunchTimeout", "TamperingError"]
+__all__ = [
+    "launch",
+    "device",
+    "shutdown",
+    "plan",
+    "Plan",
+    "LaunchError",
+    "RankError",
+    "RankDied",
+    "LaunchTimeout",
+    "TamperingError",
+]
 
 
 # --------------------------------------------------------------------------------------
@@ -60,23 +71,36 @@ __all__ = ["launch", "device", "shutdown", "plan", "Plan", "LaunchError", "RankE
 # --------------------------------------------------------------------------------------
 def _validate(fn, world_size, timeout, network=None) -> None:
     if not callable(fn):
-        raise ValueError(f"launch needs a function to run on every rank, got {type(fn).__name__} "
-                         f"{fn!r}; pass the function itself: dl.launch(my_fn, 4), not dl.launch(my_fn(), 4)")
+        raise ValueError(
+            f"launch needs a function to run on every rank, got {type(fn).__name__} "
+            f"{fn!r}; pass the function itself: dl.launch(my_fn, 4), not dl.launch(my_fn(), 4)"
+        )
     limit = MAX_WORLD_SIZE
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= limit:
         raise ValueError(f"world_size must be an int from 1 to {limit}, got {world_size!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     if network is not None and not isinstance(network, Network):
-        raise ValueError(f"network must be a dl.Network (e.g. dl.Network.preset('1 Gbit Ethernet')) or None "
-                         f"(the real links), got {type(network).__name__} {network!r}")
+        raise ValueError(
+            f"network must be a dl.Network (e.g. dl.Network.preset('1 Gbit Ethernet')) or None "
+            f"(the real links), got {type(network).__name__} {network!r}"
+        )
 
 
 # --------------------------------------------------------------------------------------
 # The public entry point
 # --------------------------------------------------------------------------------------
-def launch(fn: Callable, world_size: int, *args, device: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-           trace: bool = False, backend: str | None = None, network: Network | None = None, **kwargs):
+def launch(
+    fn: Callable,
+    world_size: int,
+    *args,
+    device: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    trace: bool = False,
+    backend: str | None = None,
+    network: Network | None = None,
+    **kwargs,
+):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
     Every rank starts with ``torch.distributed`` initialised (``dist.get_rank()``,
@@ -110,11 +134,17 @@ def launch(fn: Callable, world_size: int, *args, device: str | None = None, time
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
-    payload, where = codemap.dumps((fn, args, kwargs))   # where: each code's real cell, for tracebacks
+    payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
     results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
     if trace:
-        run = tracer.Run(results=results, events=events, world_size=world_size,
-                         backend=chosen.backend, wall_time=wall, network=network)
+        run = tracer.Run(
+            results=results,
+            events=events,
+            world_size=world_size,
+            backend=chosen.backend,
+            wall_time=wall,
+            network=network,
+        )
         tracer.notify_observers(run)
         return run
     return results
@@ -129,10 +159,15 @@ def _under_torchrun() -> bool:
 
 def _in_process_timeout(rank: int, timeout: float, status) -> None:
     blocked = tracer.read_status(status, rank)
-    what = f"{blocked.text} for {time.perf_counter() - blocked.since:.1f} s" if blocked else \
-        "running Python code (not in a torch.distributed call)"
-    sys.stderr.write(f"[disttrain-lab] rank {rank}: not finished within the timeout of {timeout:g} s; "
-                     f"it was in {what}. Stopping this rank (torchrun stops the others).\n")
+    what = (
+        f"{blocked.text} for {time.perf_counter() - blocked.since:.1f} s"
+        if blocked
+        else "running Python code (not in a torch.distributed call)"
+    )
+    sys.stderr.write(
+        f"[disttrain-lab] rank {rank}: not finished within the timeout of {timeout:g} s; "
+        f"it was in {what}. Stopping this rank (torchrun stops the others).\n"
+    )
     sys.stderr.flush()
     os._exit(124)
 
@@ -145,10 +180,12 @@ def _destroy_own_group() -> None:
 def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout, network=None):
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
-        raise ValueError(f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={env_world}: "
-                         f"under torchrun every launch uses all of torchrun's ranks, so a script must use one "
-                         f"world size; start torchrun with --nproc-per-node {world_size} (times nodes), or "
-                         f"launch with world_size={env_world}")
+        raise ValueError(
+            f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={env_world}: "
+            f"under torchrun every launch uses all of torchrun's ranks, so a script must use one "
+            f"world size; start torchrun with --nproc-per-node {world_size} (times nodes), or "
+            f"launch with world_size={env_world}"
+        )
     # the same policy as in a notebook; only this node's ranks need a GPU each
     chosen = plan(world_size, device, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if not dist.is_initialized():
@@ -172,7 +209,7 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
     watchdog = threading.Timer(timeout, _in_process_timeout, args=(rank, timeout, status))
     watchdog.daemon = True
     watchdog.start()
-    emulation.begin(network, world_size, shared=False)   # ranks may be on several hosts
+    emulation.begin(network, world_size, shared=False)  # ranks may be on several hosts
     try:
         result = fn(*args, **kwargs)
     finally:
@@ -187,5 +224,11 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
     if not want_trace:
         return results
     events = sorted((e for _, evs in gathered for e in tracer.to_events(evs)), key=lambda e: e.start)
-    return tracer.Run(results=results, events=events, world_size=world_size,
-                      backend=dist.get_backend(), wall_time=wall, network=network)
+    return tracer.Run(
+        results=results,
+        events=events,
+        world_size=world_size,
+        backend=dist.get_backend(),
+        wall_time=wall,
+        network=network,
+    )

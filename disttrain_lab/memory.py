@@ -23,11 +23,13 @@ that layer runs.
 
 This module measures; what ZeRO *should* hold (the 16Ψ arithmetic) is the lab's exercise.
 """
+
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +38,7 @@ from .trace import format_bytes
 
 __all__ = ["Held", "held", "tensor_bytes", "storage_key", "ParameterWatch", "Snapshot", "layers_with_parameters"]
 
-_MAX_DEPTH = 8          # how deep held() follows attributes, lists and dicts from an object passed
+_MAX_DEPTH = 8  # how deep held() follows attributes, lists and dicts from an object passed
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -54,9 +56,9 @@ def storage_key(t: torch.Tensor) -> tuple[int, int, str]:
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages under ``tensors`` (views of one buffer count it once).
 
-        >>> flat = torch.zeros(10)
-        >>> tensor_bytes([flat[:5], flat[5:]]), tensor_bytes([torch.zeros(3)])
-        (40, 12)
+    >>> flat = torch.zeros(10)
+    >>> tensor_bytes([flat[:5], flat[5:]]), tensor_bytes([torch.zeros(3)])
+    (40, 12)
     """
     return sum(key[1] for key in {storage_key(t) for t in tensors if t is not None})
 
@@ -64,6 +66,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 @dataclass
 class Held:
     """Bytes one rank holds, by role (see the module docstring for which role wins)."""
+
     parameters: int = 0
     gradients: int = 0
     optimizer_state: int = 0
@@ -74,8 +77,13 @@ class Held:
         return self.parameters + self.gradients + self.optimizer_state + self.other
 
     def as_dict(self) -> dict[str, int]:
-        return {"parameters": self.parameters, "gradients": self.gradients,
-                "optimizer_state": self.optimizer_state, "other": self.other, "total": self.total}
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "other": self.other,
+            "total": self.total,
+        }
 
     def __str__(self) -> str:
         return ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.as_dict().items())
@@ -101,7 +109,7 @@ class _Walk:
                 self.visit(group.get("params", []), depth + 1)
             for value in obj.state.values():
                 self.visit(value, depth + 1, in_state=True)
-            self.visit_attributes(obj, depth)       # a wrapper optimizer (ZeroRedundancyOptimizer) holds another
+            self.visit_attributes(obj, depth)  # a wrapper optimizer (ZeroRedundancyOptimizer) holds another
             return
         if isinstance(obj, nn.Module):
             self.tensors.extend(obj.parameters())
@@ -117,7 +125,7 @@ class _Walk:
                 self.visit(value, depth + 1, in_state)
             return
         if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
-            return                                  # code, not data (and never walk a module's globals)
+            return  # code, not data (and never walk a module's globals)
         self.visit_attributes(obj, depth)
 
     def visit_attributes(self, obj: Any, depth: int) -> None:
@@ -126,7 +134,7 @@ class _Walk:
         except TypeError:
             return
         for name, value in attributes.items():
-            if name not in ("param_groups", "state", "defaults"):   # an Optimizer's own fields were seen above
+            if name not in ("param_groups", "state", "defaults"):  # an Optimizer's own fields were seen above
                 self.visit(value, depth + 1)
 
 
@@ -174,9 +182,10 @@ def layers_with_parameters(model: nn.Module) -> dict[str, nn.Module]:
 @dataclass
 class Snapshot:
     """Parameter bytes each layer held at one moment."""
-    moment: str                     # "forward" (just before the layer's forward runs), "after forward",
-                                    # "backward" (just before the layer's backward runs)
-    layer: str                      # the layer that is about to run / just ran
+
+    moment: str  # "forward" (just before the layer's forward runs), "after forward",
+    # "backward" (just before the layer's backward runs)
+    layer: str  # the layer that is about to run / just ran
     bytes_by_layer: dict[str, int] = field(default_factory=dict)
 
     def full_layers(self, full_bytes: dict[str, int]) -> list[str]:
@@ -205,10 +214,12 @@ class ParameterWatch:
         self.snapshots: list[Snapshot] = []
         self._handles = []
         for name, layer in self.layers.items():
-            self._handles.append(layer.register_forward_pre_hook(
-                lambda m, args, name=name: self._record("forward", name)))
-            self._handles.append(layer.register_forward_hook(
-                lambda m, args, output, name=name: self._after_forward(name, output)))
+            self._handles.append(
+                layer.register_forward_pre_hook(lambda m, args, name=name: self._record("forward", name))
+            )
+            self._handles.append(
+                layer.register_forward_hook(lambda m, args, output, name=name: self._after_forward(name, output))
+            )
 
     def bytes_by_layer(self) -> dict[str, int]:
         return {name: tensor_bytes(layer.parameters(recurse=False)) for name, layer in self.layers.items()}
@@ -226,7 +237,7 @@ class ParameterWatch:
             handle.remove()
         self._handles.clear()
 
-    def __enter__(self) -> "ParameterWatch":
+    def __enter__(self) -> ParameterWatch:
         return self
 
     def __exit__(self, *exc) -> None:

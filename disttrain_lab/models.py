@@ -11,11 +11,12 @@ a distributed run can be compared with a single-process one parameter by paramet
     gpt = dl.models.GPT(dl.models.GPTConfig(n_layers=2, d_model=32, n_heads=4), seed=0)
     batches = dl.models.lm_batches(dl.models.corpus_tokens(4096), batch_size=8, seq_len=16, steps=3)
 """
+
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -29,9 +30,9 @@ def _init_(module: nn.Module, seed: int) -> nn.Module:
     """Re-initialise every parameter from ``seed`` (independent of the global RNG)."""
     gen = _seeded(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             fan_in = p.shape[-1] if p.dim() > 1 else p.numel()
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / fan_in ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / fan_in**0.5)
     return module
 
 
@@ -64,8 +65,8 @@ class TiedAutoencoder(nn.Module):
         _init_(self, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.encoder(x))                          # (B, hidden)
-        return h @ self.encoder.weight + self.decoder_bias        # (B, d), weight reused
+        h = torch.tanh(self.encoder(x))  # (B, hidden)
+        return h @ self.encoder.weight + self.decoder_bias  # (B, d), weight reused
 
 
 class PartlyFrozenMLP(MLP):
@@ -94,7 +95,7 @@ def regression_data(n: int, d_in: int, d_out: int, seed: int = 0, dtype=torch.fl
     """``n`` samples of y = tanh(x A) + noise: x (n, d_in), y (n, d_out), same for a given seed."""
     gen = _seeded(seed)
     x = torch.randn(n, d_in, generator=gen, dtype=dtype)
-    a = torch.randn(d_in, d_out, generator=gen, dtype=dtype) / d_in ** 0.5
+    a = torch.randn(d_in, d_out, generator=gen, dtype=dtype) / d_in**0.5
     y = torch.tanh(x @ a) + 0.05 * torch.randn(n, d_out, generator=gen, dtype=dtype)
     return Batch(x, y)
 
@@ -107,8 +108,9 @@ def classification_data(n: int, d_in: int, classes: int, seed: int = 0) -> Batch
     return Batch(x, (x @ w).argmax(dim=1))
 
 
-def train_single_process(model: nn.Module, batches: Iterable, lr: float = 0.1, optimizer: str = "sgd",
-                         loss: str = "mse") -> nn.Module:
+def train_single_process(
+    model: nn.Module, batches: Iterable, lr: float = 0.1, optimizer: str = "sgd", loss: str = "mse"
+) -> nn.Module:
     """The reference: a copy of ``model`` trained in this one process, one step per batch.
 
     ``optimizer`` is "sgd" or "adam" (torch.optim, default settings but ``lr``); ``loss`` is
@@ -152,25 +154,34 @@ def parameters_equal(a: nn.Module, b: nn.Module, rtol: float = 1e-5, atol: float
 @dataclass
 class GPTConfig:
     """The shape of a GPT.  ``GPTConfig().params()`` is its parameter count N."""
-    vocab: int = 32            # tokens: the corpus' alphabet (28 characters) rounded up to 32
-    seq_len: int = 16          # T: the longest context (learned position embeddings)
-    d_model: int = 32          # d: the width of the residual stream
-    n_heads: int = 4           # attention heads; d_model / n_heads features each
-    n_layers: int = 2          # transformer blocks
-    d_ff: int = 0              # the MLP's hidden width; 0 means 4 * d_model, as in GPT-2
+
+    vocab: int = 32  # tokens: the corpus' alphabet (28 characters) rounded up to 32
+    seq_len: int = 16  # T: the longest context (learned position embeddings)
+    d_model: int = 32  # d: the width of the residual stream
+    n_heads: int = 4  # attention heads; d_model / n_heads features each
+    n_layers: int = 2  # transformer blocks
+    d_ff: int = 0  # the MLP's hidden width; 0 means 4 * d_model, as in GPT-2
 
     def __post_init__(self):
         if self.d_ff == 0:
             self.d_ff = 4 * self.d_model
-        sizes = {"vocab": self.vocab, "seq_len": self.seq_len, "d_model": self.d_model, "n_heads": self.n_heads,
-                 "n_layers": self.n_layers, "d_ff": self.d_ff}
+        sizes = {
+            "vocab": self.vocab,
+            "seq_len": self.seq_len,
+            "d_model": self.d_model,
+            "n_heads": self.n_heads,
+            "n_layers": self.n_layers,
+            "d_ff": self.d_ff,
+        }
         bad = {k: v for k, v in sizes.items() if int(v) < 1}
         if bad:
             raise ValueError(f"GPTConfig: every size must be >= 1, got {bad}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"GPTConfig: d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
-                             f"(each head gets d_model / n_heads features); e.g. n_heads in "
-                             f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}")
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                f"(each head gets d_model / n_heads features); e.g. n_heads in "
+                f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}"
+            )
 
     def block_params(self) -> int:
         """Parameters of one block: two LayerNorms, attention (q, k, v, proj with biases), the MLP."""
@@ -207,9 +218,9 @@ class CausalSelfAttention(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Causal attention of ``n_heads`` heads: q, k, v (B, T, n_heads * hs) -> (B, T, n_heads * hs)."""
     B, T, C = q.shape
-    heads = lambda t: t.view(B, T, n_heads, C // n_heads).transpose(1, 2)          # (B, nh, T, hs)
+    heads = lambda t: t.view(B, T, n_heads, C // n_heads).transpose(1, 2)  # (B, nh, T, hs)
     y = nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-    return y.transpose(1, 2).reshape(B, T, C)                                       # heads side by side
+    return y.transpose(1, 2).reshape(B, T, C)  # heads side by side
 
 
 class Block(nn.Module):
@@ -285,10 +296,10 @@ def _init_gpt_(model: nn.Module, seed: int) -> None:
     N(0, 1/fan_in), embeddings N(0, 0.1²), small random biases, LayerNorms at (1, 0) as torch makes them."""
     gen = _seeded(seed)
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             if isinstance(module, nn.Linear):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / module.in_features ** 0.5)
-                if module.bias is not None:     # not zero: a bias added twice must show in a comparison
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / module.in_features**0.5)
+                if module.bias is not None:  # not zero: a bias added twice must show in a comparison
                     module.bias.copy_(0.02 * torch.randn(module.bias.shape, generator=gen))
             elif isinstance(module, nn.Embedding):
                 module.weight.copy_(0.1 * torch.randn(module.weight.shape, generator=gen))
@@ -300,7 +311,7 @@ def _init_gpt_(model: nn.Module, seed: int) -> None:
 # The corpus: sentences of a small grammar, generated from a seed (nothing is downloaded).
 # Subject and verb agree in number ("the cat sees", "two cats see"), so predicting the verb's
 # ending needs the subject a few characters back: a job for attention, not only for bigrams.
-CORPUS_ALPHABET = " .abcdefghijklmnopqrstuvwxyz"     # token i is CORPUS_ALPHABET[i]; 28 < GPTConfig().vocab
+CORPUS_ALPHABET = " .abcdefghijklmnopqrstuvwxyz"  # token i is CORPUS_ALPHABET[i]; 28 < GPTConfig().vocab
 _NOUNS = ["cat", "dog", "bird", "fox", "owl", "frog"]
 _VERBS = [("sees", "see"), ("likes", "like"), ("chases", "chase"), ("hears", "hear")]
 _DETERMINERS = [("the", "the"), ("a", "two"), ("one", "many")]
@@ -343,6 +354,6 @@ def lm_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, steps: int, 
     batches = []
     for _ in range(steps):
         starts = torch.randint(len(tokens) - seq_len, (batch_size,), generator=gen)
-        windows = torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()])   # (B, T + 1)
+        windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
         batches.append((windows[:, :-1].clone(), windows[:, 1:].clone()))
     return batches

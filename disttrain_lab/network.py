@@ -65,6 +65,7 @@ functions) is ``disttrain_lab.emulation``.
 emulated network.  With a network, ``Run.network`` says which, and every traced communication event
 carries ``meta["network_s"]``, the model's time for it (its measured duration is at least that).
 """
+
 from __future__ import annotations
 
 import math
@@ -81,61 +82,75 @@ DUPLEX = ("full", "half")
 class Network:
     """An emulated link: ``latency`` α (seconds per message) and ``bandwidth`` 1/β (bytes/s).
 
-        >>> net = Network(latency=50e-6, bandwidth=1.25e8)     # 1 Gbit/s = 125 MB/s
-        >>> net.time(2**20)                                    # one 1 MiB message, seconds
-        0.008438...
+    >>> net = Network(latency=50e-6, bandwidth=1.25e8)     # 1 Gbit/s = 125 MB/s
+    >>> net.time(2**20)                                    # one 1 MiB message, seconds
+    0.008438...
     """
-    latency: float              # alpha, seconds every message pays (switch, NIC, software)
-    bandwidth: float            # bytes per second through one port in one direction (1 / beta)
-    duplex: str = "full"        # "full": send and receive at once; "half": one transfer at a time
-    name: str = ""              # shown in plots and tables, e.g. "1 Gbit Ethernet"
+
+    latency: float  # alpha, seconds every message pays (switch, NIC, software)
+    bandwidth: float  # bytes per second through one port in one direction (1 / beta)
+    duplex: str = "full"  # "full": send and receive at once; "half": one transfer at a time
+    name: str = ""  # shown in plots and tables, e.g. "1 Gbit Ethernet"
     # two tiers (both or neither; see Network.two_tier): the fields above are then the link
     # inside a node, and ranks r and s share a node when r // devices_per_node == s // devices_per_node
-    devices_per_node: int | None = None   # ranks per node
-    inter: "Network | None" = None        # the link between nodes (a one-tier Network)
+    devices_per_node: int | None = None  # ranks per node
+    inter: Network | None = None  # the link between nodes (a one-tier Network)
 
     def __post_init__(self) -> None:
         for field_name, unit in (("latency", "seconds per message"), ("bandwidth", "bytes per second")):
             value = getattr(self, field_name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
             if not ok:
-                raise ValueError(f"Network {field_name} must be a finite number > 0 ({unit}), got {value!r}; "
-                                 f"e.g. Network(latency=50e-6, bandwidth=1.25e8) is 1 Gbit/s Ethernet")
+                raise ValueError(
+                    f"Network {field_name} must be a finite number > 0 ({unit}), got {value!r}; "
+                    f"e.g. Network(latency=50e-6, bandwidth=1.25e8) is 1 Gbit/s Ethernet"
+                )
         if self.duplex not in DUPLEX:
             raise ValueError(f"Network duplex must be one of {DUPLEX}, got {self.duplex!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"Network name must be a string, got {self.name!r}")
         if (self.devices_per_node is None) != (self.inter is None):
-            raise ValueError(f"Network devices_per_node and inter go together (two tiers) or not at all (one link), "
-                             f"got devices_per_node={self.devices_per_node!r}, inter={self.inter!r}; e.g. "
-                             f"Network.two_tier(devices_per_node=4, intra='NVLink', inter='100 Gbit InfiniBand')")
+            raise ValueError(
+                f"Network devices_per_node and inter go together (two tiers) or not at all (one link), "
+                f"got devices_per_node={self.devices_per_node!r}, inter={self.inter!r}; e.g. "
+                f"Network.two_tier(devices_per_node=4, intra='NVLink', inter='100 Gbit InfiniBand')"
+            )
         if self.devices_per_node is not None:
             d = self.devices_per_node
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ValueError(f"Network devices_per_node must be an int >= 1 (ranks per node), got {d!r}")
             if not isinstance(self.inter, Network) or self.inter.devices_per_node is not None:
-                raise ValueError(f"Network inter must be a one-tier Network (the link between nodes, e.g. "
-                                 f"Network.preset('100 Gbit InfiniBand')), got {self.inter!r}")
+                raise ValueError(
+                    f"Network inter must be a one-tier Network (the link between nodes, e.g. "
+                    f"Network.preset('100 Gbit InfiniBand')), got {self.inter!r}"
+                )
 
     @classmethod
-    def preset(cls, name: str) -> "Network":
+    def preset(cls, name: str) -> Network:
         """One of ``PRESETS``: "1 Gbit Ethernet", "10 Gbit Ethernet", "100 Gbit InfiniBand", "NVLink"."""
         if name in PRESETS:
             return PRESETS[name]
-        raise ValueError(f"no network preset {name!r}; the presets are {sorted(PRESETS)}, or build one with "
-                         f"Network(latency=seconds, bandwidth=bytes_per_second)")
+        raise ValueError(
+            f"no network preset {name!r}; the presets are {sorted(PRESETS)}, or build one with "
+            f"Network(latency=seconds, bandwidth=bytes_per_second)"
+        )
 
     @classmethod
-    def gbit(cls, gbits_per_s: float, latency: float = 50e-6, duplex: str = "full") -> "Network":
+    def gbit(cls, gbits_per_s: float, latency: float = 50e-6, duplex: str = "full") -> Network:
         """A link of ``gbits_per_s`` Gbit/s (network units: 1 Gbit/s = 1.25e8 bytes/s)."""
-        if isinstance(gbits_per_s, bool) or not isinstance(gbits_per_s, (int, float)) or not gbits_per_s > 0 \
-                or not math.isfinite(gbits_per_s):
+        if (
+            isinstance(gbits_per_s, bool)
+            or not isinstance(gbits_per_s, (int, float))
+            or not gbits_per_s > 0
+            or not math.isfinite(gbits_per_s)
+        ):
             raise ValueError(f"Network bandwidth must be a finite number > 0 Gbit/s, got {gbits_per_s!r}")
         return cls(latency=latency, bandwidth=gbits_per_s * 1.25e8, duplex=duplex, name=f"{gbits_per_s:g} Gbit/s")
 
     @classmethod
-    def two_tier(cls, devices_per_node: int, intra: "Network | str" = "NVLink",
-                 inter: "Network | str" = "100 Gbit InfiniBand") -> "Network":
+    def two_tier(
+        cls, devices_per_node: int, intra: Network | str = "NVLink", inter: Network | str = "100 Gbit InfiniBand"
+    ) -> Network:
         """Nodes of ``devices_per_node`` ranks: ``intra`` links the ranks of a node, ``inter`` the nodes.
 
             >>> net = Network.two_tier(4, intra="NVLink", inter="100 Gbit InfiniBand")
@@ -148,15 +163,23 @@ class Network:
             if isinstance(link, str):
                 link = cls.preset(link)
             if not isinstance(link, Network) or link.devices_per_node is not None:
-                raise ValueError(f"Network.two_tier {field_name} must be a one-tier Network or a preset name "
-                                 f"({sorted(PRESETS)}), got {link!r}")
+                raise ValueError(
+                    f"Network.two_tier {field_name} must be a one-tier Network or a preset name "
+                    f"({sorted(PRESETS)}), got {link!r}"
+                )
             links[field_name] = link
         intra = links["intra"]
-        return cls(latency=intra.latency, bandwidth=intra.bandwidth, duplex=intra.duplex, name=intra.name,
-                   devices_per_node=devices_per_node, inter=links["inter"])
+        return cls(
+            latency=intra.latency,
+            bandwidth=intra.bandwidth,
+            duplex=intra.duplex,
+            name=intra.name,
+            devices_per_node=devices_per_node,
+            inter=links["inter"],
+        )
 
     @property
-    def intra(self) -> "Network":
+    def intra(self) -> Network:
         """The link inside a node (a one-tier network: the whole network when it has one tier)."""
         if self.inter is None:
             return self
@@ -170,7 +193,7 @@ class Network:
         """``"intra"`` when ``ranks`` share a node (always, with one tier), else ``"inter"``."""
         return "intra" if len({self.node(r) for r in ranks}) <= 1 else "inter"
 
-    def link(self, *ranks: int) -> "Network":
+    def link(self, *ranks: int) -> Network:
         """The link a message between ``ranks`` (a sender and a receiver) pays."""
         return self.intra if self.tier(*ranks) == "intra" else self.inter
 
@@ -209,8 +232,10 @@ class Network:
         if self.inter is not None:
             return f"nodes of {self.devices_per_node} ranks; inside a node {self.intra}; across nodes {self.inter}"
         label = f"{self.name}: " if self.name else ""
-        return (f"{label}latency {self.latency * 1e6:g} µs, bandwidth {self.bandwidth * 8 / 1e9:g} Gbit/s "
-                f"({self.bandwidth / 1e9:g} GB/s), {self.duplex} duplex")
+        return (
+            f"{label}latency {self.latency * 1e6:g} µs, bandwidth {self.bandwidth * 8 / 1e9:g} Gbit/s "
+            f"({self.bandwidth / 1e9:g} GB/s), {self.duplex} duplex"
+        )
 
 
 PRESETS = {
@@ -222,9 +247,17 @@ PRESETS = {
 }
 
 _RING_OPS = ("all_reduce", "all_reduce_coalesced")
-_RING_HALF_OPS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced",
-                  "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                  "all_to_all", "all_to_all_single")
+_RING_HALF_OPS = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+)
 _TREE_OPS = ("broadcast", "reduce")
 _ROOT_OPS = ("scatter", "gather")
 _SYNC_OPS = ("barrier", "monitored_barrier")

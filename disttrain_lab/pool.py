@@ -12,6 +12,7 @@ Ctrl-C stops every rank (SIGKILL) and raises here; the pool is rebuilt on the ne
     results, events, wall = pool.run(payload, world_size, chosen_plan, timeout, want_trace, network, where)
     pool.shutdown()
 """
+
 from __future__ import annotations
 
 import atexit
@@ -43,14 +44,21 @@ from .worker import STARTUP_TIMEOUT, worker_main
 
 __all__ = ["run", "shutdown", "MAX_OUTPUT_LINES"]
 
-MAX_OUTPUT_LINES = 2000     # per rank and launch; more is counted, not shown
+MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
 
-_POOL: "_Pool | None" = None
+_POOL: _Pool | None = None
 _POOL_LOCK = threading.RLock()
 
 
-def run(payload: bytes, world_size: int, chosen: Plan, timeout: float, want_trace: bool,
-        network: Network | None, where: dict[str, str]) -> tuple[list, list[trace.Event], float]:
+def run(
+    payload: bytes,
+    world_size: int,
+    chosen: Plan,
+    timeout: float,
+    want_trace: bool,
+    network: Network | None,
+    where: dict[str, str],
+) -> tuple[list, list[trace.Event], float]:
     """Run the pickled ``(fn, args, kwargs)`` on the first ``world_size`` ranks of a warm pool
     for ``chosen`` (started, or rebuilt, when none fits); return (results, events, wall seconds).
 
@@ -70,7 +78,7 @@ def shutdown() -> None:
             _POOL = None
 
 
-def _pool_for(world_size: int, chosen: Plan) -> "_Pool":
+def _pool_for(world_size: int, chosen: Plan) -> _Pool:
     global _POOL
     if _POOL is not None and not _POOL.usable_for(world_size, chosen):
         _POOL.close()
@@ -115,16 +123,21 @@ class _Pool:
             # One store per pool, created after the forks (so no child inherits its socket),
             # on port 0: the OS picks a free port, so launches on a shared host never clash.
             # Workers keep one connection to it; each launch uses its own key prefix.
-            self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=STARTUP_TIMEOUT))
+            self.store = dist.TCPStore(
+                "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT)
+            )
         except BaseException:
             self.close()
             raise
 
     def usable_for(self, world_size: int, chosen: Plan) -> bool:
-        return (not self.broken and self.owner_pid == os.getpid() and world_size <= self.size
-                and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)
-                and self._all_alive())
+        return (
+            not self.broken
+            and self.owner_pid == os.getpid()
+            and world_size <= self.size
+            and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)
+            and self._all_alive()
+        )
 
     def _all_alive(self) -> bool:
         """False if any idle worker died since the last launch (killed, out of memory, or
@@ -159,9 +172,20 @@ class _Pool:
         else:
             fds = (child_sock.fileno(), out_w, self.status_fd)
             popen = subprocess.Popen(
-                [sys.executable, "-c", "from disttrain_lab.worker import spawned_main; spawned_main()",
-                 *map(str, fds), str(self.owner_pid), str(trace.SLOT_BYTES * self.size)],
-                pass_fds=fds, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, close_fds=True)
+                [
+                    sys.executable,
+                    "-c",
+                    "from disttrain_lab.worker import spawned_main; spawned_main()",
+                    *map(str, fds),
+                    str(self.owner_pid),
+                    str(trace.SLOT_BYTES * self.size),
+                ],
+                pass_fds=fds,
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=out_w,
+                close_fds=True,
+            )
             pid = popen.pid
         child_sock.close()
         os.close(out_w)
@@ -174,8 +198,9 @@ class _Pool:
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LaunchError(f"ranks {sorted(w.rank for w in waiting.values())} did not start "
-                                  f"within {STARTUP_TIMEOUT:.0f} s")
+                raise LaunchError(
+                    f"ranks {sorted(w.rank for w in waiting.values())} did not start within {STARTUP_TIMEOUT:.0f} s"
+                )
             ready, _, _ = select.select(list(waiting) + [w.out_fd for w in self.workers], [], [], left)
             for fd in ready:
                 if fd in waiting:
@@ -184,13 +209,20 @@ class _Pool:
                         w.conn.recv_bytes()
                     except (EOFError, OSError):
                         self._relay_all()
-                        raise LaunchError(f"rank {w.rank} failed to start (exit code {self._reap(w)})")
+                        raise LaunchError(f"rank {w.rank} failed to start (exit code {self._reap(w)})") from None
                 else:
                     self._relay(next(w for w in self.workers if w.out_fd == fd))
 
     # ---- one launch -------------------------------------------------------------------
-    def run(self, payload: bytes, world_size: int, timeout: float, want_trace: bool, network: Network | None,
-            where: dict[str, str]):
+    def run(
+        self,
+        payload: bytes,
+        world_size: int,
+        timeout: float,
+        want_trace: bool,
+        network: Network | None,
+        where: dict[str, str],
+    ):
         __tracebackhide__ = True
         self.calls += 1
         t0 = time.perf_counter()
@@ -201,10 +233,20 @@ class _Pool:
             trace.write_status(self.status, w.rank, None)
         try:
             for w in workers:
-                job = {"rank": w.rank, "world_size": world_size, "device": self.plan.device,
-                       "group_backend": self.plan.group_backend,
-                       "port": self.store.port, "prefix": f"{self.secret}/{self.calls}/", "payload": payload,
-                       "trace": want_trace, "timeout": timeout, "t0": t0, "rng": rng, "network": network}
+                job = {
+                    "rank": w.rank,
+                    "world_size": world_size,
+                    "device": self.plan.device,
+                    "group_backend": self.plan.group_backend,
+                    "port": self.store.port,
+                    "prefix": f"{self.secret}/{self.calls}/",
+                    "payload": payload,
+                    "trace": want_trace,
+                    "timeout": timeout,
+                    "t0": t0,
+                    "rng": rng,
+                    "network": network,
+                }
                 w.conn.send_bytes(pickle.dumps(job))
             replies = self._collect(workers, t0 + timeout, timeout, where)
         except BaseException:
@@ -240,7 +282,7 @@ class _Pool:
                     try:
                         reply = cloudpickle.loads(w.conn.recv_bytes())
                     except (EOFError, OSError, ConnectionError):
-                        reply = None      # raised below, not in here: the EOFError is not the student's news
+                        reply = None  # raised below, not in here: the EOFError is not the student's news
                     if reply is None:
                         self._rank_died(w, workers)
                     if reply[0] == "error":
@@ -268,16 +310,24 @@ class _Pool:
         self.close()
         if code is not None and code < 0:
             sig = signal.Signals(-code).name
-            hint = {"SIGABRT": "abort() was called (os.abort, or a C++ assertion)",
-                    "SIGSEGV": "it crashed (segmentation fault)",
-                    "SIGKILL": "it was killed, often for using too much memory"}.get(sig, "")
+            hint = {
+                "SIGABRT": "abort() was called (os.abort, or a C++ assertion)",
+                "SIGSEGV": "it crashed (segmentation fault)",
+                "SIGKILL": "it was killed, often for using too much memory",
+            }.get(sig, "")
             how = f"was killed by {sig}" + (f": {hint}" if hint else "")
         else:
-            how = f"exited with code {code}" + (" (os._exit or sys.exit inside the rank?)" if code else
-                                                  " before returning a value (os._exit(0) inside the rank?)")
+            how = f"exited with code {code}" + (
+                " (os._exit or sys.exit inside the rank?)"
+                if code
+                else " before returning a value (os._exit(0) inside the rank?)"
+            )
         others = ", ".join(str(o.rank) for o in workers if o is not w)
-        raise RankDied(f"rank {w.rank} ended without returning: its process {how}. "
-                       f"The other ranks ({others}) were stopped.", w.rank, code)
+        raise RankDied(
+            f"rank {w.rank} ended without returning: its process {how}. The other ranks ({others}) were stopped.",
+            w.rank,
+            code,
+        )
 
     def _timeout(self, workers: list[_Worker], replies: dict, timeout: float):
         __tracebackhide__ = True
@@ -344,8 +394,9 @@ class _Pool:
     def _flush_hidden(self, workers: list[_Worker]) -> None:
         for w in workers:
             if w.hidden:
-                sys.stdout.write(f"[rank {w.rank}] ... {w.hidden} more lines not shown "
-                                 f"(at most {MAX_OUTPUT_LINES} per rank)\n")
+                sys.stdout.write(
+                    f"[rank {w.rank}] ... {w.hidden} more lines not shown (at most {MAX_OUTPUT_LINES} per rank)\n"
+                )
                 w.hidden = 0
 
     # ---- stopping -------------------------------------------------------------------------
@@ -366,7 +417,7 @@ class _Pool:
                 pass
             if w.popen is not None:
                 w.popen.returncode = w.popen.returncode if w.popen.returncode is not None else -9
-            for closer in (w.conn.close, lambda: os.close(w.out_fd)):
+            for closer in (w.conn.close, lambda w=w: os.close(w.out_fd)):
                 try:
                     closer()
                 except OSError:

@@ -3,6 +3,7 @@
 Every message names the rank, says what it was doing, and points at the student's own
 line (frames inside disttrain_lab, cloudpickle and torch are trimmed from the end).
 """
+
 from __future__ import annotations
 
 import linecache
@@ -22,10 +23,12 @@ class LaunchError(RuntimeError):
         ranks' tracebacks are in the message).  IPython always shows the frame that raised,
         ``__tracebackhide__`` or not, hence this hook."""
         import types
+
         from IPython import get_ipython
+
         shell = get_ipython()
         if shell is None:
-            raise NotImplementedError("not in IPython")   # IPython then shows the usual traceback
+            raise NotImplementedError("not in IPython")  # IPython then shows the usual traceback
         kept, tb = [], self.__traceback__
         while tb is not None and not tb.tb_frame.f_globals.get("__name__", "").startswith(__package__ + "."):
             kept.append(tb)
@@ -74,6 +77,7 @@ def _cell_name(filename: str) -> str:
     """'Cell In[5]' for code typed in a notebook cell, else the file name."""
     try:
         from IPython import get_ipython
+
         count = get_ipython().compile._filename_map.get(filename)
         if count is not None:
             return f"Cell In[{count}]"
@@ -99,17 +103,25 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
         frames.pop()
     shown = _format_frames(frames)
     if "initialize the default process group twice" in info["message"]:
-        info = {**info, "message": info["message"] + "  (dl.launch already set up the process group on "
-                "every rank: remove the dist.init_process_group call from your function.)"}
+        info = {
+            **info,
+            "message": info["message"] + "  (dl.launch already set up the process group on "
+            "every rank: remove the dist.init_process_group call from your function.)",
+        }
     if info["type"] == "NotImplementedError" and not info["message"] and frames:
         # a lab's stub: `raise NotImplementedError()` under "# YOUR CODE HERE"
         where = f"{_cell_name(frames[-1][0])}, line {frames[-1][1]}"
-        info = {**info, "message": f"{frames[-1][2]} is not written yet ({where} still raises the stub's "
-                "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
-                "then run this one again."}
-    message = (f"rank {rank} raised {info['type']}: {info['message']}\n\n"
-               f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
-               f"{info['type']}: {info['message']}")
+        info = {
+            **info,
+            "message": f"{frames[-1][2]} is not written yet ({where} still raises the stub's "
+            "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
+            "then run this one again.",
+        }
+    message = (
+        f"rank {rank} raised {info['type']}: {info['message']}\n\n"
+        f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
+        f"{info['type']}: {info['message']}"
+    )
     if others:
         message += f"\n\n(The other ranks, {', '.join(map(str, others))}, were stopped.)"
     full = _format_frames([f for f in info["frames"] if not _is_internal(f[0])])
@@ -137,8 +149,10 @@ def diagnose(states: dict) -> str:
     finished = [r for r, s in states.items() if s == "finished"]
     running = [r for r, s in states.items() if s is None]
     if running:
-        return (f"Rank(s) {running} never reached a communication call before the deadline: an infinite "
-                f"loop or a very long computation?  (Raise timeout= if the work is just slow.)")
+        return (
+            f"Rank(s) {running} never reached a communication call before the deadline: an infinite "
+            f"loop or a very long computation?  (Raise timeout= if the work is just slow.)"
+        )
 
     def kind(s: trace.Blocked) -> str:
         op = s.op.split(":")[-1]
@@ -147,31 +161,45 @@ def diagnose(states: dict) -> str:
     for r, s in waiting.items():
         if kind(s) in ("recv", "send") and s.peer in finished:
             verb = "a message from" if kind(s) == "recv" else "to send to"
-            return (f"Rank {r} waits {verb} rank {s.peer}, but rank {s.peer} already returned: a matching "
-                    f"{'send' if kind(s) == 'recv' else 'recv'} is missing (or uses another rank or tag).")
+            return (
+                f"Rank {r} waits {verb} rank {s.peer}, but rank {s.peer} already returned: a matching "
+                f"{'send' if kind(s) == 'recv' else 'recv'} is missing (or uses another rank or tag)."
+            )
     for r, s in waiting.items():
         other = waiting.get(s.peer) if s.peer is not None else None
         if other is not None and other.peer == r and {kind(s), kind(other)} == {"send", "recv"} and s.tag != other.tag:
-            return (f"Ranks {r} and {s.peer} talk to each other with different tags ({s.tag} and {other.tag}): "
-                    f"a recv only matches a send with the same tag.")
+            return (
+                f"Ranks {r} and {s.peer} talk to each other with different tags ({s.tag} and {other.tag}): "
+                f"a recv only matches a send with the same tag."
+            )
     joining = [r for r, s in waiting.items() if s.op == "init_process_group"]
     if joining:
-        return (f"Rank(s) {joining} were still joining the process group: the machine may be overloaded; "
-                f"try again, or raise timeout=.")
+        return (
+            f"Rank(s) {joining} were still joining the process group: the machine may be overloaded; "
+            f"try again, or raise timeout=."
+        )
     setup = [r for r, s in waiting.items() if s.op in trace.SETUP_OPS]
     if setup:
-        return (f"Rank(s) {setup} wait in {waiting[setup[0]].op}: every rank of the world must call "
-                f"dist.new_group (with the same ranks, in the same order), even ranks that are not in the new group.")
+        return (
+            f"Rank(s) {setup} wait in {waiting[setup[0]].op}: every rank of the world must call "
+            f"dist.new_group (with the same ranks, in the same order), even ranks that are not in the new group."
+        )
     kinds = {kind(s) for s in waiting.values()}
     if kinds == {"recv"}:
-        return ("Every rank is waiting to receive and no rank is sending: a deadlock.  Let one side send "
-                "first (e.g. even ranks send then receive, odd ranks receive then send), or post the "
-                "sends with isend before receiving.")
+        return (
+            "Every rank is waiting to receive and no rank is sending: a deadlock.  Let one side send "
+            "first (e.g. even ranks send then receive, odd ranks receive then send), or post the "
+            "sends with isend before receiving."
+        )
     if kinds == {"send"}:
-        return ("Every rank is sending and no rank is receiving: a deadlock (a blocking send waits for the "
-                "matching receive).  Order the calls so that each send meets a receive, or use isend/irecv.")
+        return (
+            "Every rank is sending and no rank is receiving: a deadlock (a blocking send waits for the "
+            "matching receive).  Order the calls so that each send meets a receive, or use isend/irecv."
+        )
     collectives = {kind(s) for s in waiting.values()} - {"recv", "send"}
     if collectives and (finished or len(kinds) > 1):
-        return ("Some ranks are inside a collective that other ranks did not call (or called in another "
-                "order): every rank of the group must call the same collectives in the same order.")
+        return (
+            "Some ranks are inside a collective that other ranks did not call (or called in another "
+            "order): every rank of the group must call the same collectives in the same order."
+        )
     return "The ranks are waiting on each other in a cycle: a deadlock."

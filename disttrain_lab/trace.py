@@ -24,6 +24,7 @@ What other modules of the kit use (all public; nothing here imports them back):
   :func:`install` and reads a call's tensors with :data:`IN_ARGS`, :data:`OUT_ARGS` and
   :func:`payload_bytes`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,16 +35,30 @@ import operator
 import struct
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
 COLLECTIVE_OPS = (
-    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "gather", "barrier",
-    "all_to_all", "all_to_all_single", "monitored_barrier",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "gather",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "monitored_barrier",
     # torch >= 2.13 names for the *_tensor collectives, and the coalesced variants
-    "all_gather_single", "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
 )
 # Group set-up: every rank must call these too, so a rank stuck in one is worth reporting.
 SETUP_OPS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration")
@@ -64,16 +79,17 @@ class Event:
     (an all_gather of S bytes in total counts S, as a reduce_scatter of S bytes does).
     Times are seconds since the launch began, on one clock for all ranks of a host.
     """
+
     rank: int
     op: str
-    kind: str                   # "p2p" | "collective" | "wait" | "region"
+    kind: str  # "p2p" | "collective" | "wait" | "region"
     start: float
     end: float
-    peer: int | None = None     # dst of a send, src of a recv, root of broadcast/reduce/scatter/gather
-    group: tuple[int, ...] | None = None   # global ranks of the group; None = the whole world
+    peer: int | None = None  # dst of a send, src of a recv, root of broadcast/reduce/scatter/gather
+    group: tuple[int, ...] | None = None  # global ranks of the group; None = the whole world
     bytes: int = 0
     tag: int | None = None
-    name: str = ""              # region name, or for a wait the op it waits on ("irecv")
+    name: str = ""  # region name, or for a wait the op it waits on ("irecv")
     meta: dict = field(default_factory=dict)
 
     @property
@@ -81,15 +97,24 @@ class Event:
         return self.end - self.start
 
     def describe(self) -> str:
-        return _describe(self.op if self.kind != "wait" else f"wait({self.name})",
-                         self.peer, self.tag, self.bytes, self.group)
+        return _describe(
+            self.op if self.kind != "wait" else f"wait({self.name})", self.peer, self.tag, self.bytes, self.group
+        )
 
 
 def _describe(op: str, peer, tag, nbytes, group) -> str:
     parts = []
     if peer is not None:
-        parts.append(("dst=" if op in ("send", "isend", "reduce", "gather") else
-                      "src=" if op in ("recv", "irecv", "broadcast", "scatter") else "peer=") + str(peer))
+        parts.append(
+            (
+                "dst="
+                if op in ("send", "isend", "reduce", "gather")
+                else "src="
+                if op in ("recv", "irecv", "broadcast", "scatter")
+                else "peer="
+            )
+            + str(peer)
+        )
     if tag:
         parts.append(f"tag={tag}")
     if group is not None:
@@ -118,21 +143,22 @@ _HEAD = struct.Struct("dH")
 def write_status(buf, rank: int, text: str | None) -> None:
     off = rank * SLOT_BYTES
     if text is None:
-        buf[off:off + 8] = b"\0" * 8
+        buf[off : off + 8] = b"\0" * 8
         return
     raw = text.encode()[: SLOT_BYTES - _HEAD.size]
-    buf[off + _HEAD.size: off + _HEAD.size + len(raw)] = raw
-    buf[off: off + _HEAD.size] = _HEAD.pack(time.perf_counter(), len(raw))
+    buf[off + _HEAD.size : off + _HEAD.size + len(raw)] = raw
+    buf[off : off + _HEAD.size] = _HEAD.pack(time.perf_counter(), len(raw))
 
 
 @dataclass
 class Blocked:
     """What a rank is blocked in, read from its status slot."""
-    op: str              # "recv", "send", "all_reduce", or "wait:irecv" for a wait on an irecv
+
+    op: str  # "recv", "send", "all_reduce", or "wait:irecv" for a wait on an irecv
     peer: int | None
     tag: int
-    text: str            # human form: "recv(src=1, 16 B)"
-    since: float         # perf_counter when it started
+    text: str  # human form: "recv(src=1, 16 B)"
+    since: float  # perf_counter when it started
 
 
 def status_text(op: str, peer, tag, nbytes, group) -> str:
@@ -143,10 +169,10 @@ def status_text(op: str, peer, tag, nbytes, group) -> str:
 def read_status(buf, rank: int) -> Blocked | None:
     """What the rank is blocked in, or None when it is not inside a torch.distributed call."""
     off = rank * SLOT_BYTES
-    since, n = _HEAD.unpack(bytes(buf[off: off + _HEAD.size]))
+    since, n = _HEAD.unpack(bytes(buf[off : off + _HEAD.size]))
     if since == 0:
         return None
-    raw = bytes(buf[off + _HEAD.size: off + _HEAD.size + n]).decode(errors="replace")
+    raw = bytes(buf[off + _HEAD.size : off + _HEAD.size + n]).decode(errors="replace")
     try:
         op, peer, tag, nbytes, group = raw.split("\t", 4)
         peer = int(peer) if peer else None
@@ -195,7 +221,7 @@ class _Recorder:
 
 
 _REC = _Recorder()
-_ORIGINALS: dict[str, Any] = {}   # op name -> genuine torch function, filled by install()
+_ORIGINALS: dict[str, Any] = {}  # op name -> genuine torch function, filled by install()
 
 
 def begin_recording(rank: int, t0: float, recording: bool, status_buf) -> None:
@@ -249,6 +275,7 @@ def _group_ranks(group) -> tuple[int, ...] | None:
     if group is None:
         return None
     import torch.distributed as dist
+
     if group is dist.GroupMember.WORLD:
         return None
     try:
@@ -306,8 +333,9 @@ class TracedWork:
             end = time.perf_counter()
             rec.status(None)
             if rec.recording:
-                rec.events.append((rec.rank, "wait", "wait", start - rec.t0, end - rec.t0,
-                                   peer, group, nbytes, tag, self._op, meta))
+                rec.events.append(
+                    (rec.rank, "wait", "wait", start - rec.t0, end - rec.t0, peer, group, nbytes, tag, self._op, meta)
+                )
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -316,6 +344,7 @@ class TracedWork:
 def _check_peer(op: str, peer, group) -> None:
     # gloo waits forever for a rank that does not exist; say so instead
     import torch.distributed as dist
+
     valid = list(group) if group is not None else list(range(dist.get_world_size()))
     try:
         ok = operator.index(peer) in valid  # numpy integers are fine ranks too
@@ -323,9 +352,11 @@ def _check_peer(op: str, peer, group) -> None:
         ok = False
     if not ok:
         side = "dst" if op in ("send", "isend") else "src"
-        raise ValueError(f"{op}({side}={peer!r}): there is no rank {peer!r} to talk to; valid ranks are "
-                         f"{valid[0]}..{valid[-1]}" + (f" (the group {valid})" if group is not None else
-                                                       f" (world_size={len(valid)})"))
+        raise ValueError(
+            f"{op}({side}={peer!r}): there is no rank {peer!r} to talk to; valid ranks are "
+            f"{valid[0]}..{valid[-1]}"
+            + (f" (the group {valid})" if group is not None else f" (world_size={len(valid)})")
+        )
 
 
 _GENUINE: dict[int, tuple] = {}  # id(wrapper) -> (wrapper, the torch function it traces)
@@ -371,8 +402,7 @@ def _wrap(op: str, fn, genuine=None):
             modelled = rec.last_cost() if rec.last_cost is not None else None
             if modelled is not None:
                 meta["network_s"] = modelled
-            rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0,
-                               peer, group, nbytes, tag, "", meta))
+            rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0, peer, group, nbytes, tag, "", meta))
         if out is not None and hasattr(out, "wait") and not isinstance(out, TracedWork):
             rec.requests += 1
             meta["request"] = rec.requests  # the wait event carries the same id
@@ -395,6 +425,7 @@ def install(emulate: Callable | None = None, last_cost: Callable[[], float | Non
     them puts back the tracer's wrappers around torch's own functions."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
     _REC.last_cost = last_cost if emulate is not None else None
     for op in TRACED_OPS:
         current = getattr(c10d, op, None)
@@ -412,6 +443,7 @@ def uninstall() -> None:
     """Put the genuine functions back (used after an in-process run under torchrun)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
     for op, genuine in _ORIGINALS.items():
         setattr(c10d, op, genuine)
         if hasattr(dist, op):
@@ -423,16 +455,31 @@ def uninstall() -> None:
 # ProcessGroup / Backend methods a rank can call directly (``group.allreduce([t], opts)``),
 # bypassing torch.distributed's functions: each such call is recorded too, as the op it is
 # (torch's own functions call these inside a traced call, where depth > 0 skips them).
-_PG_METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
-               "broadcast": "broadcast", "reduce": "reduce", "allgather": "all_gather",
-               "allgather_coalesced": "all_gather_coalesced", "_allgather_base": "all_gather_into_tensor",
-               "allgather_into_tensor_coalesced": "all_gather_into_tensor", "all_gather_single": "all_gather_single",
-               "gather": "gather", "scatter": "scatter", "reduce_scatter": "reduce_scatter",
-               "_reduce_scatter_base": "reduce_scatter_tensor", "reduce_scatter_single": "reduce_scatter_single",
-               "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor", "alltoall": "all_to_all",
-               "alltoall_base": "all_to_all_single", "all_to_all_single": "all_to_all_single",
-               "barrier": "barrier", "monitored_barrier": "monitored_barrier",
-               "send": "send", "recv": "recv", "recv_anysource": "recv"}
+_PG_METHODS = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "allgather": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced",
+    "_allgather_base": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor",
+    "all_gather_single": "all_gather_single",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_single": "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all_single",
+    "all_to_all_single": "all_to_all_single",
+    "barrier": "barrier",
+    "monitored_barrier": "monitored_barrier",
+    "send": "send",
+    "recv": "recv",
+    "recv_anysource": "recv",
+}
 _METHOD_ORIGINALS: dict[tuple, Any] = {}
 
 
@@ -452,8 +499,21 @@ def _wrap_method(name: str, op: str, genuine):
             rec.depth -= 1
         if rec.recording:
             peer = args[1] if kind == "p2p" and len(args) > 1 and isinstance(args[1], int) else None
-            rec.events.append((rec.rank, op, kind, start - rec.t0, end - rec.t0, peer, None,
-                               payload_bytes(args[0] if args else None), None, "", {"called": f"ProcessGroup.{name}"}))
+            rec.events.append(
+                (
+                    rec.rank,
+                    op,
+                    kind,
+                    start - rec.t0,
+                    end - rec.t0,
+                    peer,
+                    None,
+                    payload_bytes(args[0] if args else None),
+                    None,
+                    "",
+                    {"called": f"ProcessGroup.{name}"},
+                )
+            )
         return out
 
     direct.__name__ = direct.__qualname__ = name
@@ -462,9 +522,13 @@ def _wrap_method(name: str, op: str, genuine):
 
 def _install_process_group_methods() -> None:
     from torch._C import _distributed_c10d as c10d_ext
-    classes = [getattr(c10d_ext, n) for n in dir(c10d_ext)
-               if isinstance(getattr(c10d_ext, n), type) and n in ("ProcessGroup", "Backend", "ProcessGroupGloo",
-                                                                    "ProcessGroupNCCL", "ProcessGroupMPI")]
+
+    classes = [
+        getattr(c10d_ext, n)
+        for n in dir(c10d_ext)
+        if isinstance(getattr(c10d_ext, n), type)
+        and n in ("ProcessGroup", "Backend", "ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupMPI")
+    ]
     for cls in classes:
         for name, op in _PG_METHODS.items():
             if name in vars(cls) and (cls, name) not in _METHOD_ORIGINALS:
@@ -488,21 +552,24 @@ def region(name: str, **meta) -> Iterator[None]:
         yield
     finally:
         end = time.perf_counter()
-        rec.events.append((rec.rank, "region", "region", start - rec.t0, end - rec.t0,
-                           None, None, 0, None, name, dict(meta)))
+        rec.events.append(
+            (rec.rank, "region", "region", start - rec.t0, end - rec.t0, None, None, 0, None, name, dict(meta))
+        )
 
 
 def to_events(raw: list[tuple]) -> list[Event]:
-    return [Event(rank=r, op=op, kind=k, start=s, end=e, peer=p, group=g, bytes=b, tag=t,
-                  name=n, meta=m) for (r, op, k, s, e, p, g, b, t, n, m) in raw]
+    return [
+        Event(rank=r, op=op, kind=k, start=s, end=e, peer=p, group=g, bytes=b, tag=t, name=n, meta=m)
+        for (r, op, k, s, e, p, g, b, t, n, m) in raw
+    ]
 
 
 # Called with every Run that ``dl.launch`` returns (the grader's guard counts the bytes its
 # events claim, to compare with what the operating system counted; see docs/architecture.md)
-_RUN_OBSERVERS: list[Callable[["Run"], None]] = []
+_RUN_OBSERVERS: list[Callable[[Run], None]] = []
 
 
-def notify_observers(run: "Run") -> None:
+def notify_observers(run: Run) -> None:
     """Show ``run`` to every observer (``dl.launch`` calls it with every Run it returns)."""
     for observe in tuple(_RUN_OBSERVERS):
         observe(run)
@@ -526,23 +593,35 @@ def p2p_bytes_claimed(events) -> int:
 @dataclass
 class Run:
     """The outcome of ``dl.launch(..., trace=True)``: each rank's return value and events."""
+
     results: list
     events: list[Event]
     world_size: int
     backend: str = "gloo"
     wall_time: float = 0.0
-    network: Any = None     # the emulated dl.Network the launch ran on, or None (real links)
+    network: Any = None  # the emulated dl.Network the launch ran on, or None (real links)
 
     def by_rank(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
 
-    def select(self, op: str | None = None, rank: int | None = None, peer: int | None = None,
-               kind: str | None = None, name: str | None = None) -> list[Event]:
+    def select(
+        self,
+        op: str | None = None,
+        rank: int | None = None,
+        peer: int | None = None,
+        kind: str | None = None,
+        name: str | None = None,
+    ) -> list[Event]:
         """Events matching every given field, in start order."""
-        return [e for e in self.events
-                if (op is None or e.op == op) and (rank is None or e.rank == rank)
-                and (peer is None or e.peer == peer) and (kind is None or e.kind == kind)
-                and (name is None or e.name == name)]
+        return [
+            e
+            for e in self.events
+            if (op is None or e.op == op)
+            and (rank is None or e.rank == rank)
+            and (peer is None or e.peer == peer)
+            and (kind is None or e.kind == kind)
+            and (name is None or e.name == name)
+        ]
 
     def bytes_sent(self, rank: int) -> int:
         """Point-to-point payload bytes this rank sent (send + isend)."""
@@ -553,8 +632,9 @@ class Run:
 
     def calls(self, rank: int | None = None) -> Counter:
         """How many times each communication op was called (waits and regions excluded)."""
-        return Counter(e.op for e in self.events
-                       if e.kind in ("p2p", "collective") and (rank is None or e.rank == rank))
+        return Counter(
+            e.op for e in self.events if e.kind in ("p2p", "collective") and (rank is None or e.rank == rank)
+        )
 
     def collectives(self, rank: int | None = None) -> list[Event]:
         return [e for e in self.events if e.kind == "collective" and (rank is None or e.rank == rank)]
@@ -587,10 +667,9 @@ class Run:
         recv_of_send = {id(s): r for s, r in pairs}
         send_of_recv = {id(r): s for s, r in pairs}
         # a receive is complete when its data is there: the end of recv, or of irecv's wait
-        wait_end = {e.meta["request"]: e.end for e in self.events
-                    if e.kind == "wait" and "request" in e.meta}
+        wait_end = {e.meta["request"]: e.end for e in self.events if e.kind == "wait" and "request" in e.meta}
         actions = defaultdict(list)  # rank -> [(time, "send"|"recv", event)]
-        posted = defaultdict(list)   # rank -> irecvs, to catch forwarding a buffer before its wait
+        posted = defaultdict(list)  # rank -> irecvs, to catch forwarding a buffer before its wait
         for e in self.events:
             if e.op in ("send", "isend") and id(e) in recv_of_send:
                 actions[e.rank].append((e.start, "send", e))
@@ -614,8 +693,11 @@ class Run:
                     if what == "send":
                         # sending from a buffer an irecv is still filling forwards that message
                         # (racing its wait): the send depends on it all the same
-                        deps = [send_of_recv[id(r)] for r in posted[rank]
-                                if r.start < e.start and _overlap(r.meta.get("buffer"), e.meta.get("buffer"))]
+                        deps = [
+                            send_of_recv[id(r)]
+                            for r in posted[rank]
+                            if r.start < e.start and _overlap(r.meta.get("buffer"), e.meta.get("buffer"))
+                        ]
                         if any(id(d) not in round_of for d in deps):
                             break
                         needed = max((round_of[id(d)] for d in deps), default=0)
@@ -630,17 +712,25 @@ class Run:
                     progress = True
         return max(round_of.values(), default=0)
 
-    def summary(self) -> "Summary":
+    def summary(self) -> Summary:
         """Per-rank table: bytes sent/received point-to-point and calls per op."""
         rows = []
         for r in range(self.world_size):
-            rows.append({"rank": r, "sent": self.bytes_sent(r), "received": self.bytes_received(r),
-                         "calls": dict(sorted(self.calls(r).items()))})
+            rows.append(
+                {
+                    "rank": r,
+                    "sent": self.bytes_sent(r),
+                    "received": self.bytes_received(r),
+                    "calls": dict(sorted(self.calls(r).items())),
+                }
+            )
         return Summary(rows)
 
     def __repr__(self) -> str:
-        return (f"Run(world_size={self.world_size}, backend={self.backend!r}, "
-                f"events={len(self.events)}, wall_time={self.wall_time:.3f}s, results={self.results!r})")
+        return (
+            f"Run(world_size={self.world_size}, backend={self.backend!r}, "
+            f"events={len(self.events)}, wall_time={self.wall_time:.3f}s, results={self.results!r})"
+        )
 
 
 class Summary(list):
@@ -650,8 +740,9 @@ class Summary(list):
         lines = [f"{'rank':>4}  {'sent':>10}  {'received':>10}  calls"]
         for row in self:
             calls = ", ".join(f"{op}×{n}" for op, n in row["calls"].items()) or "-"
-            lines.append(f"{row['rank']:>4}  {format_bytes(row['sent']):>10}  "
-                         f"{format_bytes(row['received']):>10}  {calls}")
+            lines.append(
+                f"{row['rank']:>4}  {format_bytes(row['sent']):>10}  {format_bytes(row['received']):>10}  {calls}"
+            )
         return "\n".join(lines)
 
     _repr_pretty_ = lambda self, p, cycle: p.text(repr(self))  # noqa: E731  (IPython display)

@@ -1,16 +1,22 @@
 """Pictures drawn from real runs (never drawings of what should have happened).
 
-    run = dl.launch(step, 4, trace=True)
-    dl.viz.timeline(run)            # one row per rank: compute regions above, communication below
+run = dl.launch(step, 4, trace=True)
+dl.viz.timeline(run)            # one row per rank: compute regions above, communication below
 """
+
 from __future__ import annotations
 
 from .trace import Run, format_bytes
 
 # One colour per kind of thing, so the same op looks the same in every lab.
 COLORS = {
-    "send": "#1f77b4", "isend": "#1f77b4", "recv": "#ff7f0e", "irecv": "#ff7f0e",
-    "wait": "#c7c7c7", "region": "#2ca02c", "collective": "#9467bd",
+    "send": "#1f77b4",
+    "isend": "#1f77b4",
+    "recv": "#ff7f0e",
+    "irecv": "#ff7f0e",
+    "wait": "#c7c7c7",
+    "region": "#2ca02c",
+    "collective": "#9467bd",
 }
 
 
@@ -22,8 +28,9 @@ def _color(event) -> str:
     return COLORS.get(event.op, COLORS["collective"])
 
 
-def timeline(run: Run, ax=None, title: str | None = None, arrows: bool = True,
-             min_width: float | None = None, unit: str = "ms"):
+def timeline(
+    run: Run, ax=None, title: str | None = None, arrows: bool = True, min_width: float | None = None, unit: str = "ms"
+):
     """Per-rank timeline of a traced run; returns the matplotlib Axes.
 
     Each rank is a row: its marked regions (``dl.region``) on the upper half, its
@@ -47,27 +54,45 @@ def timeline(run: Run, ax=None, title: str | None = None, arrows: bool = True,
         top = e.kind == "region"
         y = e.rank + (-0.4 if top else 0.02)
         width = max(e.duration * scale, min_width)
-        ax.broken_barh([(e.start * scale, width)], (y, 0.38), facecolors=_color(e),
-                       edgecolors="black" if top else "none", linewidth=0.5)
+        ax.broken_barh(
+            [(e.start * scale, width)],
+            (y, 0.38),
+            facecolors=_color(e),
+            edgecolors="black" if top else "none",
+            linewidth=0.5,
+        )
         if top and e.name and width > span / 40:
             values = list(e.meta.values())
             # "F3" for one value (a micro-batch), "reduce-scatter step=0" style otherwise
-            label = (e.name + str(values[0]) if len(values) == 1 else
-                     " ".join([e.name] + [f"{k}={v}" for k, v in list(e.meta.items())[:1]]))
+            label = (
+                e.name + str(values[0])
+                if len(values) == 1
+                else " ".join([e.name] + [f"{k}={v}" for k, v in list(e.meta.items())[:1]])
+            )
             ax.text(e.start * scale + width / 2, y + 0.19, label, ha="center", va="center", fontsize=7)
     if arrows:
         for send, recv in run.messages():
-            ax.annotate("", xy=(recv.end * scale, recv.rank + 0.2), xytext=(send.start * scale, send.rank + 0.2),
-                        arrowprops=dict(arrowstyle="->", color="black", alpha=0.35, lw=0.8))
+            ax.annotate(
+                "",
+                xy=(recv.end * scale, recv.rank + 0.2),
+                xytext=(send.start * scale, send.rank + 0.2),
+                arrowprops=dict(arrowstyle="->", color="black", alpha=0.35, lw=0.8),
+            )
     ax.set_yticks(range(run.world_size))
     ax.set_yticklabels([f"rank {r}" for r in range(run.world_size)])
     ax.set_ylim(run.world_size - 0.5, -0.5)
     ax.set_xlabel(f"time since launch ({unit})")
-    ax.set_title(title or f"{run.world_size} ranks, {run.backend}: {len(run.messages())} messages, "
-                          f"{format_bytes(sum(run.bytes_sent(r) for r in range(run.world_size)))} sent")
+    ax.set_title(
+        title
+        or f"{run.world_size} ranks, {run.backend}: {len(run.messages())} messages, "
+        f"{format_bytes(sum(run.bytes_sent(r) for r in range(run.world_size)))} sent"
+    )
     ops = {e.op if e.kind != "collective" else "collective" for e in events if e.kind != "region"}
-    legend = [Patch(color=COLORS[k], label=k) for k in ("send", "recv", "wait", "collective") if k in ops
-              or (k == "send" and "isend" in ops) or (k == "recv" and "irecv" in ops)]
+    legend = [
+        Patch(color=COLORS[k], label=k)
+        for k in ("send", "recv", "wait", "collective")
+        if k in ops or (k == "send" and "isend" in ops) or (k == "recv" and "irecv" in ops)
+    ]
     if any(e.kind == "region" for e in events):
         legend.append(Patch(color=COLORS["region"], label="compute (dl.region)"))
     if legend:
@@ -98,22 +123,38 @@ def ring_transfers(run: Run, phases: dict | None = None) -> list[list[dict]]:
     if not regions:
         raise ValueError(
             f"the run has no regions named {' or '.join(repr(p) for p in phases)}, so there is nothing to "
-            f"replay. Mark each step of your ring with `with dl.region(\"reduce-scatter\", step=step, "
-            f"send=send_chunk, recv=recv_chunk):` (and \"all-gather\" likewise) and launch with trace=True")
+            f'replay. Mark each step of your ring with `with dl.region("reduce-scatter", step=step, '
+            f'send=send_chunk, recv=recv_chunk):` (and "all-gather" likewise) and launch with trace=True'
+        )
     sends = [e for e in run.events if e.op in ("send", "isend")]
     steps: dict[tuple, list[dict]] = {}
     for region in regions:
         for key in ("step", "send", "recv"):
             if key not in region.meta:
-                raise ValueError(f"a {region.name!r} region of rank {region.rank} has no {key!r}: write "
-                                 f"dl.region({region.name!r}, step=..., send=..., recv=...)")
+                raise ValueError(
+                    f"a {region.name!r} region of rank {region.rank} has no {key!r}: write "
+                    f"dl.region({region.name!r}, step=..., send=..., recv=...)"
+                )
         mine = [e for e in sends if e.rank == region.rank and region.start <= e.start <= region.end]
         for message in mine:
-            into = next((r.meta["recv"] for r in regions if r.rank == message.peer and r.name == region.name
-                         and r.meta["step"] == region.meta["step"]), None)
+            into = next(
+                (
+                    r.meta["recv"]
+                    for r in regions
+                    if r.rank == message.peer and r.name == region.name and r.meta["step"] == region.meta["step"]
+                ),
+                None,
+            )
             steps.setdefault((list(phases).index(region.name), region.meta["step"]), []).append(
-                {"phase": region.name, "src": region.rank, "dst": message.peer, "chunk": region.meta["send"],
-                 "into": into, "bytes": message.bytes})
+                {
+                    "phase": region.name,
+                    "src": region.rank,
+                    "dst": message.peer,
+                    "chunk": region.meta["send"],
+                    "into": into,
+                    "bytes": message.bytes,
+                }
+            )
     return [steps[key] for key in sorted(steps)]
 
 
@@ -133,9 +174,9 @@ def ring_steps(run: Run, step: int, ax=None, phases: dict | None = None):
     if not 0 <= step <= len(steps):
         raise ValueError(f"step must be in 0..{len(steps)} (this run has {len(steps)} steps), got {step}")
     n = run.world_size
-    held = [[{r} for _ in range(n)] for r in range(n)]     # held[rank][chunk]: whose data it sums
+    held = [[{r} for _ in range(n)] for r in range(n)]  # held[rank][chunk]: whose data it sums
     for transfers in steps[:step]:
-        before = [[set(c) for c in row] for row in held]     # a step's messages travel at once
+        before = [[set(c) for c in row] for row in held]  # a step's messages travel at once
         for t in transfers:
             if t["into"] is None or not 0 <= t["chunk"] < n or not 0 <= t["into"] < n:
                 continue
@@ -149,19 +190,42 @@ def ring_steps(run: Run, step: int, ax=None, phases: dict | None = None):
     for rank in range(n):
         for chunk in range(n):
             share = len(held[rank][chunk]) / n
-            ax.add_patch(Rectangle((chunk, rank), 0.9, 0.8, facecolor=cmap(0.15 + 0.7 * share), edgecolor="black",
-                                   linewidth=1.5 if share == 1 else 0.5))
+            ax.add_patch(
+                Rectangle(
+                    (chunk, rank),
+                    0.9,
+                    0.8,
+                    facecolor=cmap(0.15 + 0.7 * share),
+                    edgecolor="black",
+                    linewidth=1.5 if share == 1 else 0.5,
+                )
+            )
             label = "all" if share == 1 and n > 4 else "+".join(map(str, sorted(held[rank][chunk])))
-            ax.text(chunk + 0.45, rank + 0.4, label, ha="center", va="center", fontsize=8,
-                    color="white" if share > 0.6 else "black")
+            ax.text(
+                chunk + 0.45,
+                rank + 0.4,
+                label,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if share > 0.6 else "black",
+            )
     current = steps[step - 1] if step else []
     for t in current:
         if t["into"] is None:
             continue
         wraps = abs(t["dst"] - t["src"]) > 1
-        ax.add_patch(FancyArrowPatch((t["chunk"] + 0.75, t["src"] + 0.4), (t["into"] + 0.75, t["dst"] + 0.4),
-                                     connectionstyle=f"arc3,rad={0.5 if wraps else 0.3}", arrowstyle="-|>",
-                                     mutation_scale=12, color="tab:red", lw=1.5))
+        ax.add_patch(
+            FancyArrowPatch(
+                (t["chunk"] + 0.75, t["src"] + 0.4),
+                (t["into"] + 0.75, t["dst"] + 0.4),
+                connectionstyle=f"arc3,rad={0.5 if wraps else 0.3}",
+                arrowstyle="-|>",
+                mutation_scale=12,
+                color="tab:red",
+                lw=1.5,
+            )
+        )
     ax.set_xlim(-0.1, n)
     ax.set_ylim(n, -0.2)
     ax.set_xticks([c + 0.45 for c in range(n)])
@@ -212,11 +276,16 @@ def pipeline_regions(run: Run, rank: int, step: int | None = None) -> list:
     regions = [e for e in run.by_rank(rank) if e.kind == "region" and e.name in PIPELINE_COLORS]
     if step is None:
         return regions
-    windows = [(e.start, e.end) for e in run.by_rank(rank)
-               if e.kind == "region" and e.name == "step" and e.meta.get("step") == step]
+    windows = [
+        (e.start, e.end)
+        for e in run.by_rank(rank)
+        if e.kind == "region" and e.name == "step" and e.meta.get("step") == step
+    ]
     if not windows:
-        raise ValueError(f"rank {rank} has no region \"step\" with step={step}; mark each training step with "
-                         f"`with dl.region(\"step\", step=k):`")
+        raise ValueError(
+            f'rank {rank} has no region "step" with step={step}; mark each training step with '
+            f'`with dl.region("step", step=k):`'
+        )
     return [e for e in regions if any(start <= e.start <= end for start, end in windows)]
 
 
@@ -227,8 +296,10 @@ def pipeline_idle(run: Run, step: int | None = None) -> list[float]:
     per_rank = [pipeline_regions(run, r, step) for r in range(run.world_size)]
     everything = [e for regions in per_rank for e in regions]
     if not everything:
-        raise ValueError("the run has no F or B regions: run each micro-batch's forward and backward inside "
-                         "dl.region(\"F\", microbatch=i) and dl.region(\"B\", microbatch=i), with trace=True")
+        raise ValueError(
+            "the run has no F or B regions: run each micro-batch's forward and backward inside "
+            'dl.region("F", microbatch=i) and dl.region("B", microbatch=i), with trace=True'
+        )
     span = max(e.end for e in everything) - min(e.start for e in everything)
     return [1.0 - sum(e.duration for e in regions) / span for regions in per_rank]
 
@@ -244,8 +315,9 @@ def pipeline_schedule(run: Run, ax=None, title: str | None = None, step: int | N
     from matplotlib.patches import Patch
 
     if not isinstance(run, Run):
-        raise TypeError(f"pipeline_schedule needs the Run that dl.launch(..., trace=True) returns, "
-                        f"got {type(run).__name__}")
+        raise TypeError(
+            f"pipeline_schedule needs the Run that dl.launch(..., trace=True) returns, got {type(run).__name__}"
+        )
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     per_rank = [pipeline_regions(run, r, step) for r in range(run.world_size)]
     everything = [e for regions in per_rank for e in regions]
@@ -254,25 +326,47 @@ def pipeline_schedule(run: Run, ax=None, title: str | None = None, step: int | N
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.7 + 0.55 * run.world_size))
     for rank, regions in enumerate(per_rank):
-        ax.broken_barh([(0, (t1 - t0) * scale)], (rank - 0.35, 0.7), facecolors="#f0f0f0", edgecolors="none",
-                       hatch="///", zorder=0)
+        ax.broken_barh(
+            [(0, (t1 - t0) * scale)], (rank - 0.35, 0.7), facecolors="#f0f0f0", edgecolors="none", hatch="///", zorder=0
+        )
         for e in regions:
             start, width = (e.start - t0) * scale, e.duration * scale
-            ax.broken_barh([(start, width)], (rank - 0.35, 0.7), facecolors=PIPELINE_COLORS[e.name],
-                           edgecolors="black", linewidth=0.5, zorder=1)
+            ax.broken_barh(
+                [(start, width)],
+                (rank - 0.35, 0.7),
+                facecolors=PIPELINE_COLORS[e.name],
+                edgecolors="black",
+                linewidth=0.5,
+                zorder=1,
+            )
             if width > (t1 - t0) * scale / 60:
-                ax.text(start + width / 2, rank, f"{e.name}{e.meta.get('microbatch', '')}", ha="center",
-                        va="center", fontsize=7, zorder=2, clip_on=True)
+                ax.text(
+                    start + width / 2,
+                    rank,
+                    f"{e.name}{e.meta.get('microbatch', '')}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    zorder=2,
+                    clip_on=True,
+                )
     ax.set_yticks(range(run.world_size))
     ax.set_yticklabels([f"rank {r} ({idle[r]:.0%} idle)" for r in range(run.world_size)])
     ax.set_ylim(run.world_size - 0.5, -0.5)
     ax.set_xlim(0, (t1 - t0) * scale)
     ax.set_xlabel(f"time since the step's first forward ({unit})")
     ax.set_title(title or f"{run.world_size} stages: idle {sum(idle) / len(idle):.0%} of the step (measured)")
-    ax.legend(handles=[Patch(color=PIPELINE_COLORS["F"], label="forward"),
-                       Patch(color=PIPELINE_COLORS["B"], label="backward"),
-                       Patch(facecolor="#f0f0f0", hatch="///", label="idle")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=PIPELINE_COLORS["F"], label="forward"),
+            Patch(color=PIPELINE_COLORS["B"], label="backward"),
+            Patch(facecolor="#f0f0f0", hatch="///", label="idle"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     return ax
 
 
@@ -282,11 +376,12 @@ def pipeline_schedule(run: Run, ax=None, title: str | None = None, step: int | N
 def _find_slice(full, part) -> tuple[int, int] | None:
     """(dimension, offset) where ``part`` sits in ``full`` as a contiguous block; dimension -1 = all of it."""
     import torch
+
     if part.shape == full.shape:
         return (-1, 0) if torch.equal(part, full) else None
     for dim in range(full.dim()):
         others = [s for d, s in enumerate(full.shape) if d != dim]
-        if list(part.shape[:dim]) + list(part.shape[dim + 1:]) != others or part.shape[dim] > full.shape[dim]:
+        if list(part.shape[:dim]) + list(part.shape[dim + 1 :]) != others or part.shape[dim] > full.shape[dim]:
             continue
         for offset in range(full.shape[dim] - part.shape[dim] + 1):
             if torch.equal(full.narrow(dim, offset, part.shape[dim]), part):
@@ -322,17 +417,25 @@ def weight_slices(full: dict, per_rank: list[dict], axes=None, title: str | None
                 continue
             where = _find_slice(weight, held[name].detach().cpu())
             if where is None:
-                raise ValueError(f"rank {rank}'s {name} (shape {tuple(held[name].shape)}) is not a contiguous "
-                                 f"block of the full {name} (shape {tuple(weight.shape)})")
+                raise ValueError(
+                    f"rank {rank}'s {name} (shape {tuple(held[name].shape)}) is not a contiguous "
+                    f"block of the full {name} (shape {tuple(weight.shape)})"
+                )
             dim, offset = where
             block = [slice(None)] * 2
             if dim >= 0:
                 block[dim if weight.dim() == 2 else 1] = slice(offset, offset + held[name].shape[dim])
             region = owners[tuple(block)]
-            owners[tuple(block)] = np.where(region == -1, rank, -2)        # -2: held by several ranks
+            owners[tuple(block)] = np.where(region == -1, rank, -2)  # -2: held by several ranks
         colors = ["white", "#dddddd"] + [cmap(r % 10) for r in range(len(per_rank))]
-        ax.imshow(owners + 2, cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1, aspect="auto",
-                  interpolation="nearest")
+        ax.imshow(
+            owners + 2,
+            cmap=ListedColormap(colors),
+            vmin=0,
+            vmax=len(colors) - 1,
+            aspect="auto",
+            interpolation="nearest",
+        )
         shape = " × ".join(map(str, weight.shape))
         ax.set_title(f"{name} ({shape})", fontsize=9)
         ax.set_xlabel("in features" if weight.dim() == 2 else "features", fontsize=8)
@@ -340,7 +443,10 @@ def weight_slices(full: dict, per_rank: list[dict], axes=None, title: str | None
         ax.set_xticks([])
         ax.set_yticks([])
     legend = [Patch(color=cmap(r % 10), label=f"rank {r}") for r in range(len(per_rank))]
-    legend += [Patch(color="#dddddd", label="several ranks"), Patch(facecolor="white", edgecolor="black", label="no rank")]
+    legend += [
+        Patch(color="#dddddd", label="several ranks"),
+        Patch(facecolor="white", edgecolor="black", label="no rank"),
+    ]
     axes[-1].legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     axes[0].figure.suptitle(title or f"which slice of each weight lives on which of {len(per_rank)} ranks", fontsize=10)
     axes[0].figure.tight_layout()

@@ -5,6 +5,7 @@ its output through a pipe, dies with its parent (PR_SET_PDEATHSIG), and for each
 joins a fresh process group, runs the student's function with torch.distributed traced,
 and sends back the result or the exception.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -20,7 +21,7 @@ import cloudpickle
 
 from . import codemap, emulation, integrity, trace
 
-STARTUP_TIMEOUT = 180.0     # seconds: a fresh interpreter importing torch on a busy machine
+STARTUP_TIMEOUT = 180.0  # seconds: a fresh interpreter importing torch on a busy machine
 
 
 def _set_parent_death_signal(parent: int) -> None:
@@ -28,6 +29,7 @@ def _set_parent_death_signal(parent: int) -> None:
     if sys.platform == "linux":
         try:
             import ctypes
+
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except Exception:
             pass
@@ -37,6 +39,7 @@ def _set_parent_death_signal(parent: int) -> None:
 
 def spawned_main() -> None:
     import mmap
+
     conn_fd, out_fd, status_fd, parent, nbytes = map(int, sys.argv[1:6])
     status = mmap.mmap(status_fd, nbytes)
     worker_main(conn_fd, out_fd, status, forked=False, parent=parent)
@@ -55,15 +58,14 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) ->
     if out_fd > 2:
         os.close(out_fd)
     # the kernel's sys.stdout talks to Jupyter through a thread that a fork does not copy
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                  errors="backslashreplace")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="backslashreplace")
     if faulthandler.is_enabled():
         # inherited from the parent (pytest enables it on its own copy of the terminal): a
         # rank's crash report goes to the rank's relayed stderr, like everything it prints
         faulthandler.enable(file=sys.stderr)
     import torch
+
     global _FORKED
     _FORKED = forked
     if forked:
@@ -88,19 +90,34 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) ->
         try:
             data = cloudpickle.dumps(reply)
         except Exception as exc:
-            data = cloudpickle.dumps(("error", _error_info(TypeError(
-                f"the return value of rank {job['rank']} cannot be sent back to the notebook "
-                f"({type(exc).__name__}: {exc}); return tensors, numbers, lists or dicts"))))
+            data = cloudpickle.dumps(
+                (
+                    "error",
+                    _error_info(
+                        TypeError(
+                            f"the return value of rank {job['rank']} cannot be sent back to the notebook "
+                            f"({type(exc).__name__}: {exc}); return tensors, numbers, lists or dicts"
+                        )
+                    ),
+                )
+            )
         conn.send_bytes(data)
 
 
 def _run_job(job: dict, status) -> tuple:
     import torch
     import torch.distributed as dist
+
     rank, world_size = job["rank"], job["world_size"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      DISTTRAIN_LAB_RANK_DEVICE=job["device"],
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        DISTTRAIN_LAB_RANK_DEVICE=job["device"],
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(job["port"]),
+    )
     if not _FORKED:  # a fresh interpreter may use several threads; share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     pg_timeout = timedelta(seconds=job["timeout"] + 30)
@@ -112,8 +129,13 @@ def _run_job(job: dict, status) -> tuple:
             # rank k takes the k-th GPU visible to the server (CUDA_VISIBLE_DEVICES is
             # inherited); a device="cpu" launch never gets here, so it opens no CUDA context
             torch.cuda.set_device(rank)
-        dist.init_process_group(job["group_backend"], store=dist.PrefixStore(job["prefix"], store),
-                                rank=rank, world_size=world_size, timeout=pg_timeout)
+        dist.init_process_group(
+            job["group_backend"],
+            store=dist.PrefixStore(job["prefix"], store),
+            rank=rank,
+            world_size=world_size,
+            timeout=pg_timeout,
+        )
     except Exception as exc:
         return ("error", _error_info(exc))
     trace.write_status(status, rank, None)
@@ -139,11 +161,14 @@ def _run_job(job: dict, status) -> tuple:
 
 def _set_rng_states(states: dict) -> None:
     import random
+
     import torch
+
     torch.random.set_rng_state(states["torch"])
     random.setstate(states["python"])
     if "numpy" in states:
         import numpy
+
         numpy.random.set_state(states["numpy"])
 
 
@@ -153,8 +178,8 @@ def _store_client(port: int):
     global _STORE
     if _STORE is None or _STORE[0] != port:
         import torch.distributed as dist
-        _STORE = (port, dist.TCPStore("127.0.0.1", port, is_master=False,
-                                      timeout=timedelta(seconds=STARTUP_TIMEOUT)))
+
+        _STORE = (port, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT)))
     return _STORE[1]
 
 
@@ -164,13 +189,14 @@ _STORE = None
 def _retire_group() -> None:
     """Destroy the previous launch's process group, keeping its C++ object for later."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         _RETIRED_GROUPS.append(dist.group.WORLD)  # its destructor takes ~40 ms: run it when idle
         dist.destroy_process_group()
 
 
 def _error_info(exc: BaseException) -> dict:
-    frames = codemap.frames_of(exc.__traceback__)   # with each code's key: the parent knows its cell
+    frames = codemap.frames_of(exc.__traceback__)  # with each code's key: the parent knows its cell
     message = str(exc)
     if isinstance(exc, SystemExit):
         message = f"sys.exit({exc.code!r}) was called inside the rank"

@@ -5,8 +5,14 @@ mode, each graded in its own nbgrader process (as `disttrain-lab grade` does); m
 rounds.  With ``--sandbox off,on`` the modes take turns within each round (off, on, off, on, ...)
 so that a change in the machine's load hits both alike; the ratio on/off is printed, with the
 load average before and after."""
-import argparse, os, statistics, shutil, tempfile
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
 from pathlib import Path
+
 REPO = Path(__file__).resolve().parent.parent
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("labs", nargs="*")
@@ -16,7 +22,9 @@ args = parser.parse_args()
 # after the arguments: --help answers at once, without loading nbgrader
 import nbformat  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
 from disttrain_lab import grading  # noqa: E402
+
 labs, modes = args.labs or grading.list_labs(REPO / "solutions"), args.sandbox.split(",")
 root = Path(tempfile.mkdtemp(prefix="agtime-"))
 course, release, tmp = root / "course", root / "release", root / "tmp"
@@ -32,14 +40,24 @@ for lab in tqdm(labs, desc="autograde times", unit="lab"):
             d = course / "submitted" / student / lab
             d.mkdir(parents=True, exist_ok=True)
             nbformat.write(sol, d / f"{lab}.ipynb")
-            [res] = grading.autograde(lab, [student], course=course, source=REPO / "solutions", release_from=release,
-                                      limits=grading.Limits(sandbox=mode), tmp_root=str(tmp), log=lambda *a: None).values()
+            [res] = grading.autograde(
+                lab,
+                [student],
+                course=course,
+                source=REPO / "solutions",
+                release_from=release,
+                limits=grading.Limits(sandbox=mode),
+                tmp_root=str(tmp),
+                log=lambda *a: None,
+            ).values()
             secs[mode].append(res.seconds)
     table = grading.scores(lab, course)
     for mode in modes:
-        tqdm.write(f"{lab:<22} sandbox={mode:<4} median {statistics.median(secs[mode]):6.1f} s  "
-                   f"runs {', '.join(f'{x:.1f}' for x in secs[mode])}  "
-                   f"scores {sorted({table[f's{r}_{mode}']['total'] for r in range(args.rounds)})}")
+        tqdm.write(
+            f"{lab:<22} sandbox={mode:<4} median {statistics.median(secs[mode]):6.1f} s  "
+            f"runs {', '.join(f'{x:.1f}' for x in secs[mode])}  "
+            f"scores {sorted({table[f's{r}_{mode}']['total'] for r in range(args.rounds)})}"
+        )
     if len(modes) == 2:
         a, b = (statistics.median(secs[m]) for m in modes)
         tqdm.write(f"{lab:<22} {modes[1]}/{modes[0]} = {b / a:.2f}")

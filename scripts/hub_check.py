@@ -21,6 +21,7 @@ It prints one line per user and a JSON summary (``--json PATH`` writes it), and 
 if every user's notebook ran without an error, every rank belonged to its own user's kernel,
 no user saw another's files, and nothing was left running.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,31 +66,31 @@ def free_port() -> int:
 
 def write_config(folder: Path, token: str, marker: str, fast: bool) -> Path:
     hub_port, api_port, proxy_port = free_port(), free_port(), free_port()
-    env = {"DISTTRAIN_HUB_CHECK": marker}   # marks every process the Hub starts (found if left behind)
+    env = {"DISTTRAIN_HUB_CHECK": marker}  # marks every process the Hub starts (found if left behind)
     if fast:
-        env["NBGRADER_EXECUTION"] = "1"   # the labs' FAST mode: smaller benchmarks, same tests
+        env["NBGRADER_EXECUTION"] = "1"  # the labs' FAST mode: smaller benchmarks, same tests
     config = f"""
 c = get_config()  # noqa
 c.JupyterHub.bind_url = "http://127.0.0.1:{hub_port}"
 c.JupyterHub.hub_ip = "127.0.0.1"
 c.JupyterHub.hub_port = {api_port}
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_port}"
-c.ConfigurableHTTPProxy.command = [{str(BIN / 'configurable-http-proxy')!r}]
+c.ConfigurableHTTPProxy.command = [{str(BIN / "configurable-http-proxy")!r}]
 c.ConfigurableHTTPProxy.auth_token = {secrets.token_hex(16)!r}
 c.JupyterHub.authenticator_class = "dummy"
 c.DummyAuthenticator.password = {secrets.token_hex(8)!r}
 c.Authenticator.allow_all = True
 c.JupyterHub.spawner_class = "jupyterhub.spawner.SimpleLocalProcessSpawner"
-c.SimpleLocalProcessSpawner.home_dir_template = {str(folder / 'home' / '{username}')!r}
-c.Spawner.cmd = [{str(BIN / 'jupyterhub-singleuser')!r}]
+c.SimpleLocalProcessSpawner.home_dir_template = {str(folder / "home" / "{username}")!r}
+c.Spawner.cmd = [{str(BIN / "jupyterhub-singleuser")!r}]
 c.Spawner.args = ["--allow-root"] if {os.geteuid() == 0} else []
 c.Spawner.default_url = "/lab"
 c.Spawner.environment = {env!r}
 c.Spawner.start_timeout = 300
 c.Spawner.http_timeout = 300
-c.JupyterHub.db_url = "sqlite:///{folder / 'jupyterhub.sqlite'}"
-c.JupyterHub.cookie_secret_file = {str(folder / 'cookie_secret')!r}
-c.JupyterHub.pid_file = {str(folder / 'jupyterhub.pid')!r}
+c.JupyterHub.db_url = "sqlite:///{folder / "jupyterhub.sqlite"}"
+c.JupyterHub.cookie_secret_file = {str(folder / "cookie_secret")!r}
+c.JupyterHub.pid_file = {str(folder / "jupyterhub.pid")!r}
 c.JupyterHub.cleanup_servers = True
 c.JupyterHub.services = [{{"name": "hub-check", "api_token": {token!r}}}]
 c.JupyterHub.load_roles = [{{"name": "hub-check", "services": ["hub-check"],
@@ -107,8 +108,14 @@ class Hub:
         self.url = next(l.split('"')[1] for l in config.read_text().splitlines() if "bind_url" in l)
         self.log = open(folder / "jupyterhub.log", "wb")
         env = dict(os.environ, DISTTRAIN_HUB_CHECK=marker, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-        self.proc = subprocess.Popen([str(BIN / "jupyterhub"), "-f", str(config)], cwd=folder, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [str(BIN / "jupyterhub"), "-f", str(config)],
+            cwd=folder,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"token {token}"
 
@@ -129,7 +136,7 @@ class Hub:
             except requests.ConnectionError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError("jupyterhub did not answer within %d s" % timeout)
+        raise RuntimeError(f"jupyterhub did not answer within {timeout:.0f} s")
 
     def start_servers(self, users: list[str], timeout: float = 600) -> None:
         self.api("POST", "/users", json={"usernames": users})
@@ -180,25 +187,46 @@ class Hub:
 # ----------------------------------------------------------------------------------------
 # Running a notebook's cells in a user's kernel over the kernel websocket
 
+
 def _message(code: str, session: str) -> tuple[str, str]:
     msg_id = uuid.uuid4().hex
-    return msg_id, json.dumps({
-        "header": {"msg_id": msg_id, "username": "hub-check", "session": session, "msg_type": "execute_request",
-                   "version": "5.3", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-        "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-                    "allow_stdin": False, "stop_on_error": True}})
+    return msg_id, json.dumps(
+        {
+            "header": {
+                "msg_id": msg_id,
+                "username": "hub-check",
+                "session": session,
+                "msg_type": "execute_request",
+                "version": "5.3",
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            "parent_header": {},
+            "metadata": {},
+            "channel": "shell",
+            "buffers": [],
+            "content": {
+                "code": code,
+                "silent": False,
+                "store_history": True,
+                "user_expressions": {},
+                "allow_stdin": False,
+                "stop_on_error": True,
+            },
+        }
+    )
 
 
-async def run_cells(hub: Hub, user: str, kernel: str, cells: list[str], start: asyncio.Event,
-                    cell_timeout: float) -> dict:
+async def run_cells(
+    hub: Hub, user: str, kernel: str, cells: list[str], start: asyncio.Event, cell_timeout: float
+) -> dict:
     ws_url = hub.url.replace("http", "ws", 1) + f"/user/{user}/api/kernels/{kernel}/channels"
     session = uuid.uuid4().hex
     out = {"user": user, "cells": 0, "errors": [], "text": "", "seconds": 0.0}
     conn = None
     try:
-        conn = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {hub.token}"}),
-                                       max_message_size=1 << 28)
+        conn = await websocket_connect(
+            HTTPRequest(ws_url, headers={"Authorization": f"token {hub.token}"}), max_message_size=1 << 28
+        )
     except Exception as exc:
         out["errors"].append(f"kernel websocket: {type(exc).__name__}: {exc}")
         return out
@@ -271,15 +299,19 @@ def check(users: int, lab: str, fast: bool, folder: Path, cell_timeout: float) -
         kernels = {}
         for user in names:
             hub.user_api(user, "PUT", f"/contents/{lab}", json={"type": "directory"})
-            hub.user_api(user, "PUT", f"/contents/{lab}/{lab}.ipynb",
-                         json={"type": "notebook", "format": "json", "content": json.loads(notebook.read_text())})
+            hub.user_api(
+                user,
+                "PUT",
+                f"/contents/{lab}/{lab}.ipynb",
+                json={"type": "notebook", "format": "json", "content": json.loads(notebook.read_text())},
+            )
             kernels[user] = hub.user_api(user, "POST", "/kernels", json={"name": "python3", "path": lab})["id"]
 
         async def everyone():
             start = asyncio.Event()
             tasks = [asyncio.create_task(run_cells(hub, u, kernels[u], cells, start, cell_timeout)) for u in names]
             await asyncio.sleep(1)
-            start.set()    # all users begin at the same moment
+            start.set()  # all users begin at the same moment
             return await asyncio.gather(*tasks)
 
         t_run = time.monotonic()
@@ -304,10 +336,18 @@ def check(users: int, lab: str, fast: bool, folder: Path, cell_timeout: float) -
             others = [n for n in probe["files"] if n != lab and not n.startswith(".")]
             if others:
                 problems.append(f"sees files that are not its own: {others}")
-        summary["results"].append({"user": r["user"], "cells": r["cells"], "seconds": round(r["seconds"], 1),
-                                   "ok": not problems, "problems": problems})
-    summary["ok"] = all(r["ok"] for r in summary["results"]) and not summary["left_behind"] \
-        and len(summary["results"]) == users
+        summary["results"].append(
+            {
+                "user": r["user"],
+                "cells": r["cells"],
+                "seconds": round(r["seconds"], 1),
+                "ok": not problems,
+                "problems": problems,
+            }
+        )
+    summary["ok"] = (
+        all(r["ok"] for r in summary["results"]) and not summary["left_behind"] and len(summary["results"]) == users
+    )
     return summary
 
 
@@ -315,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--lab", default="01_point_to_point", help="a folder of solutions/")
-    parser.add_argument("--full", action="store_true", help="run the labs as a student does "
-                        "(default: the grader's FAST mode, smaller benchmarks)")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run the labs as a student does (default: the grader's FAST mode, smaller benchmarks)",
+    )
     parser.add_argument("--cell-timeout", type=float, default=900)
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--keep", action="store_true", help="keep the Hub's folder (logs, homes)")
@@ -333,11 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     for r in summary["results"]:
-        print(f"{r['user']:10s} {'ok' if r['ok'] else 'FAILED'}  {r['cells']} cells in {r['seconds']:.1f} s"
-              + ("".join(f"\n    {p}" for p in r["problems"])))
+        print(
+            f"{r['user']:10s} {'ok' if r['ok'] else 'FAILED'}  {r['cells']} cells in {r['seconds']:.1f} s"
+            + ("".join(f"\n    {p}" for p in r["problems"]))
+        )
     t = summary["timings"]
-    print(f"hub up {t['hub_up']:.1f} s, {args.users} servers up {t['servers_up']:.1f} s, all users ran the lab "
-          f"in {t.get('run_all_users', 0):.1f} s, total {t['total']:.1f} s")
+    print(
+        f"hub up {t['hub_up']:.1f} s, {args.users} servers up {t['servers_up']:.1f} s, all users ran the lab "
+        f"in {t.get('run_all_users', 0):.1f} s, total {t['total']:.1f} s"
+    )
     print("left behind: " + (", ".join(f"{pid} {cmd}" for pid, cmd in summary["left_behind"]) or "nothing"))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

@@ -10,6 +10,7 @@ a reduce-scatter step sends the chunk the previous step's addition produced.  gl
 (gloo/allreduce.cc) splits every chunk into segments and adds one segment while the next is
 in flight; the lab's algorithm sends one message per step (its tests count N-1 rounds per
 phase), so its additions cannot hide behind the transfers."""
+
 import argparse
 import statistics
 import sys
@@ -21,19 +22,23 @@ sys.path.insert(0, str(REPO))
 
 def _phases(fns, nbytes, repeats):
     import time
+
     import torch
     import torch.distributed as dist
-    rank, n = dist.get_rank(), dist.get_world_size()
+
+    n = dist.get_world_size()
     x, source = torch.empty(nbytes // 4), torch.ones(nbytes // 4)
     a, b = torch.ones(x.tensor_split(n)[0].numel()), torch.ones(x.tensor_split(n)[0].numel())
-    tasks = {"ring_all_reduce": lambda: fns["ring_all_reduce"](x),
-             "dist.all_reduce (gloo)": lambda: dist.all_reduce(x),
-             "ring_reduce_scatter alone": lambda: fns["ring_reduce_scatter"](x),
-             "ring_all_gather alone": lambda: fns["ring_all_gather"](x),
-             f"{n - 1} chunk additions alone": lambda: [a.add_(b) for _ in range(n - 1)]}
+    tasks = {
+        "ring_all_reduce": lambda: fns["ring_all_reduce"](x),
+        "dist.all_reduce (gloo)": lambda: dist.all_reduce(x),
+        "ring_reduce_scatter alone": lambda: fns["ring_reduce_scatter"](x),
+        "ring_all_gather alone": lambda: fns["ring_all_gather"](x),
+        f"{n - 1} chunk additions alone": lambda: [a.add_(b) for _ in range(n - 1)],
+    }
     seconds = {name: [] for name in tasks}
-    for i in range(repeats + 1):                       # the first round warms up
-        names = list(tasks)[i % len(tasks):] + list(tasks)[:i % len(tasks)]
+    for i in range(repeats + 1):  # the first round warms up
+        names = list(tasks)[i % len(tasks) :] + list(tasks)[: i % len(tasks)]
         for name in names:
             x.copy_(source)
             dist.barrier()
@@ -54,17 +59,21 @@ def main() -> int:
     # after the arguments: --help answers at once, without loading torch
     from disttrain_lab import launch
     from disttrain_lab.bench.common import functions_from_notebook
+
     fns = functions_from_notebook(args.notebook, ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"])
     per_rank = launch(_phases, args.world_size, fns, args.mib << 20, args.repeats, timeout=900)
-    slowest = {name: statistics.median(max(r[name][i] for r in per_rank) for i in range(args.repeats))
-               for name in per_rank[0]}
+    slowest = {
+        name: statistics.median(max(r[name][i] for r in per_rank) for i in range(args.repeats)) for name in per_rank[0]
+    }
     gloo = slowest["dist.all_reduce (gloo)"]
     print(f"{args.mib} MiB float32 on {args.world_size} ranks, median of {args.repeats} (slowest rank)")
     for name, s in slowest.items():
         print(f"  {name:<28} {s * 1e3:8.1f} ms   {s / gloo:5.2f} x gloo's time")
     adds = slowest[f"{args.world_size - 1} chunk additions alone"]
-    print(f"ring / gloo = {slowest['ring_all_reduce'] / gloo:.2f} in time; the additions the ring cannot overlap "
-          f"are {adds / gloo:.0%} of gloo's time")
+    print(
+        f"ring / gloo = {slowest['ring_all_reduce'] / gloo:.2f} in time; the additions the ring cannot overlap "
+        f"are {adds / gloo:.0%} of gloo's time"
+    )
     return 0
 
 

@@ -10,6 +10,7 @@ ships the measurements (``solutions/08_capstone/data/scaling_runs.json``); the n
 
 Runs on one CPU thread (the machine is shared); ~10 minutes on a 2-core laptop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,9 @@ from tqdm import tqdm
 from disttrain_lab import models
 
 SEQ_LEN = 32
-BATCH = 32                                   # sequences per step: 1024 tokens
-WIDTHS = (8, 16, 24, 32, 48, 64)             # d_model; 2 layers, 4 heads (2 for d = 8)
-BUDGETS = (1e10, 3e10, 1e11)                 # FLOPs per run
+BATCH = 32  # sequences per step: 1024 tokens
+WIDTHS = (8, 16, 24, 32, 48, 64)  # d_model; 2 layers, 4 heads (2 for d = 8)
+BUDGETS = (1e10, 3e10, 1e11)  # FLOPs per run
 CORPUS_TOKENS = 400_000
 EVAL_SEQUENCES = 256
 
@@ -50,7 +51,8 @@ def train(cfg: models.GPTConfig, tokens: int, train_tokens: torch.Tensor, held_o
     model = models.GPT(cfg, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     batches = models.lm_batches(train_tokens, BATCH, SEQ_LEN, steps, seed=seed + 1)
     start = time.perf_counter()
     for x, y in batches:
@@ -58,8 +60,12 @@ def train(cfg: models.GPTConfig, tokens: int, train_tokens: torch.Tensor, held_o
         models.lm_loss(model(x), y).backward()
         optimizer.step()
         schedule.step()
-    return {"steps": steps, "tokens": steps * BATCH * SEQ_LEN, "loss": evaluate(model, held_out),
-            "seconds": time.perf_counter() - start}
+    return {
+        "steps": steps,
+        "tokens": steps * BATCH * SEQ_LEN,
+        "loss": evaluate(model, held_out),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main() -> int:
@@ -77,24 +83,38 @@ def main() -> int:
             n = cfg.params()
             bar.set_postfix_str(f"C={budget:.0e} N={n}")
             out = train(cfg, budget / (6 * n), train_tokens, held_out)
-            runs.append({"budget": budget, "params": n, "d_model": width, "n_layers": cfg.n_layers,
-                         "flops": 6 * n * out["tokens"], **out})
+            runs.append(
+                {
+                    "budget": budget,
+                    "params": n,
+                    "d_model": width,
+                    "n_layers": cfg.n_layers,
+                    "flops": 6 * n * out["tokens"],
+                    **out,
+                }
+            )
     record = {
         "what": "Lab 8 scaling runs: the kit's GPT (2 layers) at several widths, each trained on D = C / (6 N) "
-                "tokens of the generated corpus for each budget C; loss = mean cross-entropy (nats/token) "
-                f"on {EVAL_SEQUENCES} held-out sequences of {SEQ_LEN} tokens",
+        "tokens of the generated corpus for each budget C; loss = mean cross-entropy (nats/token) "
+        f"on {EVAL_SEQUENCES} held-out sequences of {SEQ_LEN} tokens",
         "command": "python " + " ".join(sys.argv),
-        "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "optimizer": "AdamW lr 3e-3, betas (0.9, 0.95), cosine to 10 % over the run", "batch": BATCH,
-        "seq_len": SEQ_LEN, "corpus_tokens": CORPUS_TOKENS, "runs": runs,
+        "optimizer": "AdamW lr 3e-3, betas (0.9, 0.95), cosine to 10 % over the run",
+        "batch": BATCH,
+        "seq_len": SEQ_LEN,
+        "corpus_tokens": CORPUS_TOKENS,
+        "runs": runs,
     }
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
     print(f"wrote {args.out}: {len(runs)} runs")
     for r in runs:
-        print(f"C={r['budget']:.0e}  N={r['params']:>7}  D={r['tokens']:>9}  loss {r['loss']:.4f}  ({r['seconds']:.0f} s)")
+        print(
+            f"C={r['budget']:.0e}  N={r['params']:>7}  D={r['tokens']:>9}  loss {r['loss']:.4f}  ({r['seconds']:.0f} s)"
+        )
     return 0
 
 

@@ -7,16 +7,31 @@ are handed out first (longest processing time first), so the run does not end wi
 worker still grading while the other waits: with the browser's 9 tests handed out last
 (xdist's default order) one full run ended ~1.5 min after the other worker had finished.
 """
+
 from __future__ import annotations
 
 # seconds of work per file in a full run on 2 cores (from --junitxml), the longest first;
 # files not listed come after these, in pytest's order
-SECONDS = {"test_grading.py": 1254, "test_browser.py": 364, "test_gradeclass.py": 236, "test_security.py": 192,
-           "test_lab05.py": 145, "test_lab03.py": 124, "test_lab04.py": 105, "test_lab06.py": 71,
-           "test_lab01.py": 70, "test_lab02.py": 61, "test_launcher.py": 53, "test_lab07.py": 38,
-           "test_lab08.py": 36, "test_install.py": 29, "test_network.py": 22,
-           "test_torchrun_nodes.py": 25, "test_commands.py": 75}
+SECONDS = {
+    "test_grading.py": 1254,
+    "test_browser.py": 364,
+    "test_gradeclass.py": 236,
+    "test_security.py": 192,
+    "test_lab05.py": 145,
+    "test_lab03.py": 124,
+    "test_lab04.py": 105,
+    "test_lab06.py": 71,
+    "test_lab01.py": 70,
+    "test_lab02.py": 61,
+    "test_launcher.py": 53,
+    "test_lab07.py": 38,
+    "test_lab08.py": 36,
+    "test_install.py": 29,
+    "test_network.py": 22,
+    "test_torchrun_nodes.py": 25,
+    "test_commands.py": 75,
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))     # stable: a file's own order is kept
+    items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept

@@ -6,6 +6,7 @@ distributions, and what they require, are linked from this interpreter's site-pa
 into one folder that the venv reads through a ``.pth`` file: pip and Python in the venv
 see them as installed, and see nothing else of this machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,15 @@ def fresh_venv(path: Path, keep: list[str]) -> Path:
     """A venv at ``path`` that sees only ``keep`` (and their requirements); returns its python."""
     venv.EnvBuilder(with_pip=True, symlinks=True).create(path)
     python = path / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True, cwd=path).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=path,
+        ).stdout.strip()
+    )
     shared = path / "kept"
     shared.mkdir()
     for dist in closure(keep).values():
@@ -72,9 +80,17 @@ def fresh_venv(path: Path, keep: list[str]) -> Path:
 
 def installed(python: Path) -> dict[str, tuple[str, str]]:
     """{name: (version, location)} of every distribution ``python`` can import."""
-    code = ("import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
-            "[d.version, str(d.locate_file(''))] for d in m.distributions()}))")
+    code = (
+        "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
+        "[d.version, str(d.locate_file(''))] for d in m.distributions()}))"
+    )
     # run elsewhere than the checkout: its disttrain_lab.egg-info would count as installed
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, cwd=python.parent,
-                         env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
+    out = subprocess.run(
+        [str(python), "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=python.parent,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+    )
     return {canonical(k): tuple(v) for k, v in json.loads(out.stdout).items()}

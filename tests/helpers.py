@@ -1,4 +1,5 @@
 """Small helpers shared by the tests."""
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,15 @@ def tmp_listing(tmp: str = "/tmp") -> set[str]:
 
 def run_python(args: list[str], timeout: float, env: dict | None = None, cwd=None):
     """Run this interpreter with ``args``; output merged into ``.stdout``."""
-    return subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
 
 
 def alive(pid: int) -> bool:
@@ -60,20 +68,23 @@ def alive(pid: int) -> bool:
 def gpu_count() -> int:
     """GPUs torch sees here (NVML: no CUDA context is opened in the test process)."""
     import torch
+
     return torch.cuda.device_count()
 
 
 def needs_gpus(n: int = 1):
     """Mark a test ``gpu`` and skip it, saying why, where fewer than ``n`` GPUs are visible.
 
-        @needs_gpus(2)
-        def test_ddp_on_two_gpus(): ...
+    @needs_gpus(2)
+    def test_ddp_on_two_gpus(): ...
     """
     import pytest
 
     def mark(test):
         have = gpu_count()
         test = pytest.mark.gpu(test)
-        return pytest.mark.skipif(have < n, reason=f"needs {n} GPU(s) for device='cuda'; "
-                                  f"torch.cuda.device_count() is {have} here")(test)
+        return pytest.mark.skipif(
+            have < n, reason=f"needs {n} GPU(s) for device='cuda'; torch.cuda.device_count() is {have} here"
+        )(test)
+
     return mark

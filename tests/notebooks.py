@@ -1,10 +1,11 @@
 """Running lab notebooks in tests: execute in a real kernel, blank them as nbgrader releases them."""
+
 from __future__ import annotations
 
 import copy
 import os
-import sys
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,12 +52,17 @@ def execute(nb, autograding: bool, timeout: int = 240, cwd: Path | None = None) 
     env = {k: v for k, v in os.environ.items() if k != "NBGRADER_EXECUTION"}
     if autograding:
         env["NBGRADER_EXECUTION"] = "autograde"
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"   # this venv's tools
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            kernel_manager_class=UnixSocketKernelManager,
-                            resources={"metadata": {"path": str(cwd or REPO)}})
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this venv's tools
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=True,
+        kernel_manager_class=UnixSocketKernelManager,
+        resources={"metadata": {"path": str(cwd or REPO)}},
+    )
     start = time.perf_counter()
-    client.execute(env=env)               # starts the kernel, and shuts it down at the end
+    client.execute(env=env)  # starts the kernel, and shuts it down at the end
     return nb, time.perf_counter() - start
 
 
@@ -75,6 +81,7 @@ def graded_cells(nb) -> list:
 def blank(nb) -> nbformat.NotebookNode:
     """The student's version: what nbgrader's ClearSolutions makes of the solution cells."""
     from nbgrader.preprocessors import ClearSolutions
+
     nb, _ = ClearSolutions().preprocess(copy.deepcopy(nb), {"metadata": {"path": str(REPO)}})
     return nb
 
@@ -88,10 +95,13 @@ def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbfor
     assert not failed, f"cells raised: {failed}"
     for cell in graded_cells(nb):
         assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
-        assert not [o for o in cell.outputs if o.get("name") == "stderr"], \
+        assert not [o for o in cell.outputs if o.get("name") == "stderr"], (
             f"graded cell {nbgrader_meta(cell)['grade_id']} wrote to stderr"
-    assert seconds < budget_s * SLOWDOWN, (f"the solution notebook took {seconds:.0f} s, the budget is {budget_s} s "
-                                           f"(x{SLOWDOWN:g} allowed for a loaded machine)")
+        )
+    assert seconds < budget_s * SLOWDOWN, (
+        f"the solution notebook took {seconds:.0f} s, the budget is {budget_s} s "
+        f"(x{SLOWDOWN:g} allowed for a loaded machine)"
+    )
     return nb
 
 
@@ -119,22 +129,28 @@ def numbering_problems(nb) -> list[str]:
     """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
     `##` section per markdown cell" (the table of contents reads well); empty when nothing does."""
     import re
+
     problems, heading, last = [], None, 0
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             lines = cell.source.splitlines()
             if sum(line.startswith("## ") for line in lines) > 1:
                 problems.append(f"cell {i} holds several ## sections")
-            problems += [f"cell {i}: an exercise as a ## section: {line!r}" for line in lines
-                         if line.startswith("## ") and "Exercise" in line]
+            problems += [
+                f"cell {i}: an exercise as a ## section: {line!r}"
+                for line in lines
+                if line.startswith("## ") and "Exercise" in line
+            ]
             for line in lines:
                 found = re.match(r"### Exercise (\d+)\b", line)
                 if found:
                     heading = int(found.group(1))
         elif nbgrader_meta(cell).get("solution"):
             if heading != last + 1:
-                problems.append(f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
-                                f"expected Exercise {last + 1}")
+                problems.append(
+                    f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
+                    f"expected Exercise {last + 1}"
+                )
             last = heading or last
     return problems
 
@@ -148,8 +164,11 @@ def device_setting(nb, device: str):
 def code_cells_on_device(nb, last_grade_id: str, device: str) -> nbformat.NotebookNode:
     """Every code cell up to the graded cell ``last_grade_id``, with ``DEVICE = device``."""
     upto = nb.cells.index(cell_by_id(nb, last_grade_id))
-    cells = [device_setting(nb, device) if c.source.rstrip().endswith('DEVICE = "cpu"') else copy.deepcopy(c)
-             for c in nb.cells[:upto + 1] if c.cell_type == "code"]
+    cells = [
+        device_setting(nb, device) if c.source.rstrip().endswith('DEVICE = "cpu"') else copy.deepcopy(c)
+        for c in nb.cells[: upto + 1]
+        if c.cell_type == "code"
+    ]
     return nbformat.v4.new_notebook(cells=cells)
 
 

@@ -1,4 +1,5 @@
 """A rank's traceback names the cell its code was written in, whatever the pickler keeps."""
+
 from __future__ import annotations
 
 import pickle
@@ -8,8 +9,8 @@ import pytest
 
 from disttrain_lab import codemap
 
-CELL = "<cell-7>"        # stands for IPython's file name of a notebook cell
-SOURCE = '''
+CELL = "<cell-7>"  # stands for IPython's file name of a notebook cell
+SOURCE = """
 def helper(x):
     y = x + 1
     return 1 / (y - y)
@@ -22,7 +23,7 @@ def outer():
 class Model:
     def go(self):
         return outer()
-'''
+"""
 
 
 def _hide_files(code: types.CodeType) -> types.CodeType:
@@ -48,17 +49,23 @@ def test_frames_name_the_real_file_after_a_pickler_hid_it():
     rank = _as_a_rank_sees_it(namespace)
     with pytest.raises(ZeroDivisionError) as caught:
         rank["Model"]().go()
-    sent = pickle.loads(pickle.dumps(codemap.frames_of(caught.value.__traceback__)))   # plain data
+    sent = pickle.loads(pickle.dumps(codemap.frames_of(caught.value.__traceback__)))  # plain data
     assert [f[0] for f in sent[1:]] == ["<dynamic-code>"] * 5
     frames = codemap.relocate(sent, where)
     assert [(f[0], f[1], f[2]) for f in frames[1:]] == [
-        (CELL, 13, "go"), (CELL, 9, "outer"), (CELL, 9, "<lambda>"), (CELL, 8, "inner"), (CELL, 4, "helper")]
-    assert frames[0][0] == __file__ and frames[0][3]      # code not pickled keeps its file and line text
-    assert all(f[3] is None for f in frames[1:])          # the line is looked up where the cell is known
+        (CELL, 13, "go"),
+        (CELL, 9, "outer"),
+        (CELL, 9, "<lambda>"),
+        (CELL, 8, "inner"),
+        (CELL, 4, "helper"),
+    ]
+    assert frames[0][0] == __file__ and frames[0][3]  # code not pickled keeps its file and line text
+    assert all(f[3] is None for f in frames[1:])  # the line is looked up where the cell is known
 
 
 def test_the_key_survives_cloudpickle_and_tells_apart_same_named_code():
     import cloudpickle
+
     namespace: dict = {}
     exec(compile(SOURCE, CELL, "exec"), namespace)
     rebuilt = cloudpickle.loads(cloudpickle.dumps(namespace["helper"]))

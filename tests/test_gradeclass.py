@@ -7,6 +7,7 @@ SIGKILL after its first student and run again (the reference single run), and in
 of two "machines" with two students at a time, whose gradebooks merge into one CSV.  The
 names split the class 1 + 2 over two shards, so the second shard grades two students at once.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,17 +24,28 @@ from disttrain_lab import grading
 from disttrain_lab.grading import cell_times, classgrade
 from disttrain_lab.grading.course import measure_cell_times
 
-from .test_grading import (FIXTURE_LIMITS, FIXTURES, REPO, Course, all_points, grade_id, points_after,
-                           processes_with, submit, with_solution)
+from .test_grading import (
+    FIXTURE_LIMITS,
+    FIXTURES,
+    REPO,
+    Course,
+    all_points,
+    grade_id,
+    points_after,
+    processes_with,
+    submit,
+    with_solution,
+)
 
 LAB = "01_point_to_point"
-STUDENTS = ("alice", "bob", "carol")        # shards of 2: alice in 1/2, bob and carol in 2/2
+STUDENTS = ("alice", "bob", "carol")  # shards of 2: alice in 1/2, bob and carol in 2/2
 
 pytestmark = pytest.mark.timeout(1500)
 
 
 # ----------------------------------------------------------------------------------------
 # fast: the rules
+
 
 def test_shards_partition_the_class():
     names = [f"student{i:03d}" for i in range(200)] + list(STUDENTS)
@@ -49,7 +61,7 @@ def test_shards_partition_the_class():
 
 def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path))
-    assert cell_times.limits_for("lab") == {}          # never timed: the plain cell limit applies
+    assert cell_times.limits_for("lab") == {}  # never timed: the plain cell limit applies
     cell_times.record("lab", {"quick": 0.5, "slow": 30.0})
     assert cell_times.limits_for("lab") == {"quick": cell_times.FLOOR, "slow": cell_times.FACTOR * 30}
     assert cell_times.limits_for("lab", scale=2) == {"quick": 2 * cell_times.FLOOR, "slow": 2 * cell_times.FACTOR * 30}
@@ -65,21 +77,32 @@ def test_default_jobs_follow_cores_and_memory():
 def test_diagnose_names_what_failed(tmp_path):
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook, new_output
+
     course, lab = tmp_path, "lab"
 
     def cell(grade, ename):
         c = new_code_cell("x", metadata={"nbgrader": {"grade_id": grade}} if grade else {})
         c.outputs = [new_output("error", ename=ename, evalue="", traceback=[])]
         return c
+
     (course / "autograded" / "s" / lab).mkdir(parents=True)
-    nbformat.write(new_notebook(cells=[cell("test_a", "DeadKernelError"), cell("test_b", "CellTimeoutError"),
-                                       cell(None, "CellTimeoutError")]),
-                   course / "autograded" / "s" / lab / f"{lab}.ipynb")
+    nbformat.write(
+        new_notebook(
+            cells=[
+                cell("test_a", "DeadKernelError"),
+                cell("test_b", "CellTimeoutError"),
+                cell(None, "CellTimeoutError"),
+            ]
+        ),
+        course / "autograded" / "s" / lab / f"{lab}.ipynb",
+    )
     submit(course, "s", lab, new_notebook(cells=[new_code_cell("import ctypes")]))
     ok = grading.StepResult([], 0, "", 1.0)
     assert classgrade.diagnose(course, lab, "s", ok) == [
-        "kernel death: test_a", "cell time limit: test_b, 1 other cell(s)",
-        "flagged: 1 construct(s) to look at (see the grade report)"]
+        "kernel death: test_a",
+        "cell time limit: test_b, 1 other cell(s)",
+        "flagged: 1 construct(s) to look at (see the grade report)",
+    ]
     stopped = grading.StepResult([], -9, "", 1.0, timed_out=True)
     assert classgrade.diagnose(course, lab, "s", stopped)[0] == "timeout: STOPPED (time cap)"
     assert classgrade.diagnose(course, lab, "s", grading.StepResult([], 1, "", 1.0))[0].startswith("crash")
@@ -87,6 +110,7 @@ def test_diagnose_names_what_failed(tmp_path):
 
 # ----------------------------------------------------------------------------------------
 # slow: one small class of lab 1
+
 
 @pytest.fixture(scope="module")
 def lab1_class(tmp_path_factory):
@@ -99,8 +123,11 @@ def lab1_class(tmp_path_factory):
     [blank_last] = [c.source for c in course.blank().cells if grade_id(c) == last]
     total, lost = all_points(sol), points_after(sol, last)
     course.submissions = {"alice": sol, "bob": course.blank(), "carol": with_solution(sol, last, blank_last)}
-    course.expected = {"alice": total, "bob": {k: 0.0 for k in total},
-                       "carol": {k: (0.0 if k in lost else v) for k, v in total.items()}}
+    course.expected = {
+        "alice": total,
+        "bob": {k: 0.0 for k in total},
+        "carol": {k: (0.0 if k in lost else v) for k, v in total.items()},
+    }
     return course
 
 
@@ -111,13 +138,26 @@ def new_course(lab1_class, root: Path) -> dict:
     for student, nb in lab1_class.submissions.items():
         submit(course, student, LAB, nb)
         (course / "submitted" / student / LAB / "timestamp.txt").write_text("2026-01-01 12:00:00.000000 UTC")
-    return dict(os.environ, DISTTRAIN_COURSE_DIR=str(course), DISTTRAIN_SOURCE_DIR=str(REPO / "solutions"),
-                DISTTRAIN_RELEASE_DIR=str(lab1_class.release), TMPDIR=str(tmp), DISTTRAIN_LAB_PROGRESS="0")
+    return dict(
+        os.environ,
+        DISTTRAIN_COURSE_DIR=str(course),
+        DISTTRAIN_SOURCE_DIR=str(REPO / "solutions"),
+        DISTTRAIN_RELEASE_DIR=str(lab1_class.release),
+        TMPDIR=str(tmp),
+        DISTTRAIN_LAB_PROGRESS="0",
+    )
 
 
 def grade_cli(env: dict, *args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "disttrain_lab.cli", "grade", LAB, "--no-progress", *args],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "disttrain_lab.cli", "grade", LAB, "--no-progress", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 900.0):
@@ -148,16 +188,16 @@ def single_run(lab1_class, tmp_path_factory):
     def first_finished():
         try:
             return classgrade.Ledger(course, LAB).entries or None
-        except Exception:     # noqa: BLE001 - written atomically, but not yet there
+        except Exception:  # noqa: BLE001 - written atomically, but not yet there
             return None
 
     try:
         before = wait_for(first_finished, "a student graded", proc)
-        os.kill(proc.pid, signal.SIGKILL)            # the real process, mid-way through the class
+        os.kill(proc.pid, signal.SIGKILL)  # the real process, mid-way through the class
     finally:
         proc.kill()
         proc.wait()
-    before = classgrade.Ledger(course, LAB).entries       # what the killed run recorded
+    before = classgrade.Ledger(course, LAB).entries  # what the killed run recorded
     assert 1 <= len(before) < len(STUDENTS), before
     mtimes = {s: (course / "autograded" / s / LAB / f"{LAB}.ipynb").stat().st_mtime_ns for s in before}
     rerun = grade_cli(env, "--no-feedback")
@@ -171,10 +211,11 @@ def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_c
     course, before = single_run["course"], single_run["before"]
     after = classgrade.Ledger(course, LAB).entries
     assert sorted(after) == sorted(STUDENTS)
-    for student, entry in before.items():      # graded before the kill: kept, not graded again
+    for student, entry in before.items():  # graded before the kill: kept, not graded again
         assert after[student].finished == entry.finished and after[student].digest == entry.digest
-        assert (course / "autograded" / student / LAB / f"{LAB}.ipynb").stat().st_mtime_ns == \
-            single_run["mtimes"][student]
+        assert (course / "autograded" / student / LAB / f"{LAB}.ipynb").stat().st_mtime_ns == single_run["mtimes"][
+            student
+        ]
     assert f"{len(before)} of {len(STUDENTS)} students already graded" in single_run["out"]
     assert scores_by_exercise(course, lab1_class.expected) == lab1_class.expected
     # the summary: every student, and the class's pass rate per exercise
@@ -185,7 +226,7 @@ def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_c
     assert not processes_with(str(course))
     assert not list(Path(single_run["env"]["TMPDIR"]).iterdir())
     # a third run has nothing to grade; --force grades a changed submission only when it changed
-    submit(course, "bob", LAB, lab1_class.submissions["bob"])     # the same bytes: not a change
+    submit(course, "bob", LAB, lab1_class.submissions["bob"])  # the same bytes: not a change
     again = grade_cli(single_run["env"], "--no-feedback")
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0 and "3 of 3 students already graded" in out, out[-3000:]
@@ -195,7 +236,7 @@ def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_c
 @pytest.mark.slow
 def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_path):
     gradebooks = []
-    for shard in ("1/2", "2/2"):                     # two machines, each with the whole submitted/ folder
+    for shard in ("1/2", "2/2"):  # two machines, each with the whole submitted/ folder
         env = new_course(lab1_class, tmp_path / shard.replace("/", "of"))
         proc = grade_cli(env, "--jobs", "2", "--shard", shard, "--no-feedback")
         out, _ = proc.communicate(timeout=1200)
@@ -204,24 +245,42 @@ def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_p
         graded = sorted(classgrade.Ledger(course, LAB).entries)
         assert graded == [s for s in STUDENTS if classgrade.in_shard(s, classgrade.parse_shard(shard))]
         # students graded two at a time score what the serial run gave them
-        assert scores_by_exercise(course, lab1_class.expected) == \
-            {s: lab1_class.expected[s] for s in graded}
+        assert scores_by_exercise(course, lab1_class.expected) == {s: lab1_class.expected[s] for s in graded}
         gradebooks.append(course / "gradebook.db")
     merged = tmp_path / "merged.csv"
-    proc = subprocess.run([sys.executable, "-m", "disttrain_lab.cli", "grade", "merge", str(merged), *map(str, gradebooks)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "disttrain_lab.cli", "grade", "merge", str(merged), *map(str, gradebooks)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    single = single_run["course"] / "grades.csv"        # nbgrader's own export of the single run
+    single = single_run["course"] / "grades.csv"  # nbgrader's own export of the single run
 
     def rows(path):
         with open(path) as f:
             return sorted(tuple(r.items()) for r in csv.DictReader(f))
+
     assert rows(merged) == rows(single)
     assert len(rows(merged)) == len(STUDENTS)
     # the same shard twice: a student graded on two machines is refused, not doubled
-    proc = subprocess.run([sys.executable, "-m", "disttrain_lab.cli", "grade", "merge", str(tmp_path / "twice.csv"),
-                           str(gradebooks[1]), str(gradebooks[1])], capture_output=True, text=True, cwd=REPO,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disttrain_lab.cli",
+            "grade",
+            "merge",
+            str(tmp_path / "twice.csv"),
+            str(gradebooks[1]),
+            str(gradebooks[1]),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 1 and "graded for" in proc.stderr and "both" in proc.stderr
 
 
@@ -229,21 +288,33 @@ def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_p
 def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path, monkeypatch):
     # the fixture lab: its solution timed once (as `disttrain-lab release --time-cells` does)
     monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path / "times"))
-    course = Course(tmp_path / "c", "00_basics", FIXTURES, dict(FIXTURE_LIMITS, cell_timeout=600,
-                                                                   notebook_timeout=900, student_timeout=900))
+    course = Course(
+        tmp_path / "c",
+        "00_basics",
+        FIXTURES,
+        dict(FIXTURE_LIMITS, cell_timeout=600, notebook_timeout=900, student_timeout=900),
+    )
     seconds = measure_cell_times("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
     assert {"test_add", "test_mean", "test_scale"} <= seconds.keys()
     cell_times.record("00_basics", seconds)
     limit = cell_times.limits_for("00_basics")["test_mean"]
     assert limit < 600
     course.do_release()
-    submit(course.course, "spinner", course.lab,
-           with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"))
+    submit(
+        course.course,
+        "spinner",
+        course.lab,
+        with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"),
+    )
     result = course.grade(["spinner"])["spinner"]
     assert result.returncode == 0, result.output[-3000:]
-    assert grading.scores(course.lab, course.course)["spinner"] == {"test_add": 1.0, "test_mean": 0.0,
-                                                                     "test_scale": 1.0, "total": 2.0}
+    assert grading.scores(course.lab, course.course)["spinner"] == {
+        "test_add": 1.0,
+        "test_mean": 0.0,
+        "test_scale": 1.0,
+        "total": 2.0,
+    }
     [cell] = [c for c in course.autograded("spinner").cells if grade_id(c) == "test_mean"]
     text = "".join(o.get("evalue", "") + "".join(o.get("traceback", [])) for o in cell.outputs)
-    assert f"longer than the {limit} s allowed" in text, text     # not the 600 s cell limit
+    assert f"longer than the {limit} s allowed" in text, text  # not the 600 s cell limit
     assert not list(course.tmp.iterdir())

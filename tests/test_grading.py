@@ -7,6 +7,7 @@ score).  On the fixtures, every broken submission the grader must survive is cra
 editing ONE exercise of a copy of the solution notebook; that exercise loses its points,
 the others keep theirs, the feedback says why, and nothing is left running or on disk.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,11 @@ HAS_LAUNCH = hasattr(disttrain_lab, "launch")
 FIRST_REAL_LAB = (grading.list_labs(REPO / "solutions") or [None])[0]
 
 # fixtures first (fast), then every real lab
-LABS = [("00_basics", FIXTURES)] + ([("00_launch", FIXTURES)] if HAS_LAUNCH else []) + \
-       [(lab, REPO / "solutions") for lab in grading.list_labs(REPO / "solutions")]
+LABS = (
+    [("00_basics", FIXTURES)]
+    + ([("00_launch", FIXTURES)] if HAS_LAUNCH else [])
+    + [(lab, REPO / "solutions") for lab in grading.list_labs(REPO / "solutions")]
+)
 
 # small limits so broken cases cost seconds, not minutes; real labs get the defaults
 FIXTURE_LIMITS = dict(cell_timeout=10, notebook_timeout=120, kernel_memory=2 * 2**30, student_timeout=240)
@@ -42,6 +46,7 @@ pytestmark = pytest.mark.timeout(900)
 
 # ----------------------------------------------------------------------------------------
 # crafting submissions
+
 
 def load(path: Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4)
@@ -72,8 +77,11 @@ def points_after(nb, solution_id: str) -> dict[str, float]:
 
 
 def all_points(nb) -> dict[str, float]:
-    return {grade_id(c): float(c.metadata.nbgrader["points"]) for c in nb.cells
-            if c.get("metadata", {}).get("nbgrader", {}).get("grade")}
+    return {
+        grade_id(c): float(c.metadata.nbgrader["points"])
+        for c in nb.cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("grade")
+    }
 
 
 def submit(course: Path, student: str, lab: str, content) -> None:
@@ -116,13 +124,22 @@ class Course:
         self.solution = load(source / lab / f"{lab}.ipynb")
 
     def do_release(self):
-        return grading.release([self.lab], course=self.course, source=self.source,
-                               release_to=self.release, tmp_root=str(self.tmp))
+        return grading.release(
+            [self.lab], course=self.course, source=self.source, release_to=self.release, tmp_root=str(self.tmp)
+        )
 
     def grade(self, students=None, one_process_per_student=True, jobs=1):
-        results = grading.autograde(self.lab, students, course=self.course, source=self.source,
-                                    release_from=self.release, limits=self.limits, tmp_root=str(self.tmp),
-                                    one_process_per_student=one_process_per_student, jobs=jobs)
+        results = grading.autograde(
+            self.lab,
+            students,
+            course=self.course,
+            source=self.source,
+            release_from=self.release,
+            limits=self.limits,
+            tmp_root=str(self.tmp),
+            one_process_per_student=one_process_per_student,
+            jobs=jobs,
+        )
         step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
         assert step.returncode == 0, step.output[-3000:]
         return results
@@ -136,6 +153,7 @@ class Course:
 
 # ----------------------------------------------------------------------------------------
 # round trip on every lab
+
 
 @pytest.fixture(scope="module", params=LABS, ids=[lab for lab, _ in LABS])
 def released(request, tmp_path_factory):
@@ -154,7 +172,7 @@ def test_release_has_no_solutions_and_is_deterministic(released):
     text = "".join(p.read_text() for p in lab_dir.rglob("*.ipynb"))
     assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     if released.source != FIXTURES and released.lab != FIRST_REAL_LAB:
-        return    # a release is made the same way for every lab: byte-for-byte on the fixtures and one lab
+        return  # a release is made the same way for every lab: byte-for-byte on the fixtures and one lab
     first = {p: p.read_bytes() for p in lab_dir.rglob("*") if p.is_file()}
     released.do_release()
     assert {p: p.read_bytes() for p in lab_dir.rglob("*") if p.is_file()} == first
@@ -188,8 +206,12 @@ def test_round_trip_full_blank_partial(released):
     students = ["full", "blank", "partial"] + (["crashed"] if crash else [])
     if crash:
         [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
-        submit(released.course, "crashed", released.lab,
-               with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source))
+        submit(
+            released.course,
+            "crashed",
+            released.lab,
+            with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source),
+        )
     # one nbgrader process for the batch; test_cli_grade_... covers one process per student
     results = released.grade(students, one_process_per_student=False)
     assert all(r.returncode == 0 for r in results.values()), {s: r.output[-2000:] for s, r in results.items()}
@@ -200,8 +222,13 @@ def test_round_trip_full_blank_partial(released):
     assert {k: table["partial"][k] for k in total} == expected
     # the solution runs top to bottom without an error anywhere (demos and plots too) ...
     full = released.autograded("full")
-    failing = {i: o.ename for i, c in enumerate(full.cells) if c.cell_type == "code"
-               for o in c.outputs if o.output_type == "error"}
+    failing = {
+        i: o.ename
+        for i, c in enumerate(full.cells)
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type == "error"
+    }
     assert not failing, f"cells of the solution raised under autograding: {failing}"
     # ... and the blank lab fails every graded cell on the student's stub, not on something else
     for cell in released.autograded("blank").cells:
@@ -224,22 +251,34 @@ BROKEN_MEAN = {
     "infinite_loop": ("def mean(xs):\n    while True:\n        pass\n", "ran longer than"),
     "long_sleep": ("def mean(xs):\n    time.sleep(10**6)\n", "ran longer than"),
     # (ipykernel resets the SIGINT handler before each cell, so ignore it inside the call)
-    "ignores_interrupt": ("import signal\ndef mean(xs):\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                          "    while True:\n        pass\n", "did not stop when interrupted"),
+    "ignores_interrupt": (
+        "import signal\ndef mean(xs):\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "    while True:\n        pass\n",
+        "did not stop when interrupted",
+    ),
     "kills_kernel_in_test": ("def mean(xs):\n    os._exit(1)\n", "kernel died"),
     "aborts_kernel_in_cell": ("os.abort()\n" + MEAN_OK, "kernel died"),
-    "exhausts_memory": ("def mean(xs):\n    hog = [bytearray(2**28) for _ in range(64)]\n    return len(hog)\n",
-                        "MemoryError"),
-    "huge_output": ("def mean(xs):\n    for _ in range(5000):\n        print('x' * 1000)\n"
-                    "    return sum(xs) / len(xs)\n", "OutputLimitExceeded"),
-    "patches_all_reduce": ("import torch.distributed as dist\ndist.all_reduce = lambda *a, **k: None\n" + MEAN_OK,
-                           "torch.distributed.all_reduce"),
-    "patches_dl_checks": ("import importlib, types\n"
-                          "try:\n    mod = importlib.import_module('disttrain_lab.checks')\n"
-                          "except ImportError:\n    mod = importlib.import_module('disttrain_lab.integrity')\n"
-                          "for name, obj in list(vars(mod).items()):\n"
-                          "    if isinstance(obj, types.FunctionType) and not name.startswith('_'):\n"
-                          "        setattr(mod, name, lambda *a, **k: None)\n" + MEAN_OK, "TamperingError"),
+    "exhausts_memory": (
+        "def mean(xs):\n    hog = [bytearray(2**28) for _ in range(64)]\n    return len(hog)\n",
+        "MemoryError",
+    ),
+    "huge_output": (
+        "def mean(xs):\n    for _ in range(5000):\n        print('x' * 1000)\n    return sum(xs) / len(xs)\n",
+        "OutputLimitExceeded",
+    ),
+    "patches_all_reduce": (
+        "import torch.distributed as dist\ndist.all_reduce = lambda *a, **k: None\n" + MEAN_OK,
+        "torch.distributed.all_reduce",
+    ),
+    "patches_dl_checks": (
+        "import importlib, types\n"
+        "try:\n    mod = importlib.import_module('disttrain_lab.checks')\n"
+        "except ImportError:\n    mod = importlib.import_module('disttrain_lab.integrity')\n"
+        "for name, obj in list(vars(mod).items()):\n"
+        "    if isinstance(obj, types.FunctionType) and not name.startswith('_'):\n"
+        "        setattr(mod, name, lambda *a, **k: None)\n" + MEAN_OK,
+        "TamperingError",
+    ),
 }
 
 
@@ -285,9 +324,14 @@ def test_broken_exercise_loses_only_its_points(broken_batch, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,why", [("malformed_json", "not valid notebook JSON"),
-                                      ("empty_file", "is an empty file"),
-                                      ("wrong_lab", "is not the notebook of lab 00_basics")])
+@pytest.mark.parametrize(
+    "case,why",
+    [
+        ("malformed_json", "not valid notebook JSON"),
+        ("empty_file", "is an empty file"),
+        ("wrong_lab", "is not the notebook of lab 00_basics"),
+    ],
+)
 def test_unreadable_submission_scores_zero_with_a_note(broken_batch, case, why):
     assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
     assert broken_batch.table[case]["total"] == 0
@@ -315,17 +359,17 @@ def test_other_students_intact_and_nothing_left_behind(broken_batch):
 # ----------------------------------------------------------------------------------------
 # broken ranks (fixture 00_launch: allsum 2 + ring_next 1 + shift 1 points; allsum is broken)
 
-ALLSUM_OK = ("def allsum():\n    t = torch.tensor([dist.get_rank() + 1.0])\n    dist.all_reduce(t)\n"
-             "    return t.item()\n")
+ALLSUM_OK = (
+    "def allsum():\n    t = torch.tensor([dist.get_rank() + 1.0])\n    dist.all_reduce(t)\n    return t.item()\n"
+)
 BROKEN_ALLSUM = {
     "one_rank_raises": "def allsum():\n    if dist.get_rank() == 1:\n        raise ValueError('boom')\n"
-                       "    return 3.0 if dist.get_world_size() == 2 else 6.0\n",
+    "    return 3.0 if dist.get_world_size() == 2 else 6.0\n",
     "rank_exits": "def allsum():\n    if dist.get_rank() == 1:\n        os._exit(1)\n    return 3.0\n",
     "rank_aborts": "import os\ndef allsum():\n    if dist.get_rank() == 0:\n        os.abort()\n    return 3.0\n",
     "deadlock": "def allsum():\n    t = torch.zeros(1)\n    dist.recv(t, (dist.get_rank() + 1) % dist.get_world_size())\n"
-                "    return t.item()\n",
-    "patches_all_reduce": "def _fake(t, *a, **k):\n    t.fill_(3.0)\n"
-                          "dist.all_reduce = _fake\n" + ALLSUM_OK,
+    "    return t.item()\n",
+    "patches_all_reduce": "def _fake(t, *a, **k):\n    t.fill_(3.0)\ndist.all_reduce = _fake\n" + ALLSUM_OK,
 }
 
 
@@ -350,19 +394,29 @@ def test_broken_ranks_lose_only_that_exercise(tmp_path):
 # ----------------------------------------------------------------------------------------
 # the command line, and the per-student wall-clock cap
 
+
 @pytest.mark.slow
 def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch, capsys):
     course = Course(tmp_path, "00_basics", FIXTURES, None)
     course.do_release()
-    submit(course.course, "hung", course.lab, with_solution(course.solution, "ex_mean",
-                                                            "def mean(xs):\n    while True:\n        pass\n"))
+    submit(
+        course.course,
+        "hung",
+        course.lab,
+        with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"),
+    )
     submit(course.course, "honest", course.lab, course.solution)
-    for name, value in {"DISTTRAIN_COURSE_DIR": course.course, "DISTTRAIN_SOURCE_DIR": FIXTURES,
-                        "DISTTRAIN_RELEASE_DIR": course.release, "TMPDIR": course.tmp,
-                        # the cap applies to the honest student too: 60 s leaves room on a loaded machine
-                        "DISTTRAIN_CELL_TIMEOUT": 600, "DISTTRAIN_STUDENT_TIMEOUT": 60}.items():
+    for name, value in {
+        "DISTTRAIN_COURSE_DIR": course.course,
+        "DISTTRAIN_SOURCE_DIR": FIXTURES,
+        "DISTTRAIN_RELEASE_DIR": course.release,
+        "TMPDIR": course.tmp,
+        # the cap applies to the honest student too: 60 s leaves room on a loaded machine
+        "DISTTRAIN_CELL_TIMEOUT": 600,
+        "DISTTRAIN_STUDENT_TIMEOUT": 60,
+    }.items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr("tempfile.tempdir", None)     # let tempfile see the new TMPDIR
+    monkeypatch.setattr("tempfile.tempdir", None)  # let tempfile see the new TMPDIR
     assert classgrade.cli_grade([course.lab]) == 0
     out = capsys.readouterr().out
     assert "STOPPED (time cap)" in out and "grading failed" in out
@@ -377,42 +431,51 @@ def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch
 def _step_with_a_leftover(body: str):
     """A process like nbgrader whose child (a kernel from a failed start-up retry) inherits its stdout."""
     child = f"import subprocess, sys, time; subprocess.Popen(['sleep', '600']); print('graded', flush=True); {body}"
-    return subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", child],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_a_process_left_holding_nbgraders_output_does_not_hold_the_grader(monkeypatch):
     monkeypatch.setattr(steps, "PIPE_GRACE", 1.0)
-    steps._become_subreaper()                   # as run_nbgrader does: the leftover becomes ours
+    steps._become_subreaper()  # as run_nbgrader does: the leftover becomes ours
     before = set(steps._descendants(os.getpid()))
     started = time.monotonic()
-    output, timed_out = steps._wait_and_read(_step_with_a_leftover("sys.exit(3)"), 120,
-                                               lambda: steps._reap_orphans(before))
-    assert time.monotonic() - started < 60        # not the step's timeout, nor the leftover's 600 s
+    output, timed_out = steps._wait_and_read(
+        _step_with_a_leftover("sys.exit(3)"), 120, lambda: steps._reap_orphans(before)
+    )
+    assert time.monotonic() - started < 60  # not the step's timeout, nor the leftover's 600 s
     assert "graded" in output and not timed_out
     assert set(steps._descendants(os.getpid())) <= before, "the leftover was not stopped"
     # a step that runs past its timeout is stopped, and what it printed is kept
     proc = _step_with_a_leftover("time.sleep(600)")
     output, timed_out = steps._wait_and_read(proc, 3, lambda: steps._reap_orphans(before))
     assert timed_out and "graded" in output and proc.returncode == -signal.SIGKILL
-    steps._reap_orphans(before)                 # as run_nbgrader does after every step
+    steps._reap_orphans(before)  # as run_nbgrader does after every step
     assert set(steps._descendants(os.getpid())) <= before
 
 
 # ----------------------------------------------------------------------------------------
 # the course's install source is stamped into every released lab
 
+
 def test_install_source_is_stamped_into_the_setup_cell():
     cell = nbformat.v4.new_code_cell('DISTTRAIN_LAB_PIP = "disttrain-lab"   # set by the instructor\nimport os')
-    stamp = grading.StampInstallSource(pip_requirement='disttrain-lab @ git+https://example.org/x.git')
+    stamp = grading.StampInstallSource(pip_requirement="disttrain-lab @ git+https://example.org/x.git")
     nb, _ = stamp(nbformat.v4.new_notebook(cells=[cell]), {})  # as nbgrader calls it
-    assert nb.cells[0].source.splitlines()[0] == ('DISTTRAIN_LAB_PIP = "disttrain-lab @ git+https://example.org/x.git"'
-                                          '   # set by the instructor')
+    assert nb.cells[0].source.splitlines()[0] == (
+        'DISTTRAIN_LAB_PIP = "disttrain-lab @ git+https://example.org/x.git"   # set by the instructor'
+    )
 
 
 @pytest.mark.slow
 def test_released_labs_carry_the_configured_install_source():
     from disttrain_lab.grading.install_source import stamped_requirement
+
     configured = stamped_requirement(grading.configured_install_source())
     for lab in sorted((REPO / "labs").glob("*/*.ipynb")):
         setup = load(lab).cells[0].source

@@ -1,4 +1,5 @@
 """dl.launch inside a real Jupyter kernel: what a student actually sees."""
+
 from __future__ import annotations
 
 import time
@@ -31,35 +32,16 @@ CELLS = [
     "print(run.summary())\n"
     "ax = dl.viz.timeline(run)\n"
     "print('rows', len(ax.get_yticklabels()))",
-    "def broken():\n"
-    "    if dist.get_rank() == 1:\n"
-    "        return 1 / 0\n"
-    "    dist.barrier()\n"
-    "dl.launch(broken, 2)",
+    "def broken():\n    if dist.get_rank() == 1:\n        return 1 / 0\n    dist.barrier()\ndl.launch(broken, 2)",
     # what a rank's traceback names, whatever file name the pickler gives rebuilt code
     # (cloudpickle >= 3.1.3 writes "<dynamic-code>"): a helper from another cell, a lambda,
     # a nested function, a method of a class defined in a cell, a lab's stub
-    "def helper(x):\n"
-    "    y = x + 1\n"
-    "    return 1 / (y - y)",
-    "def calls_helper():\n"
-    "    return helper(dist.get_rank())\n"
-    "dl.launch(calls_helper, 2)",
-    "g = lambda: [1][dist.get_rank() + 5]\n"
-    "dl.launch(g, 2)",
-    "def outer():\n"
-    "    def inner():\n"
-    "        raise ValueError('inner broke')\n"
-    "    return inner()\n"
-    "dl.launch(outer, 2)",
-    "class Model:\n"
-    "    def go(self):\n"
-    "        return {}['missing']\n"
-    "dl.launch(Model().go, 2)",
-    "def ping_pong():\n"
-    "    # YOUR CODE HERE\n"
-    "    raise NotImplementedError()\n"
-    "dl.launch(ping_pong, 2)",
+    "def helper(x):\n    y = x + 1\n    return 1 / (y - y)",
+    "def calls_helper():\n    return helper(dist.get_rank())\ndl.launch(calls_helper, 2)",
+    "g = lambda: [1][dist.get_rank() + 5]\ndl.launch(g, 2)",
+    "def outer():\n    def inner():\n        raise ValueError('inner broke')\n    return inner()\ndl.launch(outer, 2)",
+    "class Model:\n    def go(self):\n        return {}['missing']\ndl.launch(Model().go, 2)",
+    "def ping_pong():\n    # YOUR CODE HERE\n    raise NotImplementedError()\ndl.launch(ping_pong, 2)",
 ]
 
 
@@ -92,8 +74,7 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
     assert "Cell In[8], line 4, in outer\n    return inner()\n" in error(7)
     assert "Cell In[8], line 3, in inner\n    raise ValueError('inner broke')" in error(7)
     assert "Cell In[9], line 3, in go\n    return {}['missing']" in error(8)
-    assert ("ping_pong is not written yet (Cell In[10], line 3 still raises the stub's NotImplementedError)"
-            in error(9))
+    assert "ping_pong is not written yet (Cell In[10], line 3 still raises the stub's NotImplementedError)" in error(9)
     assert "Cell In[10], line 3, in ping_pong\n    raise NotImplementedError()" in error(9)
 
 
@@ -102,8 +83,10 @@ def test_interrupting_the_kernel_stops_every_rank():
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         kc.execute_interactive("import disttrain_lab as dl, os, time", timeout=60)
-        msg_id = kc.execute("def sleeper():\n    print('pid', os.getpid(), flush=True)\n    time.sleep(1000)\n"
-                            "dl.launch(sleeper, 3, timeout=600)")
+        msg_id = kc.execute(
+            "def sleeper():\n    print('pid', os.getpid(), flush=True)\n    time.sleep(1000)\n"
+            "dl.launch(sleeper, 3, timeout=600)"
+        )
         pids, said, interrupted = [], "", False
         deadline = time.time() + 60
         while time.time() < deadline:

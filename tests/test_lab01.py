@@ -11,6 +11,7 @@
 
 The full autograde round trip (full marks, blank 0, partial) lives in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,17 +27,25 @@ import disttrain_lab as dl
 from disttrain_lab import checks
 from disttrain_lab.costmodel import AlphaBeta, fit_alpha_beta
 from disttrain_lab.trace import Event, Run
-from tests.notebooks import cell_by_id, output_of, pictures, run_solution, error_of_last_cell
+from tests.notebooks import cell_by_id, error_of_last_cell, output_of, pictures, run_solution
 
 REPO = Path(__file__).resolve().parent.parent
 LAB = REPO / "solutions" / "01_point_to_point" / "01_point_to_point.ipynb"
-BUDGET_S = 180          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["ping_pong", "ring_shift", "broadcast_linear", "broadcast_tree", "scatter", "gather",
-             "parameter_server_step"]
+BUDGET_S = 180  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = [
+    "ping_pong",
+    "ring_shift",
+    "broadcast_linear",
+    "broadcast_tree",
+    "scatter",
+    "gather",
+    "parameter_server_step",
+]
 
 
 # ----------------------------------------------------------------------------------------
 # Running notebooks
+
 
 def load_lab() -> nbformat.NotebookNode:
     return nbformat.read(LAB, as_version=4)
@@ -45,13 +54,16 @@ def load_lab() -> nbformat.NotebookNode:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
+
     assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("autograding", [True, False], ids=["grader", "student"])
@@ -63,15 +75,21 @@ def test_solution_notebook_executes_within_budget(autograding):
 
 # Wrong answers the graded tests must catch: (exercise, wrong solution, words the failure must contain)
 WRONG = [
-    ("ring_shift", '''
+    (
+        "ring_shift",
+        """
 def ring_shift(x):
     rank, n = dist.get_rank(), dist.get_world_size()
     received = torch.empty_like(x)
     dist.send(x, dst=(rank + 1) % n)          # every rank sends first: deadlock
     dist.recv(received, src=(rank - 1) % n)
     return received
-''', "deadlock"),
-    ("broadcast_tree", '''
+""",
+        "deadlock",
+    ),
+    (
+        "broadcast_tree",
+        """
 def broadcast_tree(x, src):                   # really the linear broadcast
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank == src:
@@ -81,13 +99,21 @@ def broadcast_tree(x, src):                   # really the linear broadcast
     else:
         dist.recv(x, src=src)
     return x
-''', "ceil(log2 4)"),
-    ("broadcast_linear", '''
+""",
+        "ceil(log2 4)",
+    ),
+    (
+        "broadcast_linear",
+        """
 def broadcast_linear(x, src):
     dist.broadcast(x, src=src)
     return x
-''', "collective broadcast"),
-    ("ping_pong", '''
+""",
+        "collective broadcast",
+    ),
+    (
+        "ping_pong",
+        """
 def ping_pong(x, repeats=1):
     rank = dist.get_rank()
     if rank == 0:
@@ -101,8 +127,12 @@ def ping_pong(x, repeats=1):
         for _ in range(repeats):
             dist.send(x, dst=0)
     return x
-''', "a ping must wait for its pong"),
-    ("gather", '''
+""",
+        "a ping must wait for its pong",
+    ),
+    (
+        "gather",
+        """
 def gather(x, chunks, dst):
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank != dst:
@@ -112,13 +142,19 @@ def gather(x, chunks, dst):
         if peer != dst:
             dist.recv(chunks[peer], src=peer)
     return chunks                              # forgot its own chunk
-''', "chunk 0 on rank 0"),
-    ("parameter_server_step", '''
+""",
+        "chunk 0 on rank 0",
+    ),
+    (
+        "parameter_server_step",
+        """
 def parameter_server_step(grad, server):
     average = grad.clone() if dist.get_rank() != server else torch.zeros_like(grad)
     dist.all_reduce(average)
     return average / (dist.get_world_size() - 1)
-''', "collective all_reduce"),
+""",
+        "collective all_reduce",
+    ),
 ]
 
 
@@ -126,9 +162,14 @@ def parameter_server_step(grad, server):
 @pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[w[0] for w in WRONG])
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     lab = load_lab()
-    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(lab.cells[0]), nbformat.v4.new_code_cell(wrong),
-                                         copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
-    if exercise == "broadcast_tree":   # its test reuses the helpers of the linear test cell
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            copy.deepcopy(lab.cells[0]),
+            nbformat.v4.new_code_cell(wrong),
+            copy.deepcopy(cell_by_id(lab, f"test_{exercise}")),
+        ]
+    )
+    if exercise == "broadcast_tree":  # its test reuses the helpers of the linear test cell
         nb.cells.insert(1, copy.deepcopy(cell_by_id(lab, "ex_broadcast_linear")))
         nb.cells.insert(2, copy.deepcopy(cell_by_id(lab, "test_broadcast_linear")))
     found = error_of_last_cell(nb)
@@ -138,21 +179,28 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
 # ----------------------------------------------------------------------------------------
 # checks.py, without launching
 
+
 def test_assert_close_passes_on_equal_and_within_tolerance():
     checks.assert_close(torch.arange(6).reshape(2, 3), torch.arange(6).reshape(2, 3))
     checks.assert_close(torch.ones(3) + 1e-7, torch.ones(3))
     checks.assert_close(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64) + 1e-9)
 
 
-@pytest.mark.parametrize("actual, expected, words", [
-    (None, torch.ones(2), ["got NoneType", "shape (2,)"]),
-    (torch.ones(3), torch.ones(4), ["expected shape (4,), got shape (3,)"]),
-    (torch.ones(3, dtype=torch.float64), torch.ones(3), ["expected dtype float32, got float64"]),
-    (torch.tensor([[1.0, 2.0], [3.0, 9.0]]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
-     ["max abs diff 5 at index (1, 1)", "got 9.0, expected 4.0", "1 of 4 elements", "rtol="]),
-    (torch.tensor([5, 6]), torch.tensor([5, 7]), ["integers must match exactly", "index (1,)"]),
-    (torch.ones(3) + 1e-3, torch.ones(3), ["3 of 3 elements differ, the first at index (0,)"]),
-])
+@pytest.mark.parametrize(
+    "actual, expected, words",
+    [
+        (None, torch.ones(2), ["got NoneType", "shape (2,)"]),
+        (torch.ones(3), torch.ones(4), ["expected shape (4,), got shape (3,)"]),
+        (torch.ones(3, dtype=torch.float64), torch.ones(3), ["expected dtype float32, got float64"]),
+        (
+            torch.tensor([[1.0, 2.0], [3.0, 9.0]]),
+            torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+            ["max abs diff 5 at index (1, 1)", "got 9.0, expected 4.0", "1 of 4 elements", "rtol="],
+        ),
+        (torch.tensor([5, 6]), torch.tensor([5, 7]), ["integers must match exactly", "index (1,)"]),
+        (torch.ones(3) + 1e-3, torch.ones(3), ["3 of 3 elements differ, the first at index (0,)"]),
+    ],
+)
 def test_assert_close_fails_with_a_useful_message(actual, expected, words):
     with pytest.raises(AssertionError) as info:
         checks.assert_close(actual, expected, what="rank 2's tensor")
@@ -179,10 +227,16 @@ def _run(events) -> Run:
 
 
 def test_within_keeps_only_the_region_of_each_rank():
-    run = _run([_event(0, "region", 1.0, 2.0, name="student"), _event(1, "region", 1.5, 3.0, name="student"),
-                _event(0, "send", 1.1, 1.2, peer=1), _event(1, "recv", 1.6, 1.7, peer=0),
-                _event(0, "broadcast", 2.5, 2.6, peer=0),          # reference after rank 0's region
-                _event(1, "broadcast", 2.5, 2.6, peer=0)])         # inside rank 1's region: counts
+    run = _run(
+        [
+            _event(0, "region", 1.0, 2.0, name="student"),
+            _event(1, "region", 1.5, 3.0, name="student"),
+            _event(0, "send", 1.1, 1.2, peer=1),
+            _event(1, "recv", 1.6, 1.7, peer=0),
+            _event(0, "broadcast", 2.5, 2.6, peer=0),  # reference after rank 0's region
+            _event(1, "broadcast", 2.5, 2.6, peer=0),
+        ]
+    )  # inside rank 1's region: counts
     inside = checks.within(run, "student")
     assert [(e.rank, e.op) for e in inside.events] == [(0, "send"), (1, "recv"), (1, "broadcast")]
     assert inside.bytes_sent(0) == 4 and inside.world_size == 2
@@ -191,11 +245,23 @@ def test_within_keeps_only_the_region_of_each_rank():
 
 
 def test_assert_only_p2p():
-    p2p = _run([_event(0, "isend", 0.1, 0.2, peer=1), _event(1, "recv", 0.1, 0.3, peer=0),
-                _event(0, "wait", 0.2, 0.3, peer=1, kind="wait")])
+    p2p = _run(
+        [
+            _event(0, "isend", 0.1, 0.2, peer=1),
+            _event(1, "recv", 0.1, 0.3, peer=0),
+            _event(0, "wait", 0.2, 0.3, peer=1, kind="wait"),
+        ]
+    )
     checks.assert_only_p2p(p2p, "ring_shift")
-    mixed = _run(p2p.events + [_event(0, "all_reduce", 0.4, 0.5), _event(1, "all_reduce", 0.4, 0.5),
-                               _event(1, "all_reduce", 0.6, 0.7), _event(1, "barrier", 0.8, 0.9)])
+    mixed = _run(
+        p2p.events
+        + [
+            _event(0, "all_reduce", 0.4, 0.5),
+            _event(1, "all_reduce", 0.4, 0.5),
+            _event(1, "all_reduce", 0.6, 0.7),
+            _event(1, "barrier", 0.8, 0.9),
+        ]
+    )
     with pytest.raises(AssertionError) as info:
         checks.assert_only_p2p(mixed, "broadcast_tree")
     message = str(info.value)
@@ -204,8 +270,14 @@ def test_assert_only_p2p():
 
 
 def test_sends_and_receives():
-    run = _run([_event(0, "send", 0.1, 0.2, peer=1), _event(0, "isend", 0.3, 0.4, peer=1),
-                _event(1, "recv", 0.1, 0.2, peer=0), _event(1, "irecv", 0.3, 0.4, peer=0)])
+    run = _run(
+        [
+            _event(0, "send", 0.1, 0.2, peer=1),
+            _event(0, "isend", 0.3, 0.4, peer=1),
+            _event(1, "recv", 0.1, 0.2, peer=0),
+            _event(1, "irecv", 0.3, 0.4, peer=0),
+        ]
+    )
     assert [e.op for e in checks.sends(run, 0)] == ["send", "isend"]
     assert checks.sends(run, 0, peer=0) == [] and checks.sends(run, 1) == []
     assert [e.op for e in checks.receives(run, 1, peer=0)] == ["recv", "irecv"]
@@ -213,13 +285,17 @@ def test_sends_and_receives():
 
 def test_verify_untampered_catches_replaced_functions(monkeypatch):
     checks.verify_untampered()
-    for module, name in [(dist, "broadcast"), (torch, "allclose"), (checks, "assert_close"),
-                         (checks, "assert_only_p2p")]:
+    for module, name in [
+        (dist, "broadcast"),
+        (torch, "allclose"),
+        (checks, "assert_close"),
+        (checks, "assert_only_p2p"),
+    ]:
         with monkeypatch.context() as patch:
             patch.setattr(module, name, lambda *args, **kwargs: True)
             with pytest.raises(dl.TamperingError, match=f"{module.__name__}.{name} was replaced"):
                 checks.verify_untampered()
-    checks.verify_untampered()     # everything restored: passes again
+    checks.verify_untampered()  # everything restored: passes again
 
 
 def test_passed_prints_a_friendly_line(capsys):
@@ -230,6 +306,7 @@ def test_passed_prints_a_friendly_line(capsys):
 # ----------------------------------------------------------------------------------------
 # checks.py on a real launch
 
+
 def _broadcast_with_reference():
     x = torch.arange(4.0) if dist.get_rank() == 1 else torch.zeros(4)
     with dl.region("student"):
@@ -238,7 +315,7 @@ def _broadcast_with_reference():
         else:
             dist.recv(x, src=1)
     expected = x.clone()
-    dist.broadcast(expected, src=1)          # the reference, outside the student's region
+    dist.broadcast(expected, src=1)  # the reference, outside the student's region
     return x
 
 
@@ -253,6 +330,7 @@ def test_within_a_real_traced_launch():
 
 # ----------------------------------------------------------------------------------------
 # costmodel.py
+
 
 def test_fit_alpha_beta_recovers_the_model():
     sizes = [1, 100, 10_000, 1_000_000, 4_000_000]
@@ -271,11 +349,14 @@ def test_fit_alpha_beta_weights_small_messages():
     assert fit_alpha_beta(sizes, seconds).alpha == pytest.approx(50e-6, rel=0.05)
 
 
-@pytest.mark.parametrize("nbytes, seconds, words", [
-    ([1, 1, 1], [1e-5, 1e-5, 1e-5], "at least two different message sizes"),
-    ([1, 2], [1e-5], "the same length"),
-    ([1, 2], [1e-5, 0.0], "every time must be > 0"),
-])
+@pytest.mark.parametrize(
+    "nbytes, seconds, words",
+    [
+        ([1, 1, 1], [1e-5, 1e-5, 1e-5], "at least two different message sizes"),
+        ([1, 2], [1e-5], "the same length"),
+        ([1, 2], [1e-5, 0.0], "every time must be > 0"),
+    ],
+)
 def test_fit_alpha_beta_rejects_bad_input(nbytes, seconds, words):
     with pytest.raises(ValueError, match=words):
         fit_alpha_beta(nbytes, seconds)

@@ -13,6 +13,7 @@ all-reduce bench harness and ring-steps picture work.
 
 The notebook helpers come from test_lab01; the autograde round trip lives in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,14 +27,19 @@ import torch
 import disttrain_lab as dl
 from disttrain_lab import bench
 from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, output_of, pictures, run_solution, error_of_last_cell
+from tests.notebooks import REPO, cell_by_id, error_of_last_cell, output_of, pictures, run_solution
 
 matplotlib.use("Agg")
 
 LAB = REPO / "solutions" / "02_all_reduce" / "02_all_reduce.ipynb"
-BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
-             "halving_doubling_all_reduce"]
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = [
+    "naive_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "halving_doubling_all_reduce",
+]
 FUNCTIONS = ["naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce"]
 
 
@@ -50,6 +56,7 @@ def solution() -> dict:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
     # the exercise asks for a ValueError that says "power of two" (torch's own ValueError for a partner
     # rank that does not exist must not pass), and the graded cell matches exactly that
@@ -61,11 +68,13 @@ def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
+
     assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
+
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
@@ -79,12 +88,18 @@ def test_solution_notebook_executes_within_budget():
 
 # Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
 WRONG = [
-    ("ring_all_reduce", '''
+    (
+        "ring_all_reduce",
+        """
 def ring_all_reduce(x):
     dist.all_reduce(x)
     return x
-''', "collective all_reduce"),
-    ("ring_all_reduce", '''
+""",
+        "collective all_reduce",
+    ),
+    (
+        "ring_all_reduce",
+        """
 def ring_all_reduce(x):                       # passes whole tensors around the ring: N-1 steps of S bytes
     rank, n = dist.get_rank(), dist.get_world_size()
     total, message, incoming = x.clone(), x.clone(), torch.empty_like(x)
@@ -96,8 +111,12 @@ def ring_all_reduce(x):                       # passes whole tensors around the 
         message = incoming.clone()
     x.copy_(total)
     return x
-''', "Send one chunk of S/N per step, not the whole tensor"),
-    ("naive_all_reduce", '''
+""",
+        "Send one chunk of S/N per step, not the whole tensor",
+    ),
+    (
+        "naive_all_reduce",
+        """
 def naive_all_reduce(x):                      # reduces to rank 0, forgets to send the sum back
     rank, n = dist.get_rank(), dist.get_world_size()
     if rank == 0:
@@ -108,9 +127,13 @@ def naive_all_reduce(x):                      # reduces to rank 0, forgets to se
     else:
         dist.send(x, dst=0)
     return x
-''', "rank 1's x after the call"),
-    ("halving_doubling_all_reduce", None, "not a power of two"),     # the solution without its check
-    ("ring_reduce_scatter", '''
+""",
+        "rank 1's x after the call",
+    ),
+    ("halving_doubling_all_reduce", None, "not a power of two"),  # the solution without its check
+    (
+        "ring_reduce_scatter",
+        """
 def ring_reduce_scatter(flat):                # the textbook indices: rank r ends with chunk r+1
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = flat.tensor_split(n)
@@ -122,7 +145,9 @@ def ring_reduce_scatter(flat):                # the textbook indices: rank r end
         chunks[recv].add_(buffer)
         request.wait()
     return chunks[rank]
-''', "the chunk rank 0 returned"),
+""",
+        "the chunk rank 0 returned",
+    ),
 ]
 
 
@@ -133,18 +158,30 @@ def _without_power_of_two_check(source: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise, wrong, message", WRONG,
-                         ids=["ring_calls_all_reduce", "ring_sends_whole_tensor", "naive_without_broadcast",
-                              "halving_on_3_ranks", "reduce_scatter_wrong_chunk"])
+@pytest.mark.parametrize(
+    "exercise, wrong, message",
+    WRONG,
+    ids=[
+        "ring_calls_all_reduce",
+        "ring_sends_whole_tensor",
+        "naive_without_broadcast",
+        "halving_on_3_ranks",
+        "reduce_scatter_wrong_chunk",
+    ],
+)
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     lab = load_lab()
     if wrong is None:
         wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
     scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
-    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch)] + [
-        nbformat.v4.new_code_cell(wrong),
-        copy.deepcopy(cell_by_id(lab, "test_helpers")),
-        copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
+    nb = nbformat.v4.new_notebook(
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch)]
+        + [
+            nbformat.v4.new_code_cell(wrong),
+            copy.deepcopy(cell_by_id(lab, "test_helpers")),
+            copy.deepcopy(cell_by_id(lab, f"test_{exercise}")),
+        ]
+    )
     found = error_of_last_cell(nb)
     assert message in found, found
 
@@ -152,14 +189,25 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
 # ----------------------------------------------------------------------------------------
 # The bench harness
 
+
 def test_busbw_factor_and_sizes():
     assert bench.busbw_factor(2) == 1.0 and bench.busbw_factor(4) == 1.5 and bench.busbw_factor(8) == 1.75
     assert bench.ALLREDUCE_SIZES[0] == 4 << 10 and bench.ALLREDUCE_SIZES[-1] == 64 << 20
 
 
 def test_format_allreduce_table():
-    rows = [{"algorithm": name, "world_size": 4, "bytes": 1 << 20, "median_s": t, "algbw": (1 << 20) / t,
-             "busbw": (1 << 20) / t * 1.5, "repeats": 5} for name, t in (("ring", 0.02), ("dist.all_reduce", 0.01))]
+    rows = [
+        {
+            "algorithm": name,
+            "world_size": 4,
+            "bytes": 1 << 20,
+            "median_s": t,
+            "algbw": (1 << 20) / t,
+            "busbw": (1 << 20) / t * 1.5,
+            "repeats": 5,
+        }
+        for name, t in (("ring", 0.02), ("dist.all_reduce", 0.01))
+    ]
     rows.append({"algorithm": "broken", "world_size": 4, "error": "RankError: NotImplementedError"})
     table = bench.format_allreduce_table(rows)
     assert "busbw in GB/s on 4 ranks, median of 5" in table
@@ -176,9 +224,11 @@ def test_functions_from_notebook_runs_definitions_not_tests(solution):
 
 def test_bench_allreduce_measures_side_by_side_and_skips_broken(solution):
     def broken(x):
-        return x                      # forgets to communicate: wrong on every rank
-    rows = bench.bench_allreduce({"ring": solution["ring_all_reduce"], "broken": broken}, world_size=2,
-                                 sizes=[4 << 10, 64 << 10], repeats=2)
+        return x  # forgets to communicate: wrong on every rank
+
+    rows = bench.bench_allreduce(
+        {"ring": solution["ring_all_reduce"], "broken": broken}, world_size=2, sizes=[4 << 10, 64 << 10], repeats=2
+    )
     timed = {(r["algorithm"], r["bytes"]): r for r in rows if "error" not in r}
     assert set(timed) == {(a, s) for a in ("ring", "dist.all_reduce") for s in (4 << 10, 64 << 10)}
     for row in timed.values():
@@ -188,20 +238,54 @@ def test_bench_allreduce_measures_side_by_side_and_skips_broken(solution):
 
 
 def test_cli_bench_allreduce_uses_the_notebook():
-    out = run_python(["-m", "disttrain_lab.cli", "bench", "allreduce", "--notebook", str(LAB),
-                      "--world-size", "2", "--min-bytes", str(16 << 10), "--max-bytes", str(64 << 10),
-                      "--repeats", "2"], timeout=240, cwd=REPO)
+    out = run_python(
+        [
+            "-m",
+            "disttrain_lab.cli",
+            "bench",
+            "allreduce",
+            "--notebook",
+            str(LAB),
+            "--world-size",
+            "2",
+            "--min-bytes",
+            str(16 << 10),
+            "--max-bytes",
+            str(64 << 10),
+            "--repeats",
+            "2",
+        ],
+        timeout=240,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout
     for name in FUNCTIONS + ["dist.all_reduce", "16.0 KiB", "64.0 KiB"]:
         assert name in out.stdout, out.stdout
     assert " 4.0 KiB" not in out.stdout and "not measured" not in out.stdout, out.stdout
-    empty = run_python(["-m", "disttrain_lab.cli", "bench", "allreduce", "--notebook", str(LAB),
-                        "--min-bytes", str(5 << 10), "--max-bytes", str(15 << 10)], timeout=240, cwd=REPO)
-    assert empty.returncode == 2 and "no size between --min-bytes 5120 and --max-bytes 15360" in empty.stdout, empty.stdout
+    empty = run_python(
+        [
+            "-m",
+            "disttrain_lab.cli",
+            "bench",
+            "allreduce",
+            "--notebook",
+            str(LAB),
+            "--min-bytes",
+            str(5 << 10),
+            "--max-bytes",
+            str(15 << 10),
+        ],
+        timeout=240,
+        cwd=REPO,
+    )
+    assert empty.returncode == 2 and "no size between --min-bytes 5120 and --max-bytes 15360" in empty.stdout, (
+        empty.stdout
+    )
 
 
 # ----------------------------------------------------------------------------------------
 # The ring-steps picture, from a real traced run
+
 
 def _ring_run(fn, n: int, numel: int):
     return dl.launch(lambda: fn(torch.full((numel,), float(1 << torch.distributed.get_rank()))), n, trace=True)
@@ -242,9 +326,14 @@ def test_halving_doubling_moves_the_ring_bytes_in_fewer_rounds(solution):
 
 def test_functions_from_notebook_loads_dataclasses(tmp_path):
     # the notebook's cells must not inherit bench.py's `from __future__ import annotations`
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "from dataclasses import dataclass\n\n@dataclass\nclass Config:\n    width: int = 3\n\n"
-        "def make():\n    return Config().width\n")])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell(
+                "from dataclasses import dataclass\n\n@dataclass\nclass Config:\n    width: int = 3\n\n"
+                "def make():\n    return Config().width\n"
+            )
+        ]
+    )
     path = tmp_path / "lab.ipynb"
     nbformat.write(nb, path)
     assert bench.functions_from_notebook(path, ["make"])["make"]() == 3

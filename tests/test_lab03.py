@@ -15,6 +15,7 @@ DDP bench harness works.
 
 The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,14 +26,31 @@ import pytest
 
 from disttrain_lab import bench
 from tests.helpers import needs_gpus, run_python
-from tests.notebooks import (REPO, cell_by_id, errors, execute, output_of, pictures, run_solution,
-                             text, error_of_last_cell, code_cells_on_device, device_setting, execute_without_errors)
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    code_cells_on_device,
+    device_setting,
+    error_of_last_cell,
+    errors,
+    execute,
+    execute_without_errors,
+    output_of,
+    pictures,
+    run_solution,
+    text,
+)
 
 LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
-BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"shard": "def shard(", "broadcast_parameters": "def broadcast_parameters(",
-             "average_gradients": "def average_gradients(", "overlapped_ddp": "class OverlappedDDP",
-             "bucketed_ddp": "class BucketedDDP", "no_sync": "class AccumulatingDDP"}
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {
+    "shard": "def shard(",
+    "broadcast_parameters": "def broadcast_parameters(",
+    "average_gradients": "def average_gradients(",
+    "overlapped_ddp": "class OverlappedDDP",
+    "bucketed_ddp": "class BucketedDDP",
+    "no_sync": "class AccumulatingDDP",
+}
 CLASSES = ["NaiveDDP", "OverlappedDDP", "BucketedDDP", "AccumulatingDDP"]
 
 
@@ -49,17 +67,22 @@ def solution() -> dict:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3, 4; tied and frozen models; batches that do not divide by N
     nb = load_lab()
-    hidden = "".join("".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
-                     for e in EXERCISES if e != "shard")
+    hidden = "".join(
+        "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
+        for e in EXERCISES
+        if e != "shard"
+    )
     for needle in ('"tied", 4', '"frozen", 3', '"mlp", 3', "batch=9", "batch=7"):
         assert needle in hidden, needle
 
 
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
+
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
@@ -68,23 +91,35 @@ def test_solution_notebook_executes_within_budget():
     for name in ("naive", "overlapped", "bucketed (25 MiB)", bench.TORCH_DDP):
         assert name in table, table
     assert "rank 1 slower by  50 ms" in output_of(nb, "def _timed_steps")
-    assert pictures(nb) >= 3, f"expected the three timelines, the bucket sweep and the async/sync plot, got {pictures(nb)}"
+    assert pictures(nb) >= 3, (
+        f"expected the three timelines, the bucket sweep and the async/sync plot, got {pictures(nb)}"
+    )
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
 WRONG = [
-    ("shard", '''
+    (
+        "shard",
+        """
 def shard(x, rank, world_size):               # drops the len(x) % world_size last rows
     size = len(x) // world_size
     return x[rank * size:(rank + 1) * size]
-''', "none dropped"),
-    ("average_gradients", '''
+""",
+        "none dropped",
+    ),
+    (
+        "average_gradients",
+        """
 def average_gradients(model):                 # sums, forgets to divide by N
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
-''', "against one process training on the whole batch"),
-    ("overlapped_ddp", '''
+""",
+        "against one process training on the whole batch",
+    ),
+    (
+        "overlapped_ddp",
+        """
 class OverlappedDDP(nn.Module):               # waits inside each hook: no overlap
     def __init__(self, module):
         super().__init__()
@@ -103,8 +138,12 @@ class OverlappedDDP(nn.Module):               # waits inside each hook: no overl
 
     def finish_gradient_synchronization(self):
         pass
-''', "(no overlap)"),
-    ("overlapped_ddp", '''
+""",
+        "(no overlap)",
+    ),
+    (
+        "overlapped_ddp",
+        """
 class OverlappedDDP:                          # right numbers, but not an nn.Module like DDP
     def __init__(self, model):
         self.model, self.world_size, self.pending = model, dist.get_world_size(), []
@@ -121,14 +160,22 @@ class OverlappedDDP:                          # right numbers, but not an nn.Mod
             work.wait()
             param.grad /= self.world_size
         self.pending.clear()
-''', "should be an nn.Module whose .module is the model it wraps"),
-    ("no_sync", '''
+""",
+        "should be an nn.Module whose .module is the model it wraps",
+    ),
+    (
+        "no_sync",
+        """
 class AccumulatingDDP(BucketedDDP):           # no_sync() that changes nothing
     @contextlib.contextmanager
     def no_sync(self):
         yield
-''', "under no_sync()"),
-    ("no_sync", '''
+""",
+        "under no_sync()",
+    ),
+    (
+        "no_sync",
+        """
 class AccumulatingDDP(BucketedDDP):           # no_sync() right, but a blocking all-reduce inside the hook
     require_sync = True
 
@@ -154,7 +201,9 @@ class AccumulatingDDP(BucketedDDP):           # no_sync() right, but a blocking 
     def finish_gradient_synchronization(self):
         self.pending.clear()
         self.ready = [0] * len(self.buckets)
-''', "blocking all-reduce call(s)"),
+""",
+        "blocking all-reduce call(s)",
+    ),
 ]
 
 
@@ -170,37 +219,53 @@ def _notebook(lab, replaced: str, wrong: str, tests: list[str]) -> nbformat.Note
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[
-    "shard_drops_remainder", "average_gradients_sums", "overlapped_waits_in_hook", "overlapped_not_a_module",
-    "no_sync_communicates", "no_sync_blocking_all_reduce"])
+@pytest.mark.parametrize(
+    "exercise, wrong, message",
+    WRONG,
+    ids=[
+        "shard_drops_remainder",
+        "average_gradients_sums",
+        "overlapped_waits_in_hook",
+        "overlapped_not_a_module",
+        "no_sync_communicates",
+        "no_sync_blocking_all_reduce",
+    ],
+)
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     found = error_of_last_cell(_notebook(load_lab(), exercise, wrong, [exercise]), LAB.parent)
     assert message in found, found
 
 
-BROADCAST_SKIPS_FROZEN = '''
+BROADCAST_SKIPS_FROZEN = """
 def broadcast_parameters(model):              # forgets the frozen parameters
     for p in model.parameters():
         if p.requires_grad:
             dist.broadcast(p.data, src=0)
-'''
+"""
 
 
 @pytest.mark.slow
 def test_broadcast_skipping_frozen_fails_and_costs_average_gradients_nothing():
     # one execution: the broadcast test names the rule (its hidden frozen case); average_gradients, graded
     # through NaiveDDP (which broadcasts), is graded with the grader's broadcast instead and keeps its points
-    nb, _ = execute(_notebook(load_lab(), "broadcast_parameters", BROADCAST_SKIPS_FROZEN,
-                              ["broadcast_parameters", "average_gradients"]), autograding=True, cwd=LAB.parent)
+    nb, _ = execute(
+        _notebook(
+            load_lab(), "broadcast_parameters", BROADCAST_SKIPS_FROZEN, ["broadcast_parameters", "average_gradients"]
+        ),
+        autograding=True,
+        cwd=LAB.parent,
+    )
     for cell in nb.cells[:-2]:
         assert not errors(cell), errors(cell)
     broadcast, average = nb.cells[-2:]
     assert errors(broadcast) and "frozen ones too, is copied from rank 0" in errors(broadcast)[0], errors(broadcast)
     assert not errors(average) and "the grader checks average_gradients with its own" in text(average), (
-        errors(average), text(average))
+        errors(average),
+        text(average),
+    )
 
 
-FORWARD_ORDER_BUCKETS = '''
+FORWARD_ORDER_BUCKETS = """
 class BucketedDDP(nn.Module):                 # fills its buckets in forward order
     def __init__(self, module, bucket_mb=25.0):
         super().__init__()
@@ -236,22 +301,27 @@ class BucketedDDP(nn.Module):                 # fills its buckets in forward ord
                 p.grad.copy_(g.view_as(p))
         self.pending.clear()
         self.ready = [0] * len(self.buckets)
-'''
+"""
 
 
 @pytest.mark.slow
 def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
     # one execution: the bucketed test names the rule; no_sync, built on this BucketedDDP, is graded on the
     # grader's own BucketedDDP instead and keeps its points (dependent exercises do not chain losses)
-    nb, _ = execute(_notebook(load_lab(), "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"]),
-                    autograding=True, cwd=LAB.parent)
+    nb, _ = execute(
+        _notebook(load_lab(), "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"]),
+        autograding=True,
+        cwd=LAB.parent,
+    )
     for cell in nb.cells[:-2]:
         assert not errors(cell), errors(cell)
     bucketed, no_sync = nb.cells[-2:]
     assert errors(bucketed) and "in *reverse* order of model.parameters()" in errors(bucketed)[0], errors(bucketed)
     assert "[1356, 384] B" in errors(bucketed)[0], errors(bucketed)
     assert not errors(no_sync) and "the grader checks no_sync() on its own BucketedDDP" in text(no_sync), (
-        errors(no_sync), text(no_sync))
+        errors(no_sync),
+        text(no_sync),
+    )
 
 
 @needs_gpus(2)
@@ -260,7 +330,7 @@ def test_exercises_and_graded_cells_pass_on_gpus():
     execute_without_errors(code_cells_on_device(load_lab(), "test_no_sync", "cuda"), LAB.parent)
 
 
-ONE_RANK_CHECKS = '''
+ONE_RANK_CHECKS = """
 # every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
 # with the graded cells' own checks (trace, overlap, buckets, single-process reference)
 for kind in ("mlp", "tied", "frozen"):
@@ -274,7 +344,7 @@ for kind in ("mlp", "tied", "frozen"):
                    micro_steps=3, buckets=_buckets, overlap=True)]
     print("backends:", sorted({run.backend for run in _runs}))
 print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
-'''
+"""
 
 
 def one_rank_notebook(device: str) -> nbformat.NotebookNode:
@@ -283,8 +353,14 @@ def one_rank_notebook(device: str) -> nbformat.NotebookNode:
     lab = load_lab()
     setup, device_cell = lab.cells[0], device_setting(lab, device)
     given = next(c for c in lab.cells if "def shard_loss(" in c.source)
-    cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
-             nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
+    cells = [
+        setup,
+        device_cell,
+        given,
+        *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES),
+        cell_by_id(lab, "test_helpers"),
+        nbformat.v4.new_code_cell(ONE_RANK_CHECKS),
+    ]
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
 
 
@@ -304,9 +380,12 @@ def test_exercises_on_one_gpu():
 # ----------------------------------------------------------------------------------------
 # The bench harness
 
+
 def test_format_ddp_table():
-    rows = [{"version": name, "world_size": 2, "steps_per_s": s, "repeats": 5, "parameters": 8_400_000,
-             "ratio": s / 4.0} for name, s in (("bucketed", 3.8), (bench.TORCH_DDP, 4.0))]
+    rows = [
+        {"version": name, "world_size": 2, "steps_per_s": s, "repeats": 5, "parameters": 8_400_000, "ratio": s / 4.0}
+        for name, s in (("bucketed", 3.8), (bench.TORCH_DDP, 4.0))
+    ]
     table = bench.format_ddp_table(rows)
     assert "training steps/s on 2 ranks, MLP of 8.4 M parameters, median of 5" in table
     assert "0.95x" in table and "1.00x" in table
@@ -328,8 +407,11 @@ def test_bench_ddp_rejects_one_rank():
 
 @pytest.mark.slow
 def test_cli_bench_ddp_uses_the_notebook():
-    out = run_python(["-m", "disttrain_lab.cli", "bench", "ddp", "--notebook", str(LAB), "--repeats", "1",
-                      "--bucket-mb", "4"], timeout=240, cwd=REPO)
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "ddp", "--notebook", str(LAB), "--repeats", "1", "--bucket-mb", "4"],
+        timeout=240,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout
     for name in ("naive", "overlapped", "bucketed (4 MiB)", bench.TORCH_DDP, "vs torch DDP"):
         assert name in out.stdout, out.stdout

@@ -15,6 +15,7 @@
 The notebook helpers come from tests/notebooks.py (via test_lab01); disttrain_lab.memory has its
 own tests in test_memory.py; the autograde round trip lives in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,15 +26,31 @@ import pytest
 
 from disttrain_lab import bench
 from tests.helpers import needs_gpus, run_python
-from tests.notebooks import (REPO, cell_by_id, errors, execute, text, output_of, pictures,
-                             run_solution, error_of_last_cell, code_cells_on_device, device_setting, execute_without_errors)
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    code_cells_on_device,
+    device_setting,
+    error_of_last_cell,
+    errors,
+    execute,
+    execute_without_errors,
+    output_of,
+    pictures,
+    run_solution,
+    text,
+)
 
 matplotlib.use("Agg")
 
 LAB = REPO / "solutions" / "04_zero" / "04_zero.ipynb"
-BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"zero_memory": "zero_memory_per_rank", "zero1": "Zero1Optimizer", "zero2": "Zero2Optimizer",
-             "zero3": "Zero3Module"}
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {
+    "zero_memory": "zero_memory_per_rank",
+    "zero1": "Zero1Optimizer",
+    "zero2": "Zero2Optimizer",
+    "zero3": "Zero3Module",
+}
 CLASSES = {"Zero1Optimizer": 1, "Zero2Optimizer": 2, "Zero3Module": 3}
 
 
@@ -50,6 +67,7 @@ def solution() -> dict:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_memory_module_measures_and_holds_no_formula():
     memory_source = (REPO / "disttrain_lab" / "memory.py").read_text()
     assert "stage" not in memory_source.lower(), "memory.py measures; the ZeRO formula is the lab's exercise"
@@ -58,23 +76,26 @@ def test_memory_module_measures_and_holds_no_formula():
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 
+
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
     measured = next(c for c in nb.cells if c.cell_type == "code" and "def _measure(cls" in c.source)
     lines = [line.split() for line in text(measured).splitlines() if line[:1].isdigit()]
     assert [line[0] for line in lines] == ["0", "1", "2", "3"], text(measured)
-    for line in lines:                 # stage, measured, formula, ratio, sent, "B", "2Ψ", "=", expected, "B"
+    for line in lines:  # stage, measured, formula, ratio, sent, "B", "2Ψ", "=", expected, "B"
         assert 1.0 <= float(line[3]) <= 1.01 and line[4] == line[8], text(measured)
     table = output_of(nb, "bench.format_zero_table(rows)")
     for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "held/formula"]:
         assert name in table, table
-    assert pictures(nb) >= 3, f"expected the calculator's bars, measured-vs-formula bars and a timeline, got {pictures(nb)}"
+    assert pictures(nb) >= 3, (
+        f"expected the calculator's bars, measured-vs-formula bars and a timeline, got {pictures(nb)}"
+    )
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong code added after the solution cells,
 # words the failure must contain)
-ZERO1_WITHOUT_MEAN = '''
+ZERO1_WITHOUT_MEAN = """
 class Zero1Optimizer(Zero1Optimizer):         # reduce-scatters the SUM: forgets the ÷ N
     def step(self, closure=None):
         for p, shard in zip(self.params, self.shards):
@@ -85,25 +106,39 @@ class Zero1Optimizer(Zero1Optimizer):         # reduce-scatters the SUM: forgets
         for shard in self.shards:
             shard.grad = None
         self.all_gather_parameters()
-'''
+"""
 WRONG = {
-    "zero1_full_optimizer_state": ("zero1", '''
+    "zero1_full_optimizer_state": (
+        "zero1",
+        """
 class Zero1Optimizer(DataParallelOptimizer):   # the wrapped optimizer over the whole model on every rank
     pass
-''', "of optimizer state after backward; ZeRO-1 shards it"),
-    "zero1_without_padding": ("zero1", '''
+""",
+        "of optimizer state after backward; ZeRO-1 shards it",
+    ),
+    "zero1_without_padding": (
+        "zero1",
+        """
 def padded_flat(t, world_size):               # no padding: 35 elements do not split into 2 equal shards
     return t.detach().reshape(-1)
-''', "RankError: rank"),
-    "zero2_all_reduce": ("zero2", '''
+""",
+        "RankError: rank",
+    ),
+    "zero2_all_reduce": (
+        "zero2",
+        """
 class Zero2Optimizer(Zero2Optimizer):         # all-reduces each gradient, then keeps its shard
     def grad_ready(self, p, shard):
         dist.all_reduce(p.grad)
         c = shard_size(p.numel(), self.world_size)
         shard.grad = p.grad.view(-1)[self.rank * c:self.rank * c + shard.numel()] / self.world_size
         p.grad = None
-''', "reduce-scatters the gradients"),
-    "zero2_keeps_full_gradients": ("zero2", '''
+""",
+        "reduce-scatters the gradients",
+    ),
+    "zero2_keeps_full_gradients": (
+        "zero2",
+        """
 class Zero2Optimizer(Zero2Optimizer):         # reduce-scatters, but keeps the full gradient until zero_grad
     def grad_ready(self, p, shard):
         out = torch.empty(shard_size(p.numel(), self.world_size))
@@ -114,37 +149,61 @@ class Zero2Optimizer(Zero2Optimizer):         # reduce-scatters, but keeps the f
         super().zero_grad()
         for p in self.params:
             p.grad = None
-''', "free the gradient you do not own"),
-    "zero3_never_frees": ("zero3", '''
+""",
+        "free the gradient you do not own",
+    ),
+    "zero3_never_frees": (
+        "zero3",
+        """
 class Zero3Module(Zero3Module):               # gathers before forward, never frees after it
     def after_forward(self, layer, args, output):
         pass
-''', "still held the full parameters of layer(s) ['0']"),
-    "zero3_keeps_frozen_whole": ("zero3", '''
+""",
+        "still held the full parameters of layer(s) ['0']",
+    ),
+    "zero3_keeps_frozen_whole": (
+        "zero3",
+        """
 class Zero3Module(Zero3Module):               # gathers a frozen middle layer for backward, never frees it
     def after_backward(self, layer):
         pass
-''', "a frozen parameter never reaches grad_ready: free it in after_backward"),
-    "zero3_ignores_shared": ("zero3", '''
+""",
+        "a frozen parameter never reaches grad_ready: free it in after_backward",
+    ),
+    "zero3_ignores_shared": (
+        "zero3",
+        """
 class Zero3Module(Zero3Module):               # ignores shared=: the tied weight is freed with the encoder
     def __init__(self, module, shared=()):
         super().__init__(module)
-''', "a shared parameter belongs to the root unit"),
-    "calculator_rounds_down": ("zero_memory", '''
+""",
+        "a shared parameter belongs to the root unit",
+    ),
+    "calculator_rounds_down": (
+        "zero_memory",
+        """
 _solution = zero_memory_per_rank
 def zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
     held = _solution(num_parameters, stage, world_size, param_bytes, grad_bytes, optimizer_bytes)
     if stage == 3:
         held = {k: v * num_parameters // world_size // -(-num_parameters // world_size) for k, v in held.items()}
     return held
-''', "hidden"),
+""",
+        "hidden",
+    ),
 }
 
 
 def _notebook(lab, upto: list[str], wrong: str, tests: list[str]) -> nbformat.NotebookNode:
     given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
-    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong),
-             cell_by_id(lab, "test_helpers"), *(cell_by_id(lab, f"test_{t}") for t in tests)]
+    cells = [
+        lab.cells[0],
+        given,
+        *(cell_by_id(lab, i) for i in upto),
+        nbformat.v4.new_code_cell(wrong),
+        cell_by_id(lab, "test_helpers"),
+        *(cell_by_id(lab, f"test_{t}") for t in tests),
+    ]
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
 
 
@@ -152,10 +211,14 @@ def _notebook(lab, upto: list[str], wrong: str, tests: list[str]) -> nbformat.No
 @pytest.mark.parametrize("case", list(WRONG))
 def test_graded_cell_catches_a_wrong_answer(case):
     exercise, wrong, message = WRONG[case]
-    upto = {"zero_memory": ["ex_zero_memory"], "zero1": ["ex_zero1"], "zero2": ["ex_zero1", "ex_zero2"],
-            "zero3": ["ex_zero1", "ex_zero3"]}[exercise]
+    upto = {
+        "zero_memory": ["ex_zero_memory"],
+        "zero1": ["ex_zero1"],
+        "zero2": ["ex_zero1", "ex_zero2"],
+        "zero3": ["ex_zero1", "ex_zero3"],
+    }[exercise]
     found = error_of_last_cell(_notebook(load_lab(), upto, wrong, [exercise]))
-    if message == "hidden":            # the visible test's N = 64 divides 7.5B: only a hidden case catches it
+    if message == "hidden":  # the visible test's N = 64 divides 7.5B: only a hidden case catches it
         assert "zero_memory_per_rank(" in found and "ceil" in found, found
     else:
         assert message in found, found
@@ -166,13 +229,19 @@ def test_a_failed_zero1_costs_zero2_nothing():
     # ZeRO-2 builds on ZeRO-1: with a ZeRO-1 that forgets the ÷ N, the ZeRO-1 test fails, saying so (its SGD
     # case: Adam would hide the scale), and the ZeRO-2 test, run on the grader's own ZeRO-1, passes (dependent
     # exercises do not chain losses).  One execution for both.
-    nb, _ = execute(_notebook(load_lab(), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]),
-                    autograding=True)
+    nb, _ = execute(
+        _notebook(load_lab(), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]), autograding=True
+    )
     for cell in nb.cells[:-2]:
         assert not errors(cell), errors(cell)
     zero1, zero2 = nb.cells[-2:]
-    assert errors(zero1) and "times too large: divide the reduce-scattered gradient by N" in errors(zero1)[0], errors(zero1)
-    assert not errors(zero2) and "the grader checks Zero2Optimizer on its own" in text(zero2), (errors(zero2), text(zero2))
+    assert errors(zero1) and "times too large: divide the reduce-scattered gradient by N" in errors(zero1)[0], errors(
+        zero1
+    )
+    assert not errors(zero2) and "the grader checks Zero2Optimizer on its own" in text(zero2), (
+        errors(zero2),
+        text(zero2),
+    )
 
 
 @needs_gpus(2)
@@ -181,7 +250,7 @@ def test_exercises_and_graded_cells_pass_on_gpus():
     execute_without_errors(code_cells_on_device(load_lab(), "test_zero3", "cuda"), LAB.parent)
 
 
-ONE_RANK_CHECKS = '''
+ONE_RANK_CHECKS = """
 # every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
 # with the graded cells' own checks (memory, traffic, single-process reference), AdamW with weight decay
 _runs = [_check_zero(cls, stage, 1, sizes, kind=kind, opt="adamw")
@@ -189,7 +258,7 @@ _runs = [_check_zero(cls, stage, 1, sizes, kind=kind, opt="adamw")
          for stage, cls in ((1, Zero1Optimizer), (2, Zero2Optimizer), (3, Zero3Module))]
 print("backends:", sorted({run.backend for run in _runs}), len(_runs), "runs")
 print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
-'''
+"""
 
 
 def one_rank_notebook(device: str) -> nbformat.NotebookNode:
@@ -198,8 +267,14 @@ def one_rank_notebook(device: str) -> nbformat.NotebookNode:
     lab = load_lab()
     setup, device_cell = lab.cells[0], device_setting(lab, device)
     given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
-    cells = [setup, device_cell, given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES), cell_by_id(lab, "test_helpers"),
-             nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
+    cells = [
+        setup,
+        device_cell,
+        given,
+        *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES),
+        cell_by_id(lab, "test_helpers"),
+        nbformat.v4.new_code_cell(ONE_RANK_CHECKS),
+    ]
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
 
 
@@ -219,10 +294,18 @@ def test_exercises_on_one_gpu():
 # ----------------------------------------------------------------------------------------
 # The bench harness
 
+
 def test_bench_zero_side_by_side_with_torch(solution):
     versions = {name: (stage, solution[name]) for name, stage in CLASSES.items()}
-    rows = bench.bench_zero(versions, world_size=2, sizes=(32, 64, 16), batch=4, steps=1, repeats=2,
-                            predict=solution["zero_memory_per_rank"])
+    rows = bench.bench_zero(
+        versions,
+        world_size=2,
+        sizes=(32, 64, 16),
+        batch=4,
+        steps=1,
+        repeats=2,
+        predict=solution["zero_memory_per_rank"],
+    )
     by = {r["version"]: r for r in rows}
     assert list(by) == [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP]
     psi = 32 * 64 + 64 + 64 * 16 + 16
@@ -239,8 +322,9 @@ def test_bench_zero_side_by_side_with_torch(solution):
 
 
 def test_cli_bench_zero_uses_the_notebook():
-    out = run_python(["-m", "disttrain_lab.cli", "bench", "zero", "--notebook", str(LAB), "--repeats", "1"],
-                     timeout=240, cwd=REPO)
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "zero", "--notebook", str(LAB), "--repeats", "1"], timeout=240, cwd=REPO
+    )
     assert out.returncode == 0, out.stdout
     for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "8.4 M parameters"]:
         assert name in out.stdout, out.stdout

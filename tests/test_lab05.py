@@ -16,6 +16,7 @@ pipeline bench harness and Gantt chart work.
 
 The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,15 +28,32 @@ import pytest
 import disttrain_lab as dl
 from disttrain_lab import bench
 from tests.helpers import gpu_count, needs_gpus, run_python
-from tests.notebooks import (REPO, cell_by_id, error_of_last_cell, errors, execute, output_of, pictures,
-                             run_solution, text)
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    error_of_last_cell,
+    errors,
+    execute,
+    output_of,
+    pictures,
+    run_solution,
+    text,
+)
 
 LAB = REPO / "solutions" / "05_pipeline" / "05_pipeline.ipynb"
-BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"split": "def split_stages(", "naive": "def naive_step(", "gpipe": "def gpipe_step(",
-             "1f1b": "def one_f_one_b_step("}
-TESTS = {"split": ["test_split"], "naive": ["test_naive", "test_naive_bubble"],
-         "gpipe": ["test_gpipe", "test_gpipe_bubble"], "1f1b": ["test_1f1b", "test_1f1b_bubble"]}
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {
+    "split": "def split_stages(",
+    "naive": "def naive_step(",
+    "gpipe": "def gpipe_step(",
+    "1f1b": "def one_f_one_b_step(",
+}
+TESTS = {
+    "split": ["test_split"],
+    "naive": ["test_naive", "test_naive_bubble"],
+    "gpipe": ["test_gpipe", "test_gpipe_bubble"],
+    "1f1b": ["test_1f1b", "test_1f1b_bubble"],
+}
 FUNCTIONS = ["split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_step"]
 
 
@@ -52,16 +70,28 @@ def solution() -> dict:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_hidden_tests_cover_the_issue():
     # p = 2, 3, 4; several m, uneven micro-batches; bubble on 4 stages at m = 1, 2, 4, 8
     nb = load_lab()
-    hidden = "".join(part.split("### END HIDDEN TESTS")[0] for ts in TESTS.values() for t in ts
-                     for part in cell_by_id(nb, t).source.split("### BEGIN HIDDEN TESTS")[1:])
-    for needle in ("(4, 11, 3)", "(4, 16, 8)", "(3, 10, 4)", "(2, 9, 2)", "(4, 13, 6)", "4, [1, 2, 4, 8]",
-                   "one_f_one_b_step, 4, [2, 8]"):
+    hidden = "".join(
+        part.split("### END HIDDEN TESTS")[0]
+        for ts in TESTS.values()
+        for t in ts
+        for part in cell_by_id(nb, t).source.split("### BEGIN HIDDEN TESTS")[1:]
+    )
+    for needle in (
+        "(4, 11, 3)",
+        "(4, 16, 8)",
+        "(3, 10, 4)",
+        "(2, 9, 2)",
+        "(4, 13, 6)",
+        "4, [1, 2, 4, 8]",
+        "one_f_one_b_step, 4, [2, 8]",
+    ):
         assert needle in hidden, needle
     helpers = cell_by_id(nb, "test_helpers").source
-    assert "BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15" in helpers and "checks.within(run, \"student\")" in helpers
+    assert "BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15" in helpers and 'checks.within(run, "student")' in helpers
 
 
 def test_timing_checks_sit_in_their_own_graded_cells():
@@ -71,17 +101,19 @@ def test_timing_checks_sit_in_their_own_graded_cells():
         assert "_check_bubble" not in cell_by_id(nb, correctness).source, correctness
     for timing in ("test_naive_bubble", "test_gpipe_bubble", "test_1f1b_bubble"):
         source = cell_by_id(nb, timing).source
-        assert "_check_bubble" in source.split("### BEGIN HIDDEN TESTS")[0], timing    # exercised visibly too
+        assert "_check_bubble" in source.split("### BEGIN HIDDEN TESTS")[0], timing  # exercised visibly too
         assert "_check_pipeline" not in source, timing
 
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
+
     assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
+
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
@@ -96,60 +128,83 @@ def test_solution_notebook_executes_within_budget():
 
 # Wrong answers the graded tests must catch: (solution cell, wrong source, graded cell, words the failure must contain)
 WRONG = [
-    ("split", '''
+    (
+        "split",
+        """
 def split_stages(model, num_stages):          # as many blocks per stage, not as many parameters
     children = list(model.named_children())
     starts = [i for i, (_, layer) in enumerate(children) if i == 0 or list(layer.parameters())]
     bounds = [starts[len(starts) * s // num_stages] for s in range(num_stages)] + [len(children)]
     return [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(bounds, bounds[1:])]
-''', "test_split", "the most balanced split"),
+""",
+        "test_split",
+        "the most balanced split",
+    ),
     ("gpipe", "F, B, F, B", "test_gpipe", "the schedule is F0 F1 F2 F3 B0 B1 B2 B3"),
     ("gpipe", "activations to the last stage", "test_gpipe", "rank(s) [2]"),
-    ("gpipe", "unscaled", "test_gpipe", "scale each micro-batch's loss by rows / batch"),   # visible: 4 even ones
+    ("gpipe", "unscaled", "test_gpipe", "scale each micro-batch's loss by rows / batch"),  # visible: 4 even ones
     ("gpipe", "no requires_grad_", "test_gpipe", "call inputs.requires_grad_() on the received buffer"),
-    ("1f1b", '''
+    (
+        "1f1b",
+        """
 def one_f_one_b_step(stage, x, y, micro_batches):   # GPipe's order under 1F1B's name
     return gpipe_step(stage, x, y, micro_batches)
-''', "test_1f1b", "the schedule is F0 F1 B0 F2 B1 F3 B2 B3"),
+""",
+        "test_1f1b",
+        "the schedule is F0 F1 B0 F2 B1 F3 B2 B3",
+    ),
 ]
 
 
 def wrong_gpipe(kind: str, source: str) -> str:
     """The solution's GPipe cell with one mistake."""
-    if kind == "F, B, F, B":        # each micro-batch's backward right after its forward: no pipelining
+    if kind == "F, B, F, B":  # each micro-batch's backward right after its forward: no pipelining
         return source.replace(
             "    stash = [forward_microbatch(stage, xs[i], ys[i], i, len(x), sends, posted[i]) for i in range(micro_batches)]\n"
             "    posted = [None if stage.is_last else receive(outputs.shape, stage.index + 1, stage.device) for _, outputs in stash]\n"
             "    loss = sum(backward_microbatch(stage, inputs, outputs, i, sends, posted[i])\n"
             "               for i, (inputs, outputs) in enumerate(stash))",
             "    loss = sum(backward_microbatch(stage, *forward_microbatch(stage, xs[i], ys[i], i, len(x), sends, posted[i]),\n"
-            "                                   i, sends) for i in range(micro_batches))")
-    if kind == "unscaled":          # the sum of the micro-batch means: m times the gradient
+            "                                   i, sends) for i in range(micro_batches))",
+        )
+    if kind == "unscaled":  # the sum of the micro-batch means: m times the gradient
         return source.replace(" * (len(y) / batch)", "")
     if kind == "no requires_grad_":  # the received activation is a plain tensor: inputs.grad stays None
         return source.replace("        inputs.requires_grad_()\n", "")
-    if kind == "B(m-1) ... B0":     # the lecture's order: backwards in reverse (accepted)
-        return source.replace("for i, (inputs, outputs) in enumerate(stash))",
-                              "for i, (inputs, outputs) in reversed(list(enumerate(stash))))"
-                              ).replace("for _, outputs in stash]", "for _, outputs in reversed(stash)][::-1]")
-    if kind == "activations to the last stage":   # every stage also copies its activation to the last one
+    if kind == "B(m-1) ... B0":  # the lecture's order: backwards in reverse (accepted)
+        return source.replace(
+            "for i, (inputs, outputs) in enumerate(stash))",
+            "for i, (inputs, outputs) in reversed(list(enumerate(stash))))",
+        ).replace("for _, outputs in stash]", "for _, outputs in reversed(stash)][::-1]")
+    if kind == "activations to the last stage":  # every stage also copies its activation to the last one
         return source.replace(
             "        sends.append(dist.isend(outputs.detach(), dst=stage.index + 1))",
             "        sends.append(dist.isend(outputs.detach(), dst=stage.index + 1))\n"
             "        if stage.index + 1 != stage.count - 1:\n"
-            "            sends.append(dist.isend(outputs.detach(), dst=stage.count - 1))"
+            "            sends.append(dist.isend(outputs.detach(), dst=stage.count - 1))",
         ).replace(
             "    if stage.is_first:\n        inputs = x\n    else:",
             "    for src in range(stage.count - 2) if stage.is_last else ():\n"
             "        dist.recv(torch.empty(len(x), stage.input_width), src=src)\n"
-            "    if stage.is_first:\n        inputs = x\n    else:", 1)
+            "    if stage.is_first:\n        inputs = x\n    else:",
+            1,
+        )
     raise ValueError(kind)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise, wrong, test_id, message", WRONG, ids=[
-    "split_by_layer_count", "gpipe_f_b_f_b", "gpipe_sends_to_non_neighbour", "gpipe_unscaled_losses",
-    "gpipe_without_requires_grad", "1f1b_in_gpipe_order"])
+@pytest.mark.parametrize(
+    "exercise, wrong, test_id, message",
+    WRONG,
+    ids=[
+        "split_by_layer_count",
+        "gpipe_f_b_f_b",
+        "gpipe_sends_to_non_neighbour",
+        "gpipe_unscaled_losses",
+        "gpipe_without_requires_grad",
+        "1f1b_in_gpipe_order",
+    ],
+)
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, test_id, message):
     found = error_of_last_cell(_notebook_with(exercise, wrong, test_id), LAB.parent)
     assert message in found, found
@@ -182,56 +237,103 @@ def _notebook_with(exercise: str, wrong: str, test_id: str) -> nbformat.Notebook
             cell.source = wrong if exercise != "gpipe" else wrong_gpipe(wrong, cell.source)
             assert cell.source != cell_by_id(lab, f"ex_{e}").source, "the mistake was not planted"
         solutions.append(cell)
-    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], stage)] + solutions + [
-        copy.deepcopy(cell_by_id(lab, "test_helpers")), copy.deepcopy(cell_by_id(lab, test_id))])
+    return nbformat.v4.new_notebook(
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], stage)]
+        + solutions
+        + [copy.deepcopy(cell_by_id(lab, "test_helpers")), copy.deepcopy(cell_by_id(lab, test_id))]
+    )
 
 
 # ----------------------------------------------------------------------------------------
 # The Gantt chart, the idle measurement and the bench harness
 
+
 def _traced_gpipe(stage_cls, split, gpipe, m):
     import torch.distributed as dist
+
     from disttrain_lab import models
+
     rank, p = dist.get_rank(), dist.get_world_size()
-    stage = stage_cls(split(models.MLP([8] * 5, seed=0), p)[rank], rank, p, 1e-2)   # 20 ms boxes
+    stage = stage_cls(split(models.MLP([8] * 5, seed=0), p)[rank], rank, p, 1e-2)  # 20 ms boxes
     x, y = models.regression_data(8, 8, 8, seed=1)
-    for step in range(2):               # step 0 warms up (gloo's first messages are slow)
+    for step in range(2):  # step 0 warms up (gloo's first messages are slow)
         with dl.region("step", step=step):
             gpipe(stage, x, y, micro_batches=m)
 
 
 def test_pipeline_idle_and_schedule(solution):
     import matplotlib
+
     matplotlib.use("Agg")
-    run = dl.launch(_traced_gpipe, 2, solution["Stage"], solution["split_stages"], solution["gpipe_step"], 4,
-                    trace=True)
-    assert [f"{e.name}{e.meta['microbatch']}" for e in dl.viz.pipeline_regions(run, 1, step=1)] == \
-        ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    run = dl.launch(
+        _traced_gpipe, 2, solution["Stage"], solution["split_stages"], solution["gpipe_step"], 4, trace=True
+    )
+    assert [f"{e.name}{e.meta['microbatch']}" for e in dl.viz.pipeline_regions(run, 1, step=1)] == [
+        "F0",
+        "F1",
+        "F2",
+        "F3",
+        "B0",
+        "B1",
+        "B2",
+        "B3",
+    ]
     idle = dl.viz.pipeline_idle(run, step=1)
     # (p − 1)/(m + p − 1) = 0.2, plus what a loaded machine adds between the boxes (only ever more idle);
     # an idle measure that missed the boxes would read 0 or 1
     assert all(0.12 < i < 0.6 for i in idle), idle
     ax = dl.viz.pipeline_schedule(run, step=1)
     assert "idle" in ax.get_title() and len(ax.get_yticklabels()) == 2
-    with pytest.raises(ValueError, match="no region \"step\" with step=3"):
+    with pytest.raises(ValueError, match='no region "step" with step=3'):
         dl.viz.pipeline_regions(run, 0, step=3)
 
 
 def test_format_pipeline_table():
-    rows = [{"version": "naive", "micro_batches": 1, "world_size": 4, "batch": 64, "repeats": 5, "cost": 5e-4,
-             "ideal": 1.0, "steps_per_s": 2.5, "speedup": 1.0},
-            {"version": f"{bench.TORCH_PIPELINE} m=4", "micro_batches": 4, "world_size": 4, "batch": 64, "repeats": 5,
-             "cost": 5e-4, "ideal": 16 / 7, "error": "RuntimeError: no"}]
+    rows = [
+        {
+            "version": "naive",
+            "micro_batches": 1,
+            "world_size": 4,
+            "batch": 64,
+            "repeats": 5,
+            "cost": 5e-4,
+            "ideal": 1.0,
+            "steps_per_s": 2.5,
+            "speedup": 1.0,
+        },
+        {
+            "version": f"{bench.TORCH_PIPELINE} m=4",
+            "micro_batches": 4,
+            "world_size": 4,
+            "batch": 64,
+            "repeats": 5,
+            "cost": 5e-4,
+            "ideal": 16 / 7,
+            "error": "RuntimeError: no",
+        },
+    ]
     table = bench.format_pipeline_table(rows)
     assert "4 stages, batch 64, simulated accelerator 0.5 ms/sample" in table
     assert "1.00x" in table and "not measured: RuntimeError: no" in table
 
 
 def test_bench_pipeline_measures_side_by_side(solution):
-    versions = {"naive": (solution["naive_step"], 1),
-                "GPipe m=2": (functools.partial(solution["gpipe_step"], micro_batches=2), 2)}
-    rows = bench.bench_pipeline(versions, solution["split_stages"], solution["Stage"], world_size=2,
-                                sizes=(16,) * 5, batch=8, cost=1e-4, repeats=1, warmup=1, torch_micro_batches=(2,))
+    versions = {
+        "naive": (solution["naive_step"], 1),
+        "GPipe m=2": (functools.partial(solution["gpipe_step"], micro_batches=2), 2),
+    }
+    rows = bench.bench_pipeline(
+        versions,
+        solution["split_stages"],
+        solution["Stage"],
+        world_size=2,
+        sizes=(16,) * 5,
+        batch=8,
+        cost=1e-4,
+        repeats=1,
+        warmup=1,
+        torch_micro_batches=(2,),
+    )
     assert [r["version"] for r in rows] == ["naive", "GPipe m=2", f"{bench.TORCH_PIPELINE} m=2"]
     for row in rows:
         assert row.get("steps_per_s", 0) > 0, row
@@ -245,8 +347,11 @@ def test_bench_pipeline_rejects_one_stage():
 
 @pytest.mark.slow
 def test_cli_bench_pipeline_uses_the_notebook():
-    out = run_python(["-m", "disttrain_lab.cli", "bench", "pipeline", "--notebook", str(LAB), "--repeats", "1",
-                      "--world-size", "2"], timeout=240, cwd=REPO)
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "pipeline", "--notebook", str(LAB), "--repeats", "1", "--world-size", "2"],
+        timeout=240,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout
     for name in ("naive", "GPipe m=8", "1F1B m=8", f"{bench.TORCH_PIPELINE} m=8", "ideal"):
         assert name in out.stdout, out.stdout
@@ -255,9 +360,12 @@ def test_cli_bench_pipeline_uses_the_notebook():
 # ----------------------------------------------------------------------------------------
 # On GPUs (device="cuda", NCCL): skipped, saying why, where fewer than 2 GPUs are visible
 
+
 def _gpipe_on_device(stage_cls, split, gpipe):
     import torch.distributed as dist
+
     from disttrain_lab import models
+
     rank, p = dist.get_rank(), dist.get_world_size()
     stage = stage_cls(split(models.MLP([8] * 5, seed=0), p)[rank].to(dl.device()), rank, p)
     x, y = (t.to(dl.device()) for t in models.regression_data(8, 8, 8, seed=1))
@@ -271,9 +379,18 @@ def test_gpipe_on_gpus(solution):
     world = min(gpu_count(), 2)
     import torch
     import torch.nn.functional as F
+
     from disttrain_lab import models
-    results = dl.launch(_gpipe_on_device, world, solution["Stage"], solution["split_stages"], solution["gpipe_step"],
-                        device="cuda", timeout=120)
+
+    results = dl.launch(
+        _gpipe_on_device,
+        world,
+        solution["Stage"],
+        solution["split_stages"],
+        solution["gpipe_step"],
+        device="cuda",
+        timeout=120,
+    )
     assert [device for _, _, device in results] == [f"cuda:{k}" for k in range(world)]
     model = models.MLP([8] * 5, seed=0)
     x, y = models.regression_data(8, 8, 8, seed=1)

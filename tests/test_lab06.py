@@ -15,6 +15,7 @@ tensor-parallel bench harness works.
 
 The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,9 +29,13 @@ from tests.helpers import gpu_count, needs_gpus, run_python
 from tests.notebooks import REPO, cell_by_id, error_of_last_cell, errors, execute, output_of, run_solution, text
 
 LAB = REPO / "solutions" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
-BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = {"parallel_linear": "class ColumnParallelLinear(", "f_and_g": "class CopyToTensorParallel(",
-             "tp_mlp": "class TensorParallelMLP(", "2d": "def train_2d("}
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = {
+    "parallel_linear": "class ColumnParallelLinear(",
+    "f_and_g": "class CopyToTensorParallel(",
+    "tp_mlp": "class TensorParallelMLP(",
+    "2d": "def train_2d(",
+}
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -40,13 +45,24 @@ def load_lab() -> nbformat.NotebookNode:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3 and 4; groups inside the world; sizes that do not divide by N raise ValueError
     nb = load_lab()
-    hidden = "".join(part.split("### END HIDDEN TESTS")[0] for e in EXERCISES
-                     for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
-    for needle in ("_check_mlp(4,", "tp_size=2)", "_check_mlp(3,", "_check_2d(4, 4", "_check_2d(4, 1",
-                   "_expect_value_error(lambda: TensorParallelMLP", "bias=False"):
+    hidden = "".join(
+        part.split("### END HIDDEN TESTS")[0]
+        for e in EXERCISES
+        for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
+    )
+    for needle in (
+        "_check_mlp(4,",
+        "tp_size=2)",
+        "_check_mlp(3,",
+        "_check_2d(4, 4",
+        "_check_2d(4, 1",
+        "_expect_value_error(lambda: TensorParallelMLP",
+        "bias=False",
+    ):
         assert needle in hidden, needle
     helpers = cell_by_id(nb, "test_helpers").source
     # only the word the exercise asks for ("divisible") is matched, so that torch's own errors do not pass
@@ -67,11 +83,13 @@ def test_groups_and_errors_are_exercised_visibly():
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
+
     assert numbering_problems(load_lab()) == []
 
 
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
+
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
@@ -80,14 +98,19 @@ def test_solution_notebook_executes_within_budget():
     for line in (" 1 TensorParallelMLP", " 2 TensorParallelMLP", " 4 TensorParallelMLP", f" 4 {bench.TORCH_TP}"):
         assert line in table, table
     assert "not measured" not in table, table
-    drawn = " ".join(c.source for c in nb.cells if c.cell_type == "code"
-                     and any("image/png" in o.get("data", {}) for o in c.outputs))
-    assert "dl.viz.weight_slices(" in drawn and "dl.viz.timeline(" in drawn, "expected the slice picture and the timeline"
+    drawn = " ".join(
+        c.source for c in nb.cells if c.cell_type == "code" and any("image/png" in o.get("data", {}) for o in c.outputs)
+    )
+    assert "dl.viz.weight_slices(" in drawn and "dl.viz.timeline(" in drawn, (
+        "expected the slice picture and the timeline"
+    )
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
 WRONG = [
-    ("parallel_linear", '''
+    (
+        "parallel_linear",
+        """
 class RowParallelLinear(nn.Module):           # every rank adds the bias: the all-reduce sums it in N times
     def __init__(self, full, group=None):
         super().__init__()
@@ -98,8 +121,12 @@ class RowParallelLinear(nn.Module):           # every rank adds the bias: the al
 
     def forward(self, x_part):
         return F.linear(x_part, self.weight, self.bias)
-''', "the bias must be added exactly once"),
-    ("parallel_linear", '''
+""",
+        "the bias must be added exactly once",
+    ),
+    (
+        "parallel_linear",
+        """
 class ColumnParallelLinear(nn.Module):        # views into the full weight: nothing saved
     def __init__(self, full, group=None):
         super().__init__()
@@ -110,8 +137,12 @@ class ColumnParallelLinear(nn.Module):        # views into the full weight: noth
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
-''', "not a view into the full weight"),
-    ("f_and_g", '''
+""",
+        "not a view into the full weight",
+    ),
+    (
+        "f_and_g",
+        """
 class CopyToTensorParallel(ReduceFromTensorParallel):   # f and g swapped
     pass
 
@@ -126,8 +157,12 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
-''', "did you swap f and g?"),
-    ("tp_mlp", '''
+""",
+        "did you swap f and g?",
+    ),
+    (
+        "tp_mlp",
+        """
 class TensorParallelMLP(nn.Module):           # gathers the hidden activations: communication between the linears
     def __init__(self, dense, group=None):
         super().__init__()
@@ -139,8 +174,12 @@ class TensorParallelMLP(nn.Module):           # gathers the hidden activations: 
         hidden = F.gelu(self.column(f(x, self.group)))
         hidden = g(hidden, self.group) / dist.get_world_size(self.group)
         return g(self.row(hidden), self.group)
-''', "none between the two layers"),
-    ("2d", '''
+""",
+        "none between the two layers",
+    ),
+    (
+        "2d",
+        """
 def train_2d(dense, batches, tp_size, lr):   # tensor parallelism over the world group (and so no DP group)
     model = TensorParallelMLP(dense)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -149,20 +188,32 @@ def train_2d(dense, batches, tp_size, lr):   # tensor parallelism over the world
         F.mse_loss(model(x), y).backward()
         optimizer.step()
     return model
-''', "must stay inside its TP group (0, 1)"),
+""",
+        "must stay inside its TP group (0, 1)",
+    ),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[
-    "row_bias_on_every_rank", "column_keeps_views", "f_and_g_swapped", "all_reduce_between_linears",
-    "2d_world_group_for_tp"])
+@pytest.mark.parametrize(
+    "exercise, wrong, message",
+    WRONG,
+    ids=[
+        "row_bias_on_every_rank",
+        "column_keeps_views",
+        "f_and_g_swapped",
+        "all_reduce_between_linears",
+        "2d_world_group_for_tp",
+    ],
+)
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     lab = load_lab()
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
     helpers = cell_by_id(lab, "test_helpers")
-    nb = nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in (lab.cells[0], *solutions, helpers)] + [
-        nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))])
+    nb = nbformat.v4.new_notebook(
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], *solutions, helpers)]
+        + [nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))]
+    )
     found = error_of_last_cell(nb, LAB.parent)
     assert message in found, found
 
@@ -172,11 +223,21 @@ def test_train_2d_is_graded_on_its_own():
     # a TensorParallelMLP without g fails exercise 3; the grader grades the correct train_2d with its own MLP
     lab = load_lab()
     broken = cell_by_id(lab, "ex_tp_mlp").source.replace(
-        "        return g(self.row(hidden), self.group)", "        return self.row(hidden)")
+        "        return g(self.row(hidden), self.group)", "        return self.row(hidden)"
+    )
     assert broken != cell_by_id(lab, "ex_tp_mlp").source
-    cells = [copy.deepcopy(c) for c in (lab.cells[0], cell_by_id(lab, "ex_parallel_linear"), cell_by_id(lab, "ex_f_and_g"),
-                                        cell_by_id(lab, "ex_2d"), cell_by_id(lab, "test_helpers"),
-                                        cell_by_id(lab, "test_tp_mlp"), cell_by_id(lab, "test_2d"))]
+    cells = [
+        copy.deepcopy(c)
+        for c in (
+            lab.cells[0],
+            cell_by_id(lab, "ex_parallel_linear"),
+            cell_by_id(lab, "ex_f_and_g"),
+            cell_by_id(lab, "ex_2d"),
+            cell_by_id(lab, "test_helpers"),
+            cell_by_id(lab, "test_tp_mlp"),
+            cell_by_id(lab, "test_2d"),
+        )
+    ]
     cells.insert(3, nbformat.v4.new_code_cell(broken))
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, cwd=LAB.parent)
     assert errors(nb.cells[-2]), "exercise 3's graded cell should fail without g"
@@ -187,22 +248,36 @@ def test_train_2d_is_graded_on_its_own():
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 
+
 def test_weight_slices_locates_what_each_rank_holds():
     import matplotlib
+
     matplotlib.use("Agg")
     w, b = torch.arange(24.0).view(6, 4), torch.arange(4.0)
     held = [{"w": w[:3], "b": b}, {"w": w[3:], "b": b}]
     axes = viz.weight_slices({"w": w, "b": b}, held)
     owners = axes[0].images[0].get_array()
-    assert (owners[:3] == 2).all() and (owners[3:] == 3).all()       # rank r is drawn as r + 2
-    assert (axes[1].images[0].get_array() == 0).all()                # held by both ranks: "several"
+    assert (owners[:3] == 2).all() and (owners[3:] == 3).all()  # rank r is drawn as r + 2
+    assert (axes[1].images[0].get_array() == 0).all()  # held by both ranks: "several"
     with pytest.raises(ValueError, match="not a contiguous block"):
         viz.weight_slices({"w": w}, [{"w": w[:3] + 1}])
 
 
 def test_format_tp_table():
-    rows = [{"version": name, "world_size": 2, "batch": 64, "sizes": (8, 32, 8), "repeats": 5, "ms_per_step": ms,
-             "bytes_per_step": 4096, "calls_per_step": 2, "ratio": 4.0 / ms} for name, ms in (("ours", 5.0), (bench.TORCH_TP, 4.0))]
+    rows = [
+        {
+            "version": name,
+            "world_size": 2,
+            "batch": 64,
+            "sizes": (8, 32, 8),
+            "repeats": 5,
+            "ms_per_step": ms,
+            "bytes_per_step": 4096,
+            "calls_per_step": 2,
+            "ratio": 4.0 / ms,
+        }
+        for name, ms in (("ours", 5.0), (bench.TORCH_TP, 4.0))
+    ]
     rows.append({"version": "broken", "world_size": 2, "batch": 64, "sizes": (8, 32, 8), "repeats": 5, "error": "nope"})
     table = bench.format_tp_table(rows)
     assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
@@ -214,7 +289,11 @@ def test_bench_tp_measures_side_by_side():
     found = bench.functions_from_notebook(LAB, ["TensorParallelMLP"])
     rows = bench.bench_tp(found, world_sizes=(1, 2), sizes=(16, 64, 16), batch=8, steps=1, repeats=2, warmup=1)
     assert [(r["world_size"], r["version"]) for r in rows] == [
-        (1, "TensorParallelMLP"), (1, bench.TORCH_TP), (2, "TensorParallelMLP"), (2, bench.TORCH_TP)]
+        (1, "TensorParallelMLP"),
+        (1, bench.TORCH_TP),
+        (2, "TensorParallelMLP"),
+        (2, bench.TORCH_TP),
+    ]
     for row in rows:
         assert "error" not in row, row
         assert row["ms_per_step"] > 0
@@ -226,8 +305,11 @@ def test_bench_tp_measures_side_by_side():
 
 @pytest.mark.slow
 def test_cli_bench_tp_uses_the_notebook():
-    out = run_python(["-m", "disttrain_lab.cli", "bench", "tp", "--notebook", str(LAB), "--repeats", "1",
-                      "--world-size", "2"], timeout=240, cwd=REPO)
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "tp", "--notebook", str(LAB), "--repeats", "1", "--world-size", "2"],
+        timeout=240,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout
     for words in ("tensor-parallel MLP from", " 2 TensorParallelMLP", f" 2 {bench.TORCH_TP}", "vs torch"):
         assert words in out.stdout, out.stdout
@@ -236,9 +318,11 @@ def test_cli_bench_tp_uses_the_notebook():
 # ----------------------------------------------------------------------------------------
 # On GPUs (device="cuda", NCCL): skipped, saying why, where fewer than 2 GPUs are visible
 
+
 def _tp_mlp_on_device(tp_mlp):
     import disttrain_lab as dl
     from disttrain_lab import models
+
     dense = models.MLP([8, 32, 8], seed=0).to(dl.device())
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(dl.device()).requires_grad_()
     y = tp_mlp(dense)(x)
@@ -248,9 +332,10 @@ def _tp_mlp_on_device(tp_mlp):
 
 @needs_gpus(1)
 def test_tensor_parallel_mlp_on_gpus():
-    world = min(gpu_count(), 2)     # one GPU: one NCCL rank holding the whole layer
+    world = min(gpu_count(), 2)  # one GPU: one NCCL rank holding the whole layer
     import disttrain_lab as dl
     from disttrain_lab import models
+
     found = bench.functions_from_notebook(LAB, ["TensorParallelMLP"])
     results = dl.launch(_tp_mlp_on_device, world, found["TensorParallelMLP"], device="cuda", timeout=120)
     dense = models.MLP([8, 32, 8], seed=0)

@@ -17,6 +17,7 @@
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,7 @@ import pytest
 from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, output_of, pictures, run_solution, text
 
 LAB = REPO / "solutions" / "07_compression" / "07_compression.ipynb"
-BUDGET_S = 240          # the issue's budget for the whole solution notebook on 2 cores
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = ["topk", "sparse_all_reduce", "error_feedback", "int8", "hook", "powersgd"]
 
 
@@ -39,29 +40,44 @@ def load_lab() -> nbformat.NotebookNode:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load_lab()
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
     hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
-    for needle in ("(0, 0.5)", "(1, 0.01)", "(100, 1.0)", "_check_sparse(3, 1001", "_check_sparse(4, 4099",
-                   "_check_sparse(2, 0,", "_check_sparse(4, 1,", "_check_quantized_all_reduce(3, 0,",
-                   "_check_quantized_all_reduce(4, 7, 3)", "_check_hook_exact(3)", "_check_training()",
-                   "_check_powersgd(3, 1)", "_check_powersgd(3, 3, sizes=(11, 29, 19, 3))",
-                   "_check_powersgd(2, 1, sizes=(5, 31, 6))"):
+    for needle in (
+        "(0, 0.5)",
+        "(1, 0.01)",
+        "(100, 1.0)",
+        "_check_sparse(3, 1001",
+        "_check_sparse(4, 4099",
+        "_check_sparse(2, 0,",
+        "_check_sparse(4, 1,",
+        "_check_quantized_all_reduce(3, 0,",
+        "_check_quantized_all_reduce(4, 7, 3)",
+        "_check_hook_exact(3)",
+        "_check_training()",
+        "_check_powersgd(3, 1)",
+        "_check_powersgd(3, 3, sizes=(11, 29, 19, 3))",
+        "_check_powersgd(2, 1, sizes=(5, 31, 6))",
+    ):
         assert needle in hidden, needle
     hook = cell_by_id(nb, "ex_hook").source
     assert "def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:" in hook
     powersgd = cell_by_id(nb, "ex_powersgd").source
-    assert ("def powersgd_hook(state: LabPowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:"
-            in powersgd)
-    assert nbgrader_meta(cell_by_id(nb, "powersgd_helpers"))["locked"]      # the graded tests use its helpers
+    assert (
+        "def powersgd_hook(state: LabPowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:"
+        in powersgd
+    )
+    assert nbgrader_meta(cell_by_id(nb, "powersgd_helpers"))["locked"]  # the graded tests use its helpers
     helpers = cell_by_id(nb, "test_helpers").source
-    assert 'e.meta.get("in_bytes", e.bytes)' in helpers        # bytes on the wire: each rank's own piece
+    assert 'e.meta.get("in_bytes", e.bytes)' in helpers  # bytes on the wire: each rank's own piece
 
 
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
+
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
@@ -73,8 +89,14 @@ def test_solution_notebook_executes_within_budget():
     # The hook inside Lab 3's BucketedDDP (the Lab 3 solution beside it): 3 buckets, trains like torch DDP's run.
     printed = output_of(nb, "with_comm_hook(BucketedDDP)")
     assert "your BucketedDDP (3 buckets of [324, 4096, 1088] entries) + topk_hook" in printed, printed
-    losses = dict(re.findall(r"^(your BucketedDDP|torch DDP, top-k 1 % \+ error feedback|torch DDP, dense).*?(\d+\.\d+)"
-                             r"(?: after \d+ steps)?$", printed, re.M))
+    losses = dict(
+        re.findall(
+            r"^(your BucketedDDP|torch DDP, top-k 1 % \+ error feedback|torch DDP, dense).*?(\d+\.\d+)"
+            r"(?: after \d+ steps)?$",
+            printed,
+            re.M,
+        )
+    )
     assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, dense"]), printed
     assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, top-k 1 % + error feedback"]), printed
     # The PowerSGD stretch: the same bytes as torch's powerSGD_hook at the same rank, a similar error.
@@ -94,19 +116,32 @@ def _powersgd_wrong(right: str, wrong: str) -> str:
 
 # Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
 WRONG = [
-    ("topk", "topk", '''
+    (
+        "topk",
+        "topk",
+        """
 def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
     k = min(flat.numel(), math.ceil(density * flat.numel()))
     indices = torch.topk(flat, k).indices.sort().values
     return flat[indices], indices
-''', "keep the k largest |x|"),
-    ("sparse_all_reduce", "sparse_all_reduce", '''
+""",
+        "keep the k largest |x|",
+    ),
+    (
+        "sparse_all_reduce",
+        "sparse_all_reduce",
+        """
 def sparse_all_reduce(values, indices, numel):    # decompress, then a dense all-reduce: no bytes saved
     dense = topk_decompress(values, indices, numel)
     dist.all_reduce(dense)
     return dense
-''', "the dense gradient 4000 B"),
-    ("error_feedback", "error_feedback", '''
+""",
+        "the dense gradient 4000 B",
+    ),
+    (
+        "error_feedback",
+        "error_feedback",
+        """
 class ErrorFeedback:                              # forgets what it did not send
     def __init__(self, density):
         self.density = density
@@ -115,8 +150,13 @@ class ErrorFeedback:                              # forgets what it did not send
     def compress(self, grad):
         self.residual = torch.zeros_like(grad)
         return topk_compress(grad, self.density)
-''', "ef.residual (gradient + old residual"),
-    ("int8", "int8", '''
+""",
+        "ef.residual (gradient + old residual",
+    ),
+    (
+        "int8",
+        "int8",
+        """
 def quantize_int8(flat, chunk_size=1024, stochastic=False, generator=None):   # truncates instead of rounding
     chunks = flat.split(chunk_size)
     scales = torch.stack([c.abs().max() / 127 for c in chunks]) if flat.numel() else torch.zeros(0)
@@ -125,21 +165,38 @@ def quantize_int8(flat, chunk_size=1024, stochastic=False, generator=None):   # 
     if stochastic:
         x = torch.floor(x + torch.rand(x.shape, generator=generator))
     return x.clamp(-127, 127).to(torch.int8), scales
-''', "within scale / 2"),
-    ("hook", "hook", '''
+""",
+        "within scale / 2",
+    ),
+    (
+        "hook",
+        "hook",
+        """
 def topk_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:    # the sum, not the average
     flat = bucket.buffer()
     values, indices = state.feedback.setdefault(bucket.index(), ErrorFeedback(state.density)).compress(flat)
     fut = torch.futures.Future()
     fut.set_result(sparse_all_reduce(values, indices, flat.numel()))
     return fut
-''', "against default_hooks.allreduce_hook"),
-    ("powersgd", "powersgd", _powersgd_wrong(                # P not orthogonalised: P Qᵀ scales with |P|²
-        "ps = [torch.linalg.qr(part.view_as(p)).Q for", "ps = [part.view_as(p) for"),
-     "orthogonalise P after its all-reduce"),
-    ("powersgd", "powersgd", _powersgd_wrong(                # no error feedback
-        "    state.error_dict[index] = compensated - buffer\n", ""),
-     "error feedback keeps (gradient + old error) - average"),
+""",
+        "against default_hooks.allreduce_hook",
+    ),
+    (
+        "powersgd",
+        "powersgd",
+        _powersgd_wrong(  # P not orthogonalised: P Qᵀ scales with |P|²
+            "ps = [torch.linalg.qr(part.view_as(p)).Q for", "ps = [part.view_as(p) for"
+        ),
+        "orthogonalise P after its all-reduce",
+    ),
+    (
+        "powersgd",
+        "powersgd",
+        _powersgd_wrong(  # no error feedback
+            "    state.error_dict[index] = compensated - buffer\n", ""
+        ),
+        "error feedback keeps (gradient + old error) - average",
+    ),
 ]
 
 
@@ -148,11 +205,13 @@ def test_graded_cells_catch_wrong_answers():
     """One kernel: for each wrong answer, the solutions, the wrong definition, then its graded cell."""
     lab = load_lab()
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
-    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"),
-                                        cell_by_id(lab, "powersgd_helpers"))]
+    cells = [
+        copy.deepcopy(c)
+        for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"), cell_by_id(lab, "powersgd_helpers"))
+    ]
     graded_at = []
     for graded, _, wrong, _ in WRONG:
-        cells += [copy.deepcopy(s) for s in solutions]            # the right answers again, then one wrong
+        cells += [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
         cells.append(nbformat.v4.new_code_cell(wrong))
         graded_at.append(len(cells))
         cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
@@ -160,18 +219,24 @@ def test_graded_cells_catch_wrong_answers():
     demo = next(c for c in lab.cells if c.cell_type == "code" and "with_comm_hook(BucketedDDP)" in c.source)
     cells.append(nbformat.v4.new_code_cell("SIZES, CURVE_STEPS = [16, 64, 64, 4], 2"))
     skipped = {}
-    for name, lab3 in (("missing", "../no_such_lab/03_data_parallel.ipynb"),
-                       ("blank", str(REPO / "labs" / "03_data_parallel" / "03_data_parallel.ipynb"))):
+    for name, lab3 in (
+        ("missing", "../no_such_lab/03_data_parallel.ipynb"),
+        ("blank", str(REPO / "labs" / "03_data_parallel" / "03_data_parallel.ipynb")),
+    ):
         skipped[name] = len(cells)
-        cells.append(nbformat.v4.new_code_cell(demo.source.replace('"../03_data_parallel/03_data_parallel.ipynb"',
-                                                                   repr(lab3))))
+        cells.append(
+            nbformat.v4.new_code_cell(demo.source.replace('"../03_data_parallel/03_data_parallel.ipynb"', repr(lab3)))
+        )
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
     for i, cell in enumerate(nb.cells):
         if i not in graded_at:
             assert not errors(cell), (i, errors(cell))
-    assert text(nb.cells[skipped["missing"]]).startswith("Skipped: no Lab 3 notebook at "), text(nb.cells[skipped["missing"]])
-    assert text(nb.cells[skipped["blank"]]).startswith("Skipped: BucketedDDP.__init__ is not written yet"), \
-        text(nb.cells[skipped["blank"]])
+    assert text(nb.cells[skipped["missing"]]).startswith("Skipped: no Lab 3 notebook at "), text(
+        nb.cells[skipped["missing"]]
+    )
+    assert text(nb.cells[skipped["blank"]]).startswith("Skipped: BucketedDDP.__init__ is not written yet"), text(
+        nb.cells[skipped["blank"]]
+    )
     for (graded, _, _, message), at in zip(WRONG, graded_at):
         found = errors(nb.cells[at])
         assert found, f"the graded cell test_{graded} passed a wrong answer"
@@ -181,11 +246,26 @@ def test_graded_cells_catch_wrong_answers():
 # ----------------------------------------------------------------------------------------
 # disttrain-lab bench compression
 
+
 def test_format_compression_table():
     from disttrain_lab.bench.compression import format_compression_table
-    rows = [{"version": name, "world_size": 2, "network": "1 Gbit/s", "repeats": 5, "steps_per_s": sps,
-             "bytes_per_step": nbytes, "loss": 0.5, "steps": 12, "parameters": 5508, "sizes": (16, 64, 64, 4),
-             "ratio": sps / 8.0} for name, sps, nbytes in (("dense", 8.0, 22032), ("top-k", 4.0, 672))]
+
+    rows = [
+        {
+            "version": name,
+            "world_size": 2,
+            "network": "1 Gbit/s",
+            "repeats": 5,
+            "steps_per_s": sps,
+            "bytes_per_step": nbytes,
+            "loss": 0.5,
+            "steps": 12,
+            "parameters": 5508,
+            "sizes": (16, 64, 64, 4),
+            "ratio": sps / 8.0,
+        }
+        for name, sps, nbytes in (("dense", 8.0, 22032), ("top-k", 4.0, 672))
+    ]
     table = format_compression_table(rows)
     assert "MLP 16 -> 64 -> 64 -> 4 (0.0 M parameters), 2 ranks, 1 Gbit/s; median of 5" in table
     assert "21.5 KiB" in table and "672 B" in table and "0.50x" in table and "loss after 12" in table
@@ -194,19 +274,20 @@ def test_format_compression_table():
 @pytest.mark.slow
 def test_bench_compression_counts_the_compressed_bytes_side_by_side():
     from disttrain_lab import Network, bench
-    from disttrain_lab.bench.compression import (TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, bench_compression,
-                                                 lab_versions)
+    from disttrain_lab.bench.compression import TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, bench_compression, lab_versions
+
     found = bench.functions_from_notebook(LAB, ["TopKState", "topk_hook", "int8_hook"])
     assert set(found) == {"TopKState", "topk_hook", "int8_hook"}
-    rows = bench_compression(lab_versions(found), sizes=(16, 64, 64, 4), batch=8, steps=1, repeats=2, warmup=2,
-                             network=Network.gbit(1))
+    rows = bench_compression(
+        lab_versions(found), sizes=(16, 64, 64, 4), batch=8, steps=1, repeats=2, warmup=2, network=Network.gbit(1)
+    )
     by_name = {r["version"]: r for r in rows}
     assert list(by_name) == [TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, "top-k 1% + error feedback", "INT8"]
-    numel = 5508                                           # 16·64 + 64 + 64·64 + 64 + 64·4 + 4
+    numel = 5508  # 16·64 + 64 + 64·64 + 64 + 64·4 + 4
     assert by_name[TORCH_DENSE]["bytes_per_step"] == 4 * numel
     assert by_name[TORCH_FP16]["bytes_per_step"] == 2 * numel
-    assert by_name["top-k 1% + error feedback"]["bytes_per_step"] == 56 * (4 + 8)     # k = ceil(55.08)
-    assert by_name["INT8"]["bytes_per_step"] == numel + 4 * 6                         # 6 chunks of 1024
+    assert by_name["top-k 1% + error feedback"]["bytes_per_step"] == 56 * (4 + 8)  # k = ceil(55.08)
+    assert by_name["INT8"]["bytes_per_step"] == numel + 4 * 6  # 6 chunks of 1024
     assert 0 < by_name[TORCH_POWERSGD]["bytes_per_step"] < numel
     for row in rows:
         assert row["steps_per_s"] > 0 and row["loss"] > 0 and row["steps"] == 4
@@ -215,6 +296,10 @@ def test_bench_compression_counts_the_compressed_bytes_side_by_side():
 @pytest.mark.slow
 def test_cli_bench_compression_says_where_the_notebook_is_missing(tmp_path):
     from tests.helpers import run_python
-    out = run_python(["-m", "disttrain_lab.cli", "bench", "compression", "--notebook", str(tmp_path / "none.ipynb")],
-                     timeout=120, cwd=REPO)
+
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "compression", "--notebook", str(tmp_path / "none.ipynb")],
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 2 and "no notebook to take the compression hooks from" in out.stdout, out.stdout

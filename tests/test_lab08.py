@@ -15,6 +15,7 @@
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,14 +25,34 @@ import re
 import nbformat
 import pytest
 
-from tests.notebooks import (REPO, SLOWDOWN, cell_by_id, errors, execute, graded_cells, nbgrader_meta,
-                             numbering_problems, output_of, pictures, text)
+from tests.notebooks import (
+    REPO,
+    SLOWDOWN,
+    cell_by_id,
+    errors,
+    execute,
+    graded_cells,
+    nbgrader_meta,
+    numbering_problems,
+    output_of,
+    pictures,
+    text,
+)
 
 LAB = REPO / "solutions" / "08_capstone" / "08_capstone.ipynb"
-BUDGET_S = 300          # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["grid_groups", "tp_attention", "pipeline_stage", "three_d",            # section 2
-             "planner_memory", "planner_step_time", "planner_plans",                  # section 3
-             "lars", "scaling_fit", "scaling_optimal"]                                # sections 4, 5
+BUDGET_S = 300  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = [
+    "grid_groups",
+    "tp_attention",
+    "pipeline_stage",
+    "three_d",  # section 2
+    "planner_memory",
+    "planner_step_time",
+    "planner_plans",  # section 3
+    "lars",
+    "scaling_fit",
+    "scaling_optimal",
+]  # sections 4, 5
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -41,25 +62,41 @@ def load_lab() -> nbformat.NotebookNode:
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load_lab()
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
     assert numbering_problems(nb) == []
     hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
-    for needle in ("_check_grid(1, 2, 4)", "_check_grid(4, 1, 2)", "_check_grid(3, 2, 1)", "grid_groups(3, 2, 2), 8",
-                   "_check_attention(4, models.GPTConfig(seq_len=7, d_model=24, n_heads=6), batch=1, tp=2)",
-                   "_check_attention(3,", "n_heads=2)).blocks[0].attn), 4",
-                   "_check_stage(1, 1, 3,", "_check_stage(2, 2, 2,", "n_layers=3)), grid_groups(1, 1, 2)), 2",
-                   "_check_3d(1, 2, 2, micro_batches=3, batch=10", "_check_3d(1, 2, 4,", "_check_3d(2, 1, 2,",
-                   "models.lm_batches(TOKENS, 5,", "zero_grad=1", "groups=[", "lrs=[0.1, 0.2, 0.3, 0.4]"):
+    for needle in (
+        "_check_grid(1, 2, 4)",
+        "_check_grid(4, 1, 2)",
+        "_check_grid(3, 2, 1)",
+        "grid_groups(3, 2, 2), 8",
+        "_check_attention(4, models.GPTConfig(seq_len=7, d_model=24, n_heads=6), batch=1, tp=2)",
+        "_check_attention(3,",
+        "n_heads=2)).blocks[0].attn), 4",
+        "_check_stage(1, 1, 3,",
+        "_check_stage(2, 2, 2,",
+        "n_layers=3)), grid_groups(1, 1, 2)), 2",
+        "_check_3d(1, 2, 2, micro_batches=3, batch=10",
+        "_check_3d(1, 2, 4,",
+        "_check_3d(2, 1, 2,",
+        "models.lm_batches(TOKENS, 5,",
+        "zero_grad=1",
+        "groups=[",
+        "lrs=[0.1, 0.2, 0.3, 0.4]",
+    ):
         assert needle in hidden, needle
     # the traffic the graded test expects comes from the configuration, not from the solution
     helpers = cell_by_id(nb, "test_helpers_three_d").source
     assert "def _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)" in helpers
     assert "train_3d(" not in helpers.split("def _expected_traffic")[1].split("def _train_3d_in_rank")[0]
-    assert "def train_3d(cfg: models.GPTConfig, batches: list, *, dp: int, tp: int, pp: int, micro_batches: int," \
+    assert (
+        "def train_3d(cfg: models.GPTConfig, batches: list, *, dp: int, tp: int, pp: int, micro_batches: int,"
         in cell_by_id(nb, "ex_three_d").source
+    )
     for cell in graded_cells(nb):
         assert nbgrader_meta(cell)["locked"] and nbgrader_meta(cell)["points"] > 0
 
@@ -76,6 +113,7 @@ def test_reference_pieces_ship_with_lab_8_only():
 # ----------------------------------------------------------------------------------------
 # Executing it, then wrong answers in the same kernel (slow)
 
+
 def exercise_cells(exercise: str) -> tuple[str, str]:
     """(grade id of the exercise's cell, grade id of its graded cell)."""
     return f"ex_{exercise}", f"test_{exercise}"
@@ -91,34 +129,73 @@ def _replaced(exercise: str, right: str, wrong: str) -> str:
 # Wrong answers: (exercise, wrong definition, words the graded cell's failure must contain); the
 # exercise's cell is ex_<exercise> and its graded cell test_<exercise>
 WRONG = [
-    ("grid_groups", _replaced("grid_groups",             # dp fastest: not Megatron's order
-                              "tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)",
-                              "dp_rank, tp_rank, pp_rank = rank % dp, rank // dp % tp, rank // (tp * dp)"),
-     "tp_rank = 0, expected 1"),
-    ("tp_attention", _replaced("tp_attention", "x = f(x, self.group)", "x = x"),        # no all-reduce backward
-     "backward: one all-reduce, f's"),
-    ("pipeline_stage", _replaced("pipeline_stage",        # blocks keyed by their place in the stage
-                                 "self.blocks[str(i)] = block", "self.blocks[str(len(self.blocks))] = block"),
-     "holds blocks ['0'], expected ['1']"),
-    ("three_d", _replaced("three_d", "            flat /= dp\n", ""),                  # the sum, not the average
-     "against the single-process run"),
-    ("lars", _replaced("lars", "trust = group[\"trust_coefficient\"] * w_norm / (g_norm + group[\"weight_decay\"] * "
-                               "w_norm + group[\"eps\"])", "trust = 1.0"),              # momentum SGD
-     "LARS({'lr': 0.5, 'weight_decay': 0.01, 'trust_coefficient': 0.02}) after 3 step(s)"),
-    ("planner_step_time", _replaced("planner_step_time", "ranks=range(plan.tp))", ")"),   # TP tier ignored
-     "step_time(dp=1    tp=8   pp=1"),
-    ("planner_plans", _replaced("planner_plans", "if memory <= cluster.memory:", "if True:"),   # keeps what does not fit
-     "not valid or not fitting"),
-    ("scaling_fit", _replaced("scaling_fit", "np.polyfit(np.log(x), np.log(y), 1)",           # log10 fit, exp back
-                              "np.polyfit(np.log10(x), np.log10(y), 1)"),
-     "fit_power_law on y = 3 x^2: expected (c, e) = (3, 2)"),
-    ("scaling_optimal", _replaced("scaling_optimal", "math.sqrt(flops / (6 * tokens_per_param))",
-                                  "math.sqrt(flops / 6) / tokens_per_param"),
-     "compute_optimal(5.76e+23): expected"),
+    (
+        "grid_groups",
+        _replaced(
+            "grid_groups",  # dp fastest: not Megatron's order
+            "tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)",
+            "dp_rank, tp_rank, pp_rank = rank % dp, rank // dp % tp, rank // (tp * dp)",
+        ),
+        "tp_rank = 0, expected 1",
+    ),
+    (
+        "tp_attention",
+        _replaced("tp_attention", "x = f(x, self.group)", "x = x"),  # no all-reduce backward
+        "backward: one all-reduce, f's",
+    ),
+    (
+        "pipeline_stage",
+        _replaced(
+            "pipeline_stage",  # blocks keyed by their place in the stage
+            "self.blocks[str(i)] = block",
+            "self.blocks[str(len(self.blocks))] = block",
+        ),
+        "holds blocks ['0'], expected ['1']",
+    ),
+    (
+        "three_d",
+        _replaced("three_d", "            flat /= dp\n", ""),  # the sum, not the average
+        "against the single-process run",
+    ),
+    (
+        "lars",
+        _replaced(
+            "lars",
+            'trust = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])',
+            "trust = 1.0",
+        ),  # momentum SGD
+        "LARS({'lr': 0.5, 'weight_decay': 0.01, 'trust_coefficient': 0.02}) after 3 step(s)",
+    ),
+    (
+        "planner_step_time",
+        _replaced("planner_step_time", "ranks=range(plan.tp))", ")"),  # TP tier ignored
+        "step_time(dp=1    tp=8   pp=1",
+    ),
+    (
+        "planner_plans",
+        _replaced("planner_plans", "if memory <= cluster.memory:", "if True:"),  # keeps what does not fit
+        "not valid or not fitting",
+    ),
+    (
+        "scaling_fit",
+        _replaced(
+            "scaling_fit",
+            "np.polyfit(np.log(x), np.log(y), 1)",  # log10 fit, exp back
+            "np.polyfit(np.log10(x), np.log10(y), 1)",
+        ),
+        "fit_power_law on y = 3 x^2: expected (c, e) = (3, 2)",
+    ),
+    (
+        "scaling_optimal",
+        _replaced(
+            "scaling_optimal", "math.sqrt(flops / (6 * tokens_per_param))", "math.sqrt(flops / 6) / tokens_per_param"
+        ),
+        "compute_optimal(5.76e+23): expected",
+    ),
 ]
 
 
-CATCH = '''
+CATCH = """
 _source = {source!r}
 try:
     exec(compile(_source, "graded cell {grade_id}", "exec"), globals())
@@ -126,7 +203,7 @@ except Exception as _error:
     print("FAILED:", type(_error).__name__, _error)
 else:
     print("PASSED")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -140,18 +217,22 @@ def executed():
     for exercise, wrong, _ in WRONG:
         solution, graded = exercise_cells(exercise)
         cells.append(nbformat.v4.new_code_cell(wrong))
-        wrong_at.append(len(cells))                   # the cell running the graded cell
+        wrong_at.append(len(cells))  # the cell running the graded cell
         cells.append(nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, graded).source, grade_id=graded)))
         cells.append(copy.deepcopy(cell_by_id(lab, solution)))
     fallback_at = len(cells)
     blank_lab6 = REPO / "labs" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
-    cells.append(nbformat.v4.new_code_cell(
-        f"_found = [load_tp_pieces(path) for path in ('../no_such_lab/06_tensor_parallel.ipynb', {str(blank_lab6)!r})]\n"
-        "print(repr([(sorted(pieces), pieces['f'].__module__, why) for pieces, why in _found]))\n"))
+    cells.append(
+        nbformat.v4.new_code_cell(
+            f"_found = [load_tp_pieces(path) for path in ('../no_such_lab/06_tensor_parallel.ipynb', {str(blank_lab6)!r})]\n"
+            "print(repr([(sorted(pieces), pieces['f'].__module__, why) for pieces, why in _found]))\n"
+        )
+    )
     for i, cell in enumerate(cells[solution_end:]):
-        cell.id = f"extra-{i}"                        # copies of solution cells: ids must stay unique
-    nb, seconds = execute(nbformat.v4.new_notebook(cells=cells, metadata=lab.metadata), autograding=True,
-                          timeout=300, cwd=LAB.parent)
+        cell.id = f"extra-{i}"  # copies of solution cells: ids must stay unique
+    nb, seconds = execute(
+        nbformat.v4.new_notebook(cells=cells, metadata=lab.metadata), autograding=True, timeout=300, cwd=LAB.parent
+    )
     return nb, seconds, solution_end, wrong_at, fallback_at
 
 
@@ -163,13 +244,18 @@ def test_solution_notebook_executes_within_budget(executed):
     for cell in graded_cells(nbformat.v4.new_notebook(cells=nb.cells[:solution_end])):
         assert "\N{WHITE HEAVY CHECK MARK}" in text(cell), (nbgrader_meta(cell)["grade_id"], text(cell))
         assert not [o for o in cell.outputs if o.get("name") == "stderr"], nbgrader_meta(cell)["grade_id"]
-    assert seconds < BUDGET_S * SLOWDOWN, (f"the solution notebook (and the wrong answers after it) took {seconds:.0f} s, "
-                                           f"the budget is {BUDGET_S} s (x{SLOWDOWN:g} allowed for a loaded machine)")
-    assert pictures(nb) == 5, ("expected the single-process loss curve, the 2 × 2 × 2 timeline, the planner's predicted "
-                               "against measured step times, the large-batch curves and the IsoFLOP profiles")
+    assert seconds < BUDGET_S * SLOWDOWN, (
+        f"the solution notebook (and the wrong answers after it) took {seconds:.0f} s, "
+        f"the budget is {BUDGET_S} s (x{SLOWDOWN:g} allowed for a loaded machine)"
+    )
+    assert pictures(nb) == 5, (
+        "expected the single-process loss curve, the 2 × 2 × 2 timeline, the planner's predicted "
+        "against measured step times, the large-batch curves and the IsoFLOP profiles"
+    )
     # run beside the Lab 6 solution, the lab takes its pieces from there
     assert output_of(nb, "_pieces, _source = load_tp_pieces()").startswith(
-        "tensor-parallel pieces: your Lab 6 (../06_tensor_parallel/06_tensor_parallel.ipynb)")
+        "tensor-parallel pieces: your Lab 6 (../06_tensor_parallel/06_tensor_parallel.ipynb)"
+    )
     # the 2 × 2 × 2 self-check: 8 TP all-reduces + 1 DP all-reduce, 2 sends and 2 receives, per step (3 steps)
     printed = output_of(nb, "# Self-check: 8 ranks, 2 × 2 × 2")
     assert "rank 0, 3 steps: 27 all_reduce, 6 isend, 6 recv" in printed, printed
@@ -191,7 +277,7 @@ def test_planner_ranks_the_measured_runs_and_finds_gpt3s_tensor_parallelism(exec
     gpt3 = output_of(nb, "plans1024 = plan_parallelism(")
     assert "GPT-3 (175.2 B parameters) on 1024 GPUs" in gpt3, gpt3
     best = re.search(r"plans fit\n\s+dp=(\d+)\s+tp=(\d+)\s+pp=(\d+)", gpt3)
-    assert best and int(best.group(2)) == 8, gpt3     # the published 8-way tensor parallelism, inside a node
+    assert best and int(best.group(2)) == 8, gpt3  # the published 8-way tensor parallelism, inside a node
 
 
 @pytest.mark.slow
@@ -199,7 +285,7 @@ def test_scaling_laws_fit_and_check_chinchillas_table(executed):
     nb = executed[0]
     printed = output_of(nb, "_cn, N_EXPONENT = fit_power_law")
     exponent = float(re.search(r"N_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
-    assert 0 < exponent < 1.5, printed                   # bigger budgets, bigger optimal models
+    assert 0 < exponent < 1.5, printed  # bigger budgets, bigger optimal models
     table = output_of(nb, "CHINCHILLA_TABLE = [")
     assert "10T" not in table and len(table.strip().splitlines()) >= 10, table
 
@@ -209,7 +295,7 @@ def test_graded_cells_catch_wrong_answers(executed):
     nb, _, _, wrong_at, _ = executed
     missed = {}
     for (exercise, _, message), at in zip(WRONG, wrong_at):
-        printed = text(nb.cells[at])      # a graded cell may print its visible checks' ✅ before failing
+        printed = text(nb.cells[at])  # a graded cell may print its visible checks' ✅ before failing
         if "FAILED: AssertionError" not in printed or message not in printed.split("FAILED: AssertionError", 1)[1]:
             missed[exercise] = printed[:2000]
     assert not missed, f"graded cells that passed a wrong answer, or failed without saying why: {missed}"
@@ -220,7 +306,11 @@ def test_lab6_pieces_fall_back_on_the_reference(executed):
     nb, _, _, _, fallback_at = executed
     (missing, blank) = ast.literal_eval(text(nb.cells[fallback_at]).splitlines()[-1])
     names = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP", "f", "g"]
-    assert missing[:2] == blank[:2] == (names, "<run_path>"), (missing, blank)   # data/reference_pieces.py's
+    assert missing[:2] == blank[:2] == (names, "<run_path>"), (missing, blank)  # data/reference_pieces.py's
     assert missing[2].startswith("the kit's reference pieces (data/reference_pieces.py): no Lab 6 notebook at"), missing
-    assert blank[2].startswith("the kit's reference pieces (data/reference_pieces.py): your Lab 6 pieces did not run "
-                               "(RankError") and "NotImplementedError" in blank[2], blank
+    assert (
+        blank[2].startswith(
+            "the kit's reference pieces (data/reference_pieces.py): your Lab 6 pieces did not run (RankError"
+        )
+        and "NotImplementedError" in blank[2]
+    ), blank

@@ -15,6 +15,7 @@ predicted/measured picture and the GPT-3 comparison) shares the one execution of
 test_lab08.py; the blank notebook failing every graded cell is the autograde round trip's
 (test_grading.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,13 @@ from tests.notebooks import REPO, cell_by_id, graded_cells, nbgrader_meta
 
 LAB_DIR = REPO / "solutions" / "08_capstone"
 LAB = LAB_DIR / "08_capstone.ipynb"
-GRADED = ["test_planner_memory", "test_planner_plans", "test_planner_step_time",
-          "test_scaling_fit", "test_scaling_optimal"]
+GRADED = [
+    "test_planner_memory",
+    "test_planner_plans",
+    "test_planner_step_time",
+    "test_scaling_fit",
+    "test_scaling_optimal",
+]
 
 
 def load_lab() -> nbformat.NotebookNode:
@@ -56,6 +62,7 @@ def _mine(nb) -> list:
 # ----------------------------------------------------------------------------------------
 # The shipped measurements (fast)
 
+
 def test_step_times_say_how_they_were_measured_and_cover_the_issue():
     record = json.loads((LAB_DIR / "data" / "step_times.json").read_text())
     for key in ("command", "torch", "machine", "date"):
@@ -79,7 +86,7 @@ def test_scaling_runs_hold_several_sizes_per_budget():
     for budget in budgets:
         runs = [r for r in record["runs"] if r["budget"] == budget]
         assert len({r["params"] for r in runs}) >= 5
-        for r in runs:   # each run spent its budget: 6 N D within one step's tokens
+        for r in runs:  # each run spent its budget: 6 N D within one step's tokens
             assert abs(r["flops"] - budget) <= 6 * r["params"] * record["batch"] * record["seq_len"]
             assert 0 < r["loss"] < 10
 
@@ -87,25 +94,34 @@ def test_scaling_runs_hold_several_sizes_per_budget():
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+
 def test_graded_cells_and_hidden_tests_cover_the_issue():
     nb = load_lab()
-    assert [nbgrader_meta(c)["grade_id"] for c in _mine(sections_3_and_5(nb))] == [nbgrader_meta(c)["grade_id"]
-                                                                                  for c in _mine(nb)]
+    assert [nbgrader_meta(c)["grade_id"] for c in _mine(sections_3_and_5(nb))] == [
+        nbgrader_meta(c)["grade_id"] for c in _mine(nb)
+    ]
     assert sorted(nbgrader_meta(c)["grade_id"] for c in _mine(nb)) == sorted(GRADED)
-    for exercise in ("ex_planner_memory", "ex_planner_step_time", "ex_planner_plans", "ex_scaling_fit",
-                     "ex_scaling_optimal"):
+    for exercise in (
+        "ex_planner_memory",
+        "ex_planner_step_time",
+        "ex_planner_plans",
+        "ex_scaling_fit",
+        "ex_scaling_optimal",
+    ):
         assert nbgrader_meta(cell_by_id(nb, exercise))["solution"]
     hidden = {g: cell_by_id(nb, g).source.split("### BEGIN HIDDEN TESTS")[1] for g in GRADED}
     plans = cell_by_id(nb, "test_planner_plans").source
-    assert "pure DP first" in plans                                   # a model that fits: pure DP
-    for needle in ("p.tp == 1 and p.pp == 1 and p.zero == 0",         # cannot fit unsharded: no pure DP
-                   "_plans[0].tp <= 8",                               # TP stays on the fast tier
-                   "memory=1e9)) == []"):                             # memory rejection
+    assert "pure DP first" in plans  # a model that fits: pure DP
+    for needle in (
+        "p.tp == 1 and p.pp == 1 and p.zero == 0",  # cannot fit unsharded: no pure DP
+        "_plans[0].tp <= 8",  # TP stays on the fast tier
+        "memory=1e9)) == []",
+    ):  # memory rejection
         assert needle in hidden["test_planner_plans"], needle
     measured = cell_by_id(nb, "test_planner_step_time").source
     assert "_rho >= 0.7" in measured and "< 3" in measured and 'Path("data/step_times.json")' not in measured
     assert "_ref_step" in hidden["test_planner_step_time"]
-    assert "np.polyfit" not in cell_by_id(nb, "test_scaling_fit").source   # the reference is written out
+    assert "np.polyfit" not in cell_by_id(nb, "test_scaling_fit").source  # the reference is written out
     assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "test_scaling_optimal").source
     # the graded tests' references are formulas in the test, never code of the kit
     for g in GRADED:
@@ -116,6 +132,7 @@ def test_bench_3d_reads_the_planner_and_predicts_each_measured_run():
     # what `disttrain-lab bench 3d` prints beside each measurement (no run here: the table is
     # made from the shipped measurements)
     from disttrain_lab.bench import three_d as bench_3d
+
     record = json.loads((LAB_DIR / "data" / "step_times.json").read_text())
     planner = bench_3d.lab_functions(str(LAB), ["ModelSpec", "ClusterSpec", "Plan", "step_time"])
     predicted = bench_3d.predictions(record, planner)

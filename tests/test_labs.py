@@ -3,12 +3,12 @@
 (Executing each solution, the blank release failing every graded cell, and the autograde
 round trip are in test_labNN.py and test_grading.py.)
 """
+
 from __future__ import annotations
 
 import ast
 import functools
 import zipfile
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -32,8 +32,12 @@ def lab(request) -> nbformat.NotebookNode:
 def test_setup_cell_first(lab):
     setup = lab.cells[0]
     assert nbgrader_meta(setup).get("grade_id") == "setup" and nbgrader_meta(setup).get("locked")
-    for needed in ('DISTTRAIN_LAB_PIP = "', "import disttrain_lab as dl", "dl.doctor(short=True)",
-                   'FAST = bool(os.environ.get("NBGRADER_EXECUTION"))'):
+    for needed in (
+        'DISTTRAIN_LAB_PIP = "',
+        "import disttrain_lab as dl",
+        "dl.doctor(short=True)",
+        'FAST = bool(os.environ.get("NBGRADER_EXECUTION"))',
+    ):
         assert needed in setup.source, needed
 
 
@@ -80,5 +84,8 @@ def test_package_ships_none_of_the_solutions(lab):
     for cell in lab.cells:
         if nbgrader_meta(cell).get("solution"):
             for name in definitions(cell.source):
-                assert f"def {name}(" not in package and f"class {name}(" not in package \
-                    and f"class {name}:" not in package, f"disttrain_lab defines {name}, a solution"
+                assert (
+                    f"def {name}(" not in package
+                    and f"class {name}(" not in package
+                    and f"class {name}:" not in package
+                ), f"disttrain_lab defines {name}, a solution"

@@ -1,4 +1,5 @@
 """dl.launch: results, prints, errors, deadlocks, timeouts, cleanup, concurrency, torchrun."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -20,8 +21,8 @@ from disttrain_lab import devices, pool
 
 from .helpers import alive, child_pids, gpu_count, needs_gpus, run_python, tmp_listing
 
-
 # --- what a student writes -------------------------------------------------------------
+
 
 def rank_times_ten():
     return dist.get_rank() * 10
@@ -74,6 +75,7 @@ def prints_pid_then_sleeps():
 
 # --- results ---------------------------------------------------------------------------
 
+
 def test_returns_each_ranks_value_in_rank_order():
     assert dl.launch(rank_times_ten, 4) == [0, 10, 20, 30]
 
@@ -102,6 +104,7 @@ def test_smaller_then_larger_world_reuses_or_rebuilds_pool():
 def test_prints_are_relayed_with_rank_prefix(capfd):
     def hello():
         print("hi from", dist.get_rank())
+
     dl.launch(hello, 2)
     out = capfd.readouterr().out
     assert "[rank 0] hi from 0" in out and "[rank 1] hi from 1" in out
@@ -112,6 +115,7 @@ def test_huge_output_is_capped(capfd):
         for i in range(pool.MAX_OUTPUT_LINES + 500):
             print("line", i)
         return "done"
+
     assert dl.launch(chatty, 2) == ["done", "done"]
     out = capfd.readouterr().out
     assert out.count("[rank 0] line") == pool.MAX_OUTPUT_LINES
@@ -138,26 +142,32 @@ def test_works_after_parent_ran_a_multithreaded_matmul():
     # the OpenMP-after-fork hang: the parent's thread pool is gone in a forked child
     a = torch.randn(1500, 1500)
     (a @ a).sum()
+
     def child_matmul():
         b = torch.randn(300, 300)
         return float((b @ b).abs().sum() > 0)
+
     assert dl.launch(child_matmul, 2, timeout=30) == [1.0, 1.0]
 
 
 # --- bad arguments ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(world_size=0), "world_size must be an int from 1 to"),
-    (dict(world_size=10_000), "world_size must be an int from 1 to"),
-    (dict(world_size=2.0), "world_size must be an int"),
-    (dict(world_size=2, timeout=0), "timeout must be a number of seconds > 0"),
-    (dict(world_size=2, timeout=-1), "timeout must be a number of seconds > 0"),
-    (dict(world_size=2, backend="mpi"), "backend must be one of ('gloo', 'nccl')"),
-    (dict(world_size=2, device="gpu"), "device must be one of ('cpu', 'cuda')"),
-    (dict(world_size=2, device="cuda:1"), "device must be one of ('cpu', 'cuda')"),
-    (dict(world_size=2, device="cpu", backend="nccl"), "backend='nccl' needs device='cuda'"),
-    (dict(world_size=2, device="cuda", backend="gloo"), "backend='gloo' needs device='cpu'"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(world_size=0), "world_size must be an int from 1 to"),
+        (dict(world_size=10_000), "world_size must be an int from 1 to"),
+        (dict(world_size=2.0), "world_size must be an int"),
+        (dict(world_size=2, timeout=0), "timeout must be a number of seconds > 0"),
+        (dict(world_size=2, timeout=-1), "timeout must be a number of seconds > 0"),
+        (dict(world_size=2, backend="mpi"), "backend must be one of ('gloo', 'nccl')"),
+        (dict(world_size=2, device="gpu"), "device must be one of ('cpu', 'cuda')"),
+        (dict(world_size=2, device="cuda:1"), "device must be one of ('cpu', 'cuda')"),
+        (dict(world_size=2, device="cpu", backend="nccl"), "backend='nccl' needs device='cuda'"),
+        (dict(world_size=2, device="cuda", backend="gloo"), "backend='gloo' needs device='cpu'"),
+    ],
+)
 def test_bad_arguments_say_what_is_valid(kwargs, fragment):
     with pytest.raises(ValueError) as err:
         dl.launch(rank_times_ten, **kwargs)
@@ -170,6 +180,7 @@ def test_not_callable_is_refused():
 
 
 # --- failures become clear errors, and stop every rank ----------------------------------
+
 
 def test_exception_on_one_rank_names_rank_and_line_and_stops_others():
     start = time.perf_counter()
@@ -190,6 +201,7 @@ def test_exception_on_one_rank_names_rank_and_line_and_stops_others():
 def test_error_inside_torch_call_ends_at_students_line():
     def bad_peer():
         dist.send(torch.ones(1), dst=5)  # no rank 5 in a world of 2
+
     with pytest.raises(dl.RankError) as err:
         dl.launch(bad_peer, 2)
     assert "there is no rank 5" in str(err.value) and "valid ranks are 0..1" in str(err.value)
@@ -198,12 +210,15 @@ def test_error_inside_torch_call_ends_at_students_line():
     assert frames and "in bad_peer" in frames[-1], shown
 
 
-@pytest.mark.parametrize("fn, lines, diagnosis", [
-    (both_receive_first, ["rank 0: recv(src=1", "rank 1: recv(src=0"], "Every rank is waiting to receive"),
-    (tags_disagree, ["rank 0: send(dst=1, tag=1", "rank 1: recv(src=0, tag=2"], "different tags (1 and 2)"),
-    (rank_zero_only_all_reduce, ["rank 0: all_reduce(", "rank 1: finished"], "every rank of the group must call"),
-    (spins_forever_on_rank_one, ["rank 0: finished", "rank 1: running Python code"], "infinite"),
-])
+@pytest.mark.parametrize(
+    "fn, lines, diagnosis",
+    [
+        (both_receive_first, ["rank 0: recv(src=1", "rank 1: recv(src=0"], "Every rank is waiting to receive"),
+        (tags_disagree, ["rank 0: send(dst=1, tag=1", "rank 1: recv(src=0, tag=2"], "different tags (1 and 2)"),
+        (rank_zero_only_all_reduce, ["rank 0: all_reduce(", "rank 1: finished"], "every rank of the group must call"),
+        (spins_forever_on_rank_one, ["rank 0: finished", "rank 1: running Python code"], "infinite"),
+    ],
+)
 def test_deadlocks_and_loops_become_a_report_within_the_timeout(fn, lines, diagnosis):
     start = time.perf_counter()
     with pytest.raises(dl.LaunchTimeout) as err:
@@ -233,8 +248,10 @@ def test_jupyter_shows_a_launch_error_ending_at_the_students_line():
         shell.run_cell("dl.launch(lambda: os._exit(3), 2)")
     """)
     out = run_python(["-c", script], timeout=240).stdout
-    for kind, students_line, message in [("RankError", "dl.launch(boom, 2)", "rank 1 raised ValueError: student bug"),
-                                         ("RankDied", "dl.launch(lambda: os._exit(3), 2)", "exited with code 3")]:
+    for kind, students_line, message in [
+        ("RankError", "dl.launch(boom, 2)", "rank 1 raised ValueError: student bug"),
+        ("RankDied", "dl.launch(lambda: os._exit(3), 2)", "exited with code 3"),
+    ]:
         shown = out.split(f"=== {kind}")[1].split("===")[0]
         assert message in shown, out
         assert "launcher.py" not in shown and "_collect" not in shown and "skipping hidden" not in shown, shown
@@ -248,6 +265,7 @@ def test_rank_calling_os_exit_is_reported():
         if dist.get_rank() == 1:
             os._exit(3)
         time.sleep(100)
+
     with pytest.raises(dl.RankDied) as err:
         dl.launch(exits, 2, timeout=30)
     assert err.value.rank == 1 and err.value.exitcode == 3
@@ -263,15 +281,29 @@ def _aborts():
 def test_rank_calling_abort_is_reported(capfd):
     with pytest.raises(dl.RankDied, match="SIGABRT"):
         dl.launch(_aborts, 2, timeout=30)
-    if faulthandler.is_enabled():   # pytest's: the rank's crash report is one of the rank's lines
+    if faulthandler.is_enabled():  # pytest's: the rank's crash report is one of the rank's lines
         assert "[rank 0] Fatal Python error: Aborted" in "".join(capfd.readouterr())
 
 
 def test_a_rank_that_aborts_prints_nothing_to_the_test_runners_terminal():
     # pytest's faulthandler writes to its own copy of the terminal, which a forked rank inherits
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          f"{__file__}::test_rank_calling_abort_is_reported"],
-                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            f"{__file__}::test_rank_calling_abort_is_reported",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert "1 passed" in out.stdout, out.stdout + out.stderr
     assert "Fatal Python error" not in out.stdout + out.stderr
 
@@ -279,6 +311,7 @@ def test_a_rank_that_aborts_prints_nothing_to_the_test_runners_terminal():
 def test_sys_exit_in_a_rank_is_an_error_not_a_silent_death():
     def exits():
         sys.exit(2)
+
     with pytest.raises(dl.RankError, match=r"sys.exit\(2\)"):
         dl.launch(exits, 2)
 
@@ -314,6 +347,7 @@ def test_recovers_after_a_failure():
 
 # --- tampering -------------------------------------------------------------------------
 
+
 def test_replaced_all_reduce_in_the_notebook_is_refused(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
     with pytest.raises(dl.TamperingError, match="torch.distributed.all_reduce was replaced"):
@@ -323,13 +357,16 @@ def test_replaced_all_reduce_in_the_notebook_is_refused(monkeypatch):
 def test_replacing_all_reduce_inside_a_rank_is_caught():
     def cheat():
         import torch.distributed
+
         torch.distributed.all_reduce = lambda tensor, *a, **k: None
         return 1
+
     with pytest.raises(dl.TamperingError, match="all_reduce"):
         dl.launch(cheat, 2)
 
 
 # --- separate processes: interrupt, concurrency, torchrun ---------------------------------
+
 
 def test_interrupt_stops_all_ranks():
     script = textwrap.dedent("""
@@ -387,8 +424,10 @@ def test_eight_users_launching_at_once_on_one_host():
             assert dl.launch(work, 2, timeout=120) == [1.0, 1.0]
         print("OK")
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(8)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(8)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     failed = [o for p, o in zip(procs, outs) if p.returncode != 0 or "OK" not in o]
     assert not failed, failed[0][-2000:]
@@ -396,7 +435,8 @@ def test_eight_users_launching_at_once_on_one_host():
 
 def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
     script = tmp_path / "lab_as_script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, disttrain_lab as dl, torch.distributed as dist, torch
         def step(k):
             t = torch.ones(2) * (dist.get_rank() + 1)
@@ -407,9 +447,13 @@ def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
         assert run.calls()["all_reduce"] == 2, run.calls()
         line = f"<RANK {os.environ['RANK']} OUT {[v for _, v in out]} SAME_PROCESS {out[int(os.environ['RANK'])][0] == os.getpid()}>"
         os.write(1, line.encode())  # one write: the two ranks share torchrun's stdout
-    """))
-    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                      timeout=120, env={"OMP_NUM_THREADS": "1"})
+    """)
+    )
+    proc = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     reports = re.findall(r"<RANK (\d) OUT \[30.0, 30.0\] SAME_PROCESS True>", proc.stdout)
     assert sorted(reports) == ["0", "1"], proc.stdout[-3000:]
@@ -424,8 +468,16 @@ def test_torchrun_world_size_mismatch_is_explained(monkeypatch):
 
 def test_doctor_reports_backend_and_verdict():
     text = dl.doctor()
-    for field in ("python", "torch", "CPU cores", "GPUs", "launcher", "gloo", "fork",
-                  "CUDA used in this process already: no"):
+    for field in (
+        "python",
+        "torch",
+        "CPU cores",
+        "GPUs",
+        "launcher",
+        "gloo",
+        "fork",
+        "CUDA used in this process already: no",
+    ):
         assert field in text
     assert text.splitlines()[-1].startswith("READY")
 
@@ -449,6 +501,7 @@ def test_an_idle_worker_that_died_is_replaced():
 
 def test_launch_from_a_thread_then_from_the_main_thread():
     import threading
+
     out = []
     worker = threading.Thread(target=lambda: out.append(dl.launch(rank_times_ten, 2)))
     worker.start()
@@ -461,6 +514,7 @@ def test_launch_from_a_thread_then_from_the_main_thread():
 def test_init_process_group_in_the_function_gets_a_hint():
     def torchrun_habit():
         dist.init_process_group("gloo")
+
     with pytest.raises(dl.RankError, match="remove the dist.init_process_group call"):
         dl.launch(torchrun_habit, 2)
 
@@ -472,21 +526,27 @@ def test_os_exit_zero_is_explained():
 
 def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
     script = tmp_path / "deadlock.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import disttrain_lab as dl, torch, torch.distributed as dist
         def both_receive_first():
             t = torch.zeros(4)
             dist.recv(t, src=1 - dist.get_rank())
         dl.launch(both_receive_first, 2, timeout=3)
-    """))
+    """)
+    )
     start = time.perf_counter()
-    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                      timeout=120, env={"OMP_NUM_THREADS": "1"})
+    proc = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode != 0 and time.perf_counter() - start < 60
     assert "not finished within the timeout of 3 s" in proc.stdout and "recv(src=" in proc.stdout, proc.stdout[-3000:]
 
 
 # --- one device policy: gloo on the CPU unless a launch asks for device="cuda" ---------
+
 
 def _pretend_gpus(monkeypatch, n):
     monkeypatch.setattr(devices, "_gpu_count", lambda: n)
@@ -498,15 +558,23 @@ def test_cpu_is_the_default_however_many_gpus(monkeypatch):
     monkeypatch.setenv("DISTTRAIN_LAB_BACKEND", "nccl")  # the old override is not read any more
     for world_size in (1, 2, 3, 8, 9):
         chosen = dl.plan(world_size)
-        assert (chosen.device, chosen.backend, chosen.start_method, chosen.group_backend) == \
-            ("cpu", "gloo", "fork", "gloo"), world_size
+        assert (chosen.device, chosen.backend, chosen.start_method, chosen.group_backend) == (
+            "cpu",
+            "gloo",
+            "fork",
+            "gloo",
+        ), world_size
 
 
 def test_cuda_plan_is_nccl_in_fresh_interpreters(monkeypatch):
     _pretend_gpus(monkeypatch, 4)
     chosen = dl.plan(2, device="cuda")
-    assert (chosen.device, chosen.backend, chosen.start_method, chosen.group_backend) == \
-        ("cuda", "nccl", "spawn", "cpu:gloo,cuda:nccl")
+    assert (chosen.device, chosen.backend, chosen.start_method, chosen.group_backend) == (
+        "cuda",
+        "nccl",
+        "spawn",
+        "cpu:gloo,cuda:nccl",
+    )
     assert dl.plan(4, device=torch.device("cuda")).backend == "nccl"
 
 
@@ -538,6 +606,7 @@ def test_cuda_without_a_gpu_is_a_clear_error():
 def test_cpu_ranks_never_initialise_cuda():
     def cuda_state():
         return torch.cuda.is_initialized(), str(dl.device()), os.environ.get("DISTTRAIN_LAB_RANK_DEVICE")
+
     assert dl.launch(cuda_state, 2) == [(False, "cpu", "cpu")] * 2
     assert not torch.cuda.is_initialized()
     assert str(dl.device()) == "cpu", "outside a rank: the CPU"
@@ -553,11 +622,16 @@ def test_cuda_launch_uses_nccl_on_the_ranks_own_gpu():
     # defined here so that it travels by value to the fresh interpreters
     def _on_the_gpu(n):
         x = torch.full((n,), float(dist.get_rank() + 1), device=dl.device())
-        dist.all_reduce(x)                      # NCCL: a CUDA tensor
+        dist.all_reduce(x)  # NCCL: a CUDA tensor
         y = torch.ones(2)
-        dist.all_reduce(y)                      # gloo: a CPU tensor, in the same group
-        return (str(x.device), torch.cuda.current_device(), x.cpu().tolist(), y.tolist(),
-                os.environ.get("CUDA_VISIBLE_DEVICES"))
+        dist.all_reduce(y)  # gloo: a CPU tensor, in the same group
+        return (
+            str(x.device),
+            torch.cuda.current_device(),
+            x.cpu().tolist(),
+            y.tolist(),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
 
     world = gpu_count()
     run = dl.launch(_on_the_gpu, world, 3, device="cuda", trace=True, timeout=120)
@@ -576,6 +650,7 @@ def test_a_stub_that_is_not_written_yet_says_so():
     def ping_pong(x):
         # YOUR CODE HERE
         raise NotImplementedError()
+
     with pytest.raises(dl.RankError) as err:
         dl.launch(ping_pong, 2, 1)
     assert "ping_pong is not written yet" in str(err.value)

@@ -5,6 +5,7 @@
   for torch's own sharded optimizers (ZeroRedundancyOptimizer, FSDP's DTensors) on 2 ranks.
 - ParameterWatch sees a layer's parameters gathered in its forward and backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,11 +35,16 @@ def test_tensor_bytes_counts_each_storage_once():
 
 def test_held_adam_and_sgd():
     model, adam = _trained()
-    psi = sum(p.numel() for p in model.parameters())          # 58
+    psi = sum(p.numel() for p in model.parameters())  # 58
     held = memory.held(model, adam)
     # Adam: m and v per parameter, plus a 4-byte step counter per parameter tensor
-    assert held.as_dict() == {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_state": 8 * psi + 4 * 4,
-                              "other": 0, "total": 16 * psi + 16}
+    assert held.as_dict() == {
+        "parameters": 4 * psi,
+        "gradients": 4 * psi,
+        "optimizer_state": 8 * psi + 4 * 4,
+        "other": 0,
+        "total": 16 * psi + 16,
+    }
     model, sgd = _trained(torch.optim.SGD)
     assert memory.held(model, sgd).optimizer_state == 0
     assert memory.held(model).gradients == 4 * psi and memory.held(model).optimizer_state == 0
@@ -50,7 +56,7 @@ def test_held_follows_a_wrapper_and_classifies_what_it_keeps():
     model = dl.models.MLP([4, 8, 2], seed=0)
     psi = sum(p.numel() for p in model.parameters())
 
-    class Wrapper:                     # shards as views into the parameters, their own grads, a spare buffer
+    class Wrapper:  # shards as views into the parameters, their own grads, a spare buffer
         def __init__(self):
             self.views = [p.detach().view(-1)[:2] for p in model.parameters()]
             for v in self.views:
@@ -58,12 +64,13 @@ def test_held_follows_a_wrapper_and_classifies_what_it_keeps():
             self.inner = {"adam": torch.optim.Adam(self.views, lr=0.1)}
             self.buffers = [torch.zeros(5)]
             self.callback = lambda: None
-            self.module = torch                  # a module attribute is never walked
+            self.module = torch  # a module attribute is never walked
+
     wrapper = Wrapper()
     wrapper.inner["adam"].step()
     held = memory.held(model, wrapper)
-    assert held.parameters == 4 * psi                       # the views share the parameters' storage
-    assert held.gradients == 4 * 2 * 4                      # the views' grads; the model has none
+    assert held.parameters == 4 * psi  # the views share the parameters' storage
+    assert held.gradients == 4 * 2 * 4  # the views' grads; the model has none
     assert held.optimizer_state == 4 * (2 * 2 * 4 + 4)
     assert held.other == 20
     assert "other 20 B" in str(held)
@@ -72,6 +79,7 @@ def test_held_follows_a_wrapper_and_classifies_what_it_keeps():
 def _torch_sharded(kind: str):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
     model = dl.models.MLP([6, 10, 4], seed=0)
     psi = sum(p.numel() for p in model.parameters())
     if kind == "zero":
@@ -110,8 +118,13 @@ def test_parameter_watch_sees_each_layer_run():
     nn.functional.mse_loss(model(torch.ones(2, 3)), torch.zeros(2, 2)).backward()
     watch.remove()
     assert [(s.moment, s.layer) for s in watch.snapshots] == [
-        ("forward", "0"), ("after forward", "0"), ("forward", "2"), ("after forward", "2"),
-        ("backward", "2"), ("backward", "0")]
+        ("forward", "0"),
+        ("after forward", "0"),
+        ("forward", "2"),
+        ("after forward", "2"),
+        ("backward", "2"),
+        ("backward", "0"),
+    ]
     full = {"0": 4 * (15 + 5), "2": 4 * (10 + 2)}
     assert all(s.bytes_by_layer == full and s.full_layers(full) == ["0", "2"] for s in watch.snapshots)
     model(torch.ones(1, 3))
@@ -122,13 +135,16 @@ def _watch_in_rank():
     """A layer gathered only while it runs (as ZeRO-3 does): the watch sees it full exactly then."""
     layer = nn.Linear(4, 4)
     shape = layer.weight.shape
-    layer.weight.data = layer.weight.data.reshape(-1)[:8].clone()       # "a shard"
+    layer.weight.data = layer.weight.data.reshape(-1)[:8].clone()  # "a shard"
+
     def gather(module, args):
         full = torch.empty(2 * 8)
         dist.all_gather_into_tensor(full, module.weight.data)
         module.weight.data = full.view(shape)
+
     def free(module, args, output):
         module.weight.data = module.weight.data.reshape(-1)[:8].clone()
+
     layer.register_forward_pre_hook(gather)
     layer.register_forward_hook(free)
     watch = memory.ParameterWatch(layer)

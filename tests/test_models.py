@@ -1,4 +1,5 @@
 """Deterministic models and data: the same on every rank and every run."""
+
 import torch
 
 import disttrain_lab as dl
@@ -56,7 +57,7 @@ def test_gpt_counts_its_parameters_and_is_deterministic():
     a, b = models.GPT(cfg, seed=3), models.GPT(cfg, seed=3)
     assert sum(p.numel() for p in a.parameters()) == cfg.params()
     assert models.parameters_equal(a, b) == [] and models.parameters_equal(a, models.GPT(cfg, seed=4)) != []
-    assert a.head.weight.data_ptr() != a.token.weight.data_ptr()          # untied: each stage owns its own
+    assert a.head.weight.data_ptr() != a.token.weight.data_ptr()  # untied: each stage owns its own
     assert a(torch.zeros(5, 8, dtype=torch.long)).shape == (5, 8, 32)
 
 
@@ -100,7 +101,7 @@ def test_gpt_learns_the_corpus():
     batches = models.lm_batches(models.corpus_tokens(8000), 32, cfg.seq_len, 60, seed=1)
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.5)
     losses, threads = [], torch.get_num_threads()
-    torch.set_num_threads(1)          # matrices this small: a second thread only spins on a loaded machine
+    torch.set_num_threads(1)  # matrices this small: a second thread only spins on a loaded machine
     try:
         for x, y in batches:
             optimizer.zero_grad()

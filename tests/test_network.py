@@ -5,6 +5,7 @@ real copy comes on top), so on a loaded machine the tests assert: every measured
 least the model's, and the best of several is close to it.  No test asserts an upper bound
 on a single measurement.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,6 +24,7 @@ GBIT = dl.Network(latency=50e-6, bandwidth=1.25e8, name="1 Gbit/s")
 
 
 # --- parameters --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("field", ["latency", "bandwidth"])
 @pytest.mark.parametrize("value", [-1.0, 0, 0.0, float("nan"), float("inf"), "fast", None, True])
@@ -60,6 +62,7 @@ def test_presets_and_the_alpha_beta_model():
 
 # --- one message --------------------------------------------------------------------------
 
+
 def _timed_sends(nbytes: int, repeats: int) -> list[float]:
     """Rank 0 sends ``nbytes`` to rank 1 ``repeats`` times (after one untimed warm-up)."""
     t = torch.zeros(nbytes, dtype=torch.uint8)
@@ -77,7 +80,7 @@ def _timed_sends(nbytes: int, repeats: int) -> list[float]:
 
 
 def test_a_1_mib_send_on_1_gbit_takes_alpha_plus_beta_n():
-    model = GBIT.latency + MiB / GBIT.bandwidth                      # 8.44 ms
+    model = GBIT.latency + MiB / GBIT.bandwidth  # 8.44 ms
     run = dl.launch(_timed_sends, 2, MiB, 7, network=GBIT, trace=True, timeout=60)
     assert run.network == GBIT
     sends, recvs = run.select(op="send"), run.select(op="recv")
@@ -88,7 +91,7 @@ def test_a_1_mib_send_on_1_gbit_takes_alpha_plus_beta_n():
         # (the receiver's own clock starts when it leaves the barrier, which on a loaded machine
         # can be later than the sender's: the arrival is what the model bounds)
         assert send.duration >= model
-        assert recv.end - send.start >= model            # the data arrived no earlier than α + βn
+        assert recv.end - send.start >= model  # the data arrived no earlier than α + βn
     sender, receiver = run.results
     assert min(sender) >= model
     # the best of 7 is within 10 % (plus the real loopback copy of 1 MiB, ~1 ms); charging a
@@ -97,6 +100,7 @@ def test_a_1_mib_send_on_1_gbit_takes_alpha_plus_beta_n():
 
 
 # --- ring against naive, implemented here with send/recv (not the lab's solution) ---------
+
 
 def _naive(x: torch.Tensor) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -117,13 +121,13 @@ def _ring(x: torch.Tensor) -> None:
     chunks = x.tensor_split(n)
     right, left = (rank + 1) % n, (rank - 1) % n
     incoming = torch.empty_like(chunks[0])
-    for s in range(n - 1):                       # reduce-scatter
+    for s in range(n - 1):  # reduce-scatter
         send = dist.isend(chunks[(rank - s - 1) % n], dst=right)
         into = chunks[(rank - s - 2) % n]
         dist.recv(incoming[: into.numel()], src=left)
         into += incoming[: into.numel()]
         send.wait()
-    for s in range(n - 1):                       # all-gather
+    for s in range(n - 1):  # all-gather
         send = dist.isend(chunks[(rank - s) % n], dst=right)
         dist.recv(chunks[(rank - s - 1) % n], src=left)
         send.wait()
@@ -150,10 +154,10 @@ def test_ring_beats_naive_by_the_models_ratio_at_16_mib_on_4_ranks(duplex, ratio
     # loopback copies and additions, which a loaded machine can stretch to ~0.25 s
     n, size = 4, 16 * MiB
     net = dl.Network(latency=50e-6, bandwidth=5e7, duplex=duplex)
-    per_message = 2 if duplex == "half" else 1       # half duplex: a ring step sends *and* receives
-    naive_model = 2 * (n - 1) * net.time(size)       # rank 0's port carries 2(N-1) whole tensors
+    per_message = 2 if duplex == "half" else 1  # half duplex: a ring step sends *and* receives
+    naive_model = 2 * (n - 1) * net.time(size)  # rank 0's port carries 2(N-1) whole tensors
     ring_model = 2 * (n - 1) * per_message * net.time(size / n)
-    assert naive_model / ring_model == pytest.approx(ratio, rel=0.01)   # N (full) or N/2 (half)
+    assert naive_model / ring_model == pytest.approx(ratio, rel=0.01)  # N (full) or N/2 (half)
     results = dl.launch(_race, n, size // 4, 2, network=net, timeout=120)
     assert all(r["naive correct"] and r["ring correct"] for r in results), results
     # a call ends when its last rank does; every call takes at least the model's time
@@ -166,6 +170,7 @@ def test_ring_beats_naive_by_the_models_ratio_at_16_mib_on_4_ranks(duplex, ratio
 
 # --- collectives, async work and futures --------------------------------------------------
 
+
 def _collectives(numel: int) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     x = torch.full((numel,), float(rank))
@@ -176,7 +181,7 @@ def _collectives(numel: int) -> dict:
     took["all_reduce"] = time.perf_counter() - start
     start = time.perf_counter()
     work = dist.all_reduce(x, async_op=True)
-    took["overlap"] = time.perf_counter() - start    # the call returns at once: compute overlaps
+    took["overlap"] = time.perf_counter() - start  # the call returns at once: compute overlaps
     work.wait()
     took["all_reduce async"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -196,7 +201,7 @@ def _collectives(numel: int) -> dict:
 
 
 def test_collectives_cost_their_algorithm_sync_async_and_future():
-    n, numel = 3, (4 * MiB) // 4 + 1                 # 4 MiB + 4 B: not divisible by 3
+    n, numel = 3, (4 * MiB) // 4 + 1  # 4 MiB + 4 B: not divisible by 3
     nbytes = numel * 4
     run = dl.launch(_collectives, n, numel, network=GBIT, trace=True, timeout=60)
     ring = collective_time(GBIT, "all_reduce", nbytes, n)
@@ -204,7 +209,7 @@ def test_collectives_cost_their_algorithm_sync_async_and_future():
         assert took["correct"]
         for key in ("all_reduce", "all_reduce async", "all_reduce future"):
             assert took[key] >= ring, (key, took)
-        assert took["overlap"] < ring                # async_op=True does not wait for the link
+        assert took["overlap"] < ring  # async_op=True does not wait for the link
         assert took["all_gather"] >= collective_time(GBIT, "all_gather", n * nbytes, n)
         assert took["broadcast"] >= collective_time(GBIT, "broadcast", nbytes, n)
     gathers = run.select(op="all_gather")
@@ -215,6 +220,7 @@ def test_collectives_cost_their_algorithm_sync_async_and_future():
 
 # --- network=None -------------------------------------------------------------------------
 
+
 def _send_16_kib() -> bool:
     t = torch.zeros(16 << 10, dtype=torch.uint8)
     if dist.get_rank() == 0:
@@ -222,13 +228,14 @@ def _send_16_kib() -> bool:
     else:
         dist.recv(t, src=0)
     from disttrain_lab import emulation, trace
+
     # nothing of the emulation is left: the tracer wraps torch's own function directly
     inner = [c.cell_contents for c in dist.send.__closure__ if callable(c.cell_contents)]
     return emulation._STATE is None and trace.genuine_of(dist.send) in inner
 
 
 def test_network_none_changes_nothing_after_an_emulated_launch():
-    crawl = dl.Network(latency=1e-3, bandwidth=1e3)          # 1 kB/s: this send takes 16 s
+    crawl = dl.Network(latency=1e-3, bandwidth=1e3)  # 1 kB/s: this send takes 16 s
     with pytest.raises(dl.LaunchTimeout):
         dl.launch(_send_16_kib, 2, network=crawl, timeout=3)
     run = dl.launch(_send_16_kib, 2, trace=True, timeout=15)  # would time out if still emulated
@@ -239,17 +246,18 @@ def test_network_none_changes_nothing_after_an_emulated_launch():
 
 def test_warm_ranks_forget_the_network_between_launches():
     # the same pool of ranks: emulated, then real, then emulated again
-    slow = dl.Network(latency=1e-3, bandwidth=1e6)           # 16 KiB: 17 ms
+    slow = dl.Network(latency=1e-3, bandwidth=1e6)  # 16 KiB: 17 ms
     first = dl.launch(_send_16_kib, 2, network=slow, trace=True)
-    assert first.results == [False, False]                    # emulating: the send is slowed
+    assert first.results == [False, False]  # emulating: the send is slowed
     assert first.select(op="send")[0].duration >= slow.time(16 << 10)
     assert dl.launch(_send_16_kib, 2) == [True, True]
-    assert statistics.mean(e.meta["network_s"] for e in
-                           dl.launch(_send_16_kib, 2, network=slow, trace=True).select(op="send")) \
-        == pytest.approx(slow.time(16 << 10))
+    assert statistics.mean(
+        e.meta["network_s"] for e in dl.launch(_send_16_kib, 2, network=slow, trace=True).select(op="send")
+    ) == pytest.approx(slow.time(16 << 10))
 
 
 # --- under torchrun: the same emulation, in torchrun's own processes ------------------------
+
 
 @pytest.mark.slow
 def test_network_under_torchrun(tmp_path):
@@ -257,8 +265,10 @@ def test_network_under_torchrun(tmp_path):
     import textwrap
 
     from .helpers import run_python
+
     script = tmp_path / "emulated.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, time, torch, torch.distributed as dist, disttrain_lab as dl
         net = dl.Network(latency=1e-3, bandwidth=1e7)           # 1 MiB: 106 ms
         def step():
@@ -275,29 +285,36 @@ def test_network_under_torchrun(tmp_path):
         ok = (run.network == net and run.results[0] >= model and run.results[1] >= 0.5 * model
               and run.select(op="send")[0].meta["network_s"] == model)
         os.write(1, f"<RANK {os.environ['RANK']} OK {ok}>".encode())
-    """))
-    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                      timeout=120, env={"OMP_NUM_THREADS": "1"})
+    """)
+    )
+    proc = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert sorted(re.findall(r"<RANK (\d) OK True>", proc.stdout)) == ["0", "1"], proc.stdout[-3000:]
 
 
 # --- two tiers: nodes of devices_per_node ranks, a link inside a node and one across --------
 
-FAST = dl.Network(latency=1e-4, bandwidth=1e9, name="fast")        # 256 KiB: 0.36 ms
-SLOW = dl.Network(latency=1e-3, bandwidth=2e7, name="slow")        # 256 KiB: 14.1 ms
+FAST = dl.Network(latency=1e-4, bandwidth=1e9, name="fast")  # 256 KiB: 0.36 ms
+SLOW = dl.Network(latency=1e-3, bandwidth=2e7, name="slow")  # 256 KiB: 14.1 ms
 KIB256 = 256 << 10
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"devices_per_node": 4}, "devices_per_node and inter go together"),
-    ({"inter": SLOW}, "devices_per_node and inter go together"),
-    ({"devices_per_node": 0, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got 0"),
-    ({"devices_per_node": True, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got True"),
-    ({"devices_per_node": 2.5, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got 2.5"),
-    ({"devices_per_node": 2, "inter": "slow"}, r"Network inter must be a one-tier Network"),
-    ({"devices_per_node": 2, "inter": dl.Network.two_tier(2, FAST, SLOW)}, r"Network inter must be a one-tier"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"devices_per_node": 4}, "devices_per_node and inter go together"),
+        ({"inter": SLOW}, "devices_per_node and inter go together"),
+        ({"devices_per_node": 0, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got 0"),
+        ({"devices_per_node": True, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got True"),
+        ({"devices_per_node": 2.5, "inter": SLOW}, r"devices_per_node must be an int >= 1 .*got 2.5"),
+        ({"devices_per_node": 2, "inter": "slow"}, r"Network inter must be a one-tier Network"),
+        ({"devices_per_node": 2, "inter": dl.Network.two_tier(2, FAST, SLOW)}, r"Network inter must be a one-tier"),
+    ],
+)
 def test_bad_two_tier_parameters_raise_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dl.Network(latency=1e-4, bandwidth=1e9, **kwargs)
@@ -321,7 +338,7 @@ def test_two_tier_model_links_and_collectives():
     assert dgx.collective_tier("all_reduce", MiB, 4, [4, 5, 6, 7]) == ("intra", 6 * nvl.time(MiB / 4))
     assert dgx.collective_tier("all_reduce", MiB, 2, [1, 5]) == ("inter", 2 * ib.time(MiB / 2))
     assert dgx.collective_time("all_gather", MiB, 8, range(8)) == 7 * ib.time(MiB / 8)
-    assert dgx.collective_time("all_reduce", MiB, 4) == 6 * nvl.time(MiB / 4)   # no ranks: inside a node
+    assert dgx.collective_time("all_reduce", MiB, 4) == 6 * nvl.time(MiB / 4)  # no ranks: inside a node
     # an inter link faster than the intra one: a group across nodes still goes at its slowest hop
     odd = dl.Network.two_tier(2, intra=SLOW, inter=FAST)
     assert odd.collective_tier("all_reduce", MiB, 4, range(4)) == ("intra", 6 * SLOW.time(MiB / 4))
@@ -336,12 +353,14 @@ def one_tier_is_its_own_intra_link() -> bool:
 def _two_tier_traffic(nbytes: int) -> dict:
     rank = dist.get_rank()
     t = torch.full((nbytes // 4,), float(rank))
-    groups = {name: dist.new_group(ranks) for name, ranks in
-              (("node 0", [0, 1]), ("node 1", [2, 3]), ("across a", [0, 2]), ("across b", [1, 3]))}
+    groups = {
+        name: dist.new_group(ranks)
+        for name, ranks in (("node 0", [0, 1]), ("node 1", [2, 3]), ("across a", [0, 2]), ("across b", [1, 3]))
+    }
     dist.barrier()
     if rank == 0:
-        dist.send(t, dst=1)          # same node
-        dist.send(t, dst=2)          # across nodes
+        dist.send(t, dst=1)  # same node
+        dist.send(t, dst=2)  # across nodes
     elif rank in (1, 2):
         dist.recv(t, src=0)
     mine = [name for name, g in groups.items() if rank in dist.get_process_group_ranks(g)]
@@ -355,7 +374,7 @@ def _two_tier_traffic(nbytes: int) -> dict:
 
 
 def test_two_tier_launch_pays_the_tier_each_transfer_and_group_uses():
-    net = dl.Network.two_tier(2, intra=FAST, inter=SLOW)   # ranks 0, 1 on node 0; 2, 3 on node 1
+    net = dl.Network.two_tier(2, intra=FAST, inter=SLOW)  # ranks 0, 1 on node 0; 2, 3 on node 1
     run = dl.launch(_two_tier_traffic, 4, KIB256, network=net, trace=True, timeout=120)
     assert run.network == net and all(r["correct"] for r in run.results)
     to_1, to_2 = run.select(op="send", rank=0, peer=1), run.select(op="send", rank=0, peer=2)
@@ -366,9 +385,8 @@ def test_two_tier_launch_pays_the_tier_each_transfer_and_group_uses():
     for send, recv in run.messages():
         assert recv.end - send.start >= send.meta["network_s"]
     reduces = run.select(op="all_reduce")
-    assert len(reduces) == 4 * 3                       # per rank: its node, its cross pair, the world
-    inside, across, world = (2 * FAST.time(KIB256 / 2), 2 * SLOW.time(KIB256 / 2),
-                             6 * SLOW.time(KIB256 / 4))
+    assert len(reduces) == 4 * 3  # per rank: its node, its cross pair, the world
+    inside, across, world = (2 * FAST.time(KIB256 / 2), 2 * SLOW.time(KIB256 / 2), 6 * SLOW.time(KIB256 / 4))
     assert sorted(e.meta["network_s"] for e in reduces) == sorted([inside] * 4 + [across] * 4 + [world] * 4)
     for e in reduces:
         assert e.duration >= e.meta["network_s"]
@@ -399,7 +417,7 @@ def test_irecvs_waited_out_of_order_get_their_own_arrival_times():
     # the second message leaves after the first on rank 0's port: it arrives 2 (α + βn) after
     # rank 0 starts.  Pairing by the order of the waits (the bug) gave the second irecv the
     # first message's arrival, α + βn.
-    cost = SLOW.time(2 * MiB)                                    # 0.1 s
+    cost = SLOW.time(2 * MiB)  # 0.1 s
     sender, receiver = dl.launch(_irecvs_waited_in_reverse, 2, 2 * MiB, network=SLOW, timeout=60)
     assert receiver["correct"]
     assert receiver["end b"] - sender["start"] >= 2 * cost

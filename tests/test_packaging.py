@@ -1,14 +1,15 @@
 """The project's own files install what it needs, and never an unpinned torch."""
+
 from __future__ import annotations
 
 import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ def _pyproject() -> dict:
 def _environment_pip() -> list[str]:
     lines = (ROOT / "environment.yml").read_text().splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
-    return [l.strip()[2:] for l in lines[start + 1:] if l.strip().startswith("- ") and l.strip() != "- -e ."]
+    return [l.strip()[2:] for l in lines[start + 1 :] if l.strip().startswith("- ") and l.strip() != "- -e ."]
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
@@ -38,8 +39,9 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
 
 def test_torch_is_never_a_plain_dependency():
     project = _pyproject()["project"]
-    assert not [r for r in project["dependencies"] if _name(r) == "torch"], \
+    assert not [r for r in project["dependencies"] if _name(r) == "torch"], (
         "a torch dependency would let pip replace Colab's or a Hub's torch"
+    )
     assert project["optional-dependencies"]["torch"] == ["torch==2.13.0"]
     assert "torch==2.13.0" in _environment_pip()
 
@@ -66,8 +68,9 @@ def test_package_holds_no_solutions():
 
 
 def test_console_script_runs():
-    out = subprocess.run([str(Path(sys.executable).parent / "disttrain-lab"), "doctor"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "disttrain-lab"), "doctor"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "READY" in out.stdout
 
 
@@ -75,28 +78,45 @@ def test_console_script_runs():
 
 STUDENT_DEPS = {"cloudpickle", "numpy", "matplotlib", "ipywidgets", "tqdm"}
 # what may replace Colab's own Jupyter front end, or is only the instructor's
-NEVER_FOR_STUDENTS = {"torch", "jupyterlab", "notebook", "jupyter-server", "nbgrader", "nbconvert", "nbclient",
-                      "jupyterhub", "jupyter-client", "ipykernel"}
+NEVER_FOR_STUDENTS = {
+    "torch",
+    "jupyterlab",
+    "notebook",
+    "jupyter-server",
+    "nbgrader",
+    "nbconvert",
+    "nbclient",
+    "jupyterhub",
+    "jupyter-client",
+    "ipykernel",
+}
 
 
 def test_student_dependencies_are_only_what_a_kernel_needs():
     project = _pyproject()["project"]
     assert {_name(r) for r in project["dependencies"]} == STUDENT_DEPS
     assert {"jupyterlab", "nbgrader"} <= {_name(r) for r in project["optional-dependencies"]["grader"]}
-    assert '.[grader,test]' in (ROOT / "scripts" / "setup.sh").read_text()
+    assert ".[grader,test]" in (ROOT / "scripts" / "setup.sh").read_text()
 
 
 @pytest.mark.slow
 def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(tmp_path):
     from disttrain_lab.grading.install_source import build_wheel
+
     from .freshenv import canonical, fresh_venv, installed, requirements_of
+
     wheel = build_wheel(ROOT, tmp_path / "dist")
     python = fresh_venv(tmp_path / "venv", ["torch"])
     before = installed(python)
     assert "torch" in before and "disttrain-lab" not in before and "numpy" not in before
     report = tmp_path / "report.json"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
-                           str(wheel)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [str(python), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     items = {canonical(i["metadata"]["name"]): i["metadata"] for i in json.loads(report.read_text())["install"]}
     kit = items.pop("disttrain-lab")
@@ -117,11 +137,13 @@ def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(
 def test_committed_wheel_is_built_from_these_sources(tmp_path):
     from disttrain_lab import grading
     from disttrain_lab.grading.install_source import build_wheel, needs_wheel, wheel_differences
+
     if not needs_wheel(grading.configured_install_source()):
         pytest.skip("the configured install source is not a wheel beside the labs")
     build_wheel(ROOT, tmp_path)
-    assert not wheel_differences(tmp_path, ROOT / "labs" / "wheels"), \
+    assert not wheel_differences(tmp_path, ROOT / "labs" / "wheels"), (
         "labs/wheels/ is stale: run `disttrain-lab release`"
+    )
 
 
 @pytest.mark.slow
@@ -135,11 +157,30 @@ def test_every_lower_bound_is_what_the_lowest_resolution_installs():
         assert floor, f"{requirement}: every dependency names its lowest version"
         bounds[_name(requirement)] = floor.group(2)
     uv = Path(sys.executable).parent / "uv"
-    out = subprocess.run([str(uv), "pip", "compile", "pyproject.toml", "--all-extras", "--resolution", "lowest-direct",
-                          "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}", "--quiet",
-                          "--no-header", "--no-annotate"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            str(uv),
+            "pip",
+            "compile",
+            "pyproject.toml",
+            "--all-extras",
+            "--resolution",
+            "lowest-direct",
+            "--python-version",
+            f"{sys.version_info.major}.{sys.version_info.minor}",
+            "--quiet",
+            "--no-header",
+            "--no-annotate",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr
     resolved = dict(line.split("==", 1) for line in out.stdout.split() if "==" in line and not line.startswith("-"))
     resolved = {_name(n): v for n, v in resolved.items()}
-    wrong = {n: (b, resolved.get(n)) for n, b in bounds.items() if n not in resolved or Version(resolved[n]) != Version(b)}
+    wrong = {
+        n: (b, resolved.get(n)) for n, b in bounds.items() if n not in resolved or Version(resolved[n]) != Version(b)
+    }
     assert not wrong, f"declared lower bound vs what the lowest resolution installs: {wrong}"

@@ -8,6 +8,7 @@ The batch needs a host that can sandbox (root, cgroup v1 memory+pids, namespaces
 has; elsewhere it is skipped with the reason, and the report test proves the grader says
 loudly that it graded without isolation.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,14 +21,23 @@ import pytest
 
 from disttrain_lab import grading
 from disttrain_lab.grading import execute, sandbox, steps
-from tests.test_grading import (FIXTURE_LIMITS, FIXTURES, HAS_LAUNCH, Course, feedback, grade_id,
-                                processes_with, submit, with_solution)
+from tests.test_grading import (
+    FIXTURE_LIMITS,
+    FIXTURES,
+    HAS_LAUNCH,
+    Course,
+    feedback,
+    grade_id,
+    processes_with,
+    submit,
+    with_solution,
+)
 
 CAN_SANDBOX = sandbox.problem() is None
 needs_sandbox = pytest.mark.skipif(not CAN_SANDBOX, reason=f"this host cannot sandbox: {sandbox.problem()}")
 pytestmark = pytest.mark.timeout(900)
 
-MARKER = "h16-escapee-marker"      # in the command line of every process an attacker leaves behind
+MARKER = "h16-escapee-marker"  # in the command line of every process an attacker leaves behind
 SECRET_NAME = "H16_GRADER_API_TOKEN"  # in the grader's environment while it grades (never the kernel's)
 LIMITS = dict(FIXTURE_LIMITS, student_memory=1536 * 2**20, student_pids=256, sandbox="on")
 
@@ -37,31 +47,38 @@ MEAN_OK = "def mean(xs):\n    return sum(xs) / len(xs)\n"
 # ex_mean's solution cell of each attacker (fixture 00_basics: add 1 + mean 2 + scale 1)
 ATTACKS = {
     # 1. hooks that turn a failing test cell into a passing one
-    "c1_hooks": WRONG_MEAN + (
+    "c1_hooks": WRONG_MEAN
+    + (
         "ip = get_ipython()\n"
         "ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
         "def _clear(result):\n    result.error_in_exec = None\n"
-        "ip.events.register('post_run_cell', _clear)\n"),
-    "c1_ast_transformer": WRONG_MEAN + (
+        "ip.events.register('post_run_cell', _clear)\n"
+    ),
+    "c1_ast_transformer": WRONG_MEAN
+    + (
         "import ast\n"
         "class _NoAssert(ast.NodeTransformer):\n"
         "    def visit_Assert(self, node):\n        return ast.Pass()\n"
-        "get_ipython().ast_transformers.append(_NoAssert())\n"),
+        "get_ipython().ast_transformers.append(_NoAssert())\n"
+    ),
     "c1_input_transformer": WRONG_MEAN + "get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])\n",
     # ... and one that answers the grader's guard itself, so that the hooks are never reset
-    "c1_forged_guard": WRONG_MEAN + (
+    "c1_forged_guard": WRONG_MEAN
+    + (
         "ip = get_ipython()\n"
         "ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
         "def _clear(result):\n    result.error_in_exec = None\n"
         "ip.events.register('post_run_cell', _clear)\n"
         "ip.user_expressions = lambda expressions: {k: {'status': 'ok', 'metadata': {},\n"
-        "    'data': {'text/plain': \"([], [], '0' * 64)\"}} for k in expressions}\n"),
+        "    'data': {'text/plain': \"([], [], '0' * 64)\"}} for k in expressions}\n"
+    ),
     "c1_hooks_during_test": (
         "def mean(xs):\n"
         "    ip = get_ipython()\n"
         "    ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
         "    ip.events.register('post_run_cell', lambda result: setattr(result, 'error_in_exec', None))\n"
-        "    return 0\n"),
+        "    return 0\n"
+    ),
     # 4. the grader's files: the gradebook, the solutions, another student's submission;
     # and the grader's environment (a token, the course's paths, its HOME)
     "c4_files": (
@@ -99,9 +116,11 @@ ATTACKS = {
         f"_leak = _leak or '{SECRET_NAME}' in os.environ or any('@COURSE@' in v for v in os.environ.values())\n"
         "if _leak:\n"
         "    def mean(xs):\n"
-        "        return sum(xs) / len(xs)\n"),
+        "        return sum(xs) / len(xs)\n"
+    ),
     # 5. a process that leaves the kernel's group, keeps changing pid and kills later kernels
-    "c5_escape": MEAN_OK + (
+    "c5_escape": MEAN_OK
+    + (
         "import subprocess, sys\n"
         "_code = '''\n"
         "import os, sys, time, signal\n"
@@ -121,22 +140,28 @@ ATTACKS = {
         "    time.sleep(0.2)\n"
         "'''\n"
         f"subprocess.Popen([sys.executable, '-c', _code, '@ROOT@', str(os.getpid()), '{MARKER}'],\n"
-        "                 start_new_session=True)\n"),
+        "                 start_new_session=True)\n"
+    ),
     # 6. shared memory: RLIMIT_DATA does not count it, and /dev/shm outlives a kernel
-    "c6_shm": MEAN_OK + (
+    "c6_shm": MEAN_OK
+    + (
         "try:\n"
         f"    with open('/dev/shm/{MARKER}', 'wb') as _f:\n"
         "        for _ in range(12):\n"
         "            _f.write(b'x' * 2**28)\n"
         "except OSError:\n"
-        "    pass\n"),
+        "    pass\n"
+    ),
 }
 DESERVED = {name: 2.0 for name in ATTACKS} | {"c5_escape": 4.0, "c6_shm": 4.0}
 
 
 def _digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _host_leftovers() -> list[str]:
@@ -155,8 +180,15 @@ def attacked(tmp_path_factory):
     course = Course(tmp_path_factory.mktemp("attacked"), "00_basics", FIXTURES, LIMITS)
     course.do_release()
     sol = course.solution
-    for name, source in ATTACKS.items():    # an attacker knows where the course lives on the host
-        submit(course.course, name, course.lab, with_solution(sol, "ex_mean", source.replace("@COURSE@", str(course.course)).replace("@ROOT@", str(course.root))))
+    for name, source in ATTACKS.items():  # an attacker knows where the course lives on the host
+        submit(
+            course.course,
+            name,
+            course.lab,
+            with_solution(
+                sol, "ex_mean", source.replace("@COURSE@", str(course.course)).replace("@ROOT@", str(course.root))
+            ),
+        )
     # 8. a flipped `grade` flag on a test cell (nbgrader's checksum check failed the whole notebook)
     flipped = copy.deepcopy(sol)
     [cell] = [c for c in flipped.cells if grade_id(c) == "test_mean"]
@@ -172,6 +204,7 @@ def attacked(tmp_path_factory):
     def recording_init(self, relative):
         course.cgroups.append(relative)
         genuine_init(self, relative)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sandbox.Cgroup, "__init__", recording_init)
         mp.setenv(SECRET_NAME, "grader-secret-" + os.urandom(8).hex())
@@ -196,15 +229,21 @@ def test_attacker_gets_exactly_its_deserved_score(attacked, attack):
 def test_classmates_files_and_host_are_untouched(attacked):
     full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
     assert attacked.table["a_honest"] == full and attacked.table["z_honest"] == full
-    assert attacked.table["c8_flipped_flag"] == full          # 8: restored from the gradebook, not zeroed
+    assert attacked.table["c8_flipped_flag"] == full  # 8: restored from the gradebook, not zeroed
     assert _digest(FIXTURES) == attacked.source_digest
     assert _digest(attacked.course / "submitted" / "z_honest") == attacked.others_digest
     from nbgrader.api import Gradebook
+
     with Gradebook(f"sqlite:///{attacked.course / 'gradebook.db'}") as gb:
-        manual = [g.manual_score for s in gb.find_assignment("00_basics").submissions
-                  for nb in s.notebooks for g in nb.grades if g.manual_score is not None]
+        manual = [
+            g.manual_score
+            for s in gb.find_assignment("00_basics").submissions
+            for nb in s.notebooks
+            for g in nb.grades
+            if g.manual_score is not None
+        ]
     assert manual == []
-    assert attacked.leftovers == []                          # 5, 6: no escaped process, no /dev/shm file
+    assert attacked.leftovers == []  # 5, 6: no escaped process, no /dev/shm file
     assert not processes_with(str(attacked.course))
     assert not list(attacked.tmp.iterdir())
     assert attacked.cgroups, "the grading made no cgroup to check"
@@ -214,10 +253,13 @@ def test_classmates_files_and_host_are_untouched(attacked):
 @pytest.mark.slow
 @needs_sandbox
 def test_feedback_shows_messages_not_hidden_tests(attacked):
-    honest, wrong = feedback(attacked.course, "a_honest", "00_basics"), feedback(attacked.course, "c1_hooks", "00_basics")
+    honest, wrong = (
+        feedback(attacked.course, "a_honest", "00_basics"),
+        feedback(attacked.course, "c1_hooks", "00_basics"),
+    )
     for page in (honest, wrong):
         assert page and "BEGIN HIDDEN TESTS" not in page and "mean([5]) == 5" not in page
-    assert "mean([1, 2, 3]) should be 2" in wrong           # 7: the failing message is there
+    assert "mean([1, 2, 3]) should be 2" in wrong  # 7: the failing message is there
 
 
 @pytest.mark.slow
@@ -247,23 +289,33 @@ FORGED_SHIFT = (
     "    from disttrain_lab import trace as _t\n"
     "    rank, n = dist.get_rank(), dist.get_world_size()\n"
     "    _t._REC.events.append((rank, 'send', 'p2p', 0.0, 0.0, (rank + 1) % n, None, x.nbytes, None, '', {}))\n"
-    "    return torch.full_like(x, float((rank - 1) % n))\n")
+    "    return torch.full_like(x, float((rank - 1) % n))\n"
+)
 LAUNCH_ATTACKS = {
-    "c2_rebind_dl": ("ex_allsum", ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n"),
+    "c2_rebind_dl": (
+        "ex_allsum",
+        ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n",
+    ),
     "c2_code_swap": ("ex_allsum", ALLSUM_WRONG + f"dl.launch.__code__ = ({FAKE_LAUNCH}).__code__\n"),
-    "c2_class_patch": ("ex_shift", "def shift(x):\n    return torch.full_like(x, float((dist.get_rank() - 1) % dist.get_world_size()))\n"
-                                   "dl.Run.bytes_sent = lambda self, rank: 2**20\n"),
+    "c2_class_patch": (
+        "ex_shift",
+        "def shift(x):\n    return torch.full_like(x, float((dist.get_rank() - 1) % dist.get_world_size()))\n"
+        "dl.Run.bytes_sent = lambda self, rank: 2**20\n",
+    ),
     "c3_forged_trace": ("ex_shift", FORGED_SHIFT),
     # ... and the guard's count of what traces claim, taken out of the launcher's reach
-    "c3_forged_trace_unobserved": ("ex_shift", FORGED_SHIFT + "from disttrain_lab import trace as _t\n"
-                                                              "_t._RUN_OBSERVERS.clear()\n"),
+    "c3_forged_trace_unobserved": (
+        "ex_shift",
+        FORGED_SHIFT + "from disttrain_lab import trace as _t\n_t._RUN_OBSERVERS.clear()\n",
+    ),
 }
-LAUNCH_DESERVED = {"c2_rebind_dl": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
-                   "c2_code_swap": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
-                   "c2_class_patch": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
-                   "c3_forged_trace": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
-                   "c3_forged_trace_unobserved": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0,
-                                                  "total": 3.0}}
+LAUNCH_DESERVED = {
+    "c2_rebind_dl": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
+    "c2_code_swap": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
+    "c2_class_patch": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
+    "c3_forged_trace": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
+    "c3_forged_trace_unobserved": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
+}
 
 
 @pytest.mark.slow
@@ -300,6 +352,7 @@ def test_rebound_names_swapped_code_and_forged_traces(tmp_path):
 def _forged_shift():
     import torch
     import torch.distributed as dist
+
     namespace = {"torch": torch, "dist": dist}
     exec(FORGED_SHIFT, namespace)
     return namespace["shift"](torch.full((2**18,), float(dist.get_rank())))
@@ -308,6 +361,7 @@ def _forged_shift():
 def _honest_shift():
     import torch
     import torch.distributed as dist
+
     rank, n = dist.get_rank(), dist.get_world_size()
     x, got = torch.full((2**18,), float(rank)), torch.empty(2**18)
     req = dist.isend(x, (rank + 1) % n)
@@ -321,6 +375,7 @@ def test_a_forged_trace_fools_the_trace_but_not_the_operating_system():
     # the attack is real: the trace alone cannot tell the forged shift from the honest one ...
     import disttrain_lab as dl
     from disttrain_lab import trace
+
     runs, claimed = {}, []
     trace._RUN_OBSERVERS.append(lambda run: claimed.append(trace.p2p_bytes_claimed(run.events)))
     try:
@@ -332,13 +387,14 @@ def test_a_forged_trace_fools_the_trace_but_not_the_operating_system():
     for run, _ in runs.values():
         assert [float(t[0]) for t in run.results] == [1.0, 0.0]
         assert [run.bytes_sent(r) for r in range(2)] == [2**20, 2**20]
-    assert claimed == [2**21, 2**21]              # every traced Run was shown to the observers
+    assert claimed == [2**21, 2**21]  # every traced Run was shown to the observers
     # ... what the OS counted can: every byte the honest ranks sent crossed loopback
     assert runs["honest"][1] >= 2**21
 
 
 # ----------------------------------------------------------------------------------------
 # cheap checks, no grading run
+
 
 def test_partial_credit_is_clamped_to_the_cells_points():
     cell = nbformat.v4.new_code_cell("1", metadata={"nbgrader": {"grade": True, "points": 2}})
@@ -360,21 +416,37 @@ def test_no_isolation_is_said_loudly_and_in_the_report(tmp_path, monkeypatch):
 
 
 def test_the_kernel_sees_an_allowlist_of_the_graders_environment():
-    grader = {"PATH": "/usr/bin", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "2", "DISTTRAIN_LAB_BACKEND": "gloo",
-              SECRET_NAME: "x", "HOME": "/root", "DISTTRAIN_COURSE_DIR": "/srv/course", "PYTHONPATH": "/kit/src:/root/lib"}
+    grader = {
+        "PATH": "/usr/bin",
+        "LC_ALL": "C.UTF-8",
+        "OMP_NUM_THREADS": "2",
+        "DISTTRAIN_LAB_BACKEND": "gloo",
+        SECRET_NAME: "x",
+        "HOME": "/root",
+        "DISTTRAIN_COURSE_DIR": "/srv/course",
+        "PYTHONPATH": "/kit/src:/root/lib",
+    }
     env = sandbox.kernel_env(grader, home="/tmp/home", runtime="/tmp/.kernel", keep=["/kit"])
-    assert {k: env[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")} == \
-        {k: grader[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")}
+    assert {k: env[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")} == {
+        k: grader[k] for k in ("PATH", "LC_ALL", "OMP_NUM_THREADS", "DISTTRAIN_LAB_BACKEND")
+    }
     assert SECRET_NAME not in env and "DISTTRAIN_COURSE_DIR" not in env
-    assert env["HOME"] == "/tmp/home" and env["PYTHONPATH"] == "/kit/src"     # only the kit's entry
+    assert env["HOME"] == "/tmp/home" and env["PYTHONPATH"] == "/kit/src"  # only the kit's entry
 
 
 def test_scan_flags_hostile_constructs_only_in_student_cells(tmp_path):
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("import ctypes\nget_ipython().events.register('post_run_cell', f)",
-                                  metadata={"nbgrader": {"grade_id": "ex", "solution": True, "locked": False}}),
-        nbformat.v4.new_code_cell("import gc", metadata={"nbgrader": {"grade_id": "t", "grade": True, "locked": True}}),
-        nbformat.v4.new_code_cell("def mean(xs):\n    return sum(xs) / len(xs)")])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell(
+                "import ctypes\nget_ipython().events.register('post_run_cell', f)",
+                metadata={"nbgrader": {"grade_id": "ex", "solution": True, "locked": False}},
+            ),
+            nbformat.v4.new_code_cell(
+                "import gc", metadata={"nbgrader": {"grade_id": "t", "grade": True, "locked": True}}
+            ),
+            nbformat.v4.new_code_cell("def mean(xs):\n    return sum(xs) / len(xs)"),
+        ]
+    )
     nbformat.write(nb, tmp_path / "x.ipynb")
     flags = grading.scan_submission(tmp_path / "x.ipynb")
     assert len(flags) == 2 and all(" in ex: " in f for f in flags), flags
@@ -384,10 +456,12 @@ def test_scan_flags_hostile_constructs_only_in_student_cells(tmp_path):
 def _collectives_on_the_group_object():
     import torch
     import torch.distributed as dist
+
     import disttrain_lab as dl
+
     pg = dist.distributed_c10d._get_default_group()
     with dl.region("student"):
-        pg.allreduce([torch.ones(4)]).wait()                    # not through dist.all_reduce
+        pg.allreduce([torch.ones(4)]).wait()  # not through dist.all_reduce
         if dist.get_rank() == 0:
             pg.send([torch.ones(3)], 1, 0).wait()
         else:
@@ -400,9 +474,14 @@ def test_collectives_called_on_a_process_group_are_traced():
     # 3. a "p2p only" check cannot be passed by calling the collective on the group object
     import disttrain_lab as dl
     from disttrain_lab import checks
+
     student = checks.within(dl.launch(_collectives_on_the_group_object, 2, trace=True, timeout=60), "student")
-    assert sorted((e.rank, e.op, e.bytes) for e in student.events) == \
-        [(0, "all_reduce", 16), (0, "send", 12), (1, "all_reduce", 16), (1, "recv", 12)]
+    assert sorted((e.rank, e.op, e.bytes) for e in student.events) == [
+        (0, "all_reduce", 16),
+        (0, "send", 12),
+        (1, "all_reduce", 16),
+        (1, "recv", 12),
+    ]
     assert [e.peer for e in checks.sends(student, 0)] == [1]
     with pytest.raises(AssertionError, match="called the collective all_reduce"):
         checks.assert_only_p2p(student, "ring")
@@ -412,7 +491,9 @@ def test_collectives_called_on_a_process_group_are_traced():
 def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path):
     # 8. one failed start used to fail the student's whole grading
     import sys
+
     from jupyter_client.manager import AsyncKernelManager
+
     starts = []
 
     class DiesOnFirstStart(AsyncKernelManager):
@@ -431,6 +512,7 @@ def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path):
 def test_verify_untampered_sees_swapped_code_objects_and_defaults():
     # 2. the in-rank guard compared identities only: same object, other code, passed
     from disttrain_lab import checks, integrity
+
     genuine = checks.sample_tensor.__defaults__
     checks.sample_tensor.__defaults__ = (None, 1)
     try:
@@ -488,12 +570,25 @@ os.kill(-1, signal.SIGKILL)                           # everything this uid may 
 def _sandboxed(tmp_path: Path, uid: int, cgroup: str, code: str, *args: str):
     import subprocess
     import sys
+
     work = tmp_path / f"work-{uid}"
     work.mkdir()
-    the_spec = sandbox.spec(uid=uid, memory=256 * 2**20, pids=32, data_limit=0, cgroup=cgroup,
-                            hide=[*execute._hidden_paths(), str(tmp_path)], keep=execute._kept_paths())
-    return subprocess.Popen(sandbox.command(the_spec, [sys.executable, "-c", code, *args]), cwd=work,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    the_spec = sandbox.spec(
+        uid=uid,
+        memory=256 * 2**20,
+        pids=32,
+        data_limit=0,
+        cgroup=cgroup,
+        hide=[*execute._hidden_paths(), str(tmp_path)],
+        keep=execute._kept_paths(),
+    )
+    return subprocess.Popen(
+        sandbox.command(the_spec, [sys.executable, "-c", code, *args]),
+        cwd=work,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _kernel_of(wrapper: int) -> int:
@@ -505,13 +600,18 @@ def _kernel_of(wrapper: int) -> int:
 
 def _cgroups_of(pid: int) -> dict[str, str]:
     lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    return {c: path for _, controllers, path in (line.split(":", 2) for line in lines)
-            for c in controllers.split(",") if c in ("memory", "pids")}
+    return {
+        c: path
+        for _, controllers, path in (line.split(":", 2) for line in lines)
+        for c in controllers.split(",")
+        if c in ("memory", "pids")
+    }
 
 
 @needs_sandbox
 def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
     import json
+
     cgroup = f"disttrain-lab/test-{os.getpid()}-{tmp_path.name}"
     neighbour = _sandboxed(tmp_path, 64124, cgroup, _NEIGHBOUR, MARKER + "-neighbour")
     prober = None
@@ -524,15 +624,15 @@ def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
         prober_pid = _kernel_of(prober.pid)
         # neither sees the other: its /proc shows its own namespace (init and itself)
         assert report["seen"] == [] and report["kill"] == "ProcessLookupError" and report["pids"] == [1, 2], report
-        assert report["connect"] == "ConnectionRefusedError", report   # its own loopback, not the neighbour's
+        assert report["connect"] == "ConnectionRefusedError", report  # its own loopback, not the neighbour's
         mine, theirs = _cgroups_of(prober_pid), _cgroups_of(neighbour_pid)
         assert set(mine) == set(theirs) == {"memory", "pids"}
-        for c in mine:      # one cgroup per kernel, below the run's, never shared
+        for c in mine:  # one cgroup per kernel, below the run's, never shared
             assert mine[c] != theirs[c] and mine[c].startswith(f"/{cgroup}/") and theirs[c].startswith(f"/{cgroup}/")
         assert [_uid(prober_pid), _uid(neighbour_pid)] == [64123, 64124]
         prober.stdin.write("go\n")
         prober.stdin.flush()
-        assert prober.wait(timeout=120) != 0               # it killed itself (and nothing else)
+        assert prober.wait(timeout=120) != 0  # it killed itself (and nothing else)
         neighbour.stdin.write("still there?\n")
         neighbour.stdin.flush()
         assert neighbour.stdout.readline() == "alive\n"
@@ -591,6 +691,7 @@ print('SCORES', json.dumps({'rc': {s: r.returncode for s, r in results.items()},
 
 def _can_drop_root() -> str | None:
     import shutil
+
     if os.geteuid() != 0:
         return "needs root to start the grading as another user"
     missing = [t for t in ("bwrap", "setpriv", "unshare", "mount") if shutil.which(t) is None]
@@ -603,8 +704,9 @@ def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
     import json
     import subprocess
     import sys
+
     course = Course(tmp_path, "00_basics", FIXTURES, None)
-    course.do_release()                                        # (as root: the release is not under test)
+    course.do_release()  # (as root: the release is not under test)
     for name in ("c4_files", "c6_shm"):
         source = ATTACKS[name].replace("@COURSE@", str(course.course)).replace("@ROOT@", str(tmp_path))
         submit(course.course, name, course.lab, with_solution(course.solution, "ex_mean", source))
@@ -614,17 +716,41 @@ def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
     subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(tmp_path)], check=True)
     needs = sorted({sys.base_prefix, sys.prefix, str(grading.REPO_ROOT), str(tmp_path)})
     env = dict(os.environ, HOME=str(tmp_path / "home"), **{SECRET_NAME: "grader-secret-" + os.urandom(8).hex()})
-    run = subprocess.run(["unshare", "--mount", sys.executable, "-I", "-c", _OPEN_PATHS, *needs, "--",
-                          "setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups",
-                          sys.executable, "-c", _GRADE_AS_IS, str(tmp_path), str(FIXTURES),
-                          json.dumps(dict(LIMITS, sandbox="on"))],
-                         cwd=grading.REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-    [line] = [x for x in run.stdout.splitlines() if x.startswith("SCORES ")] or [run.stdout[-3000:] + run.stderr[-3000:]]
-    got = json.loads(line[len("SCORES "):])
+    run = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            sys.executable,
+            "-I",
+            "-c",
+            _OPEN_PATHS,
+            *needs,
+            "--",
+            "setpriv",
+            f"--reuid={UNPRIVILEGED}",
+            f"--regid={UNPRIVILEGED}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            _GRADE_AS_IS,
+            str(tmp_path),
+            str(FIXTURES),
+            json.dumps(dict(LIMITS, sandbox="on")),
+        ],
+        cwd=grading.REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("SCORES ")] or [
+        run.stdout[-3000:] + run.stderr[-3000:]
+    ]
+    got = json.loads(line[len("SCORES ") :])
     assert set(got["rc"].values()) == {0}, run.stdout[-3000:]
     full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
     assert got["scores"]["a_honest"] == full and got["scores"]["c6_shm"] == full
-    assert got["scores"]["c4_files"]["total"] == 2.0         # no secret, no gradebook, no solutions, no .git
+    assert got["scores"]["c4_files"]["total"] == 2.0  # no secret, no gradebook, no solutions, no .git
     assert "LIMITED isolation" in run.stdout and "NO memory or process cap" in run.stdout
     report = (course.course / "reports" / "00_basics.txt").read_text()
     assert "isolation: every kernel sandboxed" in report and "isolation LIMITED: the grader is not root" in report

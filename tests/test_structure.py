@@ -6,6 +6,7 @@ the source with ``ast`` (every import, at module level or inside a function, rel
 resolved): no import circle anywhere in the package; nothing outside the grading wing but
 ``cli.py`` imports it; no module takes an underscored name from another module.
 """
+
 from __future__ import annotations
 
 import ast
@@ -52,22 +53,23 @@ def _imports(name: str, source: str, is_package: bool, modules) -> tuple[set[str
             for alias in node.names:
                 if alias.name in modules:
                     targets.add(alias.name)
-                    bound[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname \
-                        else alias.name.split(".")[0]
+                    bound[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 origin = ".".join(base + ([node.module] if node.module else []))
             else:
                 origin = node.module or ""
             if origin not in modules:
                 continue
             for alias in node.names:
-                if f"{origin}.{alias.name}" in modules:           # a module: from . import trace
+                if f"{origin}.{alias.name}" in modules:  # a module: from . import trace
                     targets.add(f"{origin}.{alias.name}")
                     bound[alias.asname or alias.name] = f"{origin}.{alias.name}"
-                else:                                             # a name: from .trace import Run
+                else:  # a name: from .trace import Run
                     targets.add(origin)
                     if _is_private(alias.name):
                         private.add(f"{origin}.{alias.name}")
@@ -80,7 +82,7 @@ def _imports(name: str, source: str, is_package: bool, modules) -> tuple[set[str
             return f"{parent}.{node.attr}" if parent and f"{parent}.{node.attr}" in modules else None
         return None
 
-    for node in ast.walk(tree):      # trace._REC, dl.trace._REC: an underscored name of a module
+    for node in ast.walk(tree):  # trace._REC, dl.trace._REC: an underscored name of a module
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
             owner = module_of(node.value)
             if owner is not None and owner != name:
@@ -127,14 +129,16 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_reader_sees_every_kind_of_import():
     modules = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c", "pkg.sub.d"}
-    source = ("import os\n"
-              "from . import d\n"                                  # a sibling module
-              "from ..a import thing, _hidden, __version__\n"      # names of a module (one underscored)
-              "import pkg.b\n"
-              "def f():\n"
-              "    from pkg import a as alias\n"                   # absolute, in a function
-              "    import pkg.sub.d as dee\n"
-              "    return alias._secret, pkg.b._other, dee._own, d.public\n")
+    source = (
+        "import os\n"
+        "from . import d\n"  # a sibling module
+        "from ..a import thing, _hidden, __version__\n"  # names of a module (one underscored)
+        "import pkg.b\n"
+        "def f():\n"
+        "    from pkg import a as alias\n"  # absolute, in a function
+        "    import pkg.sub.d as dee\n"
+        "    return alias._secret, pkg.b._other, dee._own, d.public\n"
+    )
     targets, private = _imports("pkg.sub.c", source, False, modules)
     assert targets == {"pkg.a", "pkg.b", "pkg.sub.d"}
     assert private == {"pkg.a._hidden", "pkg.a._secret", "pkg.b._other", "pkg.sub.d._own"}
@@ -143,21 +147,37 @@ def test_the_reader_sees_every_kind_of_import():
     # and in the package: the CLI's dispatch (in a function) reaches the grading wing
     assert {"disttrain_lab.grading.course", "disttrain_lab.grading.classgrade"} <= GRAPH[TOP_FLOOR]
     assert {m for m in MODULES if m.startswith(GRADING + ".")} >= {
-        f"{GRADING}.{m}" for m in ("classgrade", "cell_times", "cells", "config", "course", "execute", "guard",
-                                   "guard_program", "install_source", "sandbox", "steps", "submission")}
+        f"{GRADING}.{m}"
+        for m in (
+            "classgrade",
+            "cell_times",
+            "cells",
+            "config",
+            "course",
+            "execute",
+            "guard",
+            "guard_program",
+            "install_source",
+            "sandbox",
+            "steps",
+            "submission",
+        )
+    }
 
 
 def test_no_import_circle_anywhere_in_the_package():
     graph = {m: {t for t in targets if (m, t) not in KNOWN_CIRCLE_EDGES} for m, targets in GRAPH.items()}
     assert _circles(graph) == [], "modules that import each other, directly or around a circle"
-    for edge in KNOWN_CIRCLE_EDGES:          # an exception that no longer exists is taken off the list
+    for edge in KNOWN_CIRCLE_EDGES:  # an exception that no longer exists is taken off the list
         assert edge[1] in GRAPH[edge[0]], f"{edge} is no longer imported: remove it from KNOWN_CIRCLE_EDGES"
 
 
 def test_the_student_kit_never_imports_the_grading_wing():
-    wrong = {m: sorted(t for t in targets if t == GRADING or t.startswith(GRADING + "."))
-             for m, targets in GRAPH.items()
-             if not (m == GRADING or m.startswith(GRADING + ".")) and m != TOP_FLOOR}
+    wrong = {
+        m: sorted(t for t in targets if t == GRADING or t.startswith(GRADING + "."))
+        for m, targets in GRAPH.items()
+        if not (m == GRADING or m.startswith(GRADING + ".")) and m != TOP_FLOOR
+    }
     assert {m: t for m, t in wrong.items() if t} == {}, "grading may use the kit, never the reverse"
 
 
@@ -169,10 +189,18 @@ def test_no_module_takes_an_underscored_name_from_another():
 
 def test_importing_the_kit_loads_nothing_of_the_grading_wing():
     # what a student's kernel does; the grading wing needs the instructor's tools (nbgrader)
-    out = subprocess.run([sys.executable, "-c", "import sys, disttrain_lab, disttrain_lab.bench; "
-                          "print(sorted(m for m in sys.modules if m.startswith('disttrain_lab.grading') "
-                          "or m.split('.')[0] in ('nbgrader', 'rich')))"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, disttrain_lab, disttrain_lab.bench; "
+            "print(sorted(m for m in sys.modules if m.startswith('disttrain_lab.grading') "
+            "or m.split('.')[0] in ('nbgrader', 'rich')))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -180,8 +208,10 @@ def test_importing_the_kit_loads_nothing_of_the_grading_wing():
 # ----------------------------------------------------------------------------------------
 # the guard program: a module file, sent into the kernel as text
 
+
 def test_the_guard_program_compiles_and_runs_nothing_when_imported():
     from disttrain_lab.grading import guard
+
     path = PACKAGE / "grading" / "guard_program.py"
     compile(path.read_text(), str(path), "exec")
     assert guard.PROGRAM == path.read_text()
@@ -191,6 +221,7 @@ def test_the_guard_program_compiles_and_runs_nothing_when_imported():
     # importing it (tooling, a doc build) defines the installer and runs nothing
     sys.modules.pop("_disttrain_grading_guard", None)
     from disttrain_lab.grading import guard_program
+
     assert callable(guard_program._disttrain_install_guard)
     assert "_disttrain_grading_guard" not in sys.modules
 
@@ -198,3 +229,12 @@ def test_the_guard_program_compiles_and_runs_nothing_when_imported():
 def test_the_sandbox_runs_as_a_file_without_the_package():
     # the grader starts it with `python -I FILE` (no package on the path): it imports nothing of the package
     assert GRAPH["disttrain_lab.grading.sandbox"] == set()
+
+
+def test_ruff_finds_nothing_to_lint_or_format():
+    # pyproject.toml's [tool.ruff]: the whole tree, the kit, the tests and the scripts
+    ruff = Path(sys.executable).parent / "ruff"
+    root = PACKAGE.parent
+    for command in (["check", "--no-cache", "."], ["format", "--check", "--no-cache", "."]):
+        out = subprocess.run([str(ruff), *command], cwd=root, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"ruff {' '.join(command)}:\n{out.stdout}{out.stderr}"

@@ -23,6 +23,7 @@ way (forked ranks on this machine) and checks:
 No leftover processes: each agent runs in its own session, and at the end every process of both
 trees (agents and their workers, which torchrun starts in sessions of their own) is killed.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,21 +48,25 @@ from tests.notebooks import REPO
 LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
 NAMES = ["BucketedDDP", "shard", "shard_loss"]
 WORLD, NODES = 4, 2
-SIZES, BATCH, STEPS = (8, 16, 16, 4), 10, 3     # 10 rows on 4 ranks: shards of 3, 3, 2, 2
-BUCKET_MB = 1024 / 2**20                        # 1 KiB buckets: 3 buckets of this MLP's 1888 gradient bytes
-DEADLINE_S = 120                                # per torchrun attempt; a good one takes 10-25 s on 2 cores
+SIZES, BATCH, STEPS = (8, 16, 16, 4), 10, 3  # 10 rows on 4 ranks: shards of 3, 3, 2, 2
+BUCKET_MB = 1024 / 2**20  # 1 KiB buckets: 3 buckets of this MLP's 1888 gradient bytes
+DEADLINE_S = 120  # per torchrun attempt; a good one takes 10-25 s on 2 cores
 RDZV_CLASH = re.compile(r"RendezvousConnectionError|Address already in use|EADDRINUSE|address is already in use")
 
 
 # ---- run on every rank, under torchrun and in the notebook's forked ranks alike ------------
 # (the torchrun script gets these functions' source, so both runs execute the same code)
 
+
 def train_bucketed(BucketedDDP, shard, shard_loss, sizes, batch, steps, bucket_mb):
     """Lab 3's bucketed DDP: ``steps`` SGD steps of an MLP on this rank's shard of each batch."""
     import os
+
     import torch
     import torch.distributed as dist
+
     from disttrain_lab.models import MLP, regression_data
+
     torch.manual_seed(0)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * steps, sizes[0], sizes[-1], seed=1)
@@ -69,23 +74,33 @@ def train_bucketed(BucketedDDP, shard, shard_loss, sizes, batch, steps, bucket_m
     ddp = BucketedDDP(model, bucket_mb=bucket_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
-        x, y = data.x[step * batch:(step + 1) * batch], data.y[step * batch:(step + 1) * batch]
+        x, y = data.x[step * batch : (step + 1) * batch], data.y[step * batch : (step + 1) * batch]
         optimizer.zero_grad()
         shard_loss(ddp, shard(x, rank, world_size), shard(y, rank, world_size), batch).backward()
         ddp.finish_gradient_synchronization()
         optimizer.step()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_LABEL")}
-    return {"rank": rank, "world_size": world_size, "params": params, "buckets": len(ddp.buckets),
-            "pid": os.getpid(), "env": env}
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "params": params,
+        "buckets": len(ddp.buckets),
+        "pid": os.getpid(),
+        "env": env,
+    }
 
 
 def trace_facts(run) -> dict:
     """What the trace says each rank did: calls per op, and the bytes of its all-reduces and broadcasts in order."""
-    return {r: {"calls": dict(run.calls(r)),
-                "all_reduce_bytes": [e.bytes for e in run.select(op="all_reduce", rank=r)],
-                "broadcast_bytes": [e.bytes for e in run.select(op="broadcast", rank=r)]}
-            for r in range(run.world_size)}
+    return {
+        r: {
+            "calls": dict(run.calls(r)),
+            "all_reduce_bytes": [e.bytes for e in run.select(op="all_reduce", rank=r)],
+            "broadcast_bytes": [e.bytes for e in run.select(op="broadcast", rank=r)],
+        }
+        for r in range(run.world_size)
+    }
 
 
 SCRIPT = """\
@@ -110,6 +125,7 @@ torch.save({{"result": run.results[rank], "results": run.results, "world_size": 
 
 # ---- starting two torchrun agents and cleaning up after them -------------------------------
 
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and its live descendants."""
     tree, todo = [], [pid]
@@ -133,7 +149,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)      # the agent's own group, whatever is left in it
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent's own group, whatever is left in it
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
@@ -147,17 +163,43 @@ def two_nodes(script, logs) -> list[tuple[int, str]]:
     try:
         for node in range(NODES):
             log = open(logs / f"node{node}.log", "w")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(node),
-                   "--nproc-per-node", str(WORLD // NODES), "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", rdzv_id, "--max-restarts", "0",
-                   # node 0 hosts the rendezvous store (as on a cluster, the endpoint's host does), so
-                   # a port someone else took fails at once instead of both agents joining a stranger
-                   "--rdzv-conf", f"is_host={int(node == 0)}", str(script)]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=logs, start_new_session=True,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1", "NODE_LABEL": f"agent{node}"}))
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(NODES),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(WORLD // NODES),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"localhost:{port}",
+                "--rdzv-id",
+                rdzv_id,
+                "--max-restarts",
+                "0",
+                # node 0 hosts the rendezvous store (as on a cluster, the endpoint's host does), so
+                # a port someone else took fails at once instead of both agents joining a stranger
+                "--rdzv-conf",
+                f"is_host={int(node == 0)}",
+                str(script),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=logs,
+                    start_new_session=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", "NODE_LABEL": f"agent{node}"},
+                )
+            )
             log.close()
         deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:       # both done, or one failed: the other cannot finish alone
+        while time.monotonic() < deadline:  # both done, or one failed: the other cannot finish alone
             codes = [proc.poll() for proc in procs]
             if all(code is not None for code in codes) or any(code for code in codes):
                 break
@@ -169,6 +211,7 @@ def two_nodes(script, logs) -> list[tuple[int, str]]:
 
 
 # ---- the test --------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_bucketed_ddp_on_two_torchrun_nodes_matches_the_notebook_launch(tmp_path):
@@ -183,13 +226,27 @@ def test_bucketed_ddp_on_two_torchrun_nodes_matches_the_notebook_launch(tmp_path
     lab = bench.functions_from_notebook(LAB, NAMES)
     assert sorted(lab) == sorted(NAMES), sorted(lab)
     (tmp_path / "lab03.pkl").write_bytes(cloudpickle.dumps(lab))
-    script.write_text(SCRIPT.format(functions=functions, classes=str(tmp_path / "lab03.pkl"), names=NAMES, world=WORLD,
-                                    sizes=SIZES, batch=BATCH, steps=STEPS, bucket_mb=BUCKET_MB, out=str(out)))
+    script.write_text(
+        SCRIPT.format(
+            functions=functions,
+            classes=str(tmp_path / "lab03.pkl"),
+            names=NAMES,
+            world=WORLD,
+            sizes=SIZES,
+            batch=BATCH,
+            steps=STEPS,
+            bucket_mb=BUCKET_MB,
+            out=str(out),
+        )
+    )
 
     agents = two_nodes(script, logs)
-    if any(code != 0 for code, _ in agents) and not any(out.iterdir()) \
-            and any(RDZV_CLASH.search(text) for _, text in agents):
-        agents = two_nodes(script, logs)      # someone took the port between free_port() and torchrun
+    if (
+        any(code != 0 for code, _ in agents)
+        and not any(out.iterdir())
+        and any(RDZV_CLASH.search(text) for _, text in agents)
+    ):
+        agents = two_nodes(script, logs)  # someone took the port between free_port() and torchrun
     for node, (code, text) in enumerate(agents):
         assert code == 0, f"torchrun --node-rank {node} exited with {code}:\n{text[-4000:]}"
     ranks = {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)}
@@ -198,8 +255,9 @@ def test_bucketed_ddp_on_two_torchrun_nodes_matches_the_notebook_launch(tmp_path
 
     # 4 ranks on 2 nodes: each agent's two ranks are local ranks 0 and 1 of one node
     results = [ranks[r]["result"] for r in range(WORLD)]
-    assert [(res["rank"], res["world_size"], ranks[r]["world_size"]) for r, res in enumerate(results)] == \
-        [(r, WORLD, WORLD) for r in range(WORLD)]
+    assert [(res["rank"], res["world_size"], ranks[r]["world_size"]) for r, res in enumerate(results)] == [
+        (r, WORLD, WORLD) for r in range(WORLD)
+    ]
     nodes: dict[str, list[tuple[str, str]]] = {}
     for res in results:
         env = res["env"]
@@ -209,7 +267,7 @@ def test_bucketed_ddp_on_two_torchrun_nodes_matches_the_notebook_launch(tmp_path
     group_ranks = set()
     for label, seen in nodes.items():
         assert sorted(local for _, local in seen) == ["0", "1"], (label, seen)
-        assert len({group for group, _ in seen}) == 1, (label, seen)   # one node rank per agent
+        assert len({group for group, _ in seen}) == 1, (label, seen)  # one node rank per agent
         group_ranks.add(seen[0][0])
     assert group_ranks == {"0", "1"}, nodes
     # under torchrun launch returns every rank's result on every rank, as in the notebook
@@ -219,8 +277,9 @@ def test_bucketed_ddp_on_two_torchrun_nodes_matches_the_notebook_launch(tmp_path
 
     # the notebook's way: the same function on 4 forked ranks
     try:
-        run = dl.launch(train_bucketed, WORLD, *(lab[n] for n in NAMES), SIZES, BATCH, STEPS, BUCKET_MB,
-                        trace=True, timeout=90)
+        run = dl.launch(
+            train_bucketed, WORLD, *(lab[n] for n in NAMES), SIZES, BATCH, STEPS, BUCKET_MB, trace=True, timeout=90
+        )
     finally:
         dl.shutdown()
     forked = run.results
@@ -233,6 +292,7 @@ def test_bucketed_ddp_on_two_torchrun_nodes_matches_the_notebook_launch(tmp_path
         torch.testing.assert_close(results[r]["params"], forked[r]["params"], rtol=1e-6, atol=1e-7)
     # and right: one process training on the whole batch of each step
     from disttrain_lab.models import MLP, regression_data
+
     model, data = MLP(list(SIZES), seed=0), regression_data(BATCH * STEPS, SIZES[0], SIZES[-1], seed=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):

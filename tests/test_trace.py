@@ -1,4 +1,5 @@
 """Tracing: every torch.distributed call is recorded, summarised and drawn."""
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ matplotlib.use("Agg")
 def every_op():
     """One call of each communication op gloo supports, on 2 ranks."""
     r, n = dist.get_rank(), dist.get_world_size()
-    t = torch.ones(4)                                   # 16 bytes
+    t = torch.ones(4)  # 16 bytes
     if r == 0:
         dist.send(t, 1, tag=3)
         dist.recv(t, 1)
@@ -53,9 +54,26 @@ def test_run_carries_results_and_world(run_every_op):
     assert run.backend == "gloo" and run.wall_time > 0
 
 
-@pytest.mark.parametrize("op", ["send", "recv", "isend", "irecv", "broadcast", "all_reduce", "reduce",
-                                "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                                "reduce_scatter_tensor", "scatter", "gather", "all_to_all_single", "barrier"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "broadcast",
+        "all_reduce",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "gather",
+        "all_to_all_single",
+        "barrier",
+    ],
+)
 def test_every_op_is_recorded_once_per_rank(run_every_op, op):
     for rank in (0, 1):
         assert run_every_op.calls(rank)[op] == 1, (op, rank)
@@ -123,6 +141,7 @@ def test_object_collectives_show_their_inner_tensor_calls():
         out = [None, None]
         dist.all_gather_object(out, {"rank": dist.get_rank()})
         return out
+
     run = dl.launch(objects, 2, trace=True)
     assert run.results[0] == [{"rank": 0}, {"rank": 1}]
     assert run.calls(0)["all_gather"] >= 1 and all(e.bytes > 0 for e in run.collectives(0))
@@ -131,12 +150,15 @@ def test_object_collectives_show_their_inner_tensor_calls():
 def test_from_import_is_traced_too():
     def direct():
         from torch.distributed import all_reduce
+
         all_reduce(torch.ones(2))
+
     run = dl.launch(direct, 2, trace=True)
     assert run.calls()["all_reduce"] == 2
 
 
 # --- rounds: the one-port model --------------------------------------------------------
+
 
 def linear_broadcast(src):
     t = torch.full((3,), float(dist.get_rank() == src))
@@ -230,6 +252,7 @@ def chain_forwarding_before_wait():
     """A chain broadcast that forwards an irecv buffer before waiting on it (a race that
     gloo's I/O thread often wins): still N - 1 rounds, not 1."""
     import time
+
     r, n = dist.get_rank(), dist.get_world_size()
     t = torch.full((4,), float(r == 0))
     if r > 0:
@@ -259,6 +282,7 @@ def test_waits_pair_with_their_own_request():
         first, second = dist.irecv(a, 0, tag=0), dist.irecv(b, 0, tag=0)
         second.wait()
         first.wait()
+
     run = dl.launch(out_of_order, 2, trace=True)
     posts = run.select(op="irecv", rank=1)
     waits = {e.meta["request"]: e for e in run.select(kind="wait", rank=1)}
@@ -267,21 +291,28 @@ def test_waits_pair_with_their_own_request():
 
 def test_numpy_integer_peers_are_valid_ranks():
     import numpy as np
+
     def swap():
         r = dist.get_rank()
         t = torch.full((1,), float(r))
         peer = np.int64(1 - r)
         if r == 0:
-            dist.send(t, peer); dist.recv(t, peer)
+            dist.send(t, peer)
+            dist.recv(t, peer)
         else:
-            buf = torch.empty(1); dist.recv(buf, peer); dist.send(t, peer); t = buf
+            buf = torch.empty(1)
+            dist.recv(buf, peer)
+            dist.send(t, peer)
+            t = buf
         return float(t)
+
     assert dl.launch(swap, 2) == [1.0, 0.0]
 
 
 def test_wrappers_expose_no_untraced_function():
     def probe():
         return [hasattr(dist.all_reduce, name) for name in ("__wrapped__", "__disttrain_traced__")]
+
     assert dl.launch(probe, 2) == [[False, False], [False, False]]
 
 
@@ -289,6 +320,7 @@ def test_a_rank_stuck_in_new_group_is_reported_as_such():
     def only_rank_zero_makes_a_group():
         if dist.get_rank() == 0:
             dist.new_group([0, 1])
+
     with pytest.raises(dl.LaunchTimeout) as err:
         dl.launch(only_rank_zero_makes_a_group, 2, timeout=3)
     assert "rank 0: new_group" in str(err.value) and "every rank of the world must call" in str(err.value)

@@ -11,9 +11,41 @@ package holds no solutions (see :func:`functions_from_notebook`).
     >>> rows = bench.bench_allreduce({"ring": ring_all_reduce}, world_size=4, sizes=[1 << 20])
     >>> print(bench.format_allreduce_table(rows))
 """
+
 from __future__ import annotations
 
 import importlib
+
+# What notebooks and tests use as ``bench.X``: every benchmark's functions, tables and reference names.
+from .allreduce import (
+    ALLREDUCE_SIZES,
+    TORCH_ALL_REDUCE,
+    bench_allreduce,
+    busbw_factor,
+    format_allreduce_table,
+)
+from .common import (
+    free_port,
+    functions_from_lab,
+    functions_from_notebook,
+    progress,
+    slowest_median,
+    take_turns,
+)
+from .compression import (
+    COMPRESSION_MODEL,
+    TORCH_DENSE,
+    TORCH_FP16,
+    TORCH_POWERSGD,
+    bench_compression,
+    format_compression_table,
+)
+from .ddp import DDP_MODEL, TORCH_DDP, bench_ddp, format_ddp_table
+from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
+from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
+from .tp import TORCH_TP, TP_MODEL, bench_tp, format_tp_table
+from .trace_overhead import bench_trace, format_trace_table
+from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, format_zero_table
 
 # disttrain-lab bench NAME: the module (in this package) of each benchmark, in the order of the labs.
 # A new benchmark is one more line here.
@@ -34,18 +66,3 @@ def benchmarks() -> dict:
     """``NAME -> module`` of every benchmark in :data:`BENCHMARKS`."""
     modules = [importlib.import_module(f"{__name__}.{module}") for module in BENCHMARKS]
     return {module.NAME: module for module in modules}
-
-
-# What notebooks and tests use as ``bench.X``: every benchmark's functions, tables and reference names.
-from .allreduce import (ALLREDUCE_SIZES, TORCH_ALL_REDUCE, bench_allreduce,  # noqa: E402
-                        busbw_factor, format_allreduce_table)
-from .common import (free_port, functions_from_lab, functions_from_notebook, progress,  # noqa: E402
-                     slowest_median, take_turns)
-from .compression import (COMPRESSION_MODEL, TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD,  # noqa: E402
-                          bench_compression, format_compression_table)
-from .ddp import DDP_MODEL, TORCH_DDP, bench_ddp, format_ddp_table  # noqa: E402
-from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun  # noqa: E402
-from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table  # noqa: E402
-from .tp import TORCH_TP, TP_MODEL, bench_tp, format_tp_table  # noqa: E402
-from .trace_overhead import bench_trace, format_trace_table  # noqa: E402
-from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, format_zero_table  # noqa: E402

@@ -2,6 +2,7 @@
 (algbw and busbw against message size), side by side with ``dist.all_reduce``.  The
 implementations come from a lab notebook (this package holds no solutions).
 """
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,8 @@ import time
 
 from .common import add_notebook_argument, functions_from_lab, progress, slowest_median
 
-
 TORCH_ALL_REDUCE = "dist.all_reduce"
-ALLREDUCE_SIZES = tuple(4 << (2 * k) << 10 for k in range(8))   # 4 KiB, 16 KiB, ..., 64 MiB
+ALLREDUCE_SIZES = tuple(4 << (2 * k) << 10 for k in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
 
 
 def busbw_factor(world_size: int) -> float:
@@ -23,6 +23,7 @@ def busbw_factor(world_size: int) -> float:
 
 def _torch_all_reduce(x):
     import torch.distributed as dist
+
     dist.all_reduce(x)
     return x
 
@@ -31,10 +32,11 @@ def _probe_allreduce(fn, numel: int):
     """One call of ``fn`` on a small uneven tensor, compared with dist.all_reduce on the same ranks."""
     import torch
     import torch.distributed as dist
+
     x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
     expected = x.clone()
     dist.all_reduce(expected)
-    fn(x)                                          # in place, like dist.all_reduce
+    fn(x)  # in place, like dist.all_reduce
     return float((x - expected).abs().max())
 
 
@@ -42,17 +44,18 @@ def _time_allreduce(algorithms: dict, sizes, repeats: int, warmup: int, dtype_na
     """In each rank: seconds per call of every algorithm at every size, interleaved."""
     import torch
     import torch.distributed as dist
+
     dtype = getattr(torch, dtype_name)
     names = list(algorithms)
     seconds: dict = {}
     for nbytes in sizes:
         numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
         source = torch.ones(numel, dtype=dtype)
-        x = torch.empty(numel, dtype=dtype)        # preallocated: time the algorithm, not malloc
+        x = torch.empty(numel, dtype=dtype)  # preallocated: time the algorithm, not malloc
         for i in range(warmup + repeats):
-            shift = i % len(names)                 # rotate the order so no algorithm always goes first
+            shift = i % len(names)  # rotate the order so no algorithm always goes first
             for name in names[shift:] + names[:shift]:
-                x.copy_(source)                    # an in-place all-reduce overwrote it
+                x.copy_(source)  # an in-place all-reduce overwrote it
                 dist.barrier()
                 start = time.perf_counter()
                 algorithms[name](x)
@@ -62,8 +65,15 @@ def _time_allreduce(algorithms: dict, sizes, repeats: int, warmup: int, dtype_na
     return seconds
 
 
-def bench_allreduce(algorithms: dict, world_size: int = 4, sizes=ALLREDUCE_SIZES, repeats: int = 5,
-                    warmup: int = 1, dtype: str = "float32", timeout: float = 600.0) -> list[dict]:
+def bench_allreduce(
+    algorithms: dict,
+    world_size: int = 4,
+    sizes=ALLREDUCE_SIZES,
+    repeats: int = 5,
+    warmup: int = 1,
+    dtype: str = "float32",
+    timeout: float = 600.0,
+) -> list[dict]:
     """busbw of each all-reduce in ``algorithms`` (name -> fn(x), in place, SUM) and of
     ``dist.all_reduce``, side by side in one launch on ``world_size`` ranks.
 
@@ -77,11 +87,13 @@ def bench_allreduce(algorithms: dict, world_size: int = 4, sizes=ALLREDUCE_SIZES
         >>> print(format_allreduce_table(rows))
     """
     from ..launcher import LaunchError, launch
+
     if world_size < 2:
         raise ValueError(f"an all-reduce benchmark needs world_size >= 2, got {world_size}")
     rows, working = [], {}
-    for name, fn in progress(algorithms.items(), total=len(algorithms), desc="bench allreduce: checking",
-                             unit="algorithm"):
+    for name, fn in progress(
+        algorithms.items(), total=len(algorithms), desc="bench allreduce: checking", unit="algorithm"
+    ):
         try:
             errors = launch(_probe_allreduce, world_size, fn, 1000 + world_size - 1, timeout=60)
             problem = None if max(errors) < 1e-9 else f"wrong result (max abs error {max(errors):.3g})"
@@ -92,19 +104,27 @@ def bench_allreduce(algorithms: dict, world_size: int = 4, sizes=ALLREDUCE_SIZES
         else:
             working[name] = fn
     working[TORCH_ALL_REDUCE] = _torch_all_reduce
-    per_rank = launch(_time_allreduce, world_size, working, list(sizes), repeats, warmup, dtype,
-                      timeout=timeout)
+    per_rank = launch(_time_allreduce, world_size, working, list(sizes), repeats, warmup, dtype, timeout=timeout)
     for name, nbytes in sorted(per_rank[0], key=lambda key: (key[1], list(working).index(key[0]))):
         median = slowest_median([rank[(name, nbytes)] for rank in per_rank])
-        rows.append({"algorithm": name, "world_size": world_size, "bytes": nbytes, "median_s": median,
-                     "algbw": nbytes / median, "busbw": nbytes / median * busbw_factor(world_size),
-                     "repeats": repeats})
+        rows.append(
+            {
+                "algorithm": name,
+                "world_size": world_size,
+                "bytes": nbytes,
+                "median_s": median,
+                "algbw": nbytes / median,
+                "busbw": nbytes / median * busbw_factor(world_size),
+                "repeats": repeats,
+            }
+        )
     return rows
 
 
 def format_allreduce_table(rows: list[dict]) -> str:
     """busbw (GB/s) per message size, one column per algorithm, each / dist.all_reduce's."""
     from ..trace import format_bytes
+
     timed = [r for r in rows if "error" not in r]
     names = list(dict.fromkeys(r["algorithm"] for r in timed))
     if not timed:
@@ -112,9 +132,10 @@ def format_allreduce_table(rows: list[dict]) -> str:
     by = {(r["algorithm"], r["bytes"]): r for r in timed}
     world_size = timed[0]["world_size"]
     width = max(12, *(len(n) for n in names)) + 2
-    lines = [f"busbw in GB/s on {world_size} ranks, median of {timed[0]['repeats']} "
-             f"(in brackets: / {TORCH_ALL_REDUCE})",
-             f"{'size':>9}" + "".join(f"{n:>{width + 8}}" for n in names)]
+    lines = [
+        f"busbw in GB/s on {world_size} ranks, median of {timed[0]['repeats']} (in brackets: / {TORCH_ALL_REDUCE})",
+        f"{'size':>9}" + "".join(f"{n:>{width + 8}}" for n in names),
+    ]
     for nbytes in sorted({r["bytes"] for r in timed}):
         torch_row = by.get((TORCH_ALL_REDUCE, nbytes))
         cells = []
@@ -136,8 +157,12 @@ FUNCTIONS = ("naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halv
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
     parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
-    parser.add_argument("--min-bytes", type=int, default=0, help="smallest message (e.g. 67108864: 64 MiB only, "
-                        "for many repeats of one size)")
+    parser.add_argument(
+        "--min-bytes",
+        type=int,
+        default=0,
+        help="smallest message (e.g. 67108864: 64 MiB only, for many repeats of one size)",
+    )
     parser.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message")
 
 
@@ -147,9 +172,15 @@ def run(args) -> int:
         return 2
     sizes = [s for s in ALLREDUCE_SIZES if args.min_bytes <= s <= args.max_bytes]
     if not sizes:
-        print(f"bench allreduce: no size between --min-bytes {args.min_bytes} and --max-bytes {args.max_bytes}; "
-              f"the sizes are {', '.join(str(s) for s in ALLREDUCE_SIZES)}", file=sys.stderr)
+        print(
+            f"bench allreduce: no size between --min-bytes {args.min_bytes} and --max-bytes {args.max_bytes}; "
+            f"the sizes are {', '.join(str(s) for s in ALLREDUCE_SIZES)}",
+            file=sys.stderr,
+        )
         return 2
-    print(format_allreduce_table(bench_allreduce(functions, world_size=args.world_size, sizes=sizes,
-                                                 repeats=args.repeats)))
+    print(
+        format_allreduce_table(
+            bench_allreduce(functions, world_size=args.world_size, sizes=sizes, repeats=args.repeats)
+        )
+    )
     return 0

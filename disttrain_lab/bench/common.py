@@ -1,5 +1,6 @@
 """The timing machinery every benchmark shares: turns, medians, the lab's own functions, ports,
 the command line's common options and the progress bar of a sweep."""
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ def slowest_median(per_rank: list[list[float]]) -> float:
 def free_port() -> int:
     """A port the OS says is free now (port 0), for a process group's rendezvous."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -31,9 +33,11 @@ def functions_from_notebook(path, names, given: bool = False) -> dict:
     import ast
     import contextlib
     import io
+
     import nbformat
+
     nb = nbformat.read(str(path), as_version=4)
-    namespace = {"__name__": "__lab_notebook__"}   # not importable: cloudpickle sends the functions by value
+    namespace = {"__name__": "__lab_notebook__"}  # not importable: cloudpickle sends the functions by value
 
     def definitions_only(source: str) -> bool:
         try:
@@ -42,20 +46,26 @@ def functions_from_notebook(path, names, given: bool = False) -> dict:
             return False
         allowed = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
         return bool(tree.body) and all(
-            isinstance(node, allowed) or (isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
-                                          and isinstance(node.value, (ast.Constant, ast.Dict, ast.Tuple, ast.List)))
-            for node in tree.body)
+            isinstance(node, allowed)
+            or (
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and node.value is not None
+                and isinstance(node.value, (ast.Constant, ast.Dict, ast.Tuple, ast.List))
+            )
+            for node in tree.body
+        )
 
     for cell in nb.cells:
         meta = cell.get("metadata", {}).get("nbgrader", {})
         setup = meta.get("grade_id") == "setup"
         given_definition = given and "test" not in meta.get("grade_id", "test")
         if cell.cell_type != "code" or meta.get("grade") or (meta.get("locked") and not (setup or given_definition)):
-            continue                                   # graded tests and read-only test helpers
+            continue  # graded tests and read-only test helpers
         if setup or definitions_only(cell.source):
-            with contextlib.redirect_stdout(io.StringIO()):   # the setup cell's doctor line
-                exec(compile(cell.source, f"{path}:{meta.get('grade_id', 'cell')}", "exec",
-                                 dont_inherit=True), namespace)  # not this module's __future__ imports
+            with contextlib.redirect_stdout(io.StringIO()):  # the setup cell's doctor line
+                exec(
+                    compile(cell.source, f"{path}:{meta.get('grade_id', 'cell')}", "exec", dont_inherit=True), namespace
+                )  # not this module's __future__ imports
     return {name: namespace[name] for name in names if callable(namespace.get(name))}
 
 
@@ -64,6 +74,7 @@ def take_turns(runners: dict, repeats: int, warmup: int) -> dict:
     rotated every round, so none always goes first), a barrier before each; ``warmup`` rounds
     are left out.  Returns name -> list of ``repeats`` seconds.  Call it on all ranks."""
     import torch.distributed as dist
+
     names, seconds = list(runners), {}
     for i in range(warmup + repeats):
         shift = i % len(names)
@@ -80,8 +91,16 @@ def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: s
     """A progress bar over a benchmark sweep, on stderr: ``tqdm.auto``, so a notebook shows a
     widget and a terminal a text bar.  ``DISTTRAIN_LAB_PROGRESS=0`` turns it off."""
     from tqdm.auto import tqdm
-    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, file=sys.stderr,
-                disable=os.environ.get("DISTTRAIN_LAB_PROGRESS", "1") == "0")
+
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        leave=False,
+        file=sys.stderr,
+        disable=os.environ.get("DISTTRAIN_LAB_PROGRESS", "1") == "0",
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -89,18 +108,25 @@ def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: s
 # --------------------------------------------------------------------------------------
 def add_notebook_argument(parser, lab: str) -> None:
     """``--notebook``: the lab notebook whose functions a benchmark measures."""
-    parser.add_argument("--notebook", help=f"the lab notebook whose functions to measure (default: "
-                        f"{os.path.join('solutions', lab)}, else the same under labs/)")
+    parser.add_argument(
+        "--notebook",
+        help=f"the lab notebook whose functions to measure (default: "
+        f"{os.path.join('solutions', lab)}, else the same under labs/)",
+    )
 
 
 def functions_from_lab(args, lab: str, names, what: str) -> dict | None:
     """``names`` as the lab notebook (``--notebook``, else solutions/``lab``, else labs/``lab``) defines them;
     ``None`` (having said why on stderr) if there is no notebook."""
-    path = args.notebook or next((p for p in (os.path.join("solutions", lab), os.path.join("labs", lab))
-                                  if os.path.exists(p)), None)
+    path = args.notebook or next(
+        (p for p in (os.path.join("solutions", lab), os.path.join("labs", lab)) if os.path.exists(p)), None
+    )
     if path is None or not os.path.exists(path):
-        print(f"no notebook to take the {what} from: pass --notebook PATH (looked for "
-              f"{path or 'solutions/' + lab + ' and labs/' + lab})", file=sys.stderr)
+        print(
+            f"no notebook to take the {what} from: pass --notebook PATH (looked for "
+            f"{path or 'solutions/' + lab + ' and labs/' + lab})",
+            file=sys.stderr,
+        )
         return None
     functions = functions_from_notebook(path, names)
     missing = [name for name in names if name not in functions]

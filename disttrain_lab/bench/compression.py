@@ -12,6 +12,7 @@ collective the hook makes), and the loss after the same number of steps.
     >>> rows = bench_compression(lab_versions(found), network=Network.preset("1 Gbit Ethernet"))
     >>> print(format_compression_table(rows))
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ from .common import add_notebook_argument, functions_from_lab, slowest_median, t
 TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"
 TORCH_POWERSGD = "torch powerSGD_hook, rank 2"
-COMPRESSION_MODEL = (512, 1024, 1024, 512)     # an MLP of 2.1 M parameters: 8.4 MB of fp32 gradients
+COMPRESSION_MODEL = (512, 1024, 1024, 512)  # an MLP of 2.1 M parameters: 8.4 MB of fp32 gradients
 
 
 def lab_versions(found: dict, density: float = 0.01, chunk_size: int = 1024) -> dict:
@@ -41,21 +42,33 @@ def _torch_versions() -> dict:
 
     def powersgd_state():
         # start_powerSGD_iter > 1: torch needs a few dense steps before error feedback and warm start
-        return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                           min_compression_rate=0.1, use_error_feedback=True, warm_start=True)
-    return {TORCH_DENSE: (lambda: None, default_hooks.allreduce_hook),
-            TORCH_FP16: (lambda: None, default_hooks.fp16_compress_hook),
-            TORCH_POWERSGD: (powersgd_state, powerSGD_hook.powerSGD_hook)}
+        return powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=2,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.1,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+
+    return {
+        TORCH_DENSE: (lambda: None, default_hooks.allreduce_hook),
+        TORCH_FP16: (lambda: None, default_hooks.fp16_compress_hook),
+        TORCH_POWERSGD: (powersgd_state, powerSGD_hook.powerSGD_hook),
+    }
 
 
-def _compression_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int,
-                            lr: float, bucket_mb: float = 64.0) -> dict:
+def _compression_step_times(
+    versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, lr: float, bucket_mb: float = 64.0
+) -> dict:
     """In each rank: seconds per ``steps`` DDP steps of every version (taking turns), and its last loss."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
     from ..models import MLP, regression_data
     from ..trace import region
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
@@ -79,34 +92,66 @@ def _compression_step_times(versions: dict, sizes, batch: int, steps: int, repea
                     loss.backward()
                     optimizer.step()
                     losses[name] = loss.item()
+
         runners[name] = run
     seconds = take_turns(runners, repeats, warmup)
     return {"seconds": seconds, "loss": losses}
 
 
-def bench_compression(versions: dict, world_size: int = 2, network: Network | None = None,
-                      sizes=COMPRESSION_MODEL, batch: int = 32, steps: int = 2, repeats: int = 5,
-                      warmup: int = 1, lr: float = 0.01, timeout: float = 600.0) -> list[dict]:
+def bench_compression(
+    versions: dict,
+    world_size: int = 2,
+    network: Network | None = None,
+    sizes=COMPRESSION_MODEL,
+    batch: int = 32,
+    steps: int = 2,
+    repeats: int = 5,
+    warmup: int = 1,
+    lr: float = 0.01,
+    timeout: float = 600.0,
+) -> list[dict]:
     """Steps/s, bytes per step and final loss of each hook in ``versions`` (name -> ``(make_state,
     hook)``) and of torch's allreduce, fp16 and PowerSGD hooks, side by side in one launch over
     ``network`` (default: 1 Gbit Ethernet).  ``ratio`` is steps/s ÷ the dense all-reduce's."""
     from .. import checks
     from ..launcher import launch
+
     if world_size < 2:
         raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
     network = network or Network.preset("1 Gbit Ethernet")
     everything = {**_torch_versions(), **versions}
-    run = launch(_compression_step_times, world_size, everything, tuple(sizes), batch, steps, repeats, warmup, lr,
-                 timeout=timeout, trace=True, network=network)
-    total_steps = (warmup + repeats) * steps     # for the loss; bytes count the timed steps only
+    run = launch(
+        _compression_step_times,
+        world_size,
+        everything,
+        tuple(sizes),
+        batch,
+        steps,
+        repeats,
+        warmup,
+        lr,
+        timeout=timeout,
+        trace=True,
+        network=network,
+    )
+    total_steps = (warmup + repeats) * steps  # for the loss; bytes count the timed steps only
     rows = []
     for name in everything:
         mine = [e for e in checks.within(run, name).by_rank(0) if e.kind == "collective"]
-        rows.append({"version": name, "world_size": world_size, "network": str(network), "repeats": repeats,
-                     "steps_per_s": steps / slowest_median([r["seconds"][name] for r in run.results]),
-                     "bytes_per_step": sum(e.meta.get("in_bytes", e.bytes) for e in mine) / (repeats * steps),
-                     "loss": run.results[0]["loss"][name], "steps": total_steps,
-                     "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:])), "sizes": tuple(sizes)})
+        rows.append(
+            {
+                "version": name,
+                "world_size": world_size,
+                "network": str(network),
+                "repeats": repeats,
+                "steps_per_s": steps / slowest_median([r["seconds"][name] for r in run.results]),
+                "bytes_per_step": sum(e.meta.get("in_bytes", e.bytes) for e in mine) / (repeats * steps),
+                "loss": run.results[0]["loss"][name],
+                "steps": total_steps,
+                "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:])),
+                "sizes": tuple(sizes),
+            }
+        )
     dense = next(r["steps_per_s"] for r in rows if r["version"] == TORCH_DENSE)
     for row in rows:
         row["ratio"] = row["steps_per_s"] / dense
@@ -115,15 +160,20 @@ def bench_compression(versions: dict, world_size: int = 2, network: Network | No
 
 def format_compression_table(rows: list[dict]) -> str:
     from ..trace import format_bytes
+
     first = rows[0]
-    lines = [f"compression hooks in torch DDP: MLP {' -> '.join(map(str, first['sizes']))} "
-             f"({first['parameters'] / 1e6:.1f} M parameters), {first['world_size']} ranks, {first['network']}; "
-             f"median of {first['repeats']}",
-             f"{'version':<34} {'steps/s':>8} {'bytes/step/rank':>16} {'loss after ' + str(first['steps']):>15} "
-             f"{'vs dense':>9}"]
+    lines = [
+        f"compression hooks in torch DDP: MLP {' -> '.join(map(str, first['sizes']))} "
+        f"({first['parameters'] / 1e6:.1f} M parameters), {first['world_size']} ranks, {first['network']}; "
+        f"median of {first['repeats']}",
+        f"{'version':<34} {'steps/s':>8} {'bytes/step/rank':>16} {'loss after ' + str(first['steps']):>15} "
+        f"{'vs dense':>9}",
+    ]
     for r in rows:
-        lines.append(f"{r['version']:<34} {r['steps_per_s']:8.2f} {format_bytes(r['bytes_per_step']):>16} "
-                     f"{r['loss']:15.4f} {r['ratio']:8.2f}x")
+        lines.append(
+            f"{r['version']:<34} {r['steps_per_s']:8.2f} {format_bytes(r['bytes_per_step']):>16} "
+            f"{r['loss']:15.4f} {r['ratio']:8.2f}x"
+        )
     return "\n".join(lines)
 
 

@@ -1,18 +1,17 @@
 """``disttrain-lab bench ddp``: training steps per second of the lab's data-parallel wrappers,
 side by side with torch's DistributedDataParallel."""
+
 from __future__ import annotations
 
 import os
 
 from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
 
-
 TORCH_DDP = "torch DDP"
-DDP_MODEL = (1024, 2048, 2048, 1024)       # an MLP of 8.4 M parameters: 32 MiB of gradients per step
+DDP_MODEL = (1024, 2048, 2048, 1024)  # an MLP of 8.4 M parameters: 32 MiB of gradients per step
 
 
-def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int,
-                    bucket_mb: float) -> dict:
+def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, bucket_mb: float) -> dict:
     """In each rank: seconds per ``steps`` training steps of every version, interleaved.
 
     Each version trains its own copy of the same model on the same data; ``versions`` maps
@@ -23,8 +22,10 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
     from ..launcher import device
     from ..models import MLP, regression_data
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
@@ -45,18 +46,29 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
                 torch.nn.functional.mse_loss(forward(x), y).backward()
                 finish()
                 optimizer.step()
+
         return run
 
     return take_turns({name: train(*parts) for name, parts in runners.items()}, repeats, warmup)
 
 
-def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int = 32, steps: int = 3,
-              repeats: int = 7, warmup: int = 2, bucket_mb: float = 25.0, timeout: float = 600.0,
-              device: str = "cpu") -> list[dict]:
+def bench_ddp(
+    versions: dict,
+    world_size: int = 2,
+    sizes=DDP_MODEL,
+    batch: int = 32,
+    steps: int = 3,
+    repeats: int = 7,
+    warmup: int = 2,
+    bucket_mb: float = 25.0,
+    timeout: float = 600.0,
+    device: str = "cpu",
+) -> list[dict]:
     """Training steps per second of each data-parallel version in ``versions`` (name ->
     ``wrap(model)``, see :func:`_ddp_step_times`) and of torch's DistributedDataParallel,
     side by side in one launch: same model (``MLP(sizes)``), same data (``batch`` samples per
-    rank), one CPU thread per rank (``device="cuda"``: one GPU per rank).  The versions take turns (order rotated each repeat);
+    rank), one CPU thread per rank (``device="cuda"``: one GPU per rank).  The versions take turns
+    (order rotated each repeat);
     a sample is ``steps`` steps on the slowest rank; a row reports the median of ``repeats``
     samples after ``warmup`` ones, and ``ratio`` = steps/s ÷ torch DDP's.
 
@@ -64,15 +76,33 @@ def bench_ddp(versions: dict, world_size: int = 2, sizes=DDP_MODEL, batch: int =
         >>> print(format_ddp_table(rows))
     """
     from ..launcher import launch
+
     if world_size < 2:
         raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
-    per_rank = launch(_ddp_step_times, world_size, versions, tuple(sizes), batch, steps, repeats, warmup,
-                      bucket_mb, timeout=timeout, device=device)
+    per_rank = launch(
+        _ddp_step_times,
+        world_size,
+        versions,
+        tuple(sizes),
+        batch,
+        steps,
+        repeats,
+        warmup,
+        bucket_mb,
+        timeout=timeout,
+        device=device,
+    )
     rows = []
     for name in [*versions, TORCH_DDP]:
-        rows.append({"version": name, "world_size": world_size,
-                     "steps_per_s": steps / slowest_median([rank[name] for rank in per_rank]),
-                     "repeats": repeats, "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))})
+        rows.append(
+            {
+                "version": name,
+                "world_size": world_size,
+                "steps_per_s": steps / slowest_median([rank[name] for rank in per_rank]),
+                "repeats": repeats,
+                "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:])),
+            }
+        )
     reference = next(r["steps_per_s"] for r in rows if r["version"] == TORCH_DDP)
     for row in rows:
         row["ratio"] = row["steps_per_s"] / reference
@@ -83,9 +113,11 @@ def format_ddp_table(rows: list[dict]) -> str:
     """Steps/s per version and the ratio to torch DDP's."""
     first = rows[0]
     width = max(16, *(len(r["version"]) for r in rows)) + 2
-    lines = [f"training steps/s on {first['world_size']} ranks, MLP of {first['parameters'] / 1e6:.1f} M "
-             f"parameters, median of {first['repeats']}",
-             f"{'version':<{width}} {'steps/s':>8} {'vs ' + TORCH_DDP:>14}"]
+    lines = [
+        f"training steps/s on {first['world_size']} ranks, MLP of {first['parameters'] / 1e6:.1f} M "
+        f"parameters, median of {first['repeats']}",
+        f"{'version':<{width}} {'steps/s':>8} {'vs ' + TORCH_DDP:>14}",
+    ]
     lines += [f"{r['version']:<{width}} {r['steps_per_s']:>8.2f} {r['ratio']:>13.2f}x" for r in rows]
     return "\n".join(lines)
 
@@ -104,13 +136,18 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     import functools
+
     classes = functions_from_lab(args, LAB, list(CLASSES.values()), "data-parallel wrappers")
     if classes is None:
         return 2
     versions = {name: classes[cls] for name, cls in CLASSES.items() if cls in classes}
     if "bucketed" in versions:
-        versions[f"bucketed ({args.bucket_mb:g} MiB)"] = functools.partial(versions.pop("bucketed"),
-                                                                          bucket_mb=args.bucket_mb)
-    print(format_ddp_table(bench_ddp(versions, world_size=args.world_size, repeats=args.repeats,
-                                     bucket_mb=args.bucket_mb)))
+        versions[f"bucketed ({args.bucket_mb:g} MiB)"] = functools.partial(
+            versions.pop("bucketed"), bucket_mb=args.bucket_mb
+        )
+    print(
+        format_ddp_table(
+            bench_ddp(versions, world_size=args.world_size, repeats=args.repeats, bucket_mb=args.bucket_mb)
+        )
+    )
     return 0

@@ -4,6 +4,7 @@ This launcher cold (a fresh pool) and warm, ``torch.multiprocessing.spawn`` and
 ``torchrun --standalone``, each running the same trivial function (join a gloo process
 group, return ``rank * 10``).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,21 +18,22 @@ from .common import free_port, progress
 
 def _trivial():
     import torch.distributed as dist
+
     return dist.get_rank() * 10
 
 
 def _spawn_target(rank: int, world_size: int, port: int) -> None:
     # what torch.multiprocessing.spawn users write: join a group, work, leave
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     _trivial()
     dist.destroy_process_group()
 
 
-
-
 def time_spawn(world_size: int) -> float:
     import torch.multiprocessing as mp
+
     start = time.perf_counter()
     mp.spawn(_spawn_target, args=(world_size, free_port()), nprocs=world_size, join=True)
     return time.perf_counter() - start
@@ -39,15 +41,28 @@ def time_spawn(world_size: int) -> float:
 
 def time_torchrun(world_size: int) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={world_size}", "-m", "disttrain_lab.bench.launch", "--torchrun-child"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world_size}",
+            "-m",
+            "disttrain_lab.bench.launch",
+            "--torchrun-child",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return time.perf_counter() - start
 
 
 def time_launch(world_size: int, warm: bool) -> float:
     from ..launcher import launch, shutdown
+
     if not warm:
         shutdown()
     start = time.perf_counter()
@@ -60,9 +75,11 @@ def time_launch(world_size: int, warm: bool) -> float:
 def bench_launch(world_sizes=(2, 4), repeats: int = 5, slow_repeats: int = 3) -> list[dict]:
     """Median seconds per call of each way to start ranks; one row per (method, world size)."""
     from ..launcher import launch, shutdown
+
     rows = []
-    bar = progress(total=len(world_sizes) * (max(repeats, 20) + repeats + 2 * slow_repeats), desc="bench launch",
-                   unit="launch")
+    bar = progress(
+        total=len(world_sizes) * (max(repeats, 20) + repeats + 2 * slow_repeats), desc="bench launch", unit="launch"
+    )
 
     def timed(measure, n, times, **kwargs):
         out = []
@@ -78,19 +95,34 @@ def bench_launch(world_sizes=(2, 4), repeats: int = 5, slow_repeats: int = 3) ->
         shutdown()
         spawn = timed(time_spawn, n, slow_repeats)
         torchrun = timed(time_torchrun, n, slow_repeats)
-        for name, xs in (("dl.launch warm", warm), ("dl.launch cold", cold),
-                         ("mp.spawn", spawn), ("torchrun --standalone", torchrun)):
-            rows.append({"method": name, "world_size": n, "median_s": statistics.median(xs),
-                         "mean_s": statistics.fmean(xs), "repeats": len(xs)})
+        for name, xs in (
+            ("dl.launch warm", warm),
+            ("dl.launch cold", cold),
+            ("mp.spawn", spawn),
+            ("torchrun --standalone", torchrun),
+        ):
+            rows.append(
+                {
+                    "method": name,
+                    "world_size": n,
+                    "median_s": statistics.median(xs),
+                    "mean_s": statistics.fmean(xs),
+                    "repeats": len(xs),
+                }
+            )
     return rows
 
 
 def format_launch_table(rows: list[dict]) -> str:
     lines = [f"{'method':<22} {'ranks':>5} {'median':>10} {'mean':>10} {'n':>3}  vs warm launch"]
     for row in rows:
-        warm = next(r["median_s"] for r in rows if r["method"] == "dl.launch warm" and r["world_size"] == row["world_size"])
-        lines.append(f"{row['method']:<22} {row['world_size']:>5} {row['median_s'] * 1e3:>8.1f}ms "
-                     f"{row['mean_s'] * 1e3:>8.1f}ms {row['repeats']:>3}  {row['median_s'] / warm:>8.1f}x")
+        warm = next(
+            r["median_s"] for r in rows if r["method"] == "dl.launch warm" and r["world_size"] == row["world_size"]
+        )
+        lines.append(
+            f"{row['method']:<22} {row['world_size']:>5} {row['median_s'] * 1e3:>8.1f}ms "
+            f"{row['mean_s'] * 1e3:>8.1f}ms {row['repeats']:>3}  {row['median_s'] / warm:>8.1f}x"
+        )
     return "\n".join(lines)
 
 
@@ -100,19 +132,26 @@ HELP = "starting ranks: dl.launch cold and warm, mp.spawn, torchrun"
 
 def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=None, help="only this number of ranks (default: 2, 4)")
-    parser.add_argument("--slow-repeats", type=int, default=3, help="starts of mp.spawn and of torchrun per "
-                        "number of ranks, each taking seconds (default 3; dl.launch: --repeats, warm at least 20)")
+    parser.add_argument(
+        "--slow-repeats",
+        type=int,
+        default=3,
+        help="starts of mp.spawn and of torchrun per "
+        "number of ranks, each taking seconds (default 3; dl.launch: --repeats, warm at least 20)",
+    )
 
 
 def run(args) -> int:
     world_sizes = (args.world_size,) if args.world_size else (2, 4)
-    print(format_launch_table(bench_launch(world_sizes=world_sizes, repeats=args.repeats,
-                                           slow_repeats=args.slow_repeats)))
+    print(
+        format_launch_table(bench_launch(world_sizes=world_sizes, repeats=args.repeats, slow_repeats=args.slow_repeats))
+    )
     return 0
 
 
 if __name__ == "__main__" and "--torchrun-child" in sys.argv:
     import torch.distributed as dist
+
     dist.init_process_group("gloo")
     _trivial()
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """``disttrain-lab bench pipeline``: training steps per second of naive, GPipe and 1F1B against
 ``torch.distributed.pipelining``'s ScheduleGPipe, on a simulated accelerator."""
+
 from __future__ import annotations
 
 import os
@@ -8,10 +9,9 @@ import time
 
 from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
 
-
 TORCH_PIPELINE = "torch ScheduleGPipe"
-PIPELINE_MODEL = (64,) * 9        # 8 Linear layers of 64 × 64: two per stage on 4 ranks
-PIPELINE_COST = 0.5e-3            # simulated accelerator: seconds per sample for one stage's forward (backward: 2×)
+PIPELINE_MODEL = (64,) * 9  # 8 Linear layers of 64 × 64: two per stage on 4 ranks
+PIPELINE_COST = 0.5e-3  # simulated accelerator: seconds per sample for one stage's forward (backward: 2×)
 
 
 def _simulated_module(module, cost: float):
@@ -22,6 +22,7 @@ def _simulated_module(module, cost: float):
 
     class Done(torch.autograd.Function):
         """Applied to the module's output: its backward runs first and sets the deadline."""
+
         @staticmethod
         def forward(ctx, x, box):
             ctx.rows, ctx.box = len(x), box
@@ -34,6 +35,7 @@ def _simulated_module(module, cost: float):
 
     class Until(torch.autograd.Function):
         """Applied to the module's input: its backward runs last and waits for the deadline."""
+
         @staticmethod
         def forward(ctx, x, box):
             ctx.box = box
@@ -52,7 +54,7 @@ def _simulated_module(module, cost: float):
         def forward(self, x):
             busy_until = time.perf_counter() + cost * len(x)
             box = [0.0]
-            if not x.requires_grad:           # the first stage: its backward must reach Until too
+            if not x.requires_grad:  # the first stage: its backward must reach Until too
                 x = x.detach().requires_grad_()
             out = Done.apply(self.inner(Until.apply(x, box)), box)
             time.sleep(max(0.0, busy_until - time.perf_counter()))
@@ -66,6 +68,7 @@ def _torch_gpipe_runner(module, micro_batches: int, cost: float, x, y):
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
     rank, p = dist.get_rank(), dist.get_world_size()
     stage = PipelineStage(_simulated_module(module, cost), rank, p, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=micro_batches, loss_fn=torch.nn.functional.mse_loss)
@@ -80,11 +83,21 @@ def _torch_gpipe_runner(module, micro_batches: int, cost: float, x, y):
         else:
             schedule.step()
         optimizer.step()
+
     return step
 
 
-def _pipeline_step_times(versions: dict, split_stages, make_stage, sizes, batch: int, repeats: int, warmup: int,
-                         cost: float, torch_micro_batches) -> tuple[dict, dict]:
+def _pipeline_step_times(
+    versions: dict,
+    split_stages,
+    make_stage,
+    sizes,
+    batch: int,
+    repeats: int,
+    warmup: int,
+    cost: float,
+    torch_micro_batches,
+) -> tuple[dict, dict]:
     """In each rank: seconds per training step of every version, taking turns (order rotated).
 
     ``versions`` maps a name to ``(step, m)``: ``step(stage, x, y)`` runs one pipeline step on
@@ -94,7 +107,9 @@ def _pipeline_step_times(versions: dict, split_stages, make_stage, sizes, batch:
     """
     import torch
     import torch.distributed as dist
+
     from ..models import MLP, regression_data
+
     rank, p = dist.get_rank(), dist.get_world_size()
     x, y = regression_data(batch, sizes[0], sizes[-1], seed=1)
     runners, errors = {}, {}
@@ -106,20 +121,30 @@ def _pipeline_step_times(versions: dict, split_stages, make_stage, sizes, batch:
             optimizer.zero_grad()
             step_fn(stage, x, y)
             optimizer.step()
+
         runners[name] = run
     for m in torch_micro_batches:
         name = f"{TORCH_PIPELINE} m={m}"
         try:
             runners[name] = _torch_gpipe_runner(split_stages(MLP(list(sizes), seed=0), p)[rank], m, cost, x, y)
-        except Exception as exc:          # e.g. a torch without pipelining: say so in the table
+        except Exception as exc:  # e.g. a torch without pipelining: say so in the table
             errors[name] = f"{type(exc).__name__}: {exc}"
     return take_turns(runners, repeats, warmup), errors
 
 
-
-def bench_pipeline(versions: dict, split_stages, make_stage, world_size: int = 4, sizes=PIPELINE_MODEL,
-                   batch: int = 64, cost: float = PIPELINE_COST, repeats: int = 5, warmup: int = 1,
-                   torch_micro_batches=(1, 2, 4, 8), timeout: float = 600.0) -> list[dict]:
+def bench_pipeline(
+    versions: dict,
+    split_stages,
+    make_stage,
+    world_size: int = 4,
+    sizes=PIPELINE_MODEL,
+    batch: int = 64,
+    cost: float = PIPELINE_COST,
+    repeats: int = 5,
+    warmup: int = 1,
+    torch_micro_batches=(1, 2, 4, 8),
+    timeout: float = 600.0,
+) -> list[dict]:
     """Training steps per second of each pipeline version and of torch's ScheduleGPipe, side by
     side in one launch on ``world_size`` stages of ``MLP(sizes)``, ``batch`` samples per step.
 
@@ -133,17 +158,39 @@ def bench_pipeline(versions: dict, split_stages, make_stage, world_size: int = 4
         >>> print(format_pipeline_table(rows))
     """
     from ..launcher import launch
+
     if world_size < 2:
         raise ValueError(f"a pipeline needs world_size >= 2 stages, got {world_size}")
-    per_rank = launch(_pipeline_step_times, world_size, versions, split_stages, make_stage, tuple(sizes), batch,
-                      repeats, warmup, cost, tuple(torch_micro_batches), timeout=timeout)
+    per_rank = launch(
+        _pipeline_step_times,
+        world_size,
+        versions,
+        split_stages,
+        make_stage,
+        tuple(sizes),
+        batch,
+        repeats,
+        warmup,
+        cost,
+        tuple(torch_micro_batches),
+        timeout=timeout,
+    )
     errors = {name: why for _, errs in per_rank for name, why in errs.items()}
-    micro = {**{name: m for name, (_, m) in versions.items()},
-             **{f"{TORCH_PIPELINE} m={m}": m for m in torch_micro_batches}}
+    micro = {
+        **{name: m for name, (_, m) in versions.items()},
+        **{f"{TORCH_PIPELINE} m={m}": m for m in torch_micro_batches},
+    }
     rows = []
     for name, m in micro.items():
-        row = {"version": name, "micro_batches": m, "world_size": world_size, "batch": batch, "repeats": repeats,
-               "cost": cost, "ideal": world_size * m / (m + world_size - 1)}
+        row = {
+            "version": name,
+            "micro_batches": m,
+            "world_size": world_size,
+            "batch": batch,
+            "repeats": repeats,
+            "cost": cost,
+            "ideal": world_size * m / (m + world_size - 1),
+        }
         if name in errors:
             row["error"] = errors[name]
         else:
@@ -160,15 +207,19 @@ def format_pipeline_table(rows: list[dict]) -> str:
     """Steps/s, samples/s, speedup over the first row (naive) and the ideal p·m/(m + p − 1)."""
     first = rows[0]
     width = max(16, *(len(r["version"]) for r in rows)) + 2
-    lines = [f"training steps/s, {first['world_size']} stages, batch {first['batch']}, simulated accelerator "
-             f"{first['cost'] * 1e3:g} ms/sample forward (2x backward), median of {first['repeats']}",
-             f"{'version':<{width}} {'m':>3} {'steps/s':>8} {'samples/s':>10} {'speedup':>8} {'ideal':>6}"]
+    lines = [
+        f"training steps/s, {first['world_size']} stages, batch {first['batch']}, simulated accelerator "
+        f"{first['cost'] * 1e3:g} ms/sample forward (2x backward), median of {first['repeats']}",
+        f"{'version':<{width}} {'m':>3} {'steps/s':>8} {'samples/s':>10} {'speedup':>8} {'ideal':>6}",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['version']:<{width}} {r['micro_batches']:>3} not measured: {r['error']}")
         else:
-            lines.append(f"{r['version']:<{width}} {r['micro_batches']:>3} {r['steps_per_s']:>8.2f} "
-                         f"{r['steps_per_s'] * r['batch']:>10.0f} {r['speedup']:>7.2f}x {r['ideal']:>5.2f}x")
+            lines.append(
+                f"{r['version']:<{width}} {r['micro_batches']:>3} {r['steps_per_s']:>8.2f} "
+                f"{r['steps_per_s'] * r['batch']:>10.0f} {r['speedup']:>7.2f}x {r['ideal']:>5.2f}x"
+            )
     return "\n".join(lines)
 
 
@@ -185,6 +236,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     import functools
+
     found = functions_from_lab(args, LAB, FUNCTIONS, "pipeline functions")
     if found is None:
         return 2
@@ -197,6 +249,11 @@ def run(args) -> int:
             versions[f"GPipe m={m}"] = (functools.partial(found["gpipe_step"], micro_batches=m), m)
     if "one_f_one_b_step" in found:
         versions["1F1B m=8"] = (functools.partial(found["one_f_one_b_step"], micro_batches=8), 8)
-    print(format_pipeline_table(bench_pipeline(versions, found["split_stages"], found["Stage"],
-                                               world_size=args.world_size, repeats=args.repeats)))
+    print(
+        format_pipeline_table(
+            bench_pipeline(
+                versions, found["split_stages"], found["Stage"], world_size=args.world_size, repeats=args.repeats
+            )
+        )
+    )
     return 0

@@ -18,6 +18,7 @@ JSON (``--write``), the file Lab 8's planner checks its ranking against:
 
     $ disttrain-lab bench 3d --write solutions/08_capstone/data/step_times.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ HELP = "Lab 8: train_3d in several DP x TP x PP shapes on a two-tier emulated ne
 LAB = os.path.join("08_capstone", "08_capstone.ipynb")
 # the bench's GPT: section 2's, with 8 heads so that pure tensor parallelism on 8 ranks fits
 BENCH_MODEL = {"vocab": 32, "seq_len": 16, "d_model": 32, "n_heads": 8, "n_layers": 2}
-BENCH_BATCH = 64                 # sequences per step (global)
+BENCH_BATCH = 64  # sequences per step (global)
 DEVICES_PER_NODE = 4
 # slow links (see the module docstring): 10 MB/s inside a node, 1 MB/s across.  The latencies are
 # long too (2 ms, 5 ms): an emulated call ends no earlier than gloo's real one, so a latency longer
@@ -70,6 +71,7 @@ def single_process_flops(cfg, batch) -> float:
     import torch
 
     from .. import models
+
     model = models.GPT(cfg, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch
@@ -83,23 +85,35 @@ def single_process_flops(cfg, batch) -> float:
     return 6 * cfg.params() * x.numel() / best
 
 
-def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup: int = 1, lr: float = 0.5,
-             network: Network | None = None, timeout: float = 1200.0, progress: bool = True) -> dict:
+def bench_3d(
+    train_3d,
+    configs=CONFIGS,
+    steps: int = 3,
+    repeats: int = 3,
+    warmup: int = 1,
+    lr: float = 0.5,
+    network: Network | None = None,
+    timeout: float = 1200.0,
+    progress: bool = True,
+) -> dict:
     """Median step time (slowest rank) and tokens/s of ``train_3d`` in each configuration, on
     ``network`` (default: ``bench_network()``), one launch per run, the configurations taking
     turns.  Returns the JSON record (``--write`` saves it)."""
     import torch
+
     try:
         from tqdm import tqdm
-    except ImportError:              # tqdm comes with the kit's `grader` extra (the instructor's tools)
+    except ImportError:  # tqdm comes with the kit's `grader` extra (the instructor's tools)
         from contextlib import nullcontext
 
         def tqdm(*args, **kwargs):
-            return nullcontext(type("NoBar", (), {"update": lambda self, n=1: None,
-                                                  "set_postfix_str": lambda self, s: None})())
+            return nullcontext(
+                type("NoBar", (), {"update": lambda self, n=1: None, "set_postfix_str": lambda self, s: None})()
+            )
 
     from .. import models
     from ..launcher import launch
+
     network = network or bench_network()
     world = {dp * tp * pp for dp, tp, pp, _ in configs}
     if len(world) != 1:
@@ -109,8 +123,8 @@ def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup
     ranks = world.pop()
     # taking turns as bench.take_turns does, one launch per run (the warm ranks stay up, and
     # the progress bar can move): round i starts at configuration i, so none always goes first
-    measured = {config: [] for config in configs}     # config -> runs -> ranks -> steps
-    rounds = [list(configs[i % len(configs):]) + list(configs[:i % len(configs)]) for i in range(warmup + repeats)]
+    measured = {config: [] for config in configs}  # config -> runs -> ranks -> steps
+    rounds = [list(configs[i % len(configs) :]) + list(configs[: i % len(configs)]) for i in range(warmup + repeats)]
     with tqdm(total=sum(map(len, rounds)), desc="bench 3d", unit="run", disable=not progress, file=sys.stderr) as bar:
         for i, order in enumerate(rounds):
             for config in order:
@@ -127,24 +141,55 @@ def bench_3d(train_3d, configs=CONFIGS, steps: int = 3, repeats: int = 3, warmup
         # a step ends when its slowest rank does
         slowest = [max(step) for per_rank in measured[config] for step in zip(*per_rank)]
         median = statistics.median(slowest)
-        runs.append({"dp": dp, "tp": tp, "pp": pp, "micro_batches": m, "zero": 0, "median_step_s": median,
-                     "tokens_per_s": BENCH_BATCH * cfg.seq_len / median, "step_s": slowest})
+        runs.append(
+            {
+                "dp": dp,
+                "tp": tp,
+                "pp": pp,
+                "micro_batches": m,
+                "zero": 0,
+                "median_step_s": median,
+                "tokens_per_s": BENCH_BATCH * cfg.seq_len / median,
+                "step_s": slowest,
+            }
+        )
     return {
         "what": "Lab 8: train_3d step times on the two-tier emulated network (median of the slowest rank)",
         "command": _command(),
-        "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "steps": steps, "repeats": repeats, "warmup": warmup,
-        "model": {"layers": cfg.n_layers, "hidden": cfg.d_model, "heads": cfg.n_heads, "seq": cfg.seq_len,
-                  "batch": BENCH_BATCH, "vocab": cfg.vocab, "bytes_per_value": 4},
-        "gpt_config": dict(BENCH_MODEL), "parameters": cfg.params(),
-        "cluster": {"devices": ranks, "devices_per_node": network.devices_per_node,
-                    "intra": {"latency": network.intra.latency, "bandwidth": network.intra.bandwidth,
-                              "name": network.intra.name},
-                    "inter": {"latency": network.inter.latency, "bandwidth": network.inter.bandwidth,
-                              "name": network.inter.name},
-                    "memory": 1e9, "flops": flops, "flops_note":
-                    f"one process's training FLOP/s ({flops_single:.3g}) x min(1, cores / ranks)"},
+        "steps": steps,
+        "repeats": repeats,
+        "warmup": warmup,
+        "model": {
+            "layers": cfg.n_layers,
+            "hidden": cfg.d_model,
+            "heads": cfg.n_heads,
+            "seq": cfg.seq_len,
+            "batch": BENCH_BATCH,
+            "vocab": cfg.vocab,
+            "bytes_per_value": 4,
+        },
+        "gpt_config": dict(BENCH_MODEL),
+        "parameters": cfg.params(),
+        "cluster": {
+            "devices": ranks,
+            "devices_per_node": network.devices_per_node,
+            "intra": {
+                "latency": network.intra.latency,
+                "bandwidth": network.intra.bandwidth,
+                "name": network.intra.name,
+            },
+            "inter": {
+                "latency": network.inter.latency,
+                "bandwidth": network.inter.bandwidth,
+                "name": network.inter.name,
+            },
+            "memory": 1e9,
+            "flops": flops,
+            "flops_note": f"one process's training FLOP/s ({flops_single:.3g}) x min(1, cores / ranks)",
+        },
         "runs": runs,
     }
 
@@ -164,22 +209,28 @@ def predictions(record: dict, planner: dict) -> list[float] | None:
     net = Network.two_tier(c["devices_per_node"], intra=Network(**c["intra"]), inter=Network(**c["inter"]))
     model = planner["ModelSpec"](**record["model"])
     cluster = planner["ClusterSpec"](devices=c["devices"], network=net, memory=c["memory"], flops=c["flops"])
-    return [planner["step_time"](model, cluster, planner["Plan"](r["dp"], r["tp"], r["pp"], r["micro_batches"], r["zero"]))
-            for r in record["runs"]]
+    return [
+        planner["step_time"](model, cluster, planner["Plan"](r["dp"], r["tp"], r["pp"], r["micro_batches"], r["zero"]))
+        for r in record["runs"]
+    ]
 
 
 def format_table(record: dict, predicted: list[float] | None) -> str:
     c = record["cluster"]
     net = Network.two_tier(c["devices_per_node"], intra=Network(**c["intra"]), inter=Network(**c["inter"]))
-    lines = [f"Lab 8 train_3d, GPT of {record['parameters']} parameters, batch {record['model']['batch']} x "
-             f"{record['model']['seq']} tokens, {c['devices']} ranks; {net}",
-             f"median of {record['repeats']} x {record['steps']} steps, slowest rank",
-             f"{'configuration':<24} {'s/step':>8} {'tokens/s':>9} {'predicted':>10}"]
-    for i, r in enumerate(sorted(record["runs"], key=lambda r: r["median_step_s"])):
+    lines = [
+        f"Lab 8 train_3d, GPT of {record['parameters']} parameters, batch {record['model']['batch']} x "
+        f"{record['model']['seq']} tokens, {c['devices']} ranks; {net}",
+        f"median of {record['repeats']} x {record['steps']} steps, slowest rank",
+        f"{'configuration':<24} {'s/step':>8} {'tokens/s':>9} {'predicted':>10}",
+    ]
+    for r in sorted(record["runs"], key=lambda r: r["median_step_s"]):
         j = record["runs"].index(r)
         guess = f"{predicted[j]:9.3f}s" if predicted else "      n/a"
-        lines.append(f"{_label((r['dp'], r['tp'], r['pp'], r['micro_batches'])):<24} {r['median_step_s']:8.3f} "
-                     f"{r['tokens_per_s']:9.0f} {guess:>10}")
+        lines.append(
+            f"{_label((r['dp'], r['tp'], r['pp'], r['micro_batches'])):<24} {r['median_step_s']:8.3f} "
+            f"{r['tokens_per_s']:9.0f} {guess:>10}"
+        )
     return "\n".join(lines)
 
 
@@ -204,26 +255,37 @@ def _with_reference_pieces(fn, notebook: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--notebook", help="the lab notebook defining train_3d and the planner (default "
-                        f"{os.path.join('solutions', LAB)}, else the same under labs/)")
+    parser.add_argument(
+        "--notebook",
+        help="the lab notebook defining train_3d and the planner (default "
+        f"{os.path.join('solutions', LAB)}, else the same under labs/)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="training steps per run of a configuration")
-    parser.add_argument("--warmup", type=int, default=1, help="rounds of every configuration run first and not "
-                        "timed (default 1; 0 for a quick look, whose steps are then timed cold)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="rounds of every configuration run first and not "
+        "timed (default 1; 0 for a quick look, whose steps are then timed cold)",
+    )
     parser.add_argument("--write", metavar="JSON", help="write the measurements there (Lab 8's step_times.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(repeats=3)
 
 
 def _lab_path(args) -> str | None:
-    return args.notebook or next((p for p in (os.path.join("solutions", LAB), os.path.join("labs", LAB))
-                                  if os.path.exists(p)), None)
+    return args.notebook or next(
+        (p for p in (os.path.join("solutions", LAB), os.path.join("labs", LAB)) if os.path.exists(p)), None
+    )
 
 
 def run(args) -> int:
     path = _lab_path(args)
     if path is None or not os.path.exists(path):
-        print(f"no notebook to take train_3d from: pass --notebook PATH (looked for solutions/{LAB}, labs/{LAB})",
-              file=sys.stderr)
+        print(
+            f"no notebook to take train_3d from: pass --notebook PATH (looked for solutions/{LAB}, labs/{LAB})",
+            file=sys.stderr,
+        )
         return 2
     found = lab_functions(path, ["train_3d", "ModelSpec", "ClusterSpec", "Plan", "step_time"])
     if "train_3d" not in found:
@@ -231,8 +293,13 @@ def run(args) -> int:
         return 2
     _with_reference_pieces(found["train_3d"], path)
     planner = found
-    record = bench_3d(found["train_3d"], steps=args.steps, repeats=args.repeats, warmup=args.warmup,
-                      progress=not getattr(args, "no_progress", False))
+    record = bench_3d(
+        found["train_3d"],
+        steps=args.steps,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        progress=not getattr(args, "no_progress", False),
+    )
     record["notebook"] = path
     predicted = predictions(record, planner)
     print(format_table(record, predicted))
@@ -242,4 +309,3 @@ def run(args) -> int:
             f.write("\n")
         print(f"wrote {args.write}")
     return 0
-

@@ -1,14 +1,14 @@
 """``disttrain-lab bench tp``: step time and bytes per step of a Megatron-style MLP, side by side
 with ``torch.distributed.tensor.parallel`` (ColwiseParallel / RowwiseParallel on a DeviceMesh)."""
+
 from __future__ import annotations
 
 import os
 
 from .common import add_notebook_argument, functions_from_lab, progress, slowest_median, take_turns
 
-
 TORCH_TP = "torch Colwise/RowwiseParallel"
-TP_MODEL = (1024, 4096, 1024)        # a transformer block's MLP, d -> 4d -> d: 8.4 M parameters
+TP_MODEL = (1024, 4096, 1024)  # a transformer block's MLP, d -> 4d -> d: 8.4 M parameters
 _NOT_COMMUNICATION = ("wait", "wrap")  # c10d ops that move no data (waiting, autograd wrappers)
 
 
@@ -28,7 +28,8 @@ def _collective_bytes_counter():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace in ("c10d", "_c10d_functional") and not any(
-                    word in func.__name__ for word in _NOT_COMMUNICATION):
+                word in func.__name__ for word in _NOT_COMMUNICATION
+            ):
                 tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
                 self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
                 self.calls += 1
@@ -38,9 +39,10 @@ def _collective_bytes_counter():
 
 
 def _torch_tensor_parallel(dense, device):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    import torch.distributed as dist
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return parallelize_module(dense, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
@@ -54,8 +56,10 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
     The input requires a gradient, as inside a network, so backward all-reduces it too.
     """
     import torch
+
     from ..launcher import device as rank_device
     from ..models import MLP, regression_data
+
     device = rank_device()
     data = regression_data(batch, sizes[0], sizes[-1], seed=1)
     x, y = data.x.to(device), data.y.to(device)
@@ -63,11 +67,11 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
     for name, make in {**versions, TORCH_TP: None}.items():
         dense = MLP(list(sizes), seed=0).to(device)
         if make is not None:
-            model = make(dense)           # an error in the lab's class surfaces as it is
+            model = make(dense)  # an error in the lab's class surfaces as it is
         else:
             try:
                 model = _torch_tensor_parallel(dense, device)
-            except Exception as exc:      # torch's version may not run on this backend: say why, measure ours
+            except Exception as exc:  # torch's version may not run on this backend: say why, measure ours
                 unavailable[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
                 continue
         runners[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -83,18 +87,28 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
         with counter:
             step(model, optimizer)
         communicated[name] = (counter.bytes, counter.calls)
+
     def steps_of(parts):
         def run():
             for _ in range(steps):
                 step(*parts)
+
         return run
 
     seconds = take_turns({name: steps_of(parts) for name, parts in runners.items()}, repeats, warmup)
     return {"seconds": seconds, "communicated": communicated, "unavailable": unavailable}
 
 
-def bench_tp(versions: dict, world_sizes=(1, 2, 4), sizes=TP_MODEL, batch: int = 64, steps: int = 2,
-             repeats: int = 5, warmup: int = 1, timeout: float = 600.0) -> list[dict]:
+def bench_tp(
+    versions: dict,
+    world_sizes=(1, 2, 4),
+    sizes=TP_MODEL,
+    batch: int = 64,
+    steps: int = 2,
+    repeats: int = 5,
+    warmup: int = 1,
+    timeout: float = 600.0,
+) -> list[dict]:
     """Training step time and bytes communicated per step of each tensor-parallel MLP in
     ``versions`` (name -> ``make(dense)``, see :func:`_tp_step_times`) and of torch's
     ``parallelize_module(ColwiseParallel, RowwiseParallel)``, side by side in one launch per
@@ -105,6 +119,7 @@ def bench_tp(versions: dict, world_sizes=(1, 2, 4), sizes=TP_MODEL, batch: int =
         >>> print(format_tp_table(bench_tp({"TensorParallelMLP": TensorParallelMLP})))
     """
     from ..launcher import launch
+
     for n in world_sizes:
         if sizes[1] % n:
             raise ValueError(f"the hidden width {sizes[1]} must be divisible by every world size; {n} is not a divisor")
@@ -120,8 +135,8 @@ def bench_tp(versions: dict, world_sizes=(1, 2, 4), sizes=TP_MODEL, batch: int =
                 row["ms_per_step"] = 1e3 * slowest_median([rank["seconds"][name] for rank in per_rank]) / steps
                 row["bytes_per_step"], row["calls_per_step"] = first["communicated"][name]
             rows.append(row)
-        reference = next((r for r in rows[-len(versions) - 1:] if r["version"] == TORCH_TP and "error" not in r), None)
-        for row in rows[-len(versions) - 1:]:
+        reference = next((r for r in rows[-len(versions) - 1 :] if r["version"] == TORCH_TP and "error" not in r), None)
+        for row in rows[-len(versions) - 1 :]:
             if reference is not None and "error" not in row:
                 row["ratio"] = reference["ms_per_step"] / row["ms_per_step"]
     return rows
@@ -130,20 +145,25 @@ def bench_tp(versions: dict, world_sizes=(1, 2, 4), sizes=TP_MODEL, batch: int =
 def format_tp_table(rows: list[dict]) -> str:
     """One line per (world size, version): ms per step, collective bytes and calls per step, vs torch."""
     from ..trace import format_bytes
+
     first = rows[0]
     sizes = first["sizes"]
     parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     width = max(20, *(len(r["version"]) for r in rows)) + 2
-    lines = [f"training step of an MLP {' -> '.join(map(str, sizes))} ({parameters / 1e6:.1f} M parameters), "
-             f"batch {first['batch']}, median of {first['repeats']}; bytes and calls: rank 0's collectives per step",
-             f"{'N':>2} {'version':<{width}} {'ms/step':>8} {'bytes/step':>11} {'calls':>5} {'vs torch':>9}"]
+    lines = [
+        f"training step of an MLP {' -> '.join(map(str, sizes))} ({parameters / 1e6:.1f} M parameters), "
+        f"batch {first['batch']}, median of {first['repeats']}; bytes and calls: rank 0's collectives per step",
+        f"{'N':>2} {'version':<{width}} {'ms/step':>8} {'bytes/step':>11} {'calls':>5} {'vs torch':>9}",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['world_size']:>2} {r['version']:<{width}} not measured: {r['error']}")
         else:
             ratio = f"{r['ratio']:>8.2f}x" if "ratio" in r else f"{'-':>9}"
-            lines.append(f"{r['world_size']:>2} {r['version']:<{width}} {r['ms_per_step']:>8.1f} "
-                         f"{format_bytes(r['bytes_per_step']):>11} {r['calls_per_step']:>5} {ratio}")
+            lines.append(
+                f"{r['world_size']:>2} {r['version']:<{width}} {r['ms_per_step']:>8.1f} "
+                f"{format_bytes(r['bytes_per_step']):>11} {r['calls_per_step']:>5} {ratio}"
+            )
     return "\n".join(lines)
 
 

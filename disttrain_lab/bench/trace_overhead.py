@@ -1,5 +1,6 @@
 """``disttrain-lab bench trace``: what tracing costs per ping-pong round trip, against torch's own
 ``send``/``recv`` and the launcher's always-on status wrappers."""
+
 from __future__ import annotations
 
 import statistics
@@ -13,14 +14,20 @@ def _pingpong_modes(trips: int, nbytes: int) -> dict:
     status-only wrappers (always on in a launched rank), and full tracing."""
     import torch
     import torch.distributed as dist
+
     from .. import trace
+
     rank = dist.get_rank()
     t = torch.zeros(max(1, nbytes // 4))
     genuine = (trace.genuine_of(dist.send), trace.genuine_of(dist.recv))
     wrapped = (dist.send, dist.recv)
     out = {}
-    for mode, (send, recv), record in (("torch", genuine, False), ("status only", wrapped, False),
-                                       ("traced", wrapped, True), ("torch again", genuine, False)):
+    for mode, (send, recv), record in (
+        ("torch", genuine, False),
+        ("status only", wrapped, False),
+        ("traced", wrapped, True),
+        ("torch again", genuine, False),
+    ):
         trace.set_recording(record)
         dist.barrier()
         start = time.perf_counter()
@@ -32,17 +39,20 @@ def _pingpong_modes(trips: int, nbytes: int) -> dict:
                 recv(t, 0)
                 send(t, 0)
         out[mode] = (time.perf_counter() - start) / trips
-        trace.set_recording(False)     # the round trips' events are not wanted, only their time
+        trace.set_recording(False)  # the round trips' events are not wanted, only their time
     return out
 
 
 def bench_trace(trips: int = 2000, sizes=(4, 1 << 20), repeats: int = 5) -> list[dict]:
     """Tracing overhead per ping-pong round trip, medians of ``repeats`` runs."""
     from ..launcher import launch
+
     rows = []
     for nbytes in sizes:
-        runs = [launch(_pingpong_modes, 2, trips if nbytes < 1024 else max(1, trips // 20), nbytes)[0]
-                for _ in progress(range(repeats), desc=f"bench trace, {nbytes} B", unit="run")]
+        runs = [
+            launch(_pingpong_modes, 2, trips if nbytes < 1024 else max(1, trips // 20), nbytes)[0]
+            for _ in progress(range(repeats), desc=f"bench trace, {nbytes} B", unit="run")
+        ]
         base = statistics.median([min(r["torch"], r["torch again"]) for r in runs])
         for mode in ("torch", "status only", "traced"):
             med = statistics.median([min(r["torch"], r["torch again"]) if mode == "torch" else r[mode] for r in runs])
@@ -54,7 +64,10 @@ def format_trace_table(rows: list[dict]) -> str:
     lines = [f"{'message':>9} {'mode':<12} {'us/round trip':>14} {'vs torch':>9}"]
     for row in rows:
         from ..trace import format_bytes
-        lines.append(f"{format_bytes(row['bytes']):>9} {row['mode']:<12} {row['us_per_trip']:>14.1f} {row['ratio']:>8.2f}x")
+
+        lines.append(
+            f"{format_bytes(row['bytes']):>9} {row['mode']:<12} {row['us_per_trip']:>14.1f} {row['ratio']:>8.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -63,8 +76,12 @@ HELP = "what tracing costs per ping-pong round trip"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--trips", type=int, default=2000, help="round trips per run of each mode with a 4 B "
-                        "message (default 2000; with 1 MiB, a twentieth of them)")
+    parser.add_argument(
+        "--trips",
+        type=int,
+        default=2000,
+        help="round trips per run of each mode with a 4 B message (default 2000; with 1 MiB, a twentieth of them)",
+    )
 
 
 def run(args) -> int:

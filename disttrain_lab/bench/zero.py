@@ -1,5 +1,6 @@
 """``disttrain-lab bench zero``: steps per second and bytes held per rank of the lab's ZeRO
 classes, side by side with torch's ZeroRedundancyOptimizer and FSDP (``fully_shard``)."""
+
 from __future__ import annotations
 
 import os
@@ -7,10 +8,9 @@ import time
 
 from .common import add_notebook_argument, functions_from_lab, slowest_median
 
-
 TORCH_ZERO_REDUNDANCY = "torch DDP + ZeroRedundancyOptimizer"
 TORCH_FSDP = "torch FSDP (fully_shard)"
-ZERO_MODEL = (1024, 2048, 2048, 1024)      # the DDP bench's MLP: 8.4 M parameters, 134 MB of fp32 Adam training state
+ZERO_MODEL = (1024, 2048, 2048, 1024)  # the DDP bench's MLP: 8.4 M parameters, 134 MB of fp32 Adam training state
 
 
 def _torch_zero_redundancy(model, lr: float):
@@ -19,6 +19,7 @@ def _torch_zero_redundancy(model, lr: float):
     import torch
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
+
     wrapped = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
     return wrapped, optimizer
@@ -28,7 +29,9 @@ def _torch_fsdp(model, lr: float):
     """ZeRO-3 as torch ships it: FSDP2's fully_shard on every parameterised layer, then the root."""
     import torch
     from torch.distributed.fsdp import fully_shard
+
     from ..memory import layers_with_parameters
+
     for layer in layers_with_parameters(model).values():
         if layer is not model:
             fully_shard(layer)
@@ -41,6 +44,7 @@ def _lab_zero(stage: int, cls, model, lr: float):
     ``cls(model.parameters(), torch.optim.Adam, lr=lr)``; stage 3 wraps the model like ``fully_shard``,
     with Adam on the wrapper's parameters (the shards).  Returns (forward, optimizer)."""
     import torch
+
     if stage == 3:
         wrapped = cls(model)
         return wrapped, torch.optim.Adam(wrapped.parameters(), lr=lr)
@@ -52,9 +56,11 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
     bytes each holds after the last backward (``memory.held``; gradients present)."""
     import torch
     import torch.distributed as dist
+
     from .. import memory
     from ..launcher import device
     from ..models import MLP, regression_data
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
@@ -65,7 +71,7 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
         runners[name] = (model, forward, optimizer)
     names, seconds, held = list(runners), {}, {}
     for i in range(warmup + repeats):
-        shift = i % len(names)                     # rotate the order so no version always goes first
+        shift = i % len(names)  # rotate the order so no version always goes first
         for name in names[shift:] + names[:shift]:
             model, forward, optimizer = runners[name]
             dist.barrier()
@@ -74,7 +80,7 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(forward(x), y).backward()
                 if step == steps - 1 and i == warmup + repeats - 1:
-                    pause = time.perf_counter()    # measuring is not training: leave it out of the time
+                    pause = time.perf_counter()  # measuring is not training: leave it out of the time
                     held[name] = memory.held(model, optimizer).as_dict()
                     start += time.perf_counter() - pause
                 optimizer.step()
@@ -83,15 +89,26 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
     return {"seconds": seconds, "held": held}
 
 
-def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int = 16, steps: int = 2,
-               repeats: int = 5, warmup: int = 1, lr: float = 1e-3, predict=None, timeout: float = 600.0,
-               device: str = "cpu") -> list[dict]:
+def bench_zero(
+    versions: dict,
+    world_size: int = 2,
+    sizes=ZERO_MODEL,
+    batch: int = 16,
+    steps: int = 2,
+    repeats: int = 5,
+    warmup: int = 1,
+    lr: float = 1e-3,
+    predict=None,
+    timeout: float = 600.0,
+    device: str = "cpu",
+) -> list[dict]:
     """Adam training steps per second and bytes held per rank of each ZeRO version, side by
     side with torch's ZeroRedundancyOptimizer (under DDP) and FSDP (``fully_shard``), in one launch.
 
     ``versions`` maps a name to ``(stage, cls)``: the lab's ``Zero1Optimizer`` / ``Zero2Optimizer``
     (built as ``cls(model.parameters(), torch.optim.Adam, lr=lr)``, like ZeroRedundancyOptimizer) or
-    ``Zero3Module`` (built as ``cls(model)``, like ``fully_shard``, with Adam on its shards).  Same model, same data (``batch`` samples per rank), versions taking
+    ``Zero3Module`` (built as ``cls(model)``, like ``fully_shard``, with Adam on its shards).  Same model, same data
+    (``batch`` samples per rank), versions taking
     turns; a sample is ``steps`` steps on the slowest rank, a row the median of ``repeats``.
     ``ratio`` compares steps/s with torch's version of the same stage (stages 1-2:
     ZeroRedundancyOptimizer, stage 3: FSDP).  ``held`` is the largest rank's
@@ -103,25 +120,45 @@ def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int
         >>> print(format_zero_table(rows))
     """
     from ..launcher import launch
+
     if world_size < 2:
         raise ValueError(f"a ZeRO benchmark needs world_size >= 2, got {world_size}")
     stages = {name: stage for name, (stage, _) in versions.items()}
     stages.update({TORCH_ZERO_REDUNDANCY: 1, TORCH_FSDP: 3})
     import functools
+
     makers = {name: functools.partial(_lab_zero, stage, cls) for name, (stage, cls) in versions.items()}
     makers.update({TORCH_ZERO_REDUNDANCY: _torch_zero_redundancy, TORCH_FSDP: _torch_fsdp})
-    per_rank = launch(_zero_step_times, world_size, makers, tuple(sizes), batch, steps, repeats, warmup, lr,
-                      timeout=timeout, device=device)
+    per_rank = launch(
+        _zero_step_times,
+        world_size,
+        makers,
+        tuple(sizes),
+        batch,
+        steps,
+        repeats,
+        warmup,
+        lr,
+        timeout=timeout,
+        device=device,
+    )
     parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     rows = []
     for name in makers:
         worst = max((rank["held"][name] for rank in per_rank), key=lambda h: h["total"])
-        row = {"version": name, "stage": stages[name], "world_size": world_size, "parameters": parameters,
-               "steps_per_s": steps / slowest_median([rank["seconds"][name] for rank in per_rank]),
-               "repeats": repeats, "held": worst}
+        row = {
+            "version": name,
+            "stage": stages[name],
+            "world_size": world_size,
+            "parameters": parameters,
+            "steps_per_s": steps / slowest_median([rank["seconds"][name] for rank in per_rank]),
+            "repeats": repeats,
+            "held": worst,
+        }
         if predict is not None:
-            row["predicted"] = int(predict(parameters, stages[name], world_size, param_bytes=4, grad_bytes=4,
-                                           optimizer_bytes=8)["total"])
+            row["predicted"] = int(
+                predict(parameters, stages[name], world_size, param_bytes=4, grad_bytes=4, optimizer_bytes=8)["total"]
+            )
         rows.append(row)
     by_name = {r["version"]: r for r in rows}
     for row in rows:
@@ -134,19 +171,24 @@ def bench_zero(versions: dict, world_size: int = 2, sizes=ZERO_MODEL, batch: int
 def format_zero_table(rows: list[dict]) -> str:
     """Steps/s (and / torch's same stage), bytes held per rank (and / the formula, if predicted)."""
     from ..trace import format_bytes
+
     first = rows[0]
     width = max(20, *(len(r["version"]) for r in rows)) + 2
     predicted = all("predicted" in r for r in rows)
-    lines = [f"Adam steps/s and bytes held per rank (the largest rank, after backward) on {first['world_size']} "
-             f"ranks, MLP of {first['parameters'] / 1e6:.1f} M parameters (fp32), median of {first['repeats']}",
-             f"{'version':<{width}} {'stage':>5} {'steps/s':>8} {'vs torch':>9}   {'held':>9} "
-             f"{'params':>9} {'grads':>9} {'optim':>9} {'other':>9}" + (f" {'formula':>9} {'held/formula':>12}"
-                                                                       if predicted else "")]
+    lines = [
+        f"Adam steps/s and bytes held per rank (the largest rank, after backward) on {first['world_size']} "
+        f"ranks, MLP of {first['parameters'] / 1e6:.1f} M parameters (fp32), median of {first['repeats']}",
+        f"{'version':<{width}} {'stage':>5} {'steps/s':>8} {'vs torch':>9}   {'held':>9} "
+        f"{'params':>9} {'grads':>9} {'optim':>9} {'other':>9}"
+        + (f" {'formula':>9} {'held/formula':>12}" if predicted else ""),
+    ]
     for r in rows:
         h = r["held"]
-        line = (f"{r['version']:<{width}} {r['stage']:>5} {r['steps_per_s']:>8.2f} {r['ratio']:>8.2f}x   "
-                f"{format_bytes(h['total']):>9} {format_bytes(h['parameters']):>9} {format_bytes(h['gradients']):>9} "
-                f"{format_bytes(h['optimizer_state']):>9} {format_bytes(h['other']):>9}")
+        line = (
+            f"{r['version']:<{width}} {r['stage']:>5} {r['steps_per_s']:>8.2f} {r['ratio']:>8.2f}x   "
+            f"{format_bytes(h['total']):>9} {format_bytes(h['parameters']):>9} {format_bytes(h['gradients']):>9} "
+            f"{format_bytes(h['optimizer_state']):>9} {format_bytes(h['other']):>9}"
+        )
         if predicted:
             line += f" {format_bytes(r['predicted']):>9} {h['total'] / r['predicted']:>11.3f}x"
         lines.append(line)
@@ -170,6 +212,11 @@ def run(args) -> int:
     if found is None:
         return 2
     versions = {name: (stage, found[name]) for name, stage in CLASSES.items() if name in found}
-    print(format_zero_table(bench_zero(versions, world_size=args.world_size, repeats=args.repeats,
-                                       predict=found.get("zero_memory_per_rank"))))
+    print(
+        format_zero_table(
+            bench_zero(
+                versions, world_size=args.world_size, repeats=args.repeats, predict=found.get("zero_memory_per_rank")
+            )
+        )
+    )
     return 0

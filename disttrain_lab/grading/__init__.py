@@ -33,6 +33,7 @@ tests, feedback); this package adds what a course on distributed training needs 
    that ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
    ``grader/`` behaves exactly like ``disttrain-lab grade``.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,26 +41,86 @@ import sys
 
 from nbconvert.preprocessors import ClearMetadataPreprocessor
 from nbgrader.converters import GenerateAssignment, GenerateFeedback
-from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearOutput, DeduplicateIds,
-                                    IgnorePattern, LimitOutput, OverwriteKernelspec, SaveAutoGrades)
+from nbgrader.preprocessors import (
+    AssignLatePenalties,
+    CheckCellMetadata,
+    ClearOutput,
+    DeduplicateIds,
+    IgnorePattern,
+    LimitOutput,
+    OverwriteKernelspec,
+    SaveAutoGrades,
+)
 
 from . import sandbox
-from .config import (GRADER_DIR, LIMITED_ISOLATION, NO_ISOLATION, REPO_ROOT, Limits, course_dir, release_dir,
-                     release_ignore, source_dir)
-from .course import (autograde, cli_release, export_grades, generate_feedback, list_labs, normalize_release,
-                     release, release_differences, scores, students_of)
+from .config import (
+    GRADER_DIR,
+    LIMITED_ISOLATION,
+    NO_ISOLATION,
+    REPO_ROOT,
+    Limits,
+    course_dir,
+    release_dir,
+    release_ignore,
+    source_dir,
+)
+from .course import (
+    autograde,
+    cli_release,
+    export_grades,
+    generate_feedback,
+    list_labs,
+    normalize_release,
+    release,
+    release_differences,
+    scores,
+    students_of,
+)
 from .execute import NOTES_FILE, RobustExecute
 from .install_source import configured_install_source
 from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
-from .submission import (FeedbackWithoutHiddenTests, RestoringOverwriteCells, StampInstallSource,
-                         SubmissionExporter, grade_report, scan_submission)
+from .submission import (
+    FeedbackWithoutHiddenTests,
+    RestoringOverwriteCells,
+    StampInstallSource,
+    SubmissionExporter,
+    grade_report,
+    scan_submission,
+)
 
-__all__ = ["GRADER_DIR", "REPO_ROOT", "Limits", "configure", "configured_install_source", "course_dir",
-           "release_dir", "release_ignore", "source_dir", "autograde", "cli_release", "export_grades",
-           "generate_feedback", "list_labs", "normalize_release", "release", "release_differences", "scores",
-           "students_of", "NOTES_FILE", "RobustExecute", "StepResult", "clean_stale_steps", "run_nbgrader",
-           "stop_running_steps", "FeedbackWithoutHiddenTests", "RestoringOverwriteCells", "StampInstallSource",
-           "SubmissionExporter", "grade_report", "scan_submission"]
+__all__ = [
+    "GRADER_DIR",
+    "REPO_ROOT",
+    "Limits",
+    "configure",
+    "configured_install_source",
+    "course_dir",
+    "release_dir",
+    "release_ignore",
+    "source_dir",
+    "autograde",
+    "cli_release",
+    "export_grades",
+    "generate_feedback",
+    "list_labs",
+    "normalize_release",
+    "release",
+    "release_differences",
+    "scores",
+    "students_of",
+    "NOTES_FILE",
+    "RobustExecute",
+    "StepResult",
+    "clean_stale_steps",
+    "run_nbgrader",
+    "stop_running_steps",
+    "FeedbackWithoutHiddenTests",
+    "RestoringOverwriteCells",
+    "StampInstallSource",
+    "SubmissionExporter",
+    "grade_report",
+    "scan_submission",
+]
 
 
 def configure(c, limits: Limits | None = None) -> None:
@@ -92,8 +153,20 @@ def configure(c, limits: Limits | None = None) -> None:
     # stamp the install source before the setup cell is locked and checksummed
     steps = list(GenerateAssignment().preprocessors)
     c.GenerateAssignment.preprocessors = [StampInstallSource] + [p for p in steps if p is not StampInstallSource]
-    c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec,
-                                          RestoringOverwriteCells, CheckCellMetadata]
+    c.Autograde.sanitize_preprocessors = [
+        ClearOutput,
+        DeduplicateIds,
+        OverwriteKernelspec,
+        RestoringOverwriteCells,
+        CheckCellMetadata,
+    ]
     c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
-    c.Autograde.autograde_preprocessors = [RobustExecute, IgnorePattern, ClearMetadataPreprocessor, LimitOutput,
-                                           SaveAutoGrades, AssignLatePenalties, CheckCellMetadata]
+    c.Autograde.autograde_preprocessors = [
+        RobustExecute,
+        IgnorePattern,
+        ClearMetadataPreprocessor,
+        LimitOutput,
+        SaveAutoGrades,
+        AssignLatePenalties,
+        CheckCellMetadata,
+    ]

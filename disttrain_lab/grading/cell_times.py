@@ -13,6 +13,7 @@ machine twice as slow as the one that recorded them).  A cell is known by its nb
 cell the record does not know (one the student added, a lab never timed) keeps the plain
 cell limit.  (Grading the solution to time it is a course step: ``course.measure_cell_times``.)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,9 +24,9 @@ from pathlib import Path
 
 from .config import GRADER_DIR
 
-FACTOR = 5.0     # a loaded or slower grading machine, a slower but correct submission
-FLOOR = 30.0     # seconds: a cold kernel importing torch or starting ranks on a loaded 2-core machine
-ENV_VAR = "DISTTRAIN_CELL_TIMES_DIR"     # where the records live, instead of grader/cell_times/
+FACTOR = 5.0  # a loaded or slower grading machine, a slower but correct submission
+FLOOR = 30.0  # seconds: a cold kernel importing torch or starting ranks on a loaded 2-core machine
+ENV_VAR = "DISTTRAIN_CELL_TIMES_DIR"  # where the records live, instead of grader/cell_times/
 
 
 def times_dir() -> Path:
@@ -55,6 +56,15 @@ def record(lab: str, seconds: dict[str, float]) -> Path:
     """Write the solution's cell times of ``lab`` (from the grader's notes of a graded solution)."""
     path = times_dir() / f"{lab}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"lab": lab, "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-                                "cells": {k: round(v, 2) for k, v in sorted(seconds.items())}}, indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "lab": lab,
+                "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+                "cells": {k: round(v, 2) for k, v in sorted(seconds.items())},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return path

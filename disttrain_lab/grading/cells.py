@@ -1,5 +1,6 @@
 """What a notebook cell is to the grader, read from its nbgrader metadata: a graded test cell,
 a locked cell of the instructor's, and the ``grade_id`` it is known by."""
+
 from __future__ import annotations
 
 

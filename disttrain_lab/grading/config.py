@@ -1,5 +1,6 @@
 """Where a course lives and the limits a grading run applies (``configure`` in ``__init__.py``
 applies them to nbgrader; ``grader/nbgrader_config.py`` calls it)."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from . import sandbox
 # Where things live, and the limits (each overridable by an environment variable, so the
 # config file, the CLI and the tests all agree).
 
-REPO_ROOT = Path(__file__).resolve().parents[2]      # the checkout: grader/, solutions/, labs/, the kit
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: grader/, solutions/, labs/, the kit
 GRADER_DIR = REPO_ROOT / "grader"
 
 
@@ -85,10 +86,13 @@ class Limits:
         if self.student_timeout <= 0:
             self.student_timeout = self.notebook_timeout + 300
         if self.cell_time_scale <= 0:
-            raise ValueError(f"cell_time_scale must be positive ({self.variable('cell_time_scale')}), "
-                             f"got {self.cell_time_scale}")
+            raise ValueError(
+                f"cell_time_scale must be positive ({self.variable('cell_time_scale')}), got {self.cell_time_scale}"
+            )
         if self.sandbox not in ("auto", "on", "off"):
-            raise ValueError(f"sandbox must be 'auto', 'on' or 'off' ({self.variable('sandbox')}), got {self.sandbox!r}")
+            raise ValueError(
+                f"sandbox must be 'auto', 'on' or 'off' ({self.variable('sandbox')}), got {self.sandbox!r}"
+            )
 
     @classmethod
     def variable(cls, name: str) -> str:
@@ -124,9 +128,11 @@ def release_ignore(solutions: Path) -> list[str]:
     return ignore
 
 
-NO_ISOLATION = ("\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
-                "can read and change the gradebook, solutions and other students' files. Grade as root on "
-                "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n")
+NO_ISOLATION = (
+    "\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
+    "can read and change the gradebook, solutions and other students' files. Grade as root on "
+    "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n"
+)
 
 
 LIMITED_ISOLATION = "\n*** disttrain-lab: grading with LIMITED isolation: {why} (see grader/README.md). ***\n"

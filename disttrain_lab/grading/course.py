@@ -1,6 +1,7 @@
 """The instructor's steps (release, autograde, feedback, grades, scores, timing the solution's
 cells) and the command line ``disttrain-lab release`` (``disttrain-lab grade`` is
 :mod:`disttrain_lab.grading.classgrade`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import nbformat
 from nbgrader.api import Gradebook, MissingEntry
 
 from . import cell_times, sandbox
-from . import install_source as install     # (release() has an argument named install_source)
+from . import install_source as install  # (release() has an argument named install_source)
 from .config import LIMITED_ISOLATION, NO_ISOLATION, Limits, course_dir, release_dir, source_dir
 from .execute import NOTES_FILE
 from .steps import StepResult, run_nbgrader, stop_running_steps
@@ -27,12 +28,16 @@ from .submission import grade_report
 # ----------------------------------------------------------------------------------------
 # The instructor's steps.
 
+
 def _env(course: Path | None, source: Path | None, release: Path | None) -> dict:
     # no backend override: dl.launch follows one policy (gloo on the CPU unless a lab asks
     # for device="cuda"), so grading runs exactly what the notebook ran
     env = {}
-    for name, value in (("DISTTRAIN_COURSE_DIR", course), ("DISTTRAIN_SOURCE_DIR", source),
-                        ("DISTTRAIN_RELEASE_DIR", release)):
+    for name, value in (
+        ("DISTTRAIN_COURSE_DIR", course),
+        ("DISTTRAIN_SOURCE_DIR", source),
+        ("DISTTRAIN_RELEASE_DIR", release),
+    ):
         if value is not None:
             env[name] = str(Path(value).resolve())
     return env
@@ -40,8 +45,11 @@ def _env(course: Path | None, source: Path | None, release: Path | None) -> dict
 
 def list_labs(source: Path | None = None) -> list[str]:
     source = Path(source or source_dir())
-    return sorted(p.name for p in source.iterdir() if p.is_dir() and (p / f"{p.name}.ipynb").exists()) \
-        if source.is_dir() else []
+    return (
+        sorted(p.name for p in source.iterdir() if p.is_dir() and (p / f"{p.name}.ipynb").exists())
+        if source.is_dir()
+        else []
+    )
 
 
 def normalize_release(path: Path) -> None:
@@ -57,9 +65,15 @@ def normalize_release(path: Path) -> None:
         nbformat.write(nb, nb_path)
 
 
-def release(labs: list[str] | None = None, *, course: Path | None = None, source: Path | None = None,
-            release_to: Path | None = None, tmp_root: str | None = None,
-            install_source: str | None = None) -> list[StepResult]:
+def release(
+    labs: list[str] | None = None,
+    *,
+    course: Path | None = None,
+    source: Path | None = None,
+    release_to: Path | None = None,
+    tmp_root: str | None = None,
+    install_source: str | None = None,
+) -> list[StepResult]:
     """generate_assignment for each lab (all of solutions/ by default), into labs/.
 
     ``install_source`` (default: the configured one, see :mod:`disttrain_lab.grading.install_source`)
@@ -96,24 +110,37 @@ def _ensure_in_gradebook(lab: str, course: Path, env: dict, tmp_root: str | None
             pass
     # a course directory that never released this lab: record it without touching labs/
     with tempfile.TemporaryDirectory(prefix="disttrain-release-", dir=tmp_root) as scratch:
-        result = run_nbgrader(["generate_assignment", lab, "--force",
-                               f"--CourseDirectory.release_directory={scratch}"],
-                              timeout=600, env=env, tmp_root=tmp_root)
+        result = run_nbgrader(
+            ["generate_assignment", lab, "--force", f"--CourseDirectory.release_directory={scratch}"],
+            timeout=600,
+            env=env,
+            tmp_root=tmp_root,
+        )
     if result.returncode != 0:
         raise RuntimeError(f"could not add {lab} to the gradebook:\n{result.output}")
 
 
-def autograde(lab: str, students: list[str] | None = None, *, course: Path | None = None,
-              source: Path | None = None, release_from: Path | None = None, limits: Limits | None = None,
-              tmp_root: str | None = None, one_process_per_student: bool = True, jobs: int = 1,
-              on_result=None, log=print) -> dict[str, StepResult]:
+def autograde(
+    lab: str,
+    students: list[str] | None = None,
+    *,
+    course: Path | None = None,
+    source: Path | None = None,
+    release_from: Path | None = None,
+    limits: Limits | None = None,
+    tmp_root: str | None = None,
+    one_process_per_student: bool = True,
+    jobs: int = 1,
+    on_result=None,
+    log=print,
+) -> dict[str, StepResult]:
     """Autograde each student in its own nbgrader process, ``jobs`` at a time; one result per
     student.  ``on_result(student, result)`` is called as each finishes (from a worker thread).
     An interrupt (KeyboardInterrupt) stops every running student and is raised again."""
     course = Path(course or course_dir()).resolve()
     limits = limits or Limits()
     env = _env(course, source, release_from)
-    env.update(limits.environment(), DISTTRAIN_SANDBOX_WARNED="1")   # nbgrader's process: the same Limits()
+    env.update(limits.environment(), DISTTRAIN_SANDBOX_WARNED="1")  # nbgrader's process: the same Limits()
     isolated, why = limits.sandboxed()
     if not isolated:
         log(NO_ISOLATION.format(why=why))
@@ -123,8 +150,9 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
     students = students or students_of(lab, course)
     if not one_process_per_student:
         # plain `nbgrader autograde LAB`: every student in one process (faster; no per-student cap)
-        result = run_nbgrader(["autograde", lab, "--force"], timeout=limits.student_timeout * len(students),
-                              env=env, tmp_root=tmp_root)
+        result = run_nbgrader(
+            ["autograde", lab, "--force"], timeout=limits.student_timeout * len(students), env=env, tmp_root=tmp_root
+        )
         log(f"autograde {lab} ({len(students)} students): rc={result.returncode} in {result.seconds:.1f} s")
         results = {student: result for student in students}
         grade_report(lab, students, results, course, why if not isolated else None)
@@ -134,17 +162,22 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
         slots.put(slot)
 
     def grade_one(student: str) -> None:
-        slot = slots.get()      # a free slot: its sandbox uid and nobody else's while this student runs
+        slot = slots.get()  # a free slot: its sandbox uid and nobody else's while this student runs
         try:
             if stopping.is_set():
                 return
-            result = run_nbgrader(["autograde", lab, "--student", student, "--force"],
-                                  timeout=limits.student_timeout, env=env, tmp_root=tmp_root, slot=slot)
+            result = run_nbgrader(
+                ["autograde", lab, "--student", student, "--force"],
+                timeout=limits.student_timeout,
+                env=env,
+                tmp_root=tmp_root,
+                slot=slot,
+            )
         finally:
             slots.put(slot)
-        if stopping.is_set():   # killed by the interrupt: not a grade
+        if stopping.is_set():  # killed by the interrupt: not a grade
             return
-        if result.timed_out:      # as nbgrader does for a failed submission: no half-written results
+        if result.timed_out:  # as nbgrader does for a failed submission: no half-written results
             shutil.rmtree(course / "autograded" / student / lab, ignore_errors=True)
         results[student] = result
         status = "ok" if result.returncode == 0 else ("STOPPED (time cap)" if result.timed_out else "FAILED")
@@ -175,16 +208,21 @@ def autograde(lab: str, students: list[str] | None = None, *, course: Path | Non
     return results
 
 
-def generate_feedback(lab: str, students: list[str] | None = None, *, course: Path | None = None,
-                      source: Path | None = None, tmp_root: str | None = None) -> StepResult:
+def generate_feedback(
+    lab: str,
+    students: list[str] | None = None,
+    *,
+    course: Path | None = None,
+    source: Path | None = None,
+    tmp_root: str | None = None,
+) -> StepResult:
     args = ["generate_feedback", lab, "--force"]
     if students and len(students) == 1:
         args += ["--student", students[0]]
     return run_nbgrader(args, timeout=600, env=_env(course, source, None), tmp_root=tmp_root)
 
 
-def export_grades(csv_path: Path | None = None, *, course: Path | None = None,
-                  tmp_root: str | None = None) -> Path:
+def export_grades(csv_path: Path | None = None, *, course: Path | None = None, tmp_root: str | None = None) -> Path:
     course = Path(course or course_dir()).resolve()
     csv_path = Path(csv_path or course / "grades.csv").resolve()
     result = run_nbgrader(["export", f"--to={csv_path}"], timeout=600, env=_env(course, None, None), tmp_root=tmp_root)
@@ -223,11 +261,18 @@ def measure_cell_times(lab: str, *, source: Path | None = None, tmp_root: str | 
         folder.mkdir(parents=True)
         (folder / f"{lab}.ipynb").write_bytes((source / lab / f"{lab}.ipynb").read_bytes())
         saved = os.environ.get(cell_times.ENV_VAR)
-        os.environ[cell_times.ENV_VAR] = str(empty)       # time it under the plain limit
+        os.environ[cell_times.ENV_VAR] = str(empty)  # time it under the plain limit
         try:
             release([lab], course=course, source=source, release_to=release_to, tmp_root=tmp_root)
-            result = autograde(lab, ["solution"], course=course, source=source, release_from=release_to,
-                               tmp_root=tmp_root, log=lambda *a: None)["solution"]
+            result = autograde(
+                lab,
+                ["solution"],
+                course=course,
+                source=source,
+                release_from=release_to,
+                tmp_root=tmp_root,
+                log=lambda *a: None,
+            )["solution"]
         finally:
             if saved is None:
                 os.environ.pop(cell_times.ENV_VAR)
@@ -242,20 +287,32 @@ def measure_cell_times(lab: str, *, source: Path | None = None, tmp_root: str | 
 # ----------------------------------------------------------------------------------------
 # Command line: `disttrain-lab release`.
 
+
 def cli_release(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="disttrain-lab release",
-                                     description="Regenerate labs/ from solutions/ with nbgrader generate_assignment.")
+    parser = argparse.ArgumentParser(
+        prog="disttrain-lab release", description="Regenerate labs/ from solutions/ with nbgrader generate_assignment."
+    )
     parser.add_argument("labs", nargs="*", help="lab names (default: every lab in solutions/)")
-    parser.add_argument("--course-dir", type=Path, help="course directory holding gradebook.db "
-                        "(default: $DISTTRAIN_COURSE_DIR or ~/.disttrain-lab/course)")
-    parser.add_argument("--check", action="store_true",
-                        help="release into a scratch directory and fail if labs/ differs from it")
-    parser.add_argument("--install-source", help="where the labs' setup cell installs the kit from "
-                        "(default: c.StampInstallSource.pip_requirement in grader/nbgrader_config.py): 'wheel', "
-                        "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL")
-    parser.add_argument("--time-cells", action="store_true",
-                        help="also grade each lab's solution once and record its cell times in grader/cell_times/ "
-                        "(the grader derives each cell's time limit from them; see disttrain_lab/grading/cell_times.py)")
+    parser.add_argument(
+        "--course-dir",
+        type=Path,
+        help="course directory holding gradebook.db (default: $DISTTRAIN_COURSE_DIR or ~/.disttrain-lab/course)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="release into a scratch directory and fail if labs/ differs from it"
+    )
+    parser.add_argument(
+        "--install-source",
+        help="where the labs' setup cell installs the kit from "
+        "(default: c.StampInstallSource.pip_requirement in grader/nbgrader_config.py): 'wheel', "
+        "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL",
+    )
+    parser.add_argument(
+        "--time-cells",
+        action="store_true",
+        help="also grade each lab's solution once and record its cell times in grader/cell_times/ "
+        "(the grader derives each cell's time limit from them; see disttrain_lab/grading/cell_times.py)",
+    )
     args = parser.parse_args(argv)
     try:
         if not args.check:
@@ -289,8 +346,16 @@ def _track(items: list, description: str):
     # (grader/nbgrader_config.py imports disttrain_lab.grading) and never needs it
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    with Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True, redirect_stdout=False) as progress:
+
+    with Progress(
+        TextColumn(description),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        redirect_stdout=False,
+    ) as progress:
         yield from progress.track(items)
 
 
@@ -302,7 +367,9 @@ def _comparable(nb_path: Path) -> list:
 def release_differences(fresh: Path, committed: Path) -> list[str]:
     """What differs between a fresh release and the committed one (sources and metadata)."""
     fresh_files = {p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file()} if fresh.is_dir() else set()
-    committed_files = {p.relative_to(committed) for p in committed.rglob("*") if p.is_file()} if committed.is_dir() else set()
+    committed_files = (
+        {p.relative_to(committed) for p in committed.rglob("*") if p.is_file()} if committed.is_dir() else set()
+    )
     lines = [f"missing from {committed}: {p}" for p in sorted(fresh_files - committed_files)]
     lines += [f"not in a fresh release: {committed / p}" for p in sorted(committed_files - fresh_files)]
     for rel in sorted(fresh_files & committed_files):

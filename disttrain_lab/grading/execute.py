@@ -1,14 +1,15 @@
 """Executing a submission: ``RobustExecute``, nbgrader's ``Execute`` made to survive whatever a
 student's notebook does (dead kernels, ignored interrupts, hooks, replaced names), in a sandboxed
 kernel where the host allows it."""
+
 from __future__ import annotations
 
 import ast
 import atexit
 import hmac
 import json
-import re
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -18,8 +19,8 @@ from pathlib import Path
 from queue import Empty
 
 import nbformat
-from jupyter_core.utils import ensure_async, run_sync
 from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
@@ -31,11 +32,12 @@ from .config import REPO_ROOT, course_dir, source_dir
 
 def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
     # an error output is what makes nbgrader give a graded cell 0 points
-    return nbformat.v4.new_output("error", ename=ename, evalue=message,
-                                  traceback=[f"\x1b[0;31m{ename}\x1b[0m: {message}"])
+    return nbformat.v4.new_output(
+        "error", ename=ename, evalue=message, traceback=[f"\x1b[0;31m{ename}\x1b[0m: {message}"]
+    )
 
 
-NOTES_FILE = ".disttrain-grading.json"   # next to the autograded notebook; read by the grade report
+NOTES_FILE = ".disttrain-grading.json"  # next to the autograded notebook; read by the grade report
 
 
 def _clamp_partial_credit(cell) -> None:
@@ -82,7 +84,8 @@ _REPAIR_SHELL = (
     "for _n in ('user_expressions', 'run_cell', 'run_cell_async', 'run_ast_nodes', 'run_code', 'ev', 'ex',\n"
     "           'showtraceback', '_showtraceback', 'set_custom_exc', 'transform_cell'):\n"
     "    vars(_ip).pop(_n, None)\n"
-    "del _ip, _n\n")
+    "del _ip, _n\n"
+)
 
 
 def _guard_call(function: str, names: list[str], *extra: str) -> str:
@@ -96,6 +99,7 @@ def _growth(before: int | None, after: int | None) -> int | None:
 
 class SandboxKernelManager(AsyncKernelManager):
     """Starts the kernel through disttrain_lab/grading/sandbox.py (set ``sandbox_spec`` first)."""
+
     sandbox_spec: dict = {}
 
     def format_kernel_cmd(self, extra_arguments=None):
@@ -111,7 +115,7 @@ def _git_paths(root: Path = REPO_ROOT) -> list[str]:
     found = [str(git)]
     text = git.read_text(errors="replace").strip()
     if text.startswith("gitdir:"):
-        gitdir = (root / text[len("gitdir:"):].strip()).resolve()
+        gitdir = (root / text[len("gitdir:") :].strip()).resolve()
         found.append(str(gitdir))
         common = gitdir / "commondir"
         if common.is_file():
@@ -124,8 +128,7 @@ def _hidden_paths() -> list[str]:
     the solutions and the repository's git data (which holds them too), the grading temp
     dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
     extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
-    return [str(course_dir()), str(source_dir()), *_git_paths(), tempfile.gettempdir(),
-            os.path.expanduser("~"), *extra]
+    return [str(course_dir()), str(source_dir()), *_git_paths(), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
 
 
 def _kept_paths() -> list[str]:
@@ -140,24 +143,30 @@ class RobustExecute(Execute):
     memory_limit = Integer(4 * 2**30, help="RLIMIT_DATA bytes per kernel/rank process; 0 = none").tag(config=True)
     max_output_bytes = Integer(2_000_000, help="output kept per cell; more fails the cell").tag(config=True)
     probe_timeout = Integer(10, help="seconds an interrupted kernel has to answer again").tag(config=True)
-    sandbox = Unicode("off", help="'on': every kernel runs in disttrain_lab.grading.sandbox; 'off': as the grader").tag(config=True)
+    sandbox = Unicode("off", help="'on': every kernel runs in disttrain_lab.grading.sandbox; 'off': as the grader").tag(
+        config=True
+    )
     sandbox_uid = Integer(64123, help="unprivileged uid (and gid) the sandboxed kernel runs as").tag(config=True)
-    student_memory = Integer(8 * 2**30, help="bytes for a sandboxed kernel and all it starts, /dev/shm and /tmp included").tag(config=True)
+    student_memory = Integer(
+        8 * 2**30, help="bytes for a sandboxed kernel and all it starts, /dev/shm and /tmp included"
+    ).tag(config=True)
     student_pids = Integer(512, help="processes and threads for a sandboxed kernel and all it starts").tag(config=True)
-    cell_time_scale = Float(1.0, help="multiplies the per-cell limits derived from the solution's cell times").tag(config=True)
+    cell_time_scale = Float(1.0, help="multiplies the per-cell limits derived from the solution's cell times").tag(
+        config=True
+    )
 
     # -- the notebook loop ---------------------------------------------------------------
 
     def preprocess(self, nb, resources=None, km=None):
         self._deadline = time.monotonic() + self.notebook_timeout
-        self._replayable: list[int] = []      # earlier cells that rebuild the kernel's state
+        self._replayable: list[int] = []  # earlier cells that rebuild the kernel's state
         self._guard_ready = False
         self._instructor_cells: list[int] = []
         self._kernel_kwargs = {}
         self._notes: list[str] = []
         self._last_status = None
         self._output_bytes, self._output_capped = 0, False
-        self._cell_seconds: dict[str, float] = {}     # this run's time per cell (recorded for the solution)
+        self._cell_seconds: dict[str, float] = {}  # this run's time per cell (recorded for the solution)
         lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
         try:
@@ -171,9 +180,15 @@ class RobustExecute(Execute):
             return cell, self.resources
         remaining = self._deadline - time.monotonic()
         if remaining < 1:
-            cell.outputs = [_error_output("NotebookTimeout", (
-                f"not run: the whole notebook may take at most {self.notebook_timeout} s "
-                "when graded, and the cells above used it up"))]
+            cell.outputs = [
+                _error_output(
+                    "NotebookTimeout",
+                    (
+                        f"not run: the whole notebook may take at most {self.notebook_timeout} s "
+                        "when graded, and the cells above used it up"
+                    ),
+                )
+            ]
             return cell, self.resources
         names = _names_used(cell.source) if is_test_cell(cell) else []
         traffic = None
@@ -183,33 +198,56 @@ class RobustExecute(Execute):
             self._notes += [f"{grade_id(cell)}: put back before the test: {n}" for n in notes]
             if replaced:
                 self._notes.append(f"{grade_id(cell)}: replaced before the test (scored 0): {', '.join(replaced)}")
-                cell.outputs = [_error_output("TamperingError", (
-                    "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
-                    "replaced it; this exercise gets 0 (the originals were put back for the rest)"))]
+                cell.outputs = [
+                    _error_output(
+                        "TamperingError",
+                        (
+                            "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
+                            "replaced it; this exercise gets 0 (the originals were put back for the rest)"
+                        ),
+                    )
+                ]
                 return cell, self.resources
         key = cell_times.cell_key(cell)
         # the solution's own time for this cell, times a generous factor (cell_times.py), else the cell limit
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
         cell_timeout = self.timeout
         self.timeout = limit
-        self.error_on_timeout = {"ename": "CellTimeoutError", "evalue": "", "traceback": [
-            f"\x1b[0;31mCellTimeoutError\x1b[0m: this cell ran longer than the {limit} s "
-            "allowed when grading (an infinite loop, a deadlock, a long sleep?) and was stopped"]}
+        self.error_on_timeout = {
+            "ename": "CellTimeoutError",
+            "evalue": "",
+            "traceback": [
+                f"\x1b[0;31mCellTimeoutError\x1b[0m: this cell ran longer than the {limit} s "
+                "allowed when grading (an infinite loop, a deadlock, a long sleep?) and was stopped"
+            ],
+        }
         self._output_bytes, self._output_capped = 0, False
         started = time.monotonic()
         self._last_status = None
         try:
             cell = self.execute_cell(cell, index, store_history=True)
         except DeadKernelError:
-            cell.outputs.append(_error_output("DeadKernelError", (
-                "the kernel died while running this cell (os._exit / crash / out of memory); "
-                "it was restarted and the cells above were run again")))
+            cell.outputs.append(
+                _error_output(
+                    "DeadKernelError",
+                    (
+                        "the kernel died while running this cell (os._exit / crash / out of memory); "
+                        "it was restarted and the cells above were run again"
+                    ),
+                )
+            )
             self._restart_and_replay()
             return cell, self.resources
         except CellTimeoutError:
-            cell.outputs.append(_error_output("CellTimeoutError", (
-                f"this cell ran longer than the {limit} s allowed when grading and did not stop "
-                "when interrupted; the kernel was restarted and the cells above were run again")))
+            cell.outputs.append(
+                _error_output(
+                    "CellTimeoutError",
+                    (
+                        f"this cell ran longer than the {limit} s allowed when grading and did not stop "
+                        "when interrupted; the kernel was restarted and the cells above were run again"
+                    ),
+                )
+            )
             self._restart_and_replay()
             return cell, self.resources
         finally:
@@ -219,32 +257,55 @@ class RobustExecute(Execute):
         if is_test_cell(cell) and not timed_out:
             changed, _, traced = self._guard("after_test", names)
             claimed, counted = _growth(traffic[0], traced), _growth(traffic[1], self._loopback_bytes())
-            if changed:        # the student's code, called by the test, changed what the test relies on
+            if changed:  # the student's code, called by the test, changed what the test relies on
                 self._notes.append(f"{grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
-                cell.outputs.append(_error_output("TamperingError", (
-                    "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
-                    "cannot be trusted, so this exercise gets 0 (the originals were put back)")))
+                cell.outputs.append(
+                    _error_output(
+                        "TamperingError",
+                        (
+                            "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
+                            "cannot be trusted, so this exercise gets 0 (the originals were put back)"
+                        ),
+                    )
+                )
             elif claimed is not None and counted is not None and claimed > counted:
-                self._notes.append(f"{grade_id(cell)}: the trace claims {claimed} B sent point to point, "
-                                   f"the operating system counted {counted} B")
-                cell.outputs.append(_error_output("TrafficError", (
-                    f"the traces of this test's launches say the ranks sent {claimed:,} bytes point to "
-                    f"point, but the operating system counted only {counted:,} bytes on the ranks' network "
-                    "while the cell ran (it counts every byte sent between ranks, headers included, so it "
-                    "can only be more): the trace was altered, or data moved some other way than "
-                    "torch.distributed; this exercise gets 0")))
+                self._notes.append(
+                    f"{grade_id(cell)}: the trace claims {claimed} B sent point to point, "
+                    f"the operating system counted {counted} B"
+                )
+                cell.outputs.append(
+                    _error_output(
+                        "TrafficError",
+                        (
+                            f"the traces of this test's launches say the ranks sent {claimed:,} bytes point to "
+                            f"point, but the operating system counted only {counted:,} bytes on the ranks' network "
+                            "while the cell ran (it counts every byte sent between ranks, headers included, so it "
+                            "can only be more): the trace was altered, or data moved some other way than "
+                            "torch.distributed; this exercise gets 0"
+                        ),
+                    )
+                )
             elif self._last_status not in ("ok", None) and not any(o.output_type == "error" for o in cell.outputs):
-                cell.outputs.append(_error_output("GradingError", (
-                    f"the test did not pass (the kernel answered {self._last_status!r})")))
+                cell.outputs.append(
+                    _error_output(
+                        "GradingError", (f"the test did not pass (the kernel answered {self._last_status!r})")
+                    )
+                )
             _clamp_partial_credit(cell)
         elif is_instructor_cell(cell):
             self._record_instructor_names(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if any(o.ename == "CellTimeoutError" for o in errors):
             if not self._kernel_answers():
-                cell.outputs.append(_error_output("CellTimeoutError", (
-                    "the cell did not stop when interrupted; the kernel was restarted and "
-                    "the cells above were run again")))
+                cell.outputs.append(
+                    _error_output(
+                        "CellTimeoutError",
+                        (
+                            "the cell did not stop when interrupted; the kernel was restarted and "
+                            "the cells above were run again"
+                        ),
+                    )
+                )
                 self._restart_and_replay()
         elif not is_test_cell(cell) and (not errors or time.monotonic() - started < 10):
             self._replayable.append(index)
@@ -258,15 +319,19 @@ class RobustExecute(Execute):
             km.__class__ = SandboxKernelManager
             km.sandbox_spec = sandbox.spec(
                 uid=self.sandbox_uid + int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")),  # one uid per parallel job
-                memory=self.student_memory, pids=self.student_pids,
-                data_limit=self.memory_limit, cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
-                hide=_hidden_paths(), keep=_kept_paths())
+                memory=self.student_memory,
+                pids=self.student_pids,
+                data_limit=self.memory_limit,
+                cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
+                hide=_hidden_paths(),
+                keep=_kept_paths(),
+            )
             # the sandbox has its own network namespace: ZMQ over unix sockets in a folder
             # made for this kernel (the sandbox binds it in and removes it); a unix socket's
             # path holds at most 107 bytes, so a deep temp dir gives way to /tmp
             where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
             km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
-            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)   # (a killed wrapper cannot)
+            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)  # (a killed wrapper cannot)
         elif self.sandbox != "off":
             raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
         return km
@@ -276,8 +341,9 @@ class RobustExecute(Execute):
         kwargs = self._kernel_kwargs = kwargs or getattr(self, "_kernel_kwargs", {})
         super().start_new_kernel(**kwargs)
         pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
-        if self.memory_limit and pid and self.sandbox != "on":   # (the sandbox sets it before the kernel starts)
+        if self.memory_limit and pid and self.sandbox != "on":  # (the sandbox sets it before the kernel starts)
             import resource
+
             # hard and soft: the kernel cannot raise it back; ranks it forks/spawns inherit it
             resource.prlimit(pid, resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
 
@@ -288,7 +354,7 @@ class RobustExecute(Execute):
             try:
                 kc = super().start_new_kernel_client()
                 break
-            except RuntimeError as exc:        # "Kernel died before replying to kernel_info"
+            except RuntimeError as exc:  # "Kernel died before replying to kernel_info"
                 if attempt == self.startup_retries:
                     raise
                 self.log.warning("the kernel died while starting (%s); starting it again", exc)
@@ -296,7 +362,7 @@ class RobustExecute(Execute):
                     self._stop_kernel()
                 self.km = self.create_kernel_manager()
                 self.start_new_kernel()
-        self._guard_key = secrets.token_bytes(32)      # signs the guard's answers (guard.py)
+        self._guard_key = secrets.token_bytes(32)  # signs the guard's answers (guard.py)
         self._guard_ready = self._run_quietly(guard.program(self._guard_key), timeout=120) is not None
         return kc
 
@@ -311,14 +377,17 @@ class RobustExecute(Execute):
         if problems and problems[0].startswith("grading guard"):
             self._run_quietly(_REPAIR_SHELL, timeout=30)
             again, notes, traced = self._ask_guard(function, names)
-            problems = problems + [p for p in again if not p.startswith("grading guard")] \
-                if not (again and again[0].startswith("grading guard")) else again
+            problems = (
+                problems + [p for p in again if not p.startswith("grading guard")]
+                if not (again and again[0].startswith("grading guard"))
+                else again
+            )
         return problems, notes, traced
 
     def _ask_guard(self, function: str, names: list[str]) -> tuple[list[str], list[str], int | None]:
         nonce = secrets.token_hex(16)
         reply = self._run_quietly("", timeout=30, expression=_guard_call(function, names, nonce))
-        if reply is None:          # busy past 30 s (or gone): a clean state cannot be shown
+        if reply is None:  # busy past 30 s (or gone): a clean state cannot be shown
             return ["grading guard (it did not answer within 30 s)"], [], None
         result = reply.get("user_expressions", {}).get("r", {})
         if result.get("status") != "ok":
@@ -328,7 +397,10 @@ class RobustExecute(Execute):
             problems, notes = list(problems), list(notes)
         except (KeyError, ValueError, SyntaxError, TypeError):
             return ["grading guard (it was altered)"], [], None
-        if not (isinstance(mac, str) and hmac.compare_digest(mac, guard.signature(self._guard_key, nonce, (problems, notes, traced)))):
+        if not (
+            isinstance(mac, str)
+            and hmac.compare_digest(mac, guard.signature(self._guard_key, nonce, (problems, notes, traced)))
+        ):
             return ["grading guard (its answer was not the guard's own: IPython's evaluation was replaced)"], [], None
         return [str(p) for p in problems], [str(n) for n in notes], traced if isinstance(traced, int) else None
 
@@ -353,7 +425,9 @@ class RobustExecute(Execute):
         path = (resources or {}).get("metadata", {}).get("path")
         if path and os.path.isdir(path):
             with open(os.path.join(path, NOTES_FILE), "w") as f:
-                json.dump({"notes": self._notes, "sandbox": self.sandbox, "cell_seconds": self._cell_seconds}, f, indent=1)
+                json.dump(
+                    {"notes": self._notes, "sandbox": self.sandbox, "cell_seconds": self._cell_seconds}, f, indent=1
+                )
 
     # -- restart and replay ----------------------------------------------------------------
 
@@ -376,7 +450,7 @@ class RobustExecute(Execute):
                 reply = self._run_quietly(self.nb.cells[index].source, timeout=min(self.timeout, remaining))
             except DeadKernelError:
                 reply = None
-            if reply is None:          # it hangs or kills the kernel now: drop it and start over
+            if reply is None:  # it hangs or kills the kernel now: drop it and start over
                 for kept in (self._replayable, self._instructor_cells):
                     if index in kept:
                         kept.remove(index)
@@ -391,25 +465,34 @@ class RobustExecute(Execute):
                 self.kc.stop_channels()
             try:
                 await ensure_async(self.km.shutdown_kernel(now=True))
-            except Exception as exc:       # already dead: nothing to stop
+            except Exception as exc:  # already dead: nothing to stop
                 self.log.debug("stopping the kernel: %s", exc)
             try:
                 await ensure_async(self.km.cleanup_resources())
             except Exception as exc:
                 self.log.debug("cleaning up the kernel: %s", exc)
+
         run_sync(stop)()
         self.kc, self.km = None, None
 
     def _run_quietly(self, code: str, timeout: float, expression: str | None = None) -> dict | None:
         """Execute code without recording outputs; the reply content, or None on timeout."""
+
         async def run():
-            msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False,
-                                     stop_on_error=False,
-                                     user_expressions={"r": expression} if expression else None)
+            msg_id = self.kc.execute(
+                code,
+                silent=True,
+                store_history=False,
+                allow_stdin=False,
+                stop_on_error=False,
+                user_expressions={"r": expression} if expression else None,
+            )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 try:
-                    msg = await ensure_async(self.kc.shell_channel.get_msg(timeout=min(1.0, max(0.01, deadline - time.monotonic()))))
+                    msg = await ensure_async(
+                        self.kc.shell_channel.get_msg(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                    )
                 except Empty:
                     if not await ensure_async(self.kc.is_alive()):
                         raise DeadKernelError("Kernel died") from None
@@ -417,6 +500,7 @@ class RobustExecute(Execute):
                 if msg["parent_header"].get("msg_id") == msg_id:
                     return msg["content"]
             return None
+
         return run_sync(run)()
 
     # -- output cap ------------------------------------------------------------------------
@@ -427,8 +511,14 @@ class RobustExecute(Execute):
         if self._output_bytes > self.max_output_bytes:
             if not self._output_capped:
                 self._output_capped = True
-                outs.append(_error_output("OutputLimitExceeded", (
-                    f"this cell printed more than {self.max_output_bytes // 1000} kB; the rest "
-                    "of its output was dropped and the cell counts as failed")))
+                outs.append(
+                    _error_output(
+                        "OutputLimitExceeded",
+                        (
+                            f"this cell printed more than {self.max_output_bytes // 1000} kB; the rest "
+                            "of its output was dropped and the cell counts as failed"
+                        ),
+                    )
+                )
             return None
         return super().output(outs, msg, display_id, cell_index)

@@ -34,13 +34,14 @@ This is in-kernel defence: it stops every hook and rebinding a notebook can do t
 public APIs; code that digs into the guard's own state (``gc``, frames, ``ctypes``) is out
 of its reach and is flagged for a human by ``submission.scan_submission``.
 """
+
 from __future__ import annotations
 
 import hashlib
 import hmac
 from pathlib import Path
 
-KEY_PLACEHOLDER = "__DISTTRAIN_GUARD_KEY__"     # in guard_program.py: where program() puts the key
+KEY_PLACEHOLDER = "__DISTTRAIN_GUARD_KEY__"  # in guard_program.py: where program() puts the key
 PROGRAM = Path(__file__).with_name("guard_program.py").read_text()
 
 

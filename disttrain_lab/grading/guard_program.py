@@ -10,7 +10,11 @@
 
 
 def _disttrain_install_guard():
-    import builtins, importlib, sys, types
+    import builtins
+    import importlib
+    import sys
+    import types
+
     guard = types.ModuleType("_disttrain_grading_guard")
     try:
         from disttrain_lab.trace import genuine_of as unwrap
@@ -19,8 +23,12 @@ def _disttrain_install_guard():
 
     def fingerprint(obj):
         f = getattr(obj, "__func__", obj)
-        return (obj, getattr(f, "__code__", None), getattr(f, "__defaults__", None),
-                dict(getattr(f, "__kwdefaults__", None) or {}))
+        return (
+            obj,
+            getattr(f, "__code__", None),
+            getattr(f, "__defaults__", None),
+            dict(getattr(f, "__kwdefaults__", None) or {}),
+        )
 
     def restore_code(obj, fp):
         f = getattr(obj, "__func__", obj)
@@ -28,14 +36,26 @@ def _disttrain_install_guard():
 
     def changed_code(obj, fp):
         f = getattr(obj, "__func__", obj)
-        return fp[1] is not None and (getattr(f, "__code__", None) is not fp[1]
-                                      or getattr(f, "__defaults__", None) != fp[2]
-                                      or dict(getattr(f, "__kwdefaults__", None) or {}) != fp[3])
+        return fp[1] is not None and (
+            getattr(f, "__code__", None) is not fp[1]
+            or getattr(f, "__defaults__", None) != fp[2]
+            or dict(getattr(f, "__kwdefaults__", None) or {}) != fp[3]
+        )
 
     functions, modules, instructor = {}, {}, {}
-    aliases = {"torch": "torch", "dist": "torch.distributed", "dl": "disttrain_lab",
-               "checks": "disttrain_lab.checks", "nn": "torch.nn", "F": "torch.nn.functional",
-               "np": "numpy", "os": "os", "time": "time", "math": "math", "sys": "sys"}
+    aliases = {
+        "torch": "torch",
+        "dist": "torch.distributed",
+        "dl": "disttrain_lab",
+        "checks": "disttrain_lab.checks",
+        "nn": "torch.nn",
+        "F": "torch.nn.functional",
+        "np": "numpy",
+        "os": "os",
+        "time": "time",
+        "math": "math",
+        "sys": "sys",
+    }
 
     submodules, classes = {}, {}
 
@@ -46,11 +66,13 @@ def _disttrain_install_guard():
         modules[module.__name__] = module
         if module.__name__.startswith("disttrain_lab"):
             for name, obj in list(vars(module).items()):
-                if isinstance(obj, types.ModuleType):        # e.g. launcher.tracer: the module it calls
+                if isinstance(obj, types.ModuleType):  # e.g. launcher.tracer: the module it calls
                     submodules[(module.__name__, name)] = obj
-                elif isinstance(obj, type) and obj.__module__ == module.__name__:   # e.g. Run.bytes_sent
-                    classes[(module.__name__, name)] = (obj, {a: (v, getattr(v, "__code__", None))
-                                                              for a, v in vars(obj).items() if is_method(v)})
+                elif isinstance(obj, type) and obj.__module__ == module.__name__:  # e.g. Run.bytes_sent
+                    classes[(module.__name__, name)] = (
+                        obj,
+                        {a: (v, getattr(v, "__code__", None)) for a, v in vars(obj).items() if is_method(v)},
+                    )
         if functions_too:
             for name, obj in list(vars(module).items()):
                 if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
@@ -59,10 +81,17 @@ def _disttrain_install_guard():
     for name in ("os", "time", "math", "sys"):
         watch(importlib.import_module(name), functions_too=False)
     try:
-        import torch, torch.distributed, torch.testing, torch.nn, torch.nn.functional
-        watch(torch, functions_too=False); watch(torch.nn, functions_too=False)
+        import torch
+        import torch.distributed
+        import torch.nn
+        import torch.nn.functional
+        import torch.testing
+
+        watch(torch, functions_too=False)
+        watch(torch.nn, functions_too=False)
         watch(torch.nn.functional, functions_too=False)
-        watch(torch.distributed); watch(torch.testing)
+        watch(torch.distributed)
+        watch(torch.testing)
         for name in ("equal", "allclose", "isclose"):
             functions[("torch", name)] = fingerprint(getattr(torch, name))
     except Exception:
@@ -71,8 +100,8 @@ def _disttrain_install_guard():
         watch(sys.modules["numpy"], functions_too=False)
     try:
         import disttrain_lab  # noqa: F401  (loads the kit; the loop below watches its modules)
-        for sub in ("checks", "launcher", "devices", "pool", "worker", "trace", "network", "emulation",
-                    "integrity"):
+
+        for sub in ("checks", "launcher", "devices", "pool", "worker", "trace", "network", "emulation", "integrity"):
             try:
                 importlib.import_module("disttrain_lab." + sub)
             except Exception:
@@ -88,52 +117,74 @@ def _disttrain_install_guard():
     traffic, ledger = [0], None
     try:
         from disttrain_lab import trace as trace_module
+
         claimed, observers = trace_module.p2p_bytes_claimed, trace_module._RUN_OBSERVERS
 
         def observe(run):
             if getattr(run, "backend", None) == "gloo":
                 traffic[0] += claimed(run.events)
+
         observers.append(observe)
         ledger = (trace_module, observers, observe)
     except Exception:
         pass
 
-    shell = get_ipython()      # noqa: F821  (the kernel's IPython shell)
+    shell = get_ipython()  # noqa: F821  (the kernel's IPython shell)
     tm = shell.input_transformer_manager
     events = shell.events.callbacks
     plain = shell.display_formatter.formatters["text/plain"]
     hooks = {
-        "custom exception handler (set_custom_exc)": (lambda: shell.custom_exceptions,
-                                                       lambda v: setattr(shell, "custom_exceptions", v)),
+        "custom exception handler (set_custom_exc)": (
+            lambda: shell.custom_exceptions,
+            lambda v: setattr(shell, "custom_exceptions", v),
+        ),
         "CustomTB": (lambda: shell.__dict__.get("CustomTB"), lambda v: setattr(shell, "CustomTB", v)),
-        "AST transformers": (lambda: list(shell.ast_transformers),
-                             lambda v: setattr(shell, "ast_transformers", list(v))),
-        "input transformers": (lambda: list(shell.input_transformers_post),
-                               lambda v: setattr(shell, "input_transformers_post", list(v))),
-        "input cleanup transforms": (lambda: list(tm.cleanup_transforms),
-                                     lambda v: setattr(tm, "cleanup_transforms", list(v))),
-        "input line transforms": (lambda: list(tm.line_transforms),
-                                  lambda v: setattr(tm, "line_transforms", list(v))),
-        "input token transformers": (lambda: list(tm.token_transformers),
-                                     lambda v: setattr(tm, "token_transformers", list(v))),
-        "the input transformer manager": (lambda: shell.input_transformer_manager,
-                                          lambda v: setattr(shell, "input_transformer_manager", v)),
-        "events callbacks": (lambda: {k: list(v) for k, v in events.items()},
-                             lambda v: [events.__setitem__(k, list(cbs)) for k, cbs in v.items()]),
+        "AST transformers": (
+            lambda: list(shell.ast_transformers),
+            lambda v: setattr(shell, "ast_transformers", list(v)),
+        ),
+        "input transformers": (
+            lambda: list(shell.input_transformers_post),
+            lambda v: setattr(shell, "input_transformers_post", list(v)),
+        ),
+        "input cleanup transforms": (
+            lambda: list(tm.cleanup_transforms),
+            lambda v: setattr(tm, "cleanup_transforms", list(v)),
+        ),
+        "input line transforms": (lambda: list(tm.line_transforms), lambda v: setattr(tm, "line_transforms", list(v))),
+        "input token transformers": (
+            lambda: list(tm.token_transformers),
+            lambda v: setattr(tm, "token_transformers", list(v)),
+        ),
+        "the input transformer manager": (
+            lambda: shell.input_transformer_manager,
+            lambda v: setattr(shell, "input_transformer_manager", v),
+        ),
+        "events callbacks": (
+            lambda: {k: list(v) for k, v in events.items()},
+            lambda v: [events.__setitem__(k, list(cbs)) for k, cbs in v.items()],
+        ),
         "the events manager": (lambda: shell.events, lambda v: setattr(shell, "events", v)),
         # (sys.displayhook, sys.excepthook and builtins.get_ipython are set and put back
         # around every cell by IPython itself; the shell's own hooks are what persists)
         "display hook": (lambda: shell.displayhook, lambda v: setattr(shell, "displayhook", v)),
         "the display publisher": (lambda: shell.display_pub, lambda v: setattr(shell, "display_pub", v)),
-        "a trace/profile function": (lambda: (sys.gettrace(), sys.getprofile()),
-                                     lambda v: (sys.settrace(v[0]), sys.setprofile(v[1]))),
+        "a trace/profile function": (
+            lambda: (sys.gettrace(), sys.getprofile()),
+            lambda v: (sys.settrace(v[0]), sys.setprofile(v[1])),
+        ),
         "builtins.__import__": (lambda: builtins.__import__, lambda v: setattr(builtins, "__import__", v)),
         "builtins.print": (lambda: builtins.print, lambda v: setattr(builtins, "print", v)),
         "the display formatter": (lambda: shell.display_formatter, lambda v: setattr(shell, "display_formatter", v)),
-        "text/plain printers": (lambda: tuple(dict(getattr(plain, a)) for a in ("type_printers", "deferred_printers",
-                                                                                 "singleton_printers")),
-                                lambda v: [getattr(plain, a).clear() or getattr(plain, a).update(d) for a, d in
-                                           zip(("type_printers", "deferred_printers", "singleton_printers"), v)]),
+        "text/plain printers": (
+            lambda: tuple(
+                dict(getattr(plain, a)) for a in ("type_printers", "deferred_printers", "singleton_printers")
+            ),
+            lambda v: [
+                getattr(plain, a).clear() or getattr(plain, a).update(d)
+                for a, d in zip(("type_printers", "deferred_printers", "singleton_printers"), v)
+            ],
+        ),
     }
     pristine = {name: get() for name, (get, _) in hooks.items()}
     shell_attrs = set(vars(shell))
@@ -145,7 +196,7 @@ def _disttrain_install_guard():
             if get() != pristine[name]:
                 changed.append(name)
                 put(pristine[name])
-        for attr in set(vars(shell)) - shell_attrs:       # e.g. shell.run_cell = ... on the instance
+        for attr in set(vars(shell)) - shell_attrs:  # e.g. shell.run_cell = ... on the instance
             if callable(getattr(shell, attr, None)):
                 changed.append("shell." + attr)
                 delattr(shell, attr)
@@ -224,8 +275,10 @@ def _disttrain_install_guard():
             if name in shell.user_ns:
                 instructor[name] = fingerprint(shell.user_ns[name])
 
-    import hashlib, hmac
-    key = bytes.fromhex("__DISTTRAIN_GUARD_KEY__")    # a fresh key per kernel, put in by the grader
+    import hashlib
+    import hmac
+
+    key = bytes.fromhex("__DISTTRAIN_GUARD_KEY__")  # a fresh key per kernel, put in by the grader
 
     def signed(result, nonce):
         return result + (hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest(),)
@@ -236,6 +289,6 @@ def _disttrain_install_guard():
     sys.modules[guard.__name__] = guard
 
 
-if __name__ == "__main__":          # in the kernel (sent as text); never when imported
+if __name__ == "__main__":  # in the kernel (sent as text); never when imported
     _disttrain_install_guard()
     del _disttrain_install_guard

@@ -17,6 +17,7 @@ A bare ``disttrain-lab`` is refused: no package of that name is published, so th
 cell of every lab would fail for a new user.  ``configured_install_source()`` says which source
 is set; ``submission.StampInstallSource`` writes what it stamps into each released lab.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,11 +35,15 @@ from traitlets.config.loader import PyFileConfigLoader
 from .. import __version__
 from .config import GRADER_DIR, REPO_ROOT
 
-WHEELS = "wheels"                                        # beside the labs: labs/wheels/
-ENV_VAR = "DISTTRAIN_LAB_INSTALL_SOURCE"                 # overrides the configured source
+WHEELS = "wheels"  # beside the labs: labs/wheels/
+ENV_VAR = "DISTTRAIN_LAB_INSTALL_SOURCE"  # overrides the configured source
 
-CHOICES = ("wheel", "wheel:https://raw.githubusercontent.com/ORG/REPO/BRANCH/labs/wheels",
-           "git+https://github.com/ORG/REPO@TAG", "https://HOST/PATH/disttrain_lab-VERSION-py3-none-any.whl")
+CHOICES = (
+    "wheel",
+    "wheel:https://raw.githubusercontent.com/ORG/REPO/BRANCH/labs/wheels",
+    "git+https://github.com/ORG/REPO@TAG",
+    "https://HOST/PATH/disttrain_lab-VERSION-py3-none-any.whl",
+)
 
 
 class InstallSourceError(ValueError):
@@ -60,32 +65,39 @@ def wheel_name(version: str = __version__) -> str:
 def stamped_requirement(source: str) -> str:
     """What a lab's setup cell passes to ``pip install`` for the instructor's ``source``.
 
-        >>> stamped_requirement("wheel")
-        '../wheels/disttrain_lab-0.1.0-py3-none-any.whl'
-        >>> stamped_requirement("git+https://github.com/org/kit@v1")
-        'disttrain-lab @ git+https://github.com/org/kit@v1'
+    >>> stamped_requirement("wheel")
+    '../wheels/disttrain_lab-0.1.0-py3-none-any.whl'
+    >>> stamped_requirement("git+https://github.com/org/kit@v1")
+    'disttrain-lab @ git+https://github.com/org/kit@v1'
     """
     source = (source or "").strip()
     if source == "wheel":
         return f"../{WHEELS}/{wheel_name()}"
     if source.startswith("wheel:"):
-        base = source[len("wheel:"):].rstrip("/")
+        base = source[len("wheel:") :].rstrip("/")
         if not re.match(r"^(https?|file)://\S+$", base):
-            raise InstallSourceError(f"install source {source!r}: after 'wheel:' comes the URL the labs/wheels "
-                                     f"folder is served from, e.g. {CHOICES[1]!r}")
+            raise InstallSourceError(
+                f"install source {source!r}: after 'wheel:' comes the URL the labs/wheels "
+                f"folder is served from, e.g. {CHOICES[1]!r}"
+            )
         return f"disttrain-lab @ {base}/{wheel_name()}"
     url = source.split(" @ ", 1)[1].strip() if re.match(r"^disttrain[-_]lab\s+@\s+", source) else source
     if "YOUR-ORG" in url or "/ORG/" in url:
-        raise InstallSourceError(f"install source {source!r} still holds the example's placeholder; "
-                                 f"put in your repository's address")
+        raise InstallSourceError(
+            f"install source {source!r} still holds the example's placeholder; put in your repository's address"
+        )
     if re.match(r"^git\+(https|ssh|file)://\S+$", url) or re.match(r"^(https?|file)://\S+\.(whl|tar\.gz|zip)$", url):
         return f"disttrain-lab @ {url}"
-    how = f"set c.StampInstallSource.pip_requirement in grader/nbgrader_config.py (or {ENV_VAR}, or " \
-          f"`disttrain-lab release --install-source ...`) to one of: " + ", ".join(repr(c) for c in CHOICES)
+    how = (
+        f"set c.StampInstallSource.pip_requirement in grader/nbgrader_config.py (or {ENV_VAR}, or "
+        f"`disttrain-lab release --install-source ...`) to one of: " + ", ".join(repr(c) for c in CHOICES)
+    )
     if not source or re.match(r"^disttrain[-_]lab\b", source):
-        raise InstallSourceError(f"no install source for the labs' setup cell is set (got {source!r}): a student "
-                                 f"on Colab would run `pip install disttrain-lab`, and no package of that name "
-                                 f"is published, so every lab's first cell would fail. {how}")
+        raise InstallSourceError(
+            f"no install source for the labs' setup cell is set (got {source!r}): a student "
+            f"on Colab would run `pip install disttrain-lab`, and no package of that name "
+            f"is published, so every lab's first cell would fail. {how}"
+        )
     raise InstallSourceError(f"install source {source!r} is not one the labs can install from. {how}")
 
 
@@ -95,6 +107,7 @@ def needs_wheel(source: str) -> bool:
 
 # ----------------------------------------------------------------------------------------
 # The wheel
+
 
 def _source_digest(root: Path) -> str:
     """A hash of what goes into the wheel: the package's files and pyproject.toml."""
@@ -113,19 +126,36 @@ def build_wheel(root: Path = REPO_ROOT, out: Path | None = None) -> Path:
     """
     root = Path(root)
     if not (root / "pyproject.toml").exists() or not (root / "disttrain_lab").is_dir():
-        raise InstallSourceError(f"building the kit's wheel needs its source checkout; {root} has no "
-                                 f"pyproject.toml and disttrain_lab/ (run the release from the repository)")
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disttrain-lab" / "wheels" / _source_digest(root)
+        raise InstallSourceError(
+            f"building the kit's wheel needs its source checkout; {root} has no "
+            f"pyproject.toml and disttrain_lab/ (run the release from the repository)"
+        )
+    cache = (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "disttrain-lab"
+        / "wheels"
+        / _source_digest(root)
+    )
     cached = cache / wheel_name()
     if not cached.exists():
         with tempfile.TemporaryDirectory(prefix="disttrain-wheel-") as tmp:
             # build from a copy: an in-tree build would leave build/ and *.egg-info in the checkout
             src = Path(tmp) / "src"
-            shutil.copytree(root, src, ignore=shutil.ignore_patterns(
-                ".git", ".venv", "labs", "solutions", "tests", "build", "*.egg-info", "__pycache__", ".*"))
+            shutil.copytree(
+                root,
+                src,
+                ignore=shutil.ignore_patterns(
+                    ".git", ".venv", "labs", "solutions", "tests", "build", "*.egg-info", "__pycache__", ".*"
+                ),
+            )
             env = dict(os.environ, SOURCE_DATE_EPOCH="315532800", PYTHONDONTWRITEBYTECODE="1")
-            proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(Path(tmp) / "out"),
-                                   str(src)], capture_output=True, text=True, env=env, timeout=600)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(Path(tmp) / "out"), str(src)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
+            )
             built = list((Path(tmp) / "out").glob("disttrain_lab-*.whl"))
             if proc.returncode != 0 or len(built) != 1:
                 raise RuntimeError(f"pip wheel failed for {root}:\n{proc.stdout}{proc.stderr}")
@@ -163,7 +193,9 @@ def wheel_differences(fresh: Path, committed: Path) -> list[str]:
     fresh_wheels = {p.name: p for p in Path(fresh).glob("*.whl")}
     committed_wheels = {p.name: p for p in Path(committed).glob("*.whl")} if Path(committed).is_dir() else {}
     lines = [f"missing from {committed}: {n}" for n in sorted(fresh_wheels.keys() - committed_wheels.keys())]
-    lines += [f"not in a fresh release: {committed_wheels[n]}" for n in sorted(committed_wheels.keys() - fresh_wheels.keys())]
+    lines += [
+        f"not in a fresh release: {committed_wheels[n]}" for n in sorted(committed_wheels.keys() - fresh_wheels.keys())
+    ]
     for name in sorted(fresh_wheels.keys() & committed_wheels.keys()):
         if wheel_contents(fresh_wheels[name]) != wheel_contents(committed_wheels[name]):
             lines.append(f"differs from a fresh build (the kit's sources changed): {committed_wheels[name]}")

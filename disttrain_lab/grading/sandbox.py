@@ -31,6 +31,7 @@ loudly and in the grade report.
 ``problem()`` says why a host cannot isolate at all (not root and no working bwrap, no
 cgroup v1 memory/pids, no namespaces); the grader then says so loudly and in the report.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,8 +61,16 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None,
-                       ctypes.c_ulong(flags), data.encode() if data else None), f"mount {target}")
+    _check(
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {target}",
+    )
 
 
 def problem() -> str | None:
@@ -74,10 +83,12 @@ def method() -> str | None:
     return _host()[0]
 
 
-BWRAP_CAVEAT = ("the grader is not root, so kernels run under bubblewrap: private /tmp and /dev/shm, "
-                "hidden grader files, read-only file system, own pid, IPC and network namespaces, killed with the grading -- "
-                "but NO memory or process cap for the whole student (cgroups need root), and files the "
-                "grader can read outside the hidden paths stay readable")
+BWRAP_CAVEAT = (
+    "the grader is not root, so kernels run under bubblewrap: private /tmp and /dev/shm, "
+    "hidden grader files, read-only file system, own pid, IPC and network namespaces, killed with the grading -- "
+    "but NO memory or process cap for the whole student (cgroups need root), and files the "
+    "grader can read outside the hidden paths stay readable"
+)
 
 
 def caveat() -> str | None:
@@ -85,7 +96,7 @@ def caveat() -> str | None:
     return BWRAP_CAVEAT if method() == "bwrap" else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host() -> tuple[str | None, str | None]:
     if not sys.platform.startswith("linux"):
         return None, f"sandboxing needs Linux (this is {sys.platform})"
@@ -94,8 +105,15 @@ def _host() -> tuple[str | None, str | None]:
         return None, f"the Linux kernel has no {'/'.join(missing)} namespaces"
     if os.geteuid() != 0:
         why = _bwrap_problem()
-        return ("bwrap", None) if why is None else \
-            (None, f"the grader does not run as root (no user switch, mounts or cgroups), and bubblewrap cannot stand in: {why}")
+        return (
+            ("bwrap", None)
+            if why is None
+            else (
+                None,
+                f"the grader does not run as root (no user switch, mounts or cgroups), and bubblewrap "
+                f"cannot stand in: {why}",
+            )
+        )
     for controller in ("memory", "pids"):
         if not (CGROUP_ROOT / controller / "cgroup.procs").exists():
             return None, f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
@@ -110,18 +128,38 @@ def _bwrap_problem() -> str | None:
     if exe is None:
         return "no `bwrap` on PATH (Debian/Ubuntu: apt-get install bubblewrap)"
     try:
-        run = subprocess.run([exe, *_BWRAP_NAMESPACES, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                              "--tmpfs", "/tmp", "true"], capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [
+                exe,
+                *_BWRAP_NAMESPACES,
+                "--ro-bind",
+                "/",
+                "/",
+                "--dev",
+                "/dev",
+                "--proc",
+                "/proc",
+                "--tmpfs",
+                "/tmp",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`{exe}` did not run ({exc})"
     if run.returncode != 0:
-        return (f"`{exe}` failed: {run.stderr.strip()[-300:] or f'exit {run.returncode}'} "
-                "(are unprivileged user namespaces switched off? sysctl kernel.unprivileged_userns_clone)")
+        return (
+            f"`{exe}` failed: {run.stderr.strip()[-300:] or f'exit {run.returncode}'} "
+            "(are unprivileged user namespaces switched off? sysctl kernel.unprivileged_userns_clone)"
+        )
     return None
 
 
 # ----------------------------------------------------------------------------------------
 # cgroups: one per kernel, below one per grading run
+
 
 class Cgroup:
     """A cgroup v1 node in the memory and pids hierarchies (``relative`` below each root)."""
@@ -129,12 +167,12 @@ class Cgroup:
     def __init__(self, relative: str):
         self.dirs = [CGROUP_ROOT / c / relative for c in ("memory", "pids")]
 
-    def create(self, memory: int, pids: int) -> "Cgroup":
+    def create(self, memory: int, pids: int) -> Cgroup:
         for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
         mem, pid_dir = self.dirs
         (mem / "memory.limit_in_bytes").write_text(str(memory))
-        if (mem / "memory.memsw.limit_in_bytes").exists():   # no swapping around the cap
+        if (mem / "memory.memsw.limit_in_bytes").exists():  # no swapping around the cap
             (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
         (pid_dir / "pids.max").write_text(str(pids))
         return self
@@ -167,8 +205,9 @@ class Cgroup:
                 break
             time.sleep(0.05)
         for d in self.dirs:
-            for node in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) \
-                    if d.is_dir() else []:
+            for node in (
+                sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if d.is_dir() else []
+            ):
                 _rmdir(node)
             _rmdir(d)
 
@@ -181,16 +220,18 @@ def _rmdir(path: Path) -> None:
         except FileNotFoundError:
             return
         except OSError:
-            time.sleep(0.05)       # the last killed task is still leaving the cgroup
+            time.sleep(0.05)  # the last killed task is still leaving the cgroup
 
 
 # ----------------------------------------------------------------------------------------
 # the network: loopback only; the kernel's ZMQ channels go over unix sockets (transport "ipc")
 
+
 def _loopback_up() -> None:
     import fcntl
     import socket
     import struct
+
     siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, struct.pack("16sH22x", b"lo", 0)))[1]
@@ -207,7 +248,9 @@ def _hosts() -> str:
     except OSError:
         text = ""
     name = os.uname().nodename
-    return text.rstrip("\n") + f"\n127.0.0.1 localhost {name}\n::1 localhost {name}\n::ffff:127.0.0.1 localhost {name}\n"
+    return (
+        text.rstrip("\n") + f"\n127.0.0.1 localhost {name}\n::1 localhost {name}\n::ffff:127.0.0.1 localhost {name}\n"
+    )
 
 
 def _descendants(pid: int) -> list[int]:
@@ -247,7 +290,7 @@ def loopback_bytes(pid: int) -> int | None:
         for line in Path(f"/proc/{where}/net/dev").read_text().splitlines():
             name, _, counters = line.partition(":")
             if name.strip() == "lo":
-                return int(counters.split()[8])          # receive: 8 fields, then transmit bytes
+                return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
     except (OSError, ValueError, IndexError):
         pass
     return None
@@ -259,8 +302,10 @@ def _ipc_dir(conn: dict | None) -> str | None:
     if not conn:
         return None
     if conn.get("transport") != "ipc":
-        raise ValueError(f"a sandboxed kernel has its own network namespace, so its connection file must use "
-                         f"transport 'ipc' (unix sockets), not {conn.get('transport')!r}")
+        raise ValueError(
+            f"a sandboxed kernel has its own network namespace, so its connection file must use "
+            f"transport 'ipc' (unix sockets), not {conn.get('transport')!r}"
+        )
     return os.path.dirname(os.path.realpath(conn["ip"]))
 
 
@@ -268,9 +313,22 @@ def _ipc_dir(conn: dict | None) -> str | None:
 # the kernel's environment: an allowlist, never the grader's own (tokens, HOME, course paths)
 
 # names passed through as they are: the locale, thread counts, the kit's and torch's settings
-ENV_NAMES = {"PATH", "LANG", "LANGUAGE", "TZ", "TERM", "MPLBACKEND", "OMP_NUM_THREADS",
-             "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONDONTWRITEBYTECODE",
-             "PYTHONUNBUFFERED", "PYTHONHASHSEED", "NBGRADER_EXECUTION", "CUDA_VISIBLE_DEVICES"}
+ENV_NAMES = {
+    "PATH",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TERM",
+    "MPLBACKEND",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONUNBUFFERED",
+    "PYTHONHASHSEED",
+    "NBGRADER_EXECUTION",
+    "CUDA_VISIBLE_DEVICES",
+}
 ENV_PREFIXES = ("LC_", "DISTTRAIN_LAB_", "GLOO_", "NCCL_")
 
 
@@ -280,24 +338,42 @@ def kernel_env(environ: dict, *, home: str, runtime: str, keep: list[str]) -> di
     config dirs in the sandbox's private home.  Everything else -- a token, the course's
     paths (``DISTTRAIN_COURSE_DIR``), the grader's ``HOME`` -- stays out."""
     env = {k: v for k, v in environ.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
-    inside = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
-              if p and any(os.path.realpath(p) == k or os.path.realpath(p).startswith(k.rstrip(os.sep) + os.sep)
-                           for k in keep)]
+    inside = [
+        p
+        for p in environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p
+        and any(os.path.realpath(p) == k or os.path.realpath(p).startswith(k.rstrip(os.sep) + os.sep) for k in keep)
+    ]
     if inside:
         env["PYTHONPATH"] = os.pathsep.join(inside)
-    env.update(HOME=home, TMPDIR="/tmp", JUPYTER_RUNTIME_DIR=runtime, IPYTHONDIR=os.path.join(home, ".ipython"),
-               MPLCONFIGDIR=os.path.join(home, ".matplotlib"), USER="student", LOGNAME="student",
-               JPY_PARENT_PID="1")     # ipykernel's parent poller: its parent is the sandbox's init
+    env.update(
+        HOME=home,
+        TMPDIR="/tmp",
+        JUPYTER_RUNTIME_DIR=runtime,
+        IPYTHONDIR=os.path.join(home, ".ipython"),
+        MPLCONFIGDIR=os.path.join(home, ".matplotlib"),
+        USER="student",
+        LOGNAME="student",
+        JPY_PARENT_PID="1",
+    )  # ipykernel's parent poller: its parent is the sandbox's init
     return env
 
 
 # ----------------------------------------------------------------------------------------
 # the spec the grader passes, and the command that starts a kernel in a sandbox
 
-def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str,
-         hide: list[str], keep: list[str]) -> dict:
-    return {"uid": uid, "memory": memory, "pids": pids, "data_limit": data_limit,
-            "cgroup": cgroup, "hide": hide, "keep": keep, "method": method()}
+
+def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str, hide: list[str], keep: list[str]) -> dict:
+    return {
+        "uid": uid,
+        "memory": memory,
+        "pids": pids,
+        "data_limit": data_limit,
+        "cgroup": cgroup,
+        "hide": hide,
+        "keep": keep,
+        "method": method(),
+    }
 
 
 def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
@@ -314,26 +390,26 @@ def main(argv: list[str]) -> None:
     name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
     cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
     go_r, go_w = os.pipe()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)       # an interrupt is for the kernel (its group gets it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
     # a new IPC namespace too (System V shared memory would outlive the student), and a new
     # network namespace with only loopback: ranks talk over 127.0.0.1 among themselves, and
     # reach no other student's ranks or rendezvous, nor the host's services
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET), "unshare")
     child = os.fork()
-    if child == 0:                                     # pid 1 of the new namespace
+    if child == 0:  # pid 1 of the new namespace
         os.close(go_w)
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.read(go_r, 1) != b"1":                   # the wrapper died before placing us
+        if os.read(go_r, 1) != b"1":  # the wrapper died before placing us
             os._exit(1)
         try:
             _init(the_spec, cmd)
-        except BaseException as exc:                   # noqa: BLE001 - report any set-up failure
+        except BaseException as exc:  # noqa: BLE001 - report any set-up failure
             sys.stderr.write(f"[disttrain-lab sandbox] could not start the kernel: {exc!r}\n")
             os._exit(70)
     os.close(go_r)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
     try:
-        cgroup.add(child)                              # before it runs anything
+        cgroup.add(child)  # before it runs anything
         os.write(go_w, b"1")
         _, status = os.waitpid(child, 0)
     finally:
@@ -345,21 +421,21 @@ def main(argv: list[str]) -> None:
 
 def _init(the_spec: dict, cmd: list[str]) -> None:
     uid = the_spec["uid"]
-    size = f"size={the_spec['memory'] // 2}"      # each of /tmp and /dev/shm; their pages count in the cgroup too
+    size = f"size={the_spec['memory'] // 2}"  # each of /tmp and /dev/shm; their pages count in the cgroup too
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     # read what the kernel needs before the mounts hide it: its connection file, its folder
     _loopback_up()
     conn_index = cmd.index("-f") + 1 if "-f" in cmd else None
     conn = json.loads(Path(cmd[conn_index]).read_bytes()) if conn_index else None
     ipc_dir = _ipc_dir(conn)
-    if ipc_dir:                                        # the kernel creates its sockets there
+    if ipc_dir:  # the kernel creates its sockets there
         os.chown(ipc_dir, uid, uid)
         ipc_fd = os.open(ipc_dir, os.O_PATH)
     keep_fds = {p: os.open(p, os.O_PATH) for p in the_spec["keep"] if os.path.isdir(p)}
     for target in ("/tmp", "/dev/shm"):
         _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
     if os.path.isfile("/etc/hosts"):
-        Path("/tmp/.hosts").write_text(_hosts())          # (root's, read-only to the kernel)
+        Path("/tmp/.hosts").write_text(_hosts())  # (root's, read-only to the kernel)
         _mount("/tmp/.hosts", "/etc/hosts", None, MS_BIND)
     # the interpreter or the kit may live under /tmp (a CI clone): bind them back, read-only
     for kept, fd in keep_fds.items():
@@ -383,10 +459,9 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
             for entry in [root] + [os.path.join(root, n) for n in dirs + files]:
                 os.lchown(entry, uid, uid)
     # hide the grader's files; bind back (read-only) the interpreter and kit under them
-    private = ("/", "/tmp", "/dev/shm", "/proc")      # already private (or everything)
-    for hidden in sorted({os.path.realpath(p) for p in the_spec["hide"]} - set(private),
-                         key=lambda p: p.count(os.sep)):
-        if not os.path.exists(hidden):                 # e.g. below a folder hidden just before
+    private = ("/", "/tmp", "/dev/shm", "/proc")  # already private (or everything)
+    for hidden in sorted({os.path.realpath(p) for p in the_spec["hide"]} - set(private), key=lambda p: p.count(os.sep)):
+        if not os.path.exists(hidden):  # e.g. below a folder hidden just before
             continue
         if os.path.isdir(hidden):
             _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
@@ -404,6 +479,7 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
     kernel = os.fork()
     if kernel == 0:
         import resource
+
         if the_spec["data_limit"]:
             resource.setrlimit(resource.RLIMIT_DATA, (the_spec["data_limit"],) * 2)
         os.setgroups([])
@@ -413,7 +489,7 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
         os.chdir(work)
         os.execvpe(cmd[0], cmd, env)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(kernel, signal.SIGTERM))
-    while True:                                        # reap orphans until the kernel ends
+    while True:  # reap orphans until the kernel ends
         pid, status = os.wait()
         if pid == kernel:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
@@ -422,12 +498,14 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
 # ----------------------------------------------------------------------------------------
 # without root: bubblewrap (a user namespace mapping the grader's uid to SPEC.uid)
 
+
 def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
     """wrapper (the grader) -> bwrap -> kernel, in new user, pid, IPC and mount namespaces.
     The submission folder, home and connection file are staged below the grading's temp
     dir (hidden from the kernel) and bound in; the stage is removed when the kernel ends."""
     import resource
     import tempfile
+
     size = str(the_spec["memory"] // 2)
     stage, ipc_dir = Path(tempfile.mkdtemp(prefix="sandbox-")), None
     try:
@@ -440,25 +518,40 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
             conn_index = cmd.index("-f") + 1
             conn = json.loads(Path(cmd[conn_index]).read_bytes())
             ipc_dir = _ipc_dir(conn)
-            if ipc_dir:                                # bound in below, where the kernel looks
+            if ipc_dir:  # bound in below, where the kernel looks
                 conn["ip"] = "/tmp/.kernel/ipc/" + os.path.basename(conn["ip"])
             (runtime / "kernel.json").write_text(json.dumps(conn))
             cmd[conn_index] = "/tmp/.kernel/kernel.json"
         keep = sorted({os.path.realpath(p) for p in the_spec["keep"] if os.path.isdir(p)})
-        args = [shutil.which("bwrap") or "bwrap", *_BWRAP_NAMESPACES, "--uid", str(the_spec["uid"]),
-                "--gid", str(the_spec["uid"]), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else [])]
+        args = [
+            shutil.which("bwrap") or "bwrap",
+            *_BWRAP_NAMESPACES,
+            "--uid",
+            str(the_spec["uid"]),
+            "--gid",
+            str(the_spec["uid"]),
+            "--ro-bind",
+            "/",
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else []),
+        ]
         # the same order as the root sandbox: /tmp and /dev/shm, then the hidden folders by
         # depth; after each, the kept folders below it are bound back read-only
         private = ["/tmp", "/dev/shm"]
-        hidden = sorted({os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private},
-                        key=lambda p: p.count(os.sep))
+        hidden = sorted(
+            {os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private}, key=lambda p: p.count(os.sep)
+        )
         done: list[str] = []
-        bound: list[str] = []                          # kept folders bound back so far
+        bound: list[str] = []  # kept folders bound back so far
         for target in private + hidden:
-            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done) \
-                    and not any(target == k or target.startswith(k.rstrip(os.sep) + os.sep) for k in bound):
-                continue                               # below a folder hidden already (and not bound back)
+            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done) and not any(
+                target == k or target.startswith(k.rstrip(os.sep) + os.sep) for k in bound
+            ):
+                continue  # below a folder hidden already (and not bound back)
             done.append(target)
             below = [k for k in keep if k.startswith(target.rstrip(os.sep) + os.sep)]
             bound += below
@@ -472,16 +565,30 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
                 args += ["--ro-bind", kept, kept]
             if target not in private and os.path.isdir(target):
                 args += ["--remount-ro", target]
-        args += ["--bind", str(work), "/tmp/work", "--bind", str(home), "/tmp/home",
-                 "--bind", str(runtime), "/tmp/.kernel", *(["--bind", ipc_dir, "/tmp/.kernel/ipc"] if ipc_dir else []),
-                 "--chdir", "/tmp/work", "--", *cmd]
+        args += [
+            "--bind",
+            str(work),
+            "/tmp/work",
+            "--bind",
+            str(home),
+            "/tmp/home",
+            "--bind",
+            str(runtime),
+            "/tmp/.kernel",
+            *(["--bind", ipc_dir, "/tmp/.kernel/ipc"] if ipc_dir else []),
+            "--chdir",
+            "/tmp/work",
+            "--",
+            *cmd,
+        ]
         env = kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
         limit = the_spec["data_limit"]
 
         def in_child() -> None:
             if limit:
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # an interrupt is for the kernel (its group gets it)
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
         proc = subprocess.Popen(args, env=env, preexec_fn=in_child)
         signal.signal(signal.SIGTERM, lambda *_: proc.kill())
         code = proc.wait()

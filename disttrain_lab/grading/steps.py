@@ -1,4 +1,5 @@
 """Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 
 from . import sandbox
 from .config import GRADER_DIR
@@ -52,7 +52,8 @@ def _become_subreaper() -> None:
     # are re-parented to us instead of init, so we can find and stop them
     if sys.platform.startswith("linux"):
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
 def _environ_has(pid: int, marker: bytes) -> bool:
@@ -63,8 +64,8 @@ def _environ_has(pid: int, marker: bytes) -> bool:
         return False
 
 
-_RUNNING: dict[int, subprocess.Popen] = {}    # nbgrader processes of this grader now, by pid (parallel jobs)
-_STEPS = [0]                                    # steps under way (from before their start to after their reaping)
+_RUNNING: dict[int, subprocess.Popen] = {}  # nbgrader processes of this grader now, by pid (parallel jobs)
+_STEPS = [0]  # steps under way (from before their start to after their reaping)
 _STEPS_LOCK = threading.Lock()
 
 
@@ -95,14 +96,14 @@ def clean_stale_steps(tmp_root: str | None = None) -> None:
     root = Path(tmp_root or tempfile.gettempdir())
     stale = []
     for path in root.glob(f"{_STEP_PREFIX}*-*"):
-        pid = path.name[len(_STEP_PREFIX):].split("-", 1)[0]
+        pid = path.name[len(_STEP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             stale.append(path.name)
             shutil.rmtree(path, ignore_errors=True)
     if sandbox.problem() is None:
         for parent in (sandbox.CGROUP_ROOT / "memory" / "disttrain-lab",):
             for node in parent.glob(f"{_STEP_PREFIX}*-*") if parent.is_dir() else []:
-                pid = node.name[len(_STEP_PREFIX):].split("-", 1)[0]
+                pid = node.name[len(_STEP_PREFIX) :].split("-", 1)[0]
                 if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                     sandbox.Cgroup(f"disttrain-lab/{node.name}").destroy()
 
@@ -115,8 +116,10 @@ def stop_running_steps() -> None:
 
 # the nbgrader process dies with the thread that started it (PR_SET_PDEATHSIG), so a grader
 # killed with SIGKILL leaves no step running on; then `python -m nbgrader ARGS`
-_NBGRADER_CHILD = ("import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
-                   "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)")
+_NBGRADER_CHILD = (
+    "import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
+    "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)"
+)
 
 
 @dataclass
@@ -128,7 +131,7 @@ class StepResult:
     timed_out: bool = False
 
 
-PIPE_GRACE = 10.0    # seconds nbgrader's output may still flow after nbgrader itself has exited
+PIPE_GRACE = 10.0  # seconds nbgrader's output may still flow after nbgrader itself has exited
 
 
 def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tuple[str, bool]:
@@ -139,7 +142,7 @@ def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tu
     timeout.  If the pipe is still open ``PIPE_GRACE`` s after ``proc`` exited, ``kill_leftovers()``
     stops what is left and the read ends."""
     chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)    # line by line
+    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)  # line by line
     reader.start()
     timed_out = False
     try:
@@ -152,15 +155,18 @@ def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tu
     if reader.is_alive():
         kill_leftovers()
         reader.join(PIPE_GRACE)
-    if reader.is_alive():           # held by a process we cannot see: keep what came, do not wait on
-        return ("".join(chunks) + f"\n[disttrain-lab] nbgrader exited, but a process it started still held its "
-                f"output {2 * PIPE_GRACE:.0f} s later; the output may be cut short\n"), timed_out
+    if reader.is_alive():  # held by a process we cannot see: keep what came, do not wait on
+        return (
+            "".join(chunks) + f"\n[disttrain-lab] nbgrader exited, but a process it started still held its "
+            f"output {2 * PIPE_GRACE:.0f} s later; the output may be cut short\n"
+        ), timed_out
     proc.stdout.close()
     return "".join(chunks), timed_out
 
 
-def run_nbgrader(args: list[str], *, timeout: float, env: dict | None = None,
-                 tmp_root: str | None = None, slot: int = 0) -> StepResult:
+def run_nbgrader(
+    args: list[str], *, timeout: float, env: dict | None = None, tmp_root: str | None = None, slot: int = 0
+) -> StepResult:
     """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
 
     Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
@@ -181,14 +187,26 @@ def _run_step(args: list[str], timeout: float, env: dict | None, tmp_root: str |
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root) as tmp:
         full_env = dict(os.environ, **(env or {}))
-        cgroup = f"disttrain-lab/{os.path.basename(tmp)}"     # every sandboxed kernel of this run below it
-        full_env.update(PATH=bindir + os.pathsep + full_env.get("PATH", ""), TMPDIR=tmp,
-                        JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"), MPLBACKEND="Agg",
-                        PYTHONDONTWRITEBYTECODE="1", DISTTRAIN_SANDBOX_CGROUP=cgroup,
-                        DISTTRAIN_SANDBOX_SLOT=str(slot), DISTTRAIN_GRADE_STEP=os.path.basename(tmp))
-        proc = subprocess.Popen([sys.executable, "-c", _NBGRADER_CHILD, *args], cwd=GRADER_DIR, env=full_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        cgroup = f"disttrain-lab/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
+        full_env.update(
+            PATH=bindir + os.pathsep + full_env.get("PATH", ""),
+            TMPDIR=tmp,
+            JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
+            MPLBACKEND="Agg",
+            PYTHONDONTWRITEBYTECODE="1",
+            DISTTRAIN_SANDBOX_CGROUP=cgroup,
+            DISTTRAIN_SANDBOX_SLOT=str(slot),
+            DISTTRAIN_GRADE_STEP=os.path.basename(tmp),
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _NBGRADER_CHILD, *args],
+            cwd=GRADER_DIR,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         _RUNNING[proc.pid] = proc
         marker = f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode()
         try:

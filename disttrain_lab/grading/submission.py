@@ -2,12 +2,13 @@
 unreadable files graded as the blank lab with a note, deleted test cells put back, feedback
 without hidden tests, a scan for constructs a human should look at, the grade report, and the
 install source stamped into a release."""
+
 from __future__ import annotations
 
 import copy
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -24,6 +25,7 @@ from .install_source import ENV_VAR, stamped_requirement
 # ----------------------------------------------------------------------------------------
 # Sanitizing a submission.
 
+
 class RestoringOverwriteCells(OverwriteCells):
     """OverwriteCells whose deleted-test-cell restore never fails: nbgrader's own version
     only looks for the previous *graded* cell and raises KeyError when the cell before a
@@ -35,17 +37,22 @@ class RestoringOverwriteCells(OverwriteCells):
         nbg = cell.get("metadata", {}).get("nbgrader", {})
         grade_id = nbg.get("grade_id")
         if grade_id is not None:
+
             def find(kind):
                 try:
                     return getattr(self.gradebook, f"find_{kind}_cell")(grade_id, self.notebook_id, self.assignment_id)
                 except MissingEntry:
                     return None
+
             source_cell = find("source")
             if source_cell is not None:
                 graded, solution = find("graded"), find("solution")
-                genuine = {"grade": graded is not None and not isinstance(graded, TaskCell),
-                           "solution": solution is not None, "locked": bool(source_cell.locked),
-                           "task": isinstance(graded, TaskCell)}
+                genuine = {
+                    "grade": graded is not None and not isinstance(graded, TaskCell),
+                    "solution": solution is not None,
+                    "locked": bool(source_cell.locked),
+                    "task": isinstance(graded, TaskCell),
+                }
                 for flag, value in genuine.items():
                     if bool(nbg.get(flag, False)) != value:
                         self.report_change(grade_id, flag, value, nbg.get(flag))
@@ -60,13 +67,17 @@ class RestoringOverwriteCells(OverwriteCells):
         grade_cells = {c.name: c for c in source_nb.grade_cells}
         solution_ids = {c.name for c in source_nb.solution_cells}
         for pos, source_cell in enumerate(source_cells):
-            present = {c.metadata["nbgrader"]["grade_id"]: i for i, c in enumerate(nb.cells)
-                       if "grade_id" in c.get("metadata", {}).get("nbgrader", {})}
+            present = {
+                c.metadata["nbgrader"]["grade_id"]: i
+                for i, c in enumerate(nb.cells)
+                if "grade_id" in c.get("metadata", {}).get("nbgrader", {})
+            }
             if source_cell.name not in grade_cells or source_cell.name in present:
                 continue
             self.log.warning("Missing grade cell %s: adding it back", source_cell.name)
-            restored = self.missing_cell_transform(source_cell, grade_cells[source_cell.name].max_score,
-                                                   is_solution=source_cell.name in solution_ids)
+            restored = self.missing_cell_transform(
+                source_cell, grade_cells[source_cell.name].max_score, is_solution=source_cell.name in solution_ids
+            )
             before = [present[c.name] for c in source_cells[:pos] if c.name in present]
             nb.cells.insert(max(before) + 1 if before else 0, restored)
         return nb, resources
@@ -98,7 +109,7 @@ class SubmissionExporter(NotebookExporter):
             reason = str(problem)
         except Exception as exc:
             if type(exc).__module__.startswith("sqlalchemy"):
-                raise              # the gradebook itself is broken: not the student's fault
+                raise  # the gradebook itself is broken: not the student's fault
             reason = f"could not be processed by the grader ({type(exc).__name__}: {exc})"
         self.log.warning("Submission %s %s: grading it as the blank lab", filename, reason)
         return self.from_notebook_node(self._blank(pristine["nbgrader"], reason), pristine, **kw)
@@ -108,7 +119,9 @@ class SubmissionExporter(NotebookExporter):
         if size == 0:
             raise SubmissionProblem("is an empty file")
         if size > self.max_submission_bytes:
-            raise SubmissionProblem(f"is {size // 10**6} MB, more than the {self.max_submission_bytes // 10**6} MB allowed")
+            raise SubmissionProblem(
+                f"is {size // 10**6} MB, more than the {self.max_submission_bytes // 10**6} MB allowed"
+            )
         with open(filename, encoding="utf-8", errors="replace") as f:
             text = f.read()
         try:
@@ -119,7 +132,9 @@ class SubmissionExporter(NotebookExporter):
             nb = nbformat.reads(text, as_version=4)
             nbformat.validate(nb)
         except Exception as exc:
-            raise SubmissionProblem(f"is not a valid Jupyter notebook ({type(exc).__name__}: {str(exc)[:200]})") from None
+            raise SubmissionProblem(
+                f"is not a valid Jupyter notebook ({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
         return nb
 
     def _check_lab(self, nb, ids: dict) -> None:
@@ -128,15 +143,22 @@ class SubmissionExporter(NotebookExporter):
         present = {c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells} - {None}
         ours, foreign = present & expected, present - expected
         if expected and (not ours or len(foreign) > len(ours)):
-            raise SubmissionProblem(f"is not the notebook of lab {ids['assignment']} (its exercise cells "
-                                    "are not this lab's: another lab, or cells copied into a new notebook?)")
+            raise SubmissionProblem(
+                f"is not the notebook of lab {ids['assignment']} (its exercise cells "
+                "are not this lab's: another lab, or cells copied into a new notebook?)"
+            )
 
     def _blank(self, ids: dict, reason: str) -> nbformat.NotebookNode:
         coursedir = self.parent.coursedir
-        released = Path(coursedir.format_path(coursedir.release_directory, ".", ids["assignment"])) / f"{ids['notebook']}.ipynb"
+        released = (
+            Path(coursedir.format_path(coursedir.release_directory, ".", ids["assignment"]))
+            / f"{ids['notebook']}.ipynb"
+        )
         nb = nbformat.read(released, as_version=4) if released.exists() else nbformat.v4.new_notebook()
-        note = (f"**Grading note:** your submitted `{ids['notebook']}.ipynb` {reason}, so it was graded "
-                "as the blank lab: every exercise scores 0. Fix the file and submit again, or ask your instructor.")
+        note = (
+            f"**Grading note:** your submitted `{ids['notebook']}.ipynb` {reason}, so it was graded "
+            "as the blank lab: every exercise scores 0. Fix the file and submit again, or ask your instructor."
+        )
         nb.cells.insert(0, nbformat.v4.new_markdown_cell(note))
         for cell in nb.cells:
             cell.pop("id", None)
@@ -148,6 +170,7 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
     """Feedback step: the student sees each failing test's message, never the test code:
     hidden test regions are cut from graded cells, and their error tracebacks (which
     quote the failing line) are cut to their last line, ``Error: message``."""
+
     enforce_metadata = False
 
     def preprocess_cell(self, cell, resources, index):
@@ -155,7 +178,7 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
             return cell, resources
         cell, resources = super().preprocess_cell(cell, resources, index)
         for output in cell.get("outputs", []):
-            if output.output_type == "error":   # a traceback's last line is "Error: message"
+            if output.output_type == "error":  # a traceback's last line is "Error: message"
                 output.traceback = output.traceback[-1:] or [f"\x1b[0;31m{output.ename}\x1b[0m: {output.evalue}"]
         return cell, resources
 
@@ -163,19 +186,19 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
 # Constructs a grader should look at; a match only flags the submission for a human.
 HOSTILE_CONSTRUCTS = {
     "IPython hook APIs": r"get_ipython\s*\(|set_custom_exc|\.events\.register|ast_transformers|input_transformers|"
-                         r"displayhook|excepthook|showtraceback|run_cell",
+    r"displayhook|excepthook|showtraceback|run_cell",
     "frame or object-graph introspection": r"\bimport\s+(gc|inspect)\b|\bfrom\s+(gc|inspect)\s+import|\bgc\.|"
-                                           r"\binspect\.|sys\._getframe|f_back|f_globals|settrace|setprofile",
+    r"\binspect\.|sys\._getframe|f_back|f_globals|settrace|setprofile",
     "code-object surgery": r"__code__|__defaults__|__kwdefaults__|__globals__|sys\.modules",
     "ctypes / native code": r"\bctypes\b|\bcffi\b|\bmmap\b",
     "process or file-system probing": r"/proc\b|/dev/shm|sqlite3|gradebook|\.\./|\bos\.kill|\bkillpg\b|"
-                                      r"\bsetsid\b|setpgid|\bos\.fork\b|daemon",
+    r"\bsetsid\b|setpgid|\bos\.fork\b|daemon",
     "builtins": r"\bbuiltins\b|__builtins__|__import__",
     # a trace's events can be forged from inside a rank; the grader's byte count catches sends
     # that never happened, these show where the data may have moved instead
-    "the tracer's internals, or a channel besides torch.distributed":
-        r"\b_REC\b|_RUN_OBSERVERS|\btrace\._|\b(begin|end|set)_recording\b|\bnotify_observers\b|\bemulation\.|"
-        r"\bsocket\b|shared_memory|\bmultiprocessing\b|\bos\.pipe\b|\bzmq\b",
+    "the tracer's internals, or a channel besides torch.distributed": r"\b_REC\b|_RUN_OBSERVERS|\btrace\._|"
+    r"\b(begin|end|set)_recording\b|\bnotify_observers\b|\bemulation\.|"
+    r"\bsocket\b|shared_memory|\bmultiprocessing\b|\bos\.pipe\b|\bzmq\b",
 }
 
 
@@ -191,7 +214,7 @@ def scan_submission(path: Path) -> list[str]:
     for index, cell in enumerate(nb.cells):
         nbg = cell.get("metadata", {}).get("nbgrader", {})
         if cell.cell_type != "code" or (nbg.get("locked") and not nbg.get("solution")):
-            continue                      # locked cells are restored from the gradebook anyway
+            continue  # locked cells are restored from the gradebook anyway
         for kind, pattern in HOSTILE_CONSTRUCTS.items():
             found = sorted({m.group(0) for m in re.finditer(pattern, cell.source)})
             if found:
@@ -200,18 +223,27 @@ def scan_submission(path: Path) -> list[str]:
     return flags
 
 
-def grade_report(lab: str, students: list[str], results: dict, course: Path,
-                 isolation: str | None) -> Path:
+def grade_report(lab: str, students: list[str], results: dict, course: Path, isolation: str | None) -> Path:
     """<course>/reports/<lab>.txt: how each student was graded and what a human should look
     at (grading failures, what the guard put back or caught, hostile constructs)."""
-    lines = [f"Grade report for {lab}",
-             "isolation: " + ("every kernel sandboxed (see grader/README.md, 'Threat model')" if isolation is None
-                              else f"NONE: {isolation}; student code ran as the grader")
-             + (f"\nisolation LIMITED: {sandbox.caveat()}" if isolation is None and sandbox.caveat() else ""), ""]
+    lines = [
+        f"Grade report for {lab}",
+        "isolation: "
+        + (
+            "every kernel sandboxed (see grader/README.md, 'Threat model')"
+            if isolation is None
+            else f"NONE: {isolation}; student code ran as the grader"
+        )
+        + (f"\nisolation LIMITED: {sandbox.caveat()}" if isolation is None and sandbox.caveat() else ""),
+        "",
+    ]
     for student in students:
         result = results.get(student)
-        status = "ok" if result and result.returncode == 0 else \
-            ("STOPPED (time cap)" if result and result.timed_out else "FAILED")
+        status = (
+            "ok"
+            if result and result.returncode == 0
+            else ("STOPPED (time cap)" if result and result.timed_out else "FAILED")
+        )
         notes_path = course / "autograded" / student / lab / NOTES_FILE
         try:
             notes = json.loads(notes_path.read_text()).get("notes", [])
@@ -235,8 +267,12 @@ class StampInstallSource(NbGraderPreprocessor):
     what each stamps are in :mod:`disttrain_lab.grading.install_source`.  ``$DISTTRAIN_LAB_INSTALL_SOURCE``
     (set by ``disttrain-lab release --install-source``) wins over the file.
     """
-    pip_requirement = Unicode("", help="where a lab's setup cell installs the kit from: 'wheel', "
-                              "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL").tag(config=True)
+
+    pip_requirement = Unicode(
+        "",
+        help="where a lab's setup cell installs the kit from: 'wheel', "
+        "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL",
+    ).tag(config=True)
 
     _LINE = re.compile(r'^DISTTRAIN_LAB_PIP = "[^"\n]*"', re.MULTILINE)
 
