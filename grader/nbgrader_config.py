@@ -15,8 +15,8 @@ from disttrain_lab.grading import Limits, configure
 
 c = get_config()  # noqa: F821  (provided by nbgrader when it loads this file)
 
-limits = Limits()   # 180 s per cell, 1500 s per notebook, 4 GiB per process; the env vars
-                    # DISTTRAIN_CELL_TIMEOUT / _NOTEBOOK_TIMEOUT / _KERNEL_MEMORY override
+limits = Limits()  # 180 s per cell, 1500 s per notebook, 4 GiB per process; the env vars
+# DISTTRAIN_CELL_TIMEOUT / _NOTEBOOK_TIMEOUT / _KERNEL_MEMORY override
 # limits.cell_timeout = 300   # e.g. a slower course machine
 configure(c, limits=limits)
 
