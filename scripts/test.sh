@@ -4,9 +4,9 @@
 #                                   # (pytest-xdist), each taking one test file at a time, the
 #                                   # longest first (tests/conftest.py)
 #   bash scripts/test.sh -m "not slow"   # skip notebook execution, autograding, the browser
-#   bash scripts/test.sh tests/test_lab03.py   # one lab's tests
+#   bash scripts/test.sh tests/labs/test_lab03.py   # one lab's tests
 #   DISTTRAIN_TEST_WORKERS=0 bash scripts/test.sh   # one process, in order (about 35 min)
-#   DISTTRAIN_HUB_TEST=1 bash scripts/test.sh tests/test_hub.py   # the real JupyterHub (~3 min)
+#   DISTTRAIN_HUB_TEST=1 bash scripts/test.sh tests/grading/test_hub.py   # the real JupyterHub (~3 min)
 #   bash scripts/test.sh -m gpu     # the GPU tests (skipped, with the reason, without GPUs)
 #   DISTTRAIN_RESOLUTION=lowest bash scripts/test.sh   # on the lowest versions pyproject.toml
 #                                   # allows, in .venv-lowest (see scripts/setup.sh)

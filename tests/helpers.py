@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+# the repository's root, for every test file whichever folder of tests/ it is in
+REPO = Path(__file__).resolve().parent.parent
 
 
 def child_pids(parent: int | None = None) -> list[int]:

@@ -14,11 +14,22 @@ import nbformat
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
+
 # A lab's time budget is a figure for a quiet 2-core machine (measured and reported with the
 # benchmarks); CI machines are shared, so a test allows this factor on top before it calls a
 # notebook too slow.  DISTTRAIN_TEST_SLOWDOWN=1 checks the budget itself on a quiet machine.
 SLOWDOWN = float(os.environ.get("DISTTRAIN_TEST_SLOWDOWN", "3"))
+
+
+def solution_notebook(lab: str) -> Path:
+    """Lab ``lab``'s solution notebook (the instructor's version, e.g. ``solution_notebook("03_data_parallel")``)."""
+    return REPO / "solutions" / lab / f"{lab}.ipynb"
+
+
+def load(path: Path) -> nbformat.NotebookNode:
+    """A fresh copy of the notebook at ``path`` (e.g. ``load(solution_notebook(lab))``), as nbformat 4."""
+    return nbformat.read(path, as_version=4)
 
 
 def nbgrader_meta(cell) -> dict:
@@ -90,7 +101,7 @@ def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbfor
     """Execute a solution notebook and check what every lab promises: no cell raises, every
     graded cell prints its success line and nothing on stderr (nbgrader zeroes a test cell
     that writes to stderr), all within ``budget_s``.  Returns the executed notebook."""
-    nb, seconds = execute(nbformat.read(path, as_version=4), autograding, cwd=Path(path).parent)
+    nb, seconds = execute(load(path), autograding, cwd=Path(path).parent)
     failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
     assert not failed, f"cells raised: {failed}"
     for cell in graded_cells(nb):
@@ -178,3 +189,22 @@ def execute_without_errors(nb, cwd: Path) -> nbformat.NotebookNode:
     failed = {i: errors(c) for i, c in enumerate(nb.cells) if errors(c)}
     assert not failed, failed
     return nb
+
+
+def one_rank_notebook(lab: Path, device: str, given: str, exercises, checks: str) -> nbformat.NotebookNode:
+    """Lab ``lab``'s setup, ``DEVICE = device``, its given code (the first cell holding ``given``),
+    the solution of every exercise (``ex_<name>`` for each name in ``exercises``) and the test
+    helpers (no self-checks or graded cells: they use 2-4 ranks), then ``checks``, code that runs
+    the exercises on one rank."""
+    nb = load(lab)
+    setup, device_cell = nb.cells[0], device_setting(nb, device)
+    given_cell = next(c for c in nb.cells if given in c.source)
+    cells = [
+        setup,
+        device_cell,
+        given_cell,
+        *(cell_by_id(nb, f"ex_{e}") for e in exercises),
+        cell_by_id(nb, "test_helpers"),
+        nbformat.v4.new_code_cell(checks),
+    ]
+    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])

@@ -12,7 +12,7 @@
 - bench.bench_zero / `disttrain-lab bench zero` on the solution's own classes, against torch's
   ZeroRedundancyOptimizer and FSDP; the package ships no solution (no memory formula either).
 
-The notebook helpers come from tests/notebooks.py (via test_lab01); disttrain_lab.memory has its
+The notebook helpers come from tests/notebooks.py; disttrain_lab.memory has its
 own tests in test_memory.py; the autograde round trip lives in test_grading.py.
 """
 
@@ -30,20 +30,22 @@ from tests.notebooks import (
     REPO,
     cell_by_id,
     code_cells_on_device,
-    device_setting,
     error_of_last_cell,
     errors,
     execute,
     execute_without_errors,
+    load,
+    one_rank_notebook,
     output_of,
     pictures,
     run_solution,
+    solution_notebook,
     text,
 )
 
 matplotlib.use("Agg")
 
-LAB = REPO / "solutions" / "04_zero" / "04_zero.ipynb"
+LAB = solution_notebook("04_zero")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = {
     "zero_memory": "zero_memory_per_rank",
@@ -52,10 +54,6 @@ EXERCISES = {
     "zero3": "Zero3Module",
 }
 CLASSES = {"Zero1Optimizer": 1, "Zero2Optimizer": 2, "Zero3Module": 3}
-
-
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +215,7 @@ def test_graded_cell_catches_a_wrong_answer(case):
         "zero2": ["ex_zero1", "ex_zero2"],
         "zero3": ["ex_zero1", "ex_zero3"],
     }[exercise]
-    found = error_of_last_cell(_notebook(load_lab(), upto, wrong, [exercise]))
+    found = error_of_last_cell(_notebook(load(LAB), upto, wrong, [exercise]))
     if message == "hidden":  # the visible test's N = 64 divides 7.5B: only a hidden case catches it
         assert "zero_memory_per_rank(" in found and "ceil" in found, found
     else:
@@ -230,7 +228,7 @@ def test_a_failed_zero1_costs_zero2_nothing():
     # case: Adam would hide the scale), and the ZeRO-2 test, run on the grader's own ZeRO-1, passes (dependent
     # exercises do not chain losses).  One execution for both.
     nb, _ = execute(
-        _notebook(load_lab(), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]), autograding=True
+        _notebook(load(LAB), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]), autograding=True
     )
     for cell in nb.cells[:-2]:
         assert not errors(cell), errors(cell)
@@ -247,7 +245,7 @@ def test_a_failed_zero1_costs_zero2_nothing():
 @needs_gpus(2)
 def test_exercises_and_graded_cells_pass_on_gpus():
     # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
-    execute_without_errors(code_cells_on_device(load_lab(), "test_zero3", "cuda"), LAB.parent)
+    execute_without_errors(code_cells_on_device(load(LAB), "test_zero3", "cuda"), LAB.parent)
 
 
 ONE_RANK_CHECKS = """
@@ -261,25 +259,10 @@ print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
 """
 
 
-def one_rank_notebook(device: str) -> nbformat.NotebookNode:
-    """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
-    graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
-    lab = load_lab()
-    setup, device_cell = lab.cells[0], device_setting(lab, device)
-    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
-    cells = [
-        setup,
-        device_cell,
-        given,
-        *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES),
-        cell_by_id(lab, "test_helpers"),
-        nbformat.v4.new_code_cell(ONE_RANK_CHECKS),
-    ]
-    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
-
-
 def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
-    nb = execute_without_errors(one_rank_notebook(device), LAB.parent)
+    nb = execute_without_errors(
+        one_rank_notebook(LAB, device, "class DataParallelOptimizer", EXERCISES, ONE_RANK_CHECKS), LAB.parent
+    )
     out = text(nb.cells[-1])
     assert f"backends: ['{backend}'] 9 runs" in out and f"rank device: ['{rank_device}']" in out, out
 

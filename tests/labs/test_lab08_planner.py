@@ -23,10 +23,10 @@ import json
 
 import nbformat
 
-from tests.notebooks import REPO, cell_by_id, graded_cells, nbgrader_meta
+from tests.notebooks import cell_by_id, graded_cells, load, nbgrader_meta, solution_notebook
 
-LAB_DIR = REPO / "solutions" / "08_capstone"
-LAB = LAB_DIR / "08_capstone.ipynb"
+LAB = solution_notebook("08_capstone")
+LAB_DIR = LAB.parent
 GRADED = [
     "test_planner_memory",
     "test_planner_plans",
@@ -34,10 +34,6 @@ GRADED = [
     "test_scaling_fit",
     "test_scaling_optimal",
 ]
-
-
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
 
 
 def sections_3_and_5(nb) -> nbformat.NotebookNode:
@@ -96,7 +92,7 @@ def test_scaling_runs_hold_several_sizes_per_budget():
 
 
 def test_graded_cells_and_hidden_tests_cover_the_issue():
-    nb = load_lab()
+    nb = load(LAB)
     assert [nbgrader_meta(c)["grade_id"] for c in _mine(sections_3_and_5(nb))] == [
         nbgrader_meta(c)["grade_id"] for c in _mine(nb)
     ]

@@ -43,9 +43,9 @@ import disttrain_lab as dl
 from disttrain_lab import bench
 from disttrain_lab.bench.common import free_port
 from tests.helpers import alive, child_pids
-from tests.notebooks import REPO
+from tests.notebooks import solution_notebook
 
-LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
+LAB = solution_notebook("03_data_parallel")
 NAMES = ["BucketedDDP", "shard", "shard_loss"]
 WORLD, NODES = 4, 2
 SIZES, BATCH, STEPS = (8, 16, 16, 4), 10, 3  # 10 rows on 4 ranks: shards of 3, 3, 2, 2

@@ -14,10 +14,9 @@ import pytest
 from nbclient import NotebookClient
 
 from disttrain_lab import __version__, grading
-from disttrain_lab.grading.install_source import InstallSourceError, stamped_requirement, wheel_name
-
-from .freshenv import fresh_venv, installed
-from .notebooks import REPO, nbgrader_meta
+from disttrain_lab.grading.install_source import WHEELS, InstallSourceError, stamped_requirement, wheel_name
+from tests.freshenv import fresh_venv, installed
+from tests.notebooks import REPO, load, nbgrader_meta, solution_notebook
 
 WHEEL = wheel_name(__version__)
 
@@ -74,7 +73,14 @@ def test_release_refuses_the_placeholder_before_writing_anything(tmp_path, capsy
 
 
 def test_the_committed_config_sets_a_source_that_installs():
-    stamped_requirement(grading.configured_install_source())  # raises if it is the placeholder
+    requirement = stamped_requirement(grading.configured_install_source())  # raises if it is the placeholder
+    if requirement.startswith("../"):
+        # "wheel": the wheel the release puts beside the labs, found from a lab's folder (labs/NN_name/)
+        assert requirement == f"../{WHEELS}/{wheel_name()}", requirement
+        assert (REPO / "labs" / WHEELS / wheel_name()).is_file(), f"labs/{WHEELS}/{wheel_name()} is not released"
+    else:  # a URL pip installs the kit from, with the example's placeholder filled in
+        assert requirement.startswith("disttrain-lab @ "), requirement
+        assert "YOUR-ORG" not in requirement and "/ORG/" not in requirement, requirement
 
 
 # ----------------------------------------------------------------------------------------
@@ -110,7 +116,7 @@ def test_fresh_kernel_installs_the_kit_from_a_released_lab_and_passes_a_self_che
         assert f'DISTTRAIN_LAB_PIP = "{stamped_requirement(source)}"' in released.cells[0].source
 
         # the first exercise with the solution filled in, up to its self-check
-        solution = nbformat.read(REPO / "solutions" / lab / f"{lab}.ipynb", as_version=4)
+        solution = load(solution_notebook(lab))
         first = next(i for i, c in enumerate(released.cells) if nbgrader_meta(c).get("solution"))
         grade_id = nbgrader_meta(released.cells[first])["grade_id"]
         released.cells[first].source = _solution_source(

@@ -7,10 +7,10 @@
   :func:`test_every_benchmark_has_a_smoke_test`.
 - ``disttrain-lab bench --help`` (and every ``bench NAME --help``), ``grade --help``, ``release --help``,
   ``release --check``.
-- run elsewhere: ``disttrain-lab doctor`` in tests/test_packaging.py::test_console_script_runs (the
-  console script, READY; its text: tests/test_launcher.py::test_doctor_reports_backend_and_verdict);
-  ``disttrain-lab grade LAB`` and ``grade merge`` in tests/test_gradeclass.py; the labs' release in
-  tests/test_grading.py and tests/test_install.py.
+- run elsewhere: ``disttrain-lab doctor`` in tests/kit/test_packaging.py::test_console_script_runs (the
+  console script, READY; its text: tests/kit/test_launcher.py::test_doctor_reports_backend_and_verdict);
+  ``disttrain-lab grade LAB`` and ``grade merge`` in tests/grading/test_gradeclass.py; the labs' release in
+  tests/grading/test_grading.py and tests/grading/test_install.py.
 - every script under ``scripts/`` with ``--help``: it prints its usage and does nothing else
   (a shell script's setup, JupyterLab or pytest never start).
 """
@@ -27,18 +27,18 @@ from pathlib import Path
 import pytest
 
 from disttrain_lab.bench import benchmarks
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 
 # `disttrain-lab bench NAME` run from the command line, with tiny settings, by a lab's own test
 # (which also checks its table against the solution's names): not run again here
 COVERED_ELSEWHERE = {
-    "allreduce": "tests/test_lab02.py::test_cli_bench_allreduce_uses_the_notebook",
-    "ddp": "tests/test_lab03.py::test_cli_bench_ddp_uses_the_notebook",
-    "zero": "tests/test_lab04.py::test_cli_bench_zero_uses_the_notebook",
-    "pipeline": "tests/test_lab05.py::test_cli_bench_pipeline_uses_the_notebook",
-    "tp": "tests/test_lab06.py::test_cli_bench_tp_uses_the_notebook",
+    "allreduce": "tests/labs/test_lab02.py::test_cli_bench_allreduce_uses_the_notebook",
+    "ddp": "tests/labs/test_lab03.py::test_cli_bench_ddp_uses_the_notebook",
+    "zero": "tests/labs/test_lab04.py::test_cli_bench_zero_uses_the_notebook",
+    "pipeline": "tests/labs/test_lab05.py::test_cli_bench_pipeline_uses_the_notebook",
+    "tp": "tests/labs/test_lab06.py::test_cli_bench_tp_uses_the_notebook",
 }
 
 # the others, run here: NAME -> (tiny options, what its output must hold)

@@ -11,7 +11,7 @@ all-reduce bench harness and ring-steps picture work.
 - bench.bench_allreduce / functions_from_notebook / `disttrain-lab bench allreduce` and
   viz.ring_steps, on the solution's own functions.
 
-The notebook helpers come from test_lab01; the autograde round trip lives in test_grading.py.
+The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
 """
 
 from __future__ import annotations
@@ -27,11 +27,20 @@ import torch
 import disttrain_lab as dl
 from disttrain_lab import bench
 from tests.helpers import run_python
-from tests.notebooks import REPO, cell_by_id, error_of_last_cell, output_of, pictures, run_solution
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    error_of_last_cell,
+    load,
+    output_of,
+    pictures,
+    run_solution,
+    solution_notebook,
+)
 
 matplotlib.use("Agg")
 
-LAB = REPO / "solutions" / "02_all_reduce" / "02_all_reduce.ipynb"
+LAB = solution_notebook("02_all_reduce")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = [
     "naive_all_reduce",
@@ -41,10 +50,6 @@ EXERCISES = [
     "halving_doubling_all_reduce",
 ]
 FUNCTIONS = ["naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce"]
-
-
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,7 @@ def solution() -> dict:
 def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
     # the exercise asks for a ValueError that says "power of two" (torch's own ValueError for a partner
     # rank that does not exist must not pass), and the graded cell matches exactly that
-    nb = load_lab()
+    nb = load(LAB)
     source = cell_by_id(nb, "test_halving_doubling_all_reduce").source
     assert '"power of two" in said' in source
     assert "says N must be a **power of two**" in "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
@@ -69,7 +74,7 @@ def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
 
-    assert numbering_problems(load_lab()) == []
+    assert numbering_problems(load(LAB)) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def _without_power_of_two_check(source: str) -> str:
     ],
 )
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
-    lab = load_lab()
+    lab = load(LAB)
     if wrong is None:
         wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
     scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)

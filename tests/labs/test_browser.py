@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .notebooks import REPO
+from tests.notebooks import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
-from .helpers import alive
+from tests.helpers import alive
 
 CELLS = [
     "import disttrain_lab as dl, torch, torch.distributed as dist\n"

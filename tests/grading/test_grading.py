@@ -24,9 +24,10 @@ import pytest
 import disttrain_lab
 from disttrain_lab import grading
 from disttrain_lab.grading import classgrade, steps
+from tests.helpers import REPO
+from tests.notebooks import load
 
-REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "source"
+FIXTURES = REPO / "tests" / "fixtures" / "source"
 HAS_LAUNCH = hasattr(disttrain_lab, "launch")
 
 FIRST_REAL_LAB = (grading.list_labs(REPO / "solutions") or [None])[0]
@@ -46,10 +47,6 @@ pytestmark = pytest.mark.timeout(900)
 
 # ----------------------------------------------------------------------------------------
 # crafting submissions
-
-
-def load(path: Path) -> nbformat.NotebookNode:
-    return nbformat.read(path, as_version=4)
 
 
 def grade_id(cell) -> str | None:

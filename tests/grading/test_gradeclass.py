@@ -23,11 +23,9 @@ import pytest
 from disttrain_lab import grading
 from disttrain_lab.grading import cell_times, classgrade
 from disttrain_lab.grading.course import measure_cell_times
-
-from .test_grading import (
+from tests.grading.test_grading import (
     FIXTURE_LIMITS,
     FIXTURES,
-    REPO,
     Course,
     all_points,
     grade_id,
@@ -36,6 +34,7 @@ from .test_grading import (
     submit,
     with_solution,
 )
+from tests.helpers import REPO
 
 LAB = "01_point_to_point"
 STUDENTS = ("alice", "bob", "carol")  # shards of 2: alice in 1/2, bob and carol in 2/2

@@ -32,14 +32,16 @@ from tests.notebooks import (
     errors,
     execute,
     graded_cells,
+    load,
     nbgrader_meta,
     numbering_problems,
     output_of,
     pictures,
+    solution_notebook,
     text,
 )
 
-LAB = REPO / "solutions" / "08_capstone" / "08_capstone.ipynb"
+LAB = solution_notebook("08_capstone")
 BUDGET_S = 300  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = [
     "grid_groups",
@@ -55,16 +57,12 @@ EXERCISES = [
 ]  # sections 4, 5
 
 
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
-
-
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
 
 def test_exercises_and_hidden_tests_cover_the_issue():
-    nb = load_lab()
+    nb = load(LAB)
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
     assert numbering_problems(nb) == []
@@ -121,7 +119,7 @@ def exercise_cells(exercise: str) -> tuple[str, str]:
 
 def _replaced(exercise: str, right: str, wrong: str) -> str:
     """The solution cell of ``exercise`` with one line changed."""
-    source = cell_by_id(load_lab(), exercise_cells(exercise)[0]).source
+    source = cell_by_id(load(LAB), exercise_cells(exercise)[0]).source
     assert right in source, right
     return source.replace(right, wrong)
 
@@ -210,7 +208,7 @@ else:
 def executed():
     """The solution notebook, then each wrong answer and its graded cell, then the solution again;
     then the Lab 6 pieces loaded from a missing and from the blank Lab 6 notebook.  One kernel."""
-    lab = load_lab()
+    lab = load(LAB)
     cells = [copy.deepcopy(c) for c in lab.cells]
     solution_end = len(cells)
     wrong_at = []

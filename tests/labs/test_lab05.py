@@ -34,13 +34,15 @@ from tests.notebooks import (
     error_of_last_cell,
     errors,
     execute,
+    load,
     output_of,
     pictures,
     run_solution,
+    solution_notebook,
     text,
 )
 
-LAB = REPO / "solutions" / "05_pipeline" / "05_pipeline.ipynb"
+LAB = solution_notebook("05_pipeline")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = {
     "split": "def split_stages(",
@@ -57,10 +59,6 @@ TESTS = {
 FUNCTIONS = ["split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_step"]
 
 
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
-
-
 @pytest.fixture(scope="module")
 def solution() -> dict:
     """The solution notebook's functions, as `disttrain-lab bench pipeline` loads them."""
@@ -73,7 +71,7 @@ def solution() -> dict:
 
 def test_hidden_tests_cover_the_issue():
     # p = 2, 3, 4; several m, uneven micro-batches; bubble on 4 stages at m = 1, 2, 4, 8
-    nb = load_lab()
+    nb = load(LAB)
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
         for ts in TESTS.values()
@@ -96,7 +94,7 @@ def test_hidden_tests_cover_the_issue():
 
 def test_timing_checks_sit_in_their_own_graded_cells():
     # a busy machine must not cost a correct schedule its correctness points
-    nb = load_lab()
+    nb = load(LAB)
     for correctness in ("test_naive", "test_gpipe", "test_1f1b"):
         assert "_check_bubble" not in cell_by_id(nb, correctness).source, correctness
     for timing in ("test_naive_bubble", "test_gpipe_bubble", "test_1f1b_bubble"):
@@ -108,7 +106,7 @@ def test_timing_checks_sit_in_their_own_graded_cells():
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
 
-    assert numbering_problems(load_lab()) == []
+    assert numbering_problems(load(LAB)) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,7 +226,7 @@ def test_1f1b_is_graded_on_its_own():
 
 def _notebook_with(exercise: str, wrong: str, test_id: str) -> nbformat.NotebookNode:
     """The setup, Stage, every exercise (one of them changed), the test helpers and one graded cell."""
-    lab = load_lab()
+    lab = load(LAB)
     stage = next(c for c in lab.cells if "class Stage" in c.source)
     solutions = []
     for e in EXERCISES:

@@ -26,15 +26,23 @@ import re
 import nbformat
 import pytest
 
-from tests.notebooks import REPO, cell_by_id, errors, execute, nbgrader_meta, output_of, pictures, run_solution, text
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    errors,
+    execute,
+    load,
+    nbgrader_meta,
+    output_of,
+    pictures,
+    run_solution,
+    solution_notebook,
+    text,
+)
 
-LAB = REPO / "solutions" / "07_compression" / "07_compression.ipynb"
+LAB = solution_notebook("07_compression")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = ["topk", "sparse_all_reduce", "error_feedback", "int8", "hook", "powersgd"]
-
-
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -42,7 +50,7 @@ def load_lab() -> nbformat.NotebookNode:
 
 
 def test_exercises_and_hidden_tests_cover_the_issue():
-    nb = load_lab()
+    nb = load(LAB)
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
     hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
@@ -109,7 +117,7 @@ def test_solution_notebook_executes_within_budget():
 
 def _powersgd_wrong(right: str, wrong: str) -> str:
     """The solution's powersgd_hook cell with one line changed."""
-    source = cell_by_id(load_lab(), "ex_powersgd").source
+    source = cell_by_id(load(LAB), "ex_powersgd").source
     assert right in source, right
     return source.replace(right, wrong)
 
@@ -203,7 +211,7 @@ def topk_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:    # the sum
 @pytest.mark.slow
 def test_graded_cells_catch_wrong_answers():
     """One kernel: for each wrong answer, the solutions, the wrong definition, then its graded cell."""
-    lab = load_lab()
+    lab = load(LAB)
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
     cells = [
         copy.deepcopy(c)

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def _name(requirement: str) -> str:
@@ -20,11 +20,11 @@ def _name(requirement: str) -> str:
 
 
 def _pyproject() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
 def _environment_pip() -> list[str]:
-    lines = (ROOT / "environment.yml").read_text().splitlines()
+    lines = (REPO / "environment.yml").read_text().splitlines()
     start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
     return [l.strip()[2:] for l in lines[start + 1 :] if l.strip().startswith("- ") and l.strip() != "- -e ."]
 
@@ -47,22 +47,22 @@ def test_torch_is_never_a_plain_dependency():
 
 
 def test_setup_script_installs_only_the_pinned_torch_and_only_when_missing():
-    script = (ROOT / "scripts" / "setup.sh").read_text()
+    script = (REPO / "scripts" / "setup.sh").read_text()
     installs = [l for l in script.splitlines() if "pip install" in l and "torch" in l]
     assert installs and all('"torch==2.13.0"' in l for l in installs)
     assert "import torch" in script  # the guard that keeps an installed torch
 
 
 def test_ci_runs_the_readme_test_command():
-    readme = (ROOT / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     assert "bash scripts/test.sh" in readme
-    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()
 
 
 def test_package_holds_no_solutions():
     # students install disttrain_lab: nothing of solutions/ may be inside it
     markers = ("### BEGIN SOLUTION", "BEGIN HIDDEN TESTS")
-    for path in (ROOT / "disttrain_lab").rglob("*.py"):
+    for path in (REPO / "disttrain_lab").rglob("*.py"):
         text = path.read_text()
         assert not any(m in text for m in markers if f'"{m}' not in text and f"'{m}" not in text), path
 
@@ -96,7 +96,7 @@ def test_student_dependencies_are_only_what_a_kernel_needs():
     project = _pyproject()["project"]
     assert {_name(r) for r in project["dependencies"]} == STUDENT_DEPS
     assert {"jupyterlab", "nbgrader"} <= {_name(r) for r in project["optional-dependencies"]["grader"]}
-    assert ".[grader,test]" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert ".[grader,test]" in (REPO / "scripts" / "setup.sh").read_text()
 
 
 @pytest.mark.slow
@@ -105,7 +105,7 @@ def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(
 
     from .freshenv import canonical, fresh_venv, installed, requirements_of
 
-    wheel = build_wheel(ROOT, tmp_path / "dist")
+    wheel = build_wheel(REPO, tmp_path / "dist")
     python = fresh_venv(tmp_path / "venv", ["torch"])
     before = installed(python)
     assert "torch" in before and "disttrain-lab" not in before and "numpy" not in before
@@ -140,8 +140,8 @@ def test_committed_wheel_is_built_from_these_sources(tmp_path):
 
     if not needs_wheel(grading.configured_install_source()):
         pytest.skip("the configured install source is not a wheel beside the labs")
-    build_wheel(ROOT, tmp_path)
-    assert not wheel_differences(tmp_path, ROOT / "labs" / "wheels"), (
+    build_wheel(REPO, tmp_path)
+    assert not wheel_differences(tmp_path, REPO / "labs" / "wheels"), (
         "labs/wheels/ is stale: run `disttrain-lab release`"
     )
 
@@ -172,7 +172,7 @@ def test_every_lower_bound_is_what_the_lowest_resolution_installs():
             "--no-header",
             "--no-annotate",
         ],
-        cwd=ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=240,

@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 import disttrain_lab as dl
 from disttrain_lab import devices, pool
-
-from .helpers import alive, child_pids, gpu_count, needs_gpus, run_python, tmp_listing
+from tests.helpers import REPO, alive, child_pids, gpu_count, needs_gpus, run_python, tmp_listing
 
 # --- what a student writes -------------------------------------------------------------
 
@@ -302,7 +301,7 @@ def test_a_rank_that_aborts_prints_nothing_to_the_test_runners_terminal():
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
+        cwd=REPO,
     )
     assert "1 passed" in out.stdout, out.stdout + out.stderr
     assert "Fatal Python error" not in out.stdout + out.stderr

@@ -21,7 +21,7 @@ import pytest
 
 from disttrain_lab import grading
 from disttrain_lab.grading import execute, sandbox, steps
-from tests.test_grading import (
+from tests.grading.test_grading import (
     FIXTURE_LIMITS,
     FIXTURES,
     HAS_LAUNCH,

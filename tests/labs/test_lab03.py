@@ -30,18 +30,20 @@ from tests.notebooks import (
     REPO,
     cell_by_id,
     code_cells_on_device,
-    device_setting,
     error_of_last_cell,
     errors,
     execute,
     execute_without_errors,
+    load,
+    one_rank_notebook,
     output_of,
     pictures,
     run_solution,
+    solution_notebook,
     text,
 )
 
-LAB = REPO / "solutions" / "03_data_parallel" / "03_data_parallel.ipynb"
+LAB = solution_notebook("03_data_parallel")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = {
     "shard": "def shard(",
@@ -52,10 +54,6 @@ EXERCISES = {
     "no_sync": "class AccumulatingDDP",
 }
 CLASSES = ["NaiveDDP", "OverlappedDDP", "BucketedDDP", "AccumulatingDDP"]
-
-
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +68,7 @@ def solution() -> dict:
 
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3, 4; tied and frozen models; batches that do not divide by N
-    nb = load_lab()
+    nb = load(LAB)
     hidden = "".join(
         "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:])
         for e in EXERCISES
@@ -232,7 +230,7 @@ def _notebook(lab, replaced: str, wrong: str, tests: list[str]) -> nbformat.Note
     ],
 )
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
-    found = error_of_last_cell(_notebook(load_lab(), exercise, wrong, [exercise]), LAB.parent)
+    found = error_of_last_cell(_notebook(load(LAB), exercise, wrong, [exercise]), LAB.parent)
     assert message in found, found
 
 
@@ -250,7 +248,7 @@ def test_broadcast_skipping_frozen_fails_and_costs_average_gradients_nothing():
     # through NaiveDDP (which broadcasts), is graded with the grader's broadcast instead and keeps its points
     nb, _ = execute(
         _notebook(
-            load_lab(), "broadcast_parameters", BROADCAST_SKIPS_FROZEN, ["broadcast_parameters", "average_gradients"]
+            load(LAB), "broadcast_parameters", BROADCAST_SKIPS_FROZEN, ["broadcast_parameters", "average_gradients"]
         ),
         autograding=True,
         cwd=LAB.parent,
@@ -309,7 +307,7 @@ def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
     # one execution: the bucketed test names the rule; no_sync, built on this BucketedDDP, is graded on the
     # grader's own BucketedDDP instead and keeps its points (dependent exercises do not chain losses)
     nb, _ = execute(
-        _notebook(load_lab(), "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"]),
+        _notebook(load(LAB), "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"]),
         autograding=True,
         cwd=LAB.parent,
     )
@@ -327,7 +325,7 @@ def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
 @needs_gpus(2)
 def test_exercises_and_graded_cells_pass_on_gpus():
     # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
-    execute_without_errors(code_cells_on_device(load_lab(), "test_no_sync", "cuda"), LAB.parent)
+    execute_without_errors(code_cells_on_device(load(LAB), "test_no_sync", "cuda"), LAB.parent)
 
 
 ONE_RANK_CHECKS = """
@@ -347,25 +345,10 @@ print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
 """
 
 
-def one_rank_notebook(device: str) -> nbformat.NotebookNode:
-    """The setup, DEVICE = device, the given code, every solution and the test helpers (no self-checks or
-    graded cells: they use 2-4 ranks), then ONE_RANK_CHECKS."""
-    lab = load_lab()
-    setup, device_cell = lab.cells[0], device_setting(lab, device)
-    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
-    cells = [
-        setup,
-        device_cell,
-        given,
-        *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES),
-        cell_by_id(lab, "test_helpers"),
-        nbformat.v4.new_code_cell(ONE_RANK_CHECKS),
-    ]
-    return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
-
-
 def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
-    nb = execute_without_errors(one_rank_notebook(device), LAB.parent)
+    nb = execute_without_errors(
+        one_rank_notebook(LAB, device, "def shard_loss(", EXERCISES, ONE_RANK_CHECKS), LAB.parent
+    )
     out = text(nb.cells[-1])
     assert out.count(f"backends: ['{backend}']") == 3 and f"rank device: ['{rank_device}']" in out, out
 

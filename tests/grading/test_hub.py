@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from .helpers import run_python
-from .notebooks import REPO
+from tests.helpers import run_python
+from tests.notebooks import REPO
 
 pytestmark = pytest.mark.slow
 

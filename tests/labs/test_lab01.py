@@ -15,7 +15,6 @@ The full autograde round trip (full marks, blank 0, partial) lives in test_gradi
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -27,10 +26,17 @@ import disttrain_lab as dl
 from disttrain_lab import checks
 from disttrain_lab.costmodel import AlphaBeta, fit_alpha_beta
 from disttrain_lab.trace import Event, Run
-from tests.notebooks import cell_by_id, error_of_last_cell, output_of, pictures, run_solution
+from tests.notebooks import (
+    cell_by_id,
+    error_of_last_cell,
+    load,
+    output_of,
+    pictures,
+    run_solution,
+    solution_notebook,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-LAB = REPO / "solutions" / "01_point_to_point" / "01_point_to_point.ipynb"
+LAB = solution_notebook("01_point_to_point")
 BUDGET_S = 180  # the budget for the whole solution notebook on 2 cores
 EXERCISES = [
     "ping_pong",
@@ -44,21 +50,13 @@ EXERCISES = [
 
 
 # ----------------------------------------------------------------------------------------
-# Running notebooks
-
-
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
-
-
-# ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
 
-    assert numbering_problems(load_lab()) == []
+    assert numbering_problems(load(LAB)) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,7 +159,7 @@ def parameter_server_step(grad, server):
 @pytest.mark.slow
 @pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[w[0] for w in WRONG])
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
-    lab = load_lab()
+    lab = load(LAB)
     nb = nbformat.v4.new_notebook(
         cells=[
             copy.deepcopy(lab.cells[0]),

@@ -26,9 +26,20 @@ import torch
 
 from disttrain_lab import bench, viz
 from tests.helpers import gpu_count, needs_gpus, run_python
-from tests.notebooks import REPO, cell_by_id, error_of_last_cell, errors, execute, output_of, run_solution, text
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    error_of_last_cell,
+    errors,
+    execute,
+    load,
+    output_of,
+    run_solution,
+    solution_notebook,
+    text,
+)
 
-LAB = REPO / "solutions" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
+LAB = solution_notebook("06_tensor_parallel")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = {
     "parallel_linear": "class ColumnParallelLinear(",
@@ -38,17 +49,13 @@ EXERCISES = {
 }
 
 
-def load_lab() -> nbformat.NotebookNode:
-    return nbformat.read(LAB, as_version=4)
-
-
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
 
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3 and 4; groups inside the world; sizes that do not divide by N raise ValueError
-    nb = load_lab()
+    nb = load(LAB)
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
         for e in EXERCISES
@@ -73,7 +80,7 @@ def test_hidden_tests_cover_the_issue():
 
 def test_groups_and_errors_are_exercised_visibly():
     # every requirement a hidden case checks is exercised at least once where the student sees it
-    nb = load_lab()
+    nb = load(LAB)
     visible = "\n".join(c.source.split("### BEGIN HIDDEN TESTS")[0] for c in nb.cells if c.cell_type == "code")
     assert visible.count("dist.new_subgroups(") >= 3, "groups in the self-checks of exercises 1-3"
     assert "ColumnParallelLinear(nn.Linear(4, 5))" in visible and "parallel_groups(3)" in visible
@@ -84,7 +91,7 @@ def test_groups_and_errors_are_exercised_visibly():
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
 
-    assert numbering_problems(load_lab()) == []
+    assert numbering_problems(load(LAB)) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,7 +214,7 @@ def train_2d(dense, batches, tp_size, lr):   # tensor parallelism over the world
     ],
 )
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
-    lab = load_lab()
+    lab = load(LAB)
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
     helpers = cell_by_id(lab, "test_helpers")
     nb = nbformat.v4.new_notebook(
@@ -221,7 +228,7 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
 @pytest.mark.slow
 def test_train_2d_is_graded_on_its_own():
     # a TensorParallelMLP without g fails exercise 3; the grader grades the correct train_2d with its own MLP
-    lab = load_lab()
+    lab = load(LAB)
     broken = cell_by_id(lab, "ex_tp_mlp").source.replace(
         "        return g(self.row(hidden), self.group)", "        return self.row(hidden)"
     )

@@ -14,7 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "disttrain_lab"
+from tests.helpers import REPO
+
+PACKAGE = REPO / "disttrain_lab"
 GRADING = "disttrain_lab.grading"
 TOP_FLOOR = "disttrain_lab.cli"
 
