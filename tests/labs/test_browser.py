@@ -2,6 +2,13 @@
 every solution notebook run through the UI in headless Chromium (Debian's package, driven
 by Playwright without a browser download), and a student notebook's stub.
 
+One server and one browser serve the whole module; each notebook gets a page (browser
+context) and a kernel of its own, opened as a student opens it (File → Open from Path…),
+run with Run → Run All Cells, saved with File → Save Notebook.  Most of the time is the
+notebooks running; JupyterLab loading in a fresh page (~5 s) is done in the background
+while the notebook before runs, and a finished notebook's kernel and ranks are shut down
+while the next notebook opens (before it runs: no lab runs beside another's kernel).
+
 Screenshots, one per lab, go to build/test-output/browser/ (or $DISTTRAIN_TEST_OUTPUT).
 """
 
@@ -14,6 +21,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -129,36 +137,105 @@ def browser():
 NB = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front (JupyterLab keeps others in the DOM)
 
 
-def _open(browser, server, path: str):
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(120_000)
-    # a workspace of its own: JupyterLab restores no other notebook (and starts no other kernel)
-    workspace = re.sub(r"\W", "-", path)
-    page.goto(f"{server['url']}/lab/workspaces/{workspace}/tree/{path}?token={server['token']}")
-    page.wait_for_selector(f"{NB} .jp-Notebook .jp-CodeCell")
-    # the status bar says "Python 3 (ipykernel) | Idle" once the kernel is connected; a run
-    # asked for while it still says Connecting or Unknown is lost
-    page.wait_for_function(
-        "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.textContent || '')",
-        timeout=180_000,
-        polling=500,
-    )
-    return page
+class _Pages:
+    """A fresh page per notebook from the module's one browser and server.  The page for the
+    next notebook loads JupyterLab (no notebook, so no kernel) while this one runs."""
+
+    def __init__(self, browser, server):
+        self.browser, self.server = browser, server
+        self.spare = None  # JupyterLab loading in a page of its own, for the next notebook
+        self.pages = 0
+        self.shutdowns: list[tuple[threading.Thread, list]] = []
+
+    def _load(self):
+        self.pages += 1
+        page = self.browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(120_000)
+        # a workspace of its own: JupyterLab restores no other notebook (and starts no other
+        # kernel); "commit" returns at once and the browser goes on loading JupyterLab
+        page.goto(
+            f"{self.server['url']}/lab/workspaces/page-{self.pages}?token={self.server['token']}", wait_until="commit"
+        )
+        return page
+
+    def open(self, path: str, another_follows: bool):
+        """Open ``path`` as a student does, in a fresh page, once its kernel is idle and the
+        notebook before has its kernel (and ranks) shut down."""
+        page, self.spare = self.spare or self._load(), None
+        try:
+            page.wait_for_selector(".jp-DirListing-item")  # JupyterLab is up: its file browser lists the root
+            _menu(page, "File", "Open from Path…")
+            dialog = page.locator(".jp-Dialog")
+            dialog.locator("input").fill(path)
+            dialog.locator(".jp-Dialog-button", has_text=re.compile("^Open$")).click()
+            page.wait_for_selector(f"{NB} .jp-Notebook .jp-CodeCell")
+            # the status bar says "Python 3 (ipykernel) | Idle" once the kernel is connected; a run
+            # asked for while it still says Connecting or Unknown is lost
+            page.wait_for_function(
+                "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.textContent || '')",
+                timeout=180_000,
+                polling=200,
+            )
+            self.wait_for_shutdowns()
+            kernels = self._api("/api/kernels")  # this notebook's: every earlier one is shut down
+            assert len(kernels) == 1, f"{path} would run beside other kernels: {kernels}"
+        except BaseException:
+            self.close(page, path)  # and the kernel it may have started
+            raise
+        if another_follows:
+            self.spare = self._load()
+        return page
+
+    def close(self, page, path: str) -> None:
+        """Close the page and shut its kernel down (its warm ranks with it) through the server's
+        API, in the background: the next notebook's open waits for it (wait_for_shutdowns)."""
+        page.close()
+        errors: list = []
+        thread = threading.Thread(target=self._shut_down, args=(path, errors), daemon=True)
+        thread.start()
+        self.shutdowns.append((thread, errors))
+
+    def _api(self, path: str, method: str = "GET"):
+        request = urllib.request.Request(
+            f"{self.server['url']}{path}", method=method, headers={"Authorization": f"token {self.server['token']}"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read() or b"null")
+
+    def _shut_down(self, path: str, errors: list) -> None:
+        try:
+            for session in self._api("/api/sessions"):
+                if session["path"] == path:
+                    self._api(f"/api/sessions/{session['id']}", method="DELETE")
+        except Exception as e:  # raised by wait_for_shutdowns, in the test that waits
+            errors.append(e)
+
+    def wait_for_shutdowns(self) -> None:
+        shutdowns, self.shutdowns = self.shutdowns, []
+        for thread, errors in shutdowns:
+            thread.join(150)
+            assert not thread.is_alive(), "a notebook's kernel did not shut down in 150 s"
+            if errors:
+                raise errors[0]
+
+    def finish(self) -> None:
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
+        self.wait_for_shutdowns()
 
 
-def _close(page, server, path: str) -> None:
-    """Close the page and shut its kernel down (its warm ranks with it), through the server's API."""
-    page.close()
-    headers = {"Authorization": f"token {server['token']}"}
-    with urllib.request.urlopen(urllib.request.Request(f"{server['url']}/api/sessions", headers=headers)) as r:
-        sessions = json.load(r)
-    for session in sessions:
-        if session["path"] == path:
-            urllib.request.urlopen(
-                urllib.request.Request(
-                    f"{server['url']}/api/sessions/{session['id']}", headers=headers, method="DELETE"
-                )
-            ).close()
+@pytest.fixture(scope="module")
+def pages(server, browser):
+    pool = _Pages(browser, server)
+    yield pool
+    pool.finish()  # before the browser closes and the server stops
+
+
+def _another_follows(request) -> bool:
+    """Whether a test of this module runs after this one (then the next page loads meanwhile)."""
+    items = request.session.items
+    return any(item.module is request.module for item in items[items.index(request.node) + 1 :])
 
 
 def _menu(page, menu: str, item: str) -> None:
@@ -176,7 +253,7 @@ def _run_all(page, timeout_s: float) -> None:
     page.wait_for_function(
         f"() => {{ const p = {_PROMPTS}; return p.includes('[*]:') || p.every(t => /^\\[\\d+\\]:$/.test(t)); }}"
     )
-    page.wait_for_function(f"() => !{_PROMPTS}.includes('[*]:')", timeout=timeout_s * 1000, polling=1000)
+    page.wait_for_function(f"() => !{_PROMPTS}.includes('[*]:')", timeout=timeout_s * 1000, polling=250)
 
 
 def _saved(page, path: Path) -> dict:
@@ -203,10 +280,10 @@ def _broken_images(page) -> int:
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_solution_runs_in_jupyterlab(lab, server, browser):
+def test_solution_runs_in_jupyterlab(lab, server, pages, request):
     OUTPUT.mkdir(parents=True, exist_ok=True)
     path = f"solutions/{lab}/{lab}.ipynb"
-    page = _open(browser, server, path)
+    page = pages.open(path, _another_follows(request))
     try:
         _run_all(page, LAB_TIMEOUT)
         nb = _saved(page, server["root"] / "solutions" / lab / f"{lab}.ipynb")
@@ -224,7 +301,7 @@ def test_solution_runs_in_jupyterlab(lab, server, browser):
             page.locator(f"{NB} .jp-OutputArea-output img").first.scroll_into_view_if_needed()
         page.screenshot(path=str(OUTPUT / f"{lab}.png"))
     finally:
-        _close(page, server, path)
+        pages.close(page, path)
 
 
 def _slider_changes_the_picture(page) -> None:
@@ -244,10 +321,10 @@ def _slider_changes_the_picture(page) -> None:
     assert "step 1/" in widget.inner_text() or widget.locator(".widget-readout").inner_text().strip() == "1"
 
 
-def test_student_stub_shows_the_kits_message(server, browser):
+def test_student_stub_shows_the_kits_message(pages, request):
     lab = "01_point_to_point"
     path = f"student/{lab}/{lab}.ipynb"
-    page = _open(browser, server, path)
+    page = pages.open(path, _another_follows(request))
     try:
         _run_all(page, LAB_TIMEOUT)  # stops at the first self-check: its exercise is a stub
         text = page.locator(f"{NB} .jp-OutputArea-output").all_inner_texts()
@@ -257,4 +334,4 @@ def test_student_stub_shows_the_kits_message(server, browser):
         page.locator(f"{NB} .jp-OutputArea-output", has_text="is not written yet").first.scroll_into_view_if_needed()
         page.screenshot(path=str(OUTPUT / f"student_{lab}.png"))
     finally:
-        _close(page, server, path)
+        pages.close(page, path)
