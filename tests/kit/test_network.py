@@ -9,7 +9,9 @@ on a single measurement.
 from __future__ import annotations
 
 import math
+import re
 import statistics
+import textwrap
 import time
 
 import pytest
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 import disttrain_lab as dl
 from disttrain_lab.network import collective_time
+from tests.helpers import run_python
 
 MiB = 1 << 20
 GBIT = dl.Network(latency=50e-6, bandwidth=1.25e8, name="1 Gbit/s")
@@ -261,11 +264,6 @@ def test_warm_ranks_forget_the_network_between_launches():
 
 @pytest.mark.slow
 def test_network_under_torchrun(tmp_path):
-    import re
-    import textwrap
-
-    from .helpers import run_python
-
     script = tmp_path / "emulated.py"
     script.write_text(
         textwrap.dedent("""

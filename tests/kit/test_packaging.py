@@ -12,6 +12,8 @@ import pytest
 import tomllib
 from packaging.version import Version
 
+from disttrain_lab.grading.install_source import build_wheel
+from tests.freshenv import canonical, fresh_venv, installed, requirements_of
 from tests.helpers import REPO
 
 
@@ -101,10 +103,6 @@ def test_student_dependencies_are_only_what_a_kernel_needs():
 
 @pytest.mark.slow
 def test_wheel_in_a_venv_with_only_torch_adds_student_deps_and_replaces_nothing(tmp_path):
-    from disttrain_lab.grading.install_source import build_wheel
-
-    from .freshenv import canonical, fresh_venv, installed, requirements_of
-
     wheel = build_wheel(REPO, tmp_path / "dist")
     python = fresh_venv(tmp_path / "venv", ["torch"])
     before = installed(python)
