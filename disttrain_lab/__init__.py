@@ -5,6 +5,7 @@ dl.launch(fn, 4)                    # run fn on 4 ranks, get their return values
 run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they made
 dl.launch(fn, 4, network=dl.Network.preset("1 Gbit Ethernet"))   # over an emulated link
 dl.viz.timeline(run)                # per-rank timeline of a real run
+dl.exercise.run("ping_pong", 2, inputs)   # a notebook's function, results and bytes as data (tests)
 """
 
 __version__ = "0.1.0"
@@ -18,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         "torch is already there."
     ) from exc
 
-from . import checks, integrity, models, network, trace, viz  # noqa: E402
+from . import checks, exercise, integrity, models, network, trace, viz, wire  # noqa: E402
 from .devices import device, doctor, plan  # noqa: E402
 from .launcher import LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
@@ -44,6 +45,7 @@ __all__ = [
     "viz",
     "trace",
     "checks",
+    "exercise",
     "models",
 ]
 

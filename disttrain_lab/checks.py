@@ -46,6 +46,8 @@ __all__ = [
     "assert_only_p2p",
     "sends",
     "receives",
+    "assert_traffic",
+    "WIRE_SLACK",
     "verify_untampered",
     "TamperingError",
     "SEND_OPS",
@@ -208,6 +210,45 @@ def assert_only_p2p(run: Run, exercise: str) -> None:
         f"{exercise} must be built from point-to-point calls only ({', '.join(P2P_OPS)}), "
         f"but it called the collective {found}. Replace it with sends and receives."
     )
+
+
+# What a run may move beyond its payload: gloo's header per message (72 B on torch 2.13) and
+# its hand-shake per connection (8 B), for the few messages of a test
+WIRE_SLACK = 4096
+
+
+def assert_traffic(run, expected: dict[tuple[int, int], int], case: str) -> None:
+    """Fail unless the bytes each rank sent each other rank, as the operating system counted
+    them (``run.traffic`` of a ``dl.exercise.run``), are the payload ``expected[(src, dst)]``
+    (0 for a pair not named) plus at most ``WIRE_SLACK`` of message headers.
+
+    >>> assert_traffic(run, {(0, 1): 4096, (1, 0): 4096}, "ping_pong on 2 ranks")
+    AssertionError: ping_pong on 2 ranks: rank 0 should send rank 1 4,096 bytes (its payload),
+    but the operating system counted 8 bytes ...
+    """
+    traffic = run.traffic
+    n = traffic.world_size
+    for src in range(n):
+        for dst in range(n):
+            if src == dst:
+                continue
+            want, got = expected.get((src, dst), 0), traffic.between(src, dst)
+            if want <= got <= want + WIRE_SLACK + want // 100:
+                continue
+            what = f"{want:,} bytes (its payload)" if want else "nothing"
+            raise AssertionError(
+                f"{case}: rank {src} should send rank {dst} {what}, but {_counted_by(traffic)} "
+                f"{got:,} bytes between them (all pairs: {traffic.describe()}). "
+                + (
+                    "Data that is returned without being sent does not count."
+                    if got < want
+                    else "Something moved that the exercise does not need."
+                )
+            )
+
+
+def _counted_by(traffic) -> str:
+    return "the operating system counted" if traffic.source == "os" else f"the ranks' own trace says ({traffic.source})"
 
 
 # --------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from .network import Network
 from .reports import LaunchError, RankDied, rank_error, timeout_error
 from .worker import STARTUP_TIMEOUT, worker_main
 
-__all__ = ["run", "shutdown", "MAX_OUTPUT_LINES"]
+__all__ = ["run", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
 
 MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
 
@@ -76,6 +76,13 @@ def shutdown() -> None:
         if _POOL is not None:
             _POOL.close()
             _POOL = None
+
+
+def worker_pids() -> list[int]:
+    """The process ids of the warm pool's ranks (rank k is the k-th), [] when there is none:
+    the ranks of the last launch, whose process group (and its sockets) is still up."""
+    with _POOL_LOCK:
+        return [w.pid for w in _POOL.workers] if _POOL is not None else []
 
 
 def _pool_for(world_size: int, chosen: Plan) -> _Pool:

@@ -25,9 +25,13 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
 
-from . import cell_times, guard, sandbox
+from . import cell_times, guard, remote, sandbox
 from .cells import grade_id, is_instructor_cell, is_test_cell
 from .config import REPO_ROOT, course_dir, source_dir
+
+# a test cell that runs the student's code through dl.exercise.run is graded in the grader kernel
+_RUNS_EXERCISES = re.compile(r"\bexercise\.run\(")
+KERNEL_EXCHANGE = "/tmp/.kernel/ipc"  # the sandboxed kernel's view of its socket folder (sandbox.py)
 
 
 def _error_output(ename: str, message: str) -> nbformat.NotebookNode:
@@ -91,6 +95,22 @@ _REPAIR_SHELL = (
 def _guard_call(function: str, names: list[str], *extra: str) -> str:
     args = ", ".join([repr(names), *map(repr, extra)])
     return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({args})"
+
+
+def _release_tests(lab: str | None) -> dict[str, str]:
+    """grade_id -> source of every test cell of the lab's release source (hidden tests in)."""
+    found: dict[str, str] = {}
+    if not lab:
+        return found
+    for path in sorted((source_dir() / lab).glob("*.ipynb")):
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except Exception:  # noqa: BLE001  (not a notebook: nothing to trust)
+            continue
+        for cell in nb.cells:
+            if cell.cell_type == "code" and is_test_cell(cell):
+                found[grade_id(cell)] = cell.source
+    return found
 
 
 def _growth(before: int | None, after: int | None) -> int | None:
@@ -169,9 +189,17 @@ class RobustExecute(Execute):
         self._cell_seconds: dict[str, float] = {}  # this run's time per cell (recorded for the solution)
         lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
+        self._release_tests = _release_tests(lab)
+        self._grader = None  # (manager, client) of the grader kernel, started at the first test that needs it
+        self._grader_dir = tempfile.mkdtemp(prefix="grader-")  # hidden from the sandbox with the temp dir
+        self._exchange = None
         try:
             return super().preprocess(nb, resources, km)
         finally:
+            self._stop_grader()
+            shutil.rmtree(self._grader_dir, ignore_errors=True)
+            if self._exchange and self.sandbox != "on":
+                shutil.rmtree(self._exchange, ignore_errors=True)
             self._write_notes(resources)
 
     def preprocess_cell(self, cell, resources, index):
@@ -190,6 +218,8 @@ class RobustExecute(Execute):
                 )
             ]
             return cell, self.resources
+        if self._on_grader(cell):
+            return self._run_on_grader(cell, index), self.resources
         names = _names_used(cell.source) if is_test_cell(cell) else []
         traffic = None
         if is_test_cell(cell):
@@ -362,6 +392,7 @@ class RobustExecute(Execute):
                     self._stop_kernel()
                 self.km = self.create_kernel_manager()
                 self.start_new_kernel()
+        self._tell_grader_kernel()
         self._guard_key = secrets.token_bytes(32)  # signs the guard's answers (guard.py)
         self._guard_ready = self._run_quietly(guard.program(self._guard_key), timeout=120) is not None
         return kc
@@ -412,6 +443,8 @@ class RobustExecute(Execute):
     def _record_instructor_names(self, index: int) -> None:
         if index not in self._instructor_cells:
             self._instructor_cells.append(index)
+            if self._grader is not None:
+                self._grader_quietly(self.nb.cells[index].source)
         names = _names_bound(self.nb.cells[index].source)
         if self._guard_ready and names:
             self._run_quietly("", timeout=30, expression=_guard_call("record", names))
@@ -428,6 +461,112 @@ class RobustExecute(Execute):
                 json.dump(
                     {"notes": self._notes, "sandbox": self.sandbox, "cell_seconds": self._cell_seconds}, f, indent=1
                 )
+
+    # -- the grader kernel: tests that never run in the student's kernel --------------------
+
+    def _on_grader(self, cell) -> bool:
+        """A test cell of the release (its source exactly the release's) of a lab whose tests
+        run the student's code through ``dl.exercise.run``: graded in the grader kernel."""
+        if not is_test_cell(cell) or not any(_RUNS_EXERCISES.search(s) for s in self._release_tests.values()):
+            return False
+        return self._release_tests.get(grade_id(cell)) == cell.source
+
+    def _tell_grader_kernel(self) -> None:
+        """Where the student's (new) kernel is, for the grader kernel's exercise runner."""
+        if not hasattr(self, "_grader_dir"):
+            return
+        if self.sandbox == "on":
+            host_dir, kernel_dir = os.path.dirname(self.km.ip), KERNEL_EXCHANGE
+        else:
+            if self._exchange is None:
+                self._exchange = tempfile.mkdtemp(prefix="exchange-")
+            host_dir = kernel_dir = self._exchange
+        remote.write_settings(
+            Path(self._grader_dir) / "student-kernel.json",
+            connection_file=self.km.connection_file,
+            kernel_pid=getattr(getattr(self.km, "provisioner", None), "pid", None),
+            host_dir=host_dir,
+            kernel_dir=kernel_dir,
+        )
+
+    def _start_grader(self) -> None:
+        """The grader kernel: the grader's own interpreter and kit, a fresh empty folder (no
+        submission on its path), the lab's locked set-up cells, then the exercise runner."""
+
+        async def start():
+            km = AsyncKernelManager(kernel_name=self.kernel_name or "python3")
+            folder = tempfile.mkdtemp(prefix="work-", dir=self._grader_dir)
+            await ensure_async(km.start_kernel(cwd=folder, extra_arguments=["--HistoryManager.enabled=False"]))
+            kc = km.client()
+            kc.start_channels()
+            await ensure_async(kc.wait_for_ready(timeout=self.startup_timeout))
+            return km, kc
+
+        self._grader = run_sync(start)()
+        for index in self._instructor_cells:
+            self._grader_quietly(self.nb.cells[index].source)
+        settings = str(Path(self._grader_dir) / "student-kernel.json")
+        self._grader_quietly(f"from disttrain_lab.grading import remote as _remote\n_remote.install({settings!r})\n")
+
+    def _grader_quietly(self, code: str) -> None:
+        km, kc = self._grader
+        student = self.km, self.kc
+        self.km, self.kc = km, kc
+        try:
+            self._run_quietly(code, timeout=120)
+        finally:
+            self.km, self.kc = student
+
+    def _stop_grader(self) -> None:
+        if self._grader is None:
+            return
+        km, kc = self._grader
+        self._grader = None
+
+        async def stop():
+            kc.stop_channels()
+            try:
+                await ensure_async(km.shutdown_kernel(now=True))
+            except Exception as exc:  # already gone
+                self.log.debug("stopping the grader kernel: %s", exc)
+
+        run_sync(stop)()
+
+    def _run_on_grader(self, cell, index: int):
+        """Run a test cell in the grader kernel; the student's kernel only serves the runs
+        the test asks for.  A student kernel left busy or dead is restarted afterwards."""
+        if self._grader is None:
+            self._start_grader()
+        key = cell_times.cell_key(cell)
+        remaining = self._deadline - time.monotonic()
+        limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
+        student, cell_timeout = (self.km, self.kc), self.timeout
+        self.km, self.kc = self._grader
+        self.timeout = limit
+        self._last_status = None
+        started = time.monotonic()
+        try:
+            cell = self.execute_cell(cell, index, store_history=False)
+        except (DeadKernelError, CellTimeoutError) as exc:
+            cell.outputs.append(
+                _error_output(
+                    type(exc).__name__, f"the test did not finish within {limit} s when graded; this exercise gets 0"
+                )
+            )
+            self.km, self.kc = student
+            self._stop_grader()
+        finally:
+            self.km, self.kc = student
+            self.timeout = cell_timeout
+            self._cell_seconds[key] = round(time.monotonic() - started, 3)
+        if self._last_status != "ok" and not any(o.output_type == "error" for o in cell.outputs):
+            cell.outputs.append(
+                _error_output("GradingError", f"the test did not pass (the kernel answered {self._last_status!r})")
+            )
+        _clamp_partial_credit(cell)
+        if not self._kernel_answers():  # busy with a run the test gave up on, or dead
+            self._restart_and_replay()
+        return cell
 
     # -- restart and replay ----------------------------------------------------------------
 

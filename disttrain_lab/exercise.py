@@ -1,0 +1,262 @@
+"""Running a student's exercise for a test, the same way in a notebook and under grading.
+
+A graded test asks for the student's function by name, with the inputs of every rank, and
+gets back only data::
+
+    run = dl.exercise.run("ping_pong", 2, [(data, 3), (torch.zeros(4), 3)], timeout=30)
+    run.results    # each rank's return value: tensors, numbers, strings, None, lists, tuples, dicts
+    run.traffic    # bytes each rank sent each other, counted by the operating system (wire.Traffic)
+    run.trace      # the ranks' own account of the call (a dl.Run): what they say they did
+
+In a notebook (self-checks, and the graded cells a student runs) ``run`` launches the function
+of that name defined in the notebook, with ``dl.launch``.  Under grading the test runs in a
+*grader kernel* that holds no student code: ``use_runner`` there makes ``run`` ask the
+student's kernel to do the same (``serve``), count the bytes from outside, and read back only
+data (``torch.load(..., weights_only=True)``), checked for type and size.  Either way the
+record crosses the same serialisation, so what passes in the notebook passes when graded.
+See docs/architecture.md, "Where a grade is decided".
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import pool, wire
+from .launcher import LaunchError, LaunchTimeout, launch
+from .trace import Event, Run, region, to_events
+
+__all__ = ["ExerciseRun", "ExerciseError", "ExerciseTimeout", "run", "serve", "use_runner", "MAX_RECORD_BYTES"]
+
+MAX_RECORD_BYTES = 64 * 2**20  # what one run may send back
+MAX_MESSAGE_CHARS = 20_000
+EVENT_FIELDS = 11  # trace.to_events' tuple
+
+
+class ExerciseError(AssertionError):
+    """The student's function failed on the ranks (the message says where), or returned
+    something that is not data."""
+
+
+class ExerciseTimeout(ExerciseError):
+    """The student's function did not finish in time on every rank (a deadlock?)."""
+
+
+@dataclass
+class ExerciseRun:
+    """What one run of a student's function gave back, as data (see the module docstring)."""
+
+    name: str
+    world_size: int
+    results: list
+    traffic: wire.Traffic
+    trace: Run
+
+    def __repr__(self) -> str:
+        return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
+
+
+Runner = Callable[[str, int, list, float], dict]
+
+
+def _run_here(name: str, world_size: int, inputs: list, timeout: float) -> dict:
+    """The record of one run in this kernel (the notebook's own), as the grader would get it."""
+    return loads(dumps(record(name, world_size, inputs, timeout)))
+
+
+_RUNNER: Runner = _run_here
+
+
+def use_runner(runner: Runner | None) -> None:
+    """Make ``run`` use ``runner(name, world_size, inputs, timeout) -> record`` (the grader's);
+    None: run in this kernel again."""
+    global _RUNNER
+    _RUNNER = runner or _run_here
+
+
+def run(name: str, world_size: int, inputs: Sequence | None = None, *, timeout: float = 30.0) -> ExerciseRun:
+    """Run the notebook's function ``name`` on ``world_size`` ranks; rank r calls it with
+    ``inputs[r]`` (a tuple of arguments; one tuple for all ranks when ``inputs`` is a tuple).
+
+    Raises ExerciseError when a rank raised or returned something that is not data, and
+    ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name must be the name of a function in the notebook, got {name!r}")
+    if inputs is None:
+        inputs = ()
+    per_rank = [tuple(inputs)] * world_size if isinstance(inputs, tuple) else [tuple(x) for x in inputs]
+    if len(per_rank) != world_size:
+        raise ValueError(f"inputs must hold one tuple of arguments per rank: {world_size} ranks, {len(per_rank)} given")
+    got = _RUNNER(name, world_size, per_rank, float(timeout))
+    return from_record(name, world_size, got)
+
+
+# --------------------------------------------------------------------------------------
+# The student's side: one run, and the grader's requests
+# --------------------------------------------------------------------------------------
+def _call(fn, inputs: list):
+    """What every rank runs: the student's function on this rank's inputs, marked."""
+    import torch.distributed as dist
+
+    with region("student"):
+        return fn(*inputs[dist.get_rank()])
+
+
+def _student_function(name: str):
+    fn = vars(sys.modules["__main__"]).get(name)
+    if fn is None:
+        raise ExerciseError(f"there is no function named {name!r} in the notebook: run the cell that defines it")
+    if not callable(fn):
+        raise ExerciseError(f"{name} should be a function, but in the notebook it is {type(fn).__name__} {fn!r:.60}")
+    return fn
+
+
+def _error(kind: str, message: str) -> dict:
+    return {"error": {"type": kind, "message": message[:MAX_MESSAGE_CHARS]}}
+
+
+def record(name: str, world_size: int, inputs: list, timeout: float) -> dict:
+    """Launch the notebook's ``name`` and describe the run as data: results, the ranks'
+    events inside the call, the ranks' process ids, and the bytes the OS counted."""
+    try:
+        fn = _student_function(name)
+        before = wire.snapshot() if wire.available() is None else None
+        result = launch(_call, world_size, fn, inputs, trace=True, timeout=timeout)
+        pids = pool.worker_pids()[:world_size]
+        after = wire.snapshot() if before is not None else None
+    except LaunchTimeout as exc:
+        return _error("ExerciseTimeout", f"{name} did not finish within {timeout:g} s on every rank:\n{exc}")
+    except LaunchError as exc:
+        return _error("ExerciseError", f"{name} failed on a rank:\n{exc}")
+    except ExerciseError as exc:
+        return _error("ExerciseError", str(exc))
+    events = [e for e in result.events if e.kind != "region"]
+    return {
+        "results": result.results,
+        "events": [
+            (e.rank, e.op, e.kind, e.start, e.end, e.peer, e.group, e.bytes, e.tag, e.name, dict(e.meta))
+            for e in events
+        ],
+        "pids": pids,
+        "matrix": wire.traffic(before, after, pids).matrix if after is not None else None,
+    }
+
+
+def dumps(rec: dict) -> bytes:
+    """``rec`` as bytes that ``loads`` reads without running code; a result that is not data
+    (a module, a function, a class of the notebook) becomes an error saying which rank."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(rec, buffer)
+        data = buffer.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:  # noqa: BLE001  (which result is the culprit is said below)
+        for rank, value in enumerate(rec.get("results") or []):
+            try:
+                probe = io.BytesIO()
+                torch.save(value, probe)
+                torch.load(io.BytesIO(probe.getvalue()), weights_only=True)
+            except Exception:  # noqa: BLE001
+                return dumps(
+                    _error(
+                        "ExerciseError",
+                        f"rank {rank} returned {type(value).__name__} {value!r:.80}: a test can only read "
+                        "back tensors, numbers, strings, None, and lists, tuples or dicts of them",
+                    )
+                )
+        return dumps(_error("ExerciseError", "the run's record could not be written as plain data"))
+    if len(data) > MAX_RECORD_BYTES:
+        return dumps(
+            _error(
+                "ExerciseError",
+                f"the ranks returned {len(data):,} bytes; a test reads back at most {MAX_RECORD_BYTES:,}",
+            )
+        )
+    return data
+
+
+def loads(data: bytes) -> dict:
+    """Read what ``dumps`` wrote (or anything claiming to be it) as data only."""
+    if len(data) > MAX_RECORD_BYTES:
+        return _error("ExerciseError", f"the record is {len(data):,} bytes, more than {MAX_RECORD_BYTES:,}")
+    try:
+        rec = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (anything else is not a record)
+        return _error("ExerciseError", f"the run's record could not be read as plain data ({type(exc).__name__})")
+    return rec if isinstance(rec, dict) else _error("ExerciseError", "the run's record is not a dict")
+
+
+def serve(request_path: str, record_path: str) -> None:
+    """Carry out one request of the grader in this (the student's) kernel: read the request
+    (name, world size, inputs, timeout) and write the run's record."""
+    with open(request_path, "rb") as f:
+        request = torch.load(f, weights_only=True)
+    data = dumps(record(request["name"], request["world_size"], request["inputs"], request["timeout"]))
+    partial = record_path + ".partial"
+    with open(partial, "wb") as f:
+        f.write(data)
+    os.replace(partial, record_path)
+
+
+# --------------------------------------------------------------------------------------
+# Reading a record (untrusted under grading: every field is checked)
+# --------------------------------------------------------------------------------------
+def from_record(name: str, world_size: int, rec: dict) -> ExerciseRun:
+    """The ExerciseRun a record describes; raises ExerciseError/ExerciseTimeout for an error
+    record or one that does not hold what a run gives back."""
+    error = rec.get("error")
+    if error is not None:
+        kind = error.get("type") if isinstance(error, dict) else None
+        message = str(error.get("message") if isinstance(error, dict) else error)[:MAX_MESSAGE_CHARS]
+        raise (ExerciseTimeout if kind == "ExerciseTimeout" else ExerciseError)(message)
+    results = rec.get("results")
+    if not isinstance(results, list) or len(results) != world_size:
+        raise ExerciseError(f"{name}: expected one result per rank ({world_size}), got {type(results).__name__}")
+    events = [e for e in rec.get("events") or [] if _plain_event(e, world_size)]
+    matrix = rec.get("matrix")
+    if _plain_matrix(matrix, world_size):
+        traffic = wire.Traffic(matrix=matrix)
+    else:  # not counted (no `ss` here): what the ranks' own sends say
+        traffic = wire.Traffic(matrix=[[0] * world_size for _ in range(world_size)], source="trace")
+        for e in to_events(events):
+            if e.kind == "p2p" and e.op in ("send", "isend") and e.peer is not None:
+                traffic.matrix[e.rank][e.peer] += e.bytes
+    return ExerciseRun(
+        name=name,
+        world_size=world_size,
+        results=results,
+        traffic=traffic,
+        trace=Run(results=results, events=to_events(events), world_size=world_size),
+    )
+
+
+def _plain_event(e, world_size: int) -> bool:
+    return (
+        isinstance(e, tuple)
+        and len(e) == EVENT_FIELDS
+        and isinstance(e[0], int)
+        and 0 <= e[0] < world_size
+        and all(isinstance(e[i], str) for i in (1, 2, 9))
+        and all(isinstance(e[i], (int, float)) for i in (3, 4, 7))
+        and (e[5] is None or isinstance(e[5], int))
+        and (e[6] is None or (isinstance(e[6], tuple) and all(isinstance(r, int) for r in e[6])))
+        and (e[8] is None or isinstance(e[8], int))
+        and isinstance(e[10], dict)
+    )
+
+
+def _plain_matrix(matrix, world_size: int) -> bool:
+    return (
+        isinstance(matrix, list)
+        and len(matrix) == world_size
+        and all(
+            isinstance(row, list) and len(row) == world_size and all(type(n) is int and n >= 0 for n in row)
+            for row in matrix
+        )
+    )
+
