@@ -7,6 +7,7 @@ gets back only data::
     run.results    # each rank's return value: tensors, numbers, strings, None, lists, tuples, dicts
     run.traffic    # bytes each rank sent each other, counted by the operating system (wire.Traffic)
     run.trace      # the ranks' own account of the call (a dl.Run): what they say they did
+    run.inputs_after   # each rank's arguments as the call left them (in-place exercises)
 
 In a notebook (self-checks, and the graded cells a student runs) ``run`` launches the function
 of that name defined in the notebook, with ``dl.launch``.  Under grading the test runs in a
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import pool, wire
-from .launcher import LaunchError, LaunchTimeout, launch
+from .launcher import LaunchError, LaunchTimeout, RankError, launch
 from .trace import Event, Run, region, to_events
 
 __all__ = ["ExerciseRun", "ExerciseError", "ExerciseTimeout", "run", "serve", "use_runner", "MAX_RECORD_BYTES"]
@@ -40,7 +41,12 @@ EVENT_FIELDS = 11  # trace.to_events' tuple
 
 class ExerciseError(AssertionError):
     """The student's function failed on the ranks (the message says where), or returned
-    something that is not data."""
+    something that is not data.  ``exc_type`` and ``exc_message``: what a rank raised, when
+    one did (e.g. "ValueError"), else None."""
+
+    def __init__(self, message: str, exc_type: str | None = None, exc_message: str | None = None):
+        super().__init__(message)
+        self.exc_type, self.exc_message = exc_type, exc_message
 
 
 class ExerciseTimeout(ExerciseError):
@@ -56,6 +62,7 @@ class ExerciseRun:
     results: list
     traffic: wire.Traffic
     trace: Run
+    inputs_after: list  # rank r's arguments as the call left them (in-place work shows here)
 
     def __repr__(self) -> str:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
@@ -100,11 +107,14 @@ def run(name: str, world_size: int, inputs: Sequence | None = None, *, timeout: 
 # The student's side: one run, and the grader's requests
 # --------------------------------------------------------------------------------------
 def _call(fn, inputs: list):
-    """What every rank runs: the student's function on this rank's inputs, marked."""
+    """What every rank runs: the student's function on this rank's inputs, marked; its result
+    and the inputs as the call left them (an in-place exercise changes them)."""
     import torch.distributed as dist
 
+    mine = inputs[dist.get_rank()]
     with region("student"):
-        return fn(*inputs[dist.get_rank()])
+        result = fn(*mine)
+    return result, mine
 
 
 def _student_function(name: str):
@@ -116,8 +126,11 @@ def _student_function(name: str):
     return fn
 
 
-def _error(kind: str, message: str) -> dict:
-    return {"error": {"type": kind, "message": message[:MAX_MESSAGE_CHARS]}}
+def _error(kind: str, message: str, exc_type: str | None = None, exc_message: str | None = None) -> dict:
+    error = {"type": kind, "message": message[:MAX_MESSAGE_CHARS]}
+    if exc_type is not None:
+        error.update(exc_type=str(exc_type)[:200], exc_message=str(exc_message)[:MAX_MESSAGE_CHARS])
+    return {"error": error}
 
 
 def record(name: str, world_size: int, inputs: list, timeout: float) -> dict:
@@ -131,13 +144,16 @@ def record(name: str, world_size: int, inputs: list, timeout: float) -> dict:
         after = wire.snapshot() if before is not None else None
     except LaunchTimeout as exc:
         return _error("ExerciseTimeout", f"{name} did not finish within {timeout:g} s on every rank:\n{exc}")
+    except RankError as exc:
+        return _error("ExerciseError", f"{name} failed on a rank:\n{exc}", exc.exc_type, exc.exc_message)
     except LaunchError as exc:
         return _error("ExerciseError", f"{name} failed on a rank:\n{exc}")
     except ExerciseError as exc:
         return _error("ExerciseError", str(exc))
     events = [e for e in result.events if e.kind != "region"]
     return {
-        "results": result.results,
+        "results": [r for r, _ in result.results],
+        "inputs_after": [list(after) for _, after in result.results],
         "events": [
             (e.rank, e.op, e.kind, e.start, e.end, e.peer, e.group, e.bytes, e.tag, e.name, dict(e.meta))
             for e in events
@@ -211,12 +227,22 @@ def from_record(name: str, world_size: int, rec: dict) -> ExerciseRun:
     record or one that does not hold what a run gives back."""
     error = rec.get("error")
     if error is not None:
-        kind = error.get("type") if isinstance(error, dict) else None
-        message = str(error.get("message") if isinstance(error, dict) else error)[:MAX_MESSAGE_CHARS]
-        raise (ExerciseTimeout if kind == "ExerciseTimeout" else ExerciseError)(message)
+        error = error if isinstance(error, dict) else {"message": error}
+        message = str(error.get("message"))[:MAX_MESSAGE_CHARS]
+        if error.get("type") == "ExerciseTimeout":
+            raise ExerciseTimeout(message)
+        exc_type, exc_message = error.get("exc_type"), error.get("exc_message")
+        raise ExerciseError(
+            message,
+            str(exc_type)[:200] if exc_type is not None else None,
+            str(exc_message)[:MAX_MESSAGE_CHARS] if exc_message is not None else None,
+        )
     results = rec.get("results")
     if not isinstance(results, list) or len(results) != world_size:
         raise ExerciseError(f"{name}: expected one result per rank ({world_size}), got {type(results).__name__}")
+    inputs_after = rec.get("inputs_after")
+    if not isinstance(inputs_after, list) or len(inputs_after) != world_size:
+        raise ExerciseError(f"{name}: expected each rank's inputs after the call, got {type(inputs_after).__name__}")
     events = [e for e in rec.get("events") or [] if _plain_event(e, world_size)]
     matrix = rec.get("matrix")
     if _plain_matrix(matrix, world_size):
@@ -232,6 +258,7 @@ def from_record(name: str, world_size: int, rec: dict) -> ExerciseRun:
         results=results,
         traffic=traffic,
         trace=Run(results=results, events=to_events(events), world_size=world_size),
+        inputs_after=[tuple(x) if isinstance(x, list) else () for x in inputs_after],
     )
 
 

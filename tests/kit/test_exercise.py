@@ -1,0 +1,150 @@
+"""dl.exercise.run: a notebook's function run on ranks, read back as data only, with the bytes
+between ranks counted by the operating system (disttrain_lab/wire.py), not by the ranks."""
+
+from __future__ import annotations
+
+import __main__
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from disttrain_lab import checks, exercise, wire
+
+pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
+
+
+def _ping_pong(x, repeats):
+    rank = dist.get_rank()
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(x, dst=1)
+            dist.recv(x, src=1)
+        elif rank == 1:
+            dist.recv(x, src=0)
+            dist.send(x, dst=0)
+    return x
+
+
+def _forged(x, repeats):
+    """Rank 1 'receives' without anything being sent: the data is made up locally, and the
+    trace is padded with the sends and receives the test wants to see."""
+    from disttrain_lab import trace
+
+    if dist.get_rank() == 1:
+        x = torch.arange(float(x.numel()))
+    return x, trace  # (the trace module: not data)
+
+
+def _made_up(x, repeats):
+    return torch.arange(float(x.numel())) if dist.get_rank() == 1 else x
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/disttrain-exercise-evil",))
+
+
+class _NotData:
+    pass
+
+
+def _evil(x, repeats):
+    return _NotData()
+
+
+def _stuck(x, repeats):
+    if dist.get_rank() == 1:
+        dist.recv(x, src=0)  # rank 0 never sends
+    return x
+
+
+@pytest.fixture(autouse=True)
+def notebook_functions(monkeypatch):
+    """The functions above, as if a notebook's cells had defined them."""
+    for fn in (_ping_pong, _forged, _made_up, _evil, _stuck):
+        monkeypatch.setattr(__main__, fn.__name__.lstrip("_"), fn, raising=False)
+    yield
+
+
+def _inputs(numel: int, repeats: int):
+    return [(torch.arange(float(numel)), repeats), (torch.zeros(numel), repeats)]
+
+
+def test_results_come_back_as_data_and_the_os_counts_each_pair():
+    run = exercise.run("ping_pong", 2, _inputs(4096, 3), timeout=30)
+    checks.assert_close(run.results[1], torch.arange(4096.0), what="rank 1")
+    assert run.traffic.source == "os"
+    payload = 3 * 4096 * 4
+    checks.assert_traffic(run, {(0, 1): payload, (1, 0): payload}, "ping_pong")
+    assert run.trace.bytes_sent(0) == payload  # the ranks' own account agrees
+    assert [e.op for e in run.trace.by_rank(0) if e.kind == "p2p"] == ["send", "recv"] * 3
+    checks.assert_close(run.inputs_after[1][0], torch.arange(4096.0), what="rank 1's x after the call")
+
+
+def test_a_result_made_up_without_sending_fails_on_the_counted_bytes():
+    run = exercise.run("made_up", 2, _inputs(4096, 1), timeout=30)
+    checks.assert_close(run.results[1], torch.arange(4096.0), what="rank 1")  # the values are right ...
+    with pytest.raises(AssertionError, match="operating system counted"):  # ... but nothing moved
+        checks.assert_traffic(run, {(0, 1): 4096 * 4, (1, 0): 4096 * 4}, "made_up")
+
+
+def test_what_is_not_data_is_an_error_and_never_unpickled(tmp_path):
+    marker = "/tmp/disttrain-exercise-evil"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    with pytest.raises(exercise.ExerciseError, match="rank 0 returned _NotData"):
+        exercise.run("evil", 2, _inputs(4, 1), timeout=30)
+    with pytest.raises(exercise.ExerciseError, match="returned tuple"):
+        exercise.run("forged", 2, _inputs(4, 1), timeout=30)
+    assert not os.path.exists(marker)
+    # a record written by anyone else is read as data only, too
+    import io
+    import pickle
+
+    buffer = io.BytesIO()
+    torch.save({"results": [_Evil(), 1]}, buffer, pickle_module=pickle)
+    assert "error" in exercise.loads(buffer.getvalue())
+    assert not os.path.exists(marker)
+
+
+def test_errors_and_timeouts_say_what_happened():
+    with pytest.raises(exercise.ExerciseTimeout, match="did not finish within 3 s"):
+        exercise.run("stuck", 2, _inputs(4, 1), timeout=3)
+    with pytest.raises(exercise.ExerciseError, match="no function named 'nowhere'"):
+        exercise.run("nowhere", 2)
+    with pytest.raises(ValueError, match="one tuple of arguments per rank"):
+        exercise.run("ping_pong", 3, _inputs(4, 1))
+
+
+def test_records_that_do_not_hold_a_run_are_refused():
+    with pytest.raises(exercise.ExerciseError, match="one result per rank"):
+        exercise.from_record("f", 2, {"results": [1]})
+    run = exercise.from_record(
+        "f",
+        2,
+        {"results": [1, 2], "inputs_after": [[], []], "events": [("not", "an", "event")], "matrix": [[0, -5], [1, 0]]},
+    )
+    assert run.trace.events == [] and run.traffic.source == "trace"  # a bad matrix is not believed
+
+
+SS_OUTPUT = """\
+0      0               127.0.0.1:44671          127.0.0.1:34618 users:(("python",pid=20,fd=14))
+\t bbr wscale:10,10 bytes_sent:819632 bytes_retrans:32768 bytes_acked:786604 bytes_received:786872 segs_out:36
+0      0               127.0.0.1:34618          127.0.0.1:44671 users:(("python",pid=10,fd=24))
+\t bbr wscale:10,10 bytes_sent:786872 bytes_acked:786873 bytes_received:786864 segs_out:37
+0      0      [::ffff:127.0.0.1]:29533 [::ffff:127.0.0.1]:49646 users:(("python",pid=5,fd=18))
+\t bbr bytes_sent:576 bytes_acked:576 bytes_received:586
+0      0      [::ffff:127.0.0.1]:49646 [::ffff:127.0.0.1]:29533 users:(("python",pid=20,fd=8))
+\t bbr bytes_sent:626 bytes_received:576
+"""
+
+
+def test_ss_output_is_read_per_connection_and_only_between_ranks():
+    sockets = wire.parse(SS_OUTPUT)
+    assert sockets[("127.0.0.1:34618", "127.0.0.1:44671")].received == 786864
+    moved = wire.traffic({}, sockets, pids=[10, 20])
+    assert moved.matrix == [[0, 786872], [786864, 0]]  # the store (pid 5) is not a rank
+    before = {k: wire.Socket(s.pid, s.local, s.peer, s.received - 100) for k, s in sockets.items()}
+    assert wire.traffic(before, sockets, pids=[10, 20]).matrix == [[0, 100], [100, 0]]
