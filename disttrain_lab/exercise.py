@@ -20,9 +20,11 @@ See docs/architecture.md, "Where a grade is decided".
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ import torch
 
 from . import pool, wire
 from .launcher import LaunchError, LaunchTimeout, RankError, launch
-from .trace import Event, Run, region, to_events
+from .trace import Run, region, to_events
 
 __all__ = ["ExerciseRun", "ExerciseError", "ExerciseTimeout", "run", "serve", "use_runner", "MAX_RECORD_BYTES"]
 
@@ -68,39 +70,64 @@ class ExerciseRun:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
 
 
-Runner = Callable[[str, int, list, float], dict]
+Runner = Callable[[str | dict, int, list, float], dict]
 
 
-def _run_here(name: str, world_size: int, inputs: list, timeout: float) -> dict:
+def _run_here(target: str | dict, world_size: int, inputs: list, timeout: float) -> dict:
     """The record of one run in this kernel (the notebook's own), as the grader would get it."""
-    return loads(dumps(record(name, world_size, inputs, timeout)))
+    return loads(dumps(record(target, world_size, inputs, timeout)))
 
 
 _RUNNER: Runner = _run_here
 
 
 def use_runner(runner: Runner | None) -> None:
-    """Make ``run`` use ``runner(name, world_size, inputs, timeout) -> record`` (the grader's);
-    None: run in this kernel again."""
+    """Make ``run`` use ``runner(target, world_size, inputs, timeout) -> record`` (the grader's);
+    None: run in this kernel again.  ``target``: a function's name, or a driver
+    ``{"name": ..., "source": ...}`` (see ``run``)."""
     global _RUNNER
     _RUNNER = runner or _run_here
 
 
-def run(name: str, world_size: int, inputs: Sequence | None = None, *, timeout: float = 30.0) -> ExerciseRun:
-    """Run the notebook's function ``name`` on ``world_size`` ranks; rank r calls it with
-    ``inputs[r]`` (a tuple of arguments; one tuple for all ranks when ``inputs`` is a tuple).
+def run(
+    target: str | Callable, world_size: int, inputs: Sequence | None = None, *, timeout: float = 30.0
+) -> ExerciseRun:
+    """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
+    arguments; one tuple for all ranks when ``inputs`` is a tuple).
+
+    ``target``: the name of a function of the notebook (``"ping_pong"``), or a *driver*: a
+    function defined at the top of a test cell that calls the notebook's code by name
+    (``def _train(steps): opt = Zero1Optimizer(...); ...``).  A driver runs where the student's
+    code runs, next to it: under grading its source is sent to the student's kernel and
+    defined there, so what it returns is data like any result, and its references belong in
+    the test, outside it.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"name must be the name of a function in the notebook, got {name!r}")
+    if callable(target):
+        name, target = target.__name__, _driver(target)
+    elif isinstance(target, str) and target.isidentifier():
+        name = target
+    else:
+        raise ValueError(f"target must be the name of a function in the notebook, or a function, got {target!r}")
     if inputs is None:
         inputs = ()
     per_rank = [tuple(inputs)] * world_size if isinstance(inputs, tuple) else [tuple(x) for x in inputs]
     if len(per_rank) != world_size:
         raise ValueError(f"inputs must hold one tuple of arguments per rank: {world_size} ranks, {len(per_rank)} given")
-    got = _RUNNER(name, world_size, per_rank, float(timeout))
+    got = _RUNNER(target, world_size, per_rank, float(timeout))
     return from_record(name, world_size, got)
+
+
+def _driver(fn: Callable) -> dict:
+    """A test's driver function as what crosses to the student's kernel: its name and source."""
+    if fn.__name__ == "<lambda>" or "<locals>" in fn.__qualname__:
+        raise ValueError(f"a driver must be a function defined at the top level of a cell, not {fn.__qualname__}")
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as exc:
+        raise ValueError(f"the source of {fn.__name__} cannot be read ({exc}): define it in a cell") from None
+    return {"name": fn.__name__, "source": source}
 
 
 # --------------------------------------------------------------------------------------
@@ -117,8 +144,16 @@ def _call(fn, inputs: list):
     return result, mine
 
 
-def _student_function(name: str):
-    fn = vars(sys.modules["__main__"]).get(name)
+def _student_function(target: str | dict):
+    """The notebook's function ``target``, or the driver ``target`` defined among the
+    notebook's names (so that it calls the notebook's code)."""
+    namespace = vars(sys.modules["__main__"])
+    if isinstance(target, dict):
+        name, source = str(target.get("name")), str(target.get("source"))
+        exec(compile(source, f"<test driver {name}>", "exec"), namespace)  # noqa: S102  (the grader's own code)
+        target = name
+    name = target
+    fn = namespace.get(name)
     if fn is None:
         raise ExerciseError(f"there is no function named {name!r} in the notebook: run the cell that defines it")
     if not callable(fn):
@@ -133,11 +168,13 @@ def _error(kind: str, message: str, exc_type: str | None = None, exc_message: st
     return {"error": error}
 
 
-def record(name: str, world_size: int, inputs: list, timeout: float) -> dict:
-    """Launch the notebook's ``name`` and describe the run as data: results, the ranks'
-    events inside the call, the ranks' process ids, and the bytes the OS counted."""
+def record(target: str | dict, world_size: int, inputs: list, timeout: float) -> dict:
+    """Launch the notebook's ``target`` (a name, or a driver) and describe the run as data:
+    results, the ranks' events inside the call, the ranks' process ids, and the bytes the OS
+    counted."""
+    name = target if isinstance(target, str) else str(target.get("name"))
     try:
-        fn = _student_function(name)
+        fn = _student_function(target)
         before = wire.snapshot() if wire.available() is None else None
         result = launch(_call, world_size, fn, inputs, trace=True, timeout=timeout)
         pids = pool.worker_pids()[:world_size]
@@ -209,10 +246,10 @@ def loads(data: bytes) -> dict:
 
 def serve(request_path: str, record_path: str) -> None:
     """Carry out one request of the grader in this (the student's) kernel: read the request
-    (name, world size, inputs, timeout) and write the run's record."""
+    (target, world size, inputs, timeout) and write the run's record."""
     with open(request_path, "rb") as f:
         request = torch.load(f, weights_only=True)
-    data = dumps(record(request["name"], request["world_size"], request["inputs"], request["timeout"]))
+    data = dumps(record(request["target"], request["world_size"], request["inputs"], request["timeout"]))
     partial = record_path + ".partial"
     with open(partial, "wb") as f:
         f.write(data)
@@ -286,4 +323,3 @@ def _plain_matrix(matrix, world_size: int) -> bool:
             for row in matrix
         )
     )
-

@@ -72,12 +72,7 @@ class Traffic:
         return sum(map(sum, self.matrix))
 
     def describe(self) -> str:
-        pairs = [
-            f"{a}->{b}: {n:,} B"
-            for a, row in enumerate(self.matrix)
-            for b, n in enumerate(row)
-            if n
-        ]
+        pairs = [f"{a}->{b}: {n:,} B" for a, row in enumerate(self.matrix) for b, n in enumerate(row) if n]
         return ", ".join(pairs) or "no bytes between ranks"
 
 
@@ -143,9 +138,7 @@ def parse(text: str) -> dict[tuple[str, str], Socket]:
     return found
 
 
-def traffic(
-    before: dict[tuple[str, str], Socket], after: dict[tuple[str, str], Socket], pids: list[int]
-) -> Traffic:
+def traffic(before: dict[tuple[str, str], Socket], after: dict[tuple[str, str], Socket], pids: list[int]) -> Traffic:
     """What moved between the processes ``pids`` (rank r is ``pids[r]``) from ``before`` to
     ``after``.  A connection that is new in ``after`` counts whole; one that was already there
     counts its growth.  Connections to anything that is not a rank (the launcher's store) are

@@ -6,8 +6,9 @@ runs in the student's (sandboxed) kernel, and only data comes back.
 ``install(settings_path)``.  From then on ``dl.exercise.run(name, n, inputs)`` in a test
 cell here:
 
-1. writes the request (name, world size, inputs, timeout) with ``torch.save`` into a folder
-   the student's kernel can read (its socket folder, bound into its sandbox);
+1. writes the request (the function's name or a test's driver source, world size, inputs,
+   timeout) with ``torch.save`` into a folder the student's kernel can read (its socket
+   folder, bound into its sandbox), as a new file (``O_EXCL | O_NOFOLLOW``);
 2. reads every TCP socket of the student's network namespace (``wire.snapshot``, from
    outside: ``nsenter`` + ``ss``);
 3. asks the student's kernel, over its own Jupyter channels, to run
@@ -27,6 +28,7 @@ student's kernel is (re)started.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
@@ -152,14 +154,19 @@ class RemoteRunner:
             self.client, self.connection = client, connection_file
         return self.client
 
-    def __call__(self, name: str, world_size: int, inputs: list, timeout: float) -> dict:
+    def __call__(self, target: str | dict, world_size: int, inputs: list, timeout: float) -> dict:
+        name = target if isinstance(target, str) else target["name"]
         settings = json.loads(self.settings_path.read_text())
         client = self._client(settings["connection_file"])
         token = secrets.token_hex(8)
         host_dir, kernel_dir = Path(settings["host_dir"]), settings["kernel_dir"]
         request, record = host_dir / f"request-{token}.pt", host_dir / f"record-{token}.pt"
-        torch.save({"name": name, "world_size": world_size, "inputs": inputs, "timeout": timeout}, request)
-        os.chmod(request, 0o644)
+        buffer = io.BytesIO()
+        torch.save({"target": target, "world_size": world_size, "inputs": inputs, "timeout": timeout}, buffer)
+        # a new file (O_EXCL, no link followed) in a folder the student's kernel can write to
+        fd = os.open(request, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getvalue())
         inside = _namespace_process(settings.get("kernel_pid"), "net")
         try:
             before = wire.snapshot(inside)

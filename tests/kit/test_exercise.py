@@ -3,13 +3,13 @@ between ranks counted by the operating system (disttrain_lab/wire.py), not by th
 
 from __future__ import annotations
 
-import __main__
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import __main__
 from disttrain_lab import checks, exercise, wire
 
 pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
@@ -65,7 +65,15 @@ def notebook_functions(monkeypatch):
     """The functions above, as if a notebook's cells had defined them."""
     for fn in (_ping_pong, _forged, _made_up, _evil, _stuck):
         monkeypatch.setattr(__main__, fn.__name__.lstrip("_"), fn, raising=False)
+    for name, module in (("torch", torch), ("dist", dist)):  # what a lab's set-up cell imports
+        monkeypatch.setattr(__main__, name, module, raising=False)
     yield
+
+
+def _drive_ping_pong(numel, repeats):
+    """A test's driver: builds the input in the rank, calls the notebook's function by name."""
+    x = torch.arange(float(numel)) if dist.get_rank() == 0 else torch.zeros(numel)
+    return ping_pong(x, repeats).sum().item()  # noqa: F821  (the notebook's, when it runs)
 
 
 def _inputs(numel: int, repeats: int):
@@ -81,6 +89,14 @@ def test_results_come_back_as_data_and_the_os_counts_each_pair():
     assert run.trace.bytes_sent(0) == payload  # the ranks' own account agrees
     assert [e.op for e in run.trace.by_rank(0) if e.kind == "p2p"] == ["send", "recv"] * 3
     checks.assert_close(run.inputs_after[1][0], torch.arange(4096.0), what="rank 1's x after the call")
+
+
+def test_a_driver_runs_next_to_the_notebooks_code_from_its_source():
+    run = exercise.run(_drive_ping_pong, 2, (1024, 2), timeout=30)
+    assert run.results == [float(sum(range(1024)))] * 2
+    checks.assert_traffic(run, {(0, 1): 2 * 4096, (1, 0): 2 * 4096}, "driver")
+    with pytest.raises(ValueError, match="defined at the top level"):
+        exercise.run(lambda: 1, 2)
 
 
 def test_a_result_made_up_without_sending_fails_on_the_counted_bytes():
