@@ -20,6 +20,7 @@ See docs/architecture.md, "Where a grade is decided".
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import os
@@ -32,6 +33,7 @@ import torch
 
 from . import pool, wire
 from .launcher import LaunchError, LaunchTimeout, RankError, launch
+from .network import Network
 from .trace import Run, region, to_events
 
 __all__ = ["ExerciseRun", "ExerciseError", "ExerciseTimeout", "run", "serve", "use_runner", "MAX_RECORD_BYTES"]
@@ -70,19 +72,20 @@ class ExerciseRun:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
 
 
-Runner = Callable[[str | dict, int, list, float], dict]
+Runner = Callable[[str | dict, int, list, dict], dict]
 
 
-def _run_here(target: str | dict, world_size: int, inputs: list, timeout: float) -> dict:
+def _run_here(target: str | dict, world_size: int, inputs: list, options: dict) -> dict:
     """The record of one run in this kernel (the notebook's own), as the grader would get it."""
-    return loads(dumps(record(target, world_size, inputs, timeout)))
+    return loads(dumps(record(target, world_size, inputs, options)))
 
 
 _RUNNER: Runner = _run_here
 
 
 def use_runner(runner: Runner | None) -> None:
-    """Make ``run`` use ``runner(target, world_size, inputs, timeout) -> record`` (the grader's);
+    """Make ``run`` use ``runner(target, world_size, inputs, options) -> record`` (the grader's;
+    options: timeout, device, network as plain data);
     None: run in this kernel again.  ``target``: a function's name, or a driver
     ``{"name": ..., "source": ...}`` (see ``run``)."""
     global _RUNNER
@@ -90,7 +93,13 @@ def use_runner(runner: Runner | None) -> None:
 
 
 def run(
-    target: str | Callable, world_size: int, inputs: Sequence | None = None, *, timeout: float = 30.0
+    target: str | Callable,
+    world_size: int,
+    inputs: Sequence | None = None,
+    *,
+    timeout: float = 30.0,
+    device: str | None = None,
+    network: Network | None = None,
 ) -> ExerciseRun:
     """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
     arguments; one tuple for all ranks when ``inputs`` is a tuple).
@@ -101,6 +110,8 @@ def run(
     code runs, next to it: under grading its source is sent to the student's kernel and
     defined there, so what it returns is data like any result, and its references belong in
     the test, outside it.
+
+    ``device`` and ``network`` are ``dl.launch``'s.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
@@ -115,8 +126,23 @@ def run(
     per_rank = [tuple(inputs)] * world_size if isinstance(inputs, tuple) else [tuple(x) for x in inputs]
     if len(per_rank) != world_size:
         raise ValueError(f"inputs must hold one tuple of arguments per rank: {world_size} ranks, {len(per_rank)} given")
-    got = _RUNNER(target, world_size, per_rank, float(timeout))
+    options = {"timeout": float(timeout), "device": device, "network": _network_fields(network)}
+    got = _RUNNER(target, world_size, per_rank, options)
     return from_record(name, world_size, got)
+
+
+def _network_fields(network: Network | None) -> dict | None:
+    """A dl.Network as plain data (it crosses to the student's kernel with the request)."""
+    if network is None:
+        return None
+    return dataclasses.asdict(network)
+
+
+def _network(fields: dict | None) -> Network | None:
+    if fields is None:
+        return None
+    inter = fields.get("inter")
+    return Network(**{**fields, "inter": Network(**inter) if inter else None})
 
 
 def _driver(fn: Callable) -> dict:
@@ -168,15 +194,25 @@ def _error(kind: str, message: str, exc_type: str | None = None, exc_message: st
     return {"error": error}
 
 
-def record(target: str | dict, world_size: int, inputs: list, timeout: float) -> dict:
+def record(target: str | dict, world_size: int, inputs: list, options: dict) -> dict:
     """Launch the notebook's ``target`` (a name, or a driver) and describe the run as data:
     results, the ranks' events inside the call, the ranks' process ids, and the bytes the OS
     counted."""
     name = target if isinstance(target, str) else str(target.get("name"))
+    timeout = options["timeout"]
     try:
         fn = _student_function(target)
         before = wire.snapshot() if wire.available() is None else None
-        result = launch(_call, world_size, fn, inputs, trace=True, timeout=timeout)
+        result = launch(
+            _call,
+            world_size,
+            fn,
+            inputs,
+            trace=True,
+            timeout=timeout,
+            device=options.get("device"),
+            network=_network(options.get("network")),
+        )
         pids = pool.worker_pids()[:world_size]
         after = wire.snapshot() if before is not None else None
     except LaunchTimeout as exc:
@@ -246,10 +282,10 @@ def loads(data: bytes) -> dict:
 
 def serve(request_path: str, record_path: str) -> None:
     """Carry out one request of the grader in this (the student's) kernel: read the request
-    (target, world size, inputs, timeout) and write the run's record."""
+    (target, world size, inputs, options) and write the run's record."""
     with open(request_path, "rb") as f:
         request = torch.load(f, weights_only=True)
-    data = dumps(record(request["target"], request["world_size"], request["inputs"], request["timeout"]))
+    data = dumps(record(request["target"], request["world_size"], request["inputs"], request["options"]))
     partial = record_path + ".partial"
     with open(partial, "wb") as f:
         f.write(data)

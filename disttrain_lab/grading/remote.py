@@ -154,7 +154,8 @@ class RemoteRunner:
             self.client, self.connection = client, connection_file
         return self.client
 
-    def __call__(self, target: str | dict, world_size: int, inputs: list, timeout: float) -> dict:
+    def __call__(self, target: str | dict, world_size: int, inputs: list, options: dict) -> dict:
+        timeout = options["timeout"]
         name = target if isinstance(target, str) else target["name"]
         settings = json.loads(self.settings_path.read_text())
         client = self._client(settings["connection_file"])
@@ -162,7 +163,7 @@ class RemoteRunner:
         host_dir, kernel_dir = Path(settings["host_dir"]), settings["kernel_dir"]
         request, record = host_dir / f"request-{token}.pt", host_dir / f"record-{token}.pt"
         buffer = io.BytesIO()
-        torch.save({"target": target, "world_size": world_size, "inputs": inputs, "timeout": timeout}, buffer)
+        torch.save({"target": target, "world_size": world_size, "inputs": inputs, "options": options}, buffer)
         # a new file (O_EXCL, no link followed) in a folder the student's kernel can write to
         fd = os.open(request, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as f:
