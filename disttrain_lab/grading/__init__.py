@@ -17,11 +17,14 @@ tests, feedback); this package adds what a course on distributed training needs 
    a sandbox (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files,
    cgroup caps, one pid namespace killed as a unit).  ``cells.py`` says which cells are tests;
    ``cell_times.py`` gives each cell a time limit from the solution's own time.
-2. ``submission.SubmissionExporter`` pre-checks each submission (empty file, malformed JSON,
-   a notebook of another lab, metadata nbgrader chokes on) and grades such a file as the
-   blank lab with a note at the top, so the feedback says why it scored 0.
-   ``submission.RestoringOverwriteCells`` puts deleted test cells back wherever they were
-   deleted; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code;
+2. ``intake`` takes from a submission folder only the notebook (a regular file, never
+   through a symbolic link) and stages it for nbgrader; the rest is listed, never copied.
+   ``submission.SubmissionExporter`` pre-checks each submission (a link, empty file,
+   malformed JSON, a notebook of another lab, metadata nbgrader chokes on) and grades such a
+   file as the blank lab with a note at the top, so the feedback says why it scored 0.
+   ``submission.RestoringOverwriteCells`` takes test cells whole from the release and the
+   gradebook (deleted ones too); ``verdict.ScoreByPassing`` lets a test score only by
+   passing; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code;
    ``scan_submission`` and ``grade_report`` flag what a human should look at.
 3. ``steps.run_nbgrader`` runs one nbgrader step in its own process under a wall-clock cap,
    in a private temp directory, and every process it started is gone afterwards.
@@ -87,6 +90,7 @@ from .submission import (
     grade_report,
     scan_submission,
 )
+from .verdict import ScoreByPassing
 
 __all__ = [
     "GRADER_DIR",
@@ -120,6 +124,7 @@ __all__ = [
     "SubmissionExporter",
     "grade_report",
     "scan_submission",
+    "ScoreByPassing",
 ]
 
 
@@ -163,6 +168,7 @@ def configure(c, limits: Limits | None = None) -> None:
     c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
     c.Autograde.autograde_preprocessors = [
         RobustExecute,
+        ScoreByPassing,  # a test scores by passing, never by an execute_result (verdict.py)
         IgnorePattern,
         ClearMetadataPreprocessor,
         LimitOutput,

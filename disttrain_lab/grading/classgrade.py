@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from . import cell_times
+from . import cell_times, intake
 from .config import Limits, course_dir, source_dir
 from .course import autograde, export_grades, generate_feedback, students_of
 from .steps import StepResult, clean_stale_steps
@@ -83,11 +83,11 @@ def _available_memory() -> int:
 
 
 def submission_digest(course: Path, student: str, lab: str, source: Path) -> str:
-    """Changes when the submission, the lab's source notebook or its cell-time record changes."""
+    """Changes when what grading takes from the submission (intake.fingerprint: the notebook,
+    never through a link, and the timestamp), the lab's source notebook or its cell-time
+    record changes."""
     h = hashlib.sha256()
-    folder = course / "submitted" / student / lab
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(intake.fingerprint(course / "submitted" / student / lab / f"{lab}.ipynb"))
     for path in (source / lab / f"{lab}.ipynb", cell_times.times_dir() / f"{lab}.json"):
         h.update(path.read_bytes() if path.exists() else b"-")
     return h.hexdigest()

@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 from nbgrader.api import Gradebook, MissingEntry
 
-from . import cell_times, sandbox
+from . import cell_times, intake, sandbox
 from . import install_source as install  # (release() has an argument named install_source)
 from .config import LIMITED_ISOLATION, NO_ISOLATION, Limits, course_dir, release_dir, source_dir
 from .execute import NOTES_FILE
@@ -148,10 +148,24 @@ def autograde(
         log(LIMITED_ISOLATION.format(why=sandbox.caveat()))
     _ensure_in_gradebook(lab, course, env, tmp_root)
     students = students or students_of(lab, course)
+
+    def staged(names: list[str]):
+        # nbgrader grades a staged copy of what the grader takes of each submission folder
+        # (the notebook, never through a link); the folder itself it never sees (intake.py)
+        def prepare(step_dir: Path) -> list[str]:
+            into = intake.stage(course / "submitted", names, lab, step_dir / "submitted")
+            return [f"--CourseDirectory.submitted_directory={into}"]
+
+        return prepare
+
     if not one_process_per_student:
         # plain `nbgrader autograde LAB`: every student in one process (faster; no per-student cap)
         result = run_nbgrader(
-            ["autograde", lab, "--force"], timeout=limits.student_timeout * len(students), env=env, tmp_root=tmp_root
+            ["autograde", lab, "--force"],
+            timeout=limits.student_timeout * len(students),
+            env=env,
+            tmp_root=tmp_root,
+            prepare=staged(students),
         )
         log(f"autograde {lab} ({len(students)} students): rc={result.returncode} in {result.seconds:.1f} s")
         results = {student: result for student in students}
@@ -172,6 +186,7 @@ def autograde(
                 env=env,
                 tmp_root=tmp_root,
                 slot=slot,
+                prepare=staged([student]),
             )
         finally:
             slots.put(slot)

@@ -315,10 +315,13 @@ class RobustExecute(Execute):
                         ),
                     )
                 )
-            elif self._last_status not in ("ok", None) and not any(o.output_type == "error" for o in cell.outputs):
+            elif self._last_status != "ok" and not any(o.output_type == "error" for o in cell.outputs):
                 cell.outputs.append(
                     _error_output(
-                        "GradingError", (f"the test did not pass (the kernel answered {self._last_status!r})")
+                        "GradingError",
+                        f"the test did not pass (the kernel answered {self._last_status!r})"
+                        if self._last_status is not None  # None: no execute reply (a skipped cell)
+                        else "the kernel never ran this test (no reply came), so it cannot have passed",
                     )
                 )
             _clamp_partial_credit(cell)

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,27 +166,40 @@ def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tu
 
 
 def run_nbgrader(
-    args: list[str], *, timeout: float, env: dict | None = None, tmp_root: str | None = None, slot: int = 0
+    args: list[str],
+    *,
+    timeout: float,
+    env: dict | None = None,
+    tmp_root: str | None = None,
+    slot: int = 0,
+    prepare: Callable[[Path], list[str]] | None = None,
 ) -> StepResult:
     """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
 
     Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
-    ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid."""
+    ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid.
+    ``prepare(step_dir)``, if given, runs before nbgrader starts and returns more arguments
+    for it; what it writes in ``step_dir`` (a folder of the step's temp dir, hidden from
+    the sandbox) is removed with the step, a killed grader's by the next run."""
     _become_subreaper()
     with _STEPS_LOCK:
         _STEPS[0] += 1
     try:
-        return _run_step(args, timeout, env, tmp_root, slot)
+        return _run_step(args, timeout, env, tmp_root, slot, prepare)
     finally:
         with _STEPS_LOCK:
             _STEPS[0] -= 1
 
 
-def _run_step(args: list[str], timeout: float, env: dict | None, tmp_root: str | None, slot: int) -> StepResult:
+def _run_step(
+    args: list[str], timeout: float, env: dict | None, tmp_root: str | None, slot: int, prepare
+) -> StepResult:
     before = set(_descendants(os.getpid()))
     bindir = os.path.dirname(sys.executable)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root) as tmp:
+        if prepare is not None:
+            args = [*args, *prepare(Path(tmp) / "prepared")]
         full_env = dict(os.environ, **(env or {}))
         cgroup = f"disttrain-lab/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
         full_env.update(

@@ -17,7 +17,7 @@ from nbgrader.api import Gradebook, MissingEntry, TaskCell
 from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor, OverwriteCells
 from traitlets import Integer, Unicode
 
-from . import sandbox
+from . import intake, sandbox
 from .cells import is_test_cell
 from .execute import NOTES_FILE
 from .install_source import ENV_VAR, stamped_requirement
@@ -26,14 +26,45 @@ from .install_source import ENV_VAR, stamped_requirement
 # Sanitizing a submission.
 
 
+def released_notebook(configurable, ids: dict) -> nbformat.NotebookNode | None:
+    """The released (student) notebook ``ids`` names (nbgrader's resources["nbgrader"]), from
+    the release directory of the course that ``configurable`` (a converter, or something
+    it owns: its exporter, a preprocessor) grades; None where there is none."""
+    while configurable is not None and getattr(configurable, "coursedir", None) is None:
+        configurable = configurable.parent
+    if configurable is None:
+        return None
+    coursedir = configurable.coursedir
+    path = Path(coursedir.format_path(coursedir.release_directory, ".", ids["assignment"])) / f"{ids['notebook']}.ipynb"
+    return nbformat.read(path, as_version=4) if path.is_file() else None
+
+
+# what the gradebook knows of a cell's nbgrader metadata; restored above before they are copied
+_GRADEBOOK_KEYS = ("grade", "solution", "locked", "task", "grade_id", "checksum", "points")
+
+
 class RestoringOverwriteCells(OverwriteCells):
-    """OverwriteCells whose deleted-test-cell restore never fails: nbgrader's own version
-    only looks for the previous *graded* cell and raises KeyError when the cell before a
-    deleted test is, e.g., a locked markdown cell."""
+    """OverwriteCells that takes a test cell, and every locked cell of the instructor, from
+    the release and the gradebook as a whole: source, points and *all* metadata (tags too:
+    nbclient skips a cell tagged ``skip-execution``), never from the submission.  Its
+    deleted-test-cell restore never fails: nbgrader's own version only looks for the previous
+    *graded* cell and raises KeyError when the cell before a deleted test is, e.g., a locked
+    markdown cell."""
+
+    def preprocess(self, nb, resources):
+        released = released_notebook(self, resources["nbgrader"])
+        self._released = {
+            c.metadata.nbgrader["grade_id"]: c.metadata
+            for c in (released.cells if released else [])
+            if "grade_id" in c.get("metadata", {}).get("nbgrader", {})
+        }
+        return super().preprocess(nb, resources)
 
     def preprocess_cell(self, cell, resources, index):
         """Put the gradebook's nbgrader flags back first: one flipped ``grade``/``solution``/
-        ``locked`` flag would otherwise make the checksum check fail the whole notebook."""
+        ``locked`` flag would otherwise make the checksum check fail the whole notebook.
+        After nbgrader put the source back, the metadata of a test or locked instructor cell
+        is the release's (the gradebook's flags, points and checksum in it)."""
         nbg = cell.get("metadata", {}).get("nbgrader", {})
         grade_id = nbg.get("grade_id")
         if grade_id is not None:
@@ -59,7 +90,23 @@ class RestoringOverwriteCells(OverwriteCells):
                         nbg[flag] = value
                 if graded is not None:
                     nbg["points"] = float(graded.max_score)
+                cell, resources = super().preprocess_cell(cell, resources, index)
+                if not genuine["solution"] and (genuine["grade"] or genuine["locked"]):
+                    cell.metadata = self._genuine_metadata(cell)
+                return cell, resources
         return super().preprocess_cell(cell, resources, index)
+
+    def _genuine_metadata(self, cell) -> nbformat.NotebookNode:
+        nbg = cell.metadata.nbgrader
+        # without a release to read (a lab recorded in the gradebook only): nothing but nbgrader's own
+        metadata = copy.deepcopy(self._released.get(nbg["grade_id"])) or {"deletable": False, "editable": False}
+        metadata["nbgrader"] = {
+            "schema_version": 3,
+            "cell_type": cell.cell_type,
+            **{k: v for k, v in metadata.get("nbgrader", {}).items() if k != "points"},
+            **{k: nbg[k] for k in _GRADEBOOK_KEYS if k in nbg and (k != "points" or nbg.get("grade"))},
+        }
+        return nbformat.from_dict(metadata)
 
     def add_missing_grade_cells(self, nb, resources):
         source_nb = self.gradebook.find_notebook(self.notebook_id, self.assignment_id)
@@ -92,7 +139,7 @@ class SubmissionExporter(NotebookExporter):
     this lab is replaced by the blank lab with a note saying why (so it scores 0 with a
     reason in the feedback, instead of failing the grader run)."""
 
-    max_submission_bytes = Integer(50_000_000).tag(config=True)
+    max_submission_bytes = Integer(intake.MAX_NOTEBOOK_BYTES).tag(config=True)
 
     def from_filename(self, filename, resources=None, **kw):
         if not getattr(self.parent, "_sanitizing", False):
@@ -115,15 +162,13 @@ class SubmissionExporter(NotebookExporter):
         return self.from_notebook_node(self._blank(pristine["nbgrader"], reason), pristine, **kw)
 
     def _read(self, filename: str) -> nbformat.NotebookNode:
-        size = os.path.getsize(filename)
-        if size == 0:
+        try:  # a regular file only, never through a symbolic link (intake.py)
+            data = intake.read_notebook(Path(filename), self.max_submission_bytes)
+        except intake.Refused as refused:
+            raise SubmissionProblem(str(refused)) from None
+        if not data:
             raise SubmissionProblem("is an empty file")
-        if size > self.max_submission_bytes:
-            raise SubmissionProblem(
-                f"is {size // 10**6} MB, more than the {self.max_submission_bytes // 10**6} MB allowed"
-            )
-        with open(filename, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+        text = data.decode("utf-8", errors="replace")
         try:
             json.loads(text)
         except ValueError as exc:
@@ -149,12 +194,7 @@ class SubmissionExporter(NotebookExporter):
             )
 
     def _blank(self, ids: dict, reason: str) -> nbformat.NotebookNode:
-        coursedir = self.parent.coursedir
-        released = (
-            Path(coursedir.format_path(coursedir.release_directory, ".", ids["assignment"]))
-            / f"{ids['notebook']}.ipynb"
-        )
-        nb = nbformat.read(released, as_version=4) if released.exists() else nbformat.v4.new_notebook()
+        nb = released_notebook(self, ids) or nbformat.v4.new_notebook()
         note = (
             f"**Grading note:** your submitted `{ids['notebook']}.ipynb` {reason}, so it was graded "
             "as the blank lab: every exercise scores 0. Fix the file and submit again, or ask your instructor."
@@ -206,8 +246,10 @@ def scan_submission(path: Path) -> list[str]:
     """Flags for a human: the student-editable cells of a submitted notebook that use a
     grader-hostile construct (one line per construct: the kind, the cell, the text).
     Flagging never changes a score."""
-    try:
-        nb = nbformat.read(path, as_version=4)
+    try:  # the file itself, never through a link (intake.py)
+        nb = nbformat.reads(intake.read_notebook(Path(path)).decode("utf-8", errors="replace"), as_version=4)
+    except intake.Refused:
+        return []  # graded as the blank lab; the report says why
     except Exception as exc:
         return [f"could not be read for the scan ({type(exc).__name__})"]
     flags = []
@@ -249,9 +291,17 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path, iso
             notes = json.loads(notes_path.read_text()).get("notes", [])
         except (OSError, ValueError):
             notes = []
-        flags = scan_submission(course / "submitted" / student / lab / f"{lab}.ipynb")
-        lines.append(f"{student}: grading {status}" + ("" if notes or flags else ", nothing to look at"))
-        lines += [f"  guard: {n}" for n in notes] + [f"  flag: {f}" for f in flags]
+        notebook = course / "submitted" / student / lab / f"{lab}.ipynb"
+        flags = scan_submission(notebook)
+        try:
+            intake.read_notebook(notebook)
+            refused = []
+        except (intake.Refused, OSError) as problem:
+            refused = [f"  notebook: {problem}; graded as the blank lab"]
+        extra = [f"  not taken (never copied or read): {line}" for line in intake.extras(notebook)]
+        look = notes or flags or refused or extra
+        lines.append(f"{student}: grading {status}" + ("" if look else ", nothing to look at"))
+        lines += [f"  guard: {n}" for n in notes] + [f"  flag: {f}" for f in flags] + refused + extra
     path = course / "reports" / f"{lab}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
