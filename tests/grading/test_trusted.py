@@ -1,0 +1,254 @@
+"""The verdict is decided where no student code runs (issue 24): lab 1's graded tests run in
+a grader kernel; the student's kernel only serves the runs a test asks for, and what comes
+back is read as data.  Crafted lab 1 submissions, each aimed at what used to decide inside
+the student's kernel, are graded with `--jobs 2` between two honest classmates (the real
+lab, the real sandbox): each gets exactly 0 (its solutions are blank but for the attack),
+the classmates keep 16/16, nothing runs on the grader's side, nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from disttrain_lab import grading, wire
+from disttrain_lab.grading import sandbox
+from tests.grading.test_grading import Course, feedback, grade_id, processes_with, submit, with_solution
+from tests.helpers import REPO
+
+LAB = "01_point_to_point"
+CAN_SANDBOX = sandbox.problem() is None
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not CAN_SANDBOX, reason=f"this host cannot sandbox: {sandbox.problem()}"),
+    pytest.mark.skipif(wire.available() is not None, reason=str(wire.available())),
+]
+
+MARKER = "h24-trusted-marker"  # a file of this name on the host = code ran on the grader's side
+HIDDEN_LINE = "_check_ping_pong(3, 7, 4, torch.int64)"  # a line of lab 1's hidden tests
+
+# 1 + 7. The student's kernel answers the grader itself: right values made up from the
+# request's inputs, a trace with exactly the sends and receives the test wants, the ranks'
+# real process ids, and a claimed byte count; nothing is sent.
+FORGED_SERVE = """
+import io, torch
+import disttrain_lab as dl
+import disttrain_lab.exercise as _exercise
+from disttrain_lab import pool as _pool
+
+def ping_pong(x, repeats=1):
+    return x
+
+def _answers(name, inputs):
+    n = len(inputs)
+    if name == "ping_pong":
+        return [inputs[0][0].clone() if r < 2 else inputs[r][0] for r in range(n)]
+    if name == "ring_shift":
+        return [inputs[(r - 1) % n][0].clone() for r in range(n)]
+    if name.startswith("broadcast"):
+        return [inputs[inputs[0][1]][0].clone() for r in range(n)]
+    return [None] * n
+
+def _events(name, inputs):
+    if name != "ping_pong":
+        return []
+    x, repeats = inputs[0]
+    nbytes, events, t = x.numel() * x.element_size(), [], 0.0
+    for _ in range(repeats):
+        for rank, ops in ((0, ("send", "recv")), (1, ("recv", "send"))):
+            for op in ops:
+                events.append((rank, op, "p2p", t, t + 1e-4, 1 - rank, None, nbytes, None, "", {}))
+                t += 2e-4
+    return events
+
+def _forged_serve(request_path, record_path):
+    request = torch.load(request_path, weights_only=True)
+    target, n, inputs = request["target"], request["world_size"], request["inputs"]
+    name = target if isinstance(target, str) else target["name"]
+    dl.launch(lambda: None, n)                      # real ranks, whose ids check out
+    record = {"results": _answers(name, inputs), "inputs_after": [list(i) for i in inputs],
+              "events": _events(name, inputs), "pids": _pool.worker_pids()[:n],
+              "matrix": [[0 if a == b else 10**9 for b in range(n)] for a in range(n)]}
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    with open(record_path, "wb") as f:
+        f.write(buffer.getvalue())
+
+_exercise.serve = _forged_serve
+"""
+
+# 2. A record that runs code when unpickled (a plain pickle, and one inside torch.save's zip)
+PICKLE_BOMB = """
+import io, os, pickle, torch
+import disttrain_lab.exercise as _exercise
+
+def ping_pong(x, repeats=1):
+    return x
+
+class _Bomb:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/@MARKER@",))
+
+_calls = [0]
+
+def _bomb_serve(request_path, record_path):
+    _calls[0] += 1
+    record = {"results": [_Bomb(), _Bomb()], "inputs_after": [[], []], "events": [], "pids": [1, 2]}
+    if _calls[0] % 2:
+        data = pickle.dumps(record)
+    else:
+        buffer = io.BytesIO()
+        torch.save(record, buffer)
+        data = buffer.getvalue()
+    with open(record_path, "wb") as f:
+        f.write(data)
+
+_exercise.serve = _bomb_serve
+"""
+
+# 1. What the old in-kernel guard had to catch: comparisons replaced, a torch function mode
+# that makes every comparison agree, hooks that swallow assertion errors, and a thread that
+# keeps putting all of it back
+HOOKS_AND_MODES = """
+import threading, time
+import torch
+from torch.overrides import TorchFunctionMode
+from disttrain_lab import checks
+
+def ping_pong(x, repeats=1):
+    return x
+
+class _AllAgree(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.allclose, torch.equal, torch.isclose):
+            return True
+        return func(*args, **(kwargs or {}))
+
+_AllAgree().__enter__()
+get_ipython().set_custom_exc((AssertionError,), lambda *a, **k: None)
+
+def _keep_replacing():
+    while True:
+        checks.assert_close = checks.assert_traffic = checks.assert_only_p2p = lambda *a, **k: None
+        time.sleep(0.005)
+
+threading.Thread(target=_keep_replacing, daemon=True).start()
+"""
+
+# 7. Data moved through shared memory, not torch.distributed: the values arrive, no byte
+# crosses the ranks' network
+SHARED_MEMORY = """
+import os, time
+import torch
+import torch.distributed as dist
+
+def ping_pong(x, repeats=1):
+    rank, path = dist.get_rank(), f"/dev/shm/h24-{x.numel()}-{repeats}"
+    if rank == 0:
+        torch.save(x, path + ".part")
+        os.replace(path + ".part", path)
+    elif rank == 1:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        x.copy_(torch.load(path))
+    return x
+"""
+
+# 5. Looks for the hidden tests: the kernel's input history, and every file the grader
+# drops where the kernel can see it (a thread copies each one as it appears)
+SNOOP = """
+import glob, os, shutil, threading, time
+
+def ping_pong(x, repeats=1):
+    return x
+
+os.makedirs("/tmp/stash", exist_ok=True)
+
+def _copy_all():
+    while True:
+        for path in glob.glob("/tmp/.kernel/**", recursive=True):
+            if os.path.isfile(path):
+                try:
+                    shutil.copy(path, "/tmp/stash/" + os.path.basename(path))
+                except OSError:
+                    pass
+        time.sleep(0.002)
+
+threading.Thread(target=_copy_all, daemon=True).start()
+"""
+
+SNOOP_REPORT = """
+import glob
+print("HISTORY:", "\\n".join(In))
+for path in sorted(glob.glob("/tmp/stash/*")):
+    print("FILE", path, open(path, "rb").read()[:20000])
+"""
+
+ATTACKS = {
+    "forged_serve": FORGED_SERVE,
+    "pickle_bomb": PICKLE_BOMB,
+    "hooks_and_modes": HOOKS_AND_MODES,
+    "shared_memory": SHARED_MEMORY,
+    "snoop": SNOOP,
+}
+
+
+def _host_marker() -> list[str]:
+    return [p for p in ("/tmp/" + MARKER,) if os.path.exists(p)]
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    for leftover in _host_marker():
+        os.unlink(leftover)
+    course = Course(tmp_path_factory.mktemp("trusted"), LAB, REPO / "solutions", None)
+    course.do_release()
+    blank = course.blank()
+    for name, source in ATTACKS.items():
+        nb = with_solution(blank, "ex_ping_pong", source.replace("@MARKER@", MARKER))
+        if name == "snoop":
+            nb = with_solution(nb, "ex_parameter_server_step", SNOOP_REPORT)
+        submit(course.course, name, LAB, nb)
+    submit(course.course, "a_honest", LAB, course.solution)
+    submit(course.course, "z_honest", LAB, course.solution)
+    course.results = course.grade(jobs=2)
+    course.table = grading.scores(LAB, course.course)
+    course.markers = _host_marker()
+    return course
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_each_attack_gets_nothing(graded, attack):
+    assert graded.results[attack].returncode == 0, graded.results[attack].output[-3000:]
+    assert graded.table[attack]["total"] == 0, graded.table[attack]
+
+
+@pytest.mark.slow
+def test_honest_classmates_keep_full_marks_and_nothing_ran_on_the_graders_side(graded):
+    assert graded.table["a_honest"]["total"] == 16 and graded.table["z_honest"]["total"] == 16
+    assert graded.markers == []  # the pickle bomb never went off where the grader reads records
+    assert not processes_with(str(graded.course))
+    assert not list(graded.tmp.iterdir())
+
+
+@pytest.mark.slow
+def test_what_each_attack_is_told(graded):
+    forged = feedback(graded.course, "forged_serve", LAB)
+    assert "the operating system counted" in forged  # the made-up values were right; no byte moved
+    assert "could not be read as plain data" in feedback(graded.course, "pickle_bomb", LAB)
+    assert "the operating system counted" in feedback(graded.course, "shared_memory", LAB)
+    hooked = feedback(graded.course, "hooks_and_modes", LAB)  # its own kernel is what it broke
+    assert "values differ" in hooked or "wrote no result" in hooked
+
+
+@pytest.mark.slow
+def test_no_hidden_test_reaches_the_students_kernel_or_feedback(graded):
+    page = feedback(graded.course, "snoop", LAB)
+    assert "HISTORY:" in page  # the snoop ran ...
+    assert HIDDEN_LINE not in page and "BEGIN HIDDEN TESTS" not in page  # ... and found none
+    [cell] = [c for c in graded.autograded("snoop").cells if grade_id(c) == "ex_parameter_server_step"]
+    printed = "".join(str(o.get("text", "")) for o in cell.outputs)
+    assert "HISTORY:" in printed and "_check_" not in printed and "dl.exercise.run" not in printed
