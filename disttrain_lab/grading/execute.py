@@ -543,9 +543,9 @@ class RobustExecute(Execute):
         key = cell_times.cell_key(cell)
         remaining = self._deadline - time.monotonic()
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
-        student, cell_timeout = (self.km, self.kc), self.timeout
+        student, cell_timeout, on_timeout = (self.km, self.kc), self.timeout, self.error_on_timeout
         self.km, self.kc = self._grader
-        self.timeout = limit
+        self.timeout, self.error_on_timeout = limit, None  # a test past its limit raises CellTimeoutError
         self._last_status = None
         started = time.monotonic()
         try:
@@ -560,7 +560,7 @@ class RobustExecute(Execute):
             self._stop_grader()
         finally:
             self.km, self.kc = student
-            self.timeout = cell_timeout
+            self.timeout, self.error_on_timeout = cell_timeout, on_timeout
             self._cell_seconds[key] = round(time.monotonic() - started, 3)
         if self._last_status != "ok" and not any(o.output_type == "error" for o in cell.outputs):
             cell.outputs.append(
