@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import linecache
 import os
 import sys
 import textwrap
@@ -67,6 +68,7 @@ class ExerciseRun:
     traffic: wire.Traffic
     trace: Run
     inputs_after: list  # rank r's arguments as the call left them (in-place work shows here)
+    backend: str = "gloo"  # the process group's backend the ranks ran on
 
     def __repr__(self) -> str:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
@@ -175,8 +177,14 @@ def _student_function(target: str | dict):
     notebook's names (so that it calls the notebook's code)."""
     namespace = vars(sys.modules["__main__"])
     if isinstance(target, dict):
+        # defined in a namespace of its own that starts as the notebook's (so it calls the
+        # notebook's code), leaving the notebook's own definition of it alone; its source is
+        # kept in linecache, so tracebacks quote it and inspect reads it
         name, source = str(target.get("name")), str(target.get("source"))
-        exec(compile(source, f"<test driver {name}>", "exec"), namespace)  # noqa: S102  (the grader's own code)
+        filename = f"<test driver {name}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        namespace = dict(namespace)
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102  (the grader's own code)
         target = name
     name = target
     fn = namespace.get(name)
@@ -232,6 +240,7 @@ def record(target: str | dict, world_size: int, inputs: list, options: dict) -> 
             for e in events
         ],
         "pids": pids,
+        "backend": result.backend,
         "matrix": wire.traffic(before, after, pids).matrix if after is not None else None,
     }
 
@@ -330,8 +339,14 @@ def from_record(name: str, world_size: int, rec: dict) -> ExerciseRun:
         world_size=world_size,
         results=results,
         traffic=traffic,
-        trace=Run(results=results, events=to_events(events), world_size=world_size),
+        trace=Run(
+            results=results,
+            events=to_events(events),
+            world_size=world_size,
+            backend=str(rec.get("backend", "gloo"))[:20],
+        ),
         inputs_after=[tuple(x) if isinstance(x, list) else () for x in inputs_after],
+        backend=str(rec.get("backend", "gloo"))[:20],
     )
 
 

@@ -95,6 +95,10 @@ def test_a_driver_runs_next_to_the_notebooks_code_from_its_source():
     run = exercise.run(_drive_ping_pong, 2, (1024, 2), timeout=30)
     assert run.results == [float(sum(range(1024)))] * 2
     checks.assert_traffic(run, {(0, 1): 2 * 4096, (1, 0): 2 * 4096}, "driver")
+    assert run.backend == "gloo"
+    again = exercise.run(_drive_ping_pong, 2, (8, 1), timeout=30)  # a driver runs any number of times
+    assert again.results == [float(sum(range(8)))] * 2
+    assert not hasattr(__main__, "_drive_ping_pong")  # ... without being defined among the notebook's names
     with pytest.raises(ValueError, match="defined at the top level"):
         exercise.run(lambda: 1, 2)
 
