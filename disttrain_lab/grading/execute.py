@@ -97,20 +97,31 @@ def _guard_call(function: str, names: list[str], *extra: str) -> str:
     return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({args})"
 
 
-def _release_tests(lab: str | None) -> dict[str, str]:
-    """grade_id -> source of every test cell of the lab's release source (hidden tests in)."""
+def _release_tests(lab: str | None) -> tuple[dict[str, str], bool]:
+    """grade_id -> source of every test cell of the lab's release source (hidden tests in),
+    and whether the lab's tests reach student code through ``dl.exercise.run`` (a test cell
+    or a locked cell of the instructor calls it): then they run in the grader kernel."""
     found: dict[str, str] = {}
+    uses_exercises = False
     if not lab:
-        return found
+        return found, uses_exercises
     for path in sorted((source_dir() / lab).glob("*.ipynb")):
         try:
             nb = nbformat.read(path, as_version=4)
         except Exception:  # noqa: BLE001  (not a notebook: nothing to trust)
             continue
         for cell in nb.cells:
-            if cell.cell_type == "code" and is_test_cell(cell):
+            if cell.cell_type != "code" or not (is_test_cell(cell) or is_instructor_cell(cell)):
+                continue
+            uses_exercises = uses_exercises or bool(_RUNS_EXERCISES.search(cell.source))
+            if is_test_cell(cell):
                 found[grade_id(cell)] = cell.source
-    return found
+    return found, uses_exercises
+
+
+def lab_runs_on_grader(lab: str) -> bool:
+    """Whether ``lab``'s graded tests run in the grader kernel (see ``RobustExecute._on_grader``)."""
+    return _release_tests(lab)[1]
 
 
 def _growth(before: int | None, after: int | None) -> int | None:
@@ -189,7 +200,7 @@ class RobustExecute(Execute):
         self._cell_seconds: dict[str, float] = {}  # this run's time per cell (recorded for the solution)
         lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
-        self._release_tests = _release_tests(lab)
+        self._release_tests, self._uses_exercises = _release_tests(lab)
         self._grader = None  # (manager, client) of the grader kernel, started at the first test that needs it
         self._grader_dir = tempfile.mkdtemp(prefix="grader-")  # hidden from the sandbox with the temp dir
         self._exchange = None
@@ -469,8 +480,9 @@ class RobustExecute(Execute):
 
     def _on_grader(self, cell) -> bool:
         """A test cell of the release (its source exactly the release's) of a lab whose tests
-        run the student's code through ``dl.exercise.run``: graded in the grader kernel."""
-        if not is_test_cell(cell) or not any(_RUNS_EXERCISES.search(s) for s in self._release_tests.values()):
+        run the student's code through ``dl.exercise.run`` (in a test cell or a locked helper
+        cell): graded in the grader kernel."""
+        if not is_test_cell(cell) or not self._uses_exercises:
             return False
         return self._release_tests.get(grade_id(cell)) == cell.source
 
