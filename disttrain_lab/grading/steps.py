@@ -170,7 +170,7 @@ def run_nbgrader(
     """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
 
     Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
-    ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid."""
+    ``slot`` (0, 1, ... one per parallel job) picks their uid where none can be leased (uids.py)."""
     _become_subreaper()
     with _STEPS_LOCK:
         _STEPS[0] += 1
