@@ -724,12 +724,16 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
-        # bwrap stays pid 1 of the sandbox: its arguments (the hidden host paths) go in a
-        # memfd (--args), so that the kernel's /proc/1/cmdline names none of them
+        # bwrap stays pid 1 of the sandbox: its options (the hidden host paths) go in a memfd
+        # (--args), so that the kernel's /proc/1/cmdline names none of them; the command
+        # after "--" stays (bwrap takes it only there; its paths are the sandbox's own)
+        options, command = args[1 : args.index("--")], args[args.index("--") :]
         args_fd = os.memfd_create("disttrain-sandbox-args", 0)
-        os.write(args_fd, b"".join(a.encode() + b"\0" for a in args[1:]))
+        os.write(args_fd, b"".join(a.encode() + b"\0" for a in options))
         os.lseek(args_fd, 0, os.SEEK_SET)
-        proc = subprocess.Popen([args[0], "--args", str(args_fd)], env=env, preexec_fn=in_child, pass_fds=(args_fd,))
+        proc = subprocess.Popen(
+            [args[0], "--args", str(args_fd), *command], env=env, preexec_fn=in_child, pass_fds=(args_fd,)
+        )
         os.close(args_fd)
         signal.signal(signal.SIGTERM, lambda *_: proc.kill())
         code = proc.wait()
