@@ -24,7 +24,9 @@ tests, feedback); this package adds what a course on distributed training needs 
    file as the blank lab with a note at the top, so the feedback says why it scored 0.
    ``submission.RestoringOverwriteCells`` takes test cells whole from the release and the
    gradebook (deleted ones too); ``verdict.ScoreByPassing`` lets a test score only by
-   passing; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code;
+   passing; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code,
+   and ``hidden_tests`` keeps hidden tests out of the kernel's history and every output;
+   ``submission.SanitizeFeedbackHTML`` strips scripts from the feedback page;
    ``scan_submission`` and ``grade_report`` flag what a human should look at.
 3. ``steps.run_nbgrader`` runs one nbgrader step in its own process under a wall-clock cap,
    in a private temp directory, and every process it started is gone afterwards.
@@ -80,11 +82,13 @@ from .course import (
     students_of,
 )
 from .execute import NOTES_FILE, RobustExecute
+from .hidden_tests import ScrubHiddenTests
 from .install_source import configured_install_source
 from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
 from .submission import (
     FeedbackWithoutHiddenTests,
     RestoringOverwriteCells,
+    SanitizeFeedbackHTML,
     StampInstallSource,
     SubmissionExporter,
     grade_report,
@@ -120,6 +124,8 @@ __all__ = [
     "stop_running_steps",
     "FeedbackWithoutHiddenTests",
     "RestoringOverwriteCells",
+    "SanitizeFeedbackHTML",
+    "ScrubHiddenTests",
     "StampInstallSource",
     "SubmissionExporter",
     "grade_report",
@@ -165,7 +171,11 @@ def configure(c, limits: Limits | None = None) -> None:
         RestoringOverwriteCells,
         CheckCellMetadata,
     ]
-    c.GenerateFeedback.preprocessors = [FeedbackWithoutHiddenTests] + list(GenerateFeedback().preprocessors)
+    c.GenerateFeedback.preprocessors = [
+        FeedbackWithoutHiddenTests,
+        *GenerateFeedback().preprocessors,
+        SanitizeFeedbackHTML,
+    ]
     c.Autograde.autograde_preprocessors = [
         RobustExecute,
         ScoreByPassing,  # a test scores by passing, never by an execute_result (verdict.py)
@@ -173,6 +183,7 @@ def configure(c, limits: Limits | None = None) -> None:
         ClearMetadataPreprocessor,
         LimitOutput,
         SaveAutoGrades,
+        ScrubHiddenTests,  # after the grades are saved: scrubbing never changes a score
         AssignLatePenalties,
         CheckCellMetadata,
     ]

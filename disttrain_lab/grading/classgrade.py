@@ -2,8 +2,8 @@
 ``disttrain-lab grade merge``.
 
 - **Parallel.**  ``--jobs N`` students at a time, each still in its own nbgrader process,
-  temp dir, cgroup and sandbox; a job's sandboxed kernels run as their own uid
-  (``RobustExecute.sandbox_uid`` + the job's slot), so two students never share a user.
+  temp dir, cgroups (an equal CPU share among them) and sandbox; a job's sandboxed kernels
+  run as a uid leased for it (``uids.py``), so two students never share a user.
   The default is :func:`default_jobs`: one job per 4 cores (a student runs up to 4 ranks)
   and per ``Limits.student_memory`` of available memory.
 - **Resumable.**  ``<course>/grading-state/<lab>.json`` (the ledger) records each student

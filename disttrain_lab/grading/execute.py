@@ -25,7 +25,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
 
-from . import cell_times, guard, remote, sandbox
+from . import cell_times, guard, hidden_tests, remote, sandbox, uids
 from .cells import grade_id, is_instructor_cell, is_test_cell
 from .config import REPO_ROOT, course_dir, source_dir
 
@@ -266,7 +266,8 @@ class RobustExecute(Execute):
         started = time.monotonic()
         self._last_status = None
         try:
-            cell = self.execute_cell(cell, index, store_history=True)
+            # a test cell leaves no input history (In, _ih, _i...) its student code could print
+            cell = self.execute_cell(cell, index, store_history=not is_test_cell(cell))
         except DeadKernelError:
             cell.outputs.append(
                 _error_output(
@@ -296,6 +297,7 @@ class RobustExecute(Execute):
             self._cell_seconds[key] = round(time.monotonic() - started, 3)
         timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
         if is_test_cell(cell) and not timed_out:
+            self._run_quietly(hidden_tests.forget_program(cell.source), timeout=30)  # its cached source
             changed, _, traced = self._guard("after_test", names)
             claimed, counted = _growth(traffic[0], traced), _growth(traffic[1], self._loopback_bytes())
             if changed:  # the student's code, called by the test, changed what the test relies on
@@ -362,7 +364,10 @@ class RobustExecute(Execute):
         if self.sandbox == "on":
             km.__class__ = SandboxKernelManager
             km.sandbox_spec = sandbox.spec(
-                uid=self.sandbox_uid + int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")),  # one uid per parallel job
+                # a uid no other grading on the host uses (uids.py), else one per parallel job
+                uid=uids.sandbox_uid(self.sandbox_uid, int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")))
+                if sandbox.method() == "root"
+                else self.sandbox_uid + int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")),
                 memory=self.student_memory,
                 pids=self.student_pids,
                 data_limit=self.memory_limit,
@@ -659,20 +664,32 @@ class RobustExecute(Execute):
 
     # -- output cap ------------------------------------------------------------------------
 
-    def output(self, outs, msg, display_id, cell_index):
-        content = msg.get("content", {})
-        self._output_bytes += len(content.get("text", "")) + sum(len(str(v)) for v in content.get("data", {}).values())
-        if self._output_bytes > self.max_output_bytes:
-            if not self._output_capped:
-                self._output_capped = True
-                outs.append(
-                    _error_output(
-                        "OutputLimitExceeded",
-                        (
-                            f"this cell printed more than {self.max_output_bytes // 1000} kB; the rest "
-                            "of its output was dropped and the cell counts as failed"
-                        ),
+    # every message that puts bytes into the notebook counts against the cap: nbclient
+    # applies a display update (update_display_data, or a display_data/execute_result
+    # reusing a display_id) to every output showing that display without calling `output`,
+    # and keeps widget state (comm messages) in the notebook's metadata
+    _OUTPUT_MESSAGES = ("stream", "display_data", "execute_result", "error", "update_display_data")
+
+    def process_message(self, msg, cell, cell_index):
+        msg_type = msg.get("msg_type", "")
+        if msg_type in self._OUTPUT_MESSAGES or msg_type.startswith("comm"):
+            content = msg.get("content") or {}
+            size = len(json.dumps(content, default=str, ensure_ascii=False))
+            size += sum(len(b) for b in msg.get("buffers") or [])
+            display_id = (content.get("transient") or {}).get("display_id")
+            shown = sum(map(len, self._display_id_map.get(display_id, {}).values())) if display_id else 0
+            self._output_bytes += size * (shown + 1)
+            if self._output_bytes > self.max_output_bytes:
+                if not self._output_capped:
+                    self._output_capped = True
+                    cell.outputs.append(
+                        _error_output(
+                            "OutputLimitExceeded",
+                            (
+                                f"this cell printed more than {self.max_output_bytes // 1000} kB; the rest "
+                                "of its output was dropped and the cell counts as failed"
+                            ),
+                        )
                     )
-                )
-            return None
-        return super().output(outs, msg, display_id, cell_index)
+                return None
+        return super().process_message(msg, cell, cell_index)

@@ -6,12 +6,15 @@ KERNEL-COMMAND``, see ``command``), run as root::
 
     wrapper (root)    creates the cgroups, unshares mount, pid, IPC and network namespaces,
     │                 waits, removes the cgroups
-    └── init (root, pid 1 of the new pid namespace, in the cgroups)
-        │   loopback up (the only interface); private tmpfs on /tmp and /dev/shm; tmpfs over
-        │   the gradebook/course, solutions, the grading temp dir and the grader's home (the
-        │   interpreter and the kit are bound back read-only); the kernel's socket folder
+    └── init (root, pid 1 of the new pid namespace, in the cgroups; started again as
+        │   ``sandbox.py --init FD``, the spec in a memfd, so that its command line -- the
+        │   kernel's /proc/1/cmdline -- names no host path)
+        │   loopback up (the only interface); private size-capped tmpfs on /tmp, /dev/shm,
+        │   /var/tmp and /run; tmpfs over the gradebook/course, solutions, the grading temp
+        │   dir and the grader's home (the interpreter and the kit are bound back read-only);
+        │   /dev/null over every other unix socket of the host; the kernel's socket folder
         │   bound in (ZMQ over unix sockets: the grader is in another network namespace);
-        │   a fresh /proc
+        │   then every other mount read-only, and a fresh /proc
         └── kernel (uid SPEC.uid, no groups, no new privileges, an allowlisted environment),
             cwd = a private copy of the submission folder; every rank it starts stays below it
 
@@ -35,11 +38,14 @@ cgroup v1 memory/pids, no namespaces); the grader then says so loudly and in the
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import json
 import os
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -49,6 +55,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x20000000, 0x08000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -91,9 +98,21 @@ BWRAP_CAVEAT = (
 )
 
 
+NO_CPU_CAVEAT = (
+    "no cgroup v1 cpu controller at /sys/fs/cgroup/cpu: a student who keeps many processes "
+    "busy slows the classmates graded beside them (no CPU share per student)"
+)
+
+
 def caveat() -> str | None:
     """What the sandbox cannot do on this host although it runs (None: nothing)."""
-    return BWRAP_CAVEAT if method() == "bwrap" else None
+    if method() == "bwrap":
+        return BWRAP_CAVEAT
+    return NO_CPU_CAVEAT if method() == "root" and not has_cpu_controller() else None
+
+
+def has_cpu_controller() -> bool:
+    return (CGROUP_ROOT / "cpu" / "cpu.shares").exists()
 
 
 @functools.cache
@@ -161,16 +180,29 @@ def _bwrap_problem() -> str | None:
 # cgroups: one per kernel, below one per grading run
 
 
+# Every student's kernel gets the same CPU weight (cpu.shares), and so does every grading
+# step (one student) beside it: under contention the CPU is split evenly between the
+# students graded at once, however many processes each runs; alone, a student may use
+# every core.  (A CFS quota or a cpuset per job would also stop a spinner, but would idle
+# cores an honest student could use whenever the classmate beside it waits.)
+CPU_SHARES = 1024
+
+
 class Cgroup:
-    """A cgroup v1 node in the memory and pids hierarchies (``relative`` below each root)."""
+    """A cgroup v1 node in the memory, pids and (where mounted) cpu hierarchies
+    (``relative`` below each root)."""
 
     def __init__(self, relative: str):
-        self.dirs = [CGROUP_ROOT / c / relative for c in ("memory", "pids")]
+        controllers = ("memory", "pids", "cpu") if has_cpu_controller() else ("memory", "pids")
+        self.dirs = [CGROUP_ROOT / c / relative for c in controllers]
 
     def create(self, memory: int, pids: int) -> Cgroup:
         for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
-        mem, pid_dir = self.dirs
+        mem, pid_dir = self.dirs[:2]
+        for cpu in self.dirs[2:]:  # the kernel's node and its grading step's: equal weights
+            for node in (cpu, cpu.parent):
+                (node / "cpu.shares").write_text(str(CPU_SHARES))
         (mem / "memory.limit_in_bytes").write_text(str(memory))
         if (mem / "memory.memsw.limit_in_bytes").exists():  # no swapping around the cap
             (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
@@ -383,12 +415,21 @@ def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    if argv[0] == "--init":  # pid 1 of the sandbox, started again with a clean command line
+        with os.fdopen(int(argv[1]), "rb") as f:
+            the_spec, cmd, sockets = json.loads(f.read())
+        try:
+            _init(the_spec, cmd, sockets)
+        except BaseException as exc:  # noqa: BLE001 - report any set-up failure
+            sys.stderr.write(f"[disttrain-lab] sandbox: could not start the kernel: {exc!r}\n")
+            os._exit(70)
     the_spec, cmd = json.loads(argv[0]), argv[2:]
     if the_spec.get("method") == "bwrap":
         _run_bwrap(the_spec, cmd)
     ipc_dir = _ipc_dir(json.loads(Path(cmd[cmd.index("-f") + 1]).read_bytes())) if "-f" in cmd else None
     name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
     cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
+    sockets = host_unix_sockets()  # (read in the host's network namespace, before leaving it)
     go_r, go_w = os.pipe()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
     # a new IPC namespace too (System V shared memory would outlive the student), and a new
@@ -398,14 +439,16 @@ def main(argv: list[str]) -> None:
     child = os.fork()
     if child == 0:  # pid 1 of the new namespace
         os.close(go_w)
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # (kept across the exec below)
         if os.read(go_r, 1) != b"1":  # the wrapper died before placing us
             os._exit(1)
-        try:
-            _init(the_spec, cmd)
-        except BaseException as exc:  # noqa: BLE001 - report any set-up failure
-            sys.stderr.write(f"[disttrain-lab sandbox] could not start the kernel: {exc!r}\n")
-            os._exit(70)
+        # the kernel reads /proc/1/cmdline: the spec (it names the hidden host paths) and the
+        # host's connection file go in a memfd (its /proc/1/fd link is root's only), not argv
+        spec_fd = os.memfd_create("disttrain-sandbox-spec", 0)
+        os.write(spec_fd, json.dumps([the_spec, cmd, sockets]).encode())
+        os.lseek(spec_fd, 0, os.SEEK_SET)
+        os.set_inheritable(spec_fd, True)
+        os.execv(sys.executable, [sys.executable, "-I", os.path.abspath(__file__), "--init", str(spec_fd)])
     os.close(go_r)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
     try:
@@ -419,9 +462,83 @@ def main(argv: list[str]) -> None:
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
 
 
-def _init(the_spec: dict, cmd: list[str]) -> None:
+def host_unix_sockets() -> list[str]:
+    """Paths of the unix sockets bound in this network namespace (/proc/net/unix): a
+    read-only mount does not stop connect(), so each is covered with /dev/null in the sandbox."""
+    try:
+        lines = Path("/proc/net/unix").read_text(errors="replace").splitlines()[1:]
+    except OSError:
+        return []
+    found = {p[7] for p in (line.split(None, 7) for line in lines) if len(p) == 8 and p[7].startswith("/")}
+    return sorted(found)
+
+
+# private tmpfs mounts (target, size as a share of the student's memory or bytes, mode): the
+# world-writable folders of a host, and /run, /var/run, /var/lock where daemons keep their
+# unix sockets; everything else of the host is read-only in the sandbox
+PRIVATE_MOUNTS = (
+    ("/tmp", 0.5, 0o1777),
+    ("/dev/shm", 0.5, 0o1777),
+    ("/var/tmp", 64 * 2**20, 0o1777),
+    ("/run", 16 * 2**20, 0o755),
+    ("/var/run", 16 * 2**20, 0o755),
+    ("/var/lock", 16 * 2**20, 0o1777),
+)
+_MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME}
+_MOUNT_FLAGS |= {"nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+
+
+def _private_mounts(memory: int) -> list[str]:
+    """Mount the private tmpfs of PRIVATE_MOUNTS (a symlink, e.g. /var/run -> /run, follows
+    its target); the folders mounted."""
+    done: list[str] = []
+    for target, size, mode in PRIVATE_MOUNTS:
+        if os.path.islink(target) or not os.path.isdir(target) or target in done:
+            continue
+        nbytes = int(memory * size) if isinstance(size, float) else size
+        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={nbytes},mode={mode:o}")
+        done.append(target)
+        if target == "/run":  # what programs expect in it
+            os.mkdir("/run/lock", 0o1777)
+            os.chmod("/run/lock", 0o1777)
+    return done
+
+
+def _mount_points() -> list[tuple[str, int]]:
+    """(mount point, flags to keep) of every mount in this namespace, parents first."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        flags = 0
+        for option in fields[5].split(","):
+            flags |= _MOUNT_FLAGS.get(option, 0)
+        found.append((point, flags))
+    return found
+
+
+def _below(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def _read_only_host(writable: list[str]) -> None:
+    """Remount every mount of the namespace read-only but the private ones (and /proc,
+    mounted afresh next): a world-writable host folder cannot fill a disk or leave a file."""
+    for point, flags in _mount_points():
+        if _below(point, [*writable, "/proc"]):
+            continue
+        try:
+            _mount("none", point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+        except OSError as exc:  # shadowed by a mount above it (a hidden folder): out of reach
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EINVAL, errno.EACCES):
+                raise
+
+
+def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
     uid = the_spec["uid"]
-    size = f"size={the_spec['memory'] // 2}"  # each of /tmp and /dev/shm; their pages count in the cgroup too
+    # a mount namespace of init's own: the wrapper, which removes the cgroups at the end,
+    # keeps a writable /sys/fs/cgroup
+    _check(_libc.unshare(CLONE_NEWNS), "unshare")
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
     # read what the kernel needs before the mounts hide it: its connection file, its folder
     _loopback_up()
@@ -432,14 +549,13 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
         os.chown(ipc_dir, uid, uid)
         ipc_fd = os.open(ipc_dir, os.O_PATH)
     keep_fds = {p: os.open(p, os.O_PATH) for p in the_spec["keep"] if os.path.isdir(p)}
-    for target in ("/tmp", "/dev/shm"):
-        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    private = _private_mounts(the_spec["memory"])  # (their pages count in the cgroup too)
     if os.path.isfile("/etc/hosts"):
         Path("/tmp/.hosts").write_text(_hosts())  # (root's, read-only to the kernel)
         _mount("/tmp/.hosts", "/etc/hosts", None, MS_BIND)
     # the interpreter or the kit may live under /tmp (a CI clone): bind them back, read-only
     for kept, fd in keep_fds.items():
-        if any(kept.startswith(t + os.sep) for t in ("/tmp", "/dev/shm")):
+        if _below(kept, private) and kept not in private:
             os.makedirs(kept, exist_ok=True)
             _mount(f"/proc/self/fd/{fd}", kept, None, MS_BIND | MS_REC)
             _mount("none", kept, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
@@ -459,9 +575,10 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
             for entry in [root] + [os.path.join(root, n) for n in dirs + files]:
                 os.lchown(entry, uid, uid)
     # hide the grader's files; bind back (read-only) the interpreter and kit under them
-    private = ("/", "/tmp", "/dev/shm", "/proc")  # already private (or everything)
-    for hidden in sorted({os.path.realpath(p) for p in the_spec["hide"]} - set(private), key=lambda p: p.count(os.sep)):
-        if not os.path.exists(hidden):  # e.g. below a folder hidden just before
+    for hidden in sorted(
+        {os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private}, key=lambda p: p.count(os.sep)
+    ):
+        if not os.path.exists(hidden) or _below(hidden, private):  # e.g. below a folder hidden just before
             continue
         if os.path.isdir(hidden):
             _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
@@ -473,6 +590,15 @@ def _init(the_spec: dict, cmd: list[str]) -> None:
             _mount("none", hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
         else:
             _mount("/dev/null", hidden, None, MS_BIND)
+    # the host's unix sockets (a daemon's, another program's) answer no connect() from here
+    for path in sockets:
+        try:
+            if not _below(path, private) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                _mount("/dev/null", path, None, MS_BIND)
+        except OSError as exc:  # gone, or below a hidden folder
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EACCES):
+                raise
+    _read_only_host(private)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     env = kernel_env(os.environ, home=str(home), runtime=str(runtime), keep=[os.path.realpath(k) for k in keep_fds])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -539,9 +665,9 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
             "/proc",
             *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else []),
         ]
-        # the same order as the root sandbox: /tmp and /dev/shm, then the hidden folders by
+        # the same order as the root sandbox: the private tmpfs, then the hidden folders by
         # depth; after each, the kept folders below it are bound back read-only
-        private = ["/tmp", "/dev/shm"]
+        private = [t for t, _, _ in PRIVATE_MOUNTS if not os.path.islink(t) and os.path.isdir(t)]
         hidden = sorted(
             {os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private}, key=lambda p: p.count(os.sep)
         )
@@ -556,7 +682,7 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
             below = [k for k in keep if k.startswith(target.rstrip(os.sep) + os.sep)]
             bound += below
             if target in private:
-                args += ["--size", size, "--tmpfs", target]
+                args += ["--size", size if target in ("/tmp", "/dev/shm") else str(16 * 2**20), "--tmpfs", target]
             elif os.path.isdir(target):
                 args += ["--tmpfs", target]
             elif os.path.exists(target):
@@ -565,6 +691,15 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
                 args += ["--ro-bind", kept, kept]
             if target not in private and os.path.isdir(target):
                 args += ["--remount-ro", target]
+        if "/run" in private:
+            args += ["--dir", "/run/lock"]
+        # a read-only bind does not stop connect(): the host's unix sockets are covered
+        for path in host_unix_sockets():
+            try:
+                if not _below(path, done) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                    args += ["--ro-bind", "/dev/null", path]
+            except OSError:  # gone, or unreadable to the grader (and so to the kernel)
+                pass
         args += [
             "--bind",
             str(work),
@@ -589,7 +724,17 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
-        proc = subprocess.Popen(args, env=env, preexec_fn=in_child)
+        # bwrap stays pid 1 of the sandbox: its options (the hidden host paths) go in a memfd
+        # (--args), so that the kernel's /proc/1/cmdline names none of them; the command
+        # after "--" stays (bwrap takes it only there; its paths are the sandbox's own)
+        options, command = args[1 : args.index("--")], args[args.index("--") :]
+        args_fd = os.memfd_create("disttrain-sandbox-args", 0)
+        os.write(args_fd, b"".join(a.encode() + b"\0" for a in options))
+        os.lseek(args_fd, 0, os.SEEK_SET)
+        proc = subprocess.Popen(
+            [args[0], "--args", str(args_fd), *command], env=env, preexec_fn=in_child, pass_fds=(args_fd,)
+        )
+        os.close(args_fd)
         signal.signal(signal.SIGTERM, lambda *_: proc.kill())
         code = proc.wait()
     finally:

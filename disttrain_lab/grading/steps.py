@@ -177,7 +177,7 @@ def run_nbgrader(
     """Run ``nbgrader ARGS`` from grader/ (so its nbgrader_config.py applies).
 
     Steps may run in parallel threads: each has its own temp dir, cgroup and marker, and
-    ``slot`` (0, 1, ... one per parallel job) gives its sandboxed kernels their own uid.
+    ``slot`` (0, 1, ... one per parallel job) picks their uid where none can be leased (uids.py).
     ``prepare(step_dir)``, if given, runs before nbgrader starts and returns more arguments
     for it; what it writes in ``step_dir`` (a folder of the step's temp dir, hidden from
     the sandbox) is removed with the step, a killed grader's by the next run."""
