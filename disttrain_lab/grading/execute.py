@@ -562,7 +562,7 @@ class RobustExecute(Execute):
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
         student, cell_timeout, on_timeout = (self.km, self.kc), self.timeout, self.error_on_timeout
         self.km, self.kc = self._grader
-        self.timeout, self.error_on_timeout = limit, None  # a test past its limit raises CellTimeoutError
+        self.timeout, self.error_on_timeout = limit, {}  # a test past its limit raises CellTimeoutError
         self._last_status = None
         started = time.monotonic()
         try:
