@@ -334,12 +334,11 @@ ONE_RANK_CHECKS = """
 for kind in ("mlp", "tied", "frozen"):
     _buckets = _bucket_sizes(_model(kind, 0), 1 / 1024)
     _runs = [
-        _check_ddp("NaiveDDP", NaiveDDP, kind, 1, batch=8, all_reduces=_per_parameter(kind)),
-        _check_ddp("OverlappedDDP", OverlappedDDP, kind, 1, batch=8, all_reduces=_per_parameter(kind), overlap=True),
-        _check_ddp("BucketedDDP", functools.partial(BucketedDDP, bucket_mb=1 / 1024), kind, 1, batch=8,
-                   buckets=_buckets, overlap=True),
-        _check_ddp("AccumulatingDDP", functools.partial(AccumulatingDDP, bucket_mb=1 / 1024), kind, 1, batch=12,
-                   micro_steps=3, buckets=_buckets, overlap=True)]
+        _check_ddp("NaiveDDP", "NaiveDDP", kind, 1, batch=8, all_reduces=_per_parameter(kind)),
+        _check_ddp("OverlappedDDP", "OverlappedDDP", kind, 1, batch=8, all_reduces=_per_parameter(kind), overlap=True),
+        _check_ddp("BucketedDDP", "BucketedDDP", kind, 1, batch=8, bucket_mb=1 / 1024, buckets=_buckets, overlap=True),
+        _check_ddp("AccumulatingDDP", "AccumulatingDDP", kind, 1, batch=12, micro_steps=3, bucket_mb=1 / 1024,
+                   buckets=_buckets, overlap=True)]
     print("backends:", sorted({run.backend for run in _runs}))
 print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
 """
