@@ -85,11 +85,11 @@ def test_hidden_tests_cover_the_issue():
         "(2, 9, 2)",
         "(4, 13, 6)",
         "4, [1, 2, 4, 8]",
-        "one_f_one_b_step, 4, [2, 8]",
+        '"one_f_one_b_step", 4, [2, 8]',
     ):
         assert needle in hidden, needle
     helpers = cell_by_id(nb, "test_helpers").source
-    assert "BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15" in helpers and 'checks.within(run, "student")' in helpers
+    assert "BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15" in helpers and "dl.exercise.run(driver, p, args" in helpers
 
 
 def test_timing_checks_sit_in_their_own_graded_cells():
