@@ -67,7 +67,7 @@ def test_hidden_tests_cover_the_issue():
         "_check_mlp(3,",
         "_check_2d(4, 4",
         "_check_2d(4, 1",
-        "_expect_value_error(lambda: TensorParallelMLP",
+        "_expect_value_error(_build_mlp",
         "bias=False",
     ):
         assert needle in hidden, needle
