@@ -200,6 +200,7 @@ class RobustExecute(Execute):
         self._cell_seconds: dict[str, float] = {}  # this run's time per cell (recorded for the solution)
         lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
+        self._lab = lab
         self._release_tests, self._uses_exercises = _release_tests(lab)
         self._grader = None  # (manager, client) of the grader kernel, started at the first test that needs it
         self._grader_dir = tempfile.mkdtemp(prefix="grader-")  # hidden from the sandbox with the temp dir
@@ -510,12 +511,16 @@ class RobustExecute(Execute):
         )
 
     def _start_grader(self) -> None:
-        """The grader kernel: the grader's own interpreter and kit, a fresh empty folder (no
-        submission on its path), the lab's locked set-up cells, then the exercise runner."""
+        """The grader kernel: the grader's own interpreter and kit, a fresh folder holding only
+        the lab's ``data/`` from its source (no submission on its path), the lab's locked
+        set-up cells, then the exercise runner."""
 
         async def start():
             km = AsyncKernelManager(kernel_name=self.kernel_name or "python3")
             folder = tempfile.mkdtemp(prefix="work-", dir=self._grader_dir)
+            data = source_dir() / (self._lab or "") / "data"
+            if self._lab and data.is_dir():  # the lab's own data files, as the release has them
+                shutil.copytree(data, os.path.join(folder, "data"), symlinks=False)
             await ensure_async(km.start_kernel(cwd=folder, extra_arguments=["--HistoryManager.enabled=False"]))
             kc = km.client()
             kc.start_channels()
