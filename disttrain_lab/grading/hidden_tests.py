@@ -7,7 +7,7 @@ forget it (``forget_program``): IPython still caches the source of every cell it
 in ``linecache`` (for tracebacks), and keeps the last cell's ``ExecutionResult`` and
 traceback.  What code running *during* the test can see (its caller's frame) may still be
 printed, so every output of every cell of the autograded notebook and the feedback is
-scrubbed: a line of a ``### BEGIN HIDDEN TESTS`` block of the lab's source (read from the
+scrubbed: a line of a hidden-tests block (between the BEGIN and END markers) of the lab's source (read from the
 gradebook, where nbgrader keeps it) that appears in an output is replaced by ``MARKER``;
 an output that shows one only once its markup, escapes or spacing are undone is replaced
 whole.  (An encoded copy -- base64, one character a line -- is not recognised: that is
@@ -23,7 +23,8 @@ import re
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import NbGraderPreprocessor
 
-BEGIN, END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+_MARK = "HIDDEN TESTS"  # (the markers are put together here, so that none is in the package's text)
+BEGIN, END = f"### BEGIN {_MARK}", f"### END {_MARK}"
 MARKER = "[hidden test line removed]"
 MIN_CHARS = 8  # shorter lines (`)`, `else:`, `pass`) tell nothing and would match honest output
 

@@ -578,7 +578,9 @@ def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
     for hidden in sorted(
         {os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private}, key=lambda p: p.count(os.sep)
     ):
-        if not os.path.exists(hidden) or _below(hidden, private):  # e.g. below a folder hidden just before
+        # (one below a private tmpfs exists here only where a kept path was bound back over it,
+        # e.g. the repository's .git in a CI clone under /tmp: hidden all the same)
+        if not os.path.exists(hidden):  # e.g. below a folder hidden just before
             continue
         if os.path.isdir(hidden):
             _mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
