@@ -202,10 +202,12 @@ class RobustExecute(Execute):
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
         self._lab = lab
         self._release_tests, self._uses_exercises = _release_tests(lab)
-        self._grader = None  # (manager, client) of the grader kernel, started at the first test that needs it
+        self._grader = None  # (manager, client) of the grader kernel
         self._grader_dir = tempfile.mkdtemp(prefix="grader-")  # hidden from the sandbox with the temp dir
         self._exchange = None
         try:
+            if self._uses_exercises:  # it boots, and runs the lab's locked cells, while the student's cells run
+                self._start_grader(nb)
             return super().preprocess(nb, resources, km)
         finally:
             self._stop_grader()
@@ -463,8 +465,6 @@ class RobustExecute(Execute):
     def _record_instructor_names(self, index: int) -> None:
         if index not in self._instructor_cells:
             self._instructor_cells.append(index)
-            if self._grader is not None:
-                self._grader_quietly(self.nb.cells[index].source)
         names = _names_bound(self.nb.cells[index].source)
         if self._guard_ready and names:
             self._run_quietly("", timeout=30, expression=_guard_call("record", names))
@@ -510,10 +510,11 @@ class RobustExecute(Execute):
             kernel_dir=kernel_dir,
         )
 
-    def _start_grader(self) -> None:
+    def _start_grader(self, nb) -> None:
         """The grader kernel: the grader's own interpreter and kit, a fresh folder holding only
-        the lab's ``data/`` from its source (no submission on its path), the lab's locked
-        set-up cells, then the exercise runner."""
+        the lab's ``data/`` from its source (no submission on its path); the lab's locked cells
+        (restored from the gradebook) and the exercise runner are queued in it at once, so it
+        gets ready while the student's cells run (a test cell's request queues behind them)."""
 
         async def start():
             km = AsyncKernelManager(kernel_name=self.kernel_name or "python3")
@@ -521,26 +522,18 @@ class RobustExecute(Execute):
             data = source_dir() / (self._lab or "") / "data"
             if self._lab and data.is_dir():  # the lab's own data files, as the release has them
                 shutil.copytree(data, os.path.join(folder, "data"), symlinks=False)
-            await ensure_async(km.start_kernel(cwd=folder, extra_arguments=["--HistoryManager.enabled=False"]))
+            env = dict(os.environ, MPLBACKEND="agg")  # (no figure of a test is shown)
+            await ensure_async(km.start_kernel(cwd=folder, env=env, extra_arguments=["--HistoryManager.enabled=False"]))
             kc = km.client()
             kc.start_channels()
-            await ensure_async(kc.wait_for_ready(timeout=self.startup_timeout))
             return km, kc
 
         self._grader = run_sync(start)()
-        for index in self._instructor_cells:
-            self._grader_quietly(self.nb.cells[index].source)
         settings = str(Path(self._grader_dir) / "student-kernel.json")
-        self._grader_quietly(f"from disttrain_lab.grading import remote as _remote\n_remote.install({settings!r})\n")
-
-    def _grader_quietly(self, code: str) -> None:
-        km, kc = self._grader
-        student = self.km, self.kc
-        self.km, self.kc = km, kc
-        try:
-            self._run_quietly(code, timeout=120)
-        finally:
-            self.km, self.kc = student
+        queued = [c.source for c in nb.cells if c.cell_type == "code" and is_instructor_cell(c)]
+        queued.append(f"from disttrain_lab.grading import remote as _remote\n_remote.install({settings!r})\n")
+        for code in queued:
+            self._grader[1].execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
 
     def _stop_grader(self) -> None:
         if self._grader is None:
@@ -560,8 +553,8 @@ class RobustExecute(Execute):
     def _run_on_grader(self, cell, index: int):
         """Run a test cell in the grader kernel; the student's kernel only serves the runs
         the test asks for.  A student kernel left busy or dead is restarted afterwards."""
-        if self._grader is None:
-            self._start_grader()
+        if self._grader is None:  # (it ended: a test before this one ran past its limit)
+            self._start_grader(self.nb)
         key = cell_times.cell_key(cell)
         remaining = self._deadline - time.monotonic()
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
