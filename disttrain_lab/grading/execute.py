@@ -560,7 +560,15 @@ class RobustExecute(Execute):
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
         student, cell_timeout, on_timeout = (self.km, self.kc), self.timeout, self.error_on_timeout
         self.km, self.kc = self._grader
-        self.timeout, self.error_on_timeout = limit, {}  # a test past its limit raises CellTimeoutError
+        self.timeout = limit
+        self.error_on_timeout = {  # past its limit the grader kernel is interrupted, the test fails
+            "ename": "CellTimeoutError",
+            "evalue": "",
+            "traceback": [
+                f"\x1b[0;31mCellTimeoutError\x1b[0m: this test ran longer than the {limit} s allowed when "
+                "grading (a function of yours that does not finish?) and was stopped"
+            ],
+        }
         self._last_status = None
         started = time.monotonic()
         try:
@@ -582,15 +590,20 @@ class RobustExecute(Execute):
                 _error_output("GradingError", f"the test did not pass (the kernel answered {self._last_status!r})")
             )
         _clamp_partial_credit(cell)
-        if not self._kernel_answers():  # busy with a run the test gave up on, or dead
-            self._restart_and_replay()
+        if not self._kernel_answers(timeout=2):  # busy with a run the test gave up on, or dead
+            try:
+                run_sync(self.km.interrupt_kernel)()
+            except Exception as exc:  # noqa: BLE001  (gone: restarted below)
+                self.log.debug("interrupting the student's kernel: %s", exc)
+            if not self._kernel_answers():
+                self._restart_and_replay()
         return cell
 
     # -- restart and replay ----------------------------------------------------------------
 
-    def _kernel_answers(self) -> bool:
+    def _kernel_answers(self, timeout: float | None = None) -> bool:
         try:
-            return self._run_quietly("pass", timeout=self.probe_timeout) is not None
+            return self._run_quietly("pass", timeout=timeout or self.probe_timeout) is not None
         except DeadKernelError:
             return False
 

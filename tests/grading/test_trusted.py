@@ -186,8 +186,19 @@ for path in sorted(glob.glob("/tmp/stash/*")):
     print("FILE", path, open(path, "rb").read()[:20000])
 """
 
+# A function that never returns: the test gives up on it, the student's kernel is
+# interrupted (or restarted), and the tests after it run
+HANGS = """
+import time
+
+def ping_pong(x, repeats=1):
+    while True:
+        time.sleep(0.01)
+"""
+
 ATTACKS = {
     "forged_serve": FORGED_SERVE,
+    "hangs": HANGS,
     "pickle_bomb": PICKLE_BOMB,
     "hooks_and_modes": HOOKS_AND_MODES,
     "shared_memory": SHARED_MEMORY,
@@ -240,6 +251,8 @@ def test_what_each_attack_is_told(graded):
     assert "the operating system counted" in forged  # the made-up values were right; no byte moved
     assert "could not be read as plain data" in feedback(graded.course, "pickle_bomb", LAB)
     assert "the operating system counted" in feedback(graded.course, "shared_memory", LAB)
+    hung = feedback(graded.course, "hangs", LAB)
+    assert "did not finish within" in hung or "CellTimeoutError" in hung
     hooked = feedback(graded.course, "hooks_and_modes", LAB)  # its own kernel is what it broke
     assert "values differ" in hooked or "wrote no result" in hooked
 
