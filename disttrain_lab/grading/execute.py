@@ -589,6 +589,11 @@ class RobustExecute(Execute):
             cell.outputs.append(
                 _error_output("GradingError", f"the test did not pass (the kernel answered {self._last_status!r})")
             )
+        if any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs):
+            # the interrupt's traceback is the grader's own code: the limit is what the student needs
+            cell.outputs = [
+                o for o in cell.outputs if not (o.output_type == "error" and o.ename == "KeyboardInterrupt")
+            ]
         _clamp_partial_credit(cell)
         if not self._kernel_answers(timeout=2):  # busy with a run the test gave up on, or dead
             try:
