@@ -41,6 +41,7 @@ import torch
 from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import exercise, wire
+from disttrain_lab.grading import sandbox
 
 __all__ = ["install", "RemoteRunner", "write_settings", "host_pids"]
 
@@ -66,28 +67,6 @@ def write_settings(path: Path, *, connection_file: str, kernel_pid: int | None, 
         )
     )
     os.replace(tmp, path)
-
-
-def _namespace_process(pid: int | None, kind: str) -> int | None:
-    """The first process at or below ``pid`` in another ``kind`` namespace ("net", "pid") than
-    this one (inside the sandbox), or ``pid`` itself when the kernel shares it (no sandbox)."""
-    if pid is None:
-        return None
-    try:
-        own = os.readlink(f"/proc/self/ns/{kind}")
-    except OSError:
-        return pid
-    todo = [pid]
-    while todo:
-        p = todo.pop(0)
-        try:
-            if os.readlink(f"/proc/{p}/ns/{kind}") != own:
-                return p
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-    return pid
 
 
 def host_pids(claimed: list, inside: int) -> list[int] | None:
@@ -168,7 +147,8 @@ class RemoteRunner:
         fd = os.open(request, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(buffer.getvalue())
-        inside = _namespace_process(settings.get("kernel_pid"), "net")
+        kernel_pid = settings.get("kernel_pid")
+        inside = sandbox.namespace_process(kernel_pid, "net") if kernel_pid else None
         try:
             before = wire.snapshot(inside)
         except (RuntimeError, OSError, ValueError) as exc:
@@ -205,7 +185,7 @@ class RemoteRunner:
         if "error" in rec:
             return rec
         rec.pop("matrix", None)
-        in_pid_ns = _namespace_process(settings.get("kernel_pid"), "pid")
+        in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         pids = host_pids(rec.get("pids"), in_pid_ns) if in_pid_ns is not None else None
         if pids is None or len(pids) != world_size:
             return {

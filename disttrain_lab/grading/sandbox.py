@@ -299,6 +299,23 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def namespace_process(pid: int, kind: str) -> int:
+    """The first process at or below ``pid`` in another ``kind`` namespace ("net", "pid")
+    than the grader's: inside the sandbox (its init), or ``pid`` itself when the kernel shares
+    the grader's (no sandbox)."""
+    try:
+        own = os.readlink(f"/proc/self/ns/{kind}")
+    except OSError:
+        return pid
+    for p in [pid] + _descendants(pid):
+        try:
+            if os.readlink(f"/proc/{p}/ns/{kind}") != own:
+                return p
+        except OSError:
+            continue
+    return pid
+
+
 def loopback_bytes(pid: int) -> int | None:
     """Bytes sent so far over loopback in the network namespace of the kernel started as
     ``pid``: the sandbox's own namespace (the first process below ``pid`` in a namespace other
@@ -306,18 +323,7 @@ def loopback_bytes(pid: int) -> int | None:
     student's, never less: traffic between local addresses always crosses ``lo``).  Headers
     and acknowledgements included, so at least every payload byte the ranks sent each other.
     None where it cannot be read."""
-    try:
-        own = os.readlink("/proc/self/ns/net")
-    except OSError:
-        return None
-    where = pid
-    for p in [pid] + _descendants(pid):
-        try:
-            if os.readlink(f"/proc/{p}/ns/net") != own:
-                where = p
-                break
-        except OSError:
-            continue
+    where = namespace_process(pid, "net")
     try:
         for line in Path(f"/proc/{where}/net/dev").read_text().splitlines():
             name, _, counters = line.partition(":")
