@@ -6,6 +6,7 @@ run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they 
 dl.launch(fn, 4, network=dl.Network.preset("1 Gbit Ethernet"))   # over an emulated link
 dl.viz.timeline(run)                # per-rank timeline of a real run
 dl.exercise.run("ping_pong", 2, inputs)   # a notebook's function, results and bytes as data (tests)
+dl.predictions.check("bubble", PREDICTED_BUBBLE, digest)  # a graded prediction, checked without the answer
 """
 
 __version__ = "0.1.0"
@@ -19,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         "torch is already there."
     ) from exc
 
-from . import checks, exercise, integrity, models, network, trace, viz, wire  # noqa: E402
+from . import checks, exercise, integrity, memory, models, network, predictions, trace, viz, wire  # noqa: E402
 from .devices import device, doctor, plan  # noqa: E402
 from .launcher import LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
@@ -47,6 +48,8 @@ __all__ = [
     "checks",
     "exercise",
     "models",
+    "memory",
+    "predictions",
 ]
 
 integrity.watch_defaults()

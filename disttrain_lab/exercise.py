@@ -95,7 +95,7 @@ def use_runner(runner: Runner | None) -> None:
 
 
 def run(
-    target: str | Callable,
+    target: str | Callable | dict,
     world_size: int,
     inputs: Sequence | None = None,
     *,
@@ -119,6 +119,8 @@ def run(
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
     if callable(target):
         name, target = target.__name__, _driver(target)
+    elif isinstance(target, dict) and str(target.get("name", "")).isidentifier():
+        name = target["name"]  # a driver already as data: {"name": ..., "source": ...}
     elif isinstance(target, str) and target.isidentifier():
         name = target
     else:

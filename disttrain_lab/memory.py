@@ -17,6 +17,9 @@ updates: ``gradients``), a tensor in an optimizer's ``state`` (``optimizer_state
 anything else reachable from the objects passed (``other``: flat buffers, saved copies).
 Distributed tensors (``DTensor``, as torch FSDP uses) count their local shard.
 
+:class:`SavedActivations` counts what autograd keeps for the backward pass (activations), by
+layer, as it is saved (``torch.autograd.graph.saved_tensors_hooks``): the same on CPU as on a GPU.
+
 :class:`ParameterWatch` records, at each layer's forward and backward, the parameter bytes
 each layer holds at that moment: ZeRO-3 must hold a layer's full parameters only while
 that layer runs.
@@ -36,7 +39,16 @@ from torch import nn
 
 from .trace import format_bytes
 
-__all__ = ["Held", "held", "tensor_bytes", "storage_key", "ParameterWatch", "Snapshot", "layers_with_parameters"]
+__all__ = [
+    "Held",
+    "held",
+    "tensor_bytes",
+    "storage_key",
+    "ParameterWatch",
+    "Snapshot",
+    "layers_with_parameters",
+    "SavedActivations",
+]
 
 _MAX_DEPTH = 8  # how deep held() follows attributes, lists and dicts from an object passed
 
@@ -242,3 +254,63 @@ class ParameterWatch:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward while the block runs: the activations, measured.
+
+    Every tensor an operation saves for its backward passes through
+    ``torch.autograd.graph.saved_tensors_hooks``; each storage is counted once, in the
+    innermost module of ``model`` running when it was first saved, and the model's own
+    parameters (saved by every linear layer, but held anyway) are left out::
+
+        with dl.memory.SavedActivations(model) as saved:
+            loss = model(x).sum()
+        saved.total, saved.by_layer      # bytes; {"blocks.0.attn": ..., ...}
+
+    Count one forward per block: the graph keeps what it saved alive, so storages are not
+    reused while it lives.  ``saved.tensors`` lists ``(layer, shape, dtype, bytes)`` per storage.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+        self.by_layer: dict[str, int] = {}
+        self.tensors: list[tuple[str, tuple, torch.dtype, int]] = []
+        self._seen: set = set()
+        self._stack = [""]
+        self._handles = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._parameters = {storage_key(p) for p in model.parameters()} if model is not None else set()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_layer.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self._seen and key not in self._parameters:
+            self._seen.add(key)
+            layer = self._stack[-1]
+            self.by_layer[layer] = self.by_layer.get(layer, 0) + key[1]
+            self.tensors.append((layer, tuple(t.shape), t.dtype, key[1]))
+        return t
+
+    def _enter(self, name: str) -> None:  # hooks return None: a value would replace the input/output
+        self._stack.append(name)
+
+    def _leave(self) -> None:
+        self._stack.pop()
+
+    def __enter__(self) -> SavedActivations:
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self._enter(name)))
+                self._handles.append(module.register_forward_hook(lambda m, a, out: self._leave()))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

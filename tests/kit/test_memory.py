@@ -155,3 +155,16 @@ def _watch_in_rank():
 def test_parameter_watch_measures_a_gathered_layer():
     for snapshots in dl.launch(_watch_in_rank, 2, timeout=30):
         assert snapshots == [("forward", 64 + 16), ("after forward", 32 + 16)], snapshots
+
+
+def test_saved_activations_counts_what_backward_keeps_by_layer():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    with memory.SavedActivations(model) as saved:
+        loss = model(x).sum()
+    # linear 0 keeps its input (5x8), GELU its input (5x16), linear 2 its input (5x16);
+    # the weights the linears also save are parameters, held anyway, and left out
+    assert saved.by_layer == {"0": 5 * 8 * 4, "1": 5 * 16 * 4, "2": 5 * 16 * 4}
+    assert saved.total == 800
+    loss.backward()  # the hooks are gone and the graph still works
+    assert model[0].weight.grad is not None
