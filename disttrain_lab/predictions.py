@@ -111,7 +111,12 @@ def _getter(name: str) -> dict:
         "            return v if isinstance(v, (int, float)) else float(v)\n"
         "        except Exception:\n"
         "            return repr(v)[:80]\n"
-        f"    value = {name}\n"
+        "    try:\n"
+        f"        value = {name}\n"
+        "    except NameError:  # the prediction's cell has not run: the same as left blank\n"
+        "        value = None\n"
+        "    if value is None or value is Ellipsis:\n"
+        "        return None\n"
         "    return plain(value) if cases is None else [plain(value(*case)) for case in cases]\n"
     )
     return {"name": f"_prediction_{name}", "source": source}

@@ -71,5 +71,7 @@ def test_fetch_reads_the_notebook_value_as_data(monkeypatch):
         predictions.assert_prediction("predicted_f", values, [3 / 11, 0.2], cases)
     with pytest.raises(PredictionError, match="not filled in yet"):
         predictions.fetch("PREDICTED_BLANK")
+    with pytest.raises(PredictionError, match="not filled in yet"):
+        predictions.fetch("PREDICTED_NEVER_DEFINED")
     with pytest.raises(PredictionError, match="should be a number, got str"):
         predictions.fetch("PREDICTED_TEXT")
