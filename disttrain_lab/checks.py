@@ -24,7 +24,7 @@ import torch
 
 from . import integrity
 from .integrity import TamperingError
-from .trace import P2P_OPS, Event, Run
+from .events import P2P_OPS, Event, Run
 
 SEND_OPS = ("send", "isend")
 RECV_OPS = ("recv", "irecv")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .trace import format_bytes
+from .events import format_bytes
 
 __all__ = [
     "Held",

@@ -6,7 +6,7 @@ dl.viz.timeline(run)            # one row per rank: compute regions above, commu
 
 from __future__ import annotations
 
-from .trace import Run, format_bytes
+from .events import Run, format_bytes
 
 # One colour per kind of thing, so the same op looks the same in every lab.
 COLORS = {

@@ -1,0 +1,63 @@
+"""The status slot: what each rank is blocked in, readable by the launcher at any time.
+
+A few bytes per rank of memory shared with the launcher: the recorder writes the call a rank
+enters (``write_status``) and clears it when the call returns, so a launch that times out can
+say ``rank 0: recv(src=1) for 30 s`` (``read_status``).
+Layout per rank: [float64 since][uint16 length][utf-8 text]; since == 0 means idle.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+
+from .events import describe_call
+
+SLOT_BYTES = 256
+_HEAD = struct.Struct("dH")
+
+
+def write_status(buf, rank: int, text: str | None) -> None:
+    off = rank * SLOT_BYTES
+    if text is None:
+        buf[off : off + 8] = b"\0" * 8
+        return
+    raw = text.encode()[: SLOT_BYTES - _HEAD.size]
+    buf[off + _HEAD.size : off + _HEAD.size + len(raw)] = raw
+    buf[off : off + _HEAD.size] = _HEAD.pack(time.perf_counter(), len(raw))
+
+
+@dataclass
+class Blocked:
+    """What a rank is blocked in, read from its status slot."""
+
+    op: str  # "recv", "send", "all_reduce", or "wait:irecv" for a wait on an irecv
+    peer: int | None
+    tag: int
+    text: str  # human form: "recv(src=1, 16 B)"
+    since: float  # perf_counter when it started
+
+
+def status_text(op: str, peer, tag, nbytes, group) -> str:
+    # raw fields only: formatting happens in read_status, off the hot path
+    return f"{op}\t{'' if peer is None else peer}\t{tag or 0}\t{nbytes}\t{','.join(map(str, group or ()))}"
+
+
+def read_status(buf, rank: int) -> Blocked | None:
+    """What the rank is blocked in, or None when it is not inside a torch.distributed call."""
+    off = rank * SLOT_BYTES
+    since, n = _HEAD.unpack(bytes(buf[off : off + _HEAD.size]))
+    if since == 0:
+        return None
+    raw = bytes(buf[off + _HEAD.size : off + _HEAD.size + n]).decode(errors="replace")
+    try:
+        op, peer, tag, nbytes, group = raw.split("\t", 4)
+        peer = int(peer) if peer else None
+        group = tuple(int(g) for g in group.split(",")) if group else None
+        text = describe_call(op.split(":")[-1], peer, int(tag), int(nbytes), group)
+        if op.startswith("wait:"):
+            text = f"wait on {text}"
+        return Blocked(op, peer, int(tag), text, since)
+    except ValueError:
+        return Blocked("?", None, 0, raw, since)
