@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import torch
 
 from . import integrity
-from .integrity import TamperingError
 from .events import P2P_OPS, Event, Run
+from .integrity import TamperingError
 
 SEND_OPS = ("send", "isend")
 RECV_OPS = ("recv", "irecv")

@@ -17,17 +17,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: grader/, soluti
 GRADER_DIR = REPO_ROOT / "grader"
 
 
+# the environment variables that name a course's three folders (grading.course passes them to nbgrader)
+COURSE_DIR_ENV = "DISTTRAIN_COURSE_DIR"
+SOURCE_DIR_ENV = "DISTTRAIN_SOURCE_DIR"
+RELEASE_DIR_ENV = "DISTTRAIN_RELEASE_DIR"
+
+
 def course_dir() -> Path:
     """gradebook.db, submitted/, autograded/, feedback/: outside the repo."""
-    return Path(os.environ.get("DISTTRAIN_COURSE_DIR", "~/.disttrain-lab/course")).expanduser().resolve()
+    return Path(os.environ.get(COURSE_DIR_ENV, "~/.disttrain-lab/course")).expanduser().resolve()
 
 
 def source_dir() -> Path:
-    return Path(os.environ.get("DISTTRAIN_SOURCE_DIR", REPO_ROOT / "solutions")).resolve()
+    return Path(os.environ.get(SOURCE_DIR_ENV, REPO_ROOT / "solutions")).resolve()
 
 
 def release_dir() -> Path:
-    return Path(os.environ.get("DISTTRAIN_RELEASE_DIR", REPO_ROOT / "labs")).resolve()
+    return Path(os.environ.get(RELEASE_DIR_ENV, REPO_ROOT / "labs")).resolve()
 
 
 def _env_int(name: str, default: int) -> int:

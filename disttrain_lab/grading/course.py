@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 from nbgrader.api import Gradebook, MissingEntry
 
-from . import cell_times, intake, sandbox
+from . import cell_times, config, intake, sandbox
 from . import install_source as install  # (release() has an argument named install_source)
 from .config import LIMITED_ISOLATION, NO_ISOLATION, Limits, course_dir, release_dir, source_dir
 from .execute import NOTES_FILE
@@ -34,9 +34,9 @@ def _env(course: Path | None, source: Path | None, release: Path | None) -> dict
     # for device="cuda"), so grading runs exactly what the notebook ran
     env = {}
     for name, value in (
-        ("DISTTRAIN_COURSE_DIR", course),
-        ("DISTTRAIN_SOURCE_DIR", source),
-        ("DISTTRAIN_RELEASE_DIR", release),
+        (config.COURSE_DIR_ENV, course),
+        (config.SOURCE_DIR_ENV, source),
+        (config.RELEASE_DIR_ENV, release),
     ):
         if value is not None:
             env[name] = str(Path(value).resolve())
