@@ -10,6 +10,12 @@ worker still grading while the other waits: with the browser's 9 tests handed ou
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
+from tests import roundtrip
+
 # seconds of work per file in a full run on 2 cores (from --junitxml), the longest first;
 # files not listed come after these, in pytest's order.  test_browser.py: measured by itself
 # on the shared 2-core machine, the mean of two runs (329 s loaded, 241 s quiet; 404, 335 and
@@ -38,5 +44,22 @@ SECONDS = {
 }
 
 
+# a test that may make a lab's round trip (tests/roundtrip.py) gets the round trip's time limit,
+# as tests/grading/test_grading.py has: it may be the one of the two workers that makes it
+ROUND_TRIP_TESTS = ("test_solution_notebook_executes_within_budget",)
+ROUND_TRIP_TIMEOUT = 900
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
+    for item in items:
+        if item.originalname in ROUND_TRIP_TESTS and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(ROUND_TRIP_TIMEOUT))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_round_trips(tmp_path_factory):
+    """Where this session's workers share the labs' round trips (tests/roundtrip.py): the
+    folder above each pytest-xdist worker's own temp root (one per session)."""
+    base = tmp_path_factory.getbasetemp()
+    roundtrip.SHARED = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"

@@ -7,8 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
+
 # the repository's root, for every test file whichever folder of tests/ it is in
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load(path: Path) -> nbformat.NotebookNode:
+    """A fresh copy of the notebook at ``path`` (e.g. ``load(solution_notebook(lab))``), as nbformat 4."""
+    return nbformat.read(path, as_version=4)
 
 
 def child_pids(parent: int | None = None) -> list[int]:

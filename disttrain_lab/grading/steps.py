@@ -206,7 +206,9 @@ def _run_step(
             PATH=bindir + os.pathsep + full_env.get("PATH", ""),
             TMPDIR=tmp,
             JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
-            MPLBACKEND="Agg",
+            # the student's kernel draws inline, as in JupyterLab: the feedback shows the figures
+            # a student's cells drew (the grader kernel's tests draw nothing: execute.py)
+            MPLBACKEND="module://matplotlib_inline.backend_inline",
             PYTHONDONTWRITEBYTECODE="1",
             DISTTRAIN_SANDBOX_CGROUP=cgroup,
             DISTTRAIN_SANDBOX_SLOT=str(slot),

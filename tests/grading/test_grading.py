@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -26,11 +25,24 @@ from disttrain_lab import grading
 from disttrain_lab.grading import classgrade, steps
 from tests.helpers import REPO
 from tests.notebooks import load
+from tests.roundtrip import (  # noqa: F401  (other grading tests import these from here)
+    FIRST_REAL_LAB,
+    FIXTURE_LIMITS,
+    FIXTURES,
+    Course,
+    all_points,
+    feedback,
+    grade_id,
+    points_after,
+    processes_with,
+    round_trip,
+    submit,
+    with_solution,
+)
 
-FIXTURES = REPO / "tests" / "fixtures" / "source"
 HAS_LAUNCH = hasattr(disttrain_lab, "launch")
 
-FIRST_REAL_LAB = (grading.list_labs(REPO / "solutions") or [None])[0]
+pytestmark = pytest.mark.timeout(900)
 
 # fixtures first (fast), then every real lab
 LABS = (
@@ -39,115 +51,6 @@ LABS = (
     + [(lab, REPO / "solutions") for lab in grading.list_labs(REPO / "solutions")]
 )
 
-# small limits so broken cases cost seconds, not minutes; real labs get the defaults
-FIXTURE_LIMITS = dict(cell_timeout=10, notebook_timeout=120, kernel_memory=2 * 2**30, student_timeout=240)
-
-pytestmark = pytest.mark.timeout(900)
-
-
-# ----------------------------------------------------------------------------------------
-# crafting submissions
-
-
-def grade_id(cell) -> str | None:
-    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
-
-
-def with_solution(nb, exercise: str, source: str):
-    """A copy of nb whose solution cell `exercise` has `source` instead."""
-    nb = copy.deepcopy(nb)
-    [cell] = [c for c in nb.cells if grade_id(c) == exercise]
-    cell.source = source
-    return nb
-
-
-def points_after(nb, solution_id: str) -> dict[str, float]:
-    """Test cells of the exercise whose solution cell is `solution_id` (until the next solution)."""
-    out, inside = {}, False
-    for cell in nb.cells:
-        nbg = cell.get("metadata", {}).get("nbgrader", {})
-        if nbg.get("solution"):
-            inside = nbg.get("grade_id") == solution_id
-        elif inside and nbg.get("grade"):
-            out[nbg["grade_id"]] = float(nbg["points"])
-    return out
-
-
-def all_points(nb) -> dict[str, float]:
-    return {
-        grade_id(c): float(c.metadata.nbgrader["points"])
-        for c in nb.cells
-        if c.get("metadata", {}).get("nbgrader", {}).get("grade")
-    }
-
-
-def submit(course: Path, student: str, lab: str, content) -> None:
-    folder = course / "submitted" / student / lab
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{lab}.ipynb"
-    if isinstance(content, (str, bytes)):
-        path.write_bytes(content.encode() if isinstance(content, str) else content)
-    else:
-        nbformat.write(content, path)
-
-
-def feedback(course: Path, student: str, lab: str) -> str:
-    path = course / "feedback" / student / lab / f"{lab}.html"
-    return path.read_text() if path.exists() else ""
-
-
-def processes_with(marker: str) -> list[int]:
-    """Processes whose environment mentions marker (our course dir): must be none after grading."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
-class Course:
-    """A throw-away course directory for one lab, with its own release and temp root."""
-
-    def __init__(self, root: Path, lab: str, source: Path, limits: dict | None):
-        self.lab, self.source, self.root = lab, source, root
-        self.course, self.release, self.tmp = root / "course", root / "release", root / "tmp"
-        self.tmp.mkdir(parents=True)
-        self.limits = grading.Limits(**limits) if limits else grading.Limits()
-        self.solution = load(source / lab / f"{lab}.ipynb")
-
-    def do_release(self):
-        return grading.release(
-            [self.lab], course=self.course, source=self.source, release_to=self.release, tmp_root=str(self.tmp)
-        )
-
-    def grade(self, students=None, one_process_per_student=True, jobs=1):
-        results = grading.autograde(
-            self.lab,
-            students,
-            course=self.course,
-            source=self.source,
-            release_from=self.release,
-            limits=self.limits,
-            tmp_root=str(self.tmp),
-            one_process_per_student=one_process_per_student,
-            jobs=jobs,
-        )
-        step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
-        assert step.returncode == 0, step.output[-3000:]
-        return results
-
-    def blank(self):
-        return load(self.release / self.lab / f"{self.lab}.ipynb")
-
-    def autograded(self, student: str) -> nbformat.NotebookNode:
-        return load(self.course / "autograded" / student / self.lab / f"{self.lab}.ipynb")
-
-
 # ----------------------------------------------------------------------------------------
 # round trip on every lab
 
@@ -155,10 +58,12 @@ class Course:
 @pytest.fixture(scope="module", params=LABS, ids=[lab for lab, _ in LABS])
 def released(request, tmp_path_factory):
     lab, source = request.param
-    limits = FIXTURE_LIMITS if source == FIXTURES else None
-    course = Course(tmp_path_factory.mktemp(lab), lab, source, limits)
-    course.do_release()
-    return course
+    if source == FIXTURES:
+        course = Course(tmp_path_factory.mktemp(lab), lab, source, FIXTURE_LIMITS)
+        course.do_release()
+        return course
+    # a real lab's course is its round trip's (made once per session: tests/roundtrip.py)
+    return round_trip(lab).course
 
 
 @pytest.mark.slow
@@ -187,38 +92,18 @@ def test_committed_labs_match_a_fresh_release(released):
 def test_round_trip_full_blank_partial(released):
     if released.lab == "00_basics":
         pytest.skip("00_basics's round trip runs in the broken batch below (honest_full, honest_blank, partial)")
-    sol = released.solution
-    solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
-    last = solution_ids[-1]
-    [blank_last] = [c.source for c in released.blank().cells if grade_id(c) == last]
-    total, lost = all_points(sol), points_after(sol, last)
-    assert lost, f"the last exercise ({last}) has no graded test cell after it"
-
-    submit(released.course, "full", released.lab, sol)
-    submit(released.course, "blank", released.lab, released.blank())
-    submit(released.course, "partial", released.lab, with_solution(sol, last, blank_last))
-    # a kernel dying mid-lab costs only that exercise: proven on the launch fixture and the
-    # first real lab (each replay re-runs the notebook, so not on every lab)
-    crash = released.lab in ("00_launch", FIRST_REAL_LAB)
-    students = ["full", "blank", "partial"] + (["crashed"] if crash else [])
-    if crash:
-        [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
-        submit(
-            released.course,
-            "crashed",
-            released.lab,
-            with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source),
-        )
-    # one nbgrader process for the batch; test_cli_grade_... covers one process per student
-    results = released.grade(students, one_process_per_student=False)
+    trip = round_trip(released.lab, released.source, FIXTURE_LIMITS if released.source == FIXTURES else None)
+    total, lost = trip.total, trip.lost
+    assert lost, f"the last exercise of {released.lab} has no graded test cell after it"
+    results = trip.results
     assert all(r.returncode == 0 for r in results.values()), {s: r.output[-2000:] for s, r in results.items()}
-    table = grading.scores(released.lab, released.course)
+    table = trip.table
     assert table["full"]["total"] == sum(total.values()), table["full"]
     assert table["blank"]["total"] == 0
     expected = {k: (0.0 if k in lost else v) for k, v in total.items()}
     assert {k: table["partial"][k] for k in total} == expected
     # the solution runs top to bottom without an error anywhere (demos and plots too) ...
-    full = released.autograded("full")
+    full = trip.course.autograded("full")
     failing = {
         i: o.ename
         for i, c in enumerate(full.cells)
@@ -228,15 +113,15 @@ def test_round_trip_full_blank_partial(released):
     }
     assert not failing, f"cells of the solution raised under autograding: {failing}"
     # ... and the blank lab fails every graded cell on the student's stub, not on something else
-    for cell in released.autograded("blank").cells:
+    for cell in trip.course.autograded("blank").cells:
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
             names = [o.ename + o.evalue for o in cell.outputs if o.output_type == "error"]
             assert names and "NotImplementedError" in names[0], (grade_id(cell), names)
-    if crash:
+    if "crashed" in trip.students:
         assert {k: table["crashed"][k] for k in total} == expected
-        assert "kernel died" in feedback(released.course, "crashed", released.lab)
-    assert not processes_with(str(released.course))
-    assert not list(released.tmp.iterdir())
+        assert "kernel died" in feedback(trip.course.course, "crashed", released.lab)
+    # nothing of the course was left running or on disk when its grading ended
+    assert not trip.left_processes and not trip.left_files, (trip.left_processes, trip.left_files)
 
 
 # ----------------------------------------------------------------------------------------

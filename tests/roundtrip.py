@@ -1,0 +1,228 @@
+"""Courses for grading tests, and the nbgrader round trip of a lab, made once per test session.
+
+A lab's round trip (release it; autograde the solution submitted as a student, the released
+blank notebook and a partly done one) is the costliest thing the suite does with a lab, and
+two test files need it: tests/grading/test_grading.py checks the scores, and the lab's own
+file checks what the solution's cells showed (``tests.notebooks.run_solution``).  ``round_trip``
+makes it once per session, whichever pytest-xdist worker asks first (the other waits on a file
+lock, as pytest-xdist's documentation does for a session fixture run once), and both read it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+from filelock import FileLock
+
+from disttrain_lab import grading
+from tests.helpers import REPO, load
+
+FIXTURES = REPO / "tests" / "fixtures" / "source"
+SOLUTIONS = REPO / "solutions"
+FIRST_REAL_LAB = (grading.list_labs(SOLUTIONS) or [None])[0]
+
+# where the workers of one session share their round trips (tests/conftest.py sets it)
+SHARED: Path | None = None
+
+# small limits so broken cases cost seconds, not minutes; real labs get the defaults
+FIXTURE_LIMITS = dict(cell_timeout=10, notebook_timeout=120, kernel_memory=2 * 2**30, student_timeout=240)
+
+# ----------------------------------------------------------------------------------------
+# crafting submissions
+
+
+def grade_id(cell) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def with_solution(nb, exercise: str, source: str):
+    """A copy of nb whose solution cell `exercise` has `source` instead."""
+    nb = copy.deepcopy(nb)
+    [cell] = [c for c in nb.cells if grade_id(c) == exercise]
+    cell.source = source
+    return nb
+
+
+def points_after(nb, solution_id: str) -> dict[str, float]:
+    """Test cells of the exercise whose solution cell is `solution_id` (until the next solution)."""
+    out, inside = {}, False
+    for cell in nb.cells:
+        nbg = cell.get("metadata", {}).get("nbgrader", {})
+        if nbg.get("solution"):
+            inside = nbg.get("grade_id") == solution_id
+        elif inside and nbg.get("grade"):
+            out[nbg["grade_id"]] = float(nbg["points"])
+    return out
+
+
+def all_points(nb) -> dict[str, float]:
+    return {
+        grade_id(c): float(c.metadata.nbgrader["points"])
+        for c in nb.cells
+        if c.get("metadata", {}).get("nbgrader", {}).get("grade")
+    }
+
+
+def submit(course: Path, student: str, lab: str, content) -> None:
+    folder = course / "submitted" / student / lab
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{lab}.ipynb"
+    if isinstance(content, (str, bytes)):
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+    else:
+        nbformat.write(content, path)
+
+
+def feedback(course: Path, student: str, lab: str) -> str:
+    path = course / "feedback" / student / lab / f"{lab}.html"
+    return path.read_text() if path.exists() else ""
+
+
+def processes_with(marker: str) -> list[int]:
+    """Processes whose environment mentions marker (our course dir): must be none after grading."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+class Course:
+    """A throw-away course directory for one lab, with its own release and temp root."""
+
+    def __init__(self, root: Path, lab: str, source: Path, limits: dict | None):
+        self.lab, self.source, self.root = lab, source, root
+        self.course, self.release, self.tmp = root / "course", root / "release", root / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.limits = grading.Limits(**limits) if limits else grading.Limits()
+        self.solution = load(source / lab / f"{lab}.ipynb")
+
+    def do_release(self):
+        return grading.release(
+            [self.lab], course=self.course, source=self.source, release_to=self.release, tmp_root=str(self.tmp)
+        )
+
+    def grade(self, students=None, one_process_per_student=True, jobs=1):
+        results = grading.autograde(
+            self.lab,
+            students,
+            course=self.course,
+            source=self.source,
+            release_from=self.release,
+            limits=self.limits,
+            tmp_root=str(self.tmp),
+            one_process_per_student=one_process_per_student,
+            jobs=jobs,
+        )
+        step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
+        assert step.returncode == 0, step.output[-3000:]
+        return results
+
+    def blank(self):
+        return load(self.release / self.lab / f"{self.lab}.ipynb")
+
+    def autograded(self, student: str) -> nbformat.NotebookNode:
+        return load(self.course / "autograded" / student / self.lab / f"{self.lab}.ipynb")
+
+
+# ----------------------------------------------------------------------------------------
+# the round trip of a lab, once per session
+
+
+@dataclass
+class Step:
+    """What one autograde call left: its exit code and output (as classgrade reports them)."""
+
+    returncode: int
+    output: str
+
+
+@dataclass
+class RoundTrip:
+    course: Course
+    students: list[str]  # "full", "blank", "partial" (and "crashed" where a kernel dies)
+    results: dict[str, Step]
+    table: dict  # grading.scores
+    full_seconds: float  # autograding the solution alone, start to end
+    lost: dict[str, float]  # the test cells of the exercise the partial submission left blank
+    total: dict[str, float]  # every test cell's points
+    left_processes: list[int]  # processes of this course left when grading ended
+    left_files: list[str]  # what was left in the course's temp folder
+
+
+def _shared_root() -> Path:
+    if SHARED is None:
+        raise RuntimeError("tests.roundtrip.SHARED is set by a session fixture in tests/conftest.py")
+    SHARED.mkdir(parents=True, exist_ok=True)
+    return SHARED
+
+
+def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -> RoundTrip:
+    """Lab ``lab``'s round trip, made by the first caller of the session and read by the others."""
+    root = _shared_root() / "round_trip" / lab
+    with FileLock(str(root) + ".lock"):
+        done = root / "round_trip.json"
+        if not done.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            facts = _grade_round_trip(Course(root, lab, source, limits))
+            done.write_text(json.dumps(facts))
+        facts = json.loads(done.read_text())
+    course = Course(root, lab, source, limits)
+    return RoundTrip(
+        course=course,
+        students=facts["students"],
+        results={s: Step(**r) for s, r in facts["results"].items()},
+        table=facts["table"],
+        full_seconds=facts["full_seconds"],
+        lost=facts["lost"],
+        total=facts["total"],
+        left_processes=facts["left_processes"],
+        left_files=facts["left_files"],
+    )
+
+
+def _grade_round_trip(course: Course) -> dict:
+    """Release ``course``'s lab, submit the solution, the blank and a partly done notebook
+    (the last exercise left blank), and autograde them: the solution alone first (timed: its
+    cells' outputs are what the lab's file checks), then the others in one nbgrader process."""
+    course.do_release()
+    sol, lab = course.solution, course.lab
+    solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
+    last = solution_ids[-1]
+    [blank_last] = [c.source for c in course.blank().cells if grade_id(c) == last]
+    submit(course.course, "full", lab, sol)
+    submit(course.course, "blank", lab, course.blank())
+    submit(course.course, "partial", lab, with_solution(sol, last, blank_last))
+    # a kernel dying mid-lab costs only that exercise: proven on the launch fixture and the
+    # first real lab (each replay re-runs the notebook, so not on every lab)
+    crash = lab in ("00_launch", FIRST_REAL_LAB)
+    students = ["full", "blank", "partial"] + (["crashed"] if crash else [])
+    if crash:
+        [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
+        submit(course.course, "crashed", lab, with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source))
+    start = time.perf_counter()
+    results = dict(course.grade(["full"], one_process_per_student=False))
+    full_seconds = time.perf_counter() - start
+    # one nbgrader process for the rest; test_cli_grade_... covers one process per student
+    results.update(course.grade(students[1:], one_process_per_student=False))
+    return {
+        "students": students,
+        "results": {s: {"returncode": r.returncode, "output": r.output[-5000:]} for s, r in results.items()},
+        "table": grading.scores(lab, course.course),
+        "full_seconds": full_seconds,
+        "lost": points_after(sol, last),
+        "total": all_points(sol),
+        "left_processes": processes_with(str(course.course)),
+        "left_files": [p.name for p in course.tmp.iterdir()],
+    }
