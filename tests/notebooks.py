@@ -138,7 +138,8 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
 
 def numbering_problems(nb) -> list[str]:
     """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
-    `##` section per markdown cell" (the table of contents reads well); empty when nothing does."""
+    `##` section per markdown cell" (the table of contents reads well); empty when nothing does.
+    Prediction cells (grade id ``predict_*``) are not exercises and need no heading of their own."""
     import re
 
     problems, heading, last = [], None, 0
@@ -156,7 +157,8 @@ def numbering_problems(nb) -> list[str]:
                 found = re.match(r"### Exercise (\d+)\b", line)
                 if found:
                     heading = int(found.group(1))
-        elif nbgrader_meta(cell).get("solution"):
+        elif nbgrader_meta(cell).get("solution") and not nbgrader_meta(cell)["grade_id"].startswith("predict_"):
+            # (a prediction's cell, `predict_*`, is a number written before a measurement, not an exercise)
             if heading != last + 1:
                 problems.append(
                     f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
