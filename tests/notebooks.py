@@ -210,3 +210,36 @@ def one_rank_notebook(lab: Path, device: str, given: str, exercises, checks: str
         nbformat.v4.new_code_cell(checks),
     ]
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
+def prediction_problems(nb) -> list[str]:
+    """What breaks the pattern of a lab's graded predictions (each self-check's digest is the
+    digest of the solution's own value, which lies away from a rounding boundary; each has a
+    1-point graded test that fetches it and compares it under the same name); empty when nothing does.
+    Also returns nothing to check in a lab without predictions, so a caller asserts how many it expects."""
+    import math
+    import re
+
+    from disttrain_lab import predictions
+
+    checks = re.findall(
+        r'dl\.predictions\.check\(\s*"([^"]+)",\s*globals\(\)\.get\("(\w+)"\),\s*"([0-9a-f]+)"\)',
+        "\n".join(c.source for c in nb.cells if c.cell_type == "code"),
+    )
+    problems = [] if checks else ["no dl.predictions.check(...) self-check found"]
+    for name, variable, digest in checks:
+        [solution] = [c for c in nb.cells if nbgrader_meta(c).get("solution") and f"{variable} =" in c.source]
+        namespace: dict = {}
+        exec(solution.source, namespace)
+        value = float(namespace[variable])
+        if predictions.digest(name, value) != digest:
+            problems.append(f"{name}: the self-check's digest is not that of the solution's {variable} = {value}")
+        exponent = math.floor(math.log10(abs(value)))
+        step = 10.0 ** (exponent - predictions.SIG + 1)  # one unit in the last significant figure
+        boundary = (math.floor(value / step) + 0.5) * step
+        if abs(value - boundary) <= 1e-6 * abs(value) or abs(value - boundary + step) <= 1e-6 * abs(value):
+            problems.append(f"{name}: {value} lies within 1e-6 of a rounding boundary of {predictions.SIG} figures")
+        tests = [c for c in nb.cells if nbgrader_meta(c).get("grade") and f'fetch("{variable}")' in c.source]
+        if len(tests) != 1 or f'"{name}"' not in tests[0].source or nbgrader_meta(tests[0]).get("points") != 1:
+            problems.append(f"{name}: expected one 1-point graded test that fetches {variable} under this name")
+    return problems
