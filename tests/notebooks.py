@@ -243,3 +243,14 @@ def prediction_problems(nb) -> list[str]:
         if len(tests) != 1 or f'"{name}"' not in tests[0].source or nbgrader_meta(tests[0]).get("points") != 1:
             problems.append(f"{name}: expected one 1-point graded test that fetches {variable} under this name")
     return problems
+
+
+def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
+    """The error the graded prediction test ``test`` of ``lab`` gives a student whose notebook
+    holds only the setup cell and ``cell`` (a wrong prediction); the cell must fail."""
+    nb = load(lab)
+    return error_of_last_cell(
+        nbformat.v4.new_notebook(
+            cells=[copy.deepcopy(nb.cells[0]), nbformat.v4.new_code_cell(cell), copy.deepcopy(cell_by_id(nb, test))]
+        )
+    )

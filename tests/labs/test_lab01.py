@@ -28,6 +28,7 @@ from disttrain_lab.costmodel import AlphaBeta, fit_alpha_beta
 from disttrain_lab.trace import Event, Run
 from tests.notebooks import (
     cell_by_id,
+    error_of_a_wrong_prediction,
     error_of_last_cell,
     load,
     output_of,
@@ -189,11 +190,7 @@ WRONG_PREDICTIONS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("test, wrong", WRONG_PREDICTIONS, ids=["one_way", "server_in_only", "seconds"])
 def test_graded_prediction_catches_a_wrong_number(test, wrong):
-    lab = load(LAB)
-    nb = nbformat.v4.new_notebook(
-        cells=[copy.deepcopy(lab.cells[0]), nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, test))]
-    )
-    found = error_of_last_cell(nb)
+    found = error_of_a_wrong_prediction(LAB, test, wrong)
     assert "does not match the cost model to 3 significant figures" in found, found
 
 
