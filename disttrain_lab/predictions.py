@@ -46,7 +46,10 @@ def _number(value, what: str) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if value is None or value is Ellipsis:
-        raise PredictionError(f"{what} is not filled in yet: replace the `...` with your prediction (a number)")
+        raise PredictionError(
+            f"{what} is not filled in yet: in its cell, replace `raise NotImplementedError()` with your "
+            "prediction (a number) and run the cell"
+        )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise PredictionError(f"{what} should be a number, got {type(value).__name__} {value!r:.60}")
     value = float(value)

@@ -148,7 +148,8 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
 
 def numbering_problems(nb) -> list[str]:
     """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
-    `##` section per markdown cell" (the table of contents reads well); empty when nothing does."""
+    `##` section per markdown cell" (the table of contents reads well); empty when nothing does.
+    Prediction cells (grade id ``predict_*``) are not exercises and need no heading of their own."""
     import re
 
     problems, heading, last = [], None, 0
@@ -166,7 +167,8 @@ def numbering_problems(nb) -> list[str]:
                 found = re.match(r"### Exercise (\d+)\b", line)
                 if found:
                     heading = int(found.group(1))
-        elif nbgrader_meta(cell).get("solution"):
+        elif nbgrader_meta(cell).get("solution") and not nbgrader_meta(cell)["grade_id"].startswith("predict_"):
+            # (a prediction's cell, `predict_*`, is a number written before a measurement, not an exercise)
             if heading != last + 1:
                 problems.append(
                     f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
@@ -218,3 +220,47 @@ def one_rank_notebook(lab: Path, device: str, given: str, exercises, checks: str
         nbformat.v4.new_code_cell(checks),
     ]
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
+
+
+def prediction_problems(nb) -> list[str]:
+    """What breaks the pattern of a lab's graded predictions (each self-check's digest is the
+    digest of the solution's own value, which lies away from a rounding boundary; each has a
+    1-point graded test that fetches it and compares it under the same name); empty when nothing does.
+    Also returns nothing to check in a lab without predictions, so a caller asserts how many it expects."""
+    import math
+    import re
+
+    from disttrain_lab import predictions
+
+    checks = re.findall(
+        r'dl\.predictions\.check\(\s*"([^"]+)",\s*globals\(\)\.get\("(\w+)"\),\s*"([0-9a-f]+)"\)',
+        "\n".join(c.source for c in nb.cells if c.cell_type == "code"),
+    )
+    problems = [] if checks else ["no dl.predictions.check(...) self-check found"]
+    for name, variable, digest in checks:
+        [solution] = [c for c in nb.cells if nbgrader_meta(c).get("solution") and f"{variable} =" in c.source]
+        namespace: dict = {}
+        exec(solution.source, namespace)
+        value = float(namespace[variable])
+        if predictions.digest(name, value) != digest:
+            problems.append(f"{name}: the self-check's digest is not that of the solution's {variable} = {value}")
+        exponent = math.floor(math.log10(abs(value)))
+        step = 10.0 ** (exponent - predictions.SIG + 1)  # one unit in the last significant figure
+        boundary = (math.floor(value / step) + 0.5) * step
+        if abs(value - boundary) <= 1e-6 * abs(value) or abs(value - boundary + step) <= 1e-6 * abs(value):
+            problems.append(f"{name}: {value} lies within 1e-6 of a rounding boundary of {predictions.SIG} figures")
+        tests = [c for c in nb.cells if nbgrader_meta(c).get("grade") and f'fetch("{variable}")' in c.source]
+        if len(tests) != 1 or f'"{name}"' not in tests[0].source or nbgrader_meta(tests[0]).get("points") != 1:
+            problems.append(f"{name}: expected one 1-point graded test that fetches {variable} under this name")
+    return problems
+
+
+def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
+    """The error the graded prediction test ``test`` of ``lab`` gives a student whose notebook
+    holds only the setup cell and ``cell`` (a wrong prediction); the cell must fail."""
+    nb = load(lab)
+    return error_of_last_cell(
+        nbformat.v4.new_notebook(
+            cells=[copy.deepcopy(nb.cells[0]), nbformat.v4.new_code_cell(cell), copy.deepcopy(cell_by_id(nb, test))]
+        )
+    )

@@ -28,10 +28,12 @@ from disttrain_lab.costmodel import AlphaBeta, fit_alpha_beta
 from disttrain_lab.trace import Event, Run
 from tests.notebooks import (
     cell_by_id,
+    error_of_a_wrong_prediction,
     error_of_last_cell,
     load,
     output_of,
     pictures,
+    prediction_problems,
     run_solution,
     solution_notebook,
 )
@@ -57,6 +59,27 @@ def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
 
     assert numbering_problems(load(LAB)) == []
+
+
+def test_predictions_self_checks_and_graded_tests_agree():
+    # two predictions, each with a self-check holding the digest of the solution's value and a
+    # 1-point graded test computing the same model
+    assert prediction_problems(load(LAB)) == []
+    source = "\n".join(c.source for c in load(LAB).cells)
+    assert source.count("dl.predictions.check(") == 2 and source.count("dl.viz.predicted_vs_measured(") == 2
+
+
+def test_the_texts_link_is_the_kits_preset():
+    # the predictions state α = 50 µs and 1/β = 1.25e8 bytes/s; the measurement runs on the preset
+    ethernet = dl.Network.preset("1 Gbit Ethernet")
+    assert (ethernet.latency, ethernet.bandwidth) == (50e-6, 1.25e8)
+
+
+def test_no_claim_that_gloo_picks_its_broadcast_by_size():
+    # gloo's broadcast is a binomial tree at every size (gloo/broadcast.cc); NCCL's is a pipelined ring
+    text = "\n".join(c.source for c in load(LAB).cells if c.cell_type == "markdown")
+    assert "NCCL and gloo pick trees, rings or pipelined chains by size" not in text
+    assert "gloo runs your binomial tree, at every size" in text
 
 
 # ----------------------------------------------------------------------------------------
@@ -154,6 +177,21 @@ def parameter_server_step(grad, server):
         "collective all_reduce",
     ),
 ]
+
+
+# Wrong predictions the graded cells must catch: (graded cell, the cell a student wrote)
+WRONG_PREDICTIONS = [
+    ("test_predict_ping_pong", "PREDICTED_PING_PONG_MS = (50e-6 + 2**20 / 1.25e8) * 1e3   # one way only"),
+    ("test_predict_server_step", "PREDICTED_SERVER_STEP_MS = (4 - 1) * (50e-6 + 2**20 / 1.25e8) * 1e3   # in only"),
+    ("test_predict_server_step", "PREDICTED_SERVER_STEP_MS = 2 * (50e-6 + 2**20 / 1.25e8)   # seconds, one worker's"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("test, wrong", WRONG_PREDICTIONS, ids=["one_way", "server_in_only", "seconds"])
+def test_graded_prediction_catches_a_wrong_number(test, wrong):
+    found = error_of_a_wrong_prediction(LAB, test, wrong)
+    assert "does not match the cost model to 3 significant figures" in found, found
 
 
 @pytest.mark.slow

@@ -30,10 +30,12 @@ from tests.helpers import run_python
 from tests.notebooks import (
     REPO,
     cell_by_id,
+    error_of_a_wrong_prediction,
     error_of_last_cell,
     load,
     output_of,
     pictures,
+    prediction_problems,
     run_solution,
     solution_notebook,
 )
@@ -48,8 +50,15 @@ EXERCISES = [
     "ring_all_gather",
     "ring_all_reduce",
     "halving_doubling_all_reduce",
+    "pipelined_ring_all_reduce",
 ]
-FUNCTIONS = ["naive_all_reduce", "parallel_all_reduce", "ring_all_reduce", "halving_doubling_all_reduce"]
+FUNCTIONS = [
+    "naive_all_reduce",
+    "parallel_all_reduce",
+    "ring_all_reduce",
+    "halving_doubling_all_reduce",
+    "pipelined_ring_all_reduce",
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +84,28 @@ def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
     from tests.notebooks import numbering_problems
 
     assert numbering_problems(load(LAB)) == []
+
+
+def test_predictions_self_checks_and_graded_tests_agree():
+    # three predictions, each with a self-check holding the digest of the solution's value and a
+    # 1-point graded test computing section 2's model
+    assert prediction_problems(load(LAB)) == []
+    source = "\n".join(c.source for c in load(LAB).cells)
+    assert source.count("dl.predictions.check(") == 3 and source.count("dl.viz.predicted_vs_measured(") == 2
+
+
+def test_no_claim_that_gloo_chooses_its_all_reduce_by_size():
+    # torch's ProcessGroupGloo calls gloo::allreduce without an algorithm: gloo's ring, at every size
+    text = "\n".join(c.source for c in load(LAB).cells if c.cell_type == "markdown")
+    assert "NCCL and gloo choose by size" not in text
+    assert "gloo, as torch calls it, does not choose" in text and "`gloo/allreduce.cc`" in text
+
+
+def test_the_stretch_is_optional_and_the_ring_stays_the_lectures():
+    nb = load(LAB)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "### Exercise 6 (optional): `pipelined_ring_all_reduce" in text and "## 8. Optional stretch" in text
+    assert "segments" not in cell_by_id(nb, "ex_ring_all_reduce").source  # one message per step, as taught
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,6 +187,41 @@ def ring_reduce_scatter(flat):                # the textbook indices: rank r end
 ]
 
 
+WRONG += [
+    (
+        "pipelined_ring_all_reduce",
+        """
+def pipelined_ring_all_reduce(x, segments=16):   # the plain ring: one message per step
+    return ring_all_reduce(x)
+""",
+        "sends its chunk as segments",
+    ),
+    (
+        "pipelined_ring_all_reduce",
+        """
+def pipelined_ring_all_reduce(x, segments=16):
+    dist.all_reduce(x)
+    return x
+""",
+        "collective all_reduce",
+    ),
+]
+
+# Wrong predictions the graded cells must catch: (graded cell, the cell a student wrote)
+WRONG_PREDICTIONS = [
+    ("test_predict_naive_bytes", "PREDICTED_NAIVE_BYTES = 2 * (8 - 1) * 4 * 2**20   # sent and received"),
+    ("test_predict_ring_bytes", "PREDICTED_RING_BYTES = (8 - 1) * 4 * 2**20 / 8     # reduce-scatter only"),
+    ("test_predict_ring_time", "PREDICTED_RING_MS = 2 * (4 - 1) * (50e-6 + 16 * 2**20 / 1.25e8) * 1e3   # S per step"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("test, wrong", WRONG_PREDICTIONS, ids=["naive_both_ways", "ring_one_phase", "ring_whole_S"])
+def test_graded_prediction_catches_a_wrong_number(test, wrong):
+    found = error_of_a_wrong_prediction(LAB, test, wrong)
+    assert "does not match the cost model to 3 significant figures" in found, found
+
+
 def _without_power_of_two_check(source: str) -> str:
     start = source.index("    if world_size & (world_size - 1):")
     end = source.index("    work = x.contiguous()", start)
@@ -172,6 +238,8 @@ def _without_power_of_two_check(source: str) -> str:
         "naive_without_broadcast",
         "halving_on_3_ranks",
         "reduce_scatter_wrong_chunk",
+        "pipelined_without_segments",
+        "pipelined_calls_all_reduce",
     ],
 )
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
@@ -179,8 +247,9 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     if wrong is None:
         wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
     scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
+    ring = [cell_by_id(lab, f"ex_{name}") for name in ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")]
     nb = nbformat.v4.new_notebook(
-        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch)]
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch, *(ring if "pipelined" in exercise else []))]
         + [
             nbformat.v4.new_code_cell(wrong),
             copy.deepcopy(cell_by_id(lab, "test_helpers")),
