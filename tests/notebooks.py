@@ -146,6 +146,10 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
     return found[0]
 
 
+# grade ids of graded predictions' solution cells (labs name them either way)
+PREDICTION_IDS = ("predict_", "ex_predict_")
+
+
 def numbering_problems(nb) -> list[str]:
     """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
     `##` section per markdown cell" (the table of contents reads well); empty when nothing does.
@@ -167,8 +171,8 @@ def numbering_problems(nb) -> list[str]:
                 found = re.match(r"### Exercise (\d+)\b", line)
                 if found:
                     heading = int(found.group(1))
-        elif nbgrader_meta(cell).get("solution") and not nbgrader_meta(cell)["grade_id"].startswith("predict_"):
-            # (a prediction's cell, `predict_*`, is a number written before a measurement, not an exercise)
+        elif nbgrader_meta(cell).get("solution") and not nbgrader_meta(cell)["grade_id"].startswith(PREDICTION_IDS):
+            # (a prediction's cell is a number or formula written before a measurement, not an exercise)
             if heading != last + 1:
                 problems.append(
                     f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
@@ -264,3 +268,59 @@ def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
             cells=[copy.deepcopy(nb.cells[0]), nbformat.v4.new_code_cell(cell), copy.deepcopy(cell_by_id(nb, test))]
         )
     )
+
+
+def prediction_verdict(nb, test_id: str, predicted) -> None:
+    """Run the graded prediction cell ``test_id`` of ``nb`` in this process, with ``predicted`` (the
+    student's one-line function) read as ``dl.predictions.fetch`` reads it: its value at each case.
+    Returns when the cell passes; raises what it raises (a PredictionError for a wrong prediction).
+    The lab's setup and test-helper cells run first, as in the grader kernel; no kernel, no ranks."""
+
+    def fetch(name, cases=None, timeout=30.0):
+        return [float(predicted(*case)) for case in cases]
+
+    namespace = {"__name__": "__prediction_test__"}
+    for cell in (nb.cells[0], cell_by_id(nb, "test_helpers")):
+        exec(compile(cell.source, f"<{nbgrader_meta(cell)['grade_id']}>", "exec"), namespace)
+    source = cell_by_id(nb, test_id).source
+    assert "dl.predictions.fetch(" in source and "dl.predictions.assert_prediction(" in source, test_id
+    visible = source.split("### BEGIN HIDDEN TESTS")[0]
+    assert "assert_prediction" not in visible, f"{test_id}: the reference must sit in the hidden tests"
+    namespace["_fetch"] = fetch  # the cell's own dl.predictions.fetch, reading ``predicted`` instead
+    exec(compile(source.replace("dl.predictions.fetch(", "_fetch("), f"<{test_id}>", "exec"), namespace)
+
+
+def prediction_digest_problems(nb) -> list[str]:
+    """Each prediction (a solution cell ``ex_predict_X`` defining one function) against its self-check:
+    the digest the self-check holds must be the digest of the solution's function at the cases of the
+    graded cell ``test_predict_X``; empty when every one matches."""
+    import ast
+    import re
+
+    from disttrain_lab import predictions
+
+    problems = []
+    for cell in nb.cells:
+        grade_id = nbgrader_meta(cell).get("grade_id", "")
+        if not grade_id.startswith("ex_predict_"):
+            continue
+        namespace: dict = {}
+        exec(compile(cell.source, f"<{grade_id}>", "exec"), namespace)
+        [fn_name] = [n.name for n in ast.parse(cell.source).body if isinstance(n, ast.FunctionDef)]
+        test = cell_by_id(nb, "test_" + grade_id[3:]).source
+        cases = ast.literal_eval(re.search(r"^_cases = (\[.*?\])", test, re.M).group(1))
+        [check] = [
+            c.source for c in nb.cells if f'globals().get("{fn_name}")' in c.source and "predictions.check(" in c.source
+        ]
+        found = re.search(
+            r'predictions\.check\("([^"]+)", globals\(\)\.get\("' + fn_name + r'"\), "([0-9a-f]+)"', check
+        )
+        if not found:
+            problems.append(f"{grade_id}: no self-check of {fn_name}")
+            continue
+        name, digest = found.groups()
+        if predictions.digest(name, namespace[fn_name], cases) != digest:
+            problems.append(f"{grade_id}: the self-check's digest is not {fn_name}'s at the graded cases {cases}")
+        if repr(cases) not in check:
+            problems.append(f"{grade_id}: the self-check does not use the graded cases {cases}")
+    return problems

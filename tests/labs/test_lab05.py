@@ -37,6 +37,8 @@ from tests.notebooks import (
     load,
     output_of,
     pictures,
+    prediction_digest_problems,
+    prediction_verdict,
     run_solution,
     solution_notebook,
     text,
@@ -55,6 +57,32 @@ TESTS = {
     "naive": ["test_naive", "test_naive_bubble"],
     "gpipe": ["test_gpipe", "test_gpipe_bubble"],
     "1f1b": ["test_1f1b", "test_1f1b_bubble"],
+}
+# The graded predictions: (grade id, the right one-line function, wrong ones a student may write)
+PREDICTIONS = {
+    "predict_step_time": (
+        lambda p, m, rows, cost: (m + p - 1) * 3 * cost * rows / m,
+        [
+            lambda p, m, rows, cost: (m + p - 1) * 3 * cost * rows,  # a slot as long as the whole batch
+            lambda p, m, rows, cost: (m + p - 1) * 2 * cost * rows / m,  # backward as long as forward
+            lambda p, m, rows, cost: m * 3 * cost * rows / m,  # no bubble
+        ],
+    ),
+    "predict_stage_bytes": (
+        lambda rows, width, m: 8 * rows * width,
+        [
+            lambda rows, width, m: 4 * rows * width,  # activations only
+            lambda rows, width, m: 8 * rows * width * m,  # the whole batch once per micro-batch
+        ],
+    ),
+    "predict_held": (
+        lambda s, p, m: min(p - s, m),
+        [
+            lambda s, p, m: m,  # GPipe's
+            lambda s, p, m: p - s,  # without the short-step case m < p − s
+            lambda s, p, m: min(p - s - 1, m),  # the warm-up forwards only
+        ],
+    ),
 }
 FUNCTIONS = ["split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_step"]
 
@@ -101,6 +129,40 @@ def test_timing_checks_sit_in_their_own_graded_cells():
         source = cell_by_id(nb, timing).source
         assert "_check_bubble" in source.split("### BEGIN HIDDEN TESTS")[0], timing  # exercised visibly too
         assert "_check_pipeline" not in source, timing
+
+
+def test_predictions_self_checks_hold_the_graded_answers():
+    # the self-check's digest is the solution's at the graded cases, and never the answer itself
+    nb = load(LAB)
+    assert prediction_digest_problems(nb) == []
+    for grade_id in PREDICTIONS:
+        assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
+
+
+@pytest.mark.parametrize("grade_id", list(PREDICTIONS))
+def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
+    from disttrain_lab.predictions import PredictionError
+
+    nb = load(LAB)
+    right, wrongs = PREDICTIONS[grade_id]
+    prediction_verdict(nb, f"test_{grade_id}", right)
+    for wrong in wrongs:
+        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
+            prediction_verdict(nb, f"test_{grade_id}", wrong)
+
+
+@pytest.mark.slow
+def test_wrong_prediction_fails_its_graded_cell_in_a_kernel():
+    # read from the student's kernel through dl.exercise.run, as the grader reads it
+    lab = load(LAB)
+    wrong = copy.deepcopy(cell_by_id(lab, "ex_predict_held"))
+    wrong.source = "def predicted_held(s, p, m):\n    return m\n"
+    nb = nbformat.v4.new_notebook(
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], cell_by_id(lab, "test_helpers"))]
+        + [wrong, copy.deepcopy(cell_by_id(lab, "test_predict_held"))]
+    )
+    found = error_of_last_cell(nb, LAB.parent)
+    assert "predicted_held(0, 4, 8): predicted 8.00e+00, the cost model gives 4.00e+00" in found, found
 
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():

@@ -34,6 +34,8 @@ from tests.notebooks import (
     execute,
     load,
     output_of,
+    prediction_digest_problems,
+    prediction_verdict,
     run_solution,
     solution_notebook,
     text,
@@ -46,6 +48,25 @@ EXERCISES = {
     "f_and_g": "class CopyToTensorParallel(",
     "tp_mlp": "class TensorParallelMLP(",
     "2d": "def train_2d(",
+}
+# The graded predictions: (grade id, the right one-line function, wrong ones a student may write)
+PREDICTIONS = {
+    "predict_parameters": (
+        lambda rank, d, h, t: 2 * d * h // t + h // t + (d if rank == 0 else 0),
+        [
+            lambda rank, d, h, t: 2 * d * h // t + h // t + d,  # the row bias on every rank
+            lambda rank, d, h, t: (2 * d * h + h + d) // t,  # everything split t ways
+            lambda rank, d, h, t: 2 * d * h // t,  # the weights only
+        ],
+    ),
+    "predict_allreduce_bytes": (
+        lambda B, d, h, t: 8 * B * d,
+        [
+            lambda B, d, h, t: 4 * B * d,  # forward only (g), not f's backward
+            lambda B, d, h, t: 8 * B * h // t,  # the hidden activation
+            lambda B, d, h, t: 2 * 2 * (t - 1) / t * 4 * B * d,  # what a ring sends, not the payload
+        ],
+    ),
 }
 
 
@@ -86,6 +107,26 @@ def test_groups_and_errors_are_exercised_visibly():
     assert "ColumnParallelLinear(nn.Linear(4, 5))" in visible and "parallel_groups(3)" in visible
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     assert text.index("**Process groups.**") < text.index("### Exercise 1")
+
+
+def test_predictions_self_checks_hold_the_graded_answers():
+    # the self-check's digest is the solution's at the graded cases, and never the answer itself
+    nb = load(LAB)
+    assert prediction_digest_problems(nb) == []
+    for grade_id in PREDICTIONS:
+        assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
+
+
+@pytest.mark.parametrize("grade_id", list(PREDICTIONS))
+def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
+    from disttrain_lab.predictions import PredictionError
+
+    nb = load(LAB)
+    right, wrongs = PREDICTIONS[grade_id]
+    prediction_verdict(nb, f"test_{grade_id}", right)
+    for wrong in wrongs:
+        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
+            prediction_verdict(nb, f"test_{grade_id}", wrong)
 
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
