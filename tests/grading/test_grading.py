@@ -228,10 +228,14 @@ def test_round_trip_full_blank_partial(released):
     }
     assert not failing, f"cells of the solution raised under autograding: {failing}"
     # ... and the blank lab fails every graded cell on the student's stub, not on something else
+    # (a graded prediction left blank reads "not filled in yet": dl.predictions)
     for cell in released.autograded("blank").cells:
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade"):
             names = [o.ename + o.evalue for o in cell.outputs if o.output_type == "error"]
-            assert names and "NotImplementedError" in names[0], (grade_id(cell), names)
+            assert names and ("NotImplementedError" in names[0] or "not filled in yet" in names[0]), (
+                grade_id(cell),
+                names,
+            )
     if crash:
         assert {k: table["crashed"][k] for k in total} == expected
         assert "kernel died" in feedback(released.course, "crashed", released.lab)
