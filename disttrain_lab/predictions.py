@@ -67,6 +67,8 @@ def rounded(value: float, sig: int = SIG) -> str:
 
 def _values(name: str, value, cases: Sequence[tuple] | None) -> list[float]:
     """The numbers a prediction stands for: the value itself, or a function's value at each case."""
+    if value is None or value is Ellipsis:  # left blank, a number or a function alike
+        _number(value, name)
     if cases is None:
         if callable(value):
             raise PredictionError(f"{name} should be a number, got the function {getattr(value, '__name__', value)!r}")
@@ -133,7 +135,7 @@ def fetch(name: str, cases: Sequence[tuple] | None = None, timeout: float = 30.0
         raise ValueError(f"name must be a variable or function of the notebook, got {name!r}")
     cases = None if cases is None else [tuple(c) for c in cases]
     result = exercise.run(_getter(name), 1, [(cases,)], timeout=timeout).results[0]
-    if cases is None:
+    if cases is None or result is None:  # None: left blank (a function too)
         return _number(result, name)
     if not isinstance(result, list) or len(result) != len(cases):
         raise PredictionError(f"{name} should give one number per case, got {result!r:.80}")

@@ -73,5 +73,9 @@ def test_fetch_reads_the_notebook_value_as_data(monkeypatch):
         predictions.fetch("PREDICTED_BLANK")
     with pytest.raises(PredictionError, match="not filled in yet"):
         predictions.fetch("PREDICTED_NEVER_DEFINED")
+    with pytest.raises(PredictionError, match="predicted_never_defined is not filled in yet"):
+        predictions.fetch("predicted_never_defined", cases)  # a function prediction left blank
+    with pytest.raises(PredictionError, match="predicted_g is not filled in yet"):
+        predictions.check("predicted_g", None, "0" * 20, cases)
     with pytest.raises(PredictionError, match="should be a number, got str"):
         predictions.fetch("PREDICTED_TEXT")

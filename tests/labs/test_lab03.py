@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import nbformat
 import pytest
@@ -92,6 +93,15 @@ def test_solution_notebook_executes_within_budget():
     assert pictures(nb) >= 3, (
         f"expected the three timelines, the bucket sweep and the async/sync plot, got {pictures(nb)}"
     )
+    # the predictions: each self-check says the solution's value matches (its digest is right), and the
+    # measurement on 4 real ranks agrees with the cost model (gloo's headers add well under 1 %)
+    for marker in ('dl.predictions.check("BucketedDDP', 'dl.predictions.check("predicted_bytes_sent'):
+        assert "matches the cost model" in output_of(nb, marker), output_of(nb, marker)
+    measured = output_of(nb, "def _bucketed_steps(")
+    match = re.search(
+        r"measured: (\S+) all-reduces per step; the busiest rank sent [\d,]+ B per step \(([\d.]+) ×", measured
+    )
+    assert match and float(match[1]) == 5 and 1.5 <= float(match[2]) < 1.5 * 1.01, measured
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
@@ -202,6 +212,24 @@ class AccumulatingDDP(BucketedDDP):           # no_sync() right, but a blocking 
 """,
         "blocking all-reduce call(s)",
     ),
+    (
+        "no_sync",
+        """
+class AccumulatingDDP(BucketedDDP):           # no try/finally: an exception inside no_sync() leaves it off
+    require_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.require_sync = False
+        yield
+        self.require_sync = True
+
+    def grad_ready(self, param):
+        if self.require_sync:
+            super().grad_ready(param)
+""",
+        "no_sync() left require_sync False",
+    ),
 ]
 
 
@@ -227,6 +255,7 @@ def _notebook(lab, replaced: str, wrong: str, tests: list[str]) -> nbformat.Note
         "overlapped_not_a_module",
         "no_sync_communicates",
         "no_sync_blocking_all_reduce",
+        "no_sync_without_finally",
     ],
 )
 def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
@@ -397,3 +426,36 @@ def test_cli_bench_ddp_uses_the_notebook():
     assert out.returncode == 0, out.stdout
     for name in ("naive", "overlapped", "bucketed (4 MiB)", bench.TORCH_DDP, "vs torch DDP"):
         assert name in out.stdout, out.stdout
+
+
+# Predictions: (PREDICTED_BUCKETS, predicted_bytes_sent) as a student might get them wrong, and the words the
+# graded cells must say.  10 MiB / 4 MiB rounded up is not the bucket rule; 2S is the all-reduce of section 2
+# of Lab 4's accounting, not the bytes a rank sends on a ring.
+WRONG_PREDICTIONS = """
+PREDICTED_BUCKETS = 3
+def predicted_bytes_sent(n, num_parameters):
+    return 2 * 4 * num_parameters
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prediction", [WRONG_PREDICTIONS, "# left blank"], ids=["wrong", "blank"])
+def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
+    lab = load(LAB)
+    cells = [
+        lab.cells[0],
+        cell_by_id(lab, "test_helpers"),
+        nbformat.v4.new_code_cell(prediction),
+        cell_by_id(lab, "test_predict_buckets"),
+        cell_by_id(lab, "test_predict_ring_bytes"),
+    ]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=LAB.parent)
+    buckets, ring = (errors(c) for c in nb.cells[-2:])
+    if prediction == WRONG_PREDICTIONS:
+        assert buckets and "predicted 3.00e+00, the cost model gives 5.00e+00" in buckets[0], buckets
+        assert (
+            ring and "predicted_bytes_sent(4, 2624768): predicted 2.10e+07, the cost model gives 1.57e+07" in ring[0]
+        ), ring
+    else:
+        assert buckets and "PREDICTED_BUCKETS is not filled in yet" in buckets[0], buckets
+        assert ring and "predicted_bytes_sent is not filled in yet" in ring[0], ring

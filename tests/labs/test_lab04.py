@@ -86,9 +86,18 @@ def test_solution_notebook_executes_within_budget():
     table = output_of(nb, "bench.format_zero_table(rows)")
     for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "held/formula"]:
         assert name in table, table
-    assert pictures(nb) >= 3, (
-        f"expected the calculator's bars, measured-vs-formula bars and a timeline, got {pictures(nb)}"
+    assert pictures(nb) >= 4, (
+        f"expected the calculator's bars, measured-vs-formula bars, predictions against measurements and a "
+        f"timeline, got {pictures(nb)}"
     )
+    # the predictions: each self-check says the solution's value matches (its digest is right); the measured
+    # rows above (ZeRO-2's held bytes within 1 %, every stage's traffic exactly) are what they predict
+    for marker in ('dl.predictions.check("ZeRO-2', 'dl.predictions.check("predicted_volume'):
+        assert "matches the cost model" in output_of(nb, marker), output_of(nb, marker)
+    zero2 = next(line for line in lines if line[0] == "2")
+    assert int(zero2[2]) == 4 * 98_880 + 12 * 98_880 // 4 and int(zero2[1]) <= 1.01 * int(zero2[2]), zero2
+    for line in lines:
+        assert int(line[4]) == 4 * (3 if line[0] == "3" else 2) * 98_880, line
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong code added after the solution cells,
@@ -311,3 +320,34 @@ def test_cli_bench_zero_uses_the_notebook():
     assert out.returncode == 0, out.stdout
     for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "8.4 M parameters"]:
         assert name in out.stdout, out.stdout
+
+
+# Predictions as a student might get them wrong: ZeRO-2 in mixed precision ((2 + 14/N)Ψ, the lecture's table)
+# instead of this lab's fp32 runs, and the traffic in elements instead of bytes.
+WRONG_PREDICTIONS = """
+PREDICTED_ZERO2_BYTES = (2 + 14 / 4) * 98_880
+def predicted_volume(stage, num_parameters):
+    return (3 if stage == 3 else 2) * num_parameters
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prediction", [WRONG_PREDICTIONS, "# left blank"], ids=["wrong", "blank"])
+def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
+    lab = load(LAB)
+    cells = [
+        lab.cells[0],
+        nbformat.v4.new_code_cell(prediction),
+        cell_by_id(lab, "test_predict_zero2_bytes"),
+        cell_by_id(lab, "test_predict_volume"),
+    ]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=LAB.parent)
+    zero2, volume = (errors(c) for c in nb.cells[-2:])
+    if prediction == WRONG_PREDICTIONS:
+        assert zero2 and "predicted 5.44e+05, the cost model gives 6.92e+05" in zero2[0], zero2
+        assert (
+            volume and "predicted_volume(0, 98880): predicted 1.98e+05, the cost model gives 7.91e+05" in volume[0]
+        ), volume
+    else:
+        assert zero2 and "PREDICTED_ZERO2_BYTES is not filled in yet" in zero2[0], zero2
+        assert volume and "predicted_volume is not filled in yet" in volume[0], volume

@@ -19,9 +19,11 @@ LABS = sorted((REPO / "solutions").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
 
 
 def definitions(source: str) -> list[str]:
-    """Names of the functions and classes a cell defines at top level."""
+    """Names of the functions and classes a cell defines at top level, and the names it assigns
+    (a graded prediction is a variable: ``PREDICTED_BUCKETS = 5``)."""
     tree = ast.parse(source)
-    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    return names + [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
 
 
 @pytest.fixture(params=LABS, ids=[p.stem for p in LABS])
