@@ -99,7 +99,12 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         assert needle in hidden, needle
     assert [i for i in ids if i.startswith("predict_")] == [f"predict_{p}" for p in PREDICTIONS]
     for p in PREDICTIONS:
-        assert nbgrader_meta(cell_by_id(nb, f"test_predict_{p}"))["points"] == 1
+        graded = cell_by_id(nb, f"test_predict_{p}")
+        assert nbgrader_meta(graded)["points"] == 1
+        visible = "".join(
+            block.split("### END HIDDEN TESTS")[-1] for block in graded.source.split("### BEGIN HIDDEN TESTS")
+        )
+        assert "dl.predictions.fetch(" in visible and "_reference" not in visible, p  # the answer stays hidden
     assert sum(nbgrader_meta(c).get("points", 0) for c in nb.cells) == 19  # 17 for the exercises, 2 for predictions
     for e in ("topk", "sparse_all_reduce", "error_feedback", "int8", "hook"):  # a later exercise knows what passed
         assert f'GRADED_PASSED.add("{e}")' in cell_by_id(nb, f"test_{e}").source, e
@@ -306,6 +311,18 @@ class ErrorFeedback:                              # keeps the first gradient's s
         return values, indices
 """,
         "start afresh with a residual of zeros",
+    ),
+    (
+        "predict_topk_bytes",
+        "predict_topk_bytes",
+        "def predicted_topk_bytes(numel, density):   # k without the ceil\n    return density * numel * 12\n",
+        "does not match the cost model to 3 significant figures",
+    ),
+    (
+        "predict_powersgd_ratio",
+        "predict_powersgd_ratio",
+        "def predicted_powersgd_ratio(n, m, r):   # r, not r' = min(n, m, r)\n    return n * m / ((n + m) * r)\n",
+        "predicted_powersgd_ratio(64, 3, 4): predicted 7.16e-01, the cost model gives 9.55e-01",
     ),
     (
         "powersgd",
