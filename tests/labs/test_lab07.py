@@ -15,8 +15,8 @@
 - The PowerSGD stretch (solution run): torch DDP with one bucket, the student's powersgd_hook puts the
   same bytes on the wire as torch's powerSGD_hook at the same rank, with a similar relative error.
 - Statements fixed against their sources (issue 25) stay fixed: the old phrases are gone; the claims
-  about live runs the text makes (top-k faster on the slowest link, slower on the fastest; INT8 close
-  to dense) are checked on the solution's run.
+  about live runs the text makes (top-k faster than dense on the slowest link; INT8 close to dense)
+  are checked on the solution's run.
 - No chained losses: with a broken topk_compress (or ErrorFeedback) the later exercises are graded on
   the grader's own piece and keep their points; an asynchronous hook returning torch's own
   ``torch._C.Future`` (``work.get_future().then(...)``) gets full marks.
@@ -148,12 +148,12 @@ def test_solution_notebook_executes_within_budget():
     crossover = next(c for c in nb.cells if c.cell_type == "code" and "GBITS = " in c.source)
     printed = "".join(o.get("text", "") for o in crossover.outputs)
     assert "median ms per step, measured / predicted" in printed and "    0.1 " in printed, printed
-    # the text's claims about this run: top-k is faster than dense on the slowest link, slower on the fastest
+    # the text's claim about this run: top-k is faster than dense on the slowest link
     measured = {
         float(g): (float(dense), float(topk))
         for g, dense, topk in re.findall(r"^\s*([\d.]+)\s+(\d+)/\d+\s+(\d+)/\d+", printed, re.M)
     }
-    assert measured[0.1][1] < measured[0.1][0] and measured[100.0][1] > measured[100.0][0], printed
+    assert measured[0.1][1] < measured[0.1][0], printed
     # ... and INT8 ends close to dense (within 10 %)
     final = dict(re.findall(r"(dense \(all-reduce\)|INT8) (\d+\.\d+)", output_of(nb, "CURVE_STEPS = ")))
     assert abs(float(final["INT8"]) - float(final["dense (all-reduce)"])) <= 0.1 * float(final["dense (all-reduce)"]), (
@@ -322,7 +322,7 @@ class ErrorFeedback:                              # keeps the first gradient's s
         "predict_powersgd_ratio",
         "predict_powersgd_ratio",
         "def predicted_powersgd_ratio(n, m, r):   # r, not r' = min(n, m, r)\n    return n * m / ((n + m) * r)\n",
-        "predicted_powersgd_ratio(64, 3, 4): predicted 7.16e-01, the cost model gives 9.55e-01",
+        "PowerSGD compression ratio(64, 3, 4): predicted 7.16e-01, the cost model gives 9.55e-01",
     ),
     (
         "powersgd",
