@@ -194,17 +194,30 @@ def _powersgd_wrong(right: str, wrong: str) -> str:
     return source.replace(right, wrong)
 
 
+TOPK_BY_VALUE = """
+def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
+    k = min(flat.numel(), math.ceil(density * flat.numel()))
+    indices = torch.topk(flat, k).indices.sort().values
+    return flat[indices], indices
+"""
+
+FEEDBACK_FORGETS = """
+class ErrorFeedback:                              # forgets what it did not send
+    def __init__(self, density):
+        self.density = density
+        self.residual = None
+
+    def compress(self, grad):
+        self.residual = torch.zeros_like(grad)
+        return topk_compress(grad, self.density)
+"""
+
 # Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
 WRONG = [
     (
         "topk",
         "topk",
-        """
-def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
-    k = min(flat.numel(), math.ceil(density * flat.numel()))
-    indices = torch.topk(flat, k).indices.sort().values
-    return flat[indices], indices
-""",
+        TOPK_BY_VALUE,
         "keep the k largest |x|",
     ),
     (
@@ -221,16 +234,7 @@ def sparse_all_reduce(values, indices, numel):    # decompress, then a dense all
     (
         "error_feedback",
         "error_feedback",
-        """
-class ErrorFeedback:                              # forgets what it did not send
-    def __init__(self, density):
-        self.density = density
-        self.residual = None
-
-    def compress(self, grad):
-        self.residual = torch.zeros_like(grad)
-        return topk_compress(grad, self.density)
-""",
+        FEEDBACK_FORGETS,
         "ef.residual (gradient + old residual",
     ),
     (
@@ -385,24 +389,6 @@ def test_graded_cells_catch_wrong_answers():
         assert found, f"the graded cell test_{graded} passed a wrong answer"
         assert message in found[0], (graded, found[0])
 
-
-TOPK_BY_VALUE = """
-def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
-    k = min(flat.numel(), math.ceil(density * flat.numel()))
-    indices = torch.topk(flat, k).indices.sort().values
-    return flat[indices], indices
-"""
-
-FEEDBACK_FORGETS = """
-class ErrorFeedback:                              # forgets what it did not send
-    def __init__(self, density):
-        self.density = density
-        self.residual = None
-
-    def compress(self, grad):
-        self.residual = torch.zeros_like(grad)
-        return topk_compress(grad, self.density)
-"""
 
 HOOK_TORCH_FUTURE = """
 def topk_hook(state, bucket):                     # asynchronous: torch's own torch._C.Future, via .then
