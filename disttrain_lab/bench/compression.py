@@ -24,6 +24,8 @@ TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"
 TORCH_POWERSGD = "torch powerSGD_hook, rank 2"
 COMPRESSION_MODEL = (512, 1024, 1024, 512)  # an MLP of 2.1 M parameters: 8.4 MB of fp32 gradients
+BUCKET_MB = 2.0  # DDP's bucket cap: the model's three layers in three buckets, so a hook overlaps them
+ONE_BUCKET_MB = 64.0  # torch's powerSGD_hook: one bucket (below)
 
 
 def lab_versions(found: dict, density: float = 0.01, chunk_size: int = 1024) -> dict:
@@ -59,7 +61,7 @@ def _torch_versions() -> dict:
 
 
 def _compression_step_times(
-    versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, lr: float, bucket_mb: float = 64.0
+    versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, lr: float, bucket_mb: float = BUCKET_MB
 ) -> dict:
     """In each rank: seconds per ``steps`` DDP steps of every version (taking turns), and its last loss."""
     import torch
@@ -74,11 +76,13 @@ def _compression_step_times(
     x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
     losses, runners, calls = {}, {}, {}
     for name, (make_state, hook) in versions.items():
-        # one bucket (bucket_cap_mb given: the first bucket is no longer capped at 1 MiB): torch's
-        # PowerSGD hook waits for its own all-reduces inside future callbacks, on gloo's two
-        # worker threads, and with several buckets in flight that deadlocks (seen here, no
-        # emulation involved)
-        model = DistributedDataParallel(MLP(list(sizes), seed=0), bucket_cap_mb=bucket_mb)
+        # every hook gets the same buckets (bucket_cap_mb given: the first bucket is not capped at
+        # 1 MiB), so an asynchronous hook overlaps one bucket's compression with the previous one's
+        # transfer; except torch's PowerSGD hook, which gets one bucket: it waits for its own
+        # all-reduces inside future callbacks, on gloo's two worker threads, and with several
+        # buckets in flight that deadlocks (seen here, no emulation involved)
+        cap = ONE_BUCKET_MB if name == TORCH_POWERSGD else bucket_mb
+        model = DistributedDataParallel(MLP(list(sizes), seed=0), bucket_cap_mb=cap)
         model.register_comm_hook(make_state(), hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -108,11 +112,13 @@ def bench_compression(
     repeats: int = 5,
     warmup: int = 1,
     lr: float = 0.01,
+    bucket_mb: float = BUCKET_MB,
     timeout: float = 600.0,
 ) -> list[dict]:
     """Steps/s, bytes per step and final loss of each hook in ``versions`` (name -> ``(make_state,
     hook)``) and of torch's allreduce, fp16 and PowerSGD hooks, side by side in one launch over
-    ``network`` (default: 1 Gbit Ethernet).  ``ratio`` is steps/s ÷ the dense all-reduce's."""
+    ``network`` (default: 1 Gbit Ethernet), DDP buckets of ``bucket_mb`` MiB (torch's PowerSGD:
+    one bucket).  ``ratio`` is steps/s ÷ the dense all-reduce's."""
     from .. import checks
     from ..launcher import launch
 
@@ -130,6 +136,7 @@ def bench_compression(
         repeats,
         warmup,
         lr,
+        bucket_mb,
         timeout=timeout,
         trace=True,
         network=network,

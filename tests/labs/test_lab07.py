@@ -14,6 +14,13 @@
 - The solution run shows the hook inside the Lab 3 solution's BucketedDDP: 3 buckets, training like torch DDP.
 - The PowerSGD stretch (solution run): torch DDP with one bucket, the student's powersgd_hook puts the
   same bytes on the wire as torch's powerSGD_hook at the same rank, with a similar relative error.
+- Statements fixed against their sources (issue 25) stay fixed: the old phrases are gone; the claims
+  about live runs the text makes (top-k faster than dense on the slowest link; INT8 close to dense)
+  are checked on the solution's run.
+- No chained losses: with a broken topk_compress (or ErrorFeedback) the later exercises are graded on
+  the grader's own piece and keep their points; an asynchronous hook returning torch's own
+  ``torch._C.Future`` (``work.get_future().then(...)``) gets full marks.
+- Two graded predictions (the bytes top-k sends, PowerSGD's compression ratio), each beside a measurement.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -43,6 +50,21 @@ from tests.notebooks import (
 LAB = solution_notebook("07_compression")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
 EXERCISES = ["topk", "sparse_all_reduce", "error_feedback", "int8", "hook", "powersgd"]
+PREDICTIONS = ["topk_bytes", "powersgd_ratio"]
+
+# Statements issue 25 found wrong, as the instructor notebook used to put them
+OLD_PHRASES = [
+    '"ResNet-50 (25 M)"',  # 6 x parameters x tokens does not hold for a conv net
+    "QSGD in DeepSpeed",  # DeepSpeed ships 1-bit Adam, 0/1 Adam, 1-bit LAMB
+    "`r = 1..4` is plenty",  # some NLP tasks needed 32 (torch's PowerSGDState docstring, the paper's appendix D)
+    "DGC adds three refinements",  # four: momentum factor masking too
+    "the span that the ranks' gradients share",  # the span of sum_i M_i Q
+    "Top-k wins on the slowest link and loses on the fast ones",  # a live-run claim, now checked below
+    "is indistinguishable from dense",  # likewise
+    "your `topk_hook` is synchronous and cannot",  # the solution's hook is asynchronous
+    "self.ready",  # a private name of Lab 3's solution the demonstration relied on
+    "isinstance(fut, torch.futures.Future)",  # rejected torch's own torch._C.Future
+]
 
 
 # ----------------------------------------------------------------------------------------
@@ -53,7 +75,11 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load(LAB)
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    hidden = "".join(  # every hidden block of every graded cell
+        block.split("### END HIDDEN TESTS")[0]
+        for e in EXERCISES
+        for block in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
+    )
     for needle in (
         "(0, 0.5)",
         "(1, 0.01)",
@@ -71,6 +97,17 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "_check_powersgd(2, 1, sizes=(5, 31, 6))",
     ):
         assert needle in hidden, needle
+    assert [i for i in ids if i.startswith("predict_")] == [f"predict_{p}" for p in PREDICTIONS]
+    for p in PREDICTIONS:
+        graded = cell_by_id(nb, f"test_predict_{p}")
+        assert nbgrader_meta(graded)["points"] == 1
+        visible = "".join(
+            block.split("### END HIDDEN TESTS")[-1] for block in graded.source.split("### BEGIN HIDDEN TESTS")
+        )
+        assert "dl.predictions.fetch(" in visible and "_reference" not in visible, p  # the answer stays hidden
+    assert sum(nbgrader_meta(c).get("points", 0) for c in nb.cells) == 19  # 17 for the exercises, 2 for predictions
+    for e in ("topk", "sparse_all_reduce", "error_feedback", "int8", "hook"):  # a later exercise knows what passed
+        assert f'GRADED_PASSED.add("{e}")' in cell_by_id(nb, f"test_{e}").source, e
     hook = cell_by_id(nb, "ex_hook").source
     assert "def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:" in hook
     powersgd = cell_by_id(nb, "ex_powersgd").source
@@ -83,6 +120,23 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     assert 'e.meta.get("in_bytes", e.bytes)' in helpers  # bytes on the wire: each rank's own piece
 
 
+def test_statements_issue_25_found_wrong_are_gone():
+    source = "\n".join(c.source for c in load(LAB).cells)
+    for phrase in OLD_PHRASES:
+        assert phrase not in source, phrase
+    intro = load(LAB).cells[1].source
+    assert "`powersgd_hook`" in intro and "core" in intro and "optional" in intro, intro
+    for fixed in (
+        "momentum factor masking",
+        "`r = 32`",
+        "column span of `Σᵢ Mᵢ Q`",
+        "1-bit Adam, 0/1 Adam and 1-bit LAMB",
+        "He et al. 2016",
+        "Why PowerSGD wins where it does",
+    ):
+        assert fixed in source, fixed
+
+
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 
@@ -90,10 +144,28 @@ def test_exercises_and_hidden_tests_cover_the_issue():
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
-    assert pictures(nb) == 2, "expected the loss/bytes picture and the crossover picture"
+    assert pictures(nb) == 4, "expected the loss/bytes picture, the crossover picture and two predictions' pictures"
     crossover = next(c for c in nb.cells if c.cell_type == "code" and "GBITS = " in c.source)
     printed = "".join(o.get("text", "") for o in crossover.outputs)
     assert "median ms per step, measured / predicted" in printed and "    0.1 " in printed, printed
+    # the text's claim about this run: top-k is faster than dense on the slowest link
+    measured = {
+        float(g): (float(dense), float(topk))
+        for g, dense, topk in re.findall(r"^\s*([\d.]+)\s+(\d+)/\d+\s+(\d+)/\d+", printed, re.M)
+    }
+    assert measured[0.1][1] < measured[0.1][0], printed
+    # ... and INT8 ends close to dense (within 10 %)
+    final = dict(re.findall(r"(dense \(all-reduce\)|INT8) (\d+\.\d+)", output_of(nb, "CURVE_STEPS = ")))
+    assert abs(float(final["INT8"]) - float(final["dense (all-reduce)"])) <= 0.1 * float(final["dense (all-reduce)"]), (
+        final
+    )
+    # the predictions: each self-check matches, each beside its measurement
+    assert "your prediction of top-k bytes per rank and step matches" in output_of(nb, "TOPK_BYTES_CASES = ")
+    assert "measured: 672 B per step with top-k 1 %" in output_of(nb, "# Your prediction beside the measurement")
+    assert "your prediction of PowerSGD compression ratio matches" in output_of(nb, "POWERSGD_RATIO_CASES = ")
+    assert "(PowerSGD): ratio 170.7" in output_of(nb, "def _powersgd_step_bytes"), output_of(
+        nb, "def _powersgd_step_bytes"
+    )
     # The hook inside Lab 3's BucketedDDP (the Lab 3 solution beside it): 3 buckets, trains like torch DDP's run.
     printed = output_of(nb, "with_comm_hook(BucketedDDP)")
     assert "your BucketedDDP (3 buckets of [324, 4096, 1088] entries) + topk_hook" in printed, printed
@@ -122,17 +194,30 @@ def _powersgd_wrong(right: str, wrong: str) -> str:
     return source.replace(right, wrong)
 
 
+TOPK_BY_VALUE = """
+def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
+    k = min(flat.numel(), math.ceil(density * flat.numel()))
+    indices = torch.topk(flat, k).indices.sort().values
+    return flat[indices], indices
+"""
+
+FEEDBACK_FORGETS = """
+class ErrorFeedback:                              # forgets what it did not send
+    def __init__(self, density):
+        self.density = density
+        self.residual = None
+
+    def compress(self, grad):
+        self.residual = torch.zeros_like(grad)
+        return topk_compress(grad, self.density)
+"""
+
 # Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
 WRONG = [
     (
         "topk",
         "topk",
-        """
-def topk_compress(flat, density):                 # the largest values, not the largest magnitudes
-    k = min(flat.numel(), math.ceil(density * flat.numel()))
-    indices = torch.topk(flat, k).indices.sort().values
-    return flat[indices], indices
-""",
+        TOPK_BY_VALUE,
         "keep the k largest |x|",
     ),
     (
@@ -149,16 +234,7 @@ def sparse_all_reduce(values, indices, numel):    # decompress, then a dense all
     (
         "error_feedback",
         "error_feedback",
-        """
-class ErrorFeedback:                              # forgets what it did not send
-    def __init__(self, density):
-        self.density = density
-        self.residual = None
-
-    def compress(self, grad):
-        self.residual = torch.zeros_like(grad)
-        return topk_compress(grad, self.density)
-""",
+        FEEDBACK_FORGETS,
         "ef.residual (gradient + old residual",
     ),
     (
@@ -187,7 +263,70 @@ def topk_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:    # the sum
     fut.set_result(sparse_all_reduce(values, indices, flat.numel()))
     return fut
 """,
-        "against default_hooks.allreduce_hook",
+        "not the average: divide by the world size",
+    ),
+    (
+        "sparse_all_reduce",
+        "sparse_all_reduce",
+        """
+def sparse_all_reduce(values, indices, numel):    # scatter_: a shared index keeps one rank's value
+    n = dist.get_world_size()
+    all_values, all_indices = [torch.empty_like(values) for _ in range(n)], [torch.empty_like(indices) for _ in range(n)]
+    dist.all_gather(all_values, values)
+    dist.all_gather(all_indices, indices)
+    total = torch.zeros(numel)
+    for v, i in zip(all_values, all_indices):
+        total.scatter_(0, i, v)
+    return total
+""",
+        "do not overwrite them (scatter_",
+    ),
+    (
+        "sparse_all_reduce",
+        "sparse_all_reduce",
+        """
+def sparse_all_reduce(values, indices, numel):    # its own rank's values first: ranks disagree in fp32
+    n, me = dist.get_world_size(), dist.get_rank()
+    all_values, all_indices = [torch.empty_like(values) for _ in range(n)], [torch.empty_like(indices) for _ in range(n)]
+    dist.all_gather(all_values, values)
+    dist.all_gather(all_indices, indices)
+    total = torch.zeros(numel)
+    for r in [me] + [r for r in range(n) if r != me]:
+        total.index_add_(0, all_indices[r], all_values[r])
+    return total
+""",
+        "add in rank order",
+    ),
+    (
+        "error_feedback",
+        "error_feedback",
+        """
+class ErrorFeedback:                              # keeps the first gradient's size for ever
+    def __init__(self, density):
+        self.density, self.residual = density, None
+
+    def compress(self, grad):
+        if self.residual is None:
+            self.residual = torch.zeros_like(grad)
+        corrected = grad + self.residual
+        values, indices = topk_compress(corrected, self.density)
+        corrected[indices] = 0
+        self.residual = corrected
+        return values, indices
+""",
+        "start afresh with a residual of zeros",
+    ),
+    (
+        "predict_topk_bytes",
+        "predict_topk_bytes",
+        "def predicted_topk_bytes(numel, density):   # k without the ceil\n    return density * numel * 12\n",
+        "does not match the cost model to 3 significant figures",
+    ),
+    (
+        "predict_powersgd_ratio",
+        "predict_powersgd_ratio",
+        "def predicted_powersgd_ratio(n, m, r):   # r, not r' = min(n, m, r)\n    return n * m / ((n + m) * r)\n",
+        "PowerSGD compression ratio(64, 3, 4): predicted 7.16e-01, the cost model gives 9.55e-01",
     ),
     (
         "powersgd",
@@ -249,6 +388,65 @@ def test_graded_cells_catch_wrong_answers():
         found = errors(nb.cells[at])
         assert found, f"the graded cell test_{graded} passed a wrong answer"
         assert message in found[0], (graded, found[0])
+
+
+HOOK_TORCH_FUTURE = """
+def topk_hook(state, bucket):                     # asynchronous: torch's own torch._C.Future, via .then
+    flat, n = bucket.buffer(), dist.get_world_size()
+    if state.error_feedback:
+        values, indices = state.feedback.setdefault(bucket.index(), ErrorFeedback(state.density)).compress(flat)
+    else:
+        values, indices = topk_compress(flat, state.density)
+    packed = torch.cat([indices.view(torch.int32), values.view(torch.int32)])   # one all-gather: 8 + 4 bytes each
+    gathered = torch.empty(n * packed.numel(), dtype=torch.int32)
+
+    def average(_):
+        total = torch.zeros_like(flat)
+        for piece in gathered.view(n, -1):  # (the future holds the input; the output is gathered)
+            k = piece.numel() // 3
+            total.index_add_(0, piece[: 2 * k].clone().view(torch.int64), piece[2 * k :].clone().view(torch.float32))
+        return total / n
+
+    return dist.all_gather_into_tensor(gathered, packed, async_op=True).get_future().then(average)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_exercise_costs_only_its_own_points():
+    """One kernel, autograding: a broken topk_compress fails its cell, and sparse_all_reduce, ErrorFeedback
+    and topk_hook keep their points (graded on the grader's top-k); then a broken ErrorFeedback fails its
+    cell and topk_hook keeps its points; an asynchronous hook returning torch's torch._C.Future passes."""
+    lab = load(LAB)
+    solutions = [copy.deepcopy(cell_by_id(lab, f"ex_{e}")) for e in EXERCISES]
+    graded = {e: cell_by_id(lab, f"test_{e}") for e in EXERCISES}
+    cells = [copy.deepcopy(lab.cells[0]), *solutions, copy.deepcopy(cell_by_id(lab, "test_helpers"))]
+    plan = [
+        (TOPK_BY_VALUE, ["topk", "sparse_all_reduce", "error_feedback", "hook"]),
+        (FEEDBACK_FORGETS, ["error_feedback", "hook"]),
+        (HOOK_TORCH_FUTURE, ["hook"]),
+    ]
+    at = []
+    for wrong, tests in plan:
+        cells += [copy.deepcopy(s) for s in solutions[:5]] + [nbformat.v4.new_code_cell(wrong)]
+        at.append({})
+        for e in tests:
+            at[-1][e] = len(cells)
+            cells.append(copy.deepcopy(graded[e]))
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    graded_at = {i for cells_at in at for i in cells_at.values()}
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at:
+            assert not errors(cell), (i, errors(cell))
+    topk, feedback, torch_future = at
+    assert errors(nb.cells[topk["topk"]]) and "keep the k largest |x|" in errors(nb.cells[topk["topk"]])[0]
+    for e in ("sparse_all_reduce", "error_feedback", "hook"):
+        assert not errors(nb.cells[topk[e]]), (e, errors(nb.cells[topk[e]]))
+    assert "the grader checks ErrorFeedback with its own top-k" in text(nb.cells[topk["error_feedback"]])
+    assert "topk_compress has not passed its graded test yet" in text(nb.cells[topk["hook"]])
+    assert errors(nb.cells[feedback["error_feedback"]]), "a forgetful ErrorFeedback passed"
+    assert not errors(nb.cells[feedback["hook"]]), errors(nb.cells[feedback["hook"]])
+    assert "topk_compress, ErrorFeedback has not passed" in text(nb.cells[feedback["hook"]])
+    assert not errors(nb.cells[torch_future["hook"]]), errors(nb.cells[torch_future["hook"]])
 
 
 # ----------------------------------------------------------------------------------------
