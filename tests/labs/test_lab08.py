@@ -161,7 +161,7 @@ def test_old_statements_are_gone_and_the_new_ones_are_there():
 def test_two_graded_predictions_each_with_a_measurement():
     nb = load(LAB)
     for name, variable, measured in (
-        ("step_flops", "PREDICTED_STEP_FLOPS", "FlopCounterMode"),
+        ("training_flops", "predicted_training_flops", "FlopCounterMode"),
         ("bubble", "predicted_bubble", "measured_bubble(_run)"),
     ):
         solution, graded = cell_by_id(nb, f"predict_{name}"), cell_by_id(nb, f"test_predict_{name}")
@@ -340,8 +340,8 @@ CHAIN = [
     (
         [
             "def grid_groups(dp, tp, pp):\n" + BROKEN,
-            "class TensorParallelAttention(nn.Module):\n    def __init__(self, attn, group=None):\n" + BROKEN,
-            "class PipelineStage3D(nn.Module):\n    def __init__(self, gpt, grid):\n" + BROKEN,
+            "class TensorParallelAttention(nn.Module):\n    def __init__(self, attn, group=None):\n    " + BROKEN,
+            "class PipelineStage3D(nn.Module):\n    def __init__(self, gpt, grid):\n    " + BROKEN,
         ],
         [
             ("test_grid_groups", False),
@@ -364,9 +364,11 @@ CHAIN = [
 
 
 CATCH = """
+import linecache
 _source = {source!r}
-try:
-    exec(compile(_source, "graded cell {grade_id}", "exec"), globals())
+linecache.cache["<graded cell {grade_id}>"] = (len(_source), None, _source.splitlines(True), "<graded cell {grade_id}>")
+try:  # (linecache: the cell's functions keep their source, as a cell's do; a driver is sent by its source)
+    exec(compile(_source, "<graded cell {grade_id}>", "exec"), globals())
 except Exception as _error:
     print("FAILED:", type(_error).__name__, _error)
 else:
@@ -473,7 +475,7 @@ def test_planner_ranks_the_measured_runs_and_finds_gpt3s_tensor_parallelism(exec
 def test_scaling_laws_fit_and_check_chinchillas_table(executed):
     nb = executed[0]
     printed = output_of(nb, "_cn, N_EXPONENT = fit_power_law")
-    exponent = float(re.search(r"N_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
+    exponent = float(re.search(r"Ψ_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
     assert 0 < exponent < 1.5, printed  # bigger budgets, bigger optimal models
     table = output_of(nb, "CHINCHILLA_TABLE = [")
     assert "10T" not in table and len(table.strip().splitlines()) >= 10, table
