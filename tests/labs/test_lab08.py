@@ -11,7 +11,11 @@
   without f, blocks keyed by their place in the stage, gradients summed instead of averaged,
   LARS without its trust ratio, the planner ignoring the TP tier or keeping plans that do not
   fit, a log10 power-law fit, a wrong compute-optimal N) each fail their graded cell saying why, and the Lab 6 pieces
-  fall back on the reference ones when the Lab 6 notebook is missing or blank.
+  fall back on the reference ones when the Lab 6 notebook is missing or blank; a correct grid built
+  another way (``new_subgroups_by_enumeration``) passes; and a later exercise keeps its points when
+  the earlier ones it builds on fail (graded on the grader's own pieces).
+- The statements issue 25 found wrong are gone from the instructor notebook (each old phrase), and
+  its two graded predictions are there, each with a measurement beside it.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 import re
 
 import nbformat
@@ -65,8 +70,14 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load(LAB)
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    assert numbering_problems(nb) == []
-    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    exercises_only = copy.deepcopy(nb)  # a prediction (predict_*) is not an exercise: no heading of its own
+    exercises_only.cells = [c for c in nb.cells if not nbgrader_meta(c).get("grade_id", "").startswith("predict_")]
+    assert numbering_problems(exercises_only) == []
+    hidden = "".join(
+        part.split("### END HIDDEN TESTS")[0]
+        for e in EXERCISES
+        for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
+    )
     for needle in (
         "_check_grid(1, 2, 4)",
         "_check_grid(4, 1, 2)",
@@ -85,6 +96,10 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "zero_grad=1",
         "groups=[",
         "lrs=[0.1, 0.2, 0.3, 0.4]",
+        "def _graders_pieces(graders, users)",  # the grader's own earlier pieces, hidden
+        "_check_lars_without_grad()",
+        'float("inf")',
+        "sp=True",
     ):
         assert needle in hidden, needle
     # the traffic the graded test expects comes from the configuration, not from the solution
@@ -97,6 +112,69 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     )
     for cell in graded_cells(nb):
         assert nbgrader_meta(cell)["locked"] and nbgrader_meta(cell)["points"] > 0
+
+
+# Statements issue 25 found wrong (and notation it changed): none of these phrases may come back
+OLD_PHRASES = [
+    "GPT-3 (175 B parameters) was trained with",  # OpenAI did not publish GPT-3's layout
+    "The published\nrecipe (Megatron-LM, Narayanan et al., 2021; the lecture's",
+    "split by TP: `34 s b h / tp`",  # plain TP keeps s·b·h·(10 + 24/t)
+    "34 · s · b · h · (L / pp) · min(pp, m) / tp",
+    "per_layer = 34 * model.seq * b * model.hidden / plan.tp",
+    "ZeRO 3 all-gathers the weights once more\n(1.5 times the all-reduce)",  # gathered per micro-batch
+    "dp_comm *= 1.5",
+    "Without ZeRO, 80 GB\n  needs `pp ≥ 8`",  # only at tp = 8
+    "the lecture's 64-way pipeline\n  does not even divide 96 layers evenly here — Megatron's interleaved schedule",
+    "found, for each budget, the size with the lowest loss:\nthe loss falls as a **power law** in parameters and in tokens, "
+    "and the compute-optimal model\ngrows as `N_opt ∝ C^0.5`",  # Kaplan: C^0.73
+    "check the lecture's table (Hoffmann et al., 2022, table 3",  # the table is Chinchilla's
+    "# The lecture's table (Chinchilla, table 3)",
+    "would grow nearly linearly with dp while the global batch stays below the critical batch size",
+    "LARS comes closest to the small-batch curve",  # no test checks it
+    "must be positive numbers (a `ValueError` otherwise)",  # inf too: finite positive numbers
+    "**The cluster**: `D` devices",  # D is tokens, never devices
+    "`N = 12 L h² + 2 V h` parameters",  # N is ranks; parameters are Ψ
+    "training costs **`6 N` FLOPs per\ntoken**",
+    "compute `C ≈ 6 N D`",
+    'made = {len(run.trace.select(op="new_group"',  # a grid built another way made no new_group calls
+]
+
+
+def test_old_statements_are_gone_and_the_new_ones_are_there():
+    source = "\n".join(c.source for c in load(LAB).cells)
+    found = [phrase for phrase in OLD_PHRASES if phrase in source]
+    assert not found, f"statements issue 25 found wrong are back: {found}"
+    for phrase in (
+        "s · b · h · (10 + 24 / t)",  # Korthikanti et al., Table 2, plain TP
+        "34 · s · b · h / t",  # with sequence parallelism
+        "C^0.73",  # Kaplan et al.
+        "4.2 × 10²³",  # the lecture's 70 B / 1 T row against 6ΨD
+        "t = 8, p = 64",  # the 64-way pipeline is the 1 T model's
+        "OpenAI did not\npublish",
+        "`(1 + 2m) / 2` times the all-reduce",
+        "**at `tp = 8`**",
+        "finite positive numbers",
+        "given **no state**",
+    ):
+        assert phrase in source, phrase
+
+
+def test_two_graded_predictions_each_with_a_measurement():
+    nb = load(LAB)
+    for name, variable, measured in (
+        ("training_flops", "predicted_training_flops", "FlopCounterMode"),
+        ("bubble", "predicted_bubble", "measured_bubble(_run)"),
+    ):
+        solution, graded = cell_by_id(nb, f"predict_{name}"), cell_by_id(nb, f"test_predict_{name}")
+        assert nbgrader_meta(solution)["solution"] and nbgrader_meta(graded)["points"] == 1
+        assert f'dl.predictions.fetch("{variable}"' in graded.source
+        visible = graded.source.split("### BEGIN HIDDEN TESTS")[0]
+        assert "assert_prediction" not in visible and "assert_prediction" in graded.source  # the reference is hidden
+        later = nb.cells[nb.cells.index(solution) :]
+        check = next(c for c in later if "dl.predictions.check(" in c.source)
+        assert f'globals().get("{variable}")' in check.source
+        measure = next(c for c in later if measured in c.source and "predicted_vs_measured" in c.source)
+        assert nb.cells.index(check) < nb.cells.index(measure) < nb.cells.index(graded)
 
 
 def test_reference_pieces_ship_with_lab_8_only():
@@ -153,7 +231,7 @@ WRONG = [
     (
         "three_d",
         _replaced("three_d", "            flat /= dp\n", ""),  # the sum, not the average
-        "against the single-process run",
+        "the sum divided by dp",
     ),
     (
         "lars",
@@ -190,13 +268,108 @@ WRONG = [
         ),
         "compute_optimal(5.76e+23): expected",
     ),
+    (
+        "tp_attention",  # every rank attends over all n_heads of its d/N features
+        _replaced(
+            "tp_attention",
+            "self.value(x), self.n_heads)",
+            "self.value(x), self.n_heads * dist.get_world_size(self.group))",
+        ),
+        "attends over its own 2 of the 4 heads",
+    ),
+    (
+        "three_d",  # the mean of the micro-batch means: right only when they are of equal sizes
+        _replaced(
+            "three_d", "models.lm_loss(outputs, yi) * (len(yi) / len(y))", "models.lm_loss(outputs, yi) / micro_batches"
+        ),
+        "not the mean of the micro-batch means",
+    ),
+    (
+        "planner_memory",  # all of 34 sbh split by tp: sequence parallelism's count, not plain TP's
+        _replaced("planner_memory", "per_layer = sbh * (10 + 24 / plan.tp)", "per_layer = 34 * sbh / plan.tp"),
+        "s·b·h·(10 + 24/tp) per layer",
+    ),
+    (
+        "planner_step_time",  # ZeRO 3's weights gathered once per step
+        _replaced("planner_step_time", "dp_comm *= (1 + 2 * plan.micro_batches) / 2", "dp_comm *= 1.5"),
+        "ZeRO 3's DP is (1 + 2m)/2 all-reduces",
+    ),
+    (
+        "lars",  # a momentum buffer for a parameter without a gradient
+        _replaced(
+            "lars",
+            "if p.grad is None:\n                    continue",
+            "if p.grad is None:\n                    self.state[p]['momentum_buffer'] = torch.zeros_like(p)\n"
+            "                    continue",
+        ),
+        "gets no state",
+    ),
+    (
+        "scaling_fit",  # no check of the lengths: numpy's TypeError
+        _replaced("scaling_fit", "x.shape != y.shape or ", ""),
+        "x and y of different lengths) should raise a ValueError",
+    ),
+    (
+        "scaling_optimal",  # inf accepted
+        _replaced("scaling_optimal", " or not math.isfinite(value)", ""),
+        "must be finite positive numbers",
+    ),
+]
+
+# Correct answers written another way: each passes its graded cell
+RIGHT = [
+    (
+        "grid_groups",  # one call per kind of group: torch's new_subgroups_by_enumeration
+        """def grid_groups(dp: int, tp: int, pp: int) -> Grid:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if min(dp, tp, pp) < 1 or dp * tp * pp != world_size:
+        raise ValueError(f"dp · tp · pp = {dp * tp * pp} must equal the world size {world_size}")
+    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(s, s + tp)) for s in range(0, world_size, tp)])
+    dp_group, _ = dist.new_subgroups_by_enumeration(
+        [[(s * dp + d) * tp + t for d in range(dp)] for s in range(pp) for t in range(tp)])
+    tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)
+    return Grid(dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_group, dp_group,
+                rank - dp * tp if pp_rank > 0 else None, rank + dp * tp if pp_rank < pp - 1 else None)
+""",
+    ),
+]
+
+BROKEN = "    raise NotImplementedError('broken on purpose')\n"
+# A later exercise keeps its points when the earlier ones it builds on fail: (cells to define, graded cells
+# to run, whether each must pass); run in order, in the same kernel, then the solutions again
+CHAIN = [
+    (
+        [
+            "def grid_groups(dp, tp, pp):\n" + BROKEN,
+            "class TensorParallelAttention(nn.Module):\n    def __init__(self, attn, group=None):\n    " + BROKEN,
+            "class PipelineStage3D(nn.Module):\n    def __init__(self, gpt, grid):\n    " + BROKEN,
+        ],
+        [
+            ("test_grid_groups", False),
+            ("test_tp_attention", False),
+            ("test_pipeline_stage", False),
+            ("test_three_d", True),
+        ],
+    ),
+    (["ex_pipeline_stage"], [("test_pipeline_stage", True)]),  # your stage, on the grader's grid and attention
+    (["ex_grid_groups", "ex_tp_attention"], [("test_grid_groups", True), ("test_tp_attention", True)]),
+    (
+        [
+            "def memory_per_device(model, cluster, plan, sp=False):\n" + BROKEN,
+            "def step_time(model, cluster, plan):\n" + BROKEN,
+        ],
+        [("test_planner_memory", False), ("test_planner_plans", True)],
+    ),
+    (["ex_planner_memory", "ex_planner_step_time"], [("test_planner_memory", True)]),
 ]
 
 
 CATCH = """
+import linecache
 _source = {source!r}
-try:
-    exec(compile(_source, "graded cell {grade_id}", "exec"), globals())
+linecache.cache["<graded cell {grade_id}>"] = (len(_source), None, _source.splitlines(True), "<graded cell {grade_id}>")
+try:  # (linecache: the cell's functions keep their source, as a cell's do; a driver is sent by its source)
+    exec(compile(_source, "<graded cell {grade_id}>", "exec"), globals())
 except Exception as _error:
     print("FAILED:", type(_error).__name__, _error)
 else:
@@ -218,6 +391,26 @@ def executed():
         wrong_at.append(len(cells))  # the cell running the graded cell
         cells.append(nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, graded).source, grade_id=graded)))
         cells.append(copy.deepcopy(cell_by_id(lab, solution)))
+    right_at = []
+    for exercise, right in RIGHT:
+        cells.append(nbformat.v4.new_code_cell(right))
+        right_at.append(len(cells))
+        graded = exercise_cells(exercise)[1]
+        cells.append(nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, graded).source, grade_id=graded)))
+        cells.append(copy.deepcopy(cell_by_id(lab, exercise_cells(exercise)[0])))
+    chain_at = []
+    for defined, graded_cells_run in CHAIN:
+        for source in defined:
+            cells.append(
+                copy.deepcopy(cell_by_id(lab, source))
+                if source.startswith("ex_")
+                else nbformat.v4.new_code_cell(source)
+            )
+        for graded, _ in graded_cells_run:
+            chain_at.append(len(cells))
+            cells.append(
+                nbformat.v4.new_code_cell(CATCH.format(source=cell_by_id(lab, graded).source, grade_id=graded))
+            )
     fallback_at = len(cells)
     blank_lab6 = REPO / "labs" / "06_tensor_parallel" / "06_tensor_parallel.ipynb"
     cells.append(
@@ -231,12 +424,12 @@ def executed():
     nb, seconds = execute(
         nbformat.v4.new_notebook(cells=cells, metadata=lab.metadata), autograding=True, timeout=300, cwd=LAB.parent
     )
-    return nb, seconds, solution_end, wrong_at, fallback_at
+    return nb, seconds, solution_end, wrong_at, fallback_at, right_at, chain_at
 
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget(executed):
-    nb, seconds, solution_end, _, _ = executed
+    nb, seconds, solution_end, *_ = executed
     failed = {i: errors(c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and errors(c)}
     assert not failed, f"cells raised: {failed}"
     for cell in graded_cells(nbformat.v4.new_notebook(cells=nb.cells[:solution_end])):
@@ -246,9 +439,10 @@ def test_solution_notebook_executes_within_budget(executed):
         f"the solution notebook (and the wrong answers after it) took {seconds:.0f} s, "
         f"the budget is {BUDGET_S} s (x{SLOWDOWN:g} allowed for a loaded machine)"
     )
-    assert pictures(nb) == 5, (
-        "expected the single-process loss curve, the 2 × 2 × 2 timeline, the planner's predicted "
-        "against measured step times, the large-batch curves and the IsoFLOP profiles"
+    assert pictures(nb) == 7, (
+        "expected the single-process loss curve, the FLOPs predicted against counted, the 2 × 2 × 2 timeline, "
+        "the bubble predicted against measured, the planner's predicted against measured step times, the "
+        "large-batch curves and the IsoFLOP profiles"
     )
     # run beside the Lab 6 solution, the lab takes its pieces from there
     assert output_of(nb, "_pieces, _source = load_tp_pieces()").startswith(
@@ -261,6 +455,8 @@ def test_solution_notebook_executes_within_budget(executed):
     printed = output_of(nb, "LARGE_BATCH_RUNS = {")
     final = {name.strip(): value for name, value in re.findall(r"^(.+?)\s+final loss\s+(\S+)$", printed, re.M)}
     assert final["SGD, lr 2.4 (× 8) from step 0"] == "nan", printed
+    warm = float(final["SGD, lr 2.4 (× 8), 15 warm-up steps"])  # "warm-up rescues it": finite, below a uniform guess
+    assert math.isfinite(warm) and warm < math.log(32), printed
     assert float(final["LARS, lr 1, η 0.01, 5 warm-up steps"]) < float(final["SGD, lr 0.3 (not scaled)"]), printed
     assert float(final["1 rank, batch 8"]) < float(final["LARS, lr 1, η 0.01, 5 warm-up steps"]), printed
 
@@ -282,7 +478,7 @@ def test_planner_ranks_the_measured_runs_and_finds_gpt3s_tensor_parallelism(exec
 def test_scaling_laws_fit_and_check_chinchillas_table(executed):
     nb = executed[0]
     printed = output_of(nb, "_cn, N_EXPONENT = fit_power_law")
-    exponent = float(re.search(r"N_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
+    exponent = float(re.search(r"Ψ_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
     assert 0 < exponent < 1.5, printed  # bigger budgets, bigger optimal models
     table = output_of(nb, "CHINCHILLA_TABLE = [")
     assert "10T" not in table and len(table.strip().splitlines()) >= 10, table
@@ -290,7 +486,7 @@ def test_scaling_laws_fit_and_check_chinchillas_table(executed):
 
 @pytest.mark.slow
 def test_graded_cells_catch_wrong_answers(executed):
-    nb, _, _, wrong_at, _ = executed
+    nb, _, _, wrong_at, *_ = executed
     missed = {}
     for (exercise, _, message), at in zip(WRONG, wrong_at):
         printed = text(nb.cells[at])  # a graded cell may print its visible checks' ✅ before failing
@@ -301,7 +497,7 @@ def test_graded_cells_catch_wrong_answers(executed):
 
 @pytest.mark.slow
 def test_lab6_pieces_fall_back_on_the_reference(executed):
-    nb, _, _, _, fallback_at = executed
+    nb, _, _, _, fallback_at, *_ = executed
     (missing, blank) = ast.literal_eval(text(nb.cells[fallback_at]).splitlines()[-1])
     names = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP", "f", "g"]
     assert missing[:2] == blank[:2] == (names, "<run_path>"), (missing, blank)  # data/reference_pieces.py's
@@ -312,3 +508,22 @@ def test_lab6_pieces_fall_back_on_the_reference(executed):
         )
         and "NotImplementedError" in blank[2]
     ), blank
+
+
+@pytest.mark.slow
+def test_a_correct_grid_built_another_way_passes(executed):
+    nb, *_, right_at, _ = executed
+    for (exercise, _), at in zip(RIGHT, right_at):
+        assert "PASSED" in text(nb.cells[at]).splitlines()[-1], (exercise, text(nb.cells[at])[-2000:])
+
+
+@pytest.mark.slow
+def test_a_later_exercise_keeps_its_points_when_an_earlier_one_fails(executed):
+    nb, *_, chain_at = executed
+    runs = [(graded, passes) for _, graded_cells_run in CHAIN for graded, passes in graded_cells_run]
+    wrong = {}
+    for (graded, passes), at in zip(runs, chain_at):
+        last = text(nb.cells[at]).strip().splitlines()[-1] if text(nb.cells[at]).strip() else ""
+        if passes != (last == "PASSED"):
+            wrong[f"{graded} at cell {at}"] = text(nb.cells[at])[-1500:]
+    assert not wrong, f"graded cells that should {'pass' if passes else 'fail'}: {wrong}"

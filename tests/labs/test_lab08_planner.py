@@ -105,7 +105,13 @@ def test_graded_cells_and_hidden_tests_cover_the_issue():
         "ex_scaling_optimal",
     ):
         assert nbgrader_meta(cell_by_id(nb, exercise))["solution"]
-    hidden = {g: cell_by_id(nb, g).source.split("### BEGIN HIDDEN TESTS")[1] for g in GRADED}
+    hidden = {  # every hidden region of the cell (the grader's own pieces sit in one at its top)
+        g: "".join(
+            part.split("### END HIDDEN TESTS")[0]
+            for part in cell_by_id(nb, g).source.split("### BEGIN HIDDEN TESTS")[1:]
+        )
+        for g in GRADED
+    }
     plans = cell_by_id(nb, "test_planner_plans").source
     assert "pure DP first" in plans  # a model that fits: pure DP
     for needle in (
@@ -117,6 +123,12 @@ def test_graded_cells_and_hidden_tests_cover_the_issue():
     measured = cell_by_id(nb, "test_planner_step_time").source
     assert "_rho >= 0.7" in measured and "< 3" in measured and 'Path("data/step_times.json")' not in measured
     assert "_ref_step" in hidden["test_planner_step_time"]
+    assert "(1 + 2 * plan.micro_batches) / 2" in hidden["test_planner_step_time"]  # ZeRO 3 gathers per micro-batch
+    assert (
+        "sp=True" in hidden["test_planner_memory"]
+        and "10 + 24 / plan.tp" in cell_by_id(nb, "test_planner_memory").source
+    )
+    assert "def _graders_planner(graders, users)" in hidden["test_planner_plans"]  # graded on its own
     assert "np.polyfit" not in cell_by_id(nb, "test_scaling_fit").source  # the reference is written out
     assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "test_scaling_optimal").source
     # the graded tests' references are formulas in the test, never code of the kit
