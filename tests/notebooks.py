@@ -146,14 +146,14 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
     return found[0]
 
 
-# grade ids of graded predictions' solution cells (labs name them either way)
-PREDICTION_IDS = ("predict_", "ex_predict_")
+# the grade ids of graded predictions' solution cells: ex_predict_NAME (their tests: test_predict_NAME)
+PREDICTION_IDS = ("ex_predict_",)
 
 
 def numbering_problems(nb) -> list[str]:
     """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
     `##` section per markdown cell" (the table of contents reads well); empty when nothing does.
-    Prediction cells (grade id ``predict_*``) are not exercises and need no heading of their own."""
+    Prediction cells (grade id ``ex_predict_*``) are not exercises and need no heading of their own."""
     import re
 
     problems, heading, last = [], None, 0

@@ -209,7 +209,7 @@ def pipelined_ring_all_reduce(x, segments=16):
 
 # Wrong predictions the graded cells must catch: (graded cell, the cell a student wrote)
 WRONG_PREDICTIONS = [
-    ("test_predict_naive_bytes", "PREDICTED_NAIVE_BYTES = 2 * (8 - 1) * 4 * 2**20   # sent and received"),
+    ("test_predict_busiest_bytes", "PREDICTED_NAIVE_BYTES = 2 * (8 - 1) * 4 * 2**20   # sent and received"),
     ("test_predict_ring_bytes", "PREDICTED_RING_BYTES = (8 - 1) * 4 * 2**20 / 8     # reduce-scatter only"),
     ("test_predict_ring_time", "PREDICTED_RING_MS = 2 * (4 - 1) * (50e-6 + 16 * 2**20 / 1.25e8) * 1e3   # S per step"),
 ]

@@ -69,9 +69,9 @@ EXERCISES = [
 def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load(LAB)
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
-    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    exercises_only = copy.deepcopy(nb)  # a prediction (predict_*) is not an exercise: no heading of its own
-    exercises_only.cells = [c for c in nb.cells if not nbgrader_meta(c).get("grade_id", "").startswith("predict_")]
+    assert [i for i in ids if i.startswith("ex_") and not i.startswith("ex_predict_")] == [f"ex_{e}" for e in EXERCISES]
+    exercises_only = copy.deepcopy(nb)  # a prediction (ex_predict_*) is not an exercise: no heading of its own
+    exercises_only.cells = [c for c in nb.cells if not nbgrader_meta(c).get("grade_id", "").startswith("ex_predict_")]
     assert numbering_problems(exercises_only) == []
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
@@ -165,7 +165,7 @@ def test_two_graded_predictions_each_with_a_measurement():
         ("training_flops", "predicted_training_flops", "FlopCounterMode"),
         ("bubble", "predicted_bubble", "measured_bubble(_run)"),
     ):
-        solution, graded = cell_by_id(nb, f"predict_{name}"), cell_by_id(nb, f"test_predict_{name}")
+        solution, graded = cell_by_id(nb, f"ex_predict_{name}"), cell_by_id(nb, f"test_predict_{name}")
         assert nbgrader_meta(solution)["solution"] and nbgrader_meta(graded)["points"] == 1
         assert f'dl.predictions.fetch("{variable}"' in graded.source
         visible = graded.source.split("### BEGIN HIDDEN TESTS")[0]
