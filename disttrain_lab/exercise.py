@@ -240,8 +240,19 @@ def record(target: str | dict, world_size: int, inputs: list, options: dict, cou
         "results": [r for r, _ in result.results],
         "inputs_after": [list(after) for _, after in result.results],
         "events": [
-            (e.rank, e.op, e.kind, e.start, e.end, e.peer, e.group, e.bytes, e.tag, e.name[:200],
-             {} if e.kind == "region" else dict(e.meta))
+            (
+                e.rank,
+                e.op,
+                e.kind,
+                e.start,
+                e.end,
+                e.peer,
+                e.group,
+                e.bytes,
+                e.tag,
+                e.name[:200],
+                {} if e.kind == "region" else dict(e.meta),
+            )
             for e in events
         ],
         "pids": pids,
