@@ -40,23 +40,23 @@ def _row_collectives():
     import torch
     import torch.distributed as dist
 
-    def gather(x):
+    def gather_rows(x):
         out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
         dist.all_gather_single(out, x.contiguous())  # all_gather_into_tensor, renamed in torch 2.13
         return out
 
-    def scatter(x):
+    def scatter_rows(x):
         out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
         dist.reduce_scatter_single(out, x.contiguous())
         return out
 
     class GatherRows(torch.autograd.Function):
-        forward = staticmethod(lambda ctx, x: gather(x))
-        backward = staticmethod(lambda ctx, grad: scatter(grad))
+        forward = staticmethod(lambda ctx, x: gather_rows(x))
+        backward = staticmethod(lambda ctx, grad: scatter_rows(grad))
 
     class ScatterRows(torch.autograd.Function):
-        forward = staticmethod(lambda ctx, x: scatter(x))
-        backward = staticmethod(lambda ctx, grad: gather(grad))
+        forward = staticmethod(lambda ctx, x: scatter_rows(x))
+        backward = staticmethod(lambda ctx, grad: gather_rows(grad))
 
     return GatherRows, ScatterRows
 
