@@ -43,6 +43,14 @@ from .compression import (
 from .ddp import DDP_MODEL, TORCH_DDP, bench_ddp, format_ddp_table
 from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
+from .sequence import (
+    ALL_GATHER_DISPATCH,
+    ALL_GATHER_KV,
+    ONE_PROCESS_MOE,
+    TORCH_CP,
+    bench_sequence,
+    format_sequence_table,
+)
 from .tp import TORCH_TP, TP_MODEL, bench_tp, format_tp_table
 from .trace_overhead import bench_trace, format_trace_table
 from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, format_zero_table
@@ -59,6 +67,7 @@ BENCHMARKS = (
     "tp",
     "compression",
     "three_d",
+    "sequence",
 )
 
 

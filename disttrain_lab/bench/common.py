@@ -69,6 +69,36 @@ def functions_from_notebook(path, names, given: bool = False) -> dict:
     return {name: namespace[name] for name in names if callable(namespace.get(name))}
 
 
+_NOT_COMMUNICATION = ("wait", "wrap", "recv")  # c10d ops that move no data here (waits, wrappers, receives)
+
+
+def collective_bytes_counter():
+    """A dispatch mode adding up the bytes of every c10d collective called under it.
+
+    torch's tensor parallelism calls the functional collectives (``_c10d_functional``), which
+    the kit's trace does not see; this counts both kinds the same way, at the dispatcher (point-to-point
+    sends too: ``c10d.send``).  ``with counter: ...``, then ``counter.bytes``, ``counter.calls``.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.calls = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("c10d", "_c10d_functional") and not any(
+                word in func.__name__ for word in _NOT_COMMUNICATION
+            ):
+                tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return CollectiveBytes()
+
+
 def take_turns(runners: dict, repeats: int, warmup: int) -> dict:
     """In each rank: seconds of each ``runners[name]()`` call, the names taking turns (the order
     rotated every round, so none always goes first), a barrier before each; ``warmup`` rounds
@@ -115,9 +145,10 @@ def add_notebook_argument(parser, lab: str) -> None:
     )
 
 
-def functions_from_lab(args, lab: str, names, what: str) -> dict | None:
-    """``names`` as the lab notebook (``--notebook``, else solutions/``lab``, else labs/``lab``) defines them;
-    ``None`` (having said why on stderr) if there is no notebook."""
+def functions_from_lab(args, lab: str, names, what: str, given: bool = False) -> dict | None:
+    """``names`` as the lab notebook (``--notebook``, else solutions/``lab``, else labs/``lab``) defines them
+    (``given``: also its read-only definitions, see :func:`functions_from_notebook`); ``None`` (having said
+    why on stderr) if there is no notebook."""
     path = args.notebook or next(
         (p for p in (os.path.join("solutions", lab), os.path.join("labs", lab)) if os.path.exists(p)), None
     )
@@ -128,7 +159,7 @@ def functions_from_lab(args, lab: str, names, what: str) -> dict | None:
             file=sys.stderr,
         )
         return None
-    functions = functions_from_notebook(path, names)
+    functions = functions_from_notebook(path, names, given=given)
     missing = [name for name in names if name not in functions]
     print(f"{what} from {path}" + (f" (not defined there: {', '.join(missing)})" if missing else ""))
     return functions

@@ -5,37 +5,17 @@ from __future__ import annotations
 
 import os
 
-from .common import add_notebook_argument, functions_from_lab, progress, slowest_median, take_turns
+from .common import (
+    add_notebook_argument,
+    collective_bytes_counter,
+    functions_from_lab,
+    progress,
+    slowest_median,
+    take_turns,
+)
 
 TORCH_TP = "torch Colwise/RowwiseParallel"
 TP_MODEL = (1024, 4096, 1024)  # a transformer block's MLP, d -> 4d -> d: 8.4 M parameters
-_NOT_COMMUNICATION = ("wait", "wrap")  # c10d ops that move no data (waiting, autograd wrappers)
-
-
-def _collective_bytes_counter():
-    """A dispatch mode adding up the bytes of every c10d collective called under it.
-
-    torch's tensor parallelism calls the functional collectives (``_c10d_functional``), which
-    the kit's trace does not see; this counts both kinds the same way, at the dispatcher.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CollectiveBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes, self.calls = 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace in ("c10d", "_c10d_functional") and not any(
-                word in func.__name__ for word in _NOT_COMMUNICATION
-            ):
-                tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-                self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-                self.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    return CollectiveBytes()
 
 
 def _torch_tensor_parallel(dense, device):
@@ -83,7 +63,7 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
 
     communicated = {}
     for name, (model, optimizer) in runners.items():
-        counter = _collective_bytes_counter()
+        counter = collective_bytes_counter()
         with counter:
             step(model, optimizer)
         communicated[name] = (counter.bytes, counter.calls)

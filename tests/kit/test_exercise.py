@@ -103,6 +103,23 @@ def test_a_driver_runs_next_to_the_notebooks_code_from_its_source():
         exercise.run(lambda: 1, 2)
 
 
+def _drive_with_regions(numel, repeats):
+    """A test's driver that marks its own stretches of work (as lab 10's ring marks each block)."""
+    from disttrain_lab import trace
+
+    with trace.region("block", not_data=object()):  # meta that is not data stays in the rank
+        x = torch.arange(float(numel)) if dist.get_rank() == 0 else torch.zeros(numel)
+        return ping_pong(x, repeats).sum().item()  # noqa: F821  (the notebook's, when it runs)
+
+
+def test_the_students_own_regions_come_back_named_without_their_meta():
+    run = exercise.run(_drive_with_regions, 2, (8, 1), timeout=30)
+    regions = [e for e in run.trace.events if e.kind == "region"]
+    assert sorted((e.rank, e.name, e.meta) for e in regions) == [(0, "block", {}), (1, "block", {})]  # not "student"
+    first_send = next(e for e in run.trace.by_rank(0) if e.op == "send")
+    assert regions[0].start <= first_send.start <= regions[0].end  # on the same clock as the calls
+
+
 def test_a_result_made_up_without_sending_fails_on_the_counted_bytes():
     run = exercise.run("made_up", 2, _inputs(4096, 1), timeout=30)
     checks.assert_close(run.results[1], torch.arange(4096.0), what="rank 1")  # the values are right ...

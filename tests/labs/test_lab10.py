@@ -1,0 +1,367 @@
+"""Lab 10 (context and expert parallelism): the solution notebook runs, its graded tests catch wrong
+answers, later exercises are graded on their own, and the sequence benchmark works.
+
+- The notebook's structure: the exercises and predictions in order, the hidden tests covering what
+  the issue asks (N = 1, 2, 3, 4, groups, both layouts, float64 at 1e-9; k = 1 and 2, capacity
+  factors that drop tokens, the bytes counted by the OS), the predictions' digests.
+- The solution notebook executes top to bottom in a real kernel as the grader runs it
+  (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
+  pictures and the benchmark table.
+- Wrong answers (a merge that averages, a ring that waits before it computes, a ring that makes N
+  steps, a router that serves capacity token by token, an expert-parallel layer that ships the
+  dropped tokens too, predictions off the cost model) fail the right graded cell with a message
+  that says why; all in one kernel, to keep the suite's time down.
+- The ring is graded with the grader's blocks when exercise 1 fails, the expert-parallel layer
+  with the grader's router when exercise 4 fails (one kernel).
+- bench.format_sequence_table, and `disttrain-lab bench sequence` with tiny options.
+
+The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import nbformat
+import pytest
+
+from disttrain_lab import bench
+from tests.helpers import run_python
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    errors,
+    execute,
+    load,
+    nbgrader_meta,
+    output_of,
+    pictures,
+    run_solution,
+    solution_notebook,
+    text,
+)
+
+LAB = solution_notebook("10_sequence_experts")
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = ["online_softmax", "ring_attention", "predict_ring_bytes", "router", "expert_parallel", "predict_moe_bytes"]
+GIVEN = ["given_ring_backward", "given_moe"]
+
+
+# ----------------------------------------------------------------------------------------
+# The notebook's structure (fast)
+
+
+def test_exercises_and_hidden_tests_cover_the_issue():
+    nb = load(LAB)
+    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
+    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
+    points = {
+        nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in nb.cells if nbgrader_meta(c).get("grade")
+    }
+    assert points == {
+        "test_online_softmax": 2,
+        "test_ring_attention": 4,
+        "test_predict_ring_bytes": 1,
+        "test_router": 2,
+        "test_expert_parallel": 4,
+        "test_predict_moe_bytes": 1,
+    }
+    hidden = "".join(
+        part.split("### END HIDDEN TESTS")[0]
+        for e in EXERCISES
+        for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
+    )
+    for needle in (
+        '_check_ring(4, 1, 24, 3, "zigzag"',  # N = 4, 3, 1, naive and zig-zag, groups of 2
+        '_check_ring(3, 2, 18, 4, "zigzag"',
+        '_check_ring(3, 3, 9, 2, "naive"',
+        '_check_ring(1, 2, 6, 4, "zigzag"',
+        "groups_of=2)",
+        "_check_ring_traffic(3,",
+        '_expect_value_error("sequence_positions"',
+        "_check_router(33, 8, 2, 0.5,",  # k = 2, tokens dropped
+        "_check_router(10, 5, 1, 2.0,",
+        "_check_moe(4, 5, 7, 8, 2, 0.5,",
+        "_check_moe(3, 4, 5, 6, 1, 0.75,",
+        "_check_moe_bytes(4,",
+        "_expect_value_error(_build_moe, 4, 6",
+        "def _ring_with_graders_blocks(",
+        "def _moe_with_graders_router(",
+        "dl.predictions.assert_prediction(",
+    ):
+        assert needle in hidden, needle
+    ring = cell_by_id(nb, "test_ring_attention").source
+    assert "rtol=1e-9, atol=1e-9" in ring and "dtype=torch.float64" in ring
+    helpers = cell_by_id(nb, "test_helpers").source
+    assert 'e.exc_type == "ValueError" and "divisible" in e.exc_message' in helpers
+    # the graded cells reach the notebook only through dl.exercise.run (or dl.predictions.fetch)
+    for e in EXERCISES:
+        source = cell_by_id(nb, f"test_{e}").source
+        assert "dl.exercise.run(" in source or "dl.predictions.fetch(" in source, e
+
+
+def test_visible_self_checks_exercise_every_hidden_requirement():
+    nb = load(LAB)
+    visible = "\n".join(c.source.split("### BEGIN HIDDEN TESTS")[0] for c in nb.cells if c.cell_type == "code")
+    for needle in (
+        'dl.region("block")',  # the overlap rule, one region per ring step
+        "dist.new_subgroups(2)",  # groups
+        "sequence_positions(_bad[0], _bad[1], 0, _bad[2])",  # not divisible
+        "checks.assert_traffic(_run",  # the bytes of the MoE, counted by the OS
+        "ExpertParallelMoE(MoE(4, 4, 6))",  # not divisible
+        "top_k_route(_logits, 2, 0.5)",  # k = 2, capacity served choice-major
+        'dl.predictions.check("ring bytes"',
+        'dl.predictions.check("moe bytes"',
+    ):
+        assert needle in visible, needle
+    text_cells = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for rule in ("**not divisible**", "**before**", "choice-major", "`N − 1`", "three significant figures"):
+        assert rule in text_cells, rule
+
+
+def test_predictions_digests_match_the_cost_model():
+    from disttrain_lab import predictions
+
+    nb = load(LAB)
+    ring = [(4, 8192, 1024), (8, 65536, 512)]
+    moe = [(4, 4096, 2, 768), (8, 1000, 1, 512)]
+    ring_digest = predictions.digest("ring bytes", lambda n, s, w: (n - 1) * 2 * (s // n) * w * 4, ring)
+    moe_digest = predictions.digest("moe bytes", lambda n, t, k, d: 2 * t * k * (n - 1) / n * d * 4, moe)
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert f'"{ring_digest}"' in source and f'"{moe_digest}"' in source
+    for value in (50331648, 234881024, 37748736, 3584000):  # not within 1e-6 of a rounding boundary
+        mantissa = value / 10 ** len(str(value)[1:])
+        assert abs(round(mantissa * 100) - mantissa * 100 - 0.5) % 1 > 1e-4
+
+
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
+    from tests.notebooks import numbering_problems
+
+    assert numbering_problems(load(LAB)) == []
+
+
+# ----------------------------------------------------------------------------------------
+# Executing it (slow)
+
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb = run_solution(LAB, BUDGET_S)
+    table = output_of(nb, "bench.format_sequence_table(rows)")
+    for line in ("ring_attention", bench.ALL_GATHER_KV, "ExpertParallelMoE", bench.ALL_GATHER_DISPATCH, bench.TORCH_CP):
+        assert line in table, table
+    balance = output_of(nb, "_balance_run")
+    assert "naive: query-key pairs 0.062·S², 0.125·S², 0.188·S², 0.250·S²" in balance, balance
+    assert "zigzag: query-key pairs 0.156·S², 0.156·S², 0.156·S², 0.156·S²" in balance, balance
+    assert pictures(nb) >= 4, "the prediction bars (2), the timelines, the router's picture"
+
+
+def _ships_dropped_choices() -> str:
+    """The solution's ExpertParallelMoE, dispatching every choice (dropped ones too, their gate zeroed):
+    the same output, more bytes."""
+    source = cell_by_id(load(LAB), "ex_expert_parallel").source
+    for right, wrong in (
+        ("token, choice = kept.nonzero(as_tuple=True)", "token, choice = torch.ones_like(kept).nonzero(as_tuple=True)"),
+        ("gates[token, choice, None] * back", "(gates * kept)[token, choice, None] * back"),
+    ):
+        assert right in source, right
+        source = source.replace(right, wrong)
+    return source
+
+
+# Wrong answers the graded tests must catch: (graded cell, wrong definition, words the failure must contain)
+WRONG = [
+    (
+        "online_softmax",
+        """
+def merge_attention(out_a, lse_a, out_b, lse_b):      # averages the blocks instead of weighting them
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+""",
+        "the merged output",
+    ),
+    (
+        "ring_attention",
+        """
+def ring_attention_forward(q, k, v, layout="zigzag", group=None):   # waits for the transfer before computing
+    rank, n = dist.get_rank(), dist.get_world_size()
+    seq_len = q.shape[-2] * n
+    q_pos = sequence_positions(seq_len, n, rank, layout)
+    held, out, lse = torch.stack([k, v]), None, None
+    for step in range(n):
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            for request in [dist.isend(held, (rank + 1) % n), dist.irecv(incoming, (rank - 1) % n)]:
+                request.wait()
+        with dl.region("block"):
+            block = block_attention(q, held[0], held[1], q_pos, sequence_positions(seq_len, n, (rank - step) % n, layout))
+            out, lse = block if out is None else merge_attention(out, lse, *block)
+        if step < n - 1:
+            held = incoming
+    return out, lse
+""",
+        "must be posted before this block's computation",
+    ),
+    (
+        "ring_attention",
+        """
+def ring_attention_forward(q, k, v, layout="zigzag", group=None):   # N transfers: the last block goes round again
+    rank, n = dist.get_rank(), dist.get_world_size()
+    seq_len = q.shape[-2] * n
+    q_pos = sequence_positions(seq_len, n, rank, layout)
+    held, out, lse = torch.stack([k, v]), None, None
+    for step in range(n):
+        incoming = torch.empty_like(held)
+        pending = [dist.isend(held, (rank + 1) % n), dist.irecv(incoming, (rank - 1) % n)]
+        with dl.region("block"):
+            block = block_attention(q, held[0], held[1], q_pos, sequence_positions(seq_len, n, (rank - step) % n, layout))
+            out, lse = block if out is None else merge_attention(out, lse, *block)
+        for request in pending:
+            request.wait()
+        held = incoming
+    return out, lse
+""",
+        "N - 1 = 1 ring steps",
+    ),
+    (
+        "router",
+        """
+def top_k_route(logits, k, capacity_factor):           # capacity served token by token, not choice-major
+    tokens, n_experts = logits.shape
+    gates, experts = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    capacity = math.ceil(capacity_factor * k * tokens / n_experts)
+    order = experts.reshape(-1)
+    one_hot = F.one_hot(order, n_experts)
+    place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+    return experts, gates, (place < capacity).view(tokens, k)
+""",
+        "served choice-major",
+    ),
+    ("expert_parallel", _ships_dropped_choices(), "Something moved that the exercise does not need"),
+    (
+        "predict_ring_bytes",
+        "def predicted_ring_attention_bytes(n, seq_len, width):\n    return 2 * seq_len * width * 4\n",
+        "does not match the cost model",
+    ),
+    (
+        "predict_moe_bytes",
+        "def predicted_moe_bytes(n, tokens, k, d):\n    return tokens * k * (n - 1) / n * d * 4\n",
+        "does not match the cost model",
+    ),
+]
+
+
+def _base_cells(lab):
+    """The setup, the solutions, the given definitions and the test helpers, in the notebook's order."""
+    wanted = {"setup", "test_helpers", *GIVEN, *(f"ex_{e}" for e in EXERCISES)}
+    cells = [copy.deepcopy(c) for c in lab.cells if nbgrader_meta(c).get("grade_id") in wanted]
+    return cells, [c for c in cells if nbgrader_meta(c).get("grade_id", "").startswith("ex_")]
+
+
+@pytest.mark.slow
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: the graded cells whose helpers later cells use, then for each wrong answer the
+    solutions again, the wrong definition and its graded cell."""
+    lab = load(LAB)
+    cells, solutions = _base_cells(lab)
+    cells += [copy.deepcopy(cell_by_id(lab, f"test_{e}")) for e in ("online_softmax", "router")]  # _check_* helpers
+    graded_at = []
+    for graded, wrong, _ in WRONG:
+        cells += [copy.deepcopy(s) for s in solutions]
+        cells.append(nbformat.v4.new_code_cell(wrong))
+        graded_at.append(len(cells))
+        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at:
+            assert not errors(cell), (i, errors(cell))
+    for (graded, _, message), at in zip(WRONG, graded_at):
+        found = errors(nb.cells[at])
+        assert found, f"the graded cell test_{graded} passed a wrong answer"
+        assert message in found[0], (graded, found[0])
+
+
+@pytest.mark.slow
+def test_later_exercises_are_graded_on_the_graders_pieces():
+    # a block_attention that returns no lse fails exercise 1; the ring is graded with the grader's blocks.
+    # a top_k_route that keeps everything fails exercise 4; the MoE layer is graded with the grader's router.
+    lab = load(LAB)
+    cells, _ = _base_cells(lab)
+    broken_blocks = "def block_attention(q, k, v, q_pos, k_pos):\n    return q * 0, q[..., 0] * 0\n"
+    broken_router = (
+        "def top_k_route(logits, k, capacity_factor):\n"
+        "    gates, experts = torch.softmax(logits, -1).topk(k, -1)\n"
+        "    return experts, gates, torch.ones_like(experts, dtype=torch.bool)\n"
+    )
+    cells += [nbformat.v4.new_code_cell(broken_blocks), nbformat.v4.new_code_cell(broken_router)]
+    graded = ["online_softmax", "ring_attention", "router", "expert_parallel"]
+    start = len(cells)
+    cells += [copy.deepcopy(cell_by_id(lab, f"test_{g}")) for g in graded]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    results = dict(zip(graded, nb.cells[start:]))
+    assert errors(results["online_softmax"]) and errors(results["router"])
+    for passing in ("ring_attention", "expert_parallel"):
+        assert not errors(results[passing]), errors(results[passing])
+        assert "\N{WHITE HEAVY CHECK MARK}" in text(results[passing]), text(results[passing])
+
+
+# ----------------------------------------------------------------------------------------
+# disttrain-lab bench sequence
+
+
+def test_format_sequence_table():
+    size = {"seq_len": 64, "heads": 2, "dim": 8}
+    rows = [
+        {
+            "part": "attention",
+            "version": bench.ALL_GATHER_KV,
+            "world_size": 2,
+            "size": size,
+            "repeats": 3,
+            "ms": 4.0,
+            "bytes": 4096,
+            "baseline": bench.ALL_GATHER_KV,
+            "ratio": 1.0,
+        },
+        {
+            "part": "attention",
+            "version": "ring_attention",
+            "world_size": 2,
+            "size": size,
+            "repeats": 3,
+            "ms": 2.0,
+            "bytes": 8192,
+            "baseline": bench.ALL_GATHER_KV,
+            "ratio": 2.0,
+        },
+        {
+            "part": "attention",
+            "version": bench.TORCH_CP,
+            "world_size": 2,
+            "size": size,
+            "repeats": 3,
+            "error": "NotImplementedError: no CPU",
+        },
+    ]
+    table = bench.format_sequence_table(rows)
+    assert "ratio: all-gather K/V's time / this one's" in table
+    assert "ring_attention" in table and "2.00x" in table and "8.0 KiB" in table
+    assert f"{bench.TORCH_CP}" in table and "not measured: NotImplementedError: no CPU" in table
+
+
+@pytest.mark.slow
+def test_cli_bench_sequence_with_tiny_options():
+    args = ["--world-size", "2", "--seq-len", "64", "--heads", "2", "--dim", "8"]
+    args += ["--tokens", "16", "--d", "8", "--experts", "2", "--repeats", "1"]
+    done = run_python(["-m", "disttrain_lab.cli", "bench", "sequence", *args], timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout
+    out = done.stdout
+    for line in (
+        "ring_attention",
+        bench.ALL_GATHER_KV,
+        "ExpertParallelMoE",
+        bench.ALL_GATHER_DISPATCH,
+        bench.ONE_PROCESS_MOE,
+    ):
+        assert f"  {line} " in out, out
+    unmeasured = [line for line in out.splitlines() if "not measured" in line]
+    assert all(line.strip().startswith(bench.TORCH_CP) for line in unmeasured), out  # only torch's, where it cannot run
