@@ -153,7 +153,8 @@ PREDICTION_IDS = ("ex_predict_",)
 def numbering_problems(nb) -> list[str]:
     """What breaks "one `### Exercise n` per graded exercise cell, numbered 1, 2, … in order, and one
     `##` section per markdown cell" (the table of contents reads well); empty when nothing does.
-    Prediction cells (grade id ``ex_predict_*``) are not exercises and need no heading of their own."""
+    Prediction cells (grade id ``ex_predict_*``) need no heading of their own; one under its own
+    next ``### Exercise n`` counts as that exercise."""
     import re
 
     problems, heading, last = [], None, 0
@@ -171,8 +172,9 @@ def numbering_problems(nb) -> list[str]:
                 found = re.match(r"### Exercise (\d+)\b", line)
                 if found:
                     heading = int(found.group(1))
-        elif nbgrader_meta(cell).get("solution") and not nbgrader_meta(cell)["grade_id"].startswith(PREDICTION_IDS):
-            # (a prediction's cell is a number or formula written before a measurement, not an exercise)
+        elif nbgrader_meta(cell).get("solution"):
+            if nbgrader_meta(cell)["grade_id"].startswith(PREDICTION_IDS) and heading != last + 1:
+                continue  # a prediction needs no exercise heading, but may have one (lab 10 numbers them)
             if heading != last + 1:
                 problems.append(
                     f"cell {i} ({nbgrader_meta(cell)['grade_id']}) comes under Exercise {heading}, "
