@@ -143,6 +143,7 @@ def _run_job(job: dict, status) -> tuple:
     trace.begin_recording(rank, job["t0"], job["trace"], status)
     try:
         emulation.begin(job["network"], world_size)  # None: nothing is installed
+        _forget_classes()
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         result = fn(*args, **kwargs)
         integrity.verify()  # did the function replace torch.distributed while it ran?
@@ -157,6 +158,25 @@ def _run_job(job: dict, status) -> tuple:
         # break a peer still inside a collective (that peer should time out and say so).
         reply = ("ok", reply[1], raw)
     return reply
+
+
+def _forget_classes() -> None:
+    """Forget every class cloudpickle rebuilt here (or this fork inherited from the kernel),
+    so that the launch about to be unpickled builds each notebook class afresh from the
+    kernel's class as it is now.  cloudpickle keeps a class it has seen under an id and, when
+    the same class arrives again, reuses its old copy and sets the attributes it was sent:
+    bases stay those of the first launch (``B.__bases__ = (A2,)`` in the kernel never reaches
+    a warm rank), and an attribute deleted in the kernel stays.  Within one launch the
+    payload is one pickle, so a class still has one identity on a rank."""
+    pickler = cloudpickle.cloudpickle  # the module that keeps the tables
+    lock = getattr(pickler, "_DYNAMIC_CLASS_TRACKER_LOCK", None)
+    names = ("_DYNAMIC_CLASS_TRACKER_BY_ID", "_DYNAMIC_CLASS_TRACKER_BY_CLASS")
+    tracked = [getattr(pickler, name, None) for name in names]
+    if lock is None or None in tracked:  # another cloudpickle: tests/kit/test_launcher.py says whether it is stale
+        return
+    with lock:
+        for table in tracked:
+            table.clear()
 
 
 def _set_rng_states(states: dict) -> None:
