@@ -32,11 +32,13 @@ policy, ``pool`` the warm ranks, ``worker`` a rank's side:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FunctionType
 
 import torch
 import torch.distributed as dist
@@ -134,8 +136,14 @@ def launch(
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
-    payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
-    results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
+    with stubbed(_hung_before() if _GRADING else {}):  # (pickled now: the ranks get what is defined now)
+        payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
+    try:
+        results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
+    except (LaunchTimeout, KeyboardInterrupt) as exc:
+        if _GRADING:
+            _remember_hang(exc)
+        raise
     if trace:
         run = tracer.Run(
             results=results,
@@ -148,6 +156,88 @@ def launch(
         tracer.notify_observers(run)
         return run
     return results
+
+
+# --------------------------------------------------------------------------------------
+# Under grading: a notebook function that hung is not waited for again
+# --------------------------------------------------------------------------------------
+_GRADING = os.environ.get("NBGRADER_EXECUTION") == "autograde"
+_HUNG: dict[str, tuple[FunctionType, str]] = {}  # name -> (the function that hung, what happened)
+_STUB_ONLY: set[str] | None = None  # while the grader's request runs: only these names (its own list)
+
+
+class EarlierTimeout(Exception):
+    """Raised on a rank, under grading, by a notebook function that did not finish in an earlier
+    cell: it is not run (nor waited for) again."""
+
+
+def _stub(name: str, message: str) -> FunctionType:
+    def stub(*args, **kwargs):
+        raise EarlierTimeout(message)
+
+    stub.__name__ = stub.__qualname__ = name
+    return stub
+
+
+@contextlib.contextmanager
+def stubbed(messages: dict[str, str]) -> Iterator[None]:
+    """Within: each notebook function named in ``messages`` is replaced by one that raises
+    ``EarlierTimeout(message)`` (what a launch pickled meanwhile runs that instead); then put back."""
+    notebook = vars(sys.modules["__main__"])
+    kept = {n: notebook[n] for n in messages if isinstance(notebook.get(n), FunctionType)}
+    try:
+        notebook.update({n: _stub(n, messages[n]) for n in kept})
+        yield
+    finally:
+        notebook.update(kept)
+
+
+@contextlib.contextmanager
+def stub_only(names) -> Iterator[None]:
+    """Within: of the functions that hung in this kernel, stop at once only those in ``names``
+    (the grader's run of a test: the functions of the student's solution cells)."""
+    global _STUB_ONLY
+    saved, _STUB_ONLY = _STUB_ONLY, set(names)
+    try:
+        yield
+    finally:
+        _STUB_ONLY = saved
+
+
+def _hung_before() -> dict[str, str]:
+    """The notebook functions that hung in an earlier launch and are still defined as they were."""
+    notebook = vars(sys.modules["__main__"])
+    return {
+        name: message
+        for name, (fn, message) in _HUNG.items()
+        if notebook.get(name) is fn and (_STUB_ONLY is None or name in _STUB_ONLY)
+    }
+
+
+def _remember_hang(exc: BaseException) -> None:
+    """The notebook function a stuck launch was in (the innermost, of a rank looping before one
+    waiting in torch), so that later launches stop at once instead of waiting for it again."""
+    stacks = getattr(exc, "stacks", None) or {}
+    blocked = getattr(exc, "blocked", None) or {}
+    notebook = vars(sys.modules["__main__"])
+    ranks = sorted(stacks, key=lambda r: not str(blocked.get(r, "running Python")).startswith("running Python"))
+    for rank in ranks:
+        for name, _ in reversed(stacks[rank]):
+            fn = notebook.get(name)
+            if isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_"):
+                if name not in _HUNG or _HUNG[name][0] is not fn:
+                    how = (
+                        "was stopped at the cell's time limit"
+                        if isinstance(exc, KeyboardInterrupt)
+                        else "did not finish within its timeout"
+                    )
+                    where = "; ".join(f"rank {r}: {blocked.get(r, 'stuck')}" for r in sorted(stacks) if stacks[r])
+                    _HUNG[name] = (
+                        fn,
+                        f"{name} is not run again: when graded it {how} in an earlier cell, and grading waits for "
+                        f"a function that hangs only once. Then: {where or str(exc)}",
+                    )
+                return
 
 
 # --------------------------------------------------------------------------------------

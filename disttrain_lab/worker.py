@@ -22,6 +22,7 @@ import cloudpickle
 from . import codemap, emulation, integrity, trace
 
 STARTUP_TIMEOUT = 180.0  # seconds: a fresh interpreter importing torch on a busy machine
+STACK_SIGNAL = signal.SIGUSR1  # the launcher asks a stuck rank for its Python stack (faulthandler)
 
 
 def _set_parent_death_signal(parent: int) -> None:
@@ -40,9 +41,9 @@ def _set_parent_death_signal(parent: int) -> None:
 def spawned_main() -> None:
     import mmap
 
-    conn_fd, out_fd, status_fd, parent, nbytes = map(int, sys.argv[1:6])
+    conn_fd, out_fd, status_fd, parent, nbytes, stack_fd = map(int, sys.argv[1:7])
     status = mmap.mmap(status_fd, nbytes)
-    worker_main(conn_fd, out_fd, status, forked=False, parent=parent)
+    worker_main(conn_fd, out_fd, status, forked=False, parent=parent, stack_fd=stack_fd)
 
 
 _FORKED = False
@@ -50,7 +51,7 @@ _RETIRED_GROUPS: list = []
 _MAX_RETIRED = 32
 
 
-def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) -> None:
+def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int, stack_fd: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     _set_parent_death_signal(parent)
     os.dup2(out_fd, 1)
@@ -64,6 +65,8 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) ->
         # inherited from the parent (pytest enables it on its own copy of the terminal): a
         # rank's crash report goes to the rank's relayed stderr, like everything it prints
         faulthandler.enable(file=sys.stderr)
+    if stack_fd is not None:  # asked (timeout), the stack goes to the launcher, also from inside C++
+        faulthandler.register(STACK_SIGNAL, file=stack_fd, all_threads=False)
     import torch
 
     global _FORKED

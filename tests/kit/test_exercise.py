@@ -168,3 +168,21 @@ def test_ss_output_is_read_per_connection_and_only_between_ranks():
     assert moved.matrix == [[0, 786872], [786864, 0]]  # the store (pid 5) is not a rank
     before = {k: wire.Socket(s.pid, s.local, s.peer, s.received - 100) for k, s in sockets.items()}
     assert wire.traffic(before, sockets, pids=[10, 20]).matrix == [[0, 100], [100, 0]]
+
+
+def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_function_stops_at_once():
+    # under grading (disttrain_lab/grading/remote.py): the record of a timeout names the notebook's functions
+    # the stuck ranks were in, and a function that timed out in an earlier test is not waited for again: on
+    # the ranks it raises at once, with what happened then, wherever it is called from (here: a driver)
+    options = {"timeout": 3.0, "device": None, "network": None}
+    stuck = exercise.record("stuck", 2, _inputs(4, 1), options, count=False)["error"]
+    assert stuck["type"] == "ExerciseTimeout" and "_stuck" in stuck["running"], stuck
+    assert "rank 1: recv(src=0" in stuck["message"] and "in _stuck (line" in stuck["message"], stuck["message"]
+    original = __main__.ping_pong
+    not_again = {**options, "timeout": 30.0, "timed_out": {"ping_pong": "ping_pong timed out in test_x"}}
+    driver = exercise._driver(_drive_ping_pong)
+    error = exercise.record(driver, 2, [(8, 1)] * 2, not_again, count=False)["error"]
+    assert error["type"] == "ExerciseTimeout", error
+    assert "was stopped at once: ping_pong timed out in test_x" in error["message"], error
+    assert __main__.ping_pong is original  # put back for the notebook
+    assert exercise.run(_drive_ping_pong, 2, (8, 1), timeout=30).results == [28.0, 28.0]

@@ -716,3 +716,47 @@ def test_a_class_rebased_or_redefined_in_the_kernel_is_what_warm_ranks_run():
     assert seen["redefined"] == [[["B", "A2", "object"], "A2", "third", "B v2", False]] * 2, seen
     assert seen["fork after"] == [[["B", "A2", "object"], "A2", "third", "B v2", False]] * 3, seen
     assert seen["rebased again"] == [[["B", "A1", "object"], "A1", "third", "B v2", False]] * 3, seen
+
+
+def test_under_grading_a_function_that_hung_is_not_waited_for_again():
+    # Under autograding (NBGRADER_EXECUTION=autograde) a cell that runs a spinning function is interrupted at its
+    # limit: the launcher says where each rank was, and later launches that call the same function (still
+    # defined as it was) stop at once, saying why, instead of each waiting its own limit; redefined, it runs.
+    script = textwrap.dedent("""
+        import signal, threading, time, os
+        import disttrain_lab as dl
+        import torch.distributed as dist
+
+        def spins(x):
+            while True:
+                pass
+
+        def calls_it():
+            return spins(1) if dist.get_rank() == 1 else 0
+
+        threading.Timer(3, os.kill, (os.getpid(), signal.SIGINT)).start()   # the grader's interrupt
+        try:
+            dl.launch(calls_it, 2, timeout=60)
+        except KeyboardInterrupt:
+            print("=== INTERRUPTED", flush=True)
+        started = time.monotonic()
+        try:
+            dl.launch(lambda: spins(2), 2, timeout=60)
+        except dl.RankError as exc:
+            print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
+
+        def spins(x):
+            return x
+
+        print("=== REDEFINED", dl.launch(calls_it, 2, timeout=60), flush=True)
+    """)
+    out = run_python(["-c", script], timeout=240, env={"NBGRADER_EXECUTION": "autograde"}).stdout
+    interrupted = out.split("=== INTERRUPTED")[0]
+    assert "interrupted: stopped all 2 ranks" in interrupted, out
+    assert "rank 1: running Python code" in interrupted and "calls_it (line 11) → spins (line 7)" in interrupted, out
+    at_once = out.split("=== AT ONCE ")[1].split("\n")[0]
+    seconds, kind, message = at_once.split(" ", 2)
+    assert float(seconds) < 10 and kind == "EarlierTimeout", at_once
+    assert "spins is not run again: when graded it was stopped at the cell's time limit" in message, message
+    assert "rank 1: running Python code" in message and "spins (line 7)" in message, message
+    assert "=== REDEFINED [0, 1]" in out, out
