@@ -136,7 +136,9 @@ def launch(
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
-    with stubbed(_hung_before() if _GRADING else {}):  # (pickled now: the ranks get what is defined now)
+    with stubbed(_hung_before() if _GRADING else {}) as stubs:  # (pickled now: the ranks get what is defined now)
+        fn = stubs.get(fn, fn) if isinstance(fn, FunctionType) else fn
+        args = tuple(stubs.get(a, a) if isinstance(a, FunctionType) else a for a in args)
         payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
     try:
         results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
@@ -180,14 +182,16 @@ def _stub(name: str, message: str) -> FunctionType:
 
 
 @contextlib.contextmanager
-def stubbed(messages: dict[str, str]) -> Iterator[None]:
+def stubbed(messages: dict[str, str]) -> Iterator[dict[FunctionType, FunctionType]]:
     """Within: each notebook function named in ``messages`` is replaced by one that raises
-    ``EarlierTimeout(message)`` (what a launch pickled meanwhile runs that instead); then put back."""
+    ``EarlierTimeout(message)`` (what a launch pickles meanwhile runs that instead); then put back.
+    Gives {the function: its stand-in}, for a function passed as an argument itself."""
     notebook = vars(sys.modules["__main__"])
     kept = {n: notebook[n] for n in messages if isinstance(notebook.get(n), FunctionType)}
+    stubs = {n: _stub(n, messages[n]) for n in kept}
     try:
-        notebook.update({n: _stub(n, messages[n]) for n in kept})
-        yield
+        notebook.update(stubs)
+        yield {kept[n]: stubs[n] for n in kept}
     finally:
         notebook.update(kept)
 
@@ -221,23 +225,26 @@ def _remember_hang(exc: BaseException) -> None:
     blocked = getattr(exc, "blocked", None) or {}
     notebook = vars(sys.modules["__main__"])
     ranks = sorted(stacks, key=lambda r: not str(blocked.get(r, "running Python")).startswith("running Python"))
-    for rank in ranks:
-        for name, _ in reversed(stacks[rank]):
-            fn = notebook.get(name)
-            if isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_"):
-                if name not in _HUNG or _HUNG[name][0] is not fn:
-                    how = (
-                        "was stopped at the cell's time limit"
-                        if isinstance(exc, KeyboardInterrupt)
-                        else "did not finish within its timeout"
-                    )
-                    where = "; ".join(f"rank {r}: {blocked.get(r, 'stuck')}" for r in sorted(stacks) if stacks[r])
-                    _HUNG[name] = (
-                        fn,
-                        f"{name} is not run again: when graded it {how} in an earlier cell, and grading waits for "
-                        f"a function that hangs only once. Then: {where or str(exc)}",
-                    )
-                return
+    for name in (name for rank in ranks for name, _ in reversed(stacks[rank])):
+        fn = notebook.get(name)
+        if not (isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_")):
+            continue  # (a lab's own helpers start with _)
+        if name not in _HUNG or _HUNG[name][0] is not fn:
+            if isinstance(exc, KeyboardInterrupt):
+                how = "it was stopped at the cell's time limit"
+                report = "\n".join(f"  rank {r}: {what}" for r, what in sorted(blocked.items()))
+            else:
+                how, report = "it did not finish within its timeout", str(exc)
+            shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+            cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
+            if shell is not None and _STUB_ONLY is None:
+                cell = f"the cell In[{shell.execution_count}]"
+            _HUNG[name] = (
+                fn,
+                f"{name} is not run again: when {cell} ran it under grading, {how}, and grading waits for a "
+                f"function that hangs only once. What happened then:\n{report}",
+            )
+        return
 
 
 # --------------------------------------------------------------------------------------

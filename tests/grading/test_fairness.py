@@ -3,14 +3,13 @@
 Lab 1 is graded in the grader kernel, each graded cell within its limit (max(30 s, 5 × the
 solution's time), grader/cell_times/).  One submission, the solution but for three exercises:
 
-- ``ping_pong`` deadlocks (both ranks receive first): its graded cell must end with the
-  launcher's own report (which rank, blocked in what, the diagnosis), not with the cell's
-  limit (``KeyboardInterrupt`` from the launcher's internals, "CellTimeoutError");
-- ``broadcast_linear`` spins (``while True: pass``): its graded cell reports it the same way,
-  naming the student's function the stuck rank was in;
-- ``broadcast_tree`` calls ``broadcast_linear``: its graded cell must fail at once, saying that
-  ``broadcast_linear`` timed out in ``test_broadcast_linear`` and with what happened then, instead
-  of waiting its own limit for the same spin.
+- ``ping_pong`` deadlocks (both ranks receive first) in the graded case only: its graded cell
+  must end with the launcher's own report (which rank, blocked in what, the diagnosis), not
+  with the cell's limit (``KeyboardInterrupt`` from the launcher's internals, "CellTimeoutError");
+- ``broadcast_linear`` spins (``while True: pass``): the self-check above its graded cell hangs
+  first; the graded cell, and the one of ``broadcast_tree``, which calls ``broadcast_linear``, must
+  fail at once, saying what happened then (which rank was in which function), instead of each
+  waiting its own limit for the same spin.
 
 The other exercises keep their points.
 """
@@ -36,9 +35,15 @@ DEADLOCKS = """
 def ping_pong(x, repeats=1):
     rank = dist.get_rank()
     for _ in range(repeats):
-        if rank in (0, 1):
-            dist.recv(x, src=1 - rank)     # both ranks receive first: nobody sends
+        if rank in (0, 1) and x.numel() == 10:   # (the graded case; the self-checks pass)
+            dist.recv(x, src=1 - rank)          # both ranks receive first: nobody sends
             dist.send(x, dst=1 - rank)
+        elif rank == 0:
+            dist.send(x, dst=1)
+            dist.recv(x, src=1)
+        elif rank == 1:
+            dist.recv(x, src=0)
+            dist.send(x, dst=0)
     return x
 """
 
@@ -78,22 +83,20 @@ def _errors(cell) -> str:
 @pytest.mark.slow
 def test_a_deadlock_is_reported_by_the_launcher_within_the_cells_limit(graded):
     told = _errors(graded.cells["test_ping_pong"])
-    assert "rank 0: recv(src=1" in told and "rank 1: recv(src=0" in told, told
+    assert "rank 0: recv(src=1" in told and "rank 1: recv(src=0" in told and "in ping_pong (line" in told, told
     assert "Every rank is waiting to receive" in told, told
     assert "what was left of this test's time limit when graded" in told, told
     assert "CellTimeoutError" not in told and "KeyboardInterrupt" not in told, told
-    assert "did not finish within" in graded.page and "KeyboardInterrupt" not in graded.page
+    assert "KeyboardInterrupt" not in graded.page and "CellTimeoutError" not in graded.page
 
 
 @pytest.mark.slow
-def test_a_spin_names_the_students_function_and_later_cells_fail_at_once(graded):
-    spun = _errors(graded.cells["test_broadcast_linear"])
-    assert "running Python code" in spun and "in broadcast_linear (line" in spun, spun
-    assert "CellTimeoutError" not in spun, spun
-    later = _errors(graded.cells["test_broadcast_tree"])
-    assert "broadcast_linear is not run again" in later and "test_broadcast_linear" in later, later
-    assert "in broadcast_linear (line" in later, later  # what happened then, as it was told the first time
-    assert graded.seconds["test_broadcast_tree"] < 10 < graded.seconds["test_broadcast_linear"], graded.seconds
+def test_a_function_that_hung_costs_its_time_once(graded):
+    for cell in ("test_broadcast_linear", "test_broadcast_tree"):
+        told = _errors(graded.cells[cell])
+        assert "broadcast_linear is not run again" in told, told
+        assert "running Python code" in told and "broadcast_linear (line" in told, told  # what happened then
+        assert graded.seconds[cell] < 10, graded.seconds
 
 
 @pytest.mark.slow
