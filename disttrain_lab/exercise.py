@@ -34,7 +34,16 @@ from dataclasses import dataclass
 import torch
 
 from . import pool, wire
-from .launcher import EarlierTimeout, LaunchError, LaunchTimeout, RankError, launch, stub_only, stubbed
+from .launcher import (
+    EarlierTimeout,
+    LaunchError,
+    LaunchTimeout,
+    RankError,
+    hung_before,
+    launch,
+    stub_only,
+    stubbed,
+)
 from .network import Network
 from .trace import Run, region, to_events
 
@@ -212,9 +221,11 @@ def record(target: str | dict, world_size: int, inputs: list, options: dict, cou
     name = target if isinstance(target, str) else str(target.get("name"))
     # under grading: the notebook's functions that timed out in an earlier test are not run again
     # (the grader's list; and those that hung in this kernel, of the student's own functions)
+    # (before a driver is defined in its copy of the notebook's names: it calls the stand-ins)
     only = options.get("student_functions")
-    with stubbed(options.get("timed_out") or {}), stub_only(only) if only is not None else nullcontext():
-        return _record(name, target, world_size, inputs, options, count)
+    with stub_only(only) if only is not None else nullcontext():
+        with stubbed({**hung_before(), **(options.get("timed_out") or {})}):
+            return _record(name, target, world_size, inputs, options, count)
 
 
 def _record(name: str, target: str | dict, world_size: int, inputs: list, options: dict, count: bool) -> dict:

@@ -745,6 +745,12 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
         except dl.RankError as exc:
             print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
 
+        driver = {"name": "_drive", "source": "def _drive():\\n    return spins(3)\\n"}   # a test's, by its source
+        options = {"timeout": 60.0, "device": None, "network": None}
+        started = time.monotonic()
+        error = dl.exercise.record(driver, 2, [()] * 2, options, count=False)["error"]
+        print("=== DRIVER", round(time.monotonic() - started, 1), error["type"], error["message"][:80], flush=True)
+
         def spins(x):
             return x
 
@@ -754,7 +760,10 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     interrupted = out.split("=== INTERRUPTED")[0]
     assert "interrupted: stopped all 2 ranks" in interrupted, out
     assert "rank 1: running Python code" in interrupted and "calls_it (line 11) → spins (line 7)" in interrupted, out
-    at_once = out.split("=== AT ONCE ")[1].split("=== REDEFINED")[0]
+    at_once = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0]
+    seconds, kind, message = out.split("=== DRIVER ")[1].split("\n")[0].split(" ", 2)
+    assert float(seconds) < 10 and kind == "ExerciseTimeout", message
+    assert message.startswith("_drive was stopped at once: spins is not run again"), message
     seconds, kind, message = at_once.split(" ", 2)
     assert float(seconds) < 10 and kind == "EarlierTimeout", at_once
     assert "spins is not run again: when an earlier cell ran it under grading, it was stopped at" in message, message
