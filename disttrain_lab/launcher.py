@@ -142,7 +142,7 @@ def launch(
         payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
     try:
         results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
-    except (LaunchTimeout, KeyboardInterrupt) as exc:
+    except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
         if _GRADING:
             _remember_hang(exc)
         raise
@@ -219,11 +219,11 @@ def hung_before() -> dict[str, str]:
     }
 
 
-def _remember_hang(exc: BaseException) -> None:
-    """The notebook function a stuck launch was in (the innermost, of a rank looping before one
-    waiting in torch), so that later launches stop at once instead of waiting for it again."""
-    stacks = getattr(exc, "stacks", None) or {}
-    blocked = getattr(exc, "blocked", None) or {}
+def _remember_hang(exc: LaunchTimeout) -> None:
+    """The notebook function a launch that ran past its timeout was stuck in (the innermost, of a
+    rank looping before one waiting in torch), so that later launches stop at once instead of
+    waiting for it again.  (A timeout is the lab's own word that a function hangs.)"""
+    stacks, blocked = exc.stacks, exc.blocked
     notebook = vars(sys.modules["__main__"])
     ranks = sorted(stacks, key=lambda r: not str(blocked.get(r, "running Python")).startswith("running Python"))
     for name in (name for rank in ranks for name, _ in reversed(stacks[rank])):
@@ -231,19 +231,14 @@ def _remember_hang(exc: BaseException) -> None:
         if not (isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_")):
             continue  # (a lab's own helpers start with _)
         if name not in _HUNG or _HUNG[name][0] is not fn:
-            if isinstance(exc, KeyboardInterrupt):
-                how = "it was stopped at the cell's time limit"
-                report = "\n".join(f"  rank {r}: {what}" for r, what in sorted(blocked.items()))
-            else:
-                how, report = "it did not finish within its timeout", str(exc)
             shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
             cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
             if shell is not None and _STUB_ONLY is None:
                 cell = f"the cell In[{shell.execution_count}]"
             _HUNG[name] = (
                 fn,
-                f"{name} is not run again: when {cell} ran it under grading, {how}, and grading waits for a "
-                f"function that hangs only once. What happened then:\n{report}",
+                f"{name} is not run again: when {cell} ran it under grading, it did not finish within its "
+                f"timeout, and grading waits for a function that hangs only once. What happened then:\n{exc}",
             )
         return
 

@@ -719,9 +719,10 @@ def test_a_class_rebased_or_redefined_in_the_kernel_is_what_warm_ranks_run():
 
 
 def test_under_grading_a_function_that_hung_is_not_waited_for_again():
-    # Under autograding (NBGRADER_EXECUTION=autograde) a cell that runs a spinning function is interrupted at its
-    # limit: the launcher says where each rank was, and later launches that call the same function (still
-    # defined as it was) stop at once, saying why, instead of each waiting its own limit; redefined, it runs.
+    # Under autograding (NBGRADER_EXECUTION=autograde): a launch the cell's limit interrupts says where each rank
+    # was; a function that ran past a launch's own timeout (the lab's word that it hangs) is not waited for again:
+    # later launches that call it, still defined as it was (directly, from another function, from a test's
+    # driver), stop at once, saying what happened then, instead of each waiting its own limit; redefined, it runs.
     script = textwrap.dedent("""
         import signal, threading, time, os
         import disttrain_lab as dl
@@ -739,12 +740,15 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
             dl.launch(calls_it, 2, timeout=60)
         except KeyboardInterrupt:
             print("=== INTERRUPTED", flush=True)
+        try:
+            dl.launch(calls_it, 2, timeout=3)       # (an interrupt alone is no verdict: this one runs)
+        except dl.LaunchTimeout:
+            print("=== TIMED OUT", flush=True)
         started = time.monotonic()
         try:
             dl.launch(lambda: spins(2), 2, timeout=60)
         except dl.RankError as exc:
             print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
-
         driver = {"name": "_drive", "source": "def _drive():\\n    return spins(3)\\n"}   # a test's, by its source
         options = {"timeout": 60.0, "device": None, "network": None}
         started = time.monotonic()
@@ -760,12 +764,12 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     interrupted = out.split("=== INTERRUPTED")[0]
     assert "interrupted: stopped all 2 ranks" in interrupted, out
     assert "rank 1: running Python code" in interrupted and "calls_it (line 11) → spins (line 7)" in interrupted, out
-    at_once = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0]
+    assert "=== TIMED OUT" in out, out
+    seconds, kind, message = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0].split(" ", 2)
+    assert float(seconds) < 10 and kind == "EarlierTimeout", out
+    assert "spins is not run again: when an earlier cell ran it under grading, it did not finish within" in message
+    assert "rank 1: running Python code" in message and "spins (line 7)" in message, message
     seconds, kind, message = out.split("=== DRIVER ")[1].split("\n")[0].split(" ", 2)
     assert float(seconds) < 10 and kind == "ExerciseTimeout", message
     assert message.startswith("_drive was stopped at once: spins is not run again"), message
-    seconds, kind, message = at_once.split(" ", 2)
-    assert float(seconds) < 10 and kind == "EarlierTimeout", at_once
-    assert "spins is not run again: when an earlier cell ran it under grading, it was stopped at" in message, message
-    assert "rank 1: running Python code" in message and "spins (line 7)" in message, message
     assert "=== REDEFINED [0, 1]" in out, out
