@@ -230,16 +230,20 @@ def _remember_hang(exc: LaunchTimeout) -> None:
         fn = notebook.get(name)
         if not (isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_")):
             continue  # (a lab's own helpers start with _)
+        if _STUB_ONLY is not None and name not in _STUB_ONLY:
+            continue  # (the grader's run: only the student's own functions)
         if name not in _HUNG or _HUNG[name][0] is not fn:
             shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
             cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
             if shell is not None and _STUB_ONLY is None:
                 cell = f"the cell In[{shell.execution_count}]"
-            _HUNG[name] = (
-                fn,
+            message = (
                 f"{name} is not run again: when {cell} ran it under grading, it did not finish within its "
-                f"timeout, and grading waits for a function that hangs only once. What happened then:\n{exc}",
+                f"timeout, and grading waits for a function that hangs only once. What happened then:\n{exc}"
             )
+            _HUNG[name] = (fn, message)
+            if _STUB_ONLY is not None:  # one of the student's functions (the grader says which): the cells
+                notebook[name] = _stub(name, message)  # that call it in this kernel, not on ranks, stop too
         return
 
 
