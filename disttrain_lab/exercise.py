@@ -28,12 +28,22 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from . import pool, wire
-from .launcher import LaunchError, LaunchTimeout, RankError, launch
+from .launcher import (
+    EarlierTimeout,
+    LaunchError,
+    LaunchTimeout,
+    RankError,
+    hung_before,
+    launch,
+    stub_only,
+    stubbed,
+)
 from .network import Network
 from .trace import Run, region, to_events
 
@@ -209,7 +219,18 @@ def record(target: str | dict, world_size: int, inputs: list, options: dict, cou
     results, the ranks' events inside the call, the ranks' process ids, and (``count``) the
     bytes the OS counted (the grader counts them itself, from outside)."""
     name = target if isinstance(target, str) else str(target.get("name"))
+    # under grading: the notebook's functions that timed out in an earlier test are not run again
+    # (the grader's list; and those that hung in this kernel, of the student's own functions)
+    # (before a driver is defined in its copy of the notebook's names: it calls the stand-ins)
+    only = options.get("student_functions")
+    with stub_only(only) if only is not None else nullcontext():
+        with stubbed({**hung_before(), **(options.get("timed_out") or {})}):
+            return _record(name, target, world_size, inputs, options, count)
+
+
+def _record(name: str, target: str | dict, world_size: int, inputs: list, options: dict, count: bool) -> dict:
     timeout = options["timeout"]
+    within = f"{timeout:g} s" + (f" ({options['why']})" if options.get("why") else "")
     try:
         fn = _student_function(target)
         before = wire.snapshot() if count and wire.available() is None else None
@@ -226,8 +247,17 @@ def record(target: str | dict, world_size: int, inputs: list, options: dict, cou
         pids = pool.worker_pids()[:world_size]
         after = wire.snapshot() if before is not None else None
     except LaunchTimeout as exc:
-        return _error("ExerciseTimeout", f"{name} did not finish within {timeout:g} s on every rank:\n{exc}")
+        error = _error("ExerciseTimeout", f"{name} did not finish within {within} on every rank:\n{exc}")
+        # the functions the stuck ranks were in, innermost first, those of ranks stuck outside torch's
+        # calls (a loop) before those waiting in one: the grader's fail-fast keys on them
+        blocked = exc.blocked
+        ranks = sorted(exc.stacks, key=lambda r: not str(blocked.get(r, "")).startswith("running Python"))
+        running = [f for r in ranks for f, _ in reversed(exc.stacks[r])]
+        error["error"]["running"] = list(dict.fromkeys(running))[:50]
+        return error
     except RankError as exc:
+        if exc.exc_type == EarlierTimeout.__name__:  # a function that hung before, stopped at once
+            return _error("ExerciseTimeout", f"{name} was stopped at once: {exc.exc_message}")
         return _error("ExerciseError", f"{name} failed on a rank:\n{exc}", exc.exc_type, exc.exc_message)
     except LaunchError as exc:
         return _error("ExerciseError", f"{name} failed on a rank:\n{exc}")

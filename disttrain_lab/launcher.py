@@ -32,11 +32,13 @@ policy, ``pool`` the warm ranks, ``worker`` a rank's side:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FunctionType
 
 import torch
 import torch.distributed as dist
@@ -134,8 +136,16 @@ def launch(
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
-    payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
-    results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
+    with stubbed(hung_before() if _GRADING else {}) as stubs:  # (pickled now: the ranks get what is defined now)
+        fn = stubs.get(fn, fn) if isinstance(fn, FunctionType) else fn
+        args = tuple(stubs.get(a, a) if isinstance(a, FunctionType) else a for a in args)
+        payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
+    try:
+        results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
+    except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
+        if _GRADING:
+            _remember_hang(exc)
+        raise
     if trace:
         run = tracer.Run(
             results=results,
@@ -148,6 +158,93 @@ def launch(
         tracer.notify_observers(run)
         return run
     return results
+
+
+# --------------------------------------------------------------------------------------
+# Under grading: a notebook function that hung is not waited for again
+# --------------------------------------------------------------------------------------
+_GRADING = os.environ.get("NBGRADER_EXECUTION") == "autograde"
+_HUNG: dict[str, tuple[FunctionType, str]] = {}  # name -> (the function that hung, what happened)
+_STUB_ONLY: set[str] | None = None  # while the grader's request runs: only these names (its own list)
+
+
+class EarlierTimeout(Exception):
+    """Raised on a rank, under grading, by a notebook function that did not finish in an earlier
+    cell: it is not run (nor waited for) again."""
+
+
+def _stub(name: str, message: str) -> FunctionType:
+    def stub(*args, **kwargs):
+        raise EarlierTimeout(message)
+
+    stub.__name__ = stub.__qualname__ = name
+    return stub
+
+
+@contextlib.contextmanager
+def stubbed(messages: dict[str, str]) -> Iterator[dict[FunctionType, FunctionType]]:
+    """Within: each notebook function named in ``messages`` is replaced by one that raises
+    ``EarlierTimeout(message)`` (what a launch pickles meanwhile runs that instead); then put back.
+    Gives {the function: its stand-in}, for a function passed as an argument itself."""
+    notebook = vars(sys.modules["__main__"])
+    kept = {n: notebook[n] for n in messages if isinstance(notebook.get(n), FunctionType)}
+    stubs = {n: _stub(n, messages[n]) for n in kept}
+    try:
+        notebook.update(stubs)
+        yield {kept[n]: stubs[n] for n in kept}
+    finally:
+        notebook.update(kept)
+
+
+@contextlib.contextmanager
+def stub_only(names) -> Iterator[None]:
+    """Within: of the functions that hung in this kernel, stop at once only those in ``names``
+    (the grader's run of a test: the functions of the student's solution cells)."""
+    global _STUB_ONLY
+    saved, _STUB_ONLY = _STUB_ONLY, set(names)
+    try:
+        yield
+    finally:
+        _STUB_ONLY = saved
+
+
+def hung_before() -> dict[str, str]:
+    """Under grading: the notebook functions that hung in an earlier launch and are still defined
+    as they were, each with why it is not run again (see ``stubbed``)."""
+    notebook = vars(sys.modules["__main__"])
+    return {
+        name: message
+        for name, (fn, message) in _HUNG.items()
+        if notebook.get(name) is fn and (_STUB_ONLY is None or name in _STUB_ONLY)
+    }
+
+
+def _remember_hang(exc: LaunchTimeout) -> None:
+    """The notebook function a launch that ran past its timeout was stuck in (the innermost, of a
+    rank looping before one waiting in torch), so that later launches stop at once instead of
+    waiting for it again.  (A timeout is the lab's own word that a function hangs.)"""
+    stacks, blocked = exc.stacks, exc.blocked
+    notebook = vars(sys.modules["__main__"])
+    ranks = sorted(stacks, key=lambda r: not str(blocked.get(r, "running Python")).startswith("running Python"))
+    for name in (name for rank in ranks for name, _ in reversed(stacks[rank])):
+        fn = notebook.get(name)
+        if not (isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_")):
+            continue  # (a lab's own helpers start with _)
+        if _STUB_ONLY is not None and name not in _STUB_ONLY:
+            continue  # (the grader's run: only the student's own functions)
+        if name not in _HUNG or _HUNG[name][0] is not fn:
+            shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+            cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
+            if shell is not None and _STUB_ONLY is None:
+                cell = f"the cell In[{shell.execution_count}]"
+            message = (
+                f"{name} is not run again: when {cell} ran it under grading, it did not finish within its "
+                f"timeout, and grading waits for a function that hangs only once. What happened then:\n{exc}"
+            )
+            _HUNG[name] = (fn, message)
+            if _STUB_ONLY is not None:  # one of the student's functions (the grader says which): the cells
+                notebook[name] = _stub(name, message)  # that call it in this kernel, not on ranks, stop too
+        return
 
 
 # --------------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ from . import codemap, trace
 from .devices import Plan
 from .integrity import TamperingError
 from .network import Network
-from .reports import LaunchError, RankDied, rank_error, timeout_error
-from .worker import STARTUP_TIMEOUT, worker_main
+from .reports import LaunchError, RankDied, rank_doing, rank_error, stack_frames, timeout_error
+from .worker import STACK_SIGNAL, STARTUP_TIMEOUT, worker_main
 
 __all__ = ["run", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
 
@@ -96,8 +96,9 @@ def _pool_for(world_size: int, chosen: Plan) -> _Pool:
 
 
 class _Worker:
-    def __init__(self, rank: int, pid: int, conn: Connection, out_fd: int, popen=None):
+    def __init__(self, rank: int, pid: int, conn: Connection, out_fd: int, stack_fd: int, popen=None):
         self.rank, self.pid, self.conn, self.out_fd, self.popen = rank, pid, conn, out_fd, popen
+        self.stack_fd = stack_fd  # where the rank writes its Python stack when asked (STACK_SIGNAL)
         self.partial = b""
         self.shown = 0
         self.hidden = 0
@@ -162,6 +163,7 @@ class _Pool:
     def _start_worker(self, rank: int) -> _Worker:
         parent_sock, child_sock = socket.socketpair()
         out_r, out_w = os.pipe()
+        stack_r, stack_w = os.pipe()
         if self.plan.start_method == "fork":
             sys.stdout.flush()
             sys.stderr.flush()
@@ -171,21 +173,25 @@ class _Pool:
                 try:
                     parent_sock.close()
                     os.close(out_r)
-                    worker_main(child_sock.detach(), out_w, self.status, forked=True, parent=self.owner_pid)
+                    os.close(stack_r)
+                    worker_main(
+                        child_sock.detach(), out_w, self.status, forked=True, parent=self.owner_pid, stack_fd=stack_w
+                    )
                     code = 0
                 finally:
                     os._exit(code)
             popen = None
         else:
-            fds = (child_sock.fileno(), out_w, self.status_fd)
+            fds = (child_sock.fileno(), out_w, self.status_fd, stack_w)
             popen = subprocess.Popen(
                 [
                     sys.executable,
                     "-c",
                     "from disttrain_lab.worker import spawned_main; spawned_main()",
-                    *map(str, fds),
+                    *map(str, fds[:3]),
                     str(self.owner_pid),
                     str(trace.SLOT_BYTES * self.size),
+                    str(stack_w),
                 ],
                 pass_fds=fds,
                 stdin=subprocess.DEVNULL,
@@ -196,8 +202,10 @@ class _Pool:
             pid = popen.pid
         child_sock.close()
         os.close(out_w)
+        os.close(stack_w)
         os.set_blocking(out_r, False)
-        return _Worker(rank, pid, Connection(parent_sock.detach()), out_r, popen)
+        os.set_blocking(stack_r, False)
+        return _Worker(rank, pid, Connection(parent_sock.detach()), out_r, stack_r, popen)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -301,9 +309,18 @@ class _Pool:
                         raise rank_error(w.rank, info, [o.rank for o in workers if o is not w])
                     replies[w.rank] = reply
             self._relay_all()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            # where each unfinished rank was: said in the cell, and kept on the exception (a launch
+            # under grading is interrupted at the cell's limit; launcher.py remembers the function)
+            stuck = [w for w in workers if w.rank not in replies]
+            stacks = self._stacks(stuck)
+            exc.stacks = stacks
+            now = time.perf_counter()
+            status = {w.rank: trace.read_status(self.status, w.rank) for w in stuck}
+            exc.blocked = {w.rank: rank_doing(status[w.rank], now, stacks[w.rank]) for w in stuck}
             self.close()
-            print(f"[disttrain-lab] interrupted: stopped all {len(workers)} ranks", file=sys.stderr)
+            where = "".join(f"\n  rank {w.rank}: {exc.blocked[w.rank]}" for w in stuck)
+            print(f"[disttrain-lab] interrupted: stopped all {len(workers)} ranks{where}", file=sys.stderr)
             raise
         finally:
             self._flush_hidden(workers)
@@ -345,8 +362,34 @@ class _Pool:
                 states[w.rank] = "finished"
             else:
                 states[w.rank] = trace.read_status(self.status, w.rank)
+        stacks = self._stacks([w for w in workers if w.rank not in replies])
         self.close()
-        raise timeout_error(states, now, timeout)
+        raise timeout_error(states, now, timeout, stacks)
+
+    def _stacks(self, workers: list[_Worker]) -> dict[int, list[tuple[str, int]]]:
+        """Each stuck rank's Python stack, outermost call first, as (function, line): the
+        functions of the notebook (and of a test's driver) it is in, the kit's and torch's left out.
+        A rank writes it when signalled (faulthandler, so also while blocked inside C++)."""
+        for w in workers:
+            try:
+                os.kill(w.pid, STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
+        texts = {w.rank: b"" for w in workers}
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            grew = False
+            for w in workers:
+                try:
+                    chunk = os.read(w.stack_fd, 1 << 16)
+                except (BlockingIOError, OSError):
+                    continue
+                texts[w.rank] += chunk
+                grew = grew or bool(chunk)
+            if not grew and all(texts.values()):
+                break  # every rank wrote its stack, and nothing more came
+            time.sleep(0.05)
+        return {rank: stack_frames(text.decode(errors="replace")) for rank, text in texts.items()}
 
     def _reap(self, w: _Worker) -> int | None:
         """Exit code of a worker (negative: killed by that signal); waits briefly."""
@@ -424,7 +467,7 @@ class _Pool:
                 pass
             if w.popen is not None:
                 w.popen.returncode = w.popen.returncode if w.popen.returncode is not None else -9
-            for closer in (w.conn.close, lambda w=w: os.close(w.out_fd)):
+            for closer in (w.conn.close, lambda w=w: os.close(w.out_fd), lambda w=w: os.close(w.stack_fd)):
                 try:
                     closer()
                 except OSError:

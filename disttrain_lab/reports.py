@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 
 from . import trace
 
@@ -57,11 +58,13 @@ class RankDied(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """Not every rank finished within the timeout.  ``blocked`` says what each rank was doing."""
+    """Not every rank finished within the timeout.  ``blocked`` says what each rank was doing;
+    ``stacks``: the functions of your code each stuck rank was in, outermost first, as
+    (function, line)."""
 
-    def __init__(self, message: str, blocked: dict[int, str]):
+    def __init__(self, message: str, blocked: dict[int, str], stacks: dict[int, list[tuple[str, int]]] | None = None):
         super().__init__(message)
-        self.blocked = blocked
+        self.blocked, self.stacks = blocked, stacks or {}
 
 
 def _is_internal(filename: str) -> bool:
@@ -128,19 +131,45 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
     return RankError(message, rank, info["type"], info["message"], full)
 
 
-def timeout_error(states: dict, now: float, timeout: float) -> LaunchTimeout:
+_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)\s*$')
+
+
+def stack_frames(text: str) -> list[tuple[str, int]]:
+    """(function, line) of the frames of a rank's faulthandler dump inside the launched function
+    that are not the kit's, torch's or another library's, outermost first (faulthandler writes
+    the innermost first; a forked rank's stack also holds the kernel's frames of the fork)."""
+    frames: list[tuple[str, int]] = []
+    for line in reversed(text.splitlines()):
+        found = _FRAME.match(line)
+        if found is None:
+            continue
+        if found["name"] == "_run_job" and os.path.basename(found["file"]) == "worker.py":
+            frames = []  # what ran the job: the launched function's frames come after it
+        elif not _is_library(found["file"]):
+            frames.append((found["name"], int(found["line"])))
+    return frames
+
+
+def rank_doing(status: trace.Blocked | None, now: float, frames: list[tuple[str, int]] | None = None) -> str:
+    """What a stuck rank was doing: the torch.distributed call it was blocked in (its status
+    slot), or running Python code; and in which of your functions (``stack_frames``)."""
+    doing = (
+        "running Python code (not in a torch.distributed call)"
+        if status is None
+        else f"{status.text} for {now - status.since:.1f} s"
+    )
+    return doing + (", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else "")
+
+
+def timeout_error(states: dict, now: float, timeout: float, stacks: dict | None = None) -> LaunchTimeout:
     blocked: dict[int, str] = {}
+    stacks = {rank: frames for rank, frames in (stacks or {}).items() if frames}
     for rank, s in states.items():
-        if s == "finished":
-            blocked[rank] = "finished"
-        elif s is None:
-            blocked[rank] = "running Python code (not in a torch.distributed call)"
-        else:
-            blocked[rank] = f"{s.text} for {now - s.since:.1f} s"
+        blocked[rank] = "finished" if s == "finished" else rank_doing(s, now, stacks.get(rank))
     lines = [f"not every rank finished within the timeout of {timeout:g} s; all ranks were stopped."]
     lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
     lines.append(diagnose(states))
-    return LaunchTimeout("\n".join(lines), blocked)
+    return LaunchTimeout("\n".join(lines), blocked, stacks)
 
 
 def diagnose(states: dict) -> str:

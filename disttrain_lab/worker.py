@@ -22,6 +22,7 @@ import cloudpickle
 from . import codemap, emulation, integrity, trace
 
 STARTUP_TIMEOUT = 180.0  # seconds: a fresh interpreter importing torch on a busy machine
+STACK_SIGNAL = signal.SIGUSR1  # the launcher asks a stuck rank for its Python stack (faulthandler)
 
 
 def _set_parent_death_signal(parent: int) -> None:
@@ -40,9 +41,9 @@ def _set_parent_death_signal(parent: int) -> None:
 def spawned_main() -> None:
     import mmap
 
-    conn_fd, out_fd, status_fd, parent, nbytes = map(int, sys.argv[1:6])
+    conn_fd, out_fd, status_fd, parent, nbytes, stack_fd = map(int, sys.argv[1:7])
     status = mmap.mmap(status_fd, nbytes)
-    worker_main(conn_fd, out_fd, status, forked=False, parent=parent)
+    worker_main(conn_fd, out_fd, status, forked=False, parent=parent, stack_fd=stack_fd)
 
 
 _FORKED = False
@@ -50,7 +51,7 @@ _RETIRED_GROUPS: list = []
 _MAX_RETIRED = 32
 
 
-def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) -> None:
+def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int, stack_fd: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
     _set_parent_death_signal(parent)
     os.dup2(out_fd, 1)
@@ -64,6 +65,8 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int) ->
         # inherited from the parent (pytest enables it on its own copy of the terminal): a
         # rank's crash report goes to the rank's relayed stderr, like everything it prints
         faulthandler.enable(file=sys.stderr)
+    if stack_fd is not None:  # asked (timeout), the stack goes to the launcher, also from inside C++
+        faulthandler.register(STACK_SIGNAL, file=stack_fd, all_threads=False)
     import torch
 
     global _FORKED
@@ -143,6 +146,7 @@ def _run_job(job: dict, status) -> tuple:
     trace.begin_recording(rank, job["t0"], job["trace"], status)
     try:
         emulation.begin(job["network"], world_size)  # None: nothing is installed
+        _forget_classes()
         fn, args, kwargs = cloudpickle.loads(job["payload"])
         result = fn(*args, **kwargs)
         integrity.verify()  # did the function replace torch.distributed while it ran?
@@ -157,6 +161,25 @@ def _run_job(job: dict, status) -> tuple:
         # break a peer still inside a collective (that peer should time out and say so).
         reply = ("ok", reply[1], raw)
     return reply
+
+
+def _forget_classes() -> None:
+    """Forget every class cloudpickle rebuilt here (or this fork inherited from the kernel),
+    so that the launch about to be unpickled builds each notebook class afresh from the
+    kernel's class as it is now.  cloudpickle keeps a class it has seen under an id and, when
+    the same class arrives again, reuses its old copy and sets the attributes it was sent:
+    bases stay those of the first launch (``B.__bases__ = (A2,)`` in the kernel never reaches
+    a warm rank), and an attribute deleted in the kernel stays.  Within one launch the
+    payload is one pickle, so a class still has one identity on a rank."""
+    pickler = cloudpickle.cloudpickle  # the module that keeps the tables
+    lock = getattr(pickler, "_DYNAMIC_CLASS_TRACKER_LOCK", None)
+    names = ("_DYNAMIC_CLASS_TRACKER_BY_ID", "_DYNAMIC_CLASS_TRACKER_BY_CLASS")
+    tracked = [getattr(pickler, name, None) for name in names]
+    if lock is None or None in tracked:  # another cloudpickle: tests/kit/test_launcher.py says whether it is stale
+        return
+    with lock:
+        for table in tracked:
+            table.clear()
 
 
 def _set_rng_states(states: dict) -> None:

@@ -535,6 +535,18 @@ class RobustExecute(Execute):
         for code in queued:
             self._grader[1].execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
 
+    def _student_functions(self) -> list[str]:
+        """The functions the submission's solution cells define (a hang is blamed on one of these)."""
+        names = set()
+        for cell in self.nb.cells:
+            if cell.cell_type == "code" and cell.get("metadata", {}).get("nbgrader", {}).get("solution"):
+                try:
+                    tree = ast.parse(cell.source)
+                except SyntaxError:
+                    continue
+                names.update(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        return sorted(names)
+
     def _stop_grader(self) -> None:
         if self._grader is None:
             return
@@ -561,6 +573,8 @@ class RobustExecute(Execute):
         student, cell_timeout, on_timeout = (self.km, self.kc), self.timeout, self.error_on_timeout
         self.km, self.kc = self._grader
         self.timeout = limit
+        # the grader kernel's runs end within this limit, each with the launcher's own report of a hang
+        remote.write_cell(Path(self._grader_dir), grade_id(cell), time.monotonic() + limit, self._student_functions())
         self.error_on_timeout = {  # past its limit the grader kernel is interrupted, the test fails
             "ename": "CellTimeoutError",
             "evalue": "",

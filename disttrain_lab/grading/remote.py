@@ -43,9 +43,13 @@ from jupyter_client.blocking import BlockingKernelClient
 from disttrain_lab import exercise, wire
 from disttrain_lab.grading import sandbox
 
-__all__ = ["install", "RemoteRunner", "write_settings", "host_pids"]
+__all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids"]
 
 REPLY_MARGIN = 60.0  # seconds past the launch's own timeout before the student's kernel is given up
+REPORT_MARGIN = 4.0  # seconds a timed-out launch needs to stop its ranks and the test to say so
+MIN_LAUNCH = 1.0  # seconds: with less left of the cell's limit, a run is not started
+CELL_FILE = "cell.json"  # the test cell being graded: its grade_id, deadline, the student's function names
+TIMED_OUT_FILE = "timed-out.json"  # the student's functions that timed out, and where (kept across kernels)
 
 
 def install(settings_path: str) -> None:
@@ -67,6 +71,27 @@ def write_settings(path: Path, *, connection_file: str, kernel_pid: int | None, 
         )
     )
     os.replace(tmp, path)
+
+
+def write_cell(folder: Path, grade_id: str, deadline: float, student_functions: list[str]) -> None:
+    """Tell the grader kernel which test cell it is running and when its limit ends
+    (``time.monotonic()``, one clock for every process of the host), and the names of the
+    functions the student's solution cells define (RobustExecute, before each graded cell)."""
+    tmp = folder / (CELL_FILE + ".partial")
+    tmp.write_text(json.dumps({"grade_id": grade_id, "deadline": deadline, "student_functions": student_functions}))
+    os.replace(tmp, folder / CELL_FILE)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _error(kind: str, message: str) -> dict:
+    return {"error": {"type": kind, "message": message}}
 
 
 def host_pids(claimed: list, inside: int) -> list[int] | None:
@@ -115,6 +140,14 @@ def _read_record(path: Path) -> dict:
     return exercise.loads(data)
 
 
+def _not_again(function: str, what: dict) -> str:
+    """Why ``function`` is not run again under grading, with what happened when it timed out."""
+    return (
+        f"{function} is not run again: it did not finish when the graded test {what.get('cell')} ran it, and "
+        f"grading waits for a function that hangs only once. What happened then:\n{what.get('message')}"
+    )
+
+
 class RemoteRunner:
     """``dl.exercise.run`` in the grader kernel (see the module docstring)."""
 
@@ -134,8 +167,58 @@ class RemoteRunner:
         return self.client
 
     def __call__(self, target: str | dict, world_size: int, inputs: list, options: dict) -> dict:
-        timeout = options["timeout"]
+        """One run in the student's kernel, within what is left of the test cell's limit: the
+        launch's timeout is capped so that a hang ends with the launcher's own report (which rank,
+        blocked in what) before the cell is interrupted; a function of the student's that timed out
+        in an earlier test is not run again (its message is given at once)."""
         name = target if isinstance(target, str) else target["name"]
+        cell = _read_json(self.settings_path.parent / CELL_FILE)
+        timed_out = _read_json(self.settings_path.parent / TIMED_OUT_FILE)
+        if isinstance(target, str) and target in timed_out:
+            return _error("ExerciseTimeout", _not_again(target, timed_out[target]))
+        timeout, options = options["timeout"], dict(options)
+        deadline = cell.get("deadline")
+        if isinstance(deadline, (int, float)):
+            left = deadline - time.monotonic()
+            if left - REPORT_MARGIN < MIN_LAUNCH:
+                return _error(
+                    "ExerciseTimeout",
+                    f"{name} was not run: this test had {left:.0f} s left of its time limit when graded "
+                    "(earlier runs in it used the rest)",
+                )
+            if left - REPORT_MARGIN < timeout:
+                options["timeout"] = round(left - REPORT_MARGIN, 1)
+                options["why"] = f"what was left of this test's time limit when graded; the test allows {timeout:g} s"
+        options["timed_out"] = {n: _not_again(n, what) for n, what in timed_out.items()}
+        options["student_functions"] = [str(f) for f in cell.get("student_functions") or []]
+        rec = self._run(target, name, world_size, inputs, options, deadline)
+        error = rec.get("error")
+        if (
+            isinstance(error, dict)
+            and error.get("type") == "ExerciseTimeout"
+            and "was stopped at once" not in str(error.get("message"))
+        ):
+            self._remember(name, target, error, cell, timed_out)
+        return rec
+
+    def _remember(self, name: str, target, error: dict, cell: dict, timed_out: dict) -> None:
+        """Note the student's function that timed out (the innermost of the student's functions the
+        stuck ranks were in; else the target itself when it is one of them)."""
+        student = set(cell.get("student_functions") or [])
+        running = [f for f in error.get("running") or [] if isinstance(f, str)]
+        if isinstance(target, str):
+            running.append(target)
+        culprit = next((f for f in running if f in student), None)
+        if culprit is None or culprit in timed_out:
+            return
+        timed_out[culprit] = {"cell": str(cell.get("grade_id", "an earlier test")), "message": str(error["message"])}
+        path = self.settings_path.parent / TIMED_OUT_FILE
+        tmp = path.with_suffix(".partial")
+        tmp.write_text(json.dumps(timed_out))
+        os.replace(tmp, path)
+
+    def _run(self, target, name: str, world_size: int, inputs: list, options: dict, deadline) -> dict:
+        timeout = options["timeout"]
         settings = json.loads(self.settings_path.read_text())
         client = self._client(settings["connection_file"])
         token = secrets.token_hex(8)
@@ -157,24 +240,23 @@ class RemoteRunner:
             "__import__('disttrain_lab.exercise', fromlist=['serve']).serve("
             f"{kernel_dir + '/' + request.name!r}, {kernel_dir + '/' + record.name!r})"
         )
+        wait = timeout + REPLY_MARGIN
+        if isinstance(deadline, (int, float)):  # an answer after the cell's limit is no use
+            wait = min(wait, deadline - time.monotonic() - 1.0)
         try:
-            reply = self._execute(client, code, timeout + REPLY_MARGIN, settings.get("kernel_pid"))
+            reply = self._execute(client, code, wait, settings.get("kernel_pid"))
             if reply is None:
-                return {
-                    "error": {
-                        "type": "ExerciseTimeout",
-                        "message": f"{name} did not finish within {timeout + REPLY_MARGIN:g} s (the student's "
-                        "kernel did not answer; it is restarted after this test)",
-                    }
-                }
+                return _error(
+                    "ExerciseTimeout",
+                    f"{name} did not finish within {timeout:g} s, and the student's kernel did not answer for "
+                    f"{wait:.0f} s (it is restarted after this test)",
+                )
             if reply == "dead":
-                return {
-                    "error": {
-                        "type": "ExerciseError",
-                        "message": f"the kernel died while running {name} (os._exit / crash / out of memory); "
-                        "it is restarted after this test",
-                    }
-                }
+                return _error(
+                    "ExerciseError",
+                    f"the kernel died while running {name} (os._exit / crash / out of memory); "
+                    "it is restarted after this test",
+                )
             rec = _read_record(record)
         finally:
             for path in (request, record):
@@ -188,13 +270,11 @@ class RemoteRunner:
         in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         pids = host_pids(rec.get("pids"), in_pid_ns) if in_pid_ns is not None else None
         if pids is None or len(pids) != world_size:
-            return {
-                "error": {
-                    "type": "ExerciseError",
-                    "message": f"{name}: the ranks that ran it could not be found (their process ids were not "
-                    "the student's kernel's own)",
-                }
-            }
+            return _error(
+                "ExerciseError",
+                f"{name}: the ranks that ran it could not be found (their process ids were not "
+                "the student's kernel's own)",
+            )
         if before is None:
             rec["source"] = f"trace (the operating system could not be asked: {why})"
             return rec

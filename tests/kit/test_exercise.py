@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import __main__
-from disttrain_lab import checks, exercise, wire
+from disttrain_lab import checks, exercise, launcher, wire
 
 pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
 
@@ -185,3 +185,32 @@ def test_ss_output_is_read_per_connection_and_only_between_ranks():
     assert moved.matrix == [[0, 786872], [786864, 0]]  # the store (pid 5) is not a rank
     before = {k: wire.Socket(s.pid, s.local, s.peer, s.received - 100) for k, s in sockets.items()}
     assert wire.traffic(before, sockets, pids=[10, 20]).matrix == [[0, 100], [100, 0]]
+
+
+def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_function_stops_at_once(monkeypatch):
+    # under grading (disttrain_lab/grading/remote.py): the record of a timeout names the notebook's functions
+    # the stuck ranks were in, and a function that timed out in an earlier test is not waited for again: on
+    # the ranks it raises at once, with what happened then, wherever it is called from (here: a driver)
+    options = {"timeout": 3.0, "device": None, "network": None}
+    stuck = exercise.record("stuck", 2, _inputs(4, 1), options, count=False)["error"]
+    assert stuck["type"] == "ExerciseTimeout" and "_stuck" in stuck["running"], stuck
+    assert "rank 1: recv(src=0" in stuck["message"] and "in _stuck (line" in stuck["message"], stuck["message"]
+    original = __main__.ping_pong
+    not_again = {**options, "timeout": 30.0, "timed_out": {"ping_pong": "ping_pong timed out in test_x"}}
+    driver = exercise._driver(_drive_ping_pong)
+    error = exercise.record(driver, 2, [(8, 1)] * 2, not_again, count=False)["error"]
+    assert error["type"] == "ExerciseTimeout", error
+    assert "was stopped at once: ping_pong timed out in test_x" in error["message"], error
+    assert __main__.ping_pong is original  # put back for the notebook
+    assert exercise.run(_drive_ping_pong, 2, (8, 1), timeout=30).results == [28.0, 28.0]
+    # the grader's run of a test in the student's kernel under autograding: a student's function that ran past
+    # the timeout is replaced in the kernel too, so that cells calling it there (not on ranks) stop at once
+    monkeypatch.setattr(launcher, "_GRADING", True)
+    monkeypatch.setattr(launcher, "_HUNG", {})
+    monkeypatch.setattr(__main__, "spinner", None, raising=False)  # (removed after the test)
+    exec("def spinner(x, repeats):\n    while True:\n        pass\n", vars(__main__))  # as a cell defines it
+    graded = {**options, "student_functions": ["spinner", "ping_pong"]}
+    error = exercise.record("spinner", 2, _inputs(4, 1), graded, count=False)["error"]
+    assert "running Python code" in error["message"] and "in spinner (line 2)" in error["message"], error
+    with pytest.raises(launcher.EarlierTimeout, match="spinner is not run again: when a graded test ran it"):
+        __main__.spinner(None, 1)  # in the kernel itself, at once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import re
 import signal
@@ -654,3 +655,121 @@ def test_a_stub_that_is_not_written_yet_says_so():
         dl.launch(ping_pong, 2, 1)
     assert "ping_pong is not written yet" in str(err.value)
     assert "replace `raise NotImplementedError()` with your code" in str(err.value)
+
+
+def test_a_class_rebased_or_redefined_in_the_kernel_is_what_warm_ranks_run():
+    # A notebook class travels by value; cloudpickle keeps a class it has rebuilt and, when the same class
+    # arrives again, only sets the attributes it was sent: a warm rank kept the bases of its first launch
+    # (labs 3-4 grade a later exercise by swapping a class's bases) and attributes deleted since.  Each
+    # launch must run the kernel's class as it is now: bases, methods, class attributes; in a warm pool,
+    # and in one forked after the kernel had already sent the class (the fork inherits its table).
+    script = textwrap.dedent("""
+        import json
+        import disttrain_lab as dl
+        from disttrain_lab import pool
+
+        class A1:
+            def who(self):
+                return "A1"
+
+        class A2:
+            def who(self):
+                return "A2"
+
+        class B(A1):
+            tag = "first"
+            extra = 1
+
+            def name(self):
+                return "B v1"
+
+        def probe():
+            b = B()
+            return [c.__name__ for c in B.__mro__], b.who(), B.tag, b.name(), hasattr(B, "extra")
+
+        seen = {"first": dl.launch(probe, 2)}
+        pids = pool.worker_pids()
+        B.__bases__ = (A2,)                     # rebased in the kernel, as labs 3 and 4 do
+        B.tag = "second"
+        del B.extra
+        seen["rebased"] = dl.launch(probe, 2)
+        seen["same pool"] = pool.worker_pids() == pids
+
+        class B(A2):                            # redefined, as a student editing the cell
+            tag = "third"
+
+            def name(self):
+                return "B v2"
+
+        seen["redefined"] = dl.launch(probe, 2)
+        seen["fork after"] = dl.launch(probe, 3)  # a larger pool: forked after the kernel sent B
+        B.__bases__ = (A1,)
+        seen["rebased again"] = dl.launch(probe, 3)
+        print("SEEN", json.dumps(seen))
+    """)
+    out = run_python(["-c", script], timeout=240).stdout
+    assert "SEEN " in out, out
+    seen = json.loads(out.split("SEEN ", 1)[1])
+    assert seen["first"] == [[["B", "A1", "object"], "A1", "first", "B v1", True]] * 2, seen
+    assert seen["same pool"], "the second launch should have used the warm ranks"
+    assert seen["rebased"] == [[["B", "A2", "object"], "A2", "second", "B v1", False]] * 2, seen
+    assert seen["redefined"] == [[["B", "A2", "object"], "A2", "third", "B v2", False]] * 2, seen
+    assert seen["fork after"] == [[["B", "A2", "object"], "A2", "third", "B v2", False]] * 3, seen
+    assert seen["rebased again"] == [[["B", "A1", "object"], "A1", "third", "B v2", False]] * 3, seen
+
+
+def test_under_grading_a_function_that_hung_is_not_waited_for_again():
+    # Under autograding (NBGRADER_EXECUTION=autograde): a launch the cell's limit interrupts says where each rank
+    # was; a function that ran past a launch's own timeout (the lab's word that it hangs) is not waited for again:
+    # later launches that call it, still defined as it was (directly, from another function, from a test's
+    # driver), stop at once, saying what happened then, instead of each waiting its own limit; redefined, it runs.
+    script = textwrap.dedent("""
+        import signal, threading, time, os
+        import disttrain_lab as dl
+        import torch.distributed as dist
+
+        def spins(x):
+            while True:
+                pass
+
+        def calls_it():
+            return spins(1) if dist.get_rank() == 1 else 0
+
+        threading.Timer(3, os.kill, (os.getpid(), signal.SIGINT)).start()   # the grader's interrupt
+        try:
+            dl.launch(calls_it, 2, timeout=60)
+        except KeyboardInterrupt:
+            print("=== INTERRUPTED", flush=True)
+        try:
+            dl.launch(calls_it, 2, timeout=3)       # (an interrupt alone is no verdict: this one runs)
+        except dl.LaunchTimeout:
+            print("=== TIMED OUT", flush=True)
+        started = time.monotonic()
+        try:
+            dl.launch(lambda: spins(2), 2, timeout=60)
+        except dl.RankError as exc:
+            print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
+        driver = {"name": "_drive", "source": "def _drive():\\n    return spins(3)\\n"}   # a test's, by its source
+        options = {"timeout": 60.0, "device": None, "network": None}
+        started = time.monotonic()
+        error = dl.exercise.record(driver, 2, [()] * 2, options, count=False)["error"]
+        print("=== DRIVER", round(time.monotonic() - started, 1), error["type"], error["message"][:80], flush=True)
+
+        def spins(x):
+            return x
+
+        print("=== REDEFINED", dl.launch(calls_it, 2, timeout=60), flush=True)
+    """)
+    out = run_python(["-c", script], timeout=240, env={"NBGRADER_EXECUTION": "autograde"}).stdout
+    interrupted = out.split("=== INTERRUPTED")[0]
+    assert "interrupted: stopped all 2 ranks" in interrupted, out
+    assert "rank 1: running Python code" in interrupted and "calls_it (line 11) → spins (line 7)" in interrupted, out
+    assert "=== TIMED OUT" in out, out
+    seconds, kind, message = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0].split(" ", 2)
+    assert float(seconds) < 10 and kind == "EarlierTimeout", out
+    assert "spins is not run again: when an earlier cell ran it under grading, it did not finish within" in message
+    assert "rank 1: running Python code" in message and "spins (line 7)" in message, message
+    seconds, kind, message = out.split("=== DRIVER ")[1].split("\n")[0].split(" ", 2)
+    assert float(seconds) < 10 and kind == "ExerciseTimeout", message
+    assert message.startswith("_drive was stopped at once: spins is not run again"), message
+    assert "=== REDEFINED [0, 1]" in out, out
