@@ -59,6 +59,7 @@ BENCHMARKS = (
     "tp",
     "compression",
     "three_d",
+    "memory",
 )
 
 

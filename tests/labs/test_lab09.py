@@ -1,0 +1,203 @@
+"""Lab 9 (memory): the solution notebook runs, and its graded tests catch wrong answers.
+
+- The notebook's structure: exercises in the order taught, hidden tests covering other shapes,
+  options and the bf16 model.
+- The solution executes top to bottom as the grader runs it (NBGRADER_EXECUTION set), within
+  the 4-minute budget, every graded cell passing, with its pictures; the measured activation
+  bytes of a block match the formula adjusted for fp32, no dropout and fused attention.
+- Wrong answers (a count that includes the parameters, a scaler that never skips a step, a
+  scaler that grows every step, master weights kept in fp16, a checkpoint that keeps the graph,
+  a "selective" mode that checkpoints nothing) each fail the right graded cell with a message that
+  says why.  All of them run in one kernel, to keep the suite's time down.
+- ``disttrain-lab bench memory`` with tiny options: both sides in one run.
+
+The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import nbformat
+import pytest
+
+from tests.notebooks import REPO, cell_by_id, errors, execute, load, nbgrader_meta, output_of, pictures, run_solution
+
+LAB = REPO / "solutions" / "09_memory" / "09_memory.ipynb"
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = [
+    "saved_bytes",
+    "predict_block_bytes",
+    "loss_scaler",
+    "predict_scale",
+    "mixed_precision",
+    "checkpoint",
+    "recompute",
+]
+
+
+def test_exercises_and_hidden_tests_cover_the_issue():
+    from tests.notebooks import numbering_problems
+
+    nb = load(LAB)
+    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
+    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
+    assert numbering_problems(nb) == []
+    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    for needle in (
+        '_check_saved(("mlp", (7, 13, 5)))',
+        "growth_factor=4.0, backoff_factor=0.25",
+        "init_scale=1.0, growth_interval=1",
+        'dtype="bfloat16"',
+        "_check_checkpoint_args()",
+        "_check_recompute((24, 2, 48, 6), seed=2)",
+        "_expect_mode_error()",
+    ):
+        assert needle in hidden, needle
+    # the references are torch's own, computed in the graded cells
+    assert 'torch.amp.GradScaler("cpu", **options)' in cell_by_id(nb, "test_loss_scaler").source
+    assert "use_reentrant=True" in cell_by_id(nb, "test_checkpoint").source
+    for locked in ("given_attention", "mixed_precision_helpers", "mixed_precision_driver", "recompute_helpers"):
+        assert nbgrader_meta(cell_by_id(nb, locked))["locked"], locked
+
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb = run_solution(LAB, BUDGET_S)
+    assert pictures(nb) == 5, "expected block bytes, gradient histogram, loss scale, and the recomputation curves"
+    printed = output_of(nb, "gpt = models.GPT(CFG, seed=0)")
+    found = re.search(r"block 0 saved (\d+) B; .* = (\d+) B", printed)
+    assert found and found[1] == found[2], printed  # fused attention: the adjusted formula, exactly
+    printed = output_of(nb, "# Measured: one forward of the GPT with attention as written")
+    blocks = [int(x) for x in re.search(r"attention as written: \[(\d+), (\d+)\]", printed).groups()]
+    s, b, h, a = 64, 4, 64, 4
+    formula = 64 * s * b * h + 4 * a * s * s * b
+    assert all(formula <= x <= 1.01 * formula for x in blocks), (blocks, formula)  # + statistics and the mask
+    printed = output_of(nb, "# Self-check: the same run as train_with_scaler")
+    assert "(2.00/param), gradients" in printed and "optimizer_state" in printed, printed
+
+
+# Wrong answers: (graded cell, wrong code, words the failure must contain)
+WRONG = [
+    (
+        "saved_bytes",
+        """
+def saved_bytes(module, *inputs):                 # counts the weights a linear layer saves, too
+    seen = {}
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    return sum(seen.values())
+""",
+        "the module's parameters left out",
+    ),
+    (
+        "loss_scaler",
+        """
+class DynamicLossScaler(DynamicLossScaler):       # steps even when a gradient overflowed
+    def step(self, optimizer):
+        super().step(optimizer)
+        if self._found_inf:
+            optimizer.step()
+""",
+        "skip the step when a gradient is inf or NaN",
+    ),
+    (
+        "loss_scaler",
+        """
+class DynamicLossScaler(DynamicLossScaler):       # grows after every good step
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.growth_interval = 1
+""",
+        "scales [",
+    ),
+    (
+        "mixed_precision",
+        """
+class MixedPrecisionAdam(MixedPrecisionAdam):     # Adam on the fp16 weights themselves: no master copy
+    def __init__(self, model, lr=1e-3, scaler=None):
+        super().__init__(model, lr, scaler)
+        self.master = self.params
+        self.optimizer = torch.optim.Adam(self.params, lr=lr)
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+""",
+        "against fp32 master weights stepped by Adam",
+    ),
+    (
+        "checkpoint",
+        """
+def checkpoint(fn, *args):                        # keeps the whole graph: recomputes nothing
+    return fn(*args)
+""",
+        "forward calls per block",
+    ),
+    (
+        "recompute",
+        """
+_right_recompute_forward = recompute_forward
+def recompute_forward(model, tokens, mode, checkpoint_fn=None):   # "selective" recomputes nothing
+    return _right_recompute_forward(model, tokens, "none" if mode == "selective" else mode, checkpoint_fn)
+""",
+        "no a·s×s softmax",
+    ),
+]
+
+
+@pytest.mark.slow
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer, the solutions, the wrong definition, then its graded cell."""
+    lab = load(LAB)
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    given = [
+        cell_by_id(lab, g)
+        for g in (
+            "given_attention",
+            "test_helpers",
+            "mixed_precision_helpers",
+            "mixed_precision_driver",
+            "recompute_helpers",
+        )
+    ]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *given)]
+    graded_at = []
+    for graded, wrong, _ in WRONG:
+        cells += [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
+        cells.append(nbformat.v4.new_code_cell(wrong))
+        graded_at.append(len(cells))
+        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at:
+            assert not errors(cell), (i, errors(cell))
+    for (graded, _, message), at in zip(WRONG, graded_at):
+        found = errors(nb.cells[at])
+        assert found, f"the graded cell test_{graded} passed a wrong answer"
+        assert message in found[0], (graded, found[0])
+
+
+@pytest.mark.slow
+def test_bench_memory_runs_both_sides_in_one_run():
+    from tests.helpers import run_python
+
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "memory", "--repeats", "1", "--steps", "2", "--seq", "32"],
+        timeout=240,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for needed in (
+        "MixedPrecisionAdam + DynamicLossScaler",
+        "torch.autocast + GradScaler",
+        "checkpoint (lab)",
+        "torch.utils.checkpoint",
+        "state B/param",
+        "activation bytes",
+    ):
+        assert needed in out.stdout, (needed, out.stdout)
