@@ -113,7 +113,7 @@ class DynamicLossScaler(DynamicLossScaler):       # grows after every good step
         super().__init__(*args, **kwargs)
         self.growth_interval = 1
 """,
-        "scales [",
+        "torch.amp.GradScaler's",
     ),
     (
         "mixed_precision",
@@ -128,7 +128,7 @@ class MixedPrecisionAdam(MixedPrecisionAdam):     # Adam on the fp16 weights the
         self.scaler.step(self.optimizer)
         self.scaler.update()
 """,
-        "against fp32 master weights stepped by Adam",
+        "Attempting to unscale FP16 gradients",
     ),
     (
         "checkpoint",
