@@ -14,7 +14,9 @@ take the α–β model's time, ``latency + nbytes / bandwidth``, one copy at a t
 
 The copy is taken when ``copy`` is called (the source may change afterwards), converted to
 ``dtype`` if one is given (what crosses is counted in that dtype).  ``link.log`` lists every
-transfer as ``Transfer(direction, nbytes, start, end)``, times from ``time.perf_counter``.
+transfer as ``Transfer(direction, nbytes, requested, start, end)``, times from ``time.perf_counter``
+on the link's schedule: a copy starts when it is asked for or when the copy before it in its
+direction is through, and ends the model's time later; ``result()`` returns no earlier than that.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Transfer:
 
     direction: str  # "down" or "up"
     nbytes: int
-    start: float  # time.perf_counter() when the link began carrying it
+    requested: float  # time.perf_counter() when copy() was called
+    start: float  # ... when the link began carrying it (after the copies before it in its direction)
     end: float  # ... and when it was through
 
 
@@ -51,6 +54,7 @@ class HostLink:
         self.log: list[Transfer] = []
         self._lock = threading.Lock()
         self._lanes = {d: ThreadPoolExecutor(1, thread_name_prefix=f"hostlink-{d}") for d in DIRECTIONS}
+        self._free_at = dict.fromkeys(DIRECTIONS, 0.0)  # when each direction's lane finishes what it carries
 
     def copy(self, tensor: torch.Tensor, direction: str, dtype: torch.dtype | None = None) -> Future:
         """Start copying ``tensor`` (as ``dtype``) ``direction`` ("down" or "up"); a Future of the copy."""
@@ -58,15 +62,17 @@ class HostLink:
             raise ValueError(f"direction must be one of {DIRECTIONS} (down: device -> host), got {direction!r}")
         data = tensor.detach().to(dtype or tensor.dtype, copy=True)
         nbytes = data.numel() * data.element_size()
-        return self._lanes[direction].submit(self._carry, data, direction, nbytes)
+        return self._lanes[direction].submit(self._carry, data, direction, nbytes, time.perf_counter())
 
-    def _carry(self, data: torch.Tensor, direction: str, nbytes: int) -> torch.Tensor:
-        start = time.perf_counter()
-        deadline = start + self.network.time(nbytes)
-        while (left := deadline - time.perf_counter()) > 0:
+    def _carry(self, data: torch.Tensor, direction: str, nbytes: int, requested: float) -> torch.Tensor:
+        # the link's own schedule: a copy starts when it was asked for or when the one before it is
+        # through, whichever is later, so a late wake-up of this thread does not add up copy after copy
+        start = max(requested, self._free_at[direction])
+        end = self._free_at[direction] = start + self.network.time(nbytes)
+        while (left := end - time.perf_counter()) > 0:
             time.sleep(left)
         with self._lock:
-            self.log.append(Transfer(direction, nbytes, start, time.perf_counter()))
+            self.log.append(Transfer(direction, nbytes, requested, start, end))
         return data
 
     def bytes(self, direction: str | None = None) -> int:

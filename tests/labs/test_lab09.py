@@ -4,10 +4,12 @@
   options and the bf16 model.
 - The solution executes top to bottom as the grader runs it (NBGRADER_EXECUTION set), within
   the 4-minute budget, every graded cell passing, with its pictures; the measured activation
-  bytes of a block match the formula adjusted for fp32, no dropout and fused attention.
+  bytes of a block match the formula adjusted for fp32, no dropout and fused attention; the
+  offload self-check sends the gradients during backward only when overlapping.
 - Wrong answers (a count that includes the parameters, a scaler that never skips a step, a
   scaler that grows every step, master weights kept in fp16, a checkpoint that keeps the graph,
-  a "selective" mode that checkpoints nothing) each fail the right graded cell with a message that
+  a "selective" mode that checkpoints nothing, offload sending fp32 weights up, offload that
+  never overlaps) each fail the right graded cell with a message that
   says why.  All of them run in one kernel, to keep the suite's time down.
 - ``disttrain-lab bench memory`` with tiny options: both sides in one run.
 
@@ -34,6 +36,8 @@ EXERCISES = [
     "mixed_precision",
     "checkpoint",
     "recompute",
+    "offload",
+    "predict_link",
 ]
 
 
@@ -53,19 +57,27 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "_check_checkpoint_args()",
         "_check_recompute((24, 2, 48, 6), seed=2)",
         "_expect_mode_error()",
+        "_check_offload(True, steps=4, sizes=[7, 33, 5])",
+        "latency=1e-3, bandwidth=1e9",
     ):
         assert needle in hidden, needle
     # the references are torch's own, computed in the graded cells
     assert 'torch.amp.GradScaler("cpu", **options)' in cell_by_id(nb, "test_loss_scaler").source
     assert "use_reentrant=True" in cell_by_id(nb, "test_checkpoint").source
-    for locked in ("given_attention", "mixed_precision_helpers", "mixed_precision_driver", "recompute_helpers"):
+    for locked in (
+        "given_attention",
+        "mixed_precision_helpers",
+        "mixed_precision_driver",
+        "recompute_helpers",
+        "offload_helpers",
+    ):
         assert nbgrader_meta(cell_by_id(nb, locked))["locked"], locked
 
 
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
-    assert pictures(nb) == 5, "expected block bytes, gradient histogram, loss scale, and the recomputation curves"
+    assert pictures(nb) == 5, "expected block bytes, gradient histogram, loss scale, recomputation curves, offload"
     printed = output_of(nb, "gpt = models.GPT(CFG, seed=0)")
     found = re.search(r"block 0 saved (\d+) B; .* = (\d+) B", printed)
     assert found and found[1] == found[2], printed  # fused attention: the adjusted formula, exactly
@@ -76,6 +88,12 @@ def test_solution_notebook_executes_within_budget():
     assert all(formula <= x <= 1.01 * formula for x in blocks), (blocks, formula)  # + statistics and the mask
     printed = output_of(nb, "# Self-check: the same run as train_with_scaler")
     assert "(2.00/param), gradients" in printed and "optimizer_state" in printed, printed
+    printed = output_of(nb, "# Self-check: 3 steps each way on the PCIe preset")
+    assert "gradients sent during backward per step: [6, 6, 6]" in printed, printed
+    assert "gradients sent during backward per step: [0, 0, 0]" in printed, printed
+    printed = output_of(nb, "# Measured: the MLP 256 -> 1024 -> 1024 -> 256 on a slow emulated link")
+    busy = float(re.search(r"link busy ([\d.]+) ms per step", printed)[1])
+    assert abs(busy - 4 * 1575168 / 2e7 * 1e3) < 1.0, printed  # the model, plus a latency per copy
 
 
 # Wrong answers: (graded cell, wrong code, words the failure must contain)
@@ -129,6 +147,33 @@ class MixedPrecisionAdam(MixedPrecisionAdam):     # Adam on the fp16 weights the
         self.scaler.update()
 """,
         "Attempting to unscale FP16 gradients",
+    ),
+    (
+        "offload",
+        """
+class OffloadAdam(OffloadAdam):                   # sends the fp32 master weights up: twice the bytes
+    def step(self):
+        if not self.overlap:
+            for i, p in enumerate(self.params):
+                self.in_flight[i] = self.link.copy(p.grad, "down")
+        for i, m in enumerate(self.master):
+            m.grad = self.in_flight.pop(i).result().float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p, m in zip(self.params, self.master):
+            with torch.no_grad():
+                p.copy_(self.link.copy(m, "up").result())
+""",
+        "went up the link, expected 2Ψ per step",
+    ),
+    (
+        "offload",
+        """
+class OffloadAdam(OffloadAdam):                   # ignores overlap: sends after backward
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        super().__init__(model, link, lr, overlap=False)
+""",
+        "send each one from its post-accumulate-grad hook",
     ),
     (
         "checkpoint",
