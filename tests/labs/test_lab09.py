@@ -208,6 +208,7 @@ def test_graded_cells_catch_wrong_answers():
             "mixed_precision_helpers",
             "mixed_precision_driver",
             "recompute_helpers",
+            "offload_helpers",
         )
     ]
     cells = [copy.deepcopy(c) for c in (lab.cells[0], *given)]
