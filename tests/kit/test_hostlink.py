@@ -45,7 +45,7 @@ def test_one_lane_per_direction_full_duplex():
         took = time.perf_counter() - start
     assert 0.1 <= took < 0.15 + 0.1, took  # two downs one after the other; the up beside them
     downs = sorted((t for t in link.log if t.direction == "down"), key=lambda t: t.start)
-    assert downs[1].start >= downs[0].end
+    assert downs[1].start >= downs[0].end and downs[1].requested < downs[0].end
 
 
 def test_bad_direction_says_which_are_valid():
