@@ -24,7 +24,19 @@ import re
 import nbformat
 import pytest
 
-from tests.notebooks import REPO, cell_by_id, errors, execute, load, nbgrader_meta, output_of, pictures, run_solution
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    errors,
+    execute,
+    load,
+    nbgrader_meta,
+    output_of,
+    pictures,
+    prediction_digest_problems,
+    prediction_verdict,
+    run_solution,
+)
 
 LAB = REPO / "solutions" / "09_memory" / "09_memory.ipynb"
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
@@ -39,6 +51,39 @@ EXERCISES = [
     "offload",
     "predict_link",
 ]
+
+
+# each prediction: the right one-line function, and wrong ones (the graded cell must fail them)
+PREDICTIONS = {
+    "predict_block_bytes": (
+        lambda s, b, h, a: 64 * s * b * h + 4 * a * s * s * b,
+        [lambda s, b, h, a: s * b * h * (34 + 5 * a * s / h), lambda s, b, h, a: 64 * s * b * h],
+    ),
+    "predict_scale": (
+        lambda pattern: {"O...O.O.....": 32768.0, "OO......O...": 65536.0}[pattern],
+        [lambda pattern: 65536.0, lambda pattern: 16384.0],
+    ),
+    "predict_link": (lambda psi, bw: 4 * psi / bw, [lambda psi, bw: 2 * psi / bw, lambda psi, bw: 16 * psi / bw]),
+}
+
+
+def test_predictions_self_checks_hold_the_graded_answers():
+    nb = load(LAB)
+    assert prediction_digest_problems(nb) == []
+    for grade_id in PREDICTIONS:
+        assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
+
+
+@pytest.mark.parametrize("grade_id", list(PREDICTIONS))
+def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
+    from disttrain_lab.predictions import PredictionError
+
+    nb = load(LAB)
+    right, wrongs = PREDICTIONS[grade_id]
+    prediction_verdict(nb, f"test_{grade_id}", right)
+    for wrong in wrongs:
+        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
+            prediction_verdict(nb, f"test_{grade_id}", wrong)
 
 
 def test_exercises_and_hidden_tests_cover_the_issue():
