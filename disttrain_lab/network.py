@@ -127,7 +127,8 @@ class Network:
 
     @classmethod
     def preset(cls, name: str) -> Network:
-        """One of ``PRESETS``: "1 Gbit Ethernet", "10 Gbit Ethernet", "100 Gbit InfiniBand", "NVLink"."""
+        """One of ``PRESETS``: "1 Gbit Ethernet", "10 Gbit Ethernet", "100 Gbit InfiniBand", "NVLink",
+        "PCIe 4.0 x16" (a host link, for disttrain_lab.hostlink)."""
         if name in PRESETS:
             return PRESETS[name]
         raise ValueError(
@@ -244,6 +245,9 @@ PRESETS = {
     "100 Gbit InfiniBand": Network(latency=2e-6, bandwidth=1.25e10, name="100 Gbit InfiniBand"),
     # one NVLink 4 direction of a H100 is ~450 GB/s; on CPU this is faster than the real copies
     "NVLink": Network(latency=1e-6, bandwidth=4.5e11, name="NVLink"),
+    # host <-> device (Lab 9's offload, disttrain_lab.hostlink): 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s
+    # per direction; pinned-memory copies reach ~25 GB/s; a copy costs ~10 µs to launch and sync
+    "PCIe 4.0 x16": Network(latency=10e-6, bandwidth=2.5e10, name="PCIe 4.0 x16"),
 }
 
 _RING_OPS = ("all_reduce", "all_reduce_coalesced")

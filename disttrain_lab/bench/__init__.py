@@ -67,6 +67,7 @@ BENCHMARKS = (
     "tp",
     "compression",
     "three_d",
+    "memory",
     "sequence",
 )
 

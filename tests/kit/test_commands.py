@@ -34,6 +34,7 @@ SCRIPTS = REPO / "scripts"
 # `disttrain-lab bench NAME` run from the command line, with tiny settings, by a lab's own test
 # (which also checks its table against the solution's names): not run again here
 COVERED_ELSEWHERE = {
+    "memory": "tests/labs/test_lab09.py::test_bench_memory_runs_both_sides_in_one_run",
     "allreduce": "tests/labs/test_lab02.py::test_cli_bench_allreduce_uses_the_notebook",
     "ddp": "tests/labs/test_lab03.py::test_cli_bench_ddp_uses_the_notebook",
     "zero": "tests/labs/test_lab04.py::test_cli_bench_zero_uses_the_notebook",

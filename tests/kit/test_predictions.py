@@ -60,6 +60,11 @@ def test_fetch_reads_the_notebook_value_as_data(monkeypatch):
     monkeypatch.setattr(__main__, "predicted_f", lambda p, m: (p - 1) / (m + p - 1), raising=False)
     monkeypatch.setattr(__main__, "PREDICTED_BLANK", ..., raising=False)
     monkeypatch.setattr(__main__, "PREDICTED_TEXT", "a lot", raising=False)
+
+    def predicted_stub(p, m):
+        raise NotImplementedError()  # what the release leaves in a function prediction's cell
+
+    monkeypatch.setattr(__main__, "predicted_stub", predicted_stub, raising=False)
     value = predictions.fetch("PREDICTED_X")
     predictions.assert_prediction("bubble", value, 3 / 11)
     cases = [(4, 8), (8, 32)]
@@ -79,3 +84,5 @@ def test_fetch_reads_the_notebook_value_as_data(monkeypatch):
         predictions.check("predicted_g", None, "0" * 20, cases)
     with pytest.raises(PredictionError, match="should be a number, got str"):
         predictions.fetch("PREDICTED_TEXT")
+    with pytest.raises(PredictionError, match="predicted_stub is not filled in yet"):
+        predictions.fetch("predicted_stub", cases)

@@ -1,0 +1,294 @@
+"""Lab 9 (memory): the solution notebook runs, and its graded tests catch wrong answers.
+
+- The notebook's structure: exercises in the order taught, hidden tests covering other shapes,
+  options and the bf16 model.
+- The solution executes top to bottom as the grader runs it (NBGRADER_EXECUTION set), within
+  the 4-minute budget, every graded cell passing, with its pictures; the measured activation
+  bytes of a block match the formula adjusted for fp32, no dropout and fused attention; the
+  offload self-check sends the gradients during backward only when overlapping.
+- Wrong answers (a count that includes the parameters, a scaler that never skips a step, a
+  scaler that grows every step, master weights kept in fp16, a checkpoint that keeps the graph,
+  a "selective" mode that checkpoints nothing, offload sending fp32 weights up, offload that
+  never overlaps) each fail the right graded cell with a message that
+  says why.  All of them run in one kernel, to keep the suite's time down.
+- ``disttrain-lab bench memory`` with tiny options: both sides in one run.
+
+The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import nbformat
+import pytest
+
+from tests.notebooks import (
+    REPO,
+    cell_by_id,
+    errors,
+    execute,
+    load,
+    nbgrader_meta,
+    output_of,
+    pictures,
+    prediction_digest_problems,
+    prediction_verdict,
+    run_solution,
+)
+
+LAB = REPO / "solutions" / "09_memory" / "09_memory.ipynb"
+BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
+EXERCISES = [
+    "saved_bytes",
+    "predict_block_bytes",
+    "loss_scaler",
+    "predict_scale",
+    "mixed_precision",
+    "checkpoint",
+    "recompute",
+    "offload",
+    "predict_link",
+]
+
+
+# each prediction: the right one-line function, and wrong ones (the graded cell must fail them)
+PREDICTIONS = {
+    "predict_block_bytes": (
+        lambda s, b, h, a: 64 * s * b * h + 4 * a * s * s * b,
+        [lambda s, b, h, a: s * b * h * (34 + 5 * a * s / h), lambda s, b, h, a: 64 * s * b * h],
+    ),
+    "predict_scale": (
+        lambda pattern: {"O...O.O.....": 32768.0, "OO......O...": 65536.0}[pattern],
+        [lambda pattern: 65536.0, lambda pattern: 16384.0],
+    ),
+    "predict_link": (lambda psi, bw: 4 * psi / bw, [lambda psi, bw: 2 * psi / bw, lambda psi, bw: 16 * psi / bw]),
+}
+
+
+def test_predictions_self_checks_hold_the_graded_answers():
+    nb = load(LAB)
+    assert prediction_digest_problems(nb) == []
+    for grade_id in PREDICTIONS:
+        assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
+
+
+@pytest.mark.parametrize("grade_id", list(PREDICTIONS))
+def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
+    from disttrain_lab.predictions import PredictionError
+
+    nb = load(LAB)
+    right, wrongs = PREDICTIONS[grade_id]
+    prediction_verdict(nb, f"test_{grade_id}", right)
+    for wrong in wrongs:
+        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
+            prediction_verdict(nb, f"test_{grade_id}", wrong)
+
+
+def test_exercises_and_hidden_tests_cover_the_issue():
+    from tests.notebooks import numbering_problems
+
+    nb = load(LAB)
+    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
+    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
+    assert numbering_problems(nb) == []
+    hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
+    for needle in (
+        '_check_saved(("mlp", (7, 13, 5)))',
+        "growth_factor=4.0, backoff_factor=0.25",
+        "init_scale=1.0, growth_interval=1",
+        'dtype="bfloat16"',
+        "_check_checkpoint_args()",
+        "_check_recompute((24, 2, 48, 6), seed=2)",
+        "_expect_mode_error()",
+        "_check_offload(True, steps=4, sizes=[7, 33, 5])",
+        "latency=1e-3, bandwidth=1e9",
+    ):
+        assert needle in hidden, needle
+    # the references are torch's own, computed in the graded cells
+    assert 'torch.amp.GradScaler("cpu", **options)' in cell_by_id(nb, "test_loss_scaler").source
+    assert "use_reentrant=True" in cell_by_id(nb, "test_checkpoint").source
+    for locked in (
+        "given_attention",
+        "mixed_precision_helpers",
+        "mixed_precision_driver",
+        "recompute_helpers",
+        "offload_helpers",
+    ):
+        assert nbgrader_meta(cell_by_id(nb, locked))["locked"], locked
+
+
+@pytest.mark.slow
+def test_solution_notebook_executes_within_budget():
+    nb = run_solution(LAB, BUDGET_S)
+    assert pictures(nb) == 5, "expected block bytes, gradient histogram, loss scale, recomputation curves, offload"
+    printed = output_of(nb, "gpt = models.GPT(CFG, seed=0)")
+    found = re.search(r"block 0 saved (\d+) B; .* = (\d+) B", printed)
+    assert found and found[1] == found[2], printed  # fused attention: the adjusted formula, exactly
+    printed = output_of(nb, "# Measured: one forward of the GPT with attention as written")
+    blocks = [int(x) for x in re.search(r"attention as written: \[(\d+), (\d+)\]", printed).groups()]
+    s, b, h, a = 64, 4, 64, 4
+    formula = 64 * s * b * h + 4 * a * s * s * b
+    assert all(formula <= x <= 1.01 * formula for x in blocks), (blocks, formula)  # + statistics and the mask
+    printed = output_of(nb, "# Self-check: the same run as train_with_scaler")
+    assert "(2.00/param), gradients" in printed and "optimizer_state" in printed, printed
+    printed = output_of(nb, "# Self-check: 3 steps each way on the PCIe preset")
+    assert "gradients sent during backward per step: [6, 6, 6]" in printed, printed
+    assert "gradients sent during backward per step: [0, 0, 0]" in printed, printed
+    printed = output_of(nb, "# Measured: the MLP 256 -> 1024 -> 1024 -> 256 on a slow emulated link")
+    busy = float(re.search(r"link busy ([\d.]+) ms per step", printed)[1])
+    assert abs(busy - 4 * 1575168 / 2e7 * 1e3) < 1.0, printed  # the model, plus a latency per copy
+
+
+# Wrong answers: (graded cell, wrong code, words the failure must contain)
+WRONG = [
+    (
+        "saved_bytes",
+        """
+def saved_bytes(module, *inputs):                 # counts the weights a linear layer saves, too
+    seen = {}
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    return sum(seen.values())
+""",
+        "the module's parameters left out",
+    ),
+    (
+        "loss_scaler",
+        """
+class DynamicLossScaler(DynamicLossScaler):       # steps even when a gradient overflowed
+    def step(self, optimizer):
+        super().step(optimizer)
+        if self._found_inf:
+            optimizer.step()
+""",
+        "skip the step when a gradient is inf or NaN",
+    ),
+    (
+        "loss_scaler",
+        """
+class DynamicLossScaler(DynamicLossScaler):       # grows after every good step
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.growth_interval = 1
+""",
+        "torch.amp.GradScaler's",
+    ),
+    (
+        "mixed_precision",
+        """
+class MixedPrecisionAdam(MixedPrecisionAdam):     # Adam on the fp16 weights themselves: no master copy
+    def __init__(self, model, lr=1e-3, scaler=None):
+        super().__init__(model, lr, scaler)
+        self.master = self.params
+        self.optimizer = torch.optim.Adam(self.params, lr=lr)
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+""",
+        "Attempting to unscale FP16 gradients",
+    ),
+    (
+        "offload",
+        """
+class OffloadAdam(OffloadAdam):                   # sends the fp32 master weights up: twice the bytes
+    def step(self):
+        if not self.overlap:
+            for i, p in enumerate(self.params):
+                self.in_flight[i] = self.link.copy(p.grad, "down")
+        for i, m in enumerate(self.master):
+            m.grad = self.in_flight.pop(i).result().float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p, m in zip(self.params, self.master):
+            with torch.no_grad():
+                p.copy_(self.link.copy(m, "up").result())
+""",
+        "went up the link, expected 2Ψ per step",
+    ),
+    (
+        "offload",
+        """
+class OffloadAdam(OffloadAdam):                   # ignores overlap: sends after backward
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        super().__init__(model, link, lr, overlap=False)
+""",
+        "send each one from its post-accumulate-grad hook",
+    ),
+    (
+        "checkpoint",
+        """
+def checkpoint(fn, *args):                        # keeps the whole graph: recomputes nothing
+    return fn(*args)
+""",
+        "forward calls per block",
+    ),
+    (
+        "recompute",
+        """
+_right_recompute_forward = recompute_forward
+def recompute_forward(model, tokens, mode, checkpoint_fn=None):   # "selective" recomputes nothing
+    return _right_recompute_forward(model, tokens, "none" if mode == "selective" else mode, checkpoint_fn)
+""",
+        "no a·s×s softmax",
+    ),
+]
+
+
+@pytest.mark.slow
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer, the solutions, the wrong definition, then its graded cell."""
+    lab = load(LAB)
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    given = [
+        cell_by_id(lab, g)
+        for g in (
+            "given_attention",
+            "test_helpers",
+            "mixed_precision_helpers",
+            "mixed_precision_driver",
+            "recompute_helpers",
+            "offload_helpers",
+        )
+    ]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *given)]
+    graded_at = []
+    for graded, wrong, _ in WRONG:
+        cells += [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
+        cells.append(nbformat.v4.new_code_cell(wrong))
+        graded_at.append(len(cells))
+        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at:
+            assert not errors(cell), (i, errors(cell))
+    for (graded, _, message), at in zip(WRONG, graded_at):
+        found = errors(nb.cells[at])
+        assert found, f"the graded cell test_{graded} passed a wrong answer"
+        assert message in found[0], (graded, found[0])
+
+
+@pytest.mark.slow
+def test_bench_memory_runs_both_sides_in_one_run():
+    from tests.helpers import run_python
+
+    out = run_python(
+        ["-m", "disttrain_lab.cli", "bench", "memory", "--repeats", "1", "--steps", "2", "--seq", "32"],
+        timeout=240,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for needed in (
+        "MixedPrecisionAdam + DynamicLossScaler",
+        "torch.autocast + GradScaler",
+        "checkpoint (lab)",
+        "torch.utils.checkpoint",
+        "state B/param",
+        "activation bytes",
+    ):
+        assert needed in out.stdout, (needed, out.stdout)
