@@ -724,7 +724,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     # later launches that call it, still defined as it was (directly, from another function, from a test's
     # driver), stop at once, saying what happened then, instead of each waiting its own limit; redefined, it runs.
     script = textwrap.dedent("""
-        import signal, threading, time, os
+        import signal, tempfile, threading, time, os
         import disttrain_lab as dl
         import torch.distributed as dist
 
@@ -732,16 +732,27 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
             while True:
                 pass
 
-        def calls_it():
-            return spins(1) if dist.get_rank() == 1 else 0
+        STARTED = os.path.join(tempfile.mkdtemp(), "spinning")
 
-        threading.Timer(3, os.kill, (os.getpid(), signal.SIGINT)).start()   # the grader's interrupt
+        def calls_it():
+            if dist.get_rank() == 1:
+                open(STARTED, "w").close()
+                return spins(1)
+            return 0
+
+        def interrupt_once_spinning():   # the grader's interrupt, once rank 1 spins (a loaded machine starts slowly)
+            while not os.path.exists(STARTED):
+                time.sleep(0.05)
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_spinning, daemon=True).start()
         try:
             dl.launch(calls_it, 2, timeout=60)
         except KeyboardInterrupt:
             print("=== INTERRUPTED", flush=True)
         try:
-            dl.launch(calls_it, 2, timeout=3)       # (an interrupt alone is no verdict: this one runs)
+            dl.launch(calls_it, 2, timeout=8)       # (an interrupt alone is no verdict: this one runs)
         except dl.LaunchTimeout:
             print("=== TIMED OUT", flush=True)
         started = time.monotonic()
@@ -763,7 +774,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     out = run_python(["-c", script], timeout=240, env={"NBGRADER_EXECUTION": "autograde"}).stdout
     interrupted = out.split("=== INTERRUPTED")[0]
     assert "interrupted: stopped all 2 ranks" in interrupted, out
-    assert "rank 1: running Python code" in interrupted and "calls_it (line 11) → spins (line 7)" in interrupted, out
+    assert "rank 1: running Python code" in interrupted and "calls_it (line 15) → spins (line 7)" in interrupted, out
     assert "=== TIMED OUT" in out, out
     seconds, kind, message = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0].split(" ", 2)
     assert float(seconds) < 10 and kind == "EarlierTimeout", out
