@@ -96,7 +96,9 @@ def blank(nb) -> nbformat.NotebookNode:
     return nb
 
 
-def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbformat.NotebookNode:
+def run_solution(
+    path: Path, budget_s: float, autograding: bool = True, from_round_trip: bool = True
+) -> nbformat.NotebookNode:
     """The solution notebook executed, checked for what every lab promises: no cell raises,
     every graded cell prints its success line and nothing on stderr (nbgrader zeroes a test
     cell that writes to stderr), all within ``budget_s``.  Returns the executed notebook.
@@ -105,8 +107,11 @@ def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbfor
     submitted as a student (graded cells run in the grader kernel), from the lab's round trip
     (made once per session, tests/roundtrip.py); its time is autograding's, which adds the
     grader's own start-up and kernel (``GRADING_OVERHEAD_S``) to the notebook's.  Otherwise
-    the notebook runs here as a student runs it, in one kernel."""
-    if autograding:
+    the notebook runs here as a student runs it, in one kernel.  ``from_round_trip=False``: it
+    runs here in one kernel as autograding would run it (``NBGRADER_EXECUTION`` set), beside the
+    other labs' folders (lab 7's demonstration reads the student's Lab 3 from there, which a
+    graded submission never has)."""
+    if autograding and from_round_trip:
         trip = roundtrip.round_trip(Path(path).parent.name)
         nb, seconds, budget = trip.course.autograded("full"), trip.full_seconds, budget_s + GRADING_OVERHEAD_S
     else:

@@ -155,7 +155,8 @@ class RoundTrip:
     results: dict[str, Step]
     table: dict  # grading.scores
     full_seconds: float  # autograding the solution alone, start to end
-    lost: dict[str, float]  # the test cells of the exercise the partial submission left blank
+    kept: dict[str, float]  # the test cells of the one exercise the partial submission did
+    lost: dict[str, float]  # the test cells of the last exercise, which the crashed submission kills
     total: dict[str, float]  # every test cell's points
     left_processes: list[int]  # processes of this course left when grading ended
     left_files: list[str]  # what was left in the course's temp folder
@@ -185,6 +186,7 @@ def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -
         results={s: Step(**r) for s, r in facts["results"].items()},
         table=facts["table"],
         full_seconds=facts["full_seconds"],
+        kept=facts["kept"],
         lost=facts["lost"],
         total=facts["total"],
         left_processes=facts["left_processes"],
@@ -194,16 +196,17 @@ def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -
 
 def _grade_round_trip(course: Course) -> dict:
     """Release ``course``'s lab, submit the solution, the blank and a partly done notebook
-    (the last exercise left blank), and autograde them: the solution alone first (timed: its
+    (the blank with only the first exercise done: the exercises it leaves blank fail at once on
+    their stubs, so it costs little more than the blank), and autograde them: the solution alone first (timed: its
     cells' outputs are what the lab's file checks), then the others in one nbgrader process."""
     course.do_release()
     sol, lab = course.solution, course.lab
     solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
-    last = solution_ids[-1]
-    [blank_last] = [c.source for c in course.blank().cells if grade_id(c) == last]
+    first, last = solution_ids[0], solution_ids[-1]
+    [first_source] = [c.source for c in sol.cells if grade_id(c) == first]
     submit(course.course, "full", lab, sol)
     submit(course.course, "blank", lab, course.blank())
-    submit(course.course, "partial", lab, with_solution(sol, last, blank_last))
+    submit(course.course, "partial", lab, with_solution(course.blank(), first, first_source))
     # a kernel dying mid-lab costs only that exercise: proven on the launch fixture and the
     # first real lab (each replay re-runs the notebook, so not on every lab)
     crash = lab in ("00_launch", FIRST_REAL_LAB)
@@ -221,6 +224,7 @@ def _grade_round_trip(course: Course) -> dict:
         "results": {s: {"returncode": r.returncode, "output": r.output[-5000:]} for s, r in results.items()},
         "table": grading.scores(lab, course.course),
         "full_seconds": full_seconds,
+        "kept": points_after(sol, first),
         "lost": points_after(sol, last),
         "total": all_points(sol),
         "left_processes": processes_with(str(course.course)),

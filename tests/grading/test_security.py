@@ -341,7 +341,7 @@ def test_rebound_names_swapped_code_and_forged_traces(tmp_path):
     assert "TrafficError" in page and "sent 5,242,880 bytes" in page and "operating system counted only" in page
     report = (course.course / "reports" / "00_launch.txt").read_text()
     assert "the name 'dl' (disttrain_lab)" in report.split("c2_rebind_dl:")[1]
-    assert "disttrain_lab.trace.Run.bytes_sent" in report.split("c2_class_patch:")[1].split("\nc2_code_swap")[0]
+    assert "disttrain_lab.events.Run.bytes_sent" in report.split("c2_class_patch:")[1].split("\nc2_code_swap")[0]
     assert "the grader's count of traced bytes" in report.split("c3_forged_trace_unobserved:")[1]
     assert "the trace claims 5242880 B sent point to point" in report.split("c3_forged_trace:")[1]
     assert "the tracer's internals" in report.split("c3_forged_trace:")[1]
