@@ -266,6 +266,19 @@ def prediction_problems(nb) -> list[str]:
     return problems
 
 
+def errors_of_graded_predictions(lab: Path, prediction: str, tests: list[str], given: tuple[str, ...] = ()) -> list:
+    """The errors each graded prediction test in ``tests`` gives a student whose notebook holds
+    the setup cell, the lab's cells ``given`` (e.g. its test helpers) and ``prediction`` (the
+    student's cell), graded as autograding runs them; one list of errors per test, in order."""
+    nb = load(lab)
+    cells = [nb.cells[0], *(cell_by_id(nb, g) for g in given), nbformat.v4.new_code_cell(prediction)]
+    cells += [cell_by_id(nb, t) for t in tests]
+    done, _ = execute(
+        nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=lab.parent
+    )
+    return [errors(c) for c in done.cells[-len(tests) :]]
+
+
 def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
     """The error the graded prediction test ``test`` of ``lab`` gives a student whose notebook
     holds only the setup cell and ``cell`` (a wrong prediction); the cell must fail."""

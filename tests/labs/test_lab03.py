@@ -33,6 +33,7 @@ from tests.notebooks import (
     code_cells_on_device,
     error_of_last_cell,
     errors,
+    errors_of_graded_predictions,
     execute,
     execute_without_errors,
     load,
@@ -441,16 +442,9 @@ def predicted_bytes_sent(n, num_parameters):
 @pytest.mark.slow
 @pytest.mark.parametrize("prediction", [WRONG_PREDICTIONS, "# left blank"], ids=["wrong", "blank"])
 def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
-    lab = load(LAB)
-    cells = [
-        lab.cells[0],
-        cell_by_id(lab, "test_helpers"),
-        nbformat.v4.new_code_cell(prediction),
-        cell_by_id(lab, "test_predict_buckets"),
-        cell_by_id(lab, "test_predict_ring_bytes"),
-    ]
-    nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=LAB.parent)
-    buckets, ring = (errors(c) for c in nb.cells[-2:])
+    buckets, ring = errors_of_graded_predictions(
+        LAB, prediction, ["test_predict_buckets", "test_predict_ring_bytes"], given=("test_helpers",)
+    )
     if prediction == WRONG_PREDICTIONS:
         assert buckets and "predicted 3.00e+00, the cost model gives 5.00e+00" in buckets[0], buckets
         assert (

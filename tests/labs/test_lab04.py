@@ -32,6 +32,7 @@ from tests.notebooks import (
     code_cells_on_device,
     error_of_last_cell,
     errors,
+    errors_of_graded_predictions,
     execute,
     execute_without_errors,
     load,
@@ -334,15 +335,7 @@ def predicted_volume(stage, num_parameters):
 @pytest.mark.slow
 @pytest.mark.parametrize("prediction", [WRONG_PREDICTIONS, "# left blank"], ids=["wrong", "blank"])
 def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
-    lab = load(LAB)
-    cells = [
-        lab.cells[0],
-        nbformat.v4.new_code_cell(prediction),
-        cell_by_id(lab, "test_predict_zero2_bytes"),
-        cell_by_id(lab, "test_predict_volume"),
-    ]
-    nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=LAB.parent)
-    zero2, volume = (errors(c) for c in nb.cells[-2:])
+    zero2, volume = errors_of_graded_predictions(LAB, prediction, ["test_predict_zero2_bytes", "test_predict_volume"])
     if prediction == WRONG_PREDICTIONS:
         assert zero2 and "predicted 5.44e+05, the cost model gives 6.92e+05" in zero2[0], zero2
         assert (
