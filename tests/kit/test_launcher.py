@@ -774,12 +774,15 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     out = run_python(["-c", script], timeout=240, env={"NBGRADER_EXECUTION": "autograde"}).stdout
     interrupted = out.split("=== INTERRUPTED")[0]
     assert "interrupted: stopped all 2 ranks" in interrupted, out
-    assert "rank 1: running Python code" in interrupted and "calls_it (line 15) → spins (line 7)" in interrupted, out
+    # (the loop's two lines, `while True:` and `pass`: the stack is sampled on either)
+    assert "rank 1: running Python code" in interrupted and re.search(
+        r"calls_it \(line 15\) → spins \(line [78]\)", interrupted
+    ), out
     assert "=== TIMED OUT" in out, out
     seconds, kind, message = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0].split(" ", 2)
     assert float(seconds) < 10 and kind == "EarlierTimeout", out
     assert "spins is not run again: when an earlier cell ran it under grading, it did not finish within" in message
-    assert "rank 1: running Python code" in message and "spins (line 7)" in message, message
+    assert "rank 1: running Python code" in message and re.search(r"spins \(line [78]\)", message), message
     seconds, kind, message = out.split("=== DRIVER ")[1].split("\n")[0].split(" ", 2)
     assert float(seconds) < 10 and kind == "ExerciseTimeout", message
     assert message.startswith("_drive was stopped at once: spins is not run again"), message
