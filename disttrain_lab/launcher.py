@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from types import FunctionType
 
@@ -237,14 +238,41 @@ def _remember_hang(exc: LaunchTimeout) -> None:
             cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
             if shell is not None and _STUB_ONLY is None:
                 cell = f"the cell In[{shell.execution_count}]"
-            message = (
-                f"{name} is not run again: when {cell} ran it under grading, it did not finish within its "
-                f"timeout, and grading waits for a function that hangs only once. What happened then:\n{exc}"
-            )
+            message = _not_run_again(name, cell, "its timeout", str(exc))
             _HUNG[name] = (fn, message)
             if _STUB_ONLY is not None:  # one of the student's functions (the grader says which): the cells
                 notebook[name] = _stub(name, message)  # that call it in this kernel, not on ranks, stop too
         return
+
+
+def _not_run_again(name: str, cell: str, limit: str, what: str) -> str:
+    return (
+        f"{name} is not run again: when {cell} ran it under grading, it did not finish within {limit}, "
+        f"and grading waits for a function that hangs only once. What happened then:\n{what}"
+    )
+
+
+def remember_interrupted(cell: str, limit: float, student_functions: list[str]) -> str | None:
+    """Under grading, run by the grader in the student's kernel once a cell that ran past its
+    limit was interrupted: the student's function the interrupt stopped running (the innermost
+    of ``student_functions``, the functions the submission's solution cells define) is not
+    waited for again, by later launches nor by later cells that call it here (as for a graded
+    launch that timed out, ``_remember_hang``).  Gives its name, or None (the interrupt stopped
+    none of them: e.g. a launch, which has its own timeout)."""
+    value, tb = getattr(sys, "last_value", None), getattr(sys, "last_traceback", None)
+    if not _GRADING or not isinstance(value, KeyboardInterrupt) or tb is None:
+        return None
+    notebook = vars(sys.modules["__main__"])
+    for frame, line in reversed(list(traceback.walk_tb(tb))):
+        name = frame.f_code.co_name
+        fn = notebook.get(name)
+        if name in student_functions and isinstance(fn, FunctionType) and fn.__code__ is frame.f_code:
+            what = f"the cell's limit interrupted it in {name} (line {line}), still running Python code"
+            message = _not_run_again(name, cell, f"the cell's {limit:g} s limit", what)
+            _HUNG[name] = (fn, message)
+            notebook[name] = _stub(name, message)
+            return name
+    return None
 
 
 # --------------------------------------------------------------------------------------

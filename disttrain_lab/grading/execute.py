@@ -92,6 +92,13 @@ _REPAIR_SHELL = (
 )
 
 
+def _remember_interrupted(cell, limit: int, student_functions: list[str]) -> str:
+    """Code for the student's kernel, after ``cell`` ran past its limit: see launcher.remember_interrupted."""
+    label = f"the cell In[{cell.execution_count}]" if cell.get("execution_count") else "an earlier cell"
+    launcher = "__import__('disttrain_lab.launcher', fromlist=['_'])"
+    return f"{launcher}.remember_interrupted({label!r}, {limit!r}, {student_functions!r})"
+
+
 def _guard_call(function: str, names: list[str], *extra: str) -> str:
     args = ", ".join([repr(names), *map(repr, extra)])
     return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({args})"
@@ -345,7 +352,10 @@ class RobustExecute(Execute):
             self._record_instructor_names(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if any(o.ename == "CellTimeoutError" for o in errors):
-            if not self._kernel_answers():
+            # a student's function the interrupt stopped in this cell is not waited for again by later
+            # launches (the graded tests' among them): the kernel is asked once it answers again
+            remember = "pass" if is_test_cell(cell) else _remember_interrupted(cell, limit, self._student_functions())
+            if not self._kernel_answers(remember):
                 cell.outputs.append(
                     _error_output(
                         "CellTimeoutError",
@@ -620,9 +630,9 @@ class RobustExecute(Execute):
 
     # -- restart and replay ----------------------------------------------------------------
 
-    def _kernel_answers(self, timeout: float | None = None) -> bool:
+    def _kernel_answers(self, code: str = "pass", timeout: float | None = None) -> bool:
         try:
-            return self._run_quietly("pass", timeout=timeout or self.probe_timeout) is not None
+            return self._run_quietly(code, timeout=timeout or self.probe_timeout) is not None
         except DeadKernelError:
             return False
 

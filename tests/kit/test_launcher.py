@@ -787,3 +787,50 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     assert float(seconds) < 10 and kind == "ExerciseTimeout", message
     assert message.startswith("_drive was stopped at once: spins is not run again"), message
     assert "=== REDEFINED [0, 1]" in out, out
+
+
+def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_again():
+    # A self-check that calls the student's function in the kernel itself (no launch, so no launch timeout):
+    # the grader interrupts the cell at its limit, then asks the kernel which notebook function the interrupt
+    # stopped (launcher.remember_interrupted, from IPython's sys.last_traceback); later launches stop at once.
+    script = textwrap.dedent("""
+        import signal, sys, threading, time, os
+        import disttrain_lab as dl
+
+        def spins(x):
+            while True:
+                pass
+
+        def _lab_helper(fn):        # only a student's function (one of the names given) is blamed
+            return fn(1)
+
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            _lab_helper(spins)
+        except KeyboardInterrupt:   # (what IPython keeps of a cell's error)
+            sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        blamed = dl.launcher.remember_interrupted("the cell In[7]", 30, ["spins", "unrelated"])
+        print("=== BLAMED", blamed, flush=True)
+        try:
+            if blamed:
+                spins(3)            # called in the kernel itself, it stops too
+        except dl.launcher.EarlierTimeout as exc:
+            print("=== HERE AT ONCE", str(exc)[:40], flush=True)
+        started = time.monotonic()
+        try:
+            dl.launch(lambda: spins(2), 2, timeout=60 if blamed else 1)
+        except dl.RankError as exc:
+            print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
+    """)
+    out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "autograde"}).stdout
+    assert "=== BLAMED spins" in out and "=== HERE AT ONCE spins is not run again" in out, out
+    seconds, kind, message = out.split("=== AT ONCE ")[1].split(" ", 2)
+    assert float(seconds) < 10 and kind == "EarlierTimeout", out
+    assert message.startswith(
+        "spins is not run again: when the cell In[7] ran it under grading, it did not finish within the cell's 30 s "
+        "limit"
+    ), message
+    assert re.search(r"interrupted it in spins \(line [67]\), still running Python code", message), message
+    # not under grading: an interrupt is only an interrupt
+    out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": ""}).stdout
+    assert "=== BLAMED None" in out, out
