@@ -221,28 +221,36 @@ def hung_before() -> dict[str, str]:
 
 
 def _remember_hang(exc: LaunchTimeout) -> None:
-    """The notebook function a launch that ran past its timeout was stuck in (the innermost, of a
-    rank looping before one waiting in torch), so that later launches stop at once instead of
-    waiting for it again.  (A timeout is the lab's own word that a function hangs.)"""
-    stacks, blocked = exc.stacks, exc.blocked
+    """The notebook function a launch that ran past its timeout was stuck in (see ``_stuck_in``),
+    so that later launches stop at once instead of waiting for it again.  (A timeout is the
+    lab's own word that a function hangs.)"""
+    name = _stuck_in(exc.stacks, exc.blocked, _STUB_ONLY)  # (the grader's run: only the student's functions)
+    if name is None:
+        return
+    notebook = vars(sys.modules["__main__"])
+    fn = notebook[name]
+    if name not in _HUNG or _HUNG[name][0] is not fn:
+        shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+        cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
+        if shell is not None and _STUB_ONLY is None:
+            cell = f"the cell In[{shell.execution_count}]"
+        message = _not_run_again(name, cell, "its timeout", str(exc))
+        _HUNG[name] = (fn, message)
+        if _STUB_ONLY is not None:  # one of the student's functions (the grader says which): the cells
+            notebook[name] = _stub(name, message)  # that call it in this kernel, not on ranks, stop too
+
+
+def _stuck_in(stacks: dict, blocked: dict, allowed: set[str] | None) -> str | None:
+    """The innermost notebook function (of ``allowed``, if given) in the stuck ranks' stacks, those
+    of ranks looping in Python before those waiting in torch; a lab's own helpers (``_``) left out."""
     notebook = vars(sys.modules["__main__"])
     ranks = sorted(stacks, key=lambda r: not str(blocked.get(r, "running Python")).startswith("running Python"))
     for name in (name for rank in ranks for name, _ in reversed(stacks[rank])):
         fn = notebook.get(name)
-        if not (isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_")):
-            continue  # (a lab's own helpers start with _)
-        if _STUB_ONLY is not None and name not in _STUB_ONLY:
-            continue  # (the grader's run: only the student's own functions)
-        if name not in _HUNG or _HUNG[name][0] is not fn:
-            shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-            cell = "a graded test" if _STUB_ONLY is not None else "an earlier cell"
-            if shell is not None and _STUB_ONLY is None:
-                cell = f"the cell In[{shell.execution_count}]"
-            message = _not_run_again(name, cell, "its timeout", str(exc))
-            _HUNG[name] = (fn, message)
-            if _STUB_ONLY is not None:  # one of the student's functions (the grader says which): the cells
-                notebook[name] = _stub(name, message)  # that call it in this kernel, not on ranks, stop too
-        return
+        if isinstance(fn, FunctionType) and fn.__module__ == "__main__" and not name.startswith("_"):
+            if allowed is None or name in allowed:
+                return name
+    return None
 
 
 def _not_run_again(name: str, cell: str, limit: str, what: str) -> str:
@@ -254,25 +262,34 @@ def _not_run_again(name: str, cell: str, limit: str, what: str) -> str:
 
 def remember_interrupted(cell: str, limit: float, student_functions: list[str]) -> str | None:
     """Under grading, run by the grader in the student's kernel once a cell that ran past its
-    limit was interrupted: the student's function the interrupt stopped running (the innermost
-    of ``student_functions``, the functions the submission's solution cells define) is not
-    waited for again, by later launches nor by later cells that call it here (as for a graded
-    launch that timed out, ``_remember_hang``).  Gives its name, or None (the interrupt stopped
-    none of them: e.g. a launch, which has its own timeout)."""
+    limit was interrupted: the student's function the interrupt stopped (of ``student_functions``,
+    those the submission's solution cells define) is not waited for again, by later launches nor
+    by later cells that call it here (as for a graded launch that timed out, ``_remember_hang``).
+    Where the interrupt stopped a launch, the function is the one its ranks were stuck in (the
+    launch's report); otherwise the innermost of the cell's own frames.  Gives its name, or None."""
     value, tb = getattr(sys, "last_value", None), getattr(sys, "last_traceback", None)
     if not _GRADING or not isinstance(value, KeyboardInterrupt) or tb is None:
         return None
     notebook = vars(sys.modules["__main__"])
-    for frame, line in reversed(list(traceback.walk_tb(tb))):
-        name = frame.f_code.co_name
-        fn = notebook.get(name)
-        if name in student_functions and isinstance(fn, FunctionType) and fn.__code__ is frame.f_code:
-            what = f"the cell's limit interrupted it in {name} (line {line}), still running Python code"
-            message = _not_run_again(name, cell, f"the cell's {limit:g} s limit", what)
-            _HUNG[name] = (fn, message)
-            notebook[name] = _stub(name, message)
-            return name
-    return None
+    name = what = None
+    if getattr(value, "stacks", None):  # a launch: where each unfinished rank was (pool.py)
+        name = _stuck_in(value.stacks, value.blocked, set(student_functions))
+        ranks = "".join(f"\n  rank {r}: {doing}" for r, doing in sorted(value.blocked.items()))
+        what = f"the cell's limit interrupted a launch; where each unfinished rank was:{ranks}"
+    else:
+        for frame, line in reversed(list(traceback.walk_tb(tb))):
+            fn = notebook.get(frame.f_code.co_name)
+            if frame.f_code.co_name in student_functions and isinstance(fn, FunctionType):
+                if fn.__code__ is frame.f_code:
+                    name = frame.f_code.co_name
+                    what = f"the cell's limit interrupted it in {name} (line {line}), still running Python code"
+                    break
+    if name is None:
+        return None
+    message = _not_run_again(name, cell, f"the cell's {limit:g} s limit", what)
+    _HUNG[name] = (notebook[name], message)
+    notebook[name] = _stub(name, message)
+    return name
 
 
 # --------------------------------------------------------------------------------------

@@ -794,8 +794,9 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
     # the grader interrupts the cell at its limit, then asks the kernel which notebook function the interrupt
     # stopped (launcher.remember_interrupted, from IPython's sys.last_traceback); later launches stop at once.
     script = textwrap.dedent("""
-        import signal, sys, threading, time, os
+        import signal, sys, tempfile, threading, time, os
         import disttrain_lab as dl
+        import torch.distributed as dist
 
         def spins(x):
             while True:
@@ -821,6 +822,35 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
             dl.launch(lambda: spins(2), 2, timeout=60 if blamed else 1)
         except dl.RankError as exc:
             print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
+
+        STARTED = os.path.join(tempfile.mkdtemp(), "spinning")
+
+        def spins_too(x):
+            open(STARTED, "w").close()
+            while True:
+                pass
+
+        def calls_it():
+            return spins_too(1) if dist.get_rank() == 1 else 0
+
+        def interrupt_once_spinning():
+            while not os.path.exists(STARTED):
+                time.sleep(0.05)
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_spinning, daemon=True).start()
+        try:                        # the cell's limit stops a launch: the ranks' stacks say where
+            dl.launch(calls_it, 2, timeout=120)
+        except KeyboardInterrupt:
+            sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        blamed = dl.launcher.remember_interrupted("the cell In[8]", 30, ["calls_it", "spins_too"])
+        print("=== BLAMED IN A LAUNCH", blamed, flush=True)
+        if blamed:
+            try:
+                dl.launch(calls_it, 2, timeout=60)
+            except dl.RankError as exc:
+                print("=== LAUNCH AT ONCE", exc.exc_message.replace("\\n", " | "), flush=True)
     """)
     out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "autograde"}).stdout
     assert "=== BLAMED spins" in out and "=== HERE AT ONCE spins is not run again" in out, out
@@ -831,6 +861,11 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
         "limit"
     ), message
     assert re.search(r"interrupted it in spins \(line [67]\), still running Python code", message), message
+    assert "=== BLAMED IN A LAUNCH spins_too" in out, out
+    told = out.split("=== LAUNCH AT ONCE ")[1]
+    assert told.startswith("spins_too is not run again: when the cell In[8] ran it under grading"), told
+    assert "the cell's limit interrupted a launch; where each unfinished rank was:" in told, told
+    assert re.search(r"rank 1: running Python code.*calls_it \(line \d+\) → spins_too \(line \d+\)", told), told
     # not under grading: an interrupt is only an interrupt
     out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": ""}).stdout
     assert "=== BLAMED None" in out, out
