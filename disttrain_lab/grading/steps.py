@@ -207,7 +207,7 @@ def _run_step(
             TMPDIR=tmp,
             JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
             # the student's kernel draws inline, as in JupyterLab: the feedback shows the figures
-            # a student's cells drew (the grader kernel's tests draw nothing: execute.py)
+            # a student's cells drew (the grader kernel's tests draw nothing: grader_kernel.py)
             MPLBACKEND="module://matplotlib_inline.backend_inline",
             PYTHONDONTWRITEBYTECODE="1",
             DISTTRAIN_SANDBOX_CGROUP=cgroup,
