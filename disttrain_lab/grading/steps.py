@@ -65,6 +65,16 @@ def _environ_has(pid: int, marker: bytes) -> bool:
         return False
 
 
+def processes_with(marker: str) -> list[int]:
+    """Processes (but this one) whose environment mentions ``marker`` (a course dir, a run's
+    own tag): what must be none after grading."""
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) != os.getpid() and _environ_has(int(entry), marker.encode())
+    ]
+
+
 _RUNNING: dict[int, subprocess.Popen] = {}  # nbgrader processes of this grader now, by pid (parallel jobs)
 _STEPS = [0]  # steps under way (from before their start to after their reaping)
 _STEPS_LOCK = threading.Lock()
