@@ -43,6 +43,8 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from disttrain_lab.grading import steps
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -270,16 +272,14 @@ def notebook_cells(path: Path) -> list[str]:
 
 
 def processes_with(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process whose environment mentions ``marker``."""
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker.encode() in f.read():
-                        with open(f"/proc/{entry}/cmdline", "rb") as c:
-                            found.append((int(entry), c.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
-            except OSError:
-                pass
+    for pid in steps.processes_with(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                found.append((pid, c.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
+        except OSError:
+            pass
     return found
 
 

@@ -234,10 +234,15 @@ def one_rank_notebook(lab: Path, device: str, given: str, exercises, checks: str
 
 
 def prediction_problems(nb) -> list[str]:
-    """What breaks the pattern of a lab's graded predictions (each self-check's digest is the
-    digest of the solution's own value, which lies away from a rounding boundary; each has a
-    1-point graded test that fetches it and compares it under the same name); empty when nothing does.
-    Also returns nothing to check in a lab without predictions, so a caller asserts how many it expects."""
+    """What breaks the pattern of a lab's graded predictions; empty when nothing does.
+
+    A number (``PREDICTED_X = ...``, checked by ``dl.predictions.check(name, globals().get("X"),
+    digest)``): the self-check's digest is the digest of the solution's own value, which lies away
+    from a rounding boundary, and one 1-point graded test fetches it and compares it under the same
+    name.  A function (a solution cell ``ex_predict_X`` defining one): the self-check's digest is
+    the digest of the solution's function at the cases of the graded cell ``test_predict_X``, and
+    the self-check uses those cases.  A lab with neither is a problem too."""
+    import ast
     import math
     import re
 
@@ -247,7 +252,7 @@ def prediction_problems(nb) -> list[str]:
         r'dl\.predictions\.check\(\s*"([^"]+)",\s*globals\(\)\.get\("(\w+)"\),\s*"([0-9a-f]+)"\)',
         "\n".join(c.source for c in nb.cells if c.cell_type == "code"),
     )
-    problems = [] if checks else ["no dl.predictions.check(...) self-check found"]
+    problems = []
     for name, variable, digest in checks:
         [solution] = [c for c in nb.cells if nbgrader_meta(c).get("solution") and f"{variable} =" in c.source]
         namespace: dict = {}
@@ -263,31 +268,69 @@ def prediction_problems(nb) -> list[str]:
         tests = [c for c in nb.cells if nbgrader_meta(c).get("grade") and f'fetch("{variable}")' in c.source]
         if len(tests) != 1 or f'"{name}"' not in tests[0].source or nbgrader_meta(tests[0]).get("points") != 1:
             problems.append(f"{name}: expected one 1-point graded test that fetches {variable} under this name")
+    functions = 0
+    for cell in nb.cells:
+        grade_id = nbgrader_meta(cell).get("grade_id", "")
+        if not grade_id.startswith("ex_predict_"):
+            continue
+        defined = [n.name for n in ast.parse(cell.source).body if isinstance(n, ast.FunctionDef)]
+        if not defined:
+            continue  # a number: checked above
+        functions += 1
+        namespace = {}
+        exec(compile(cell.source, f"<{grade_id}>", "exec"), namespace)
+        [fn_name] = defined
+        test = cell_by_id(nb, "test_" + grade_id[3:]).source
+        cases = ast.literal_eval(re.search(r"^_cases = (\[.*?\])", test, re.M).group(1))
+        [check] = [
+            c.source for c in nb.cells if f'globals().get("{fn_name}")' in c.source and "predictions.check(" in c.source
+        ]
+        found = re.search(
+            r'predictions\.check\("([^"]+)", globals\(\)\.get\("' + fn_name + r'"\), "([0-9a-f]+)"', check
+        )
+        if not found:
+            problems.append(f"{grade_id}: no self-check of {fn_name}")
+            continue
+        name, digest = found.groups()
+        if predictions.digest(name, namespace[fn_name], cases) != digest:
+            problems.append(f"{grade_id}: the self-check's digest is not {fn_name}'s at the graded cases {cases}")
+        if repr(cases) not in check:
+            problems.append(f"{grade_id}: the self-check does not use the graded cases {cases}")
+    if not checks and not functions:
+        problems.append("no dl.predictions.check(...) self-check found")
     return problems
 
 
-def errors_of_graded_predictions(lab: Path, prediction: str, tests: list[str], given: tuple[str, ...] = ()) -> list:
-    """The errors each graded prediction test in ``tests`` gives a student whose notebook holds
-    the setup cell, the lab's cells ``given`` (e.g. its test helpers) and ``prediction`` (the
-    student's cell), graded as autograding runs them; one list of errors per test, in order."""
+def _graded_predictions_run(lab: Path, prediction: str, tests: list[str], given: tuple[str, ...] = ()):
+    """The lab's setup cell, its cells ``given``, ``prediction`` (the student's cell) and the graded
+    prediction tests ``tests``, executed as autograding runs them."""
     nb = load(lab)
     cells = [nb.cells[0], *(cell_by_id(nb, g) for g in given), nbformat.v4.new_code_cell(prediction)]
     cells += [cell_by_id(nb, t) for t in tests]
     done, _ = execute(
         nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=lab.parent
     )
+    return done
+
+
+def errors_of_graded_predictions(lab: Path, prediction: str, tests: list[str], given: tuple[str, ...] = ()) -> list:
+    """The errors each graded prediction test in ``tests`` gives a student whose notebook holds
+    the setup cell, the lab's cells ``given`` (e.g. its test helpers) and ``prediction`` (the
+    student's cell), graded as autograding runs them; one list of errors per test, in order."""
+    done = _graded_predictions_run(lab, prediction, tests, given)
     return [errors(c) for c in done.cells[-len(tests) :]]
 
 
 def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
     """The error the graded prediction test ``test`` of ``lab`` gives a student whose notebook
-    holds only the setup cell and ``cell`` (a wrong prediction); the cell must fail."""
-    nb = load(lab)
-    return error_of_last_cell(
-        nbformat.v4.new_notebook(
-            cells=[copy.deepcopy(nb.cells[0]), nbformat.v4.new_code_cell(cell), copy.deepcopy(cell_by_id(nb, test))]
-        )
-    )
+    holds only the setup cell and ``cell`` (a wrong prediction); every cell but the test must
+    run cleanly, and the test must fail.  Returns its error, "ename: evalue"."""
+    done = _graded_predictions_run(lab, cell, [test])
+    for earlier in done.cells[:-1]:
+        assert not errors(earlier), errors(earlier)
+    found = errors(done.cells[-1])
+    assert found, "the graded cell passed a wrong answer"
+    return found[0]
 
 
 def prediction_verdict(nb, test_id: str, predicted) -> None:
@@ -308,39 +351,3 @@ def prediction_verdict(nb, test_id: str, predicted) -> None:
     assert "assert_prediction" not in visible, f"{test_id}: the reference must sit in the hidden tests"
     namespace["_fetch"] = fetch  # the cell's own dl.predictions.fetch, reading ``predicted`` instead
     exec(compile(source.replace("dl.predictions.fetch(", "_fetch("), f"<{test_id}>", "exec"), namespace)
-
-
-def prediction_digest_problems(nb) -> list[str]:
-    """Each prediction (a solution cell ``ex_predict_X`` defining one function) against its self-check:
-    the digest the self-check holds must be the digest of the solution's function at the cases of the
-    graded cell ``test_predict_X``; empty when every one matches."""
-    import ast
-    import re
-
-    from disttrain_lab import predictions
-
-    problems = []
-    for cell in nb.cells:
-        grade_id = nbgrader_meta(cell).get("grade_id", "")
-        if not grade_id.startswith("ex_predict_"):
-            continue
-        namespace: dict = {}
-        exec(compile(cell.source, f"<{grade_id}>", "exec"), namespace)
-        [fn_name] = [n.name for n in ast.parse(cell.source).body if isinstance(n, ast.FunctionDef)]
-        test = cell_by_id(nb, "test_" + grade_id[3:]).source
-        cases = ast.literal_eval(re.search(r"^_cases = (\[.*?\])", test, re.M).group(1))
-        [check] = [
-            c.source for c in nb.cells if f'globals().get("{fn_name}")' in c.source and "predictions.check(" in c.source
-        ]
-        found = re.search(
-            r'predictions\.check\("([^"]+)", globals\(\)\.get\("' + fn_name + r'"\), "([0-9a-f]+)"', check
-        )
-        if not found:
-            problems.append(f"{grade_id}: no self-check of {fn_name}")
-            continue
-        name, digest = found.groups()
-        if predictions.digest(name, namespace[fn_name], cases) != digest:
-            problems.append(f"{grade_id}: the self-check's digest is not {fn_name}'s at the graded cases {cases}")
-        if repr(cases) not in check:
-            problems.append(f"{grade_id}: the self-check does not use the graded cases {cases}")
-    return problems

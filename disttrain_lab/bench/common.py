@@ -1,5 +1,6 @@
 """The timing machinery every benchmark shares: turns, medians, the lab's own functions, ports,
-the command line's common options and the progress bar of a sweep."""
+the command line's common options and the progress bar of a sweep; and the pieces of their
+printed tables (the width of the version column, a ratio cell, an MLP's parameter count)."""
 
 from __future__ import annotations
 
@@ -163,3 +164,18 @@ def functions_from_lab(args, lab: str, names, what: str, given: bool = False) ->
     missing = [name for name in names if name not in functions]
     print(f"{what} from {path}" + (f" (not defined there: {', '.join(missing)})" if missing else ""))
     return functions
+
+
+def mlp_parameters(sizes) -> int:
+    """Weights and biases of an MLP whose layers have these widths (``sizes[0]`` inputs)."""
+    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+
+
+def version_width(rows: list[dict], least: int) -> int:
+    """The width of a table's version column: its longest version, at least ``least``, plus 2."""
+    return max(least, *(len(r["version"]) for r in rows)) + 2
+
+
+def ratio_cell(row: dict, width: int) -> str:
+    """``row["ratio"]`` as "1.23x" right-aligned in ``width`` characters, "-" where there is none."""
+    return f"{row['ratio']:>{width - 1}.2f}x" if "ratio" in row else f"{'-':>{width}}"

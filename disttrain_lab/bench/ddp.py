@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
+from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, take_turns, version_width
 
 TORCH_DDP = "torch DDP"
 DDP_MODEL = (1024, 2048, 2048, 1024)  # an MLP of 8.4 M parameters: 32 MiB of gradients per step
@@ -100,7 +100,7 @@ def bench_ddp(
                 "world_size": world_size,
                 "steps_per_s": steps / slowest_median([rank[name] for rank in per_rank]),
                 "repeats": repeats,
-                "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:])),
+                "parameters": mlp_parameters(sizes),
             }
         )
     reference = next(r["steps_per_s"] for r in rows if r["version"] == TORCH_DDP)
@@ -112,7 +112,7 @@ def bench_ddp(
 def format_ddp_table(rows: list[dict]) -> str:
     """Steps/s per version and the ratio to torch DDP's."""
     first = rows[0]
-    width = max(16, *(len(r["version"]) for r in rows)) + 2
+    width = version_width(rows, 16)
     lines = [
         f"training steps/s on {first['world_size']} ranks, MLP of {first['parameters'] / 1e6:.1f} M "
         f"parameters, median of {first['repeats']}",

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
+from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns, version_width
 
 TORCH_PIPELINE = "torch ScheduleGPipe"
 PIPELINE_MODEL = (64,) * 9  # 8 Linear layers of 64 × 64: two per stage on 4 ranks
@@ -206,7 +206,7 @@ def bench_pipeline(
 def format_pipeline_table(rows: list[dict]) -> str:
     """Steps/s, samples/s, speedup over the first row (naive) and the ideal p·m/(m + p − 1)."""
     first = rows[0]
-    width = max(16, *(len(r["version"]) for r in rows)) + 2
+    width = version_width(rows, 16)
     lines = [
         f"training steps/s, {first['world_size']} stages, batch {first['batch']}, simulated accelerator "
         f"{first['cost'] * 1e3:g} ms/sample forward (2x backward), median of {first['repeats']}",

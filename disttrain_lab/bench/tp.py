@@ -9,9 +9,12 @@ from .common import (
     add_notebook_argument,
     collective_bytes_counter,
     functions_from_lab,
+    mlp_parameters,
     progress,
+    ratio_cell,
     slowest_median,
     take_turns,
+    version_width,
 )
 
 TORCH_TP = "torch Colwise/RowwiseParallel"
@@ -128,8 +131,8 @@ def format_tp_table(rows: list[dict]) -> str:
 
     first = rows[0]
     sizes = first["sizes"]
-    parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
-    width = max(20, *(len(r["version"]) for r in rows)) + 2
+    parameters = mlp_parameters(sizes)
+    width = version_width(rows, 20)
     lines = [
         f"training step of an MLP {' -> '.join(map(str, sizes))} ({parameters / 1e6:.1f} M parameters), "
         f"batch {first['batch']}, median of {first['repeats']}; bytes and calls: rank 0's collectives per step",
@@ -139,7 +142,7 @@ def format_tp_table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['world_size']:>2} {r['version']:<{width}} not measured: {r['error']}")
         else:
-            ratio = f"{r['ratio']:>8.2f}x" if "ratio" in r else f"{'-':>9}"
+            ratio = ratio_cell(r, 9)
             lines.append(
                 f"{r['world_size']:>2} {r['version']:<{width}} {r['ms_per_step']:>8.1f} "
                 f"{format_bytes(r['bytes_per_step']):>11} {r['calls_per_step']:>5} {ratio}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from .common import add_notebook_argument, functions_from_lab, slowest_median
+from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, version_width
 
 TORCH_ZERO_REDUNDANCY = "torch DDP + ZeroRedundancyOptimizer"
 TORCH_FSDP = "torch FSDP (fully_shard)"
@@ -142,7 +142,7 @@ def bench_zero(
         timeout=timeout,
         device=device,
     )
-    parameters = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    parameters = mlp_parameters(sizes)
     rows = []
     for name in makers:
         worst = max((rank["held"][name] for rank in per_rank), key=lambda h: h["total"])
@@ -173,7 +173,7 @@ def format_zero_table(rows: list[dict]) -> str:
     from ..trace import format_bytes
 
     first = rows[0]
-    width = max(20, *(len(r["version"]) for r in rows)) + 2
+    width = version_width(rows, 20)
     predicted = all("predicted" in r for r in rows)
     lines = [
         f"Adam steps/s and bytes held per rank (the largest rank, after backward) on {first['world_size']} "

@@ -14,9 +14,11 @@ tests, feedback); this package adds what a course on distributed training needs 
    replaced ``torch.distributed`` or ``disttrain_lab`` functions.  Before each graded
    test cell it resets IPython's hooks and restores the names tests use (``guard.py``, which
    sends ``guard_program.py`` into the kernel); where the host allows it, each kernel runs in
-   a sandbox (``sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files,
-   cgroup caps, one pid namespace killed as a unit).  ``cells.py`` says which cells are tests;
-   ``cell_times.py`` gives each cell a time limit from the solution's own time.
+   a sandbox (``sandbox.py``, which starts ``run_sandbox.py``: another user, private /tmp and
+   /dev/shm, hidden grader files, cgroup caps, one pid namespace killed as a unit; the kernel
+   itself: ``kernels.py``).  ``cells.py`` says which cells are tests; ``cell_times.py`` gives
+   each cell a time limit from the solution's own time; ``grader_kernel.py`` runs a lab's
+   graded tests in a kernel that holds no student code.
 2. ``intake`` takes from a submission folder only the notebook (a regular file, never
    through a symbolic link) and stages it for nbgrader; the rest is listed, never copied.
    ``submission.SubmissionExporter`` pre-checks each submission (a link, empty file,
@@ -32,8 +34,9 @@ tests, feedback); this package adds what a course on distributed training needs 
    in a private temp directory, and every process it started is gone afterwards.
 4. ``course``: ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` /
    ``scores`` and ``disttrain-lab release``; ``classgrade``: ``disttrain-lab grade`` (a class
-   in parallel, resumable, in shards).  ``install_source``: where a lab's setup cell installs
-   the kit from, and the wheel beside the labs.
+   in parallel, resumable by ``ledger``, in ``shards``, summed up by ``class_summary``).
+   ``install_source``: where a lab's setup cell installs the kit from, and the wheel beside
+   the labs.
 5. ``config``: where a course lives, and the ``Limits``.  ``configure`` (below) is the wiring
    that ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
    ``grader/`` behaves exactly like ``disttrain-lab grade``.

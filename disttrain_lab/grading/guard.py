@@ -33,13 +33,22 @@ formatters) to answer "nothing changed" cannot sign that answer, so the test fai
 This is in-kernel defence: it stops every hook and rebinding a notebook can do through
 public APIs; code that digs into the guard's own state (``gc``, frames, ``ctypes``) is out
 of its reach and is flagged for a human by ``submission.scan_submission``.
+
+The grader's side is here too: ``program`` and ``signature``, and ``ask`` / ``answer``, the
+client that calls the guard in a kernel and checks its signed answer.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import hmac
+import secrets
+from collections.abc import Callable
 from pathlib import Path
+
+# (problems, notes, traced bytes): what the guard answers, as the grader reads it
+Answer = tuple[list[str], list[str], int | None]
 
 KEY_PLACEHOLDER = "__DISTTRAIN_GUARD_KEY__"  # in guard_program.py: where program() puts the key
 PROGRAM = Path(__file__).with_name("guard_program.py").read_text()
@@ -53,3 +62,57 @@ def program(key: bytes) -> str:
 def signature(key: bytes, nonce: str, result: tuple) -> str:
     """What the guard's HMAC over ``(problems, notes, traced_bytes)`` must be (the grader's side)."""
     return hmac.new(key, (nonce + repr(result)).encode(), hashlib.sha256).hexdigest()
+
+
+# Run by the grader when the guard's answer was forged: drop the shell's own methods that
+# a solution cell shadowed on the instance (user_expressions evaluates the guard's call).
+REPAIR_SHELL = (
+    "_ip = get_ipython()\n"
+    "for _n in ('user_expressions', 'run_cell', 'run_cell_async', 'run_ast_nodes', 'run_code', 'ev', 'ex',\n"
+    "           'showtraceback', '_showtraceback', 'set_custom_exc', 'transform_cell'):\n"
+    "    vars(_ip).pop(_n, None)\n"
+    "del _ip, _n\n"
+)
+
+
+def call(function: str, names: list[str], *extra: str) -> str:
+    """The expression that calls the guard's ``function`` in the kernel."""
+    args = ", ".join([repr(names), *map(repr, extra)])
+    return f"__import__('sys').modules['_disttrain_grading_guard'].{function}({args})"
+
+
+def ask(run_quietly: Callable[..., dict | None], key: bytes, function: str, names: list[str]) -> Answer:
+    """(problems, notes, traced bytes) from one call of the guard, its signature checked;
+    ``run_quietly(code, timeout=, expression=)`` runs code in the kernel and returns the
+    reply's content (None when none came in time)."""
+    nonce = secrets.token_hex(16)
+    reply = run_quietly("", timeout=30, expression=call(function, names, nonce))
+    if reply is None:  # busy past 30 s (or gone): a clean state cannot be shown
+        return ["grading guard (it did not answer within 30 s)"], [], None
+    result = reply.get("user_expressions", {}).get("r", {})
+    if result.get("status") != "ok":
+        return ["grading guard (it was removed)"], [], None
+    try:
+        problems, notes, traced, mac = ast.literal_eval(result["data"]["text/plain"])
+        problems, notes = list(problems), list(notes)
+    except (KeyError, ValueError, SyntaxError, TypeError):
+        return ["grading guard (it was altered)"], [], None
+    if not (isinstance(mac, str) and hmac.compare_digest(mac, signature(key, nonce, (problems, notes, traced)))):
+        return ["grading guard (its answer was not the guard's own: IPython's evaluation was replaced)"], [], None
+    return [str(p) for p in problems], [str(n) for n in notes], traced if isinstance(traced, int) else None
+
+
+def answer(run_quietly: Callable[..., dict | None], key: bytes, function: str, names: list[str]) -> Answer:
+    """``ask``; an answer that is not the guard's own (signed) is a problem, and the grader
+    then puts back IPython's own evaluation methods and asks once more, so that later tests
+    are graded on their merits."""
+    problems, notes, traced = ask(run_quietly, key, function, names)
+    if problems and problems[0].startswith("grading guard"):
+        run_quietly(REPAIR_SHELL, timeout=30)
+        again, notes, traced = ask(run_quietly, key, function, names)
+        problems = (
+            problems + [p for p in again if not p.startswith("grading guard")]
+            if not (again and again[0].startswith("grading guard"))
+            else again
+        )
+    return problems, notes, traced

@@ -65,6 +65,16 @@ def _environ_has(pid: int, marker: bytes) -> bool:
         return False
 
 
+def processes_with(marker: str) -> list[int]:
+    """Processes (but this one) whose environment mentions ``marker`` (a course dir, a run's
+    own tag): what must be none after grading."""
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) != os.getpid() and _environ_has(int(entry), marker.encode())
+    ]
+
+
 _RUNNING: dict[int, subprocess.Popen] = {}  # nbgrader processes of this grader now, by pid (parallel jobs)
 _STEPS = [0]  # steps under way (from before their start to after their reaping)
 _STEPS_LOCK = threading.Lock()
@@ -207,7 +217,7 @@ def _run_step(
             TMPDIR=tmp,
             JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
             # the student's kernel draws inline, as in JupyterLab: the feedback shows the figures
-            # a student's cells drew (the grader kernel's tests draw nothing: execute.py)
+            # a student's cells drew (the grader kernel's tests draw nothing: grader_kernel.py)
             MPLBACKEND="module://matplotlib_inline.backend_inline",
             PYTHONDONTWRITEBYTECODE="1",
             DISTTRAIN_SANDBOX_CGROUP=cgroup,

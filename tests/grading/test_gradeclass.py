@@ -1,5 +1,5 @@
-"""Grading a class (disttrain_lab/grading/classgrade.py): parallel students, resume after a kill,
-shards merged into one grades CSV, per-cell limits from the solution's own cell times.
+"""Grading a class (disttrain_lab/grading/classgrade.py, ledger.py, shards.py, class_summary.py):
+parallel students, resume after a kill, shards merged into one grades CSV, per-cell limits from the solution's own cell times.
 
 One small class of lab-1 submissions (alice: the solution, bob: the blank lab, carol: the
 last exercise left blank) is graded twice: serially by the real command line, killed with
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from disttrain_lab import grading
-from disttrain_lab.grading import cell_times, classgrade
+from disttrain_lab.grading import cell_times, class_summary, classgrade, shards
 from disttrain_lab.grading.course import measure_cell_times
+from disttrain_lab.grading.ledger import LEDGER_DIR, Ledger
 from tests.grading.test_grading import (
     FIXTURE_LIMITS,
     FIXTURES,
@@ -49,13 +50,13 @@ pytestmark = pytest.mark.timeout(1500)
 def test_shards_partition_the_class():
     names = [f"student{i:03d}" for i in range(200)] + list(STUDENTS)
     for n in (1, 2, 3, 7):
-        counts = [sum(classgrade.in_shard(s, (i, n)) for i in range(1, n + 1)) for s in names]
+        counts = [sum(shards.in_shard(s, (i, n)) for i in range(1, n + 1)) for s in names]
         assert counts == [1] * len(names), f"with {n} shards a student is in {set(counts)} shards"
-    assert [classgrade.in_shard(s, (1, 2)) for s in STUDENTS] == [True, False, False]
-    assert classgrade.parse_shard("2/3") == (2, 3)
+    assert [shards.in_shard(s, (1, 2)) for s in STUDENTS] == [True, False, False]
+    assert shards.parse_shard("2/3") == (2, 3)
     for bad in ("0/2", "3/2", "1", "a/b"):
         with pytest.raises(ValueError, match="I/N"):
-            classgrade.parse_shard(bad)
+            shards.parse_shard(bad)
 
 
 def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkeypatch):
@@ -97,14 +98,14 @@ def test_diagnose_names_what_failed(tmp_path):
     )
     submit(course, "s", lab, new_notebook(cells=[new_code_cell("import ctypes")]))
     ok = grading.StepResult([], 0, "", 1.0)
-    assert classgrade.diagnose(course, lab, "s", ok) == [
+    assert class_summary.diagnose(course, lab, "s", ok) == [
         "kernel death: test_a",
         "cell time limit: test_b, 1 other cell(s)",
         "flagged: 1 construct(s) to look at (see the grade report)",
     ]
     stopped = grading.StepResult([], -9, "", 1.0, timed_out=True)
-    assert classgrade.diagnose(course, lab, "s", stopped)[0] == "timeout: STOPPED (time cap)"
-    assert classgrade.diagnose(course, lab, "s", grading.StepResult([], 1, "", 1.0))[0].startswith("crash")
+    assert class_summary.diagnose(course, lab, "s", stopped)[0] == "timeout: STOPPED (time cap)"
+    assert class_summary.diagnose(course, lab, "s", grading.StepResult([], 1, "", 1.0))[0].startswith("crash")
 
 
 # ----------------------------------------------------------------------------------------
@@ -181,12 +182,12 @@ def single_run(lab1_class, tmp_path_factory):
     and run again: (course dir, the ledger's first finished entry before the kill, its autograded mtime)."""
     env = new_course(lab1_class, tmp_path_factory.mktemp("single"))
     course = Path(env["DISTTRAIN_COURSE_DIR"])
-    ledger = course / classgrade.LEDGER_DIR / f"{LAB}.json"
+    ledger = course / LEDGER_DIR / f"{LAB}.json"
     proc = grade_cli(env, "--jobs", "1", "--no-feedback")
 
     def first_finished():
         try:
-            return classgrade.Ledger(course, LAB).entries or None
+            return Ledger(course, LAB).entries or None
         except Exception:  # noqa: BLE001 - written atomically, but not yet there
             return None
 
@@ -196,7 +197,7 @@ def single_run(lab1_class, tmp_path_factory):
     finally:
         proc.kill()
         proc.wait()
-    before = classgrade.Ledger(course, LAB).entries  # what the killed run recorded
+    before = Ledger(course, LAB).entries  # what the killed run recorded
     assert 1 <= len(before) < len(STUDENTS), before
     mtimes = {s: (course / "autograded" / s / LAB / f"{LAB}.ipynb").stat().st_mtime_ns for s in before}
     rerun = grade_cli(env, "--no-feedback")
@@ -208,7 +209,7 @@ def single_run(lab1_class, tmp_path_factory):
 @pytest.mark.slow
 def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_class, single_run):
     course, before = single_run["course"], single_run["before"]
-    after = classgrade.Ledger(course, LAB).entries
+    after = Ledger(course, LAB).entries
     assert sorted(after) == sorted(STUDENTS)
     for student, entry in before.items():  # graded before the kill: kept, not graded again
         assert after[student].finished == entry.finished and after[student].digest == entry.digest
@@ -229,7 +230,7 @@ def test_resume_after_sigkill_loses_nothing_and_regrades_nothing_finished(lab1_c
     again = grade_cli(single_run["env"], "--no-feedback")
     out, _ = again.communicate(timeout=600)
     assert again.returncode == 0 and "3 of 3 students already graded" in out, out[-3000:]
-    assert classgrade.Ledger(course, LAB).entries["bob"].finished == after["bob"].finished
+    assert Ledger(course, LAB).entries["bob"].finished == after["bob"].finished
 
 
 @pytest.mark.slow
@@ -241,8 +242,8 @@ def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_p
         out, _ = proc.communicate(timeout=1200)
         assert proc.returncode == 0, out[-3000:]
         course = Path(env["DISTTRAIN_COURSE_DIR"])
-        graded = sorted(classgrade.Ledger(course, LAB).entries)
-        assert graded == [s for s in STUDENTS if classgrade.in_shard(s, classgrade.parse_shard(shard))]
+        graded = sorted(Ledger(course, LAB).entries)
+        assert graded == [s for s in STUDENTS if shards.in_shard(s, shards.parse_shard(shard))]
         # students graded two at a time score what the serial run gave them
         assert scores_by_exercise(course, lab1_class.expected) == {s: lab1_class.expected[s] for s in graded}
         gradebooks.append(course / "gradebook.db")

@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import grading
-from disttrain_lab.grading import execute, sandbox, steps
+from disttrain_lab.grading import cells, kernels, sandbox, steps
 from tests.grading.test_grading import (
     FIXTURE_LIMITS,
     FIXTURES,
@@ -399,10 +399,10 @@ def test_a_forged_trace_fools_the_trace_but_not_the_operating_system():
 def test_partial_credit_is_clamped_to_the_cells_points():
     cell = nbformat.v4.new_code_cell("1", metadata={"nbgrader": {"grade": True, "points": 2}})
     cell.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "1e9"}, execution_count=1)]
-    execute._clamp_partial_credit(cell)
+    cells.clamp_partial_credit(cell)
     assert cell.outputs[0].data["text/plain"] == "2.0"
     cell.outputs[0].data["text/plain"] = "-3"
-    execute._clamp_partial_credit(cell)
+    cells.clamp_partial_credit(cell)
     assert cell.outputs[0].data["text/plain"] == "0.0"
 
 
@@ -579,8 +579,8 @@ def _sandboxed(tmp_path: Path, uid: int, cgroup: str, code: str, *args: str):
         pids=32,
         data_limit=0,
         cgroup=cgroup,
-        hide=[*execute._hidden_paths(), str(tmp_path)],
-        keep=execute._kept_paths(),
+        hide=[*kernels.hidden_paths(), str(tmp_path)],
+        keep=kernels.kept_paths(),
     )
     return subprocess.Popen(
         sandbox.command(the_spec, [sys.executable, "-c", code, *args]),

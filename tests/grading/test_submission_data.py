@@ -26,7 +26,7 @@ import pytest
 from nbgrader.utils import determine_grade
 
 from disttrain_lab import grading
-from disttrain_lab.grading import classgrade, intake, sandbox, verdict
+from disttrain_lab.grading import intake, ledger, sandbox, verdict
 from tests.grading.test_grading import (
     FIXTURE_LIMITS,
     FIXTURES,
@@ -373,7 +373,7 @@ def test_the_resume_digest_never_follows_a_link(tmp_path):
     (linked / "big").symlink_to("/dev/zero")
 
     def digests():
-        return [classgrade.submission_digest(course, s, "lab", source) for s in ("honest", "linked")]
+        return [ledger.submission_digest(course, s, "lab", source) for s in ("honest", "linked")]
 
     before = digests()
     (honest / "lab.ipynb").write_text("two")

@@ -37,7 +37,7 @@ from tests.notebooks import (
     load,
     output_of,
     pictures,
-    prediction_digest_problems,
+    prediction_problems,
     prediction_verdict,
     run_solution,
     solution_notebook,
@@ -134,7 +134,7 @@ def test_timing_checks_sit_in_their_own_graded_cells():
 def test_predictions_self_checks_hold_the_graded_answers():
     # the self-check's digest is the solution's at the graded cases, and never the answer itself
     nb = load(LAB)
-    assert prediction_digest_problems(nb) == []
+    assert prediction_problems(nb) == []
     for grade_id in PREDICTIONS:
         assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
 

@@ -34,7 +34,7 @@ from tests.notebooks import (
     execute,
     load,
     output_of,
-    prediction_digest_problems,
+    prediction_problems,
     prediction_verdict,
     run_solution,
     solution_notebook,
@@ -112,7 +112,7 @@ def test_groups_and_errors_are_exercised_visibly():
 def test_predictions_self_checks_hold_the_graded_answers():
     # the self-check's digest is the solution's at the graded cases, and never the answer itself
     nb = load(LAB)
-    assert prediction_digest_problems(nb) == []
+    assert prediction_problems(nb) == []
     for grade_id in PREDICTIONS:
         assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
 

@@ -33,7 +33,7 @@ from tests.notebooks import (
     nbgrader_meta,
     output_of,
     pictures,
-    prediction_digest_problems,
+    prediction_problems,
     prediction_verdict,
     run_solution,
 )
@@ -69,7 +69,7 @@ PREDICTIONS = {
 
 def test_predictions_self_checks_hold_the_graded_answers():
     nb = load(LAB)
-    assert prediction_digest_problems(nb) == []
+    assert prediction_problems(nb) == []
     for grade_id in PREDICTIONS:
         assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
 

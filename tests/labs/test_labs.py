@@ -98,7 +98,7 @@ def test_graded_tests_run_where_no_student_code_runs(path):
     # issue 24: every lab's tests reach student code only through dl.exercise.run, so the
     # grader runs them in its own kernel (a lab that forgot would silently be graded in the
     # student's kernel, by the in-kernel guard)
-    from disttrain_lab.grading.execute import lab_runs_on_grader
+    from disttrain_lab.grading.grader_kernel import lab_runs_on_grader
 
     assert lab_runs_on_grader(path.parent.name), (
         f"{path.parent.name}: no graded test cell or locked cell calls dl.exercise.run"

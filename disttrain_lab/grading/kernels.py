@@ -1,0 +1,176 @@
+"""The student's kernel as ``execute.RobustExecute`` runs it: started in the sandbox where it is
+on (``SandboxKernelManager``, what it hides and keeps), under a memory limit where it is not,
+started again when it dies while starting, run quietly (code whose outputs nobody keeps), asked
+whether it still answers, and stopped."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from queue import Empty
+
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import ensure_async, run_sync
+from nbclient.exceptions import DeadKernelError
+
+from . import sandbox, uids
+from .config import REPO_ROOT, course_dir, source_dir
+
+
+class SandboxKernelManager(AsyncKernelManager):
+    """Starts the kernel in the sandbox (``sandbox.command``; set ``sandbox_spec`` first)."""
+
+    sandbox_spec: dict = {}
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return sandbox.command(self.sandbox_spec, super().format_kernel_cmd(extra_arguments))
+
+
+def git_paths(root: Path = REPO_ROOT) -> list[str]:
+    """The repository's git data: its objects hold every solution and hidden test.  In a
+    worktree ``.git`` is a file naming the real git directory (and its common one)."""
+    git = root / ".git"
+    if not git.is_file():
+        return [str(git)]
+    found = [str(git)]
+    text = git.read_text(errors="replace").strip()
+    if text.startswith("gitdir:"):
+        gitdir = (root / text[len("gitdir:") :].strip()).resolve()
+        found.append(str(gitdir))
+        common = gitdir / "commondir"
+        if common.is_file():
+            found.append(str((gitdir / common.read_text().strip()).resolve()))
+    return found
+
+
+def hidden_paths() -> list[str]:
+    """What a sandboxed kernel must not see: the course (gradebook, every submission),
+    the solutions and the repository's git data (which holds them too), the grading temp
+    dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
+    extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
+    return [str(course_dir()), str(source_dir()), *git_paths(), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
+
+
+def kept_paths() -> list[str]:
+    """What it must read: the interpreter and the kit (bound back read-only where hidden)."""
+    return sorted({sys.base_prefix, sys.prefix, str(REPO_ROOT)})
+
+
+class StudentKernel:
+    """The kernel methods of ``RobustExecute`` (a mixin before nbgrader's ``Execute``, whose
+    traits ``sandbox``, ``sandbox_uid``, ``student_memory``, ``student_pids``,
+    ``memory_limit``, ``startup_retries`` and ``probe_timeout`` it reads).  Once a kernel
+    and its client are up it calls ``self._kernel_started()``."""
+
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        if self.sandbox == "on":
+            km.__class__ = SandboxKernelManager
+            km.sandbox_spec = sandbox.spec(
+                # a uid no other grading on the host uses (uids.py), else one per parallel job
+                uid=uids.sandbox_uid(self.sandbox_uid, int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")))
+                if sandbox.method() == "root"
+                else self.sandbox_uid + int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")),
+                memory=self.student_memory,
+                pids=self.student_pids,
+                data_limit=self.memory_limit,
+                cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
+                hide=hidden_paths(),
+                keep=kept_paths(),
+            )
+            # the sandbox has its own network namespace: ZMQ over unix sockets in a folder
+            # made for this kernel (the sandbox binds it in and removes it); a unix socket's
+            # path holds at most 107 bytes, so a deep temp dir gives way to /tmp
+            where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
+            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
+            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)  # (a killed wrapper cannot)
+        elif self.sandbox != "off":
+            raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
+        return km
+
+    def start_new_kernel(self, **kwargs):
+        # a restarted kernel starts where the first one did (the submission's folder)
+        kwargs = self._kernel_kwargs = kwargs or getattr(self, "_kernel_kwargs", {})
+        super().start_new_kernel(**kwargs)
+        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+        if self.memory_limit and pid and self.sandbox != "on":  # (the sandbox sets it before the kernel starts)
+            import resource
+
+            # hard and soft: the kernel cannot raise it back; ranks it forks/spawns inherit it
+            resource.prlimit(pid, resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
+
+    def start_new_kernel_client(self):
+        for attempt in range(self.startup_retries + 1):
+            try:
+                kc = super().start_new_kernel_client()
+                break
+            except RuntimeError as exc:  # "Kernel died before replying to kernel_info"
+                if attempt == self.startup_retries:
+                    raise
+                self.log.warning("the kernel died while starting (%s); starting it again", exc)
+                if self.km is not None:
+                    self._stop_kernel()
+                self.km = self.create_kernel_manager()
+                self.start_new_kernel()
+        self._kernel_started()
+        return kc
+
+    def _kernel_answers(self, code: str = "pass", timeout: float | None = None) -> bool:
+        try:
+            return self._run_quietly(code, timeout=timeout or self.probe_timeout) is not None
+        except DeadKernelError:
+            return False
+
+    def _loopback_bytes(self) -> int | None:
+        """What the OS counted on the kernel's loopback so far (sandbox.loopback_bytes)."""
+        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+        return sandbox.loopback_bytes(pid) if pid else None
+
+    def _stop_kernel(self) -> None:
+        async def stop():
+            if self.kc is not None:
+                self.kc.stop_channels()
+            try:
+                await ensure_async(self.km.shutdown_kernel(now=True))
+            except Exception as exc:  # already dead: nothing to stop
+                self.log.debug("stopping the kernel: %s", exc)
+            try:
+                await ensure_async(self.km.cleanup_resources())
+            except Exception as exc:
+                self.log.debug("cleaning up the kernel: %s", exc)
+
+        run_sync(stop)()
+        self.kc, self.km = None, None
+
+    def _run_quietly(self, code: str, timeout: float, expression: str | None = None) -> dict | None:
+        """Execute code without recording outputs; the reply content, or None on timeout."""
+
+        async def run():
+            msg_id = self.kc.execute(
+                code,
+                silent=True,
+                store_history=False,
+                allow_stdin=False,
+                stop_on_error=False,
+                user_expressions={"r": expression} if expression else None,
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    msg = await ensure_async(
+                        self.kc.shell_channel.get_msg(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                    )
+                except Empty:
+                    if not await ensure_async(self.kc.is_alive()):
+                        raise DeadKernelError("Kernel died") from None
+                    continue
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    return msg["content"]
+            return None
+
+        return run_sync(run)()
