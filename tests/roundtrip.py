@@ -137,7 +137,7 @@ class Step:
 @dataclass
 class RoundTrip:
     course: Course
-    students: list[str]  # "full", "blank", "partial" (and "crashed" where a kernel dies)
+    students: list[str]  # "full", "blank" (and "partial", "crashed": see _grade_round_trip)
     results: dict[str, Step]
     table: dict  # grading.scores
     full_seconds: float  # autograding the solution alone, start to end
@@ -181,23 +181,24 @@ def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -
 
 
 def _grade_round_trip(course: Course) -> dict:
-    """Release ``course``'s lab, submit the solution, the blank and a partly done notebook
-    (the blank with only the first exercise done: the exercises it leaves blank fail at once on
-    their stubs, so it costs little more than the blank), and autograde them: the solution alone first (timed: its
-    cells' outputs are what the lab's file checks), then the others in one nbgrader process."""
+    """Release ``course``'s lab, submit the solution and the blank, and autograde them: the
+    solution alone first (timed: its cells' outputs are what the lab's file checks), then the
+    others in one nbgrader process.  On the launch fixture and the first real lab also a partly
+    done notebook (the blank with only its first exercise done: exactly that exercise's points)
+    and one whose kernel dies in the last exercise (only that exercise's points lost): each is
+    a whole grading more, made where it proves the grader's behaviour, not on every lab (a
+    later exercise graded when an earlier one fails is each lab's own wrong-answer tests')."""
     course.do_release()
     sol, lab = course.solution, course.lab
     solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
     first, last = solution_ids[0], solution_ids[-1]
-    [first_source] = [c.source for c in sol.cells if grade_id(c) == first]
     submit(course.course, "full", lab, sol)
     submit(course.course, "blank", lab, course.blank())
-    submit(course.course, "partial", lab, with_solution(course.blank(), first, first_source))
-    # a kernel dying mid-lab costs only that exercise: proven on the launch fixture and the
-    # first real lab (each replay re-runs the notebook, so not on every lab)
-    crash = lab in ("00_launch", FIRST_REAL_LAB)
-    students = ["full", "blank", "partial"] + (["crashed"] if crash else [])
-    if crash:
+    every_case = lab in ("00_launch", FIRST_REAL_LAB)
+    students = ["full", "blank"] + (["partial", "crashed"] if every_case else [])
+    if every_case:
+        [first_source] = [c.source for c in sol.cells if grade_id(c) == first]
+        submit(course.course, "partial", lab, with_solution(course.blank(), first, first_source))
         [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
         submit(course.course, "crashed", lab, with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source))
     start = time.perf_counter()

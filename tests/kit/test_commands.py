@@ -238,9 +238,10 @@ def test_help(command, expected):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_release_check():
-    """Releases every lab and builds the wheel in a scratch folder (~30 s on 2 cores): labs/ and
-    labs/wheels/ are what the sources make (after changing the kit's sources: `disttrain-lab release`)."""
-    out = run(disttrain_lab() + ["release", "--check"], timeout=560)
+    """Releases a lab and builds the wheel in a scratch folder: labs/ and labs/wheels/ are what the
+    sources make (after changing the kit's sources: `disttrain-lab release`).  One lab: every lab's
+    fresh release is compared with labs/ by tests/grading/test_grading.py (its round trip's release)."""
+    out = run(disttrain_lab() + ["release", "--check", "01_point_to_point"], timeout=560)
     assert out.returncode == 0 and "labs/ is up to date" in out.stdout, said(out)
 
 
