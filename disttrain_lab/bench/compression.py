@@ -5,7 +5,17 @@ baseline; ``fp16_compress_hook``; ``powerSGD_hook``) train the same model on the
 one launch, over the same emulated link (``dl.Network``), taking turns so a busy moment of the
 machine hurts them alike.  Per version: training steps per second (the slowest rank, median),
 the bytes one rank contributes per step (read from the trace: its own piece of every
-collective the hook makes), and the loss after the same number of steps.
+collective the hook makes), the CPU time a rank spends per step (all its threads: the hook's
+compression and decompression, gloo's copies, the model), and the loss after the same number of steps.
+
+Like with like: every hook gets the same DDP buckets (``BUCKET_MB``; torch's PowerSGD hook one
+bucket, see ``_compression_step_times``) and the same emulated link, whose α–β model charges an
+all-gather on 2 ranks what it charges an all-reduce of the same bytes per rank; torch's hooks and
+the lab's make one collective per bucket (fp16: an all-reduce of half the bytes; the lab's: an
+all-gather of each rank's packed piece).  The link's time is a wait, the same on a busy machine;
+the compression's time is CPU time on the step's critical path, which a loaded machine stretches:
+fp16's cast is cheap and its step mostly the link's, top-k and INT8 trade link time for CPU time,
+so their ratios to fp16 fall as the load rises (compare the CPU column, which the load barely moves).
 
     >>> found = bench.functions_from_notebook("solutions/07_compression/07_compression.ipynb",
     ...                                       ["TopKState", "topk_hook", "int8_hook"])
@@ -16,6 +26,8 @@ collective the hook makes), and the loss after the same number of steps.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 from ..network import Network
 from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
@@ -24,7 +36,9 @@ TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"
 TORCH_POWERSGD = "torch powerSGD_hook, rank 2"
 COMPRESSION_MODEL = (512, 1024, 1024, 512)  # an MLP of 2.1 M parameters: 8.4 MB of fp32 gradients
-BUCKET_MB = 2.0  # DDP's bucket cap: the model's three layers in three buckets, so a hook overlaps them
+# DDP's bucket cap: the model's three layers in three buckets (2, 4, 2 MiB), one collective each, so a hook
+# overlaps them.  (torch's default, 25 MiB with a first bucket of 1 MiB, gives this model two.)
+BUCKET_MB = 2.0
 ONE_BUCKET_MB = 64.0  # torch's powerSGD_hook: one bucket (below)
 
 
@@ -74,7 +88,7 @@ def _compression_step_times(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
-    losses, runners, calls = {}, {}, {}
+    losses, runners, calls, cpu = {}, {}, {}, {}
     for name, (make_state, hook) in versions.items():
         # every hook gets the same buckets (bucket_cap_mb given: the first bucket is not capped at
         # 1 MiB), so an asynchronous hook overlaps one bucket's compression with the previous one's
@@ -88,6 +102,7 @@ def _compression_step_times(
 
         def run(name=name, model=model, optimizer=optimizer):
             calls[name] = calls.get(name, 0) + 1
+            started = time.process_time()  # this rank's CPU time, all its threads
             # the trace says whose collectives these are, and which were warm-up rounds
             with region(name if calls[name] > warmup else name + " (warm-up)"):
                 for _ in range(steps):
@@ -96,10 +111,12 @@ def _compression_step_times(
                     loss.backward()
                     optimizer.step()
                     losses[name] = loss.item()
+            if calls[name] > warmup:
+                cpu.setdefault(name, []).append((time.process_time() - started) / steps)
 
         runners[name] = run
     seconds = take_turns(runners, repeats, warmup)
-    return {"seconds": seconds, "loss": losses}
+    return {"seconds": seconds, "loss": losses, "cpu": cpu}
 
 
 def bench_compression(
@@ -154,6 +171,7 @@ def bench_compression(
                 "steps_per_s": steps / slowest_median([r["seconds"][name] for r in run.results]),
                 "bytes_per_step": sum(e.meta.get("in_bytes", e.bytes) for e in mine) / (repeats * steps),
                 "loss": run.results[0]["loss"][name],
+                "cpu_s_per_step": statistics.mean(statistics.median(r["cpu"][name]) for r in run.results),
                 "steps": total_steps,
                 "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:])),
                 "sizes": tuple(sizes),
@@ -173,12 +191,13 @@ def format_compression_table(rows: list[dict]) -> str:
         f"compression hooks in torch DDP: MLP {' -> '.join(map(str, first['sizes']))} "
         f"({first['parameters'] / 1e6:.1f} M parameters), {first['world_size']} ranks, {first['network']}; "
         f"median of {first['repeats']}",
-        f"{'version':<34} {'steps/s':>8} {'bytes/step/rank':>16} {'loss after ' + str(first['steps']):>15} "
-        f"{'vs dense':>9}",
+        f"{'version':<34} {'steps/s':>8} {'bytes/step/rank':>16} {'CPU ms/step/rank':>17} "
+        f"{'loss after ' + str(first['steps']):>15} {'vs dense':>9}",
     ]
     for r in rows:
+        cpu = f"{r['cpu_s_per_step'] * 1e3:.1f}" if "cpu_s_per_step" in r else "-"
         lines.append(
-            f"{r['version']:<34} {r['steps_per_s']:8.2f} {format_bytes(r['bytes_per_step']):>16} "
+            f"{r['version']:<34} {r['steps_per_s']:8.2f} {format_bytes(r['bytes_per_step']):>16} {cpu:>17} "
             f"{r['loss']:15.4f} {r['ratio']:8.2f}x"
         )
     return "\n".join(lines)

@@ -469,12 +469,14 @@ def test_format_compression_table():
             "parameters": 5508,
             "sizes": (16, 64, 64, 4),
             "ratio": sps / 8.0,
+            "cpu_s_per_step": cpu,
         }
-        for name, sps, nbytes in (("dense", 8.0, 22032), ("top-k", 4.0, 672))
+        for name, sps, nbytes, cpu in (("dense", 8.0, 22032, 0.0191), ("top-k", 4.0, 672, 0.0246))
     ]
     table = format_compression_table(rows)
     assert "MLP 16 -> 64 -> 64 -> 4 (0.0 M parameters), 2 ranks, 1 Gbit/s; median of 5" in table
     assert "21.5 KiB" in table and "672 B" in table and "0.50x" in table and "loss after 12" in table
+    assert "CPU ms/step/rank" in table and " 19.1 " in table and " 24.6 " in table
 
 
 @pytest.mark.slow
@@ -496,7 +498,7 @@ def test_bench_compression_counts_the_compressed_bytes_side_by_side():
     assert by_name["INT8"]["bytes_per_step"] == numel + 4 * 6  # 6 chunks of 1024
     assert 0 < by_name[TORCH_POWERSGD]["bytes_per_step"] < numel
     for row in rows:
-        assert row["steps_per_s"] > 0 and row["loss"] > 0 and row["steps"] == 4
+        assert row["steps_per_s"] > 0 and row["loss"] > 0 and row["steps"] == 4 and row["cpu_s_per_step"] > 0
 
 
 @pytest.mark.slow
