@@ -1,4 +1,4 @@
-"""``disttrain-lab bench memory``: Lab 9's mixed precision and checkpointing beside torch's own.
+"""``disttrain-lab bench memory``: Lab 9's mixed precision, checkpointing and offload beside torch's own.
 
 In one process, taking turns so a busy moment of the machine hurts both alike:
 
