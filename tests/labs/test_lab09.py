@@ -11,7 +11,11 @@
   a "selective" mode that checkpoints nothing, offload sending fp32 weights up, offload that
   never overlaps) each fail the right graded cell with a message that
   says why.  All of them run in one kernel, to keep the suite's time down.
-- ``disttrain-lab bench memory`` with tiny options: both sides in one run.
+- ``disttrain-lab bench memory`` with tiny options: both sides of each part in one run; FSDP2's
+  ``CPUOffloadPolicy`` runs on CPU/gloo only unpinned (``pin_memory=False``; the default needs an
+  accelerator), and on the bench's emulated link it moves fp32 both ways (4 + 4 B per parameter).
+- On a GPU (``@needs_gpus``, skipped here): the solution with ``DEVICE = "cuda"``, its measuring
+  cells reading ``torch.cuda.memory_allocated`` within 5 % of the kit's counts.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -24,11 +28,13 @@ import re
 import nbformat
 import pytest
 
+from tests.helpers import needs_gpus
 from tests.notebooks import (
     REPO,
     cell_by_id,
     errors,
     execute,
+    execute_without_errors,
     load,
     nbgrader_meta,
     output_of,
@@ -139,6 +145,9 @@ def test_solution_notebook_executes_within_budget():
     printed = output_of(nb, "# Measured: the MLP 256 -> 1024 -> 1024 -> 256 on a slow emulated link")
     busy = float(re.search(r"link busy ([\d.]+) ms per step", printed)[1])
     assert abs(busy - 4 * 1575168 / 2e7 * 1e3) < 1.0, printed  # the model, plus a latency per copy
+    printed = output_of(nb, "# Measured on DEVICE: the bytes per parameter MixedPrecisionAdam keeps")
+    per_param = float(re.search(r"cpu: Ψ = 1575168; the kit counts ([\d.]+) B/param", printed)[1])
+    assert 16.0 <= per_param <= 16.01 and "cuda" not in printed, printed  # 2 + 2 + 12; no allocator on the CPU
 
 
 # Wrong answers: (graded cell, wrong code, words the failure must contain)
@@ -290,5 +299,90 @@ def test_bench_memory_runs_both_sides_in_one_run():
         "torch.utils.checkpoint",
         "state B/param",
         "activation bytes",
+        "OffloadAdam (lab), overlapped",
+        "FSDP2 fully_shard + CPUOffloadPolicy",
     ):
         assert needed in out.stdout, (needed, out.stdout)
+    # bytes per parameter crossing the link per step: fp16 both ways (lab), fp32 both ways (FSDP2)
+    assert re.search(r"OffloadAdam \(lab\), overlapped +[\d.]+ +2\.00, 2\.00 ", out.stdout), out.stdout
+    assert re.search(r"FSDP2 fully_shard \+ CPUOffloadPolicy +[\d.]+ +4\.00, 4\.00 ", out.stdout), out.stdout
+
+
+def test_format_memory_table_says_why_fsdp2_could_not_run():
+    from disttrain_lab.bench.memory import LAB_OFFLOAD, TORCH_OFFLOAD, format_memory_table
+
+    common = dict(part="offload", link=(10e-6, 2e7), sizes=(4, 8), batch=2, seq=8, repeats=1)
+    rows = [
+        dict(common, version=LAB_OFFLOAD, per_s=2.0, bytes=(2.0, 2.0), ratio=float("nan")),
+        dict(
+            common,
+            version=TORCH_OFFLOAD,
+            per_s=float("nan"),
+            bytes=(float("nan"),) * 2,
+            ratio=float("nan"),
+            error="RuntimeError: no",
+        ),
+    ]
+    table = format_memory_table(rows)
+    assert "host link 20 MB/s each way, 10 µs per copy" in table, table
+    assert f"{TORCH_OFFLOAD:<46} cannot run here: RuntimeError: no" in table, table
+
+
+def test_fsdp2_cpu_offload_runs_on_cpu_gloo_unpinned_and_moves_fp32_over_the_link():
+    """Pins what the bench relies on in torch 2.13: FSDP2 with CPUOffloadPolicy(pin_memory=False) steps on
+    one gloo rank; its default pin_memory=True needs an accelerator (a torch that lifts this is noticed);
+    FSDPParam.all_gather_inputs is where a sharded fp32 parameter goes up, and FSDP2 hands each sharded
+    fp32 gradient to post-accumulate-grad hooks (down)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from disttrain_lab.bench.memory import _fsdp2_copies_on, _gloo_world_of_one, fsdp2_offload_model
+    from disttrain_lab.hostlink import HostLink
+    from disttrain_lab.models import MLP, regression_data
+    from disttrain_lab.network import Network
+
+    sizes = [8, 16, 4]
+    data = regression_data(4, 8, 4, seed=1)
+    with _gloo_world_of_one(), HostLink(Network(latency=1e-6, bandwidth=1e12)) as link, _fsdp2_copies_on(link):
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError, match="Cannot access accelerator device when none is available"):
+                fully_shard(MLP(sizes, seed=0), mesh=init_device_mesh("cpu", (1,)), offload_policy=CPUOffloadPolicy())
+        model = fsdp2_offload_model(sizes)
+        down = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: down.append(link.copy(p.grad.to_local(), "down")))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            F.mse_loss(model(data.x).float(), data.y).backward()
+            [future.result() for future in down]
+            optimizer.step()
+        psi = sum(p.numel() for p in model.parameters())
+        assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+        assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+        assert link.bytes("up") == 2 * 4 * psi and link.bytes("down") == 2 * 4 * psi, (link.bytes("up"), psi)
+
+
+@needs_gpus(1)
+def test_memory_cells_measure_on_cuda():
+    """DEVICE is "cuda" where a GPU is visible: the measuring cells read the allocator, within 5 % of the kit."""
+    nb = execute_without_errors(load(LAB), LAB.parent)
+    printed = output_of(nb, "# Measured on DEVICE: the bytes per parameter MixedPrecisionAdam keeps")
+    allocated = float(re.search(r"cuda: ([\d.]+) B/param still allocated", printed)[1])
+    assert abs(allocated - 16) <= 0.05 * 16, printed  # 2 + 2 + 12 bytes per parameter
+    printed = output_of(nb, "gpt = models.GPT(CFG, seed=0)")
+    found = re.search(
+        r"cuda: (\d+) B still allocated after the forward .* the logits (\d+) B; the kit counts (\d+) B", printed
+    )
+    kept, logits, kit = map(int, found.groups())
+    assert abs(kept - logits - kit) <= 0.05 * kit, printed
+    printed = output_of(nb, "# Measured: activation bytes and step time of none / selective / full")
+    lines = re.findall(
+        r"cuda s=\d+ \w+ *: (-?\d+) B allocated after the forward beyond the logits .* counts (\d+) B", printed
+    )
+    assert len(lines) == 3 * 3, printed  # three lengths, three modes
+    for kept, kit in lines:
+        assert abs(int(kept) - int(kit)) <= 0.05 * int(kit), printed
