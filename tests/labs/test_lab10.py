@@ -3,14 +3,16 @@ answers, later exercises are graded on their own, and the sequence benchmark wor
 
 - The notebook's structure: the exercises and predictions in order, the hidden tests covering what
   the issue asks (N = 1, 2, 3, 4, groups, both layouts, float64 at 1e-9; k = 1 and 2, capacity
-  factors that drop tokens, the bytes counted by the OS), the predictions' digests.
+  factors that drop tokens, the bytes counted by the OS; sequence parallelism on t = 1, 2, 3, 4; Ulysses on N = 1 … 4), the
+  predictions' digests.
 - The solution notebook executes top to bottom in a real kernel as the grader runs it
   (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
   pictures and the benchmark table.
 - Wrong answers (a merge that averages, a ring that waits before it computes, a ring that makes N
   steps, a router that serves capacity token by token, an expert-parallel layer that ships the
-  dropped tokens too, predictions off the cost model) fail the right graded cell with a message
-  that says why; all in one kernel, to keep the suite's time down.
+  dropped tokens too, predictions off the cost model, a sequence-parallel block that keeps the gathered
+  input or reduce-scatters with an all-reduce, Ulysses without its all-to-all in backward) fail the right graded cell with a message that says
+  why; all in one kernel, to keep the suite's time down.
 - The ring is graded with the grader's blocks when exercise 1 fails, the expert-parallel layer
   with the grader's router when exercise 4 fails (one kernel).
 - bench.format_sequence_table, and `disttrain-lab bench sequence` with tiny options.
@@ -43,8 +45,17 @@ from tests.notebooks import (
 
 LAB = solution_notebook("10_sequence_experts")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["online_softmax", "ring_attention", "predict_ring_bytes", "router", "expert_parallel", "predict_moe_bytes"]
-GIVEN = ["given_ring_backward", "given_moe"]
+EXERCISES = [
+    "online_softmax",
+    "ring_attention",
+    "predict_ring_bytes",
+    "router",
+    "expert_parallel",
+    "predict_moe_bytes",
+    "sequence_parallel",
+    "ulysses",
+]
+GIVEN = ["given_ring_backward", "given_moe", "given_sp_pieces"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -65,6 +76,8 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "test_router": 2,
         "test_expert_parallel": 4,
         "test_predict_moe_bytes": 1,
+        "test_sequence_parallel": 3,
+        "test_ulysses": 2,
     }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
@@ -88,6 +101,14 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "def _ring_with_graders_blocks(",
         "def _moe_with_graders_router(",
         "dl.predictions.assert_prediction(",
+        "_check_sp(4, 16, 4, 8, 1, 1)",  # t = 4, 3 (6 heads), 1; a head count that does not split
+        "_check_sp(3, 12, 6, 9, 2, 2)",
+        "_check_sp(1, 8, 2, 4, 2, 3)",
+        "_expect_value_error(_build_sp, 3, 4",
+        "_check_ulysses(4, 4, 16, 3,",  # N = 4, 3, 1, 2 ranks; heads the group does not divide
+        "_check_ulysses(3, 6, 12, 2,",
+        "_check_ulysses(1, 2, 6, 4,",
+        "_expect_value_error(_ulysses_heads, 4, 6",
     ):
         assert needle in hidden, needle
     ring = cell_by_id(nb, "test_ring_attention").source
@@ -112,10 +133,25 @@ def test_visible_self_checks_exercise_every_hidden_requirement():
         "top_k_route(_logits, 2, 0.5)",  # k = 2, capacity served choice-major
         'dl.predictions.check("ring bytes"',
         'dl.predictions.check("moe bytes"',
+        "with dl.memory.SavedActivations(layer) as saved:",  # sequence parallelism: 1/t of the activations
+        '"all_reduce" in op',  # no all-reduce
+        '[2]["ln1.weight"]',  # a LayerNorm's gradient summed over the ranks
+        "dl.launch(_self_check_ulysses, _n, 4, 16, trace=True)",  # Ulysses on 2 and 4 ranks, its bytes
+        "dl.launch(_three_heads, 2)",
     ):
         assert needle in visible, needle
     text_cells = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    for rule in ("**not divisible**", "**before**", "choice-major", "`N − 1`", "three significant figures"):
+    for rule in (
+        "**not divisible**",
+        "**before**",
+        "choice-major",
+        "`N − 1`",
+        "three significant figures",
+        "**all-gathers `x` again**",
+        "(no all-reduce)",
+        "exactly `1/t`",
+        "**no other communication**",
+    ):
         assert rule in text_cells, rule
 
 
@@ -237,6 +273,62 @@ def top_k_route(logits, k, capacity_factor):           # capacity served token b
         "served choice-major",
     ),
     ("expert_parallel", _ships_dropped_choices(), "Something moved that the exercise does not need"),
+    (
+        "sequence_parallel",
+        """
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad.contiguous(), ctx.group), None
+
+def gather_linear(x, linears, group=None):             # the linears keep the gathered input
+    full = _Gather.apply(x, group)
+    return tuple(linear(full) for linear in linears)
+""",
+        "not save the gathered input",
+    ),
+    (
+        "sequence_parallel",
+        """
+class _AllReduceSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):                          # an all-reduce, then this rank's tokens
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad.contiguous(), ctx.group), None
+
+def reduce_scatter_sequence(x, group=None):
+    return _AllReduceSlice.apply(x, group)
+""",
+        "(no all-reduce)",
+    ),
+    (
+        "ulysses",
+        """
+class _AllToAll(torch.autograd.Function):              # backward passes the gradient through: no all-to-all back
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+""",
+        "'s gradient of q",
+    ),
     (
         "predict_ring_bytes",
         "def predicted_ring_attention_bytes(n, seq_len, width):\n    return 2 * seq_len * width * 4\n",
