@@ -15,7 +15,8 @@ answers, later exercises are graded on their own, and the sequence benchmark wor
   why; all in one kernel, to keep the suite's time down.
 - The ring is graded with the grader's blocks when exercise 1 fails, the expert-parallel layer
   with the grader's router when exercise 4 fails (one kernel).
-- bench.format_sequence_table, and `disttrain-lab bench sequence` with tiny options.
+- bench.format_sequence_table (its long-sequence rows: ring against Ulysses on an emulated link), and
+  `disttrain-lab bench sequence` with tiny options.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -184,7 +185,15 @@ def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
     table = output_of(nb, "bench.format_sequence_table(rows)")
-    for line in ("ring_attention", bench.ALL_GATHER_KV, "ExpertParallelMoE", bench.ALL_GATHER_DISPATCH, bench.TORCH_CP):
+    for line in (
+        "ring_attention",
+        bench.ALL_GATHER_KV,
+        "ExpertParallelMoE",
+        bench.ALL_GATHER_DISPATCH,
+        bench.TORCH_CP,
+        "ulysses_attention, S=256",
+        "link 10 Gbit Ethernet",
+    ):
         assert line in table, table
     balance = output_of(nb, "_balance_run")
     assert "naive: query-key pairs 0.062·S², 0.125·S², 0.188·S², 0.250·S²" in balance, balance
@@ -434,7 +443,33 @@ def test_format_sequence_table():
             "error": "NotImplementedError: no CPU",
         },
     ]
+    long = {
+        "part": bench.LONG,
+        "world_size": 2,
+        "size": {"heads": 2, "dim": 8, "link": "10 Gbit Ethernet"},
+        "repeats": 3,
+    }
+    rows += [
+        {
+            **long,
+            "version": "ring_attention, S=64",
+            "ms": 6.0,
+            "bytes": 2048,
+            "baseline": "ring_attention",
+            "ratio": 1.0,
+        },
+        {
+            **long,
+            "version": "ulysses_attention, S=64",
+            "ms": 2.0,
+            "bytes": 1024,
+            "baseline": "ring_attention",
+            "ratio": 3.0,
+        },
+    ]
     table = bench.format_sequence_table(rows)
+    assert "long sequences on 2 ranks (heads 2, dim 8, link 10 Gbit Ethernet)" in table, table
+    assert "ratio: ring_attention's time / this one's" in table and "3.00x" in table, table
     assert "ratio: all-gather K/V's time / this one's" in table
     assert "ring_attention" in table and "2.00x" in table and "8.0 KiB" in table
     assert f"{bench.TORCH_CP}" in table and "not measured: NotImplementedError: no CPU" in table
@@ -443,7 +478,7 @@ def test_format_sequence_table():
 @pytest.mark.slow
 def test_cli_bench_sequence_with_tiny_options():
     args = ["--world-size", "2", "--seq-len", "64", "--heads", "2", "--dim", "8"]
-    args += ["--tokens", "16", "--d", "8", "--experts", "2", "--repeats", "1"]
+    args += ["--tokens", "16", "--d", "8", "--experts", "2", "--repeats", "1", "--seq-lens", "32,64"]
     done = run_python(["-m", "disttrain_lab.cli", "bench", "sequence", *args], timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout
     out = done.stdout
@@ -453,6 +488,8 @@ def test_cli_bench_sequence_with_tiny_options():
         "ExpertParallelMoE",
         bench.ALL_GATHER_DISPATCH,
         bench.ONE_PROCESS_MOE,
+        "ring_attention, S=32",
+        "ulysses_attention, S=64",
     ):
         assert f"  {line} " in out, out
     unmeasured = [line for line in out.splitlines() if "not measured" in line]
