@@ -11,7 +11,8 @@ answers, later exercises are graded on their own, and the sequence benchmark wor
 - Wrong answers (a merge that averages, a ring that waits before it computes, a ring that makes N
   steps, a router that serves capacity token by token, an expert-parallel layer that ships the
   dropped tokens too, predictions off the cost model, a sequence-parallel block that keeps the gathered
-  input or reduce-scatters with an all-reduce, Ulysses without its all-to-all in backward) fail the right graded cell with a message that says
+  input or reduce-scatters with an all-reduce, Ulysses without its all-to-all in backward, a
+  column-major grid) fail the right graded cell with a message that says
   why; all in one kernel, to keep the suite's time down.
 - The ring is graded with the grader's blocks when exercise 1 fails, the expert-parallel layer
   with the grader's router when exercise 4 fails (one kernel).
@@ -55,6 +56,7 @@ EXERCISES = [
     "predict_moe_bytes",
     "sequence_parallel",
     "ulysses",
+    "mesh_groups",
 ]
 GIVEN = ["given_ring_backward", "given_moe", "given_sp_pieces"]
 
@@ -79,6 +81,7 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "test_predict_moe_bytes": 1,
         "test_sequence_parallel": 3,
         "test_ulysses": 2,
+        "test_mesh_groups": 2,
     }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
@@ -110,6 +113,8 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "_check_ulysses(3, 6, 12, 2,",
         "_check_ulysses(1, 2, 6, 4,",
         "_expect_value_error(_ulysses_heads, 4, 6",
+        '_check_groups({"dp": 2, "cp": 2, "ep": 2, "tp": 2, "pp": 1}, ("dp", "ep"))',  # five dimensions, flattened
+        '_check_groups({"pp": 2, "dp": 3, "cp": 2, "tp": 2}, "cp")',
     ):
         assert needle in hidden, needle
     ring = cell_by_id(nb, "test_ring_attention").source
@@ -139,6 +144,7 @@ def test_visible_self_checks_exercise_every_hidden_requirement():
         '[2]["ln1.weight"]',  # a LayerNorm's gradient summed over the ranks
         "dl.launch(_self_check_ulysses, _n, 4, 16, trace=True)",  # Ulysses on 2 and 4 ranks, its bytes
         "dl.launch(_three_heads, 2)",
+        "dl.launch(_torch_mesh_groups, 8)",  # against torch's DeviceMesh
     ):
         assert needle in visible, needle
     text_cells = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
@@ -337,6 +343,20 @@ class _AllToAll(torch.autograd.Function):              # backward passes the gra
         return grad, None
 """,
         "'s gradient of q",
+    ),
+    (
+        "mesh_groups",
+        """
+def mesh_groups(sizes, dims):                          # column-major: the first dimension changes fastest
+    names, dims = list(sizes), (dims,) if isinstance(dims, str) else tuple(dims)
+    grid = torch.arange(math.prod(sizes.values())).view(*reversed(list(sizes.values())))
+    grid = grid.permute(*reversed(range(len(names))))
+    kept = [names.index(d) for d in dims]
+    rest = [i for i in range(len(names)) if i not in kept]
+    groups = grid.permute(*rest, *kept).reshape(-1, math.prod(sizes[d] for d in dims))
+    return sorted(sorted(g) for g in groups.tolist())
+""",
+        "row-major, the last dimension fastest",
     ),
     (
         "predict_ring_bytes",
