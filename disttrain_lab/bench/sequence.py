@@ -252,7 +252,9 @@ def bench_sequence(
     ``ExpertParallelMoE``, ``MoE``, ``top_k_route``; any may be missing) beside the baselines, in one
     launch.  ``ratio``: the baseline's time / this one's (above 1: faster than the baseline; the
     baseline is torch's context parallelism where it ran, else all-gather K/V; all-gather dispatch
-    for the experts).
+    for the experts).  With both ``ring_attention`` and ``ulysses_attention`` in ``versions``, a second
+    launch on ``network`` (default 10 Gbit Ethernet) adds the "long sequences" rows: the two at each
+    of ``seq_lens``, the ratio being the ring's time / this one's.
 
         >>> print(format_sequence_table(bench_sequence({"ring_attention": ring_attention, "MoE": MoE})))
     """
