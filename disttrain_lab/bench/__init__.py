@@ -46,6 +46,7 @@ from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipel
 from .sequence import (
     ALL_GATHER_DISPATCH,
     ALL_GATHER_KV,
+    LONG,
     ONE_PROCESS_MOE,
     TORCH_CP,
     bench_sequence,

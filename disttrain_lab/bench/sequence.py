@@ -12,12 +12,17 @@ Experts (forward and backward of one MoE layer): the lab's ``ExpertParallelMoE``
 dispatch**, every rank gathering every rank's tokens, running its experts on those routed to
 them and reduce-scattering the outputs; and the lab's dense ``MoE`` on one rank's tokens in one
 process (all experts on one device).
+
+Long sequences (forward and backward on an emulated link, default 10 Gbit Ethernet, at several
+sequence lengths): the lab's ``ring_attention`` (zig-zag) against its ``ulysses_attention``
+(contiguous tokens, an all-to-all to a head split and back), side by side in one launch.
 """
 
 from __future__ import annotations
 
 import os
 
+from ..network import Network
 from .common import (
     add_notebook_argument,
     collective_bytes_counter,
@@ -30,6 +35,9 @@ TORCH_CP = "torch context_parallel"
 ALL_GATHER_KV = "all-gather K/V"
 ALL_GATHER_DISPATCH = "all-gather dispatch"
 ONE_PROCESS_MOE = "MoE, one process"
+LONG = "long sequences"  # the part of the table: ring against Ulysses on an emulated link
+LINK = "10 Gbit Ethernet"
+SEQ_LENS = (1024, 2048, 4096)
 ATTENTION = {"seq_len": 4096, "heads": 8, "dim": 64}  # one sequence, float32
 EXPERTS = {"tokens": 2048, "d": 256, "n_experts": 8, "k": 2, "capacity_factor": 1.25}  # tokens per rank
 
@@ -169,6 +177,41 @@ def _expert_runners(versions: dict, tokens: int, d: int, n_experts: int, k: int,
     return runners
 
 
+def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats: int, warmup: int) -> dict:
+    """In each rank: per sequence length, seconds per forward+backward of the ring (zig-zag tokens) and of
+    Ulysses (contiguous tokens), interleaved, and rank 0's bytes per step."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for seq_len in seq_lens:
+        g = torch.Generator().manual_seed(0)
+        whole = [torch.randn(heads, seq_len, dim, generator=g) for _ in range(3)]
+        chunk = seq_len // n
+        layouts = {
+            "ring_attention": _zigzag(seq_len, n, rank),
+            "ulysses_attention": torch.arange(rank * chunk, (rank + 1) * chunk),
+        }
+        runners = {}
+        for name, pos in layouts.items():
+
+            def run(fn=versions[name], pos=pos, whole=whole):
+                out = fn(*(t[:, pos].clone().requires_grad_() for t in whole))
+                out.backward(torch.ones_like(out))
+
+            runners[f"{name}, S={seq_len}"] = run
+        communicated = {}
+        for name, run in runners.items():
+            counter = collective_bytes_counter()
+            with counter:
+                run()
+            # an all-to-all keeps 1/N of its tensor: count what it sends, as the ring's isends count theirs
+            communicated[name] = counter.bytes * ((n - 1) / n if name.startswith("ulysses") else 1)
+        out[seq_len] = {"seconds": take_turns(runners, repeats, warmup), "bytes": communicated}
+    return out
+
+
 def _sequence_times(versions: dict, attention: dict, experts: dict, repeats: int, warmup: int) -> dict:
     """In each rank: per part and version, seconds per step (interleaved), rank 0's bytes per step, errors."""
     out = {}
@@ -201,13 +244,17 @@ def bench_sequence(
     repeats: int = 5,
     warmup: int = 1,
     timeout: float = 600.0,
+    seq_lens=SEQ_LENS,
+    network: Network | None = None,
 ) -> list[dict]:
     """Forward+backward time (median of the slowest rank) and rank 0's bytes per step of the lab's
     ``ring_attention`` and ``ExpertParallelMoE`` (``versions``: the notebook's ``ring_attention``,
     ``ExpertParallelMoE``, ``MoE``, ``top_k_route``; any may be missing) beside the baselines, in one
     launch.  ``ratio``: the baseline's time / this one's (above 1: faster than the baseline; the
     baseline is torch's context parallelism where it ran, else all-gather K/V; all-gather dispatch
-    for the experts).
+    for the experts).  With both ``ring_attention`` and ``ulysses_attention`` in ``versions``, a second
+    launch on ``network`` (default 10 Gbit Ethernet) adds the "long sequences" rows: the two at each
+    of ``seq_lens``, the ratio being the ring's time / this one's.
 
         >>> print(format_sequence_table(bench_sequence({"ring_attention": ring_attention, "MoE": MoE})))
     """
@@ -239,6 +286,56 @@ def bench_sequence(
             if baseline is not None and "error" not in row:
                 row["baseline"], row["ratio"] = baseline["version"], baseline["ms"] / row["ms"]
         rows += part_rows
+    if "ring_attention" in versions and "ulysses_attention" in versions:
+        rows += _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, warmup, timeout, network)
+    return rows
+
+
+def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, warmup, timeout, network) -> list[dict]:
+    """The "long sequences" rows: ring and Ulysses per sequence length on ``network`` (one launch);
+    ``ratio``: the ring's time / this one's at the same length."""
+    from ..launcher import launch
+
+    network = network or Network.preset(LINK)
+    if heads % world_size:
+        raise ValueError(f"heads={heads} is not divisible by world_size={world_size} (Ulysses splits the heads)")
+    bad = [s for s in seq_lens if s % (2 * world_size)]
+    if bad:
+        raise ValueError(f"seq_lens {bad} are not divisible by 2 x world_size = {2 * world_size} (zig-zag chunks)")
+    picked = {name: versions[name] for name in ("ring_attention", "ulysses_attention")}
+    per_rank = launch(
+        _long_sequence_times,
+        world_size,
+        picked,
+        tuple(seq_lens),
+        heads,
+        dim,
+        repeats,
+        warmup,
+        timeout=timeout,
+        network=network,
+    )
+    rows = []
+    size = {"heads": heads, "dim": dim, "link": network.name}
+    for seq_len in seq_lens:
+        first = per_rank[0][seq_len]
+        names = [f"{name}, S={seq_len}" for name in picked]  # the ring first, then Ulysses
+        ms = {name: 1e3 * slowest_median([rank[seq_len]["seconds"][name] for rank in per_rank]) for name in names}
+        ring = ms[f"ring_attention, S={seq_len}"]
+        for name, value in ms.items():
+            rows.append(
+                {
+                    "part": LONG,
+                    "version": name,
+                    "world_size": world_size,
+                    "size": dict(size),
+                    "repeats": repeats,
+                    "ms": value,
+                    "bytes": first["bytes"][name],
+                    "baseline": "ring_attention",
+                    "ratio": ring / value,
+                }
+            )
     return rows
 
 
@@ -248,7 +345,7 @@ def format_sequence_table(rows: list[dict]) -> str:
 
     width = max(24, *(len(r["version"]) for r in rows)) + 2
     lines = []
-    for part in ("attention", "experts"):
+    for part in ("attention", "experts", LONG):
         mine = [r for r in rows if r["part"] == part]
         if not mine:
             continue
@@ -282,10 +379,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=EXPERTS["tokens"], help="MoE tokens per rank")
     parser.add_argument("--d", type=int, default=EXPERTS["d"], help="MoE width")
     parser.add_argument("--experts", type=int, default=EXPERTS["n_experts"], help="number of experts")
+    parser.add_argument(
+        "--seq-lens",
+        default=",".join(map(str, SEQ_LENS)),
+        help="sequence lengths of the ring-against-Ulysses rows, comma-separated (default %(default)s)",
+    )
+    parser.add_argument(
+        "--link", default=LINK, help="the emulated link of those rows, a network preset (default %(default)s)"
+    )
 
 
 def run(args) -> int:
-    names = ["ring_attention", "ExpertParallelMoE", "MoE", "top_k_route"]
+    names = ["ring_attention", "ExpertParallelMoE", "MoE", "top_k_route", "ulysses_attention"]
     found = functions_from_lab(args, LAB, names, "ring attention and MoE", given=True)  # the given MoE, ring_attention
     if found is None:
         return 2
@@ -299,6 +404,8 @@ def run(args) -> int:
         d=args.d,
         n_experts=args.experts,
         repeats=args.repeats,
+        seq_lens=[int(s) for s in args.seq_lens.split(",") if s.strip()],
+        network=Network.preset(args.link),
     )
     print(format_sequence_table(rows))
     return 0

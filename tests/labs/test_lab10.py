@@ -3,17 +3,21 @@ answers, later exercises are graded on their own, and the sequence benchmark wor
 
 - The notebook's structure: the exercises and predictions in order, the hidden tests covering what
   the issue asks (N = 1, 2, 3, 4, groups, both layouts, float64 at 1e-9; k = 1 and 2, capacity
-  factors that drop tokens, the bytes counted by the OS), the predictions' digests.
+  factors that drop tokens, the bytes counted by the OS; sequence parallelism on t = 1, 2, 3, 4; Ulysses on N = 1 … 4), the
+  predictions' digests.
 - The solution notebook executes top to bottom in a real kernel as the grader runs it
   (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
   pictures and the benchmark table.
 - Wrong answers (a merge that averages, a ring that waits before it computes, a ring that makes N
   steps, a router that serves capacity token by token, an expert-parallel layer that ships the
-  dropped tokens too, predictions off the cost model) fail the right graded cell with a message
-  that says why; all in one kernel, to keep the suite's time down.
+  dropped tokens too, predictions off the cost model, a sequence-parallel block that keeps the gathered
+  input or reduce-scatters with an all-reduce, Ulysses without its all-to-all in backward, a
+  column-major grid) fail the right graded cell with a message that says
+  why; all in one kernel, to keep the suite's time down.
 - The ring is graded with the grader's blocks when exercise 1 fails, the expert-parallel layer
   with the grader's router when exercise 4 fails (one kernel).
-- bench.format_sequence_table, and `disttrain-lab bench sequence` with tiny options.
+- bench.format_sequence_table (its long-sequence rows: ring against Ulysses on an emulated link), and
+  `disttrain-lab bench sequence` with tiny options.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -43,8 +47,18 @@ from tests.notebooks import (
 
 LAB = solution_notebook("10_sequence_experts")
 BUDGET_S = 240  # the issue's budget for the whole solution notebook on 2 cores
-EXERCISES = ["online_softmax", "ring_attention", "predict_ring_bytes", "router", "expert_parallel", "predict_moe_bytes"]
-GIVEN = ["given_ring_backward", "given_moe"]
+EXERCISES = [
+    "online_softmax",
+    "ring_attention",
+    "predict_ring_bytes",
+    "router",
+    "expert_parallel",
+    "predict_moe_bytes",
+    "sequence_parallel",
+    "ulysses",
+    "mesh_groups",
+]
+GIVEN = ["given_ring_backward", "given_moe", "given_sp_pieces"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -65,6 +79,9 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "test_router": 2,
         "test_expert_parallel": 4,
         "test_predict_moe_bytes": 1,
+        "test_sequence_parallel": 3,
+        "test_ulysses": 2,
+        "test_mesh_groups": 2,
     }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
@@ -88,6 +105,16 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "def _ring_with_graders_blocks(",
         "def _moe_with_graders_router(",
         "dl.predictions.assert_prediction(",
+        "_check_sp(4, 16, 4, 8, 1, 1)",  # t = 4, 3 (6 heads), 1; a head count that does not split
+        "_check_sp(3, 12, 6, 9, 2, 2)",
+        "_check_sp(1, 8, 2, 4, 2, 3)",
+        "_expect_value_error(_build_sp, 3, 4",
+        "_check_ulysses(4, 4, 16, 3,",  # N = 4, 3, 1, 2 ranks; heads the group does not divide
+        "_check_ulysses(3, 6, 12, 2,",
+        "_check_ulysses(1, 2, 6, 4,",
+        "_expect_value_error(_ulysses_heads, 4, 6",
+        '_check_groups({"dp": 2, "cp": 2, "ep": 2, "tp": 2, "pp": 1}, ("dp", "ep"))',  # five dimensions, flattened
+        '_check_groups({"pp": 2, "dp": 3, "cp": 2, "tp": 2}, "cp")',
     ):
         assert needle in hidden, needle
     ring = cell_by_id(nb, "test_ring_attention").source
@@ -112,10 +139,26 @@ def test_visible_self_checks_exercise_every_hidden_requirement():
         "top_k_route(_logits, 2, 0.5)",  # k = 2, capacity served choice-major
         'dl.predictions.check("ring bytes"',
         'dl.predictions.check("moe bytes"',
+        "with dl.memory.SavedActivations(layer) as saved:",  # sequence parallelism: 1/t of the activations
+        '"all_reduce" in op',  # no all-reduce
+        '[2]["ln1.weight"]',  # a LayerNorm's gradient summed over the ranks
+        "dl.launch(_self_check_ulysses, _n, 4, 16, trace=True)",  # Ulysses on 2 and 4 ranks, its bytes
+        "dl.launch(_three_heads, 2)",
+        "dl.launch(_torch_mesh_groups, 8)",  # against torch's DeviceMesh
     ):
         assert needle in visible, needle
     text_cells = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    for rule in ("**not divisible**", "**before**", "choice-major", "`N − 1`", "three significant figures"):
+    for rule in (
+        "**not divisible**",
+        "**before**",
+        "choice-major",
+        "`N − 1`",
+        "three significant figures",
+        "**all-gathers `x` again**",
+        "(no all-reduce)",
+        "exactly `1/t`",
+        "**no other communication**",
+    ):
         assert rule in text_cells, rule
 
 
@@ -148,7 +191,15 @@ def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
     table = output_of(nb, "bench.format_sequence_table(rows)")
-    for line in ("ring_attention", bench.ALL_GATHER_KV, "ExpertParallelMoE", bench.ALL_GATHER_DISPATCH, bench.TORCH_CP):
+    for line in (
+        "ring_attention",
+        bench.ALL_GATHER_KV,
+        "ExpertParallelMoE",
+        bench.ALL_GATHER_DISPATCH,
+        bench.TORCH_CP,
+        "ulysses_attention, S=256",
+        "link 10 Gbit Ethernet",
+    ):
         assert line in table, table
     balance = output_of(nb, "_balance_run")
     assert "naive: query-key pairs 0.062·S², 0.125·S², 0.188·S², 0.250·S²" in balance, balance
@@ -237,6 +288,76 @@ def top_k_route(logits, k, capacity_factor):           # capacity served token b
         "served choice-major",
     ),
     ("expert_parallel", _ships_dropped_choices(), "Something moved that the exercise does not need"),
+    (
+        "sequence_parallel",
+        """
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad.contiguous(), ctx.group), None
+
+def gather_linear(x, linears, group=None):             # the linears keep the gathered input
+    full = _Gather.apply(x, group)
+    return tuple(linear(full) for linear in linears)
+""",
+        "not save the gathered input",
+    ),
+    (
+        "sequence_parallel",
+        """
+class _AllReduceSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):                          # an all-reduce, then this rank's tokens
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad.contiguous(), ctx.group), None
+
+def reduce_scatter_sequence(x, group=None):
+    return _AllReduceSlice.apply(x, group)
+""",
+        "(no all-reduce)",
+    ),
+    (
+        "ulysses",
+        """
+class _AllToAll(torch.autograd.Function):              # backward passes the gradient through: no all-to-all back
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+""",
+        "'s gradient of q",
+    ),
+    (
+        "mesh_groups",
+        """
+def mesh_groups(sizes, dims):                          # column-major: the first dimension changes fastest
+    names, dims = list(sizes), (dims,) if isinstance(dims, str) else tuple(dims)
+    grid = torch.arange(math.prod(sizes.values())).view(*reversed(list(sizes.values())))
+    grid = grid.permute(*reversed(range(len(names))))
+    kept = [names.index(d) for d in dims]
+    rest = [i for i in range(len(names)) if i not in kept]
+    groups = grid.permute(*rest, *kept).reshape(-1, math.prod(sizes[d] for d in dims))
+    return sorted(sorted(g) for g in groups.tolist())
+""",
+        "row-major, the last dimension fastest",
+    ),
     (
         "predict_ring_bytes",
         "def predicted_ring_attention_bytes(n, seq_len, width):\n    return 2 * seq_len * width * 4\n",
@@ -342,7 +463,33 @@ def test_format_sequence_table():
             "error": "NotImplementedError: no CPU",
         },
     ]
+    long = {
+        "part": bench.LONG,
+        "world_size": 2,
+        "size": {"heads": 2, "dim": 8, "link": "10 Gbit Ethernet"},
+        "repeats": 3,
+    }
+    rows += [
+        {
+            **long,
+            "version": "ring_attention, S=64",
+            "ms": 6.0,
+            "bytes": 2048,
+            "baseline": "ring_attention",
+            "ratio": 1.0,
+        },
+        {
+            **long,
+            "version": "ulysses_attention, S=64",
+            "ms": 2.0,
+            "bytes": 1024,
+            "baseline": "ring_attention",
+            "ratio": 3.0,
+        },
+    ]
     table = bench.format_sequence_table(rows)
+    assert "long sequences on 2 ranks (heads 2, dim 8, link 10 Gbit Ethernet)" in table, table
+    assert "ratio: ring_attention's time / this one's" in table and "3.00x" in table, table
     assert "ratio: all-gather K/V's time / this one's" in table
     assert "ring_attention" in table and "2.00x" in table and "8.0 KiB" in table
     assert f"{bench.TORCH_CP}" in table and "not measured: NotImplementedError: no CPU" in table
@@ -351,7 +498,7 @@ def test_format_sequence_table():
 @pytest.mark.slow
 def test_cli_bench_sequence_with_tiny_options():
     args = ["--world-size", "2", "--seq-len", "64", "--heads", "2", "--dim", "8"]
-    args += ["--tokens", "16", "--d", "8", "--experts", "2", "--repeats", "1"]
+    args += ["--tokens", "16", "--d", "8", "--experts", "2", "--repeats", "1", "--seq-lens", "32,64"]
     done = run_python(["-m", "disttrain_lab.cli", "bench", "sequence", *args], timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout
     out = done.stdout
@@ -361,6 +508,8 @@ def test_cli_bench_sequence_with_tiny_options():
         "ExpertParallelMoE",
         bench.ALL_GATHER_DISPATCH,
         bench.ONE_PROCESS_MOE,
+        "ring_attention, S=32",
+        "ulysses_attention, S=64",
     ):
         assert f"  {line} " in out, out
     unmeasured = [line for line in out.splitlines() if "not measured" in line]
