@@ -1,9 +1,10 @@
-"""The kit's own Lab 6 pieces, for Lab 8 when your Lab 6 notebook is missing or not finished.
+"""The kit's own Lab 6 pieces, for the labs that build on Lab 6 when your Lab 6 notebook is
+missing or not finished: a lab you did not finish must not stop a later one.
 
-Lab 8 composes what Labs 3, 5 and 6 taught; a lab you did not finish must not stop this one.
-This file ships with Lab 8 only (it is Lab 6's answer): Lab 8 uses your Lab 6
-``ColumnParallelLinear``, ``RowParallelLinear``, ``f``, ``g`` and ``TensorParallelMLP`` when
-they pass a quick check, these otherwise; the graded tests always use these.
+This file ships with Labs 8 and 10 only (it is Lab 6's answer; Lab 10's data/ links to this one).
+Lab 8 uses your Lab 6 ``ColumnParallelLinear``, ``RowParallelLinear``, ``f``, ``g`` and
+``TensorParallelMLP`` when they pass a quick check, these otherwise; Lab 10's section 7 turns
+these into a sequence-parallel block.  The graded tests always use these.
 
 Megatron-LM (Shoeybi et al., 2019), section 3: an MLP is a column-parallel linear layer, GeLU,
 a row-parallel linear layer; f (identity forward, all-reduce backward) opens the block and
