@@ -333,6 +333,28 @@ def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
     return found[0]
 
 
+def prediction_cells_problems(nb, predictions) -> list[str]:
+    """``prediction_problems`` of ``nb``, and a graded prediction cell worth other than 1 point (of
+    the grade ids ``predictions`` names, without ``test_``)."""
+    points = {g: cell_by_id(nb, f"test_{g}").metadata.nbgrader.points for g in predictions}
+    return prediction_problems(nb) + [f"test_{g} is worth {p} points, not 1" for g, p in points.items() if p != 1]
+
+
+def assert_prediction_verdicts(nb, grade_id: str, right, wrongs) -> None:
+    """The graded prediction cell ``test_<grade_id>`` passes ``right`` (a one-line function) and
+    fails each of ``wrongs`` with the kit's rule (3 significant figures)."""
+    from disttrain_lab.predictions import PredictionError
+
+    prediction_verdict(nb, f"test_{grade_id}", right)
+    for wrong in wrongs:
+        try:
+            prediction_verdict(nb, f"test_{grade_id}", wrong)
+        except PredictionError as exc:
+            assert "does not match the cost model to 3 significant figures" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"test_{grade_id} passed a wrong prediction")
+
+
 def prediction_verdict(nb, test_id: str, predicted) -> None:
     """Run the graded prediction cell ``test_id`` of ``nb`` in this process, with ``predicted`` (the
     student's one-line function) read as ``dl.predictions.fetch`` reads it: its value at each case.

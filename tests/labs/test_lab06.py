@@ -28,14 +28,14 @@ from disttrain_lab import bench, viz
 from tests.helpers import gpu_count, needs_gpus, run_python
 from tests.notebooks import (
     REPO,
+    assert_prediction_verdicts,
     cell_by_id,
     error_of_last_cell,
     errors,
     execute,
     load,
     output_of,
-    prediction_problems,
-    prediction_verdict,
+    prediction_cells_problems,
     run_solution,
     solution_notebook,
     text,
@@ -111,22 +111,12 @@ def test_groups_and_errors_are_exercised_visibly():
 
 def test_predictions_self_checks_hold_the_graded_answers():
     # the self-check's digest is the solution's at the graded cases, and never the answer itself
-    nb = load(LAB)
-    assert prediction_problems(nb) == []
-    for grade_id in PREDICTIONS:
-        assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
+    assert prediction_cells_problems(load(LAB), PREDICTIONS) == []
 
 
 @pytest.mark.parametrize("grade_id", list(PREDICTIONS))
 def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
-    from disttrain_lab.predictions import PredictionError
-
-    nb = load(LAB)
-    right, wrongs = PREDICTIONS[grade_id]
-    prediction_verdict(nb, f"test_{grade_id}", right)
-    for wrong in wrongs:
-        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
-            prediction_verdict(nb, f"test_{grade_id}", wrong)
+    assert_prediction_verdicts(load(LAB), grade_id, *PREDICTIONS[grade_id])
 
 
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell():

@@ -31,6 +31,7 @@ import pytest
 from tests.helpers import needs_gpus
 from tests.notebooks import (
     REPO,
+    assert_prediction_verdicts,
     cell_by_id,
     errors,
     execute,
@@ -39,8 +40,7 @@ from tests.notebooks import (
     nbgrader_meta,
     output_of,
     pictures,
-    prediction_problems,
-    prediction_verdict,
+    prediction_cells_problems,
     run_solution,
 )
 
@@ -74,22 +74,13 @@ PREDICTIONS = {
 
 
 def test_predictions_self_checks_hold_the_graded_answers():
-    nb = load(LAB)
-    assert prediction_problems(nb) == []
-    for grade_id in PREDICTIONS:
-        assert cell_by_id(nb, f"test_{grade_id}").metadata.nbgrader.points == 1
+    # the self-check's digest is the solution's at the graded cases, and never the answer itself
+    assert prediction_cells_problems(load(LAB), PREDICTIONS) == []
 
 
 @pytest.mark.parametrize("grade_id", list(PREDICTIONS))
 def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
-    from disttrain_lab.predictions import PredictionError
-
-    nb = load(LAB)
-    right, wrongs = PREDICTIONS[grade_id]
-    prediction_verdict(nb, f"test_{grade_id}", right)
-    for wrong in wrongs:
-        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
-            prediction_verdict(nb, f"test_{grade_id}", wrong)
+    assert_prediction_verdicts(load(LAB), grade_id, *PREDICTIONS[grade_id])
 
 
 def test_exercises_and_hidden_tests_cover_the_issue():
