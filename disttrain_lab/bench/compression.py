@@ -30,7 +30,7 @@ import statistics
 import time
 
 from ..network import Network
-from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns
+from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, take_turns
 
 TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"
@@ -173,7 +173,7 @@ def bench_compression(
                 "loss": run.results[0]["loss"][name],
                 "cpu_s_per_step": statistics.mean(statistics.median(r["cpu"][name]) for r in run.results),
                 "steps": total_steps,
-                "parameters": sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:])),
+                "parameters": mlp_parameters(sizes),
                 "sizes": tuple(sizes),
             }
         )
