@@ -3,7 +3,8 @@ answers, later exercises are graded on their own, and the sequence benchmark wor
 
 - The notebook's structure: the exercises and predictions in order, the hidden tests covering what
   the issue asks (N = 1, 2, 3, 4, groups, both layouts, float64 at 1e-9; k = 1 and 2, capacity
-  factors that drop tokens, the bytes counted by the OS; sequence parallelism on t = 1, 2, 3, 4; Ulysses on N = 1 … 4), the
+  factors that drop tokens, the bytes counted by the OS; sequence parallelism on t = 1, 2, 3, 4; Ulysses
+  on N = 1 … 4; the five-dimensional memory with cp and ep up to 16, and the invalid grids), the
   predictions' digests.
 - The solution notebook executes top to bottom in a real kernel as the grader runs it
   (NBGRADER_EXECUTION set), within the 4-minute budget, every graded cell passing, with its
@@ -12,8 +13,9 @@ answers, later exercises are graded on their own, and the sequence benchmark wor
   steps, a router that serves capacity token by token, an expert-parallel layer that ships the
   dropped tokens too, predictions off the cost model, a sequence-parallel block that keeps the gathered
   input or reduce-scatters with an all-reduce, Ulysses without its all-to-all in backward, a
-  column-major grid) fail the right graded cell with a message that says
-  why; all in one kernel, to keep the suite's time down.
+  column-major grid, a five-dimensional memory that shards ZeRO over dp only or does not divide the
+  activations by cp) fail the right graded cell with a message that says why; all in one kernel, to
+  keep the suite's time down.
 - The ring is graded with the grader's blocks when exercise 1 fails, the expert-parallel layer
   with the grader's router when exercise 4 fails (one kernel).
 - bench.format_sequence_table (its long-sequence rows: ring against Ulysses on an emulated link), and
@@ -57,6 +59,7 @@ EXERCISES = [
     "sequence_parallel",
     "ulysses",
     "mesh_groups",
+    "planner_5d",
 ]
 GIVEN = ["given_ring_backward", "given_moe", "given_sp_pieces"]
 
@@ -82,6 +85,7 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "test_sequence_parallel": 3,
         "test_ulysses": 2,
         "test_mesh_groups": 2,
+        "test_planner_5d": 2,
     }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
@@ -115,10 +119,20 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "_expect_value_error(_ulysses_heads, 4, 6",
         '_check_groups({"dp": 2, "cp": 2, "ep": 2, "tp": 2, "pp": 1}, ("dp", "ep"))',  # five dimensions, flattened
         '_check_groups({"pp": 2, "dp": 3, "cp": 2, "tp": 2}, "cp")',
+        "dict(dp=128, tp=8, micro_batches=12, zero=3)",  # cp = ep = 1: Lab 8's memory_per_device, on GPT-3
+        "dict(tp=8, cp=16, zero=1, sp=True)",  # cp up to 16, ep up to 16, ZeRO 0-3, sp both ways
+        "dict(dp=4, cp=4, ep=16, zero=3)",
+        "dict(dp=2, tp=2, pp=2, cp=2, ep=4, micro_batches=8, zero=2, sp=True)",
+        "is not the world size 16",  # the four invalid grids
+        '"12 heads not divisible by tp = 8"',
+        '"6 experts not divisible by ep = 4"',
+        '"dp·cp = 12 not divisible by ep = 16"',
     ):
         assert needle in hidden, needle
     ring = cell_by_id(nb, "test_ring_attention").source
     assert "rtol=1e-9, atol=1e-9" in ring and "dtype=torch.float64" in ring
+    planner = cell_by_id(nb, "test_planner_5d").source  # its reference reduces to Lab 8's where cp = ep = 1
+    assert "math.isclose(want, _lab8_memory(config), rel_tol=1e-12)" in planner
     helpers = cell_by_id(nb, "test_helpers").source
     assert 'e.exc_type == "ValueError" and "divisible" in e.exc_message' in helpers
     # the graded cells reach the notebook only through dl.exercise.run (or dl.predictions.fetch)
@@ -145,6 +159,10 @@ def test_visible_self_checks_exercise_every_hidden_requirement():
         "dl.launch(_self_check_ulysses, _n, 4, 16, trace=True)",  # Ulysses on 2 and 4 ranks, its bytes
         "dl.launch(_three_heads, 2)",
         "dl.launch(_torch_mesh_groups, 8)",  # against torch's DeviceMesh
+        "memory_per_device_5d(world=16, **_lab8, dp=16, micro_batches=4, zero=1)",  # Lab 8's worked example
+        "memory_per_device_5d(world=16, **_lab8, dp=4, cp=4, micro_batches=16, zero=1)",  # cp
+        "memory_per_device_5d(world=16, **_lab8, experts=8, dp=16, ep=4, micro_batches=4)",  # ep
+        "memory_per_device_5d(**_args)",  # the invalid grids
     ):
         assert needle in visible, needle
     text_cells = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
@@ -158,6 +176,10 @@ def test_visible_self_checks_exercise_every_hidden_requirement():
         "(no all-reduce)",
         "exactly `1/t`",
         "**no other communication**",
+        "`heads` is **not divisible** by `tp`",
+        "`experts` is **not divisible** by `ep`",
+        "`dp · cp` is **not divisible** by `ep`",
+        "differs from `world` (say both numbers)",
     ):
         assert rule in text_cells, rule
 
@@ -218,6 +240,13 @@ def _ships_dropped_choices() -> str:
         assert right in source, right
         source = source.replace(right, wrong)
     return source
+
+
+def _wrong_planner_5d(right: str, wrong: str) -> str:
+    """The solution's memory_per_device_5d with ``right`` replaced by ``wrong``."""
+    source = cell_by_id(load(LAB), "ex_planner_5d").source
+    assert right in source, right
+    return source.replace(right, wrong)
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong definition, words the failure must contain)
@@ -357,6 +386,16 @@ def mesh_groups(sizes, dims):                          # column-major: the first
     return sorted(sorted(g) for g in groups.tolist())
 """,
         "row-major, the last dimension fastest",
+    ),
+    (
+        "planner_5d",  # ZeRO shards the dense states over dp only, not over the dp · cp ranks that reduce them
+        _wrong_planner_5d("states(dense, dp * cp)", "states(dense, dp)"),
+        "States: zero(Ψ_dense, dp·cp)",
+    ),
+    (
+        "planner_5d",  # context parallelism does not split the activations
+        _wrong_planner_5d("sbh = seq / cp * b * hidden", "sbh = seq * b * hidden"),
+        "activations of s/cp tokens",
     ),
     (
         "predict_ring_bytes",
