@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv (see scripts/setup.sh) and run the whole test suite.
-#   bash scripts/test.sh            # everything: about 25 min on 2 cores, two pytest workers
+#   bash scripts/test.sh            # everything: about 23 min on 2 cores, three pytest workers
 #                                   # (pytest-xdist), each taking one test file at a time, the
 #                                   # longest first (tests/conftest.py)
 #   bash scripts/test.sh -m "not slow"   # skip notebook execution, autograding, the browser
@@ -20,11 +20,13 @@ case "${DISTTRAIN_RESOLUTION:-newest}" in lowest) VENV=${VENV:-.venv-lowest} ;; 
 export VENV
 bash scripts/setup.sh || exit 1
 export PATH="$PWD/$VENV/bin:$PATH"   # nbgrader shells out to alembic and jupyter by PATH
-# Most of the suite waits on kernels, ranks and nbgrader processes rather than computing, so
-# two workers on two cores take ~2/3 of the time; a file's tests stay together (its
+# Most of the suite waits on kernels, ranks, cell limits and nbgrader processes rather than
+# computing, so three workers on two cores overlap the waits (here 23:19 against 25:36 for two,
+# one run after the other, the three-worker run with another session's tests beside it; one
+# worker takes about 35 min); a file's tests stay together (its
 # module-scoped fixtures, e.g. one grading run shared by many assertions, are made once),
 # the longest first (tests/conftest.py; xdist would otherwise hand out the files with most tests first).
-"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
     echo "pytest collected no tests"   # exit 5: nothing to run is not a failure of the kit
