@@ -297,37 +297,37 @@ def format_memory_table(rows: list[dict]) -> str:
 
     first, lines = rows[0], []
     mlp = f"MLP {' -> '.join(map(str, first['sizes']))}, batch {first['batch']}, fp16"
-    parts = {r["part"] for r in rows}
-    if "mixed precision" in parts:
-        lines += [
-            f"mixed precision: {mlp}; median of {first['repeats']}",
-            f"{'version':<46} {'steps/s':>9} {'state B/param':>14} {'vs torch':>9}",
-        ]
-        for r in rows:
-            if r["part"] == "mixed precision":
-                lines.append(f"{r['version']:<46} {r['per_s']:9.2f} {r['bytes']:14.2f} {r['ratio']:8.2f}x")
-    if "checkpointing" in parts:
-        lines += [
-            f"checkpointing every block: GPT of 4 blocks, s = {first['seq']}, b = 4, h = 64; "
-            f"median of {first['repeats']}",
-            f"{'version':<46} {'steps/s':>9} {'activation bytes':>17} {'vs torch':>9}",
-        ]
-        for r in rows:
-            if r["part"] == "checkpointing":
-                lines.append(f"{r['version']:<46} {r['per_s']:9.2f} {format_bytes(r['bytes']):>17} {r['ratio']:8.2f}x")
-    if "offload" in parts:
-        latency, bandwidth = next(r["link"] for r in rows if r["part"] == "offload")
-        lines += [
-            f"offload: {mlp}, Adam on the host; host link {bandwidth / 1e6:g} MB/s each way, "
-            f"{latency * 1e6:g} µs per copy; median of {first['repeats']}",
-            f"{'version':<46} {'steps/s':>9} {'link B/param down, up':>22} {'vs torch':>9}",
-        ]
-        for r in rows:
-            if r["part"] == "offload" and "error" in r:
+    median = f"median of {first['repeats']}"
+    offload = next((r["link"] for r in rows if r["part"] == "offload"), None)
+    # each part: its title, its bytes column (heading, width) and how a row's bytes read
+    parts = {
+        "mixed precision": (f"mixed precision: {mlp}; {median}", "state B/param", 14, lambda b: f"{b:.2f}"),
+        "checkpointing": (
+            f"checkpointing every block: GPT of 4 blocks, s = {first.get('seq')}, b = 4, h = 64; {median}",
+            "activation bytes",
+            17,
+            format_bytes,
+        ),
+        "offload": (
+            f"offload: {mlp}, Adam on the host; host link {offload[1] / 1e6:g} MB/s each way, "
+            f"{offload[0] * 1e6:g} µs per copy; {median}"
+            if offload
+            else "",
+            "link B/param down, up",
+            22,
+            lambda b: f"{b[0]:.2f}, {b[1]:.2f}",
+        ),
+    }
+    for part, (title, heading, width, show) in parts.items():
+        mine = [r for r in rows if r["part"] == part]
+        if not mine:
+            continue
+        lines += [title, f"{'version':<46} {'steps/s':>9} {heading:>{width}} {'vs torch':>9}"]
+        for r in mine:
+            if "error" in r:
                 lines.append(f"{r['version']:<46} cannot run here: {r['error']}")
-            elif r["part"] == "offload":
-                down, up = r["bytes"]
-                lines.append(f"{r['version']:<46} {r['per_s']:9.2f} {f'{down:.2f}, {up:.2f}':>22} {r['ratio']:8.2f}x")
+            else:
+                lines.append(f"{r['version']:<46} {r['per_s']:9.2f} {show(r['bytes']):>{width}} {r['ratio']:8.2f}x")
     return "\n".join(lines)
 
 
