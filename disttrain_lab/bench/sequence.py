@@ -5,8 +5,14 @@ Attention (forward and backward of causal attention over a sequence split in zig
 the lab's ``ring_attention``; **all-gather K/V**, every rank gathering the whole sequence's keys
 and values and reduce-scattering their gradients (torch's default ``_RotateMethod.ALL_GATHER``,
 and Llama 3's); and ``torch.distributed.tensor.experimental.context_parallel`` around
-``F.scaled_dot_product_attention`` (it shards SDPA's flash/efficient/cuDNN kernels: on the CPU
-in torch 2.13 it raises, and the table says so).
+``F.scaled_dot_product_attention``.  torch's runs on GPUs only (``device="cuda"``): its dispatcher
+(``_context_parallel/_attention.py``, ``_sdpa_handler``) shards SDPA's CUDA kernels, flash,
+memory-efficient and cuDNN; on the CPU SDPA calls ``aten._scaled_dot_product_flash_attention_for_cpu``,
+which has no sharding rule, so there it raises ``NotImplementedError`` and the table says why.
+
+The attention and expert parts run on ``device`` (``"cuda"``: rank k on the k-th GPU, NCCL);
+the long-sequence part runs on the CPU, where the emulated link slows the transfers (it delays
+CPU tensors only).
 
 Experts (forward and backward of one MoE layer): the lab's ``ExpertParallelMoE``; **all-gather
 dispatch**, every rank gathering every rank's tokens, running its experts on those routed to
@@ -22,7 +28,10 @@ from __future__ import annotations
 
 import os
 
+from ..devices import device as rank_device
+from ..launcher import launch
 from ..network import Network
+from ..trace import format_bytes
 from .common import (
     add_notebook_argument,
     collective_bytes_counter,
@@ -38,6 +47,11 @@ ONE_PROCESS_MOE = "MoE, one process"
 LONG = "long sequences"  # the part of the table: ring against Ulysses on an emulated link
 LINK = "10 Gbit Ethernet"
 SEQ_LENS = (1024, 2048, 4096)
+DEVICES = ("auto", "cpu", "cuda")  # the command line's --device; auto: cuda when every rank has a GPU
+CPU_CANNOT = (
+    "context_parallel shards SDPA's CUDA kernels only (flash, efficient, cuDNN); on the CPU SDPA runs "
+    "aten._scaled_dot_product_flash_attention_for_cpu, which it cannot shard (use --device cuda)"
+)
 ATTENTION = {"seq_len": 4096, "heads": 8, "dim": 64}  # one sequence, float32
 EXPERTS = {"tokens": 2048, "d": 256, "n_experts": 8, "k": 2, "capacity_factor": 1.25}  # tokens per rank
 
@@ -82,11 +96,11 @@ def _attention_runners(versions: dict, seq_len: int, heads: int, dim: int) -> tu
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n, rank, dev = dist.get_world_size(), dist.get_rank(), rank_device()
     pos = _zigzag(seq_len, n, rank)
     everyone = torch.cat([_zigzag(seq_len, n, r) for r in range(n)])
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(heads, seq_len, dim, generator=g)[:, pos].contiguous() for _ in range(3))
+    g = torch.Generator().manual_seed(0)  # drawn on the CPU: the same numbers on every device
+    q, k, v = (torch.randn(heads, seq_len, dim, generator=g)[:, pos].contiguous().to(dev) for _ in range(3))
     gather, _ = _row_collectives()
     runners, unavailable = {}, {}
 
@@ -102,7 +116,7 @@ def _attention_runners(versions: dict, seq_len: int, heads: int, dim: int) -> tu
 
         runners["ring_attention"] = run_ring
 
-    mask = pos[:, None] >= everyone[None, :]
+    mask = (pos[:, None] >= everyone[None, :]).to(dev)
 
     def run_all_gather():
         mq, mk, mv = leaves()
@@ -116,8 +130,8 @@ def _attention_runners(versions: dict, seq_len: int, heads: int, dim: int) -> tu
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
 
-        mesh = init_device_mesh("cpu", (n,))
-        whole = [torch.randn(1, heads, seq_len, dim, generator=g) for _ in range(3)]
+        mesh = init_device_mesh(dev.type, (n,))
+        whole = [torch.randn(1, heads, seq_len, dim, generator=g).to(dev) for _ in range(3)]
 
         def run_torch():
             buffers = [t.clone() for t in whole]
@@ -129,7 +143,8 @@ def _attention_runners(versions: dict, seq_len: int, heads: int, dim: int) -> tu
         run_torch()
         runners[TORCH_CP] = run_torch
     except Exception as exc:  # not on this backend/device: say why, measure the others
-        unavailable[TORCH_CP] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+        unavailable[TORCH_CP] = f"{CPU_CANNOT}: {why}" if dev.type == "cpu" else why
     return runners, unavailable
 
 
@@ -141,9 +156,9 @@ def _expert_runners(versions: dict, tokens: int, d: int, n_experts: int, k: int,
     moe, parallel, route = versions.get("MoE"), versions.get("ExpertParallelMoE"), versions.get("top_k_route")
     if moe is None:
         return {}
-    n, rank = dist.get_world_size(), dist.get_rank()
-    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(rank))
-    dense = moe(d, 2 * d, n_experts, k, capacity_factor)
+    n, rank, dev = dist.get_world_size(), dist.get_rank(), rank_device()
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(rank)).to(dev)
+    dense = moe(d, 2 * d, n_experts, k, capacity_factor).to(dev)
     runners = {}
 
     def step(layer):
@@ -212,6 +227,21 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
     return out
 
 
+def _finished(run):
+    """``run``, returning only when the rank's GPU has finished its work (kernels are asynchronous)."""
+    import torch
+
+    dev = rank_device()
+    if dev.type != "cuda":
+        return run
+
+    def synchronized():
+        run()
+        torch.cuda.synchronize(dev)
+
+    return synchronized
+
+
 def _sequence_times(versions: dict, attention: dict, experts: dict, repeats: int, warmup: int) -> dict:
     """In each rank: per part and version, seconds per step (interleaved), rank 0's bytes per step, errors."""
     out = {}
@@ -219,6 +249,7 @@ def _sequence_times(versions: dict, attention: dict, experts: dict, repeats: int
         "attention": _attention_runners(versions, **attention),
         "experts": (_expert_runners(versions, **experts), {}),
     }.items():
+        runners = {name: _finished(run) for name, run in runners.items()}
         communicated = {}
         for name, run in runners.items():
             counter = collective_bytes_counter()
@@ -246,27 +277,30 @@ def bench_sequence(
     timeout: float = 600.0,
     seq_lens=SEQ_LENS,
     network: Network | None = None,
+    device: str = "cpu",
 ) -> list[dict]:
     """Forward+backward time (median of the slowest rank) and rank 0's bytes per step of the lab's
     ``ring_attention`` and ``ExpertParallelMoE`` (``versions``: the notebook's ``ring_attention``,
     ``ExpertParallelMoE``, ``MoE``, ``top_k_route``; any may be missing) beside the baselines, in one
     launch.  ``ratio``: the baseline's time / this one's (above 1: faster than the baseline; the
     baseline is torch's context parallelism where it ran, else all-gather K/V; all-gather dispatch
-    for the experts).  With both ``ring_attention`` and ``ulysses_attention`` in ``versions``, a second
-    launch on ``network`` (default 10 Gbit Ethernet) adds the "long sequences" rows: the two at each
-    of ``seq_lens``, the ratio being the ring's time / this one's.
+    for the experts).  ``device``: where the attention and expert parts run, ``"cpu"`` (gloo) or
+    ``"cuda"`` (rank k on the k-th GPU, NCCL; torch's context parallelism runs only there).  With both
+    ``ring_attention`` and ``ulysses_attention`` in ``versions``, a second launch, on the CPU over
+    ``network`` (default 10 Gbit Ethernet), adds the "long sequences" rows: the two at each of
+    ``seq_lens``, the ratio being the ring's time / this one's.
 
         >>> print(format_sequence_table(bench_sequence({"ring_attention": ring_attention, "MoE": MoE})))
     """
-    from ..launcher import launch
-
     if seq_len % (2 * world_size):
         raise ValueError(f"seq_len={seq_len} is not divisible by 2 x world_size = {2 * world_size} (zig-zag chunks)")
     if n_experts % world_size:
         raise ValueError(f"n_experts={n_experts} is not divisible by world_size={world_size}")
     attention = {"seq_len": seq_len, "heads": heads, "dim": dim}
     experts = {"tokens": tokens, "d": d, "n_experts": n_experts, "k": k, "capacity_factor": capacity_factor}
-    per_rank = launch(_sequence_times, world_size, versions, attention, experts, repeats, warmup, timeout=timeout)
+    per_rank = launch(
+        _sequence_times, world_size, versions, attention, experts, repeats, warmup, timeout=timeout, device=device
+    )
     rows = []
     for part, size in (("attention", attention), ("experts", experts)):
         first = per_rank[0][part]
@@ -274,6 +308,7 @@ def bench_sequence(
         part_rows = []
         for name in names:
             row = {"part": part, "version": name, "world_size": world_size, "size": dict(size), "repeats": repeats}
+            row["device"] = device
             if name in first["unavailable"]:
                 row["error"] = first["unavailable"][name]
             else:
@@ -292,10 +327,8 @@ def bench_sequence(
 
 
 def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, warmup, timeout, network) -> list[dict]:
-    """The "long sequences" rows: ring and Ulysses per sequence length on ``network`` (one launch);
-    ``ratio``: the ring's time / this one's at the same length."""
-    from ..launcher import launch
-
+    """The "long sequences" rows: ring and Ulysses per sequence length on ``network`` (one launch, on
+    the CPU: the emulated link delays CPU tensors); ``ratio``: the ring's time / this one's at the same length."""
     network = network or Network.preset(LINK)
     if heads % world_size:
         raise ValueError(f"heads={heads} is not divisible by world_size={world_size} (Ulysses splits the heads)")
@@ -314,6 +347,7 @@ def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, war
         warmup,
         timeout=timeout,
         network=network,
+        device="cpu",
     )
     rows = []
     size = {"heads": heads, "dim": dim, "link": network.name}
@@ -328,6 +362,7 @@ def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, war
                     "part": LONG,
                     "version": name,
                     "world_size": world_size,
+                    "device": "cpu",
                     "size": dict(size),
                     "repeats": repeats,
                     "ms": value,
@@ -341,8 +376,6 @@ def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, war
 
 def format_sequence_table(rows: list[dict]) -> str:
     """One line per (part, version): ms per forward+backward, rank 0's bytes, the ratio to the baseline."""
-    from ..trace import format_bytes
-
     width = max(24, *(len(r["version"]) for r in rows)) + 2
     lines = []
     for part in ("attention", "experts", LONG):
@@ -351,8 +384,9 @@ def format_sequence_table(rows: list[dict]) -> str:
             continue
         size = ", ".join(f"{key} {value}" for key, value in mine[0]["size"].items())
         base = next((r["baseline"] for r in mine if "baseline" in r), "-")
+        where = f"{mine[0]['world_size']} ranks, {mine[0].get('device', 'cpu')}"
         lines += [
-            f"{part} on {mine[0]['world_size']} ranks ({size}); forward + backward, median of {mine[0]['repeats']}, "
+            f"{part} on {where} ({size}); forward + backward, median of {mine[0]['repeats']}, "
             f"slowest rank; bytes: rank 0's communication per step; ratio: {base}'s time / this one's",
             f"  {'version':<{width}} {'ms':>9} {'bytes':>11} {'ratio':>7}",
         ]
@@ -387,6 +421,26 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--link", default=LINK, help="the emulated link of those rows, a network preset (default %(default)s)"
     )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where the attention and expert parts run: cpu (gloo), cuda (one GPU per rank, NCCL: torch's "
+        "context_parallel runs only there), auto (cuda when every rank has a GPU; default)",
+    )
+
+
+def pick_device(asked: str, world_size: int) -> tuple[str, str]:
+    """(``"cpu"`` or ``"cuda"``, why) for ``--device asked`` on ``world_size`` ranks."""
+    import torch
+
+    gpus = torch.cuda.device_count()  # asks NVML: CUDA stays uninitialised for the ranks
+    if asked == "auto":
+        chosen = "cuda" if gpus >= world_size else "cpu"
+        return chosen, f"auto: {gpus} GPU(s) visible for {world_size} ranks"
+    if asked in ("cpu", "cuda"):
+        return asked, "asked"
+    raise ValueError(f"device must be one of {DEVICES}, got {asked!r}")
 
 
 def run(args) -> int:
@@ -394,6 +448,8 @@ def run(args) -> int:
     found = functions_from_lab(args, LAB, names, "ring attention and MoE", given=True)  # the given MoE, ring_attention
     if found is None:
         return 2
+    device, why = pick_device(args.device, args.world_size)
+    print(f"device: {device} ({why})")
     rows = bench_sequence(
         found,
         world_size=args.world_size,
@@ -406,6 +462,7 @@ def run(args) -> int:
         repeats=args.repeats,
         seq_lens=[int(s) for s in args.seq_lens.split(",") if s.strip()],
         network=Network.preset(args.link),
+        device=device,
     )
     print(format_sequence_table(rows))
     return 0
