@@ -301,27 +301,6 @@ def test_weight_slices_locates_what_each_rank_holds():
         viz.weight_slices({"w": w}, [{"w": w[:3] + 1}])
 
 
-def test_format_tp_table():
-    rows = [
-        {
-            "version": name,
-            "world_size": 2,
-            "batch": 64,
-            "sizes": (8, 32, 8),
-            "repeats": 5,
-            "ms_per_step": ms,
-            "bytes_per_step": 4096,
-            "calls_per_step": 2,
-            "ratio": 4.0 / ms,
-        }
-        for name, ms in (("ours", 5.0), (bench.TORCH_TP, 4.0))
-    ]
-    rows.append({"version": "broken", "world_size": 2, "batch": 64, "sizes": (8, 32, 8), "repeats": 5, "error": "nope"})
-    table = bench.format_tp_table(rows)
-    assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
-    assert "0.80x" in table and "4.0 KiB" in table and "not measured: nope" in table
-
-
 @pytest.mark.slow
 def test_bench_tp_measures_side_by_side():
     found = bench.functions_from_notebook(LAB, ["TensorParallelMLP"])
