@@ -49,12 +49,6 @@ EXERCISES = [
 # The notebook's structure (fast)
 
 
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
-
-
 def test_predictions_self_checks_and_graded_tests_agree():
     # two predictions, each with a self-check holding the digest of the solution's value and a
     # 1-point graded test computing the same model

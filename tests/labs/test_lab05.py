@@ -155,12 +155,6 @@ def test_wrong_prediction_fails_its_graded_cell_in_a_kernel():
     assert "predicted_held(0, 4, 8): predicted 8.00e+00, the cost model gives 4.00e+00" in found, found
 
 
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
-
-
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 

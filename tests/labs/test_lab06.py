@@ -119,12 +119,6 @@ def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_i
     assert_prediction_verdicts(load(LAB), grade_id, *PREDICTIONS[grade_id])
 
 
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
-
-
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 

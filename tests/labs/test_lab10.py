@@ -199,12 +199,6 @@ def test_predictions_digests_match_the_cost_model():
         assert abs(round(mantissa * 100) - mantissa * 100 - 0.5) % 1 > 1e-4
 
 
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
-
-
 # ----------------------------------------------------------------------------------------
 # Executing it (slow)
 
