@@ -151,6 +151,31 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
     return found[0]
 
 
+def add_wrong_answers(lab, cells: list, solutions: list, wrong: list[tuple[str, str]]) -> list[int]:
+    """Many wrong answers in one kernel: appends to ``cells``, for each ``(exercise, wrong source)``,
+    the ``solutions`` cells again (the right answers), the wrong definition, then ``lab``'s graded
+    cell ``test_<exercise>``.  Returns where those graded cells are (see ``assert_wrong_answers_caught``)."""
+    graded_at = []
+    for exercise, source in wrong:
+        cells += [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
+        cells.append(nbformat.v4.new_code_cell(source))
+        graded_at.append(len(cells))
+        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{exercise}")))
+    return graded_at
+
+
+def assert_wrong_answers_caught(nb, graded_at: list[int], wrong: list[tuple[str, str]]) -> None:
+    """In the executed ``nb``, every cell but the graded ones at ``graded_at`` ran cleanly, and each of
+    those failed with the words it must say (``wrong``: ``(exercise, words)``, in the same order)."""
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at:
+            assert not errors(cell), (i, errors(cell))
+    for (exercise, message), at in zip(wrong, graded_at, strict=True):
+        found = errors(nb.cells[at])
+        assert found, f"the graded cell test_{exercise} passed a wrong answer"
+        assert message in found[0], (exercise, found[0])
+
+
 # the grade ids of graded predictions' solution cells: ex_predict_NAME (their tests: test_predict_NAME)
 PREDICTION_IDS = ("ex_predict_",)
 
