@@ -28,9 +28,10 @@ from disttrain_lab import bench, viz
 from tests.helpers import gpu_count, needs_gpus, run_python
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
     assert_prediction_verdicts,
+    assert_wrong_answers_caught,
     cell_by_id,
-    error_of_last_cell,
     errors,
     execute,
     load,
@@ -227,27 +228,15 @@ def train_2d(dense, batches, tp_size, lr):   # tensor parallelism over the world
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "exercise, wrong, message",
-    WRONG,
-    ids=[
-        "row_bias_on_every_rank",
-        "column_keeps_views",
-        "f_and_g_swapped",
-        "all_reduce_between_linears",
-        "2d_world_group_for_tp",
-    ],
-)
-def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer (a bias on every rank, views kept, f and g swapped, an all-reduce
+    between the linears, the world group for TP), the solutions, the wrong definition, then its graded cell."""
     lab = load(LAB)
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
-    helpers = cell_by_id(lab, "test_helpers")
-    nb = nbformat.v4.new_notebook(
-        cells=[copy.deepcopy(c) for c in (lab.cells[0], *solutions, helpers)]
-        + [nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))]
-    )
-    found = error_of_last_cell(nb, LAB.parent)
-    assert message in found, found
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"))]
+    graded_at = add_wrong_answers(lab, cells, solutions, [(exercise, wrong) for exercise, wrong, _ in WRONG])
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])
 
 
 @pytest.mark.slow
