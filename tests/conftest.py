@@ -29,22 +29,23 @@ from tests import roundtrip
 # seconds of work per test file in a full run on 2 cores, 3 workers (what its tests take without
 # making a round trip); files not listed come after these, in pytest's order.  Measured from the
 # run's temporary folders (27 Nov, ten labs, load 5-7) where a file leaves them, else from
-# --junitxml of earlier runs.  test_browser.py: ten labs through JupyterLab, one after another.
+# --junitxml of earlier runs, less what batching their wrong answers in one kernel saved (labs 1, 3-6:
+# 36, 40, 56, 26, 34 s -> 20, 9, 23, 6, 16 s at load 3-5).  test_browser.py: ten labs through JupyterLab.
 SECONDS = {
     "test_browser.py": 420,
     "test_grading.py": 420,  # the fixtures' broken submissions and the CLI's (the labs are units of their own)
     "test_gradeclass.py": 330,
     "test_security.py": 190,
     "test_trusted.py": 150,
-    "test_lab05.py": 145,
+    "test_lab05.py": 125,
     "test_lab09.py": 100,
-    "test_lab03.py": 124,
-    "test_lab04.py": 105,
+    "test_lab03.py": 95,
+    "test_lab04.py": 75,
     "test_lab10.py": 90,
     "test_caps.py": 90,  # measured by itself: 81 s (94 s, 181 s with other sessions' tests beside it)
     "test_commands.py": 75,
-    "test_lab06.py": 71,
-    "test_lab01.py": 70,
+    "test_lab06.py": 55,
+    "test_lab01.py": 55,
     "test_lab02.py": 61,
     "test_fairness.py": 60,
     "test_launcher.py": 53,

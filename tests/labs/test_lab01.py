@@ -21,9 +21,11 @@ import pytest
 
 import disttrain_lab as dl
 from tests.notebooks import (
+    add_wrong_answers,
+    assert_wrong_answers_caught,
     cell_by_id,
     error_of_a_wrong_prediction,
-    error_of_last_cell,
+    execute,
     load,
     output_of,
     pictures,
@@ -183,18 +185,12 @@ def test_graded_prediction_catches_a_wrong_number(test, wrong):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[w[0] for w in WRONG])
-def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer (named in WRONG), the solutions, the wrong definition, then its
+    graded cell; the linear broadcast's graded cell first, whose helpers the tree's test reuses."""
     lab = load(LAB)
-    nb = nbformat.v4.new_notebook(
-        cells=[
-            copy.deepcopy(lab.cells[0]),
-            nbformat.v4.new_code_cell(wrong),
-            copy.deepcopy(cell_by_id(lab, f"test_{exercise}")),
-        ]
-    )
-    if exercise == "broadcast_tree":  # its test reuses the helpers of the linear test cell
-        nb.cells.insert(1, copy.deepcopy(cell_by_id(lab, "ex_broadcast_linear")))
-        nb.cells.insert(2, copy.deepcopy(cell_by_id(lab, "test_broadcast_linear")))
-    found = error_of_last_cell(nb)
-    assert message in found, found
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_broadcast_linear"))]
+    graded_at = add_wrong_answers(lab, cells, solutions, [(exercise, wrong) for exercise, wrong, _ in WRONG])
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240)
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])

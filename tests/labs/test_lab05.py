@@ -30,7 +30,9 @@ from disttrain_lab import bench
 from tests.helpers import gpu_count, needs_gpus, run_python
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
     assert_prediction_verdicts,
+    assert_wrong_answers_caught,
     cell_by_id,
     error_of_last_cell,
     errors,
@@ -237,21 +239,23 @@ def wrong_gpipe(kind: str, source: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "exercise, wrong, test_id, message",
-    WRONG,
-    ids=[
-        "split_by_layer_count",
-        "gpipe_f_b_f_b",
-        "gpipe_sends_to_non_neighbour",
-        "gpipe_unscaled_losses",
-        "gpipe_without_requires_grad",
-        "1f1b_in_gpipe_order",
-    ],
-)
-def test_graded_cell_catches_a_wrong_answer(exercise, wrong, test_id, message):
-    found = error_of_last_cell(_notebook_with(exercise, wrong, test_id), LAB.parent)
-    assert message in found, found
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer (a split by layer count, GPipe as F, B, F, B, sending to a stage
+    that is not the next, unscaled losses, no requires_grad_, 1F1B in GPipe's order), the solutions with the
+    wrong one in its place, then its graded cell."""
+    lab = load(LAB)
+    stage = next(c for c in lab.cells if "class Stage" in c.source)
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], stage, *solutions, cell_by_id(lab, "test_helpers"))]
+    wrong = []
+    for exercise, source, _, _ in WRONG:
+        right = cell_by_id(lab, f"ex_{exercise}").source
+        planted = source if exercise != "gpipe" else wrong_gpipe(source, right)
+        assert planted != right, f"the mistake {source[:40]!r} was not planted"
+        wrong.append((exercise, planted))
+    graded_at = add_wrong_answers(lab, cells, solutions, wrong, [t for _, _, t, _ in WRONG], replace=True)
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, _, message in WRONG])
 
 
 @pytest.mark.slow
