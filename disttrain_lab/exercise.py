@@ -34,16 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from . import pool, wire
-from .launcher import (
-    EarlierTimeout,
-    LaunchError,
-    LaunchTimeout,
-    RankError,
-    hung_before,
-    launch,
-    stub_only,
-    stubbed,
-)
+from .hangs import EarlierTimeout, hung_before, stub_only, stubbed
+from .launcher import LaunchError, LaunchTimeout, RankError, launch
 from .network import Network
 from .trace import Run, region, to_events
 

@@ -311,7 +311,7 @@ class _Pool:
             self._relay_all()
         except KeyboardInterrupt as exc:
             # where each unfinished rank was: said in the cell, and kept on the exception (a launch
-            # under grading is interrupted at the cell's limit; launcher.py remembers the function)
+            # under grading is interrupted at the cell's limit; hangs.py remembers the function)
             stuck = [w for w in workers if w.rank not in replies]
             stacks = self._stacks(stuck)
             exc.stacks = stacks

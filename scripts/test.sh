@@ -23,10 +23,11 @@ export PATH="$PWD/$VENV/bin:$PATH"   # nbgrader shells out to alembic and jupyte
 # Most of the suite waits on kernels, ranks, cell limits and nbgrader processes rather than
 # computing, so three workers on two cores overlap the waits (here 23:19 against 25:36 for two,
 # one run after the other, the three-worker run with another session's tests beside it; one
-# worker takes about 35 min); a file's tests stay together (its
-# module-scoped fixtures, e.g. one grading run shared by many assertions, are made once),
-# the longest first (tests/conftest.py; xdist would otherwise hand out the files with most tests first).
-"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+# worker takes about 35 min); a file's tests stay together (its module-scoped fixtures, e.g. one
+# grading run shared by many assertions, are made once), and a lab's tests in test_grading.py join
+# its own file's, which read the same round trip (tests/conftest.py marks each test's unit as an
+# xdist_group); the longest units first (xdist would otherwise hand out those with most tests first).
+"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
     echo "pytest collected no tests"   # exit 5: nothing to run is not a failure of the kit

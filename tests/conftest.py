@@ -1,60 +1,117 @@
-"""The order pytest-xdist hands test files to its workers (scripts/test.sh: ``--dist loadfile
---no-loadscope-reorder``, so this order is kept instead of xdist's default of most tests first).
+"""How pytest-xdist shares the suite among its workers (scripts/test.sh: ``--dist loadgroup
+--no-loadscope-reorder``), in units that keep together what shares an execution.
 
-A test file's tests stay together on one worker (its module-scoped fixtures, e.g. one
-execution of a lab notebook shared by many assertions, are made once).  The longest files
-are handed out first (longest processing time first), so the run does not end with one
-worker still grading while the other waits: with the browser's 9 tests handed out last
-(xdist's default order) one full run ended ~1.5 min after the other worker had finished.
+A unit is one test file, except a lab's: a lab's round trip (tests/roundtrip.py: release it,
+autograde the solution and the blank) is read by two files, tests/grading/test_grading.py
+(its scores) and the lab's own tests/labs/test_labNN.py (what the solution's cells showed), so
+the lab's tests in both files are one unit, ``lab:NN_name``.  One worker then makes the round
+trip and reads it for both: no worker waits on another's round trip (the file lock), and
+test_grading.py is no longer one unit that grows by a round trip per lab (26 min of ten labs'
+round trips on one worker while the others ran everything else).  Every test carries its
+unit as an ``xdist_group`` mark (``--dist loadgroup`` gives each group to one worker, its tests
+in order, so a file's module-scoped fixtures are made once per unit).
+
+The units are handed out longest first (longest processing time first; ``--no-loadscope-reorder``
+keeps this order instead of xdist's most-tests-first), so the run does not end with one worker
+still grading while the others wait.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
+from disttrain_lab import grading
 from tests import roundtrip
 
-# seconds of work per file in a full run on 2 cores (from --junitxml), the longest first;
-# files not listed come after these, in pytest's order.  test_browser.py: measured by itself
-# on the shared 2-core machine, the mean of two runs (329 s loaded, 241 s quiet; 404, 335 and
-# 247 s before its pages loaded in the background)
+# seconds of work per test file in a full run on 2 cores, 3 workers (what its tests take without
+# making a round trip); files not listed come after these, in pytest's order.  Measured from the
+# run's temporary folders (27 Nov, ten labs, load 5-7) where a file leaves them, else from
+# --junitxml of earlier runs, less what batching their wrong answers in one kernel saved (labs 1, 3-6:
+# 36, 40, 56, 26, 34 s -> 20, 9, 23, 6, 16 s at load 3-5).  test_browser.py: ten labs through JupyterLab.
 SECONDS = {
-    "test_grading.py": 1254,
-    "test_browser.py": 285,
-    "test_gradeclass.py": 236,
-    "test_security.py": 192,
-    "test_lab05.py": 145,
-    "test_caps.py": 90,  # measured by itself: 81 s (94 s, 181 s with other sessions' tests beside it)
-    "test_lab03.py": 124,
-    "test_lab04.py": 105,
-    "test_lab06.py": 71,
-    "test_lab01.py": 70,
-    "test_lab02.py": 61,
-    "test_launcher.py": 53,
+    "test_browser.py": 420,
+    "test_grading.py": 420,  # the fixtures' broken submissions and the CLI's (the labs are units of their own)
+    "test_gradeclass.py": 330,
+    "test_security.py": 190,
     "test_trusted.py": 150,
-    "test_submission_data.py": 47,
-    "test_lab07.py": 38,
-    "test_lab09.py": 150,  # measured loaded (its helper's report): ~3.5 min slow with the round trip
-    "test_lab10.py": 120,
+    "test_lab05.py": 125,
+    "test_lab09.py": 100,
+    "test_lab03.py": 95,
+    "test_lab04.py": 75,
+    "test_lab10.py": 90,
+    "test_caps.py": 90,  # measured by itself: 81 s (94 s, 181 s with other sessions' tests beside it)
+    "test_commands.py": 75,
+    "test_lab06.py": 55,
+    "test_lab01.py": 55,
+    "test_lab02.py": 61,
     "test_fairness.py": 60,
+    "test_launcher.py": 53,
+    "test_submission_data.py": 47,
+    "test_cell_times.py": 40,  # the fixture timed once and a spinning student graded
+    "test_lab07.py": 38,
     "test_lab08.py": 36,
     "test_install.py": 29,
-    "test_network.py": 22,
     "test_torchrun_nodes.py": 25,
-    "test_commands.py": 75,
+    "test_network.py": 22,
 }
+# seconds of a lab's round trip (tests/roundtrip.py), from the same run
+ROUND_TRIP_SECONDS = {
+    "00_basics": 20,  # released only: its grading is test_grading.py's broken batch
+    "00_launch": 92,
+    "01_point_to_point": 175,
+    "02_all_reduce": 115,
+    "03_data_parallel": 115,
+    "04_zero": 110,
+    "05_pipeline": 170,
+    "06_tensor_parallel": 100,
+    "07_compression": 125,
+    "08_capstone": 230,
+    "09_memory": 130,
+    "10_sequence_experts": 115,
+}
+ROUND_TRIP_GUESS = 150  # a lab not measured yet
+
+LABS = {name[:2]: name for name in grading.list_labs(roundtrip.SOLUTIONS)}
+
+
+def unit_of(item) -> str:
+    """The unit ``item`` runs in: ``lab:NN_name`` for a lab's tests in test_grading.py (those of its
+    ``released`` course) and in tests/labs/test_labNN.py, else its file's path."""
+    released = getattr(item, "callspec", None) and item.callspec.params.get("released")
+    if released:
+        return f"lab:{released[0]}"
+    own = re.fullmatch(r"test_lab(\d\d)\.py", item.path.name)
+    if own and own.group(1) in LABS:
+        return f"lab:{LABS[own.group(1)]}"
+    return str(item.path.relative_to(item.config.rootpath))
+
+
+def seconds_of(unit: str) -> float:
+    if unit.startswith("lab:"):
+        lab = unit[len("lab:") :]
+        own = f"test_lab{lab[:2]}.py" if lab[:2] in LABS else ""
+        return ROUND_TRIP_SECONDS.get(lab, ROUND_TRIP_GUESS) + SECONDS.get(own, 0)
+    return SECONDS.get(os.path.basename(unit), 0)
+
+
+def pytest_itemcollected(item):
+    # before pytest-xdist reads the marks (its own pytest_collection_modifyitems, under loadgroup)
+    item.add_marker(pytest.mark.xdist_group(unit_of(item)))
 
 
 # a test that may make a lab's round trip (tests/roundtrip.py) gets the round trip's time limit,
-# as tests/grading/test_grading.py has: it may be the one of the two workers that makes it
+# as tests/grading/test_grading.py has: it makes it when its lab's file runs without test_grading.py
 ROUND_TRIP_TESTS = ("test_solution_notebook_executes_within_budget",)
 ROUND_TRIP_TIMEOUT = 900
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
+    units = {item: unit_of(item) for item in items}
+    # stable: a unit's tests keep their order (test_grading.py's, which make the round trip, first)
+    items.sort(key=lambda item: (-seconds_of(units[item]), units[item]))
     for item in items:
         if item.originalname in ROUND_TRIP_TESTS and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(ROUND_TRIP_TIMEOUT))

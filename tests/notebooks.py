@@ -22,8 +22,9 @@ from tests.helpers import REPO, load  # noqa: F401  (load: the lab tests take it
 # notebook too slow.  DISTTRAIN_TEST_SLOWDOWN=1 checks the budget itself on a quiet machine.
 SLOWDOWN = float(os.environ.get("DISTTRAIN_TEST_SLOWDOWN", "3"))
 # what autograding adds to a notebook's own time: nbgrader's start-up and gradebook, the grader
-# kernel's start, feedback (measured: lab 1 autogrades in ~13 s, runs in ~6 s)
-GRADING_OVERHEAD_S = 15
+# kernel's start (measured: lab 1 autogrades in ~13 s with its feedback, runs in ~6 s; 15 s then;
+# the round trip no longer times the feedback step, 5.5-8.6 s at load 6-8, so 3 s less)
+GRADING_OVERHEAD_S = 12
 
 
 def solution_notebook(lab: str) -> Path:
@@ -149,6 +150,41 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
     found = errors(nb.cells[-1])
     assert found, "the graded cell passed a wrong answer"
     return found[0]
+
+
+def add_wrong_answers(
+    lab, cells: list, solutions: list, wrong: list[tuple[str, str]], tests: list[str] | None = None, replace=False
+) -> list[int]:
+    """Many wrong answers in one kernel: appends to ``cells``, for each ``(exercise, wrong source)``,
+    the ``solutions`` cells again (the right answers) with the wrong definition after them
+    (``replace``: in the place of the exercise's own cell ``ex_<exercise>``, so that the solutions
+    below it are built on it, as in a student's notebook), then ``lab``'s graded cell (``tests[i]``,
+    else ``test_<exercise>``).  Returns where those graded cells are (``assert_wrong_answers_caught``)."""
+    graded_at = []
+    for i, (exercise, source) in enumerate(wrong):
+        right = [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
+        planted = nbformat.v4.new_code_cell(source)
+        if replace:
+            [at] = [j for j, c in enumerate(right) if nbgrader_meta(c).get("grade_id") == f"ex_{exercise}"]
+            right[at] = planted
+        cells += right if replace else [*right, planted]
+        graded_at.append(len(cells))
+        cells.append(copy.deepcopy(cell_by_id(lab, tests[i] if tests else f"test_{exercise}")))
+    return graded_at
+
+
+def assert_wrong_answers_caught(nb, graded_at: list[int], words: list) -> None:
+    """In the executed ``nb``, every cell but the graded ones at ``graded_at`` ran cleanly, and each of
+    those failed saying ``words[i]`` (a string, or a tuple of strings that must all be said)."""
+    for i, cell in enumerate(nb.cells):
+        if i not in graded_at:
+            assert not errors(cell), (i, errors(cell))
+    for said, at in zip(words, graded_at, strict=True):
+        graded = nbgrader_meta(nb.cells[at]).get("grade_id")
+        found = errors(nb.cells[at])
+        assert found, f"the graded cell {graded} passed a wrong answer"
+        for word in (said,) if isinstance(said, str) else said:
+            assert word in found[0], (graded, found[0])
 
 
 # the grade ids of graded predictions' solution cells: ex_predict_NAME (their tests: test_predict_NAME)

@@ -1,7 +1,7 @@
 """Courses for grading tests, and the nbgrader round trip of a lab, made once per test session.
 
-A lab's round trip (release it; autograde the solution submitted as a student, the released
-blank notebook and a partly done one) is the costliest thing the suite does with a lab, and
+A lab's round trip (release it; autograde the solution submitted as a student and the released
+blank notebook; on the launch fixture and the first lab also a partly done and a crashed one) is the costliest thing the suite does with a lab, and
 two test files need it: tests/grading/test_grading.py checks the scores, and the lab's own
 file checks what the solution's cells showed (``tests.notebooks.run_solution``).  ``round_trip``
 makes it once per session, whichever pytest-xdist worker asks first (the other waits on a file
@@ -99,7 +99,8 @@ class Course:
             [self.lab], course=self.course, source=self.source, release_to=self.release, tmp_root=str(self.tmp)
         )
 
-    def grade(self, students=None, one_process_per_student=True, jobs=1):
+    def grade(self, students=None, one_process_per_student=True, jobs=1, feedback=True):
+        """Autograde ``students`` (all: None), then (``feedback``) make every graded student's feedback."""
         results = grading.autograde(
             self.lab,
             students,
@@ -111,8 +112,9 @@ class Course:
             one_process_per_student=one_process_per_student,
             jobs=jobs,
         )
-        step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
-        assert step.returncode == 0, step.output[-3000:]
+        if feedback:
+            step = grading.generate_feedback(self.lab, course=self.course, source=self.source, tmp_root=str(self.tmp))
+            assert step.returncode == 0, step.output[-3000:]
         return results
 
     def blank(self):
@@ -202,9 +204,10 @@ def _grade_round_trip(course: Course) -> dict:
         [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
         submit(course.course, "crashed", lab, with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source))
     start = time.perf_counter()
-    results = dict(course.grade(["full"], one_process_per_student=False))
+    results = dict(course.grade(["full"], one_process_per_student=False, feedback=False))
     full_seconds = time.perf_counter() - start
-    # one nbgrader process for the rest; test_cli_grade_... covers one process per student
+    # one nbgrader process for the rest; test_cli_grade_... covers one process per student; then
+    # one feedback step for every student (the solution's too), as an instructor runs it
     results.update(course.grade(students[1:], one_process_per_student=False))
     return {
         "students": students,

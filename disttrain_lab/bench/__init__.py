@@ -14,7 +14,7 @@ package holds no solutions (see :func:`functions_from_notebook`).
 
 from __future__ import annotations
 
-import importlib
+from . import allreduce, compression, ddp, launch, memory, pipeline, sequence, three_d, tp, trace_overhead, zero
 
 # What notebooks and tests use as ``bench.X``: every benchmark's functions, tables and reference names.
 from .allreduce import (
@@ -59,21 +59,20 @@ from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, for
 # disttrain-lab bench NAME: the module (in this package) of each benchmark, in the order of the labs.
 # A new benchmark is one more line here.
 BENCHMARKS = (
-    "launch",
-    "trace_overhead",
-    "allreduce",
-    "ddp",
-    "zero",
-    "pipeline",
-    "tp",
-    "compression",
-    "three_d",
-    "memory",
-    "sequence",
+    launch,
+    trace_overhead,
+    allreduce,
+    ddp,
+    zero,
+    pipeline,
+    tp,
+    compression,
+    three_d,
+    memory,
+    sequence,
 )
 
 
 def benchmarks() -> dict:
     """``NAME -> module`` of every benchmark in :data:`BENCHMARKS`."""
-    modules = [importlib.import_module(f"{__name__}.{module}") for module in BENCHMARKS]
-    return {module.NAME: module for module in modules}
+    return {module.NAME: module for module in BENCHMARKS}

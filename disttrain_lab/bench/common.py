@@ -4,10 +4,18 @@ printed tables (the width of the version column, a ratio cell, an MLP's paramete
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
 import os
+import socket
 import statistics
 import sys
 import time
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
 
 def slowest_median(per_rank: list[list[float]]) -> float:
@@ -18,8 +26,6 @@ def slowest_median(per_rank: list[list[float]]) -> float:
 
 def free_port() -> int:
     """A port the OS says is free now (port 0), for a process group's rendezvous."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -31,11 +37,7 @@ def functions_from_notebook(path, names, given: bool = False) -> dict:
     cells, given helpers), never test cells (graded or read-only), benchmarks or plots.  Names the notebook does
     not define are left out of the result.  ``given=True`` also runs read-only definitions the
     lab gives (locked cells whose grade id does not name a test, e.g. Lab 8's ``Plan``)."""
-    import ast
-    import contextlib
-    import io
-
-    import nbformat
+    import nbformat  # not a dependency of the kit (Jupyter brings it): only reading a notebook needs it
 
     nb = nbformat.read(str(path), as_version=4)
     namespace = {"__name__": "__lab_notebook__"}  # not importable: cloudpickle sends the functions by value
@@ -80,8 +82,7 @@ def collective_bytes_counter():
     the kit's trace does not see; this counts both kinds the same way, at the dispatcher (point-to-point
     sends too: ``c10d.send``).  ``with counter: ...``, then ``counter.bytes``, ``counter.calls``.
     """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # torch's private module: only this counter needs it
 
     class CollectiveBytes(TorchDispatchMode):
         def __init__(self):
@@ -104,8 +105,6 @@ def take_turns(runners: dict, repeats: int, warmup: int) -> dict:
     """In each rank: seconds of each ``runners[name]()`` call, the names taking turns (the order
     rotated every round, so none always goes first), a barrier before each; ``warmup`` rounds
     are left out.  Returns name -> list of ``repeats`` seconds.  Call it on all ranks."""
-    import torch.distributed as dist
-
     names, seconds = list(runners), {}
     for i in range(warmup + repeats):
         shift = i % len(names)
@@ -121,8 +120,6 @@ def take_turns(runners: dict, repeats: int, warmup: int) -> dict:
 def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: str = "it"):
     """A progress bar over a benchmark sweep, on stderr: ``tqdm.auto``, so a notebook shows a
     widget and a terminal a text bar.  ``DISTTRAIN_LAB_PROGRESS=0`` turns it off."""
-    from tqdm.auto import tqdm
-
     return tqdm(
         iterable,
         total=total,

@@ -3,8 +3,16 @@ side by side with torch's DistributedDataParallel."""
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..devices import device as rank_device
+from ..launcher import launch
+from ..models import MLP, regression_data
 from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, take_turns, version_width
 
 TORCH_DDP = "torch DDP"
@@ -19,19 +27,12 @@ def _ddp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int,
     ``finish_gradient_synchronization()`` runs after ``loss.backward()`` and before
     ``optimizer.step()``.  torch DDP (``bucket_cap_mb=bucket_mb``) runs beside them as the reference.
     """
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ..launcher import device
-    from ..models import MLP, regression_data
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
-    x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
+    x, y = data.x.tensor_split(world_size)[rank].to(device), data.y.tensor_split(world_size)[rank].to(device)
     runners = {}
     for name, wrap in {**versions, TORCH_DDP: None}.items():
-        model = MLP(list(sizes), seed=0).to(device())
+        model = MLP(list(sizes), seed=0).to(device)
         if wrap is None:
             forward, finish = DistributedDataParallel(model, bucket_cap_mb=bucket_mb), (lambda: None)
         else:
@@ -75,8 +76,6 @@ def bench_ddp(
         >>> rows = bench_ddp({"bucketed": BucketedDDP}, world_size=2)
         >>> print(format_ddp_table(rows))
     """
-    from ..launcher import launch
-
     if world_size < 2:
         raise ValueError(f"a data-parallel benchmark needs world_size >= 2, got {world_size}")
     per_rank = launch(
@@ -135,8 +134,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import functools
-
     classes = functions_from_lab(args, LAB, list(CLASSES.values()), "data-parallel wrappers")
     if classes is None:
         return 2

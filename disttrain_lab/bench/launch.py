@@ -13,27 +13,25 @@ import subprocess
 import sys
 import time
 
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..launcher import launch, shutdown
 from .common import free_port, progress
 
 
 def _trivial():
-    import torch.distributed as dist
-
     return dist.get_rank() * 10
 
 
 def _spawn_target(rank: int, world_size: int, port: int) -> None:
     # what torch.multiprocessing.spawn users write: join a group, work, leave
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     _trivial()
     dist.destroy_process_group()
 
 
 def time_spawn(world_size: int) -> float:
-    import torch.multiprocessing as mp
-
     start = time.perf_counter()
     mp.spawn(_spawn_target, args=(world_size, free_port()), nprocs=world_size, join=True)
     return time.perf_counter() - start
@@ -61,8 +59,6 @@ def time_torchrun(world_size: int) -> float:
 
 
 def time_launch(world_size: int, warm: bool) -> float:
-    from ..launcher import launch, shutdown
-
     if not warm:
         shutdown()
     start = time.perf_counter()
@@ -74,8 +70,6 @@ def time_launch(world_size: int, warm: bool) -> float:
 
 def bench_launch(world_sizes=(2, 4), repeats: int = 5, slow_repeats: int = 3) -> list[dict]:
     """Median seconds per call of each way to start ranks; one row per (method, world size)."""
-    from ..launcher import launch, shutdown
-
     rows = []
     bar = progress(
         total=len(world_sizes) * (max(repeats, 20) + repeats + 2 * slow_repeats), desc="bench launch", unit="launch"
@@ -150,8 +144,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__" and "--torchrun-child" in sys.argv:
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     _trivial()
     dist.destroy_process_group()

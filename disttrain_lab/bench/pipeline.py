@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+from ..launcher import launch
+from ..models import MLP, regression_data
 from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns, version_width
 
 TORCH_PIPELINE = "torch ScheduleGPipe"
@@ -18,7 +24,6 @@ def _simulated_module(module, cost: float):
     """``module`` on the lab's simulated accelerator, as the lab's ``Stage`` models it: forward
     takes ``cost`` s per sample, backward twice that, the layers' real CPU work included (it
     sleeps for what is left), so a stage's time is fixed and needs no CPU core (2 cores, 4 ranks)."""
-    import torch
 
     class Done(torch.autograd.Function):
         """Applied to the module's output: its backward runs first and sets the deadline."""
@@ -65,8 +70,7 @@ def _simulated_module(module, cost: float):
 
 def _torch_gpipe_runner(module, micro_batches: int, cost: float, x, y):
     """One ScheduleGPipe training step of this rank's stage (``module``), as a callable."""
-    import torch
-    import torch.distributed as dist
+    # here, not at the top: a torch without pipelining (or that cannot import it) is a row's error
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -105,11 +109,6 @@ def _pipeline_step_times(
     ScheduleGPipe at each of ``torch_micro_batches`` runs beside them on the same split.
     Returns (seconds per name, errors per name).
     """
-    import torch
-    import torch.distributed as dist
-
-    from ..models import MLP, regression_data
-
     rank, p = dist.get_rank(), dist.get_world_size()
     x, y = regression_data(batch, sizes[0], sizes[-1], seed=1)
     runners, errors = {}, {}
@@ -157,8 +156,6 @@ def bench_pipeline(
         >>> rows = bench_pipeline({"naive": (naive_step, 1), "GPipe m=4": (gpipe_m4, 4)}, split_stages, Stage)
         >>> print(format_pipeline_table(rows))
     """
-    from ..launcher import launch
-
     if world_size < 2:
         raise ValueError(f"a pipeline needs world_size >= 2 stages, got {world_size}")
     per_rank = launch(
@@ -235,8 +232,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import functools
-
     found = functions_from_lab(args, LAB, FUNCTIONS, "pipeline functions")
     if found is None:
         return 2

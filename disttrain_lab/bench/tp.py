@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import os
 
+import torch
+import torch.distributed as dist
+
+from ..devices import device as rank_device
+from ..events import format_bytes
+from ..launcher import launch
+from ..models import MLP, regression_data
 from .common import (
     add_notebook_argument,
     collective_bytes_counter,
@@ -22,7 +29,7 @@ TP_MODEL = (1024, 4096, 1024)  # a transformer block's MLP, d -> 4d -> d: 8.4 M 
 
 
 def _torch_tensor_parallel(dense, device):
-    import torch.distributed as dist
+    # here, not at the top: a torch that cannot import tensor parallelism is a row's error
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -38,11 +45,6 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
     ranks; torch's ``parallelize_module`` with ColwiseParallel/RowwiseParallel runs beside them.
     The input requires a gradient, as inside a network, so backward all-reduces it too.
     """
-    import torch
-
-    from ..launcher import device as rank_device
-    from ..models import MLP, regression_data
-
     device = rank_device()
     data = regression_data(batch, sizes[0], sizes[-1], seed=1)
     x, y = data.x.to(device), data.y.to(device)
@@ -101,8 +103,6 @@ def bench_tp(
 
         >>> print(format_tp_table(bench_tp({"TensorParallelMLP": TensorParallelMLP})))
     """
-    from ..launcher import launch
-
     for n in world_sizes:
         if sizes[1] % n:
             raise ValueError(f"the hidden width {sizes[1]} must be divisible by every world size; {n} is not a divisor")
@@ -127,8 +127,6 @@ def bench_tp(
 
 def format_tp_table(rows: list[dict]) -> str:
     """One line per (world size, version): ms per step, collective bytes and calls per step, vs torch."""
-    from ..trace import format_bytes
-
     first = rows[0]
     sizes = first["sizes"]
     parameters = mlp_parameters(sizes)

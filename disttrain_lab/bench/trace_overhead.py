@@ -6,17 +6,18 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+import torch.distributed as dist
+
+from .. import trace
+from ..events import format_bytes
+from ..launcher import launch
 from .common import progress
 
 
 def _pingpong_modes(trips: int, nbytes: int) -> dict:
     """Seconds per round trip on rank 0 for: torch's own functions, the launcher's
     status-only wrappers (always on in a launched rank), and full tracing."""
-    import torch
-    import torch.distributed as dist
-
-    from .. import trace
-
     rank = dist.get_rank()
     t = torch.zeros(max(1, nbytes // 4))
     genuine = (trace.genuine_of(dist.send), trace.genuine_of(dist.recv))
@@ -45,8 +46,6 @@ def _pingpong_modes(trips: int, nbytes: int) -> dict:
 
 def bench_trace(trips: int = 2000, sizes=(4, 1 << 20), repeats: int = 5) -> list[dict]:
     """Tracing overhead per ping-pong round trip, medians of ``repeats`` runs."""
-    from ..launcher import launch
-
     rows = []
     for nbytes in sizes:
         runs = [
@@ -63,8 +62,6 @@ def bench_trace(trips: int = 2000, sizes=(4, 1 << 20), repeats: int = 5) -> list
 def format_trace_table(rows: list[dict]) -> str:
     lines = [f"{'message':>9} {'mode':<12} {'us/round trip':>14} {'vs torch':>9}"]
     for row in rows:
-        from ..trace import format_bytes
-
         lines.append(
             f"{format_bytes(row['bytes']):>9} {row['mode']:<12} {row['us_per_trip']:>14.1f} {row['ratio']:>8.2f}x"
         )

@@ -3,9 +3,19 @@ classes, side by side with torch's ZeroRedundancyOptimizer and FSDP (``fully_sha
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import memory
+from ..devices import device as rank_device
+from ..events import format_bytes
+from ..launcher import launch
+from ..models import MLP, regression_data
 from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, version_width
 
 TORCH_ZERO_REDUNDANCY = "torch DDP + ZeroRedundancyOptimizer"
@@ -16,9 +26,7 @@ ZERO_MODEL = (1024, 2048, 2048, 1024)  # the DDP bench's MLP: 8.4 M parameters, 
 def _torch_zero_redundancy(model, lr: float):
     """ZeRO-1 as torch ships it: DDP all-reduces gradients, ZeroRedundancyOptimizer keeps Adam
     state for this rank's parameters only and broadcasts the updated parameters."""
-    import torch
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # (heavy: loaded by this benchmark only)
 
     wrapped = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=lr)
@@ -27,12 +35,9 @@ def _torch_zero_redundancy(model, lr: float):
 
 def _torch_fsdp(model, lr: float):
     """ZeRO-3 as torch ships it: FSDP2's fully_shard on every parameterised layer, then the root."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # (heavy: loaded by this benchmark only)
 
-    from ..memory import layers_with_parameters
-
-    for layer in layers_with_parameters(model).values():
+    for layer in memory.layers_with_parameters(model).values():
         if layer is not model:
             fully_shard(layer)
     fully_shard(model)
@@ -43,8 +48,6 @@ def _lab_zero(stage: int, cls, model, lr: float):
     """A lab's ZeRO class as its users build it: stages 1-2 wrap an optimizer like ZeroRedundancyOptimizer,
     ``cls(model.parameters(), torch.optim.Adam, lr=lr)``; stage 3 wraps the model like ``fully_shard``,
     with Adam on the wrapper's parameters (the shards).  Returns (forward, optimizer)."""
-    import torch
-
     if stage == 3:
         wrapped = cls(model)
         return wrapped, torch.optim.Adam(wrapped.parameters(), lr=lr)
@@ -54,19 +57,12 @@ def _lab_zero(stage: int, cls, model, lr: float):
 def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, lr: float) -> dict:
     """In each rank: seconds per ``steps`` Adam steps of every version, interleaved, and the
     bytes each holds after the last backward (``memory.held``; gradients present)."""
-    import torch
-    import torch.distributed as dist
-
-    from .. import memory
-    from ..launcher import device
-    from ..models import MLP, regression_data
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
-    x, y = data.x.tensor_split(world_size)[rank].to(device()), data.y.tensor_split(world_size)[rank].to(device())
+    x, y = data.x.tensor_split(world_size)[rank].to(device), data.y.tensor_split(world_size)[rank].to(device)
     runners = {}
     for name, make in versions.items():
-        model = MLP(list(sizes), seed=0).to(device())
+        model = MLP(list(sizes), seed=0).to(device)
         forward, optimizer = make(model, lr)
         runners[name] = (model, forward, optimizer)
     names, seconds, held = list(runners), {}, {}
@@ -119,14 +115,10 @@ def bench_zero(
         >>> rows = bench_zero({"ZeRO-1": (1, Zero1Optimizer), "ZeRO-3": (3, Zero3Module)}, predict=zero_memory_per_rank)
         >>> print(format_zero_table(rows))
     """
-    from ..launcher import launch
-
     if world_size < 2:
         raise ValueError(f"a ZeRO benchmark needs world_size >= 2, got {world_size}")
     stages = {name: stage for name, (stage, _) in versions.items()}
     stages.update({TORCH_ZERO_REDUNDANCY: 1, TORCH_FSDP: 3})
-    import functools
-
     makers = {name: functools.partial(_lab_zero, stage, cls) for name, (stage, cls) in versions.items()}
     makers.update({TORCH_ZERO_REDUNDANCY: _torch_zero_redundancy, TORCH_FSDP: _torch_fsdp})
     per_rank = launch(
@@ -170,8 +162,6 @@ def bench_zero(
 
 def format_zero_table(rows: list[dict]) -> str:
     """Steps/s (and / torch's same stage), bytes held per rank (and / the formula, if predicted)."""
-    from ..trace import format_bytes
-
     first = rows[0]
     width = version_width(rows, 20)
     predicted = all("predicted" in r for r in rows)

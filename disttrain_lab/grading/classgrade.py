@@ -221,7 +221,7 @@ def cli_grade(argv: list[str] | None = None) -> int:
         "--jobs",
         type=int,
         help="students graded at once (default: one per 4 cores and per "
-        "DISTTRAIN_STUDENT_MEMORY of available memory, at least 1)",
+        f"{Limits.variable('student_memory')} of available memory, at least 1)",
     )
     parser.add_argument(
         "--force",

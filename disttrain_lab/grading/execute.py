@@ -35,16 +35,15 @@ from .cells import (
 )
 from .grader_kernel import GraderKernel, release_tests
 from .kernels import StudentKernel
-from .kernels import git_paths as _git_paths  # noqa: F401  (tests/grading/test_caps.py reads execute._git_paths)
 
 NOTES_FILE = ".disttrain-grading.json"  # next to the autograded notebook; read by the grade report
 
 
 def _remember_interrupted(cell, limit: int, student_functions: list[str]) -> str:
-    """Code for the student's kernel, after ``cell`` ran past its limit: see launcher.remember_interrupted."""
+    """Code for the student's kernel, after ``cell`` ran past its limit: see hangs.remember_interrupted."""
     label = f"the cell In[{cell.execution_count}]" if cell.get("execution_count") else "an earlier cell"
-    launcher = "__import__('disttrain_lab.launcher', fromlist=['_'])"
-    return f"{launcher}.remember_interrupted({label!r}, {limit!r}, {student_functions!r})"
+    hangs = "__import__('disttrain_lab.hangs', fromlist=['_'])"
+    return f"{hangs}.remember_interrupted({label!r}, {limit!r}, {student_functions!r})"
 
 
 def _growth(before: int | None, after: int | None) -> int | None:

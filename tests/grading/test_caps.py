@@ -25,7 +25,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import grading
-from disttrain_lab.grading import execute, hidden_tests, sandbox, uids
+from disttrain_lab.grading import hidden_tests, kernels, sandbox, uids
 from tests.grading.test_grading import FIXTURE_LIMITS, FIXTURES, Course, feedback, grade_id, processes_with, submit
 from tests.notebooks import load
 
@@ -328,7 +328,7 @@ def test_feedback_runs_no_script_a_submission_wrote(graded):
 def test_kernel_command_lines_name_no_host_path(graded):
     seen = base64.b64decode(_tagged(graded.printed["c5_cmdline"], "CAPS-CMDLINE")).decode()
     assert "sandbox.py\0--init" in seen  # the sandbox's init, as the kernel sees it
-    hidden = [graded.root, graded.other.root, FIXTURES, *execute._git_paths()]  # course, temp dirs, source
+    hidden = [graded.root, graded.other.root, FIXTURES, *kernels.git_paths()]  # course, temp dirs, source
     assert not [str(h) for h in hidden if str(h) in seen], seen
     assert "environ of 1: PermissionError" in seen
 

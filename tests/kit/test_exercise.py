@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import __main__
-from disttrain_lab import checks, exercise, launcher, wire
+from disttrain_lab import checks, exercise, hangs, wire
 
 pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
 
@@ -206,13 +206,13 @@ def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_functio
     assert exercise.run(_drive_ping_pong, 2, (8, 1), timeout=30).results == [28.0, 28.0]
     # the grader's run of a test in the student's kernel under autograding: a student's function that ran past
     # the timeout is replaced in the kernel too, so that cells calling it there (not on ranks) stop at once
-    monkeypatch.setattr(launcher, "_GRADING", True)
-    monkeypatch.setattr(launcher, "_HUNG", {})
+    monkeypatch.setattr(hangs, "_GRADING", True)
+    monkeypatch.setattr(hangs, "_HUNG", {})
     monkeypatch.setattr(__main__, "spinner", None, raising=False)  # (removed after the test)
     exec("def spinner(x, repeats):\n    while True:\n        pass\n", vars(__main__))  # as a cell defines it
     graded = {**options, "student_functions": ["spinner", "ping_pong"]}
     error = exercise.record("spinner", 2, _inputs(4, 1), graded, count=False)["error"]
     # (the loop's two lines, `while True:` and `pass`: the stack is sampled on either)
     assert "running Python code" in error["message"] and re.search(r"in spinner \(line [23]\)", error["message"]), error
-    with pytest.raises(launcher.EarlierTimeout, match="spinner is not run again: when a graded test ran it"):
+    with pytest.raises(hangs.EarlierTimeout, match="spinner is not run again: when a graded test ran it"):
         __main__.spinner(None, 1)  # in the kernel itself, at once

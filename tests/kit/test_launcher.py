@@ -792,7 +792,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
 def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_again():
     # A self-check that calls the student's function in the kernel itself (no launch, so no launch timeout):
     # the grader interrupts the cell at its limit, then asks the kernel which notebook function the interrupt
-    # stopped (launcher.remember_interrupted, from IPython's sys.last_traceback); later launches stop at once.
+    # stopped (hangs.remember_interrupted, from IPython's sys.last_traceback); later launches stop at once.
     script = textwrap.dedent("""
         import signal, sys, tempfile, threading, time, os
         import disttrain_lab as dl
@@ -810,12 +810,12 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
             _lab_helper(spins)
         except KeyboardInterrupt:   # (what IPython keeps of a cell's error)
             sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
-        blamed = dl.launcher.remember_interrupted("the cell In[7]", 30, ["spins", "unrelated"])
+        blamed = dl.hangs.remember_interrupted("the cell In[7]", 30, ["spins", "unrelated"])
         print("=== BLAMED", blamed, flush=True)
         try:
             if blamed:
                 spins(3)            # called in the kernel itself, it stops too
-        except dl.launcher.EarlierTimeout as exc:
+        except dl.hangs.EarlierTimeout as exc:
             print("=== HERE AT ONCE", str(exc)[:40], flush=True)
         started = time.monotonic()
         try:
@@ -844,7 +844,7 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
             dl.launch(calls_it, 2, timeout=120)
         except KeyboardInterrupt:
             sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
-        blamed = dl.launcher.remember_interrupted("the cell In[8]", 30, ["calls_it", "spins_too"])
+        blamed = dl.hangs.remember_interrupted("the cell In[8]", 30, ["calls_it", "spins_too"])
         print("=== BLAMED IN A LAUNCH", blamed, flush=True)
         if blamed:
             try:

@@ -80,12 +80,6 @@ def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
     assert "says N must be a **power of two**" in "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
 
 
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
-
-
 def test_predictions_self_checks_and_graded_tests_agree():
     # three predictions, each with a self-check holding the digest of the solution's value and a
     # 1-point graded test computing section 2's model

@@ -28,9 +28,10 @@ from disttrain_lab import bench
 from tests.helpers import needs_gpus, run_python
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
+    assert_wrong_answers_caught,
     cell_by_id,
     code_cells_on_device,
-    error_of_last_cell,
     errors,
     errors_of_graded_predictions,
     execute,
@@ -216,20 +217,18 @@ def _notebook(lab, upto: list[str], wrong: str, tests: list[str]) -> nbformat.No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(WRONG))
-def test_graded_cell_catches_a_wrong_answer(case):
-    exercise, wrong, message = WRONG[case]
-    upto = {
-        "zero_memory": ["ex_zero_memory"],
-        "zero1": ["ex_zero1"],
-        "zero2": ["ex_zero1", "ex_zero2"],
-        "zero3": ["ex_zero1", "ex_zero3"],
-    }[exercise]
-    found = error_of_last_cell(_notebook(load(LAB), upto, wrong, [exercise]))
-    if message == "hidden":  # the visible test's N = 64 divides 7.5B: only a hidden case catches it
-        assert "zero_memory_per_rank(" in found and "ceil" in found, found
-    else:
-        assert message in found, found
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer (named in WRONG), the solutions, the wrong code after them, then
+    its graded cell."""
+    lab = load(LAB)
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], given, *solutions, cell_by_id(lab, "test_helpers"))]
+    graded_at = add_wrong_answers(lab, cells, solutions, [(exercise, wrong) for exercise, wrong, _ in WRONG.values()])
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240)
+    # "hidden": the visible test's N = 64 divides 7.5B: only a hidden case catches it
+    words = [("zero_memory_per_rank(", "ceil") if m == "hidden" else m for _, _, m in WRONG.values()]
+    assert_wrong_answers_caught(nb, graded_at, words)
 
 
 @pytest.mark.slow

@@ -28,9 +28,10 @@ from disttrain_lab import bench, viz
 from tests.helpers import gpu_count, needs_gpus, run_python
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
     assert_prediction_verdicts,
+    assert_wrong_answers_caught,
     cell_by_id,
-    error_of_last_cell,
     errors,
     execute,
     load,
@@ -117,12 +118,6 @@ def test_predictions_self_checks_hold_the_graded_answers():
 @pytest.mark.parametrize("grade_id", list(PREDICTIONS))
 def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
     assert_prediction_verdicts(load(LAB), grade_id, *PREDICTIONS[grade_id])
-
-
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -233,27 +228,15 @@ def train_2d(dense, batches, tp_size, lr):   # tensor parallelism over the world
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "exercise, wrong, message",
-    WRONG,
-    ids=[
-        "row_bias_on_every_rank",
-        "column_keeps_views",
-        "f_and_g_swapped",
-        "all_reduce_between_linears",
-        "2d_world_group_for_tp",
-    ],
-)
-def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
+def test_graded_cells_catch_wrong_answers():
+    """One kernel: for each wrong answer (a bias on every rank, views kept, f and g swapped, an all-reduce
+    between the linears, the world group for TP), the solutions, the wrong definition, then its graded cell."""
     lab = load(LAB)
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
-    helpers = cell_by_id(lab, "test_helpers")
-    nb = nbformat.v4.new_notebook(
-        cells=[copy.deepcopy(c) for c in (lab.cells[0], *solutions, helpers)]
-        + [nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, f"test_{exercise}"))]
-    )
-    found = error_of_last_cell(nb, LAB.parent)
-    assert message in found, found
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"))]
+    graded_at = add_wrong_answers(lab, cells, solutions, [(exercise, wrong) for exercise, wrong, _ in WRONG])
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])
 
 
 @pytest.mark.slow
@@ -299,27 +282,6 @@ def test_weight_slices_locates_what_each_rank_holds():
     assert (axes[1].images[0].get_array() == 0).all()  # held by both ranks: "several"
     with pytest.raises(ValueError, match="not a contiguous block"):
         viz.weight_slices({"w": w}, [{"w": w[:3] + 1}])
-
-
-def test_format_tp_table():
-    rows = [
-        {
-            "version": name,
-            "world_size": 2,
-            "batch": 64,
-            "sizes": (8, 32, 8),
-            "repeats": 5,
-            "ms_per_step": ms,
-            "bytes_per_step": 4096,
-            "calls_per_step": 2,
-            "ratio": 4.0 / ms,
-        }
-        for name, ms in (("ours", 5.0), (bench.TORCH_TP, 4.0))
-    ]
-    rows.append({"version": "broken", "world_size": 2, "batch": 64, "sizes": (8, 32, 8), "repeats": 5, "error": "nope"})
-    table = bench.format_tp_table(rows)
-    assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
-    assert "0.80x" in table and "4.0 KiB" in table and "not measured: nope" in table
 
 
 @pytest.mark.slow

@@ -35,6 +35,8 @@ import pytest
 
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
+    assert_wrong_answers_caught,
     cell_by_id,
     errors,
     execute,
@@ -356,12 +358,7 @@ def test_graded_cells_catch_wrong_answers():
         copy.deepcopy(c)
         for c in (lab.cells[0], *solutions, cell_by_id(lab, "test_helpers"), cell_by_id(lab, "powersgd_helpers"))
     ]
-    graded_at = []
-    for graded, _, wrong, _ in WRONG:
-        cells += [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
-        cells.append(nbformat.v4.new_code_cell(wrong))
-        graded_at.append(len(cells))
-        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    graded_at = add_wrong_answers(lab, cells, solutions, [(graded, wrong) for graded, _, wrong, _ in WRONG])
     # Then the BucketedDDP demonstration with no Lab 3 notebook, and with the released (blank) one.
     demo = next(c for c in lab.cells if c.cell_type == "code" and "with_comm_hook(BucketedDDP)" in c.source)
     cells.append(nbformat.v4.new_code_cell("SIZES, CURVE_STEPS = [16, 64, 64, 4], 2"))
@@ -375,19 +372,13 @@ def test_graded_cells_catch_wrong_answers():
             nbformat.v4.new_code_cell(demo.source.replace('"../03_data_parallel/03_data_parallel.ipynb"', repr(lab3)))
         )
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
-    for i, cell in enumerate(nb.cells):
-        if i not in graded_at:
-            assert not errors(cell), (i, errors(cell))
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, _, message in WRONG])
     assert text(nb.cells[skipped["missing"]]).startswith("Skipped: no Lab 3 notebook at "), text(
         nb.cells[skipped["missing"]]
     )
     assert text(nb.cells[skipped["blank"]]).startswith("Skipped: BucketedDDP.__init__ is not written yet"), text(
         nb.cells[skipped["blank"]]
     )
-    for (graded, _, _, message), at in zip(WRONG, graded_at):
-        found = errors(nb.cells[at])
-        assert found, f"the graded cell test_{graded} passed a wrong answer"
-        assert message in found[0], (graded, found[0])
 
 
 HOOK_TORCH_FUTURE = """

@@ -31,9 +31,10 @@ import pytest
 from tests.helpers import needs_gpus
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
     assert_prediction_verdicts,
+    assert_wrong_answers_caught,
     cell_by_id,
-    errors,
     execute,
     execute_without_errors,
     load,
@@ -84,12 +85,9 @@ def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_i
 
 
 def test_exercises_and_hidden_tests_cover_the_issue():
-    from tests.notebooks import numbering_problems
-
     nb = load(LAB)
     ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
     assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    assert numbering_problems(nb) == []
     hidden = "".join(cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1] for e in EXERCISES)
     for needle in (
         '_check_saved(("mlp", (7, 13, 5)))',
@@ -257,20 +255,9 @@ def test_graded_cells_catch_wrong_answers():
         )
     ]
     cells = [copy.deepcopy(c) for c in (lab.cells[0], *given)]
-    graded_at = []
-    for graded, wrong, _ in WRONG:
-        cells += [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
-        cells.append(nbformat.v4.new_code_cell(wrong))
-        graded_at.append(len(cells))
-        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    graded_at = add_wrong_answers(lab, cells, solutions, [(graded, wrong) for graded, wrong, _ in WRONG])
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
-    for i, cell in enumerate(nb.cells):
-        if i not in graded_at:
-            assert not errors(cell), (i, errors(cell))
-    for (graded, _, message), at in zip(WRONG, graded_at):
-        found = errors(nb.cells[at])
-        assert found, f"the graded cell test_{graded} passed a wrong answer"
-        assert message in found[0], (graded, found[0])
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])
 
 
 @pytest.mark.slow

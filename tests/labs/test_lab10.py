@@ -38,7 +38,9 @@ from disttrain_lab import bench
 from tests.helpers import run_python
 from tests.notebooks import (
     REPO,
+    add_wrong_answers,
     assert_prediction_verdicts,
+    assert_wrong_answers_caught,
     cell_by_id,
     errors,
     execute,
@@ -238,12 +240,6 @@ def test_predictions_digests_match_the_cost_model():
 @pytest.mark.parametrize("grade_id", list(PREDICTIONS))
 def test_graded_prediction_passes_the_right_formula_and_fails_wrong_ones(grade_id):
     assert_prediction_verdicts(load(LAB), grade_id, *PREDICTIONS[grade_id])
-
-
-def test_one_exercise_heading_per_exercise_and_one_section_per_cell():
-    from tests.notebooks import numbering_problems
-
-    assert numbering_problems(load(LAB)) == []
 
 
 # ----------------------------------------------------------------------------------------
@@ -498,20 +494,9 @@ def test_graded_cells_catch_wrong_answers():
     lab = load(LAB)
     cells, solutions = _base_cells(lab)
     cells += [copy.deepcopy(cell_by_id(lab, f"test_{e}")) for e in ("online_softmax", "router")]  # _check_* helpers
-    graded_at = []
-    for graded, wrong, _ in WRONG:
-        cells += [copy.deepcopy(s) for s in solutions]
-        cells.append(nbformat.v4.new_code_cell(wrong))
-        graded_at.append(len(cells))
-        cells.append(copy.deepcopy(cell_by_id(lab, f"test_{graded}")))
+    graded_at = add_wrong_answers(lab, cells, solutions, [(graded, wrong) for graded, wrong, _ in WRONG])
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
-    for i, cell in enumerate(nb.cells):
-        if i not in graded_at:
-            assert not errors(cell), (i, errors(cell))
-    for (graded, _, message), at in zip(WRONG, graded_at):
-        found = errors(nb.cells[at])
-        assert found, f"the graded cell test_{graded} passed a wrong answer"
-        assert message in found[0], (graded, found[0])
+    assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])
 
 
 @pytest.mark.slow

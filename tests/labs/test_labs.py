@@ -13,7 +13,7 @@ import zipfile
 import nbformat
 import pytest
 
-from tests.notebooks import REPO, nbgrader_meta
+from tests.notebooks import REPO, nbgrader_meta, numbering_problems
 
 LABS = sorted((REPO / "solutions").glob("[0-9][0-9]_*/[0-9][0-9]_*.ipynb"))
 
@@ -66,6 +66,26 @@ def test_every_exercise_is_followed_by_locked_graded_tests(lab):
 
 def test_committed_without_outputs(lab):
     assert not [i for i, c in enumerate(lab.cells) if c.cell_type == "code" and c.outputs]
+
+
+# lab 7 still puts its exercises in `##` sections (for its owner to fix; then this mark fails and goes)
+HEADINGS_TO_FIX = {"07_compression": "exercises as ## sections, the PowerSGD exercise without its heading"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=HEADINGS_TO_FIX[p.stem]))
+        if p.stem in HEADINGS_TO_FIX
+        else p
+        for p in LABS
+    ],
+    ids=[p.stem for p in LABS],
+)
+def test_one_exercise_heading_per_exercise_and_one_section_per_cell(path):
+    # the table of contents reads well: `### Exercise n` above each exercise, numbered 1, 2, ... in
+    # order; one `##` section per markdown cell (tests/notebooks.py, numbering_problems)
+    assert numbering_problems(nbformat.read(path, as_version=4)) == []
 
 
 @functools.cache

@@ -1,0 +1,61 @@
+"""Per-cell time limits from the solution's own cell times (disttrain_lab/grading/cell_times.py).
+
+The rule (``FACTOR`` times the solution's seconds, at least ``FLOOR``, times the scale), and a
+graded submission whose function spins: it waits the limit its solution's time gives, not the
+plain cell limit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain_lab import grading
+from disttrain_lab.grading import cell_times
+from disttrain_lab.grading.course import measure_cell_times
+from tests.grading.test_grading import FIXTURE_LIMITS, FIXTURES, Course, grade_id, submit, with_solution
+
+pytestmark = pytest.mark.timeout(1500)
+
+
+def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path))
+    assert cell_times.limits_for("lab") == {}  # never timed: the plain cell limit applies
+    cell_times.record("lab", {"quick": 0.5, "slow": 30.0})
+    assert cell_times.limits_for("lab") == {"quick": cell_times.FLOOR, "slow": cell_times.FACTOR * 30}
+    assert cell_times.limits_for("lab", scale=2) == {"quick": 2 * cell_times.FLOOR, "slow": 2 * cell_times.FACTOR * 30}
+
+
+@pytest.mark.slow
+def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path, monkeypatch):
+    # the fixture lab: its solution timed once (as `disttrain-lab release --time-cells` does)
+    monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path / "times"))
+    course = Course(
+        tmp_path / "c",
+        "00_basics",
+        FIXTURES,
+        dict(FIXTURE_LIMITS, cell_timeout=600, notebook_timeout=900, student_timeout=900),
+    )
+    seconds = measure_cell_times("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
+    assert {"test_add", "test_mean", "test_scale"} <= seconds.keys()
+    cell_times.record("00_basics", seconds)
+    limit = cell_times.limits_for("00_basics")["test_mean"]
+    assert limit < 600
+    course.do_release()
+    submit(
+        course.course,
+        "spinner",
+        course.lab,
+        with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"),
+    )
+    result = course.grade(["spinner"])["spinner"]
+    assert result.returncode == 0, result.output[-3000:]
+    assert grading.scores(course.lab, course.course)["spinner"] == {
+        "test_add": 1.0,
+        "test_mean": 0.0,
+        "test_scale": 1.0,
+        "total": 2.0,
+    }
+    [cell] = [c for c in course.autograded("spinner").cells if grade_id(c) == "test_mean"]
+    text = "".join(o.get("evalue", "") + "".join(o.get("traceback", [])) for o in cell.outputs)
+    assert f"longer than the {limit} s allowed" in text, text  # not the 600 s cell limit
+    assert not list(course.tmp.iterdir())

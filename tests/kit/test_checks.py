@@ -1,0 +1,166 @@
+"""disttrain_lab.checks: how self-checks and graded tests compare tensors and read traces.
+
+Each check passes where it should and fails with a message that states the rule, the values
+seen and what is right; on hand-made events and on a real traced launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import disttrain_lab as dl
+from disttrain_lab import checks
+from disttrain_lab.trace import Event, Run
+
+# ----------------------------------------------------------------------------------------
+# checks.py, without launching
+
+
+def test_assert_close_passes_on_equal_and_within_tolerance():
+    checks.assert_close(torch.arange(6).reshape(2, 3), torch.arange(6).reshape(2, 3))
+    checks.assert_close(torch.ones(3) + 1e-7, torch.ones(3))
+    checks.assert_close(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64) + 1e-9)
+
+
+@pytest.mark.parametrize(
+    "actual, expected, words",
+    [
+        (None, torch.ones(2), ["got NoneType", "shape (2,)"]),
+        (torch.ones(3), torch.ones(4), ["expected shape (4,), got shape (3,)"]),
+        (torch.ones(3, dtype=torch.float64), torch.ones(3), ["expected dtype float32, got float64"]),
+        (
+            torch.tensor([[1.0, 2.0], [3.0, 9.0]]),
+            torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+            ["max abs diff 5 at index (1, 1)", "got 9.0, expected 4.0", "1 of 4 elements", "rtol="],
+        ),
+        (torch.tensor([5, 6]), torch.tensor([5, 7]), ["integers must match exactly", "index (1,)"]),
+        (torch.ones(3) + 1e-3, torch.ones(3), ["3 of 3 elements differ, the first at index (0,)"]),
+    ],
+)
+def test_assert_close_fails_with_a_useful_message(actual, expected, words):
+    with pytest.raises(AssertionError) as info:
+        checks.assert_close(actual, expected, what="rank 2's tensor")
+    message = str(info.value)
+    assert message.startswith("rank 2's tensor: ")
+    for word in words:
+        assert word in message, message
+
+
+def test_sample_tensor_is_deterministic_and_typed():
+    a = checks.sample_tensor((3, 5), torch.int64, seed=4)
+    assert a.dtype == torch.int64 and a.shape == (3, 5) and torch.equal(a, checks.sample_tensor((3, 5), torch.int64, 4))
+    assert not torch.equal(a, checks.sample_tensor((3, 5), torch.int64, seed=5))
+    assert checks.sample_tensor(7, torch.float64).shape == (7,)
+
+
+def _event(rank, op, start, end, peer=None, kind=None, name="", nbytes=4):
+    kind = kind or ("p2p" if op in ("send", "recv", "isend", "irecv") else "region" if op == "region" else "collective")
+    return Event(rank=rank, op=op, kind=kind, start=start, end=end, peer=peer, bytes=nbytes, name=name)
+
+
+def _run(events) -> Run:
+    return Run(results=[None, None], events=sorted(events, key=lambda e: e.start), world_size=2)
+
+
+def test_within_keeps_only_the_region_of_each_rank():
+    run = _run(
+        [
+            _event(0, "region", 1.0, 2.0, name="student"),
+            _event(1, "region", 1.5, 3.0, name="student"),
+            _event(0, "send", 1.1, 1.2, peer=1),
+            _event(1, "recv", 1.6, 1.7, peer=0),
+            _event(0, "broadcast", 2.5, 2.6, peer=0),  # reference after rank 0's region
+            _event(1, "broadcast", 2.5, 2.6, peer=0),
+        ]
+    )  # inside rank 1's region: counts
+    inside = checks.within(run, "student")
+    assert [(e.rank, e.op) for e in inside.events] == [(0, "send"), (1, "recv"), (1, "broadcast")]
+    assert inside.bytes_sent(0) == 4 and inside.world_size == 2
+    with pytest.raises(ValueError, match="no region named 'other'.*regions seen: \\['student'\\]"):
+        checks.within(run, "other")
+
+
+def test_assert_only_p2p():
+    p2p = _run(
+        [
+            _event(0, "isend", 0.1, 0.2, peer=1),
+            _event(1, "recv", 0.1, 0.3, peer=0),
+            _event(0, "wait", 0.2, 0.3, peer=1, kind="wait"),
+        ]
+    )
+    checks.assert_only_p2p(p2p, "ring_shift")
+    mixed = _run(
+        p2p.events
+        + [
+            _event(0, "all_reduce", 0.4, 0.5),
+            _event(1, "all_reduce", 0.4, 0.5),
+            _event(1, "all_reduce", 0.6, 0.7),
+            _event(1, "barrier", 0.8, 0.9),
+        ]
+    )
+    with pytest.raises(AssertionError) as info:
+        checks.assert_only_p2p(mixed, "broadcast_tree")
+    message = str(info.value)
+    assert message.startswith("broadcast_tree must be built from point-to-point calls only")
+    assert "all_reduce on rank 0 (1×), rank 1 (2×)" in message and "barrier on rank 1 (1×)" in message
+
+
+def test_sends_and_receives():
+    run = _run(
+        [
+            _event(0, "send", 0.1, 0.2, peer=1),
+            _event(0, "isend", 0.3, 0.4, peer=1),
+            _event(1, "recv", 0.1, 0.2, peer=0),
+            _event(1, "irecv", 0.3, 0.4, peer=0),
+        ]
+    )
+    assert [e.op for e in checks.sends(run, 0)] == ["send", "isend"]
+    assert checks.sends(run, 0, peer=0) == [] and checks.sends(run, 1) == []
+    assert [e.op for e in checks.receives(run, 1, peer=0)] == ["recv", "irecv"]
+
+
+def test_verify_untampered_catches_replaced_functions(monkeypatch):
+    checks.verify_untampered()
+    for module, name in [
+        (dist, "broadcast"),
+        (torch, "allclose"),
+        (checks, "assert_close"),
+        (checks, "assert_only_p2p"),
+    ]:
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, lambda *args, **kwargs: True)
+            with pytest.raises(dl.TamperingError, match=f"{module.__name__}.{name} was replaced"):
+                checks.verify_untampered()
+    checks.verify_untampered()  # everything restored: passes again
+
+
+def test_passed_prints_a_friendly_line(capsys):
+    checks.passed("ring_shift works on 3 ranks")
+    assert capsys.readouterr().out == "\N{WHITE HEAVY CHECK MARK} ring_shift works on 3 ranks\n"
+
+
+# ----------------------------------------------------------------------------------------
+# checks.py on a real launch
+
+
+def _broadcast_with_reference():
+    x = torch.arange(4.0) if dist.get_rank() == 1 else torch.zeros(4)
+    with dl.region("student"):
+        if dist.get_rank() == 1:
+            dist.send(x, dst=0)
+        else:
+            dist.recv(x, src=1)
+    expected = x.clone()
+    dist.broadcast(expected, src=1)  # the reference, outside the student's region
+    return x
+
+
+def test_within_a_real_traced_launch():
+    run = dl.launch(_broadcast_with_reference, 2, trace=True, timeout=60)
+    with pytest.raises(AssertionError, match="collective broadcast"):
+        checks.assert_only_p2p(run, "broadcast_linear")
+    student = checks.within(run, "student")
+    checks.assert_only_p2p(student, "broadcast_linear")
+    assert student.rounds() == 1 and len(checks.sends(student, 1, peer=0)) == 1
