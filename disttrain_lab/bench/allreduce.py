@@ -1,11 +1,13 @@
 """``disttrain-lab bench allreduce``: all-reduce implementations measured the way nccl-tests does
-(algbw and busbw against message size), side by side with ``dist.all_reduce``.  The
-implementations come from a lab notebook (this package holds no solutions).
+(algbw and busbw against message size), side by side with ``dist.all_reduce``, and the CPU time
+each call costs a rank (all its threads: the adds, and the copies through the sockets that gloo's
+threads make).  The implementations come from a lab notebook (this package holds no solutions).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -41,13 +43,15 @@ def _probe_allreduce(fn, numel: int):
 
 
 def _time_allreduce(algorithms: dict, sizes, repeats: int, warmup: int, dtype_name: str) -> dict:
-    """In each rank: seconds per call of every algorithm at every size, interleaved."""
+    """In each rank: seconds per call of every algorithm at every size, interleaved, and the CPU
+    seconds the call cost this rank (``time.process_time``: every thread of the process)."""
     import torch
     import torch.distributed as dist
 
     dtype = getattr(torch, dtype_name)
     names = list(algorithms)
     seconds: dict = {}
+    cpu: dict = {}
     for nbytes in sizes:
         numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
         source = torch.ones(numel, dtype=dtype)
@@ -57,12 +61,13 @@ def _time_allreduce(algorithms: dict, sizes, repeats: int, warmup: int, dtype_na
             for name in names[shift:] + names[:shift]:
                 x.copy_(source)  # an in-place all-reduce overwrote it
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 algorithms[name](x)
-                elapsed = time.perf_counter() - start
+                elapsed, cpu_spent = time.perf_counter() - start, time.process_time() - cpu_start
                 if i >= warmup:
                     seconds.setdefault((name, nbytes), []).append(elapsed)
-    return seconds
+                    cpu.setdefault((name, nbytes), []).append(cpu_spent)
+    return {"seconds": seconds, "cpu": cpu}
 
 
 def bench_allreduce(
@@ -79,7 +84,8 @@ def bench_allreduce(
 
     For every size, the algorithms take turns (order rotated each repeat); each call's time
     is the slowest rank's, and a row reports the median over ``repeats``:
-    algbw = S / t and busbw = algbw * 2(N-1)/N (nccl-tests' definitions).  Each algorithm is
+    algbw = S / t and busbw = algbw * 2(N-1)/N (nccl-tests' definitions); ``cpu_s``: the CPU
+    seconds one call costs a rank (the median over the ranks of each rank's median).  Each algorithm is
     first checked once against dist.all_reduce; one that raises or is wrong gets a row with
     ``error`` instead of being timed.
 
@@ -105,8 +111,8 @@ def bench_allreduce(
             working[name] = fn
     working[TORCH_ALL_REDUCE] = _torch_all_reduce
     per_rank = launch(_time_allreduce, world_size, working, list(sizes), repeats, warmup, dtype, timeout=timeout)
-    for name, nbytes in sorted(per_rank[0], key=lambda key: (key[1], list(working).index(key[0]))):
-        median = slowest_median([rank[(name, nbytes)] for rank in per_rank])
+    for name, nbytes in sorted(per_rank[0]["seconds"], key=lambda key: (key[1], list(working).index(key[0]))):
+        median = slowest_median([rank["seconds"][(name, nbytes)] for rank in per_rank])
         rows.append(
             {
                 "algorithm": name,
@@ -115,6 +121,7 @@ def bench_allreduce(
                 "median_s": median,
                 "algbw": nbytes / median,
                 "busbw": nbytes / median * busbw_factor(world_size),
+                "cpu_s": statistics.median(statistics.median(rank["cpu"][(name, nbytes)]) for rank in per_rank),
                 "repeats": repeats,
             }
         )
@@ -122,7 +129,8 @@ def bench_allreduce(
 
 
 def format_allreduce_table(rows: list[dict]) -> str:
-    """busbw (GB/s) per message size, one column per algorithm, each / dist.all_reduce's."""
+    """busbw (GB/s) per message size, one column per algorithm, each / dist.all_reduce's; then,
+    where the rows have it, the CPU time per call and rank (ms), each / dist.all_reduce's."""
     from ..trace import format_bytes
 
     timed = [r for r in rows if "error" not in r]
@@ -132,18 +140,23 @@ def format_allreduce_table(rows: list[dict]) -> str:
     by = {(r["algorithm"], r["bytes"]): r for r in timed}
     world_size = timed[0]["world_size"]
     width = max(12, *(len(n) for n in names)) + 2
-    lines = [
-        f"busbw in GB/s on {world_size} ranks, median of {timed[0]['repeats']} (in brackets: / {TORCH_ALL_REDUCE})",
-        f"{'size':>9}" + "".join(f"{n:>{width + 8}}" for n in names),
-    ]
-    for nbytes in sorted({r["bytes"] for r in timed}):
-        torch_row = by.get((TORCH_ALL_REDUCE, nbytes))
-        cells = []
-        for n in names:
-            row = by.get((n, nbytes))
-            ratio = f"({row['busbw'] / torch_row['busbw']:.2f}x)" if row and torch_row else ""
-            cells.append(f"{row['busbw'] / 1e9:>{width}.3f} {ratio:>7}" if row else f"{'-':>{width + 8}}")
-        lines.append(f"{format_bytes(nbytes):>9}" + "".join(cells))
+    header = f"{'size':>9}" + "".join(f"{n:>{width + 8}}" for n in names)
+    busbw = f"busbw in GB/s on {world_size} ranks, median of {timed[0]['repeats']}"
+    cpu = "CPU ms per call and rank (all its threads: the adds, and gloo's copies through the sockets), median"
+    tables = [(busbw, "busbw", 1e-9, ".3f")] + (
+        [(cpu, "cpu_s", 1e3, ".1f")] if all("cpu_s" in r for r in timed) else []
+    )
+    lines = []
+    for title, key, scale, fmt in tables:
+        lines += [f"{title} (in brackets: / {TORCH_ALL_REDUCE})", header]
+        for nbytes in sorted({r["bytes"] for r in timed}):
+            torch_row = by.get((TORCH_ALL_REDUCE, nbytes))
+            cells = []
+            for n in names:
+                row = by.get((n, nbytes))
+                ratio = f"({row[key] / torch_row[key]:.2f}x)" if row and torch_row else ""
+                cells.append(f"{row[key] * scale:>{width}{fmt}} {ratio:>7}" if row else f"{'-':>{width + 8}}")
+            lines.append(f"{format_bytes(nbytes):>9}" + "".join(cells))
     lines += [f"{r['algorithm']}: not measured: {r['error']}" for r in rows if "error" in r]
     return "\n".join(lines)
 

@@ -281,6 +281,12 @@ def test_format_allreduce_table():
     assert "busbw in GB/s on 4 ranks, median of 5" in table
     assert "(0.50x)" in table and "(1.00x)" in table and "1.0 MiB" in table
     assert "broken: not measured: RankError: NotImplementedError" in table
+    assert "CPU ms" not in table  # rows without the CPU time: no such table
+    for row, cpu_s in zip(rows, (0.006, 0.008)):
+        row["cpu_s"] = cpu_s
+    table = bench.format_allreduce_table(rows)
+    cpu = table.split("CPU ms per call and rank")[1]
+    assert "6.0 (0.75x)" in cpu and "8.0 (1.00x)" in cpu and "(0.50x)" in table.split("CPU ms")[0], table
 
 
 def test_functions_from_notebook_runs_definitions_not_tests(solution):
@@ -301,6 +307,7 @@ def test_bench_allreduce_measures_side_by_side_and_skips_broken(solution):
     assert set(timed) == {(a, s) for a in ("ring", "dist.all_reduce") for s in (4 << 10, 64 << 10)}
     for row in timed.values():
         assert row["median_s"] > 0 and row["busbw"] == pytest.approx(row["algbw"] * bench.busbw_factor(2))
+        assert 0 < row["cpu_s"] < 60  # the CPU seconds one call cost a rank
     [error] = [r for r in rows if "error" in r]
     assert error["algorithm"] == "broken" and "wrong result" in error["error"]
 

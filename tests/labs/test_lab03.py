@@ -332,15 +332,23 @@ class BucketedDDP(nn.Module):                 # fills its buckets in forward ord
 @pytest.mark.slow
 def test_forward_order_buckets_fail_and_cost_no_sync_nothing():
     # one execution: the bucketed test names the rule; no_sync, built on this BucketedDDP, is graded on the
-    # grader's own BucketedDDP instead and keeps its points (dependent exercises do not chain losses)
-    nb, _ = execute(
-        _notebook(load(LAB), "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"]),
-        autograding=True,
-        cwd=LAB.parent,
-    )
-    for cell in nb.cells[:-2]:
+    # grader's own BucketedDDP instead and keeps its points (dependent exercises do not chain losses).  The
+    # no_sync self-check runs just before its graded cell, as in the lab: the warm ranks then already hold
+    # AccumulatingDDP on the student's BucketedDDP when the graded cell rebases it on the grader's
+    lab = load(LAB)
+    nb = _notebook(lab, "bucketed_ddp", FORWARD_ORDER_BUCKETS, ["bucketed_ddp", "no_sync"])
+    self_check = lab.cells[lab.cells.index(cell_by_id(lab, "ex_no_sync")) + 1]
+    assert self_check.source.startswith("# Self-check") and "AccumulatingDDP" in self_check.source
+    nb.cells.insert(len(nb.cells) - 1, copy.deepcopy(self_check))
+    nb, _ = execute(nb, autograding=True, cwd=LAB.parent)
+    for cell in nb.cells[:-3]:
         assert not errors(cell), errors(cell)
-    bucketed, no_sync = nb.cells[-2:]
+    # the self-check ran AccumulatingDDP on the ranks (its buckets hold one parameter each: the order is not seen)
+    assert "no_sync: only the last micro-step all-reduces" in text(nb.cells[-2]), (
+        errors(nb.cells[-2]),
+        text(nb.cells[-2]),
+    )
+    bucketed, no_sync = nb.cells[-3], nb.cells[-1]
     assert errors(bucketed) and "in *reverse* order of model.parameters()" in errors(bucketed)[0], errors(bucketed)
     assert "[1356, 384] B" in errors(bucketed)[0], errors(bucketed)
     assert not errors(no_sync) and "the grader checks no_sync() on its own BucketedDDP" in text(no_sync), (

@@ -235,13 +235,20 @@ def test_graded_cells_catch_wrong_answers():
 def test_a_failed_zero1_costs_zero2_nothing():
     # ZeRO-2 builds on ZeRO-1: with a ZeRO-1 that forgets the ÷ N, the ZeRO-1 test fails, saying so (its SGD
     # case: Adam would hide the scale), and the ZeRO-2 test, run on the grader's own ZeRO-1, passes (dependent
-    # exercises do not chain losses).  One execution for both.
-    nb, _ = execute(
-        _notebook(load(LAB), ["ex_zero1", "ex_zero2"], ZERO1_WITHOUT_MEAN, ["zero1", "zero2"]), autograding=True
-    )
-    for cell in nb.cells[:-2]:
+    # exercises do not chain losses).  One execution for both, in the lab's order: Zero2Optimizer is defined on
+    # the wrong ZeRO-1, and its self-check runs on the warm ranks just before its graded cell rebases it on the
+    # grader's ZeRO-1 (the ranks must run the class as the kernel now has it, not as they first unpickled it).
+    lab = load(LAB)
+    self_check = lab.cells[lab.cells.index(cell_by_id(lab, "ex_zero2")) + 1]
+    assert self_check.source.startswith("# Self-check") and "Zero2Optimizer" in self_check.source
+    nb = _notebook(lab, ["ex_zero1"], ZERO1_WITHOUT_MEAN, ["zero1"])
+    nb.cells += [copy.deepcopy(c) for c in (cell_by_id(lab, "ex_zero2"), self_check, cell_by_id(lab, "test_zero2"))]
+    nb, _ = execute(nb, autograding=True)
+    for cell in nb.cells[:-4]:
         assert not errors(cell), errors(cell)
-    zero1, zero2 = nb.cells[-2:]
+    assert not errors(nb.cells[-3]), errors(nb.cells[-3])  # ex_zero2, on the wrong ZeRO-1
+    assert "rank 0 holds" in text(nb.cells[-2]), (errors(nb.cells[-2]), text(nb.cells[-2]))  # it ran on the ranks
+    zero1, zero2 = nb.cells[-4], nb.cells[-1]
     assert errors(zero1) and "times too large: divide the reduce-scattered gradient by N" in errors(zero1)[0], errors(
         zero1
     )

@@ -66,6 +66,7 @@ OLD_PHRASES = [
     "your `topk_hook` is synchronous and cannot",  # the solution's hook is asynchronous
     "self.ready",  # a private name of Lab 3's solution the demonstration relied on
     "isinstance(fut, torch.futures.Future)",  # rejected torch's own torch._C.Future
+    "is the stochastic-rounding quantizer of exercise 4",  # QSGD scales by the norm, not max|x| (Alistarh et al.)
 ]
 
 
@@ -135,6 +136,7 @@ def test_statements_issue_25_found_wrong_are_gone():
         "1-bit Adam, 0/1 Adam and 1-bit LAMB",
         "He et al. 2016",
         "Why PowerSGD wins where it does",
+        "`‖v‖₂ · sign(vᵢ) · ξᵢ`",  # QSGD's quantizer, scaled by the bucket's norm
     ):
         assert fixed in source, fixed
 

@@ -9,13 +9,17 @@
   pictures; the planner ranks the measured runs of data/step_times.json and finds GPT-3's
   8-way tensor parallelism; the scaling-law fit and Chinchilla's table are printed; then, in the same kernel, wrong answers (Megatron's order mixed up, attention
   without f, blocks keyed by their place in the stage, gradients summed instead of averaged,
-  LARS without its trust ratio, the planner ignoring the TP tier or keeping plans that do not
-  fit, a log10 power-law fit, a wrong compute-optimal N) each fail their graded cell saying why, and the Lab 6 pieces
+  LARS without its trust ratio or moving no zero weight, the planner ignoring the TP tier, keeping plans that
+  do not fit or ignoring ``sp``, a log10 power-law fit, a wrong compute-optimal Ψ) each fail their graded cell
+  saying why, and the Lab 6 pieces
   fall back on the reference ones when the Lab 6 notebook is missing or blank; a correct grid built
   another way (``new_subgroups_by_enumeration``) passes; and a later exercise keeps its points when
   the earlier ones it builds on fail (graded on the grader's own pieces).
-- The statements issue 25 found wrong are gone from the instructor notebook (each old phrase), and
-  its two graded predictions are there, each with a measurement beside it.
+- The statements issue 25 found wrong are gone from the instructor notebook (each old phrase, in its
+  text and its code), its symbols keep one meaning (`N` ranks, `Ψ` parameters, `D` tokens, `t` the
+  TP degree), and its two graded predictions are there, each with a measurement beside it.
+- A submission whose ``grid_groups`` spins, autograded: the spin costs one cell's limit, every later
+  cell that meets it fails at once, and only ``grid_groups``'s points are lost.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -24,12 +28,16 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
 import math
 import re
 
 import nbformat
 import pytest
 
+from disttrain_lab import grading
+from disttrain_lab.grading import cell_times
+from disttrain_lab.grading.execute import NOTES_FILE
 from tests.notebooks import (
     REPO,
     SLOWDOWN,
@@ -44,6 +52,7 @@ from tests.notebooks import (
     solution_notebook,
     text,
 )
+from tests.roundtrip import Course, submit, with_solution
 
 LAB = solution_notebook("08_capstone")
 BUDGET_S = 300  # the issue's budget for the whole solution notebook on 2 cores
@@ -133,13 +142,53 @@ OLD_PHRASES = [
     "training costs **`6 N` FLOPs per\ntoken**",
     "compute `C ≈ 6 N D`",
     'made = {len(run.trace.select(op="new_group"',  # a grid built another way made no new_group calls
+    # symbols: N is ranks, Ψ parameters, D tokens, t the TP degree (in the code as in the text)
+    '"""N = 12 L h^2 + 2 V h',
+    "devices: int             # D",
+    'xlabel="parameters N"',
+    "best N = ",
+    "D/N = ",
+    "N_EXPONENT",
+    "LOSS_EXPONENT_N",
+    "(N, D, loss)",
+    "_RUNS_NDL",
+    "(N, loss)",
+    "cutting them into `N` contiguous",
+    "each of the `N` ranks of the\nTP group",
+    "n_heads / N",
+    "d/N",
+    "\\nN = {CFG.params():,} parameters",
 ]
+
+# Where a bare N or D may stand in the instructor notebook (text and code): N a number of ranks, or
+# naming the papers' N (our Ψ); D a number of tokens (a line that says so: it names Ψ or tokens)
+N_ALLOWED = (
+    "`N` is a number of ranks",
+    "write `N` for it",
+    "who write `N`",
+    "write `N` for `Ψ`",
+    "their `N` our `Ψ`",
+    "`N` devices in nodes",
+    "`dp · tp · pp = N`",
+    "devices: int             # N",
+)
 
 
 def test_old_statements_are_gone_and_the_new_ones_are_there():
     source = "\n".join(c.source for c in load(LAB).cells)
     found = [phrase for phrase in OLD_PHRASES if phrase in source]
     assert not found, f"statements issue 25 found wrong are back: {found}"
+    lines = source.splitlines()
+    bare_n = [
+        line for line in lines if re.search(r"(?<![\w\\])N(?!\w)", line) and not any(a in line for a in N_ALLOWED)
+    ]
+    assert not bare_n, f"N is a number of ranks (Ψ parameters, t the TP degree), yet: {bare_n}"
+    bare_d = [
+        line
+        for line in lines
+        if re.search(r"(?<![\w\\-])D(?!\w)", line) and not re.search(r"Ψ|token|\(D, loss\)", line)
+    ]
+    assert not bare_d, f"D is a number of tokens, yet: {bare_d}"
     for phrase in (
         "s · b · h · (10 + 24 / t)",  # Korthikanti et al., Table 2, plain TP
         "34 · s · b · h / t",  # with sequence parallelism
@@ -151,6 +200,8 @@ def test_old_statements_are_gone_and_the_new_ones_are_there():
         "**at `tp = 8`**",
         "finite positive numbers",
         "given **no state**",
+        "`step_time` has no `sp` switch",  # sequence parallelism: the same bytes, the same step time
+        "plan_parallelism(model, cluster, sp=False)",
     ):
         assert phrase in source, phrase
 
@@ -309,6 +360,20 @@ WRONG = [
         "scaling_optimal",  # inf accepted
         _replaced("scaling_optimal", " or not math.isfinite(value)", ""),
         "must be finite positive numbers",
+    ),
+    (
+        "lars",  # no special case for a zero weight: its trust ratio 0, so it never moves
+        _replaced("lars", "if w_norm > 0 and g_norm > 0:", "if g_norm > 0:"),
+        "a zero weight: ‖w‖ = 0, so its trust ratio is 1",
+    ),
+    (
+        "planner_plans",  # sp ignored: plain TP's memory whatever the switch
+        _replaced(
+            "planner_plans",
+            "memory = memory_per_device(model, cluster, plan, sp=sp)",
+            "memory = memory_per_device(model, cluster, plan)",
+        ),
+        "12.9 B on 32 devices of 16 GB, sp=True: (dp, tp, pp, m, zero) missing",
     ),
 ]
 
@@ -473,7 +538,7 @@ def test_planner_ranks_the_measured_runs_and_finds_gpt3s_tensor_parallelism(exec
 @pytest.mark.slow
 def test_scaling_laws_fit_and_check_chinchillas_table(executed):
     nb = executed[0]
-    printed = output_of(nb, "_cn, N_EXPONENT = fit_power_law")
+    printed = output_of(nb, "_cn, PSI_EXPONENT = fit_power_law")
     exponent = float(re.search(r"Ψ_opt ∝ C\^(-?\d\.\d+)", printed).group(1))
     assert 0 < exponent < 1.5, printed  # bigger budgets, bigger optimal models
     table = output_of(nb, "CHINCHILLA_TABLE = [")
@@ -523,3 +588,58 @@ def test_a_later_exercise_keeps_its_points_when_an_earlier_one_fails(executed):
         if passes != (last == "PASSED"):
             wrong[f"{graded} at cell {at}"] = text(nb.cells[at])[-1500:]
     assert not wrong, f"graded cells that should {'pass' if passes else 'fail'}: {wrong}"
+
+
+# ----------------------------------------------------------------------------------------
+# A submission whose grid_groups spins, autograded as `disttrain-lab grade` does it (slow)
+
+SPINS = """
+def grid_groups(dp: int, tp: int, pp: int) -> Grid:
+    while True:          # a student's infinite loop
+        pass
+"""
+
+
+@pytest.fixture(scope="module")
+def spinning(tmp_path_factory):
+    """Lab 8 autograded with a grid_groups that spins: the scores, the autograded notebook, and each
+    cell's seconds (the grader's notes)."""
+    lab = LAB.parent.name
+    course = Course(tmp_path_factory.mktemp("spins"), lab, REPO / "solutions", None)
+    course.do_release()
+    submit(course.course, "spins", lab, with_solution(course.solution, "ex_grid_groups", SPINS))
+    course.results = course.grade(["spins"])
+    course.table = grading.scores(lab, course.course)
+    course.nb = course.autograded("spins")
+    notes = course.course / "autograded" / "spins" / lab / NOTES_FILE
+    course.seconds = json.loads(notes.read_text())["cell_seconds"]
+    course.limits = cell_times.limits_for(lab)
+    return course
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_spinning_grid_costs_its_own_points_and_one_cells_limit(spinning):
+    assert spinning.results["spins"].returncode == 0, spinning.results["spins"].output[-3000:]
+    # only grid_groups's points: the later exercises built on it are graded on the grader's grid
+    lost = {cell for cell, points in spinning.table["spins"].items() if cell != "total" and points == 0}
+    assert lost == {"test_grid_groups"}, spinning.table["spins"]
+    # the spin is waited for once: the first cell that calls grid_groups (the self-check of Exercise 1) runs
+    # into a time limit, and no other cell does; every later cell that calls it stops at once, saying what
+    # happened then (not "did not finish within 120 s": it was not waited for)
+    code = [c for c in spinning.nb.cells if c.cell_type == "code"]
+    timed_out = ("CellTimeoutError", "KeyboardInterrupt", "LaunchTimeout")  # a cell's limit, or a launch's timeout
+    waited = [c for c in code if any(e.startswith(timed_out) for e in errors(c))]
+    assert len(waited) == 1 and "_grid_in_rank" in waited[0].source, [cell_times.cell_key(c) for c in waited]
+    key = cell_times.cell_key(waited[0])
+    limit = spinning.limits.get(key, cell_times.FLOOR)
+    assert spinning.seconds[key] <= limit + 15, (key, spinning.seconds[key], limit)
+    later = [c for c in code if "grid_groups is not run again" in "\n".join(errors(c))]
+    keys = [cell_times.cell_key(c) for c in later]
+    assert "test_grid_groups" in keys and len(later) >= 3, keys  # and the self-checks of Exercises 3 and 4
+    assert all(code.index(c) > code.index(waited[0]) for c in later), keys
+    for cell in later:
+        told = "\n".join(errors(cell))
+        assert "in _grid_in_rank (line" in told and "→ grid_groups (line" in told, told  # where each rank was
+        assert "did not finish within 120 s" not in told, told
+        assert spinning.seconds[cell_times.cell_key(cell)] < 10, (cell_times.cell_key(cell), spinning.seconds)

@@ -129,6 +129,11 @@ def test_graded_cells_and_hidden_tests_cover_the_issue():
         and "10 + 24 / plan.tp" in cell_by_id(nb, "test_planner_memory").source
     )
     assert "def _graders_planner(graders, users)" in hidden["test_planner_plans"]  # graded on its own
+    # sp both ways: where it decides what fits, and visibly (the self-check too)
+    assert "sp=True)" in hidden["test_planner_plans"] and "sp=False)" in hidden["test_planner_plans"]
+    visible = "".join(part.split("### END HIDDEN TESTS")[-1] for part in plans.split("### BEGIN HIDDEN TESTS"))
+    self_check = nb.cells[nb.cells.index(cell_by_id(nb, "ex_planner_plans")) + 1].source
+    assert "plan_parallelism(_big, _c32_16, sp=True)" in self_check and "sp=True)" in visible
     assert "np.polyfit" not in cell_by_id(nb, "test_scaling_fit").source  # the reference is written out
     assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "test_scaling_optimal").source
     # the graded tests' references are formulas in the test, never code of the kit
