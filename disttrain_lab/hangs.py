@@ -13,6 +13,12 @@ stuck in and, while it is still defined as it was, replaces it with a stand-in t
 - the grader runs :func:`remember_interrupted` in the student's kernel after it interrupted a
   cell at its limit (``grading/execute.py`` sends the call as code).
 
+And a hang ends with the launcher's own report (which rank, blocked in what, in which of the
+student's functions) inside the cell's limit, not with the cell's interrupt: before each cell it
+runs in the student's kernel the grader tells :func:`cell_limit` that cell's limit, and
+``dl.launch`` caps its timeout to what is left of it (:func:`capped`), less the seconds a
+timed-out launch needs to stop its ranks and say so.
+
 This module is part of the student kit: it imports nothing of the grading wing.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from types import FunctionType
@@ -30,11 +37,44 @@ from .reports import LaunchTimeout
 _GRADING = os.environ.get("NBGRADER_EXECUTION") == "autograde"
 _HUNG: dict[str, tuple[FunctionType, str]] = {}  # name -> (the function that hung, what happened)
 _STUB_ONLY: set[str] | None = None  # while the grader's request runs: only these names (its own list)
+_CELL: tuple[float, int | None, float] | None = None  # the graded cell's (deadline, In[n], limit): cell_limit
+
+REPORT_MARGIN = 4.0  # seconds a timed-out launch needs to stop its ranks and the cell to say so
+MIN_LAUNCH = 1.0  # seconds: a launch is given at least this, however little is left of a cell's limit
 
 
 class EarlierTimeout(Exception):
     """Raised on a rank, under grading, by a notebook function that did not finish in an earlier
     cell: it is not run (nor waited for) again."""
+
+
+def _execution_count() -> int | None:
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return getattr(shell, "execution_count", None)
+
+
+def cell_limit(seconds: float) -> None:
+    """Under grading, run by the grader in the student's kernel just before a cell (a quiet run,
+    which leaves ``In[n]`` as it is): that cell may run ``seconds``.  It holds for that cell only
+    (the one that becomes ``In[n]``), not for the grader's own runs during later test cells."""
+    global _CELL
+    if _GRADING:
+        _CELL = (time.monotonic() + seconds, _execution_count(), seconds)
+
+
+def capped(timeout: float) -> tuple[float, str | None]:
+    """A launch's ``timeout``, under grading no later than the end of the cell's limit less
+    ``REPORT_MARGIN`` (so the launch, not the cell's interrupt, says what hung), and why it was
+    capped (None where it was not)."""
+    if _CELL is None or not _GRADING or _CELL[1] != _execution_count():
+        return timeout, None
+    deadline, _, limit = _CELL
+    left = deadline - time.monotonic() - REPORT_MARGIN
+    if left >= timeout:
+        return timeout, None
+    return max(round(left, 1), MIN_LAUNCH), (
+        f"what was left of this cell's {limit:g} s time limit when graded; the launch asked for {timeout:g} s"
+    )
 
 
 def _stub(name: str, message: str) -> FunctionType:

@@ -39,11 +39,18 @@ from .kernels import StudentKernel
 NOTES_FILE = ".disttrain-grading.json"  # next to the autograded notebook; read by the grade report
 
 
+_HANGS = "__import__('disttrain_lab.hangs', fromlist=['_'])"  # the kit's hangs module, in the student's kernel
+
+
 def _remember_interrupted(cell, limit: int, student_functions: list[str]) -> str:
     """Code for the student's kernel, after ``cell`` ran past its limit: see hangs.remember_interrupted."""
     label = f"the cell In[{cell.execution_count}]" if cell.get("execution_count") else "an earlier cell"
-    hangs = "__import__('disttrain_lab.hangs', fromlist=['_'])"
-    return f"{hangs}.remember_interrupted({label!r}, {limit!r}, {student_functions!r})"
+    return f"{_HANGS}.remember_interrupted({label!r}, {limit!r}, {student_functions!r})"
+
+
+def _cell_limit(limit: int) -> str:
+    """Code for the student's kernel, before a cell it runs with history: see hangs.cell_limit."""
+    return f"{_HANGS}.cell_limit({limit!r})"
 
 
 def _growth(before: int | None, after: int | None) -> int | None:
@@ -153,6 +160,8 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         started = time.monotonic()
         self._last_status = None
         try:
+            if not is_test_cell(cell):  # its launches report a hang before the limit interrupts the cell
+                self._run_quietly(_cell_limit(limit), timeout=10)
             # a test cell leaves no input history (In, _ih, _i...) its student code could print
             cell = self.execute_cell(cell, index, store_history=not is_test_cell(cell))
         except DeadKernelError:

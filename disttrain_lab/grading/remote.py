@@ -41,13 +41,12 @@ import torch
 from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import exercise, wire
+from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
 from disttrain_lab.grading import sandbox
 
 __all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids"]
 
 REPLY_MARGIN = 60.0  # seconds past the launch's own timeout before the student's kernel is given up
-REPORT_MARGIN = 4.0  # seconds a timed-out launch needs to stop its ranks and the test to say so
-MIN_LAUNCH = 1.0  # seconds: with less left of the cell's limit, a run is not started
 CELL_FILE = "cell.json"  # the test cell being graded: its grade_id, deadline, the student's function names
 TIMED_OUT_FILE = "timed-out.json"  # the student's functions that timed out, and where (kept across kernels)
 

@@ -869,3 +869,40 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
     # not under grading: an interrupt is only an interrupt
     out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": ""}).stdout
     assert "=== BLAMED None" in out, out
+
+
+def test_under_grading_a_launch_reports_a_hang_before_the_cells_limit():
+    # The grader tells the student's kernel each cell's limit (hangs.cell_limit, a quiet run before the cell):
+    # a launch in that cell that asks for more than is left of it is capped, so the hang ends with the launcher's
+    # own report (which rank, doing what, in which function) and not with the cell's interrupt. The cap holds for
+    # that cell only: a later cell (In[n+1]: the grader's runs during test cells among them) is not capped.
+    script = textwrap.dedent("""
+        import time
+        import disttrain_lab as dl
+        import torch.distributed as dist
+
+        def spins(x):
+            while True:
+                pass
+
+        dl.hangs.cell_limit(10)      # as the grader does before the cell
+        started = time.monotonic()
+        try:
+            dl.launch(lambda: spins(1) if dist.get_rank() else 0, 2, timeout=120)
+        except dl.LaunchTimeout as exc:
+            print("=== CAPPED", round(time.monotonic() - started, 1), str(exc).replace("\\n", " | "), flush=True)
+        print("=== LEFT", dl.hangs.capped(120), flush=True)
+        dl.hangs._CELL = (dl.hangs._CELL[0], -1, 10)   # the same deadline, bound to another cell
+        print("=== OTHER CELL", dl.hangs.capped(120), flush=True)
+    """)
+    out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "autograde"}).stdout
+    seconds, told = out.split("=== CAPPED ")[1].split("\n")[0].split(" ", 1)
+    assert float(seconds) < 10, out  # within the cell's 10 s, less the margin for the report
+    assert "not every rank finished within the timeout of" in told and "rank 1: running Python code" in told, told
+    assert re.search(r"<lambda> \(line \d+\) → spins \(line [78]\)", told), told
+    assert "this cell's 10 s time limit when graded; the launch asked for 120 s" in told, told
+    assert "=== LEFT (1.0, " in out, out  # nothing left of the cell: a launch still gets its minimum
+    assert "=== OTHER CELL (120, None)" in out, out
+    # not under grading, nothing is capped
+    out = run_python(["-c", script.replace("timeout=120)", "timeout=3)")], timeout=120, env={"NBGRADER_EXECUTION": ""})
+    assert "=== LEFT (120, None)" in out.stdout, out.stdout

@@ -634,6 +634,11 @@ def test_a_spinning_grid_costs_its_own_points_and_one_cells_limit(spinning):
     key = cell_times.cell_key(waited[0])
     limit = spinning.limits.get(key, cell_times.FLOOR)
     assert spinning.seconds[key] <= limit + 15, (key, spinning.seconds[key], limit)
+    # ... and it ends with the launcher's own report inside the cell's limit (its timeout capped to what was
+    # left of the limit), not with the cell's interrupt
+    told = "\n".join(errors(waited[0]))
+    assert told.startswith("LaunchTimeout") and "KeyboardInterrupt" not in told and "CellTimeoutError" not in told, told
+    assert "running Python code" in told and "→ grid_groups (line" in told and "time limit when graded" in told, told
     later = [c for c in code if "grid_groups is not run again" in "\n".join(errors(c))]
     keys = [cell_times.cell_key(c) for c in later]
     assert "test_grid_groups" in keys and len(later) >= 3, keys  # and the self-checks of Exercises 3 and 4
