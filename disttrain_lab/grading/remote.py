@@ -41,8 +41,8 @@ import torch
 from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import exercise, wire
-from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
 from disttrain_lab.grading import sandbox
+from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
 
 __all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids"]
 
