@@ -68,20 +68,7 @@ def test_committed_without_outputs(lab):
     assert not [i for i, c in enumerate(lab.cells) if c.cell_type == "code" and c.outputs]
 
 
-# lab 7 still puts its exercises in `##` sections (for its owner to fix; then this mark fails and goes)
-HEADINGS_TO_FIX = {"07_compression": "exercises as ## sections, the PowerSGD exercise without its heading"}
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=HEADINGS_TO_FIX[p.stem]))
-        if p.stem in HEADINGS_TO_FIX
-        else p
-        for p in LABS
-    ],
-    ids=[p.stem for p in LABS],
-)
+@pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
 def test_one_exercise_heading_per_exercise_and_one_section_per_cell(path):
     # the table of contents reads well: `### Exercise n` above each exercise, numbered 1, 2, ... in
     # order; one `##` section per markdown cell (tests/notebooks.py, numbering_problems)
