@@ -28,7 +28,7 @@ def test_a_copy_takes_the_model_time_and_is_logged():
     assert time.perf_counter() - start >= 0.11
     assert torch.equal(out, torch.arange(1000, dtype=torch.float32))
     [t] = link.log
-    assert (t.direction, t.nbytes) == ("down", 4000) and t.end - t.start >= 0.11
+    assert (t.direction, t.nbytes) == ("down", 4000) and t.end - t.start == pytest.approx(0.11)  # the model's time
     half = link.copy(source, "up", dtype=torch.float16).result()
     assert half.dtype == torch.float16 and link.bytes("up") == 2000 and link.bytes() == 6000
     link.reset()
@@ -51,3 +51,18 @@ def test_one_lane_per_direction_full_duplex():
 def test_bad_direction_says_which_are_valid():
     with HostLink() as link, pytest.raises(ValueError, match="down"):
         link.copy(torch.ones(1), "sideways")
+
+
+def test_reset_waits_for_copies_in_flight_and_forgets_the_schedule():
+    with HostLink(dl.Network(latency=0.1, bandwidth=1e12)) as link:
+        start = time.perf_counter()
+        futures = [link.copy(torch.ones(1), "down") for _ in range(2)]  # in flight: 0.1 s, then 0.1 s more
+        link.reset()
+        assert time.perf_counter() - start >= 0.2, "reset must wait for the copies in flight"
+        assert all(f.done() for f in futures)
+        assert link.log == [] and link.bytes() == 0 and link.busy("down") == 0
+        # the schedule is forgotten too: a copy after reset starts when it is asked for
+        requested = time.perf_counter()
+        link.copy(torch.ones(1), "down").result()
+        [t] = link.log
+        assert t.start == t.requested and t.requested >= requested
