@@ -1,7 +1,7 @@
 """``disttrain-lab bench memory``: Lab 9's mixed precision, checkpointing and offload beside torch's own.
 
 In one process (a gloo group of one rank: FSDP2 needs it, and ``take_turns`` puts a barrier
-before each turn), the versions taking turns so a busy moment of the machine hurts all alike,
+before each turn), the versions taking turns step by step so a busy moment of the machine hurts all alike,
 each figure beside the formula the lab teaches:
 
 - mixed precision, the same work on both sides: an fp16 model, fp32 master weights stepped by
@@ -70,7 +70,7 @@ SLOW_LINK = (10e-6, 2e7)  # the lab's slow host link (latency s, bytes/s): its t
 FORMULA_TOLERANCE = 0.05  # the issue's: measured memory within 5 % of the formula
 
 
-def _mixed_precision_rows(found: dict, sizes, batch: int, steps: int, repeats: int) -> list[dict]:
+def _mixed_precision_rows(found: dict, sizes, batch: int, samples: int) -> list[dict]:
     data = regression_data(batch, sizes[0], sizes[-1], seed=1)
     x16 = data.x.half()
     lab_model = MLP(list(sizes), seed=0).half()
@@ -87,47 +87,44 @@ def _mixed_precision_rows(found: dict, sizes, batch: int, steps: int, repeats: i
     autocast_scaler = torch.amp.GradScaler("cpu")
     state, scales = {}, {LAB_MIXED: [], TORCH_MIXED: [], TORCH_AUTOCAST: []}
 
-    def lab_steps(measure=False):
-        for _ in range(steps):
-            lab.zero_grad()
-            lab.backward(F.mse_loss(lab_model(x16).float(), data.y))
-            if measure:
-                state[LAB_MIXED] = held(lab_model, lab).total
-            lab.step()
-            scales[LAB_MIXED].append(lab.scaler.get_scale())
+    def lab_step(measure=False):
+        lab.zero_grad()
+        lab.backward(F.mse_loss(lab_model(x16).float(), data.y))
+        if measure:
+            state[LAB_MIXED] = held(lab_model, lab).total
+        lab.step()
+        scales[LAB_MIXED].append(lab.scaler.get_scale())
 
-    def torch_steps(measure=False):
-        for _ in range(steps):
-            torch_model.zero_grad(set_to_none=True)
-            torch_scaler.scale(F.mse_loss(torch_model(x16).float(), data.y)).backward()
-            if measure:
-                state[TORCH_MIXED] = held(torch_model, torch_adam, torch_scaler).total
-            for p, m in zip(torch_params, torch_master):
-                m.grad = p.grad.float()
-            torch_scaler.step(torch_adam)
-            torch_scaler.update()
-            torch_adam.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                torch._foreach_copy_(torch_params, torch_master)
-            scales[TORCH_MIXED].append(torch_scaler.get_scale())
+    def torch_step(measure=False):
+        torch_model.zero_grad(set_to_none=True)
+        torch_scaler.scale(F.mse_loss(torch_model(x16).float(), data.y)).backward()
+        if measure:
+            state[TORCH_MIXED] = held(torch_model, torch_adam, torch_scaler).total
+        for p, m in zip(torch_params, torch_master):
+            m.grad = p.grad.float()
+        torch_scaler.step(torch_adam)
+        torch_scaler.update()
+        torch_adam.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(torch_params, torch_master)
+        scales[TORCH_MIXED].append(torch_scaler.get_scale())
 
-    def autocast_steps(measure=False):
-        for _ in range(steps):
-            autocast_adam.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.mse_loss(autocast_model(data.x).float(), data.y)
-            autocast_scaler.scale(loss).backward()
-            if measure:
-                state[TORCH_AUTOCAST] = held(autocast_model, autocast_adam, autocast_scaler).total
-            autocast_scaler.step(autocast_adam)
-            autocast_scaler.update()
-            scales[TORCH_AUTOCAST].append(autocast_scaler.get_scale())
+    def autocast_step(measure=False):
+        autocast_adam.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(autocast_model(data.x).float(), data.y)
+        autocast_scaler.scale(loss).backward()
+        if measure:
+            state[TORCH_AUTOCAST] = held(autocast_model, autocast_adam, autocast_scaler).total
+        autocast_scaler.step(autocast_adam)
+        autocast_scaler.update()
+        scales[TORCH_AUTOCAST].append(autocast_scaler.get_scale())
 
-    runners = {LAB_MIXED: lab_steps, TORCH_MIXED: torch_steps, TORCH_AUTOCAST: autocast_steps}
+    runners = {LAB_MIXED: lab_step, TORCH_MIXED: torch_step, TORCH_AUTOCAST: autocast_step}
     for _ in range(2):  # Adam's moments exist from the first step on: measure after the second backward
         for run in runners.values():
             run(measure=True)
-    seconds = take_turns(runners, repeats, warmup=1)
+    seconds = take_turns(runners, samples, warmup=1)  # step by step: a busy moment hurts all versions alike
     psi = mlp_parameters(sizes)
     formula = {LAB_MIXED: 2 + 2 + 12, TORCH_MIXED: 2 + 2 + 12, TORCH_AUTOCAST: 4 + 4 + 8}
     rows = []
@@ -137,7 +134,7 @@ def _mixed_precision_rows(found: dict, sizes, batch: int, steps: int, repeats: i
             {
                 "part": "mixed precision",
                 "version": name,
-                "per_s": steps / statistics.median(seconds[name]),
+                "per_s": 1 / statistics.median(seconds[name]),
                 "bytes": state[name] / psi,
                 "formula": formula[name],
                 "skipped": skipped,
@@ -147,7 +144,7 @@ def _mixed_precision_rows(found: dict, sizes, batch: int, steps: int, repeats: i
     return rows
 
 
-def _checkpoint_rows(found: dict, seq: int, batch: int, repeats: int) -> list[dict]:
+def _checkpoint_rows(found: dict, seq: int, batch: int, samples: int) -> list[dict]:
     cfg = GPTConfig(seq_len=seq, **CHECKPOINT_GPT)
     model = GPT(cfg, seed=0)
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -169,7 +166,7 @@ def _checkpoint_rows(found: dict, seq: int, batch: int, repeats: int) -> list[di
     for name in versions:
         step(name, saved := SavedActivations(model))
         kept[name] = saved.total
-    seconds = take_turns({name: (lambda name=name: step(name)) for name in versions}, repeats, warmup=1)
+    seconds = take_turns({name: (lambda name=name: step(name)) for name in versions}, samples, warmup=1)
     s, b, h, a, n = seq, batch, cfg.d_model, cfg.n_heads, cfg.n_layers
     inputs = n * 4 * s * b * h  # fp32 block inputs, what a checkpointed block keeps
     whole = n * (64 * s * b * h + 4 * a * s * b + 16 * b * s)  # fp32, no dropout, fused attention (section 1)
@@ -239,7 +236,7 @@ def fsdp2_offload_model(sizes, seed: int = 0):
     return fully_shard(model, **options)
 
 
-def _offload_rows(found: dict, sizes, batch: int, steps: int, repeats: int, link) -> list[dict]:
+def _offload_rows(found: dict, sizes, batch: int, samples: int, link) -> list[dict]:
     network = Network(latency=link[0], bandwidth=link[1])
     data = regression_data(batch, sizes[0], sizes[-1], seed=1)
     x16 = data.x.half()
@@ -248,13 +245,12 @@ def _offload_rows(found: dict, sizes, batch: int, steps: int, repeats: int, link
     lab_model = MLP(list(sizes), seed=0).half()
     lab = found["OffloadAdam"](lab_model, links[LAB_OFFLOAD], lr=1e-4, overlap=True)
 
-    def lab_steps():
-        for _ in range(steps):
-            lab.zero_grad()
-            F.mse_loss(lab_model(x16).float(), data.y).backward()
-            lab.step()
+    def lab_step():
+        lab.zero_grad()
+        F.mse_loss(lab_model(x16).float(), data.y).backward()
+        lab.step()
 
-    runners, failed = {LAB_OFFLOAD: lab_steps}, None
+    runners, failed = {LAB_OFFLOAD: lab_step}, None
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(_fsdp2_copies_on(links[TORCH_OFFLOAD]))
@@ -266,32 +262,30 @@ def _offload_rows(found: dict, sizes, batch: int, steps: int, repeats: int, link
                     lambda p: in_flight.append(links[TORCH_OFFLOAD].copy(p.grad.to_local(), "down"))
                 )
 
-            def torch_steps():
-                for _ in range(steps):
-                    fsdp_opt.zero_grad(set_to_none=True)
-                    F.mse_loss(fsdp_model(data.x).float(), data.y).backward()
-                    for future in in_flight:
-                        future.result()
-                    in_flight.clear()
-                    fsdp_opt.step()
+            def torch_step():
+                fsdp_opt.zero_grad(set_to_none=True)
+                F.mse_loss(fsdp_model(data.x).float(), data.y).backward()
+                for future in in_flight:
+                    future.result()
+                in_flight.clear()
+                fsdp_opt.step()
 
-            torch_steps()
-            runners[TORCH_OFFLOAD] = torch_steps
+            torch_step()
+            runners[TORCH_OFFLOAD] = torch_step
         except Exception as e:  # an FSDP2 that does not run on CPU/gloo: its row says why
             failed = f"{type(e).__name__}: {e}"
-        lab_steps()
+        lab_step()
         for one in links.values():
             one.reset()  # the warm-up's copies are through: count the timed steps' only
-        seconds = take_turns(runners, repeats, warmup=0)
+        seconds = take_turns(runners, samples, warmup=0)
     formula = {LAB_OFFLOAD: (2, 2), TORCH_OFFLOAD: (4, 4)}  # fp16 both ways (ZeRO-Offload); FSDP2's fp32
     rows = []
     for name, one in links.items():
         one.close()
-        samples = repeats * steps
         row = {"part": "offload", "version": name, "link": link, "formula": formula[name]}
         if name in seconds:
             row.update(
-                per_s=steps / statistics.median(seconds[name]),
+                per_s=1 / statistics.median(seconds[name]),
                 bytes=(one.bytes("down") / samples / psi, one.bytes("up") / samples / psi),
             )
         else:
@@ -311,29 +305,30 @@ def bench_memory(
 ):
     """Rows of the three comparisons (see the module docstring); ``found``: the lab's ``DynamicLossScaler``,
     ``MixedPrecisionAdam``, ``checkpoint`` and ``OffloadAdam`` (a part whose pieces are missing is left
-    out).  Each row: ``per_s`` (steps/s, median), ``bytes`` and the ``formula``'s, ``within`` (bytes within
-    5 % of the formula), ``ratio`` (steps/s ÷ torch's in the same part); ``link``: (latency s, bytes/s)
-    of the host link."""
-    rows = []
+    out).  Every step is timed on its own, the versions taking turns step by step, ``repeats × steps``
+    steps each after a round that warms up.  Each row: ``per_s`` (steps/s, median), ``bytes`` and the
+    ``formula``'s, ``within`` (bytes within 5 % of the formula), ``ratio`` (steps/s ÷ torch's in the same
+    part); ``link``: (latency s, bytes/s) of the host link."""
+    rows, samples = [], repeats * steps
     with _gloo_world_of_one():
         if "DynamicLossScaler" in found and "MixedPrecisionAdam" in found:
-            rows += _mixed_precision_rows(found, sizes, batch, steps, repeats)
+            rows += _mixed_precision_rows(found, sizes, batch, samples)
         if "checkpoint" in found:
-            rows += _checkpoint_rows(found, seq, CHECKPOINT_BATCH, repeats)
+            rows += _checkpoint_rows(found, seq, CHECKPOINT_BATCH, samples)
         if "OffloadAdam" in found:
-            rows += _offload_rows(found, sizes, batch, steps, repeats, link)
+            rows += _offload_rows(found, sizes, batch, samples, link)
     for row in rows:
         row["ratio"] = row["per_s"] / next(r["per_s"] for r in rows if r["version"] == TORCH_NAME[row["part"]])
         pairs = zip(*(x if isinstance(x, tuple) else (x,) for x in (row["bytes"], row["formula"])))
         row["within"] = all(abs(got / want - 1) <= FORMULA_TOLERANCE for got, want in pairs)
-        row.update(sizes=tuple(sizes), batch=batch, seq=seq, repeats=repeats)
+        row.update(sizes=tuple(sizes), batch=batch, seq=seq, samples=samples)
     return rows
 
 
 def format_memory_table(rows: list[dict]) -> str:
     first, lines = rows[0], []
     mlp = f"MLP {' -> '.join(map(str, first['sizes']))}, batch {first['batch']}"
-    median = f"median of {first['repeats']}"
+    median = f"median of {first['samples']} steps, in turns"
     offload = next((r["link"] for r in rows if r["part"] == "offload"), None)
     cfg = CHECKPOINT_GPT
     per_param = lambda b: f"{b:.2f}"  # noqa: E731
@@ -395,7 +390,12 @@ LAB = os.path.join("09_memory", "09_memory.ipynb")
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per timed sample (default 5)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="steps per repeat: the medians are of repeats × steps steps, each timed on its own (default 5)",
+    )
     parser.add_argument("--seq", type=int, default=128, help="sequence length of the checkpointed GPT (default 128)")
     parser.add_argument(
         "--link-bandwidth",

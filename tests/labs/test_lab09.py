@@ -379,7 +379,7 @@ def test_bench_memory_runs_both_sides_in_one_run():
 def test_format_memory_table_says_why_fsdp2_could_not_run():
     from disttrain_lab.bench.memory import LAB_OFFLOAD, TORCH_OFFLOAD, format_memory_table
 
-    common = dict(part="offload", link=(10e-6, 2e7), sizes=(4, 8), batch=2, seq=8, repeats=1)
+    common = dict(part="offload", link=(10e-6, 2e7), sizes=(4, 8), batch=2, seq=8, samples=1)
     rows = [
         dict(common, version=LAB_OFFLOAD, per_s=2.0, bytes=(2.0, 2.0), formula=(2, 2), ratio=float("nan")),
         dict(
