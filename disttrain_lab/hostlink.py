@@ -86,9 +86,12 @@ class HostLink:
             return sum(t.end - t.start for t in self.log if t.direction == direction)
 
     def reset(self) -> None:
-        """Forget the log (wait for transfers in flight first)."""
+        """Wait for the transfers in flight, then forget the log and the schedule (an idle link, as new)."""
+        for lane in self._lanes.values():  # one thread per lane, first in first out: a no-op queued last runs last
+            lane.submit(lambda: None).result()
         with self._lock:
             self.log.clear()
+            self._free_at = dict.fromkeys(DIRECTIONS, 0.0)
 
     def close(self) -> None:
         for lane in self._lanes.values():

@@ -270,6 +270,20 @@ class SavedActivations:
 
     Count one forward per block: the graph keeps what it saved alive, so storages are not
     reused while it lives.  ``saved.tensors`` lists ``(layer, shape, dtype, bytes)`` per storage.
+
+    Run backward inside the block too, and ``saved.peak`` is the most bytes of saved tensors
+    the graph held at once over forward *and* backward: a storage is held from its first save
+    until backward has used every save of it (autograd frees a node's saved tensors once the
+    node has run), which is what recomputation changes (a checkpointed segment's activations
+    are saved again in backward, and held only while its backward runs)::
+
+        with dl.memory.SavedActivations(model) as saved:
+            loss = model(x).sum()
+            loss.backward()
+        saved.peak, saved.alive          # the most held at once; what is still held (0 here)
+
+    ``torch.utils.checkpoint(..., use_reentrant=False)`` saves through hooks of its own, which
+    hide what it saves from these; its reentrant variant (and a ``torch.autograd.Function``) does not.
     """
 
     def __init__(self, model: nn.Module | None = None) -> None:
@@ -277,9 +291,12 @@ class SavedActivations:
         self.by_layer: dict[str, int] = {}
         self.tensors: list[tuple[str, tuple, torch.dtype, int]] = []
         self._seen: set = set()
+        self.alive = 0  # bytes of saved storages the graph holds now
+        self.peak = 0  # the most it held at once
+        self._held: dict[tuple, list[int]] = {}  # storage -> [bytes, saves of it backward has not used yet]
         self._stack = [""]
         self._handles = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._parameters = {storage_key(p) for p in model.parameters()} if model is not None else set()
 
     @property
@@ -288,11 +305,30 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key not in self._seen and key not in self._parameters:
+        if key in self._parameters:
+            return t
+        if key not in self._seen:
             self._seen.add(key)
             layer = self._stack[-1]
             self.by_layer[layer] = self.by_layer.get(layer, 0) + key[1]
             self.tensors.append((layer, tuple(t.shape), t.dtype, key[1]))
+        if key in self._held:
+            self._held[key][1] += 1
+        else:
+            self._held[key] = [key[1], 1]
+            self.alive += key[1]
+            self.peak = max(self.peak, self.alive)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        # backward uses a saved tensor once per save; after the last use autograd lets it go
+        key = storage_key(t)
+        held = self._held.get(key)
+        if held is not None:
+            held[1] -= 1
+            if held[1] == 0:
+                self.alive -= held[0]
+                del self._held[key]
         return t
 
     def _enter(self, name: str) -> None:  # hooks return None: a value would replace the input/output

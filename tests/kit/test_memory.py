@@ -168,3 +168,27 @@ def test_saved_activations_counts_what_backward_keeps_by_layer():
     assert saved.total == 800
     loss.backward()  # the hooks are gone and the graph still works
     assert model[0].weight.grad is not None
+
+
+def test_saved_activations_peak_follows_recomputation_n_over_k_plus_k():
+    """A chain of n equal layers (Linear, Tanh: one b×w tensor saved each), checkpointed every k layers with
+    torch's reentrant checkpoint: backward holds the n/k segment inputs and, while it recomputes one segment,
+    that segment's k outputs: (n/k + k) tensors at its peak (Chen et al. 2016), and nothing once it is over."""
+    import torch.utils.checkpoint
+
+    n, w, b = 16, 8, 4
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.Tanh()) for _ in range(n)])
+    x = torch.randn(b, w, requires_grad=True)
+    one = b * w * 4
+    with memory.SavedActivations(model) as saved:
+        model(x).sum().backward()
+    assert saved.peak == saved.total == (n + 1) * one and saved.alive == 0  # the input and n outputs, all at once
+    for k in (1, 2, 4, 8, 16):
+        with memory.SavedActivations(model) as saved:
+            h = x
+            for i in range(0, n, k):
+                h = torch.utils.checkpoint.checkpoint(model[i : i + k], h, use_reentrant=True)
+            forward_peak = saved.peak
+            h.sum().backward()
+        assert forward_peak == n // k * one, (k, forward_peak)  # the segments' inputs only
+        assert saved.peak == (n // k + k) * one and saved.alive == 0, (k, saved.peak / one)

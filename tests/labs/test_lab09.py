@@ -3,15 +3,22 @@
 - The notebook's structure: exercises in the order taught, hidden tests covering other shapes,
   options and the bf16 model.
 - The solution executes top to bottom as the grader runs it (NBGRADER_EXECUTION set), within
-  the 4-minute budget, every graded cell passing, with its pictures; the measured activation
-  bytes of a block match the formula adjusted for fp32, no dropout and fused attention; the
-  offload self-check sends the gradients during backward only when overlapping.
+  the 4-minute budget, every graded cell passing, with its pictures; the state section 1 holds is
+  4 + 4 + 8 bytes per parameter; the measured activation bytes of a block match the formula adjusted
+  for fp32, no dropout and fused attention; autocast (bf16 and fp16) computes the linear layers in 16
+  bits and keeps fp32 parameters and gradients; a static loss scale of 2^16 ruins the weights where
+  GradScaler's dynamic one trains; backward's peak with a checkpoint every k of 64 equal layers is
+  (64/k + k) layers; the offload self-check sends the gradients during backward only when
+  overlapping, and overlapping saves what the α–β model predicts; the bandwidth sweep runs.
 - Wrong answers (a count that includes the parameters, a scaler that never skips a step, a
   scaler that grows every step, master weights kept in fp16, a checkpoint that keeps the graph,
   a "selective" mode that checkpoints nothing, offload sending fp32 weights up, offload that
-  never overlaps) each fail the right graded cell with a message that
-  says why.  All of them run in one kernel, to keep the suite's time down.
-- ``disttrain-lab bench memory`` with tiny options: both sides of each part in one run; FSDP2's
+  never overlaps, offload whose hooks wait for their own copies) each fail the right graded cell
+  with a message that says why.  All of them run in one kernel, to keep the suite's time down.
+- ``disttrain-lab bench memory`` with tiny options: both sides of each part in one run, every memory
+  figure within 5 % of the formula (written here): 16 B per parameter of mixed-precision state, the
+  checkpointed blocks' inputs or the whole blocks' activations, 2 + 2 B per parameter over the host
+  link for the lab's offload; the lab's scaler skips the same steps as torch's GradScaler; FSDP2's
   ``CPUOffloadPolicy`` runs on CPU/gloo only unpinned (``pin_memory=False``; the default needs an
   accelerator), and on the bench's emulated link it moves fp32 both ways (4 + 4 B per parameter).
 - On a GPU (``@needs_gpus``, skipped here): the solution with ``DEVICE = "cuda"``, its measuring
@@ -99,11 +106,17 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "_expect_mode_error()",
         "_check_offload(True, steps=4, sizes=[7, 33, 5])",
         "latency=1e-3, bandwidth=1e9",
+        "_check_saving(sizes=[24, 48, 48, 24], latency=10e-6, bandwidth=1e5, flops=2e7)",
     ):
         assert needle in hidden, needle
     # the references are torch's own, computed in the graded cells
     assert 'torch.amp.GradScaler("cpu", **options)' in cell_by_id(nb, "test_loss_scaler").source
     assert "use_reentrant=True" in cell_by_id(nb, "test_checkpoint").source
+    # the margin of overlap: visible in the graded cell, against the given α–β model, exercised by the self-check
+    visible = cell_by_id(nb, "test_offload").source.split("### BEGIN HIDDEN TESTS")[0]
+    assert "_check_saving(**EMULATED)" in visible and "predicted_saving(" in visible
+    assert "predicted_saving" in cell_by_id(nb, "offload_helpers").source
+    assert any("offload_turns(4, **EMULATED)" in c.source for c in nb.cells if not nbgrader_meta(c).get("grade"))
     for locked in (
         "given_attention",
         "mixed_precision_helpers",
@@ -117,7 +130,18 @@ def test_exercises_and_hidden_tests_cover_the_issue():
 @pytest.mark.slow
 def test_solution_notebook_executes_within_budget():
     nb = run_solution(LAB, BUDGET_S)
-    assert pictures(nb) == 5, "expected block bytes, gradient histogram, loss scale, recomputation curves, offload"
+    assert pictures(nb) == 8, (
+        "expected block bytes, gradient histogram, static loss scaling, loss scale, recomputation curves, the √n "
+        "placement, offload, the bandwidth sweep"
+    )
+    printed = output_of(nb, "# Measured: the training state of a 2-block GPT with Adam")
+    for role, per_param in (
+        ("parameters", "4.00"),
+        ("gradients", "4.00"),
+        ("optimizer state", "8.00"),
+        ("total", "16.00"),
+    ):
+        assert re.search(rf"{role} +\d+ B +{per_param} B/param", printed), (role, printed)
     printed = output_of(nb, "gpt = models.GPT(CFG, seed=0)")
     found = re.search(r"block 0 saved (\d+) B; .* = (\d+) B", printed)
     assert found and found[1] == found[2], printed  # fused attention: the adjusted formula, exactly
@@ -126,11 +150,31 @@ def test_solution_notebook_executes_within_budget():
     s, b, h, a = 64, 4, 64, 4
     formula = 64 * s * b * h + 4 * a * s * s * b
     assert all(formula <= x <= 1.01 * formula for x in blocks), (blocks, formula)  # + statistics and the mask
+    printed = output_of(nb, "for dtype in (torch.float32, torch.bfloat16, torch.float16):")
+    assert "2.98e-08 -> 0, 3e-08 -> 5.96e-08" in printed, printed  # at most 2^-25 flushes to zero; above, 2^-24
+    printed = output_of(nb, "# Measured: the GPT under torch.autocast")
+    for dtype in ("bfloat16", "float16"):  # linear layers in 16 bits, LayerNorm and the loss in fp32, fp32 state
+        assert f"{dtype} autocast: outputs blocks.0.ln1 float32, blocks.0.attn.query {dtype}" in printed, printed
+        assert "loss float32\n    saved for backward" in printed and f"{dtype} 1282048 B" in printed, printed
+    assert printed.count("a weight float32, its gradient float32") == 2, printed
+    printed = output_of(nb, "# Measured: 12 steps of the MLP made to overflow")
+    assert re.search(r"static 2\^16 +loss 144 nan .* weights finite: False", printed), printed
+    assert re.search(r"dynamic from 2\^16 \(GradScaler\) +loss .* steps taken \d+ of 12; weights finite: True", printed)
+    printed = output_of(nb, "# Measured: backward's peak of saved activations for a chain")
+    for k in (1, 2, 4, 8, 16, 32, 64):
+        assert f"every {k:>2} layers: backward's peak {64 // k + k:5.1f} I" in printed, printed
     printed = output_of(nb, "# Self-check: the same run as train_with_scaler")
     assert "(2.00/param), gradients" in printed and "optimizer_state" in printed, printed
     printed = output_of(nb, "# Self-check: 3 steps each way on the PCIe preset")
     assert "gradients sent during backward per step: [6, 6, 6]" in printed, printed
     assert "gradients sent during backward per step: [0, 0, 0]" in printed, printed
+    saved, predicted = map(
+        float, re.search(r"overlapping saved ([\d.]+) ms .* the model predicts ([\d.]+) ms", printed).groups()
+    )
+    assert abs(saved - predicted) <= 0.25 * predicted, printed
+    printed = output_of(nb, "# Measured: OffloadAdam on the emulated device over links of several bandwidths")
+    assert re.search(r"on the device: C = \d+ ms a step; 4Ψ/bandwidth = C at \d+ kB/s", printed), printed
+    assert printed.count("reaches 2C at") == 2, printed
     printed = output_of(nb, "# Measured: the MLP 256 -> 1024 -> 1024 -> 256 on a slow emulated link")
     busy = float(re.search(r"link busy ([\d.]+) ms per step", printed)[1])
     assert abs(busy - 4 * 1575168 / 2e7 * 1e3) < 1.0, printed  # the model, plus a latency per copy
@@ -219,6 +263,19 @@ class OffloadAdam(OffloadAdam):                   # ignores overlap: sends after
         "send each one from its post-accumulate-grad hook",
     ),
     (
+        "offload",
+        """
+class OffloadAdam(OffloadAdam):                   # sends during backward, but each hook waits for its own copy
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        super().__init__(model, link, lr, overlap)
+        def wait(i):
+            self.in_flight[i].result()
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: wait(i) if overlap else None)
+""",
+        "the α–β model predicts",
+    ),
+    (
         "checkpoint",
         """
 def checkpoint(fn, *args):                        # keeps the whole graph: recomputes nothing
@@ -284,14 +341,34 @@ def test_bench_memory_runs_both_sides_in_one_run():
     # bytes per parameter crossing the link per step: fp16 both ways (lab), fp32 both ways (FSDP2)
     assert re.search(r"OffloadAdam \(lab\), overlapped +[\d.]+ +2\.00, 2\.00 ", out.stdout), out.stdout
     assert re.search(r"FSDP2 fully_shard \+ CPUOffloadPolicy +[\d.]+ +4\.00, 4\.00 ", out.stdout), out.stdout
+    # memory within 5 % of the formulas, written here: 2 + 2 + 12 B per parameter of mixed-precision state
+    # (4 + 4 + 8 under autocast); what the blocks keep: their fp32 inputs when checkpointed, else the lab's fp32,
+    # fused-attention 64·sbh + 4·asb + 16·bs each (4 blocks, s = 32, b = 4, h = 64, a = 4)
+    mixed = ("MixedPrecisionAdam + DynamicLossScaler (lab)", "GradScaler + Adam on fp32 masters (torch)")
+    rows = {m[1].strip(): m for m in re.finditer(r"^(.{46}) +([\d.]+) +(\S+(?: \S?iB)?) ", out.stdout, re.M)}
+    for version in (*mixed, "torch.autocast + GradScaler (fp32 model)"):
+        assert abs(float(rows[version][3]) / 16 - 1) <= 0.05, (version, out.stdout)
+    s, b, h, a, n = 32, 4, 64, 4, 4
+    formula = {
+        "checkpoint (lab)": n * 4 * s * b * h,
+        "torch.utils.checkpoint": n * 4 * s * b * h,
+        "no checkpointing": n * (64 * s * b * h + 4 * a * s * b + 16 * b * s),
+    }
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20}
+    for version, want in formula.items():
+        value, unit = rows[version][3].split()
+        assert abs(float(value) * units[unit] / want - 1) <= 0.05, (version, want, out.stdout)
+    # the same work on both sides of mixed precision: the lab's scaler skips the steps GradScaler skips
+    skipped = {v: re.search(rf"{re.escape(v)} .* (\S+ of \d+) ", out.stdout)[1] for v in mixed}
+    assert len(set(skipped.values())) == 1, (skipped, out.stdout)
 
 
 def test_format_memory_table_says_why_fsdp2_could_not_run():
     from disttrain_lab.bench.memory import LAB_OFFLOAD, TORCH_OFFLOAD, format_memory_table
 
-    common = dict(part="offload", link=(10e-6, 2e7), sizes=(4, 8), batch=2, seq=8, repeats=1)
+    common = dict(part="offload", link=(10e-6, 2e7), sizes=(4, 8), batch=2, seq=8, samples=1)
     rows = [
-        dict(common, version=LAB_OFFLOAD, per_s=2.0, bytes=(2.0, 2.0), ratio=float("nan")),
+        dict(common, version=LAB_OFFLOAD, per_s=2.0, bytes=(2.0, 2.0), formula=(2, 2), ratio=float("nan")),
         dict(
             common,
             version=TORCH_OFFLOAD,
