@@ -312,6 +312,7 @@ def test_bench_allreduce_measures_side_by_side_and_skips_broken(solution):
     assert error["algorithm"] == "broken" and "wrong result" in error["error"]
 
 
+@pytest.mark.slow  # runs a benchmark on the solution's functions, as labs 3 and 5-7's do
 def test_cli_bench_allreduce_uses_the_notebook():
     out = run_python(
         [

@@ -320,6 +320,7 @@ def test_bench_zero_side_by_side_with_torch(solution):
     assert "held/formula" in table and "Zero3Module" in table and "vs torch" in table
 
 
+@pytest.mark.slow  # runs a benchmark on the solution's functions, as labs 3 and 5-7's do
 def test_cli_bench_zero_uses_the_notebook():
     out = run_python(
         ["-m", "disttrain_lab.cli", "bench", "zero", "--notebook", str(LAB), "--repeats", "1"], timeout=240, cwd=REPO
