@@ -40,7 +40,9 @@ _STUB_ONLY: set[str] | None = None  # while the grader's request runs: only thes
 _CELL: tuple[float, int | None, float] | None = None  # the graded cell's (deadline, In[n], limit): cell_limit
 
 REPORT_MARGIN = 4.0  # seconds a timed-out launch needs to stop its ranks and the cell to say so
-MIN_LAUNCH = 1.0  # seconds: a launch is given at least this, however little is left of a cell's limit
+# seconds: the least a launch is worth: a cell's own launch gets at least this however little is
+# left of the limit (``capped``); a grader's run with less left is not started (grading/remote.py)
+MIN_LAUNCH = 1.0
 
 
 class EarlierTimeout(Exception):

@@ -1,11 +1,12 @@
 """Courses for grading tests, and the nbgrader round trip of a lab, made once per test session.
 
 A lab's round trip (release it; autograde the solution submitted as a student and the released
-blank notebook; on the launch fixture and the first lab also a partly done and a crashed one) is the costliest thing the suite does with a lab, and
-two test files need it: tests/grading/test_grading.py checks the scores, and the lab's own
-file checks what the solution's cells showed (``tests.notebooks.run_solution``).  ``round_trip``
-makes it once per session, whichever pytest-xdist worker asks first (the other waits on a file
-lock, as pytest-xdist's documentation does for a session fixture run once), and both read it.
+blank notebook; on the launch fixture and the first lab also a partly done and a crashed one) is
+the costliest thing the suite does with a lab, and two test files need it:
+tests/grading/test_grading.py checks the scores, and the lab's own file checks what the
+solution's cells showed (``tests.notebooks.run_solution``). ``round_trip`` makes it once per
+session, whichever pytest-xdist worker asks first (the other waits on a file lock, as
+pytest-xdist's documentation does for a session fixture run once), and both read it.
 """
 
 from __future__ import annotations
