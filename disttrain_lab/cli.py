@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")  # a typo must not run the default
     if args.command == "doctor":
         print(doctor())
+        print(_grading_host())
         return 0
     if args.command == "bench":
         return args.benchmark.run(args)
@@ -36,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return classgrade.cli_grade(rest)
     raise ValueError(f"unknown command {args.command!r}")
+
+
+def _grading_host() -> str:
+    """The grading host's sandbox (its back-end, caps and syscall filter: what ``disttrain-lab
+    grade`` would get here), where the instructor's tools are installed."""
+    try:
+        from .grading import sandbox
+    except ImportError as exc:  # a student's install: no grading wing to describe
+        return f"grading sandbox: not described here (the instructor's tools are not installed: {exc.name})"
+    return sandbox.describe()
 
 
 def _add_benchmarks(bench) -> None:

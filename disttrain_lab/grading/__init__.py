@@ -28,7 +28,8 @@ tests, feedback); this package adds what a course on distributed training needs 
    gradebook (deleted ones too); ``verdict.ScoreByPassing`` lets a test score only by
    passing; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code,
    and ``hidden_tests`` keeps hidden tests out of the kernel's history and every output;
-   ``submission.SanitizeFeedbackHTML`` strips scripts from the feedback page;
+   ``sanitize.SanitizeStudentHTML`` makes what the student wrote inert (outputs, markdown, HTML)
+   in the autograded notebook the formgrader shows and in the feedback page;
    ``scan_submission`` and ``grade_report`` flag what a human should look at.
 3. ``steps.run_nbgrader`` runs one nbgrader step in its own process under a wall-clock cap,
    in a private temp directory, and every process it started is gone afterwards.
@@ -67,6 +68,7 @@ from .config import (
     NO_ISOLATION,
     REPO_ROOT,
     Limits,
+    SandboxRefused,
     course_dir,
     release_dir,
     release_ignore,
@@ -87,11 +89,11 @@ from .course import (
 from .execute import NOTES_FILE, RobustExecute
 from .hidden_tests import ScrubHiddenTests
 from .install_source import configured_install_source
+from .sanitize import SanitizeStudentHTML
 from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
 from .submission import (
     FeedbackWithoutHiddenTests,
     RestoringOverwriteCells,
-    SanitizeFeedbackHTML,
     StampInstallSource,
     SubmissionExporter,
     grade_report,
@@ -103,6 +105,7 @@ __all__ = [
     "GRADER_DIR",
     "REPO_ROOT",
     "Limits",
+    "SandboxRefused",
     "configure",
     "configured_install_source",
     "course_dir",
@@ -127,7 +130,7 @@ __all__ = [
     "stop_running_steps",
     "FeedbackWithoutHiddenTests",
     "RestoringOverwriteCells",
-    "SanitizeFeedbackHTML",
+    "SanitizeStudentHTML",
     "ScrubHiddenTests",
     "StampInstallSource",
     "SubmissionExporter",
@@ -153,7 +156,7 @@ def configure(c, limits: Limits | None = None) -> None:
     c.RobustExecute.cell_time_scale = limits.cell_time_scale
     c.RobustExecute.memory_limit = limits.kernel_memory
     use_sandbox, why = limits.sandboxed()
-    if not use_sandbox and limits.sandbox == "auto" and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
+    if not use_sandbox and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
         print(NO_ISOLATION.format(why=why), file=sys.stderr)
     elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
         print(LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
@@ -177,7 +180,7 @@ def configure(c, limits: Limits | None = None) -> None:
     c.GenerateFeedback.preprocessors = [
         FeedbackWithoutHiddenTests,
         *GenerateFeedback().preprocessors,
-        SanitizeFeedbackHTML,
+        SanitizeStudentHTML,  # last: the page a student opens runs nothing a submission wrote
     ]
     c.Autograde.autograde_preprocessors = [
         RobustExecute,
@@ -187,6 +190,7 @@ def configure(c, limits: Limits | None = None) -> None:
         LimitOutput,
         SaveAutoGrades,
         ScrubHiddenTests,  # after the grades are saved: scrubbing never changes a score
+        SanitizeStudentHTML,  # likewise: the formgrader shows this notebook in the instructor's browser
         AssignLatePenalties,
         CheckCellMetadata,
     ]

@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .class_summary import diagnose, summary
-from .config import Limits, course_dir, source_dir
+from .config import Limits, SandboxRefused, course_dir, source_dir
 from .course import autograde, export_grades, generate_feedback, students_of
 from .ledger import Ledger, Outcome, submission_digest
 from .shards import in_shard, merge, parse_shard
@@ -252,6 +252,11 @@ def cli_grade(argv: list[str] | None = None) -> int:
         )
         return 1
     limits = Limits()
+    try:  # before anything starts: a host that cannot sandbox a student grades no one
+        limits.sandboxed()
+    except SandboxRefused as refused:
+        print(f"disttrain-lab grade: refused: {refused}", file=sys.stderr)
+        return 2
     jobs, rule = (args.jobs, f"{args.jobs} (--jobs)") if args.jobs else default_jobs(limits)
     if jobs < 1:
         parser.error(f"--jobs must be at least 1, got {jobs}")

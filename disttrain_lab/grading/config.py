@@ -82,8 +82,10 @@ class Limits:
     # multiplies the per-cell limits derived from the solution's own cell times (cell_times.py):
     # 2 on a grading machine twice as slow as the one that recorded them
     sandbox: str = _limit("DISTTRAIN_SANDBOX", _env_str, "auto")
-    # "auto": sandbox each kernel where the host can (root, cgroup v1, namespaces), and say
-    # loudly where it cannot; "on": refuse to grade without it; "off": grade as the grader
+    # "auto" (or "on"): sandbox each kernel with memory and process caps and the syscall
+    # filter, and refuse to grade where the host cannot (sandbox.missing() says what lacks);
+    # "limited": grade in whatever sandbox the host allows, without what it lacks, said loudly;
+    # "off": no sandbox, student code runs as the grader (trusted code only)
 
     def __post_init__(self):
         for name in ("cell_timeout", "notebook_timeout"):
@@ -95,9 +97,10 @@ class Limits:
             raise ValueError(
                 f"cell_time_scale must be positive ({self.variable('cell_time_scale')}), got {self.cell_time_scale}"
             )
-        if self.sandbox not in ("auto", "on", "off"):
+        if self.sandbox not in SANDBOX_MODES:
             raise ValueError(
-                f"sandbox must be 'auto', 'on' or 'off' ({self.variable('sandbox')}), got {self.sandbox!r}"
+                f"sandbox must be one of {', '.join(map(repr, SANDBOX_MODES))} ({self.variable('sandbox')}), "
+                f"got {self.sandbox!r}"
             )
 
     @classmethod
@@ -111,13 +114,31 @@ class Limits:
         return {f.metadata["variable"]: str(getattr(self, f.name)) for f in fields(self)}
 
     def sandboxed(self) -> tuple[bool, str | None]:
-        """(whether kernels run in the sandbox, why not where the host cannot)."""
+        """(whether kernels run in the sandbox, why not when switched off).  Refuses (raises
+        ``SandboxRefused``) where the host cannot sandbox, or gives no caps or no syscall filter,
+        unless a setting opts out: hostile code is never graded unsandboxed by default."""
         if self.sandbox == "off":
             return False, f"switched off (sandbox='off' / {self.variable('sandbox')}=off)"
         why = sandbox.problem()
-        if why and self.sandbox == "on":
-            raise RuntimeError(f"sandbox='on' but this host cannot isolate a student: {why}")
-        return why is None, why
+        if why:
+            raise SandboxRefused(
+                f"this host cannot isolate a student: {why}. Fix that (grader/README.md, 'Host requirements'), "
+                f"or set {self.variable('sandbox')}=off to grade trusted code unsandboxed"
+            )
+        lacking = sandbox.missing()
+        if lacking and self.sandbox != "limited":
+            raise SandboxRefused(
+                f"the sandbox on this host lacks: {'; '.join(lacking)}. Fix that (grader/README.md, "
+                f"'Host requirements'), or set {self.variable('sandbox')}=limited to grade without it"
+            )
+        return True, None
+
+
+SANDBOX_MODES = ("auto", "on", "limited", "off")
+
+
+class SandboxRefused(RuntimeError):
+    """Grading would run hostile code without the isolation it needs, and no setting allows it."""
 
 
 def release_ignore(solutions: Path) -> list[str]:
@@ -137,7 +158,7 @@ def release_ignore(solutions: Path) -> list[str]:
 NO_ISOLATION = (
     "\n*** disttrain-lab: grading WITHOUT isolation: {why}. Student code runs as the grader and "
     "can read and change the gradebook, solutions and other students' files. Grade as root on "
-    "Linux with cgroup v1 memory+pids, or install bubblewrap (see grader/README.md, 'Threat model'). ***\n"
+    "Linux with cgroups, or install bubblewrap (see grader/README.md, 'Host requirements'). ***\n"
 )
 
 

@@ -18,7 +18,7 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import DeadKernelError
 
-from . import sandbox, uids
+from . import cgroups, sandbox, uids
 from .config import REPO_ROOT, course_dir, source_dir
 
 
@@ -79,7 +79,7 @@ class StudentKernel:
                 memory=self.student_memory,
                 pids=self.student_pids,
                 data_limit=self.memory_limit,
-                cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", "disttrain-lab/plain"),
+                cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", f"{cgroups.base()}/plain"),
                 hide=hidden_paths(),
                 keep=kept_paths(),
             )

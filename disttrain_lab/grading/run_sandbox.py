@@ -1,16 +1,18 @@
 """One sandbox per graded kernel: an unprivileged user, private /tmp and /dev/shm, hidden
-grader files, memory and process caps for the whole student, killed as one unit.
+grader files, memory and process caps for the whole student, a syscall filter, killed as one unit.
 
 The program that puts one kernel in the sandbox, run as a file, never imported by the
 grader's own code but through ``sandbox.py`` (the grader's side: whether this host can
 sandbox, the spec, the command line, what the OS counted on the sandbox's network).  The
 grader starts every kernel through it (``python -I .../run_sandbox.py SPEC -- KERNEL-COMMAND``,
 see ``sandbox.command``); it imports nothing of the package (importing ``disttrain_lab``
-would import torch, seconds per kernel start).  As root::
+would import torch, seconds per kernel start), and loads by path its two siblings that import
+only the standard library: ``cgroups.py`` (the caps, cgroup v1 or v2) and ``syscall_filter.py``
+(seccomp).  As root::
 
-    wrapper (root)    creates the cgroups, unshares mount, pid, IPC and network namespaces,
-    │                 waits, removes the cgroups
-    └── init (root, pid 1 of the new pid namespace, in the cgroups; started again as
+    wrapper (root)    creates the kernel's cgroup (caps), unshares mount, pid, IPC and network
+    │                 namespaces, waits, kills what is left in the cgroup and removes it
+    └── init (root, pid 1 of the new pid namespace, in the cgroup; started again as
         │   ``run_sandbox.py --init FD``, the spec in a memfd, so that its command line -- the
         │   kernel's /proc/1/cmdline -- names no host path)
         │   loopback up (the only interface); private size-capped tmpfs on /tmp, /dev/shm,
@@ -19,8 +21,9 @@ would import torch, seconds per kernel start).  As root::
         │   /dev/null over every other unix socket of the host; the kernel's socket folder
         │   bound in (ZMQ over unix sockets: the grader is in another network namespace);
         │   then every other mount read-only, and a fresh /proc
-        └── kernel (uid SPEC.uid, no groups, no new privileges, an allowlisted environment),
-            cwd = a private copy of the submission folder; every rank it starts stays below it
+        └── kernel (uid SPEC.uid, no groups, no new privileges, the syscall filter, an
+            allowlisted environment), cwd = a private copy of the submission folder; every
+            rank it starts stays below it
 
 When the kernel exits, init exits, and Linux kills every process left in the pid
 namespace: a child that called ``setsid`` or keeps forking cannot outlive the student.
@@ -30,13 +33,15 @@ namespace's tmpfs mounts vanish with it.
 Where the grader is not root but bubblewrap runs (user namespaces), the kernel runs under
 ``bwrap`` instead (``sandbox.method() == "bwrap"``): the same private /tmp and /dev/shm (size-capped
 tmpfs), hidden grader files, a read-only root file system, new pid, IPC and network
-namespaces, the same environment allowlist, killed
-with its wrapper -- but no cgroup, so no memory or process cap for the whole student, and
-the grader's own uid outside the namespace; ``sandbox.caveat()`` says so, and the grader repeats it
+namespaces, the same environment allowlist and syscall filter (``--seccomp``), killed with its
+wrapper, and the caps where an administrator delegated the cgroup base to the grader (the
+wrapper moves bwrap into the student's cgroup before it runs); the kernel's processes are the
+grader's own uid outside the namespace: ``sandbox.caveat()`` says so, and the grader repeats it
 loudly and in the grade report.
 
-``sandbox.problem()`` says why a host cannot isolate at all (not root and no working bwrap,
-no cgroup v1 memory/pids, no namespaces); the grader then says so loudly and in the report.
+What a spec asks for and the host cannot give (``sandbox.missing()``: no caps, no filter)
+stops a grading under ``DISTTRAIN_SANDBOX=auto`` before it starts; only ``limited`` runs this
+program with ``caps`` or ``syscall_filter`` false.
 """
 
 from __future__ import annotations
@@ -51,10 +56,8 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x20000000, 0x08000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -83,91 +86,19 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
     )
 
 
-def has_cpu_controller() -> bool:
-    return (CGROUP_ROOT / "cpu" / "cpu.shares").exists()
-
-
 # bubblewrap's namespaces (sandbox.py tries them once: whether bwrap works on this host)
 BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent"]
 
 
-# ----------------------------------------------------------------------------------------
-# cgroups: one per kernel, below one per grading run
+def _sibling(name: str):
+    """A module beside this file that imports nothing but the standard library (cgroups.py,
+    syscall_filter.py), loaded by its path: this program runs as a file, not in the package."""
+    import importlib.util
 
-
-# Every student's kernel gets the same CPU weight (cpu.shares), and so does every grading
-# step (one student) beside it: under contention the CPU is split evenly between the
-# students graded at once, however many processes each runs; alone, a student may use
-# every core.  (A CFS quota or a cpuset per job would also stop a spinner, but would idle
-# cores an honest student could use whenever the classmate beside it waits.)
-CPU_SHARES = 1024
-
-
-class Cgroup:
-    """A cgroup v1 node in the memory, pids and (where mounted) cpu hierarchies
-    (``relative`` below each root)."""
-
-    def __init__(self, relative: str):
-        controllers = ("memory", "pids", "cpu") if has_cpu_controller() else ("memory", "pids")
-        self.dirs = [CGROUP_ROOT / c / relative for c in controllers]
-
-    def create(self, memory: int, pids: int) -> Cgroup:
-        for d in self.dirs:
-            d.mkdir(parents=True, exist_ok=True)
-        mem, pid_dir = self.dirs[:2]
-        for cpu in self.dirs[2:]:  # the kernel's node and its grading step's: equal weights
-            for node in (cpu, cpu.parent):
-                (node / "cpu.shares").write_text(str(CPU_SHARES))
-        (mem / "memory.limit_in_bytes").write_text(str(memory))
-        if (mem / "memory.memsw.limit_in_bytes").exists():  # no swapping around the cap
-            (mem / "memory.memsw.limit_in_bytes").write_text(str(memory))
-        (pid_dir / "pids.max").write_text(str(pids))
-        return self
-
-    def add(self, pid: int) -> None:
-        for d in self.dirs:
-            (d / "cgroup.procs").write_text(str(pid))
-
-    def pids(self) -> set[int]:
-        found = set()
-        for d in self.dirs:
-            for node in [d, *[p for p in d.rglob("*") if p.is_dir()]] if d.is_dir() else []:
-                try:
-                    found |= {int(x) for x in (node / "cgroup.procs").read_text().split()}
-                except OSError:
-                    pass
-        return found
-
-    def destroy(self, timeout: float = 30.0) -> None:
-        """Kill whatever is left in it (and below it), then remove it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = self.pids()
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for d in self.dirs:
-            for node in (
-                sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if d.is_dir() else []
-            ):
-                _rmdir(node)
-            _rmdir(d)
-
-
-def _rmdir(path: Path) -> None:
-    for _ in range(100):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.05)  # the last killed task is still leaving the cgroup
+    spec = importlib.util.spec_from_file_location(f"disttrain_sandbox_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ----------------------------------------------------------------------------------------
@@ -263,6 +194,18 @@ def kernel_env(environ: dict, *, home: str, runtime: str, keep: list[str]) -> di
     return env
 
 
+def _student_cgroup(the_spec: dict):
+    """The kernel's cgroup (``cgroups.Cgroup``, capped: memory, processes, CPU weight), below
+    its grading step's; None where the spec says this host gives no caps (DISTTRAIN_SANDBOX=limited)."""
+    if not the_spec.get("caps"):
+        return None
+    return (
+        _sibling("cgroups")
+        .Cgroup(f"{the_spec['cgroup']}/kernel-{os.getpid()}")
+        .create(the_spec["memory"], the_spec["pids"])
+    )
+
+
 def main(argv: list[str]) -> None:
     if argv[0] == "--init":  # pid 1 of the sandbox, started again with a clean command line
         with os.fdopen(int(argv[1]), "rb") as f:
@@ -276,8 +219,7 @@ def main(argv: list[str]) -> None:
     if the_spec.get("method") == "bwrap":
         _run_bwrap(the_spec, cmd)
     ipc_dir = _ipc_dir(json.loads(Path(cmd[cmd.index("-f") + 1]).read_bytes())) if "-f" in cmd else None
-    name = f"{the_spec['cgroup']}/kernel-{os.getpid()}"
-    cgroup = Cgroup(name).create(the_spec["memory"], the_spec["pids"])
+    cgroup = _student_cgroup(the_spec)
     sockets = host_unix_sockets()  # (read in the host's network namespace, before leaving it)
     go_r, go_w = os.pipe()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
@@ -301,11 +243,13 @@ def main(argv: list[str]) -> None:
     os.close(go_r)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
     try:
-        cgroup.add(child)  # before it runs anything
+        if cgroup is not None:
+            cgroup.add(child)  # before it runs anything
         os.write(go_w, b"1")
         _, status = os.waitpid(child, 0)
     finally:
-        cgroup.destroy()
+        if cgroup is not None:
+            cgroup.destroy()
         if ipc_dir:
             shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
@@ -385,6 +329,8 @@ def _read_only_host(writable: list[str]) -> None:
 
 def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
     uid = the_spec["uid"]
+    # the filter's program is built (libseccomp loaded) while this file is where it was
+    syscall_filter = _sibling("syscall_filter") if the_spec.get("syscall_filter") else None
     # a mount namespace of init's own: the wrapper, which removes the cgroups at the end,
     # keeps a writable /sys/fs/cgroup
     _check(_libc.unshare(CLONE_NEWNS), "unshare")
@@ -464,6 +410,8 @@ def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
         os.setresuid(uid, uid, uid)
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         os.chdir(work)
+        if the_spec.get("syscall_filter"):  # last: the calls above are the sandbox's own
+            syscall_filter.install()
         os.execvpe(cmd[0], cmd, env)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(kernel, signal.SIGTERM))
     while True:  # reap orphans until the kernel ends
@@ -484,7 +432,7 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
     import tempfile
 
     size = str(the_spec["memory"] // 2)
-    stage, ipc_dir = Path(tempfile.mkdtemp(prefix="sandbox-")), None
+    stage, ipc_dir, cgroup = Path(tempfile.mkdtemp(prefix="sandbox-")), None, None
     try:
         work, home, runtime = stage / "work", stage / "home", stage / "kernel"
         shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
@@ -569,26 +517,39 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
         ]
         env = kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
         limit = the_spec["data_limit"]
+        cgroup = _student_cgroup(the_spec)  # (a base an administrator delegated to the grader)
 
         def in_child() -> None:
             if limit:
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+            if cgroup is not None:  # bwrap and all below it: capped before anything runs
+                cgroup.add(os.getpid())
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
         # bwrap stays pid 1 of the sandbox: its options (the hidden host paths) go in a memfd
         # (--args), so that the kernel's /proc/1/cmdline names none of them; the command
         # after "--" stays (bwrap takes it only there; its paths are the sandbox's own)
         options, command = args[1 : args.index("--")], args[args.index("--") :]
-        args_fd = os.memfd_create("disttrain-sandbox-args", 0)
-        os.write(args_fd, b"".join(a.encode() + b"\0" for a in options))
-        os.lseek(args_fd, 0, os.SEEK_SET)
-        proc = subprocess.Popen(
-            [args[0], "--args", str(args_fd), *command], env=env, preexec_fn=in_child, pass_fds=(args_fd,)
-        )
-        os.close(args_fd)
+        fds = [os.memfd_create("disttrain-sandbox-args", 0)]
+        if the_spec.get("syscall_filter"):  # bwrap loads it last, just before the kernel runs
+            fds.append(os.memfd_create("disttrain-sandbox-seccomp", 0))
+            os.write(fds[1], _sibling("syscall_filter").bpf())
+            os.lseek(fds[1], 0, os.SEEK_SET)
+            options += ["--seccomp", str(fds[1])]
+        os.write(fds[0], b"".join(a.encode() + b"\0" for a in options))
+        os.lseek(fds[0], 0, os.SEEK_SET)
+        try:
+            proc = subprocess.Popen(
+                [args[0], "--args", str(fds[0]), *command], env=env, preexec_fn=in_child, pass_fds=fds
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
         signal.signal(signal.SIGTERM, lambda *_: proc.kill())
         code = proc.wait()
     finally:
+        if cgroup is not None:
+            cgroup.destroy()
         shutil.rmtree(stage, ignore_errors=True)
         if ipc_dir:
             shutil.rmtree(ipc_dir, ignore_errors=True)

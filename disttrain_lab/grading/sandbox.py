@@ -1,14 +1,17 @@
 """The sandbox, as the grader sees it: whether this host can put a graded kernel in one
-(``problem``, ``method``: "root", the full sandbox, or "bwrap", bubblewrap without root;
-``caveat``: what it cannot do here), the spec and the command line that start a kernel in
-it (``spec``, ``command``), and what the operating system counted on its network
-(``loopback_bytes``).
+(``problem``, ``method``: "root", the full sandbox, or "bwrap", bubblewrap without root), what
+it lacks here (``missing``: the memory and process caps, the syscall filter; a grading under
+``DISTTRAIN_SANDBOX=auto`` refuses to start without them), what it cannot do although it runs
+(``caveat``), a summary for ``disttrain-lab doctor`` (``describe``), the spec and the command
+line that start a kernel in it (``spec``, ``command``), and what the operating system counted
+on its network (``loopback_bytes``).
 
 What the sandbox is -- an unprivileged user, private /tmp and /dev/shm, hidden grader
-files, memory and process caps for the whole student, killed as one unit -- and how it is
-made is ``run_sandbox.py``, the program ``command`` runs as a file (it imports nothing of
-the package); its cgroups (``Cgroup``), and the environment a kernel sees
-(``kernel_env``), are named here too for the grader's steps and tests.
+files, memory and process caps for the whole student, a syscall filter, killed as one unit --
+and how it is made is ``run_sandbox.py``, the program ``command`` runs as a file (it imports
+nothing of the package); its cgroups are ``cgroups.py`` (v1 or v2), its filter
+``syscall_filter.py``; the environment a kernel sees (``kernel_env``) is named here too for
+the grader's steps and tests.
 """
 
 from __future__ import annotations
@@ -21,20 +24,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import run_sandbox
-from .run_sandbox import BWRAP_NAMESPACES, CGROUP_ROOT, Cgroup, has_cpu_controller, kernel_env
+from . import cgroups, reaper, run_sandbox, syscall_filter
+from .cgroups import Cgroup
+from .run_sandbox import BWRAP_NAMESPACES, kernel_env
 
 __all__ = [
     "BWRAP_CAVEAT",
-    "CGROUP_ROOT",
-    "NO_CPU_CAVEAT",
     "Cgroup",
+    "caps_problem",
     "caveat",
     "command",
-    "has_cpu_controller",
+    "describe",
     "kernel_env",
     "loopback_bytes",
     "method",
+    "missing",
     "namespace_process",
     "problem",
     "spec",
@@ -54,22 +58,73 @@ def method() -> str | None:
 BWRAP_CAVEAT = (
     "the grader is not root, so kernels run under bubblewrap: private /tmp and /dev/shm, "
     "hidden grader files, read-only file system, own pid, IPC and network namespaces, killed with the grading -- "
-    "but NO memory or process cap for the whole student (cgroups need root), and files the "
-    "grader can read outside the hidden paths stay readable"
+    "but the kernel's processes are the grader's own uid outside the sandbox, and files the grader can "
+    "read outside the hidden paths stay readable"
 )
 
 
 NO_CPU_CAVEAT = (
-    "no cgroup v1 cpu controller at /sys/fs/cgroup/cpu: a student who keeps many processes "
+    "no cgroup cpu controller: a student who keeps many processes "
     "busy slows the classmates graded beside them (no CPU share per student)"
 )
 
 
+@functools.cache
+def caps_problem() -> str | None:
+    """Why no cgroup can cap a student's memory and processes here (``cgroups.problem``, tried once)."""
+    return cgroups.problem()
+
+
+@functools.cache
+def missing() -> tuple[str, ...]:
+    """What the sandbox lacks on this host, each with what would give it: the memory and
+    process caps for the whole student (a cgroup, ``cgroups.problem``), the syscall filter
+    (``syscall_filter.problem``).  Empty: a full sandbox."""
+    lacking = []
+    caps = caps_problem()
+    if caps:
+        lacking.append(f"NO memory or process cap for the whole student: {caps}")
+    seccomp = syscall_filter.problem()
+    if seccomp:
+        lacking.append(f"NO syscall filter: {seccomp}")
+    return tuple(lacking)
+
+
 def caveat() -> str | None:
     """What the sandbox cannot do on this host although it runs (None: nothing)."""
-    if method() == "bwrap":
-        return BWRAP_CAVEAT
-    return NO_CPU_CAVEAT if method() == "root" and not has_cpu_controller() else None
+    said = [BWRAP_CAVEAT] if method() == "bwrap" else []
+    said += list(missing())
+    if not caps_problem() and "cpu" not in cgroups.host()["caps"]:
+        said.append(NO_CPU_CAVEAT)
+    return "; ".join(said) or None
+
+
+def describe() -> str:
+    """The grading host in a few lines (``disttrain-lab doctor``): the back-end, each cap and
+    the syscall filter, and what refuses or degrades."""
+    why = problem()
+    if why:
+        return f"grading sandbox: NONE: {why}\n  DISTTRAIN_SANDBOX=auto refuses to grade here; =off grades unsandboxed"
+    offered = cgroups.host()
+    caps = caps_problem()
+    lines = [
+        f"grading sandbox: {method()} ({'full' if method() == 'root' else 'bubblewrap, without root'}), "
+        f"cgroup {offered['version'] or 'none'} below {cgroups.base()!r}",
+        "  memory and process caps: "
+        + ("yes (" + ", ".join(offered["caps"]) + f"; kill: {offered['kill']})" if not caps else f"NO: {caps}"),
+        "  syscall filter: "
+        + (
+            f"yes (seccomp, {len(syscall_filter.DENIED)} calls denied)"
+            if not syscall_filter.problem()
+            else f"NO: {syscall_filter.problem()}"
+        ),
+    ]
+    lines.append(
+        "  DISTTRAIN_SANDBOX=auto grades here"
+        if not missing()
+        else "  DISTTRAIN_SANDBOX=auto REFUSES to grade here; =limited grades without what is missing"
+    )
+    return "\n".join(lines)
 
 
 @functools.cache
@@ -90,9 +145,6 @@ def _host() -> tuple[str | None, str | None]:
                 f"cannot stand in: {why}",
             )
         )
-    for controller in ("memory", "pids"):
-        if not (CGROUP_ROOT / controller / "cgroup.procs").exists():
-            return None, f"no cgroup v1 {controller} controller at {CGROUP_ROOT / controller}"
     return "root", None
 
 
@@ -134,20 +186,6 @@ def _bwrap_problem() -> str | None:
 # what the operating system counted on the sandbox's network
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                children = [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-                found += children
-                todo += children
-        except (OSError, ValueError):
-            pass
-    return found
-
-
 def namespace_process(pid: int, kind: str) -> int:
     """The first process at or below ``pid`` in another ``kind`` namespace ("net", "pid")
     than the grader's: inside the sandbox (its init), or ``pid`` itself when the kernel shares
@@ -156,7 +194,7 @@ def namespace_process(pid: int, kind: str) -> int:
         own = os.readlink(f"/proc/self/ns/{kind}")
     except OSError:
         return pid
-    for p in [pid] + _descendants(pid):
+    for p in [pid] + reaper.descendants(pid):
         try:
             if os.readlink(f"/proc/{p}/ns/{kind}") != own:
                 return p
@@ -197,6 +235,8 @@ def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str, hide
         "hide": hide,
         "keep": keep,
         "method": method(),
+        "caps": caps_problem() is None,  # (grading without them: DISTTRAIN_SANDBOX=limited)
+        "syscall_filter": syscall_filter.problem() is None,
     }
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,38 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import sandbox
+from . import cgroups, reaper, sandbox
 from .config import GRADER_DIR
-
-
-def _children_of() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    children, found, todo = _children_of(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _become_subreaper() -> None:
@@ -57,22 +26,7 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def _environ_has(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return marker in f.read()
-    except OSError:
-        return False
-
-
-def processes_with(marker: str) -> list[int]:
-    """Processes (but this one) whose environment mentions ``marker`` (a course dir, a run's
-    own tag): what must be none after grading."""
-    return [
-        int(entry)
-        for entry in os.listdir("/proc")
-        if entry.isdigit() and int(entry) != os.getpid() and _environ_has(int(entry), marker.encode())
-    ]
+processes_with = reaper.processes_with  # (what the tests and scripts/hub_check.py import from here)
 
 
 _RUNNING: dict[int, subprocess.Popen] = {}  # nbgrader processes of this grader now, by pid (parallel jobs)
@@ -84,12 +38,12 @@ def _reap_orphans(before: set[int], marker: bytes | None = None) -> None:
     """Kill what a step left behind: every new descendant when no other step runs beside it, else
     only those whose environment carries this step's ``marker`` (a parallel job's own)."""
     for _ in range(3):
-        leftovers = [p for p in _descendants(os.getpid()) if p not in before]
+        leftovers = [p for p in reaper.descendants(os.getpid()) if p not in before]
         if _STEPS[0] > 1 and marker is not None:
-            leftovers = [p for p in leftovers if p not in _RUNNING and _environ_has(p, marker)]
+            leftovers = [p for p in leftovers if p not in _RUNNING and reaper.environ_has(p, marker)]
         if not leftovers:
             return
-        _kill(leftovers)
+        reaper.kill(leftovers)
         for pid in leftovers:
             try:
                 os.waitpid(pid, 0)
@@ -111,18 +65,18 @@ def clean_stale_steps(tmp_root: str | None = None) -> None:
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             stale.append(path.name)
             shutil.rmtree(path, ignore_errors=True)
-    if sandbox.problem() is None:
-        for parent in (sandbox.CGROUP_ROOT / "memory" / "disttrain-lab",):
+    if sandbox.problem() is None and sandbox.caps_problem() is None:
+        for parent in sandbox.Cgroup(cgroups.base()).dirs[:1]:
             for node in parent.glob(f"{_STEP_PREFIX}*-*") if parent.is_dir() else []:
                 pid = node.name[len(_STEP_PREFIX) :].split("-", 1)[0]
                 if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                    sandbox.Cgroup(f"disttrain-lab/{node.name}").destroy()
+                    sandbox.Cgroup(f"{cgroups.base()}/{node.name}").destroy()
 
 
 def stop_running_steps() -> None:
     """Kill every nbgrader step this grader runs now, and all they started (an interrupted run)."""
     for pid in list(_RUNNING):
-        _kill(_descendants(pid) + [pid])
+        reaper.kill_tree(pid)
 
 
 # the nbgrader process dies with the thread that started it (PR_SET_PDEATHSIG), so a grader
@@ -160,7 +114,7 @@ def _wait_and_read(proc: subprocess.Popen, timeout: float, kill_leftovers) -> tu
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill(_descendants(proc.pid) + [proc.pid])
+        reaper.kill_tree(proc.pid)
         proc.wait()
     reader.join(PIPE_GRACE)
     if reader.is_alive():
@@ -204,14 +158,14 @@ def run_nbgrader(
 def _run_step(
     args: list[str], timeout: float, env: dict | None, tmp_root: str | None, slot: int, prepare
 ) -> StepResult:
-    before = set(_descendants(os.getpid()))
+    before = set(reaper.descendants(os.getpid()))
     bindir = os.path.dirname(sys.executable)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root) as tmp:
         if prepare is not None:
             args = [*args, *prepare(Path(tmp) / "prepared")]
         full_env = dict(os.environ, **(env or {}))
-        cgroup = f"disttrain-lab/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
+        cgroup = f"{cgroups.base()}/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
         full_env.update(
             PATH=bindir + os.pathsep + full_env.get("PATH", ""),
             TMPDIR=tmp,
@@ -242,6 +196,6 @@ def _run_step(
         finally:
             _RUNNING.pop(proc.pid, None)
             _reap_orphans(before, marker)
-            if sandbox.method() == "root":
+            if sandbox.problem() is None and sandbox.caps_problem() is None:
                 sandbox.Cgroup(cgroup).destroy()
     return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)

@@ -24,7 +24,7 @@ import pytest
 
 import disttrain_lab
 from disttrain_lab import grading
-from disttrain_lab.grading import classgrade, steps
+from disttrain_lab.grading import classgrade, reaper, steps
 from tests.helpers import REPO
 from tests.notebooks import load
 from tests.roundtrip import (  # noqa: F401  (other grading tests import these from here)
@@ -330,20 +330,20 @@ def _step_with_a_leftover(body: str):
 def test_a_process_left_holding_nbgraders_output_does_not_hold_the_grader(monkeypatch):
     monkeypatch.setattr(steps, "PIPE_GRACE", 1.0)
     steps._become_subreaper()  # as run_nbgrader does: the leftover becomes ours
-    before = set(steps._descendants(os.getpid()))
+    before = set(reaper.descendants(os.getpid()))
     started = time.monotonic()
     output, timed_out = steps._wait_and_read(
         _step_with_a_leftover("sys.exit(3)"), 120, lambda: steps._reap_orphans(before)
     )
     assert time.monotonic() - started < 60  # not the step's timeout, nor the leftover's 600 s
     assert "graded" in output and not timed_out
-    assert set(steps._descendants(os.getpid())) <= before, "the leftover was not stopped"
+    assert set(reaper.descendants(os.getpid())) <= before, "the leftover was not stopped"
     # a step that runs past its timeout is stopped, and what it printed is kept
     proc = _step_with_a_leftover("time.sleep(600)")
     output, timed_out = steps._wait_and_read(proc, 3, lambda: steps._reap_orphans(before))
     assert timed_out and "graded" in output and proc.returncode == -signal.SIGKILL
     steps._reap_orphans(before)  # as run_nbgrader does after every step
-    assert set(steps._descendants(os.getpid())) <= before
+    assert set(reaper.descendants(os.getpid())) <= before
 
 
 # ----------------------------------------------------------------------------------------

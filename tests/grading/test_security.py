@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import grading
-from disttrain_lab.grading import cells, kernels, sandbox, steps
+from disttrain_lab.grading import cells, cgroups, kernels, reaper, sandbox
 from tests.grading.test_grading import (
     FIXTURE_LIMITS,
     FIXTURES,
@@ -32,6 +32,7 @@ from tests.grading.test_grading import (
     submit,
     with_solution,
 )
+from tests.notebooks import load
 
 CAN_SANDBOX = sandbox.problem() is None
 needs_sandbox = pytest.mark.skipif(not CAN_SANDBOX, reason=f"this host cannot sandbox: {sandbox.problem()}")
@@ -406,13 +407,52 @@ def test_partial_credit_is_clamped_to_the_cells_points():
     assert cell.outputs[0].data["text/plain"] == "0.0"
 
 
-def test_no_isolation_is_said_loudly_and_in_the_report(tmp_path, monkeypatch):
+def test_a_host_that_cannot_sandbox_or_cap_grades_no_one_unless_told(tmp_path, monkeypatch):
     monkeypatch.setattr(sandbox, "problem", lambda: "the grader does not run as root")
-    with pytest.raises(RuntimeError, match="cannot isolate a student: the grader does not run as root"):
-        grading.Limits(sandbox="on").sandboxed()
-    assert grading.Limits(sandbox="auto").sandboxed() == (False, "the grader does not run as root")
+    for mode in ("auto", "on", "limited"):
+        with pytest.raises(grading.SandboxRefused, match="cannot isolate a student: the grader does not run as root"):
+            grading.Limits(sandbox=mode).sandboxed()
+    with pytest.raises(grading.SandboxRefused, match="set DISTTRAIN_SANDBOX=off to grade trusted code unsandboxed"):
+        grading.Limits().sandboxed()
+    assert grading.Limits(sandbox="off").sandboxed() == (False, "switched off (sandbox='off' / DISTTRAIN_SANDBOX=off)")
     path = grading.grade_report("00_basics", [], {}, tmp_path, "the grader does not run as root")
     assert "isolation: NONE: the grader does not run as root" in path.read_text()
+    # a sandbox without caps or filter: refused by default, graded when the setting says so
+    monkeypatch.setattr(sandbox, "problem", lambda: None)
+    lacking = ("NO memory or process cap for the whole student: no cgroup memory or pids controller at /x",)
+    monkeypatch.setattr(sandbox, "missing", lambda: lacking)
+    for mode in ("auto", "on"):
+        with pytest.raises(grading.SandboxRefused, match="lacks: NO memory or process cap.*DISTTRAIN_SANDBOX=limited"):
+            grading.Limits(sandbox=mode).sandboxed()
+    assert grading.Limits(sandbox="limited").sandboxed() == (True, None)
+    with pytest.raises(ValueError, match="sandbox must be one of 'auto', 'on', 'limited', 'off'"):
+        grading.Limits(sandbox="yes")
+
+
+def test_grade_refuses_before_grading_anyone(tmp_path, monkeypatch, capsys):
+    from disttrain_lab import cli
+
+    monkeypatch.setattr(sandbox, "problem", lambda: None)
+    monkeypatch.setattr(sandbox, "missing", lambda: ("NO syscall filter: no libseccomp.so.2",))
+    monkeypatch.delenv("DISTTRAIN_SANDBOX", raising=False)
+    submitted = tmp_path / "submitted" / "alice" / "00_basics"
+    submitted.mkdir(parents=True)
+    (submitted / "00_basics.ipynb").write_text("{}")
+    assert cli.main(["grade", "00_basics", "--course-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "refused: the sandbox on this host lacks: NO syscall filter: no libseccomp.so.2" in err
+    assert "DISTTRAIN_SANDBOX=limited" in err and not (tmp_path / "autograded").exists()
+
+
+def test_doctor_describes_the_grading_host():
+    text = sandbox.describe()
+    assert text.startswith("grading sandbox: ")
+    if sandbox.problem() is None:
+        offered = cgroups.host()
+        assert f"cgroup {offered['version']}" in text
+        assert ("memory and process caps: yes" in text) == (sandbox.caps_problem() is None)
+        assert ("syscall filter: yes" in text) == ("NO syscall filter" not in " ".join(sandbox.missing()))
+        assert ("auto REFUSES" in text) == bool(sandbox.missing())
 
 
 def test_the_kernel_sees_an_allowlist_of_the_graders_environment():
@@ -593,8 +633,8 @@ def _sandboxed(tmp_path: Path, uid: int, cgroup: str, code: str, *args: str):
 
 def _kernel_of(wrapper: int) -> int:
     """The host pid of the command a sandbox runs (wrapper -> init -> command)."""
-    [init] = steps._children_of().get(wrapper, [])
-    [command] = steps._children_of().get(init, [])
+    [init] = reaper.children(wrapper)
+    [command] = reaper.children(init)
     return command
 
 
@@ -646,6 +686,52 @@ def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
     assert not [d for d in sandbox.Cgroup(cgroup).dirs if d.exists()]
 
 
+_CAPPED_AND_FILTERED = """
+import ctypes, errno, json, os, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    return 'allowed' if libc.syscall(nr, *args) >= 0 else errno.errorcode[ctypes.get_errno()]
+report = {'cgroup': open('/proc/self/cgroup').read()}
+report['unshare'] = 'allowed' if libc.unshare(0x10000000) == 0 else errno.errorcode[ctypes.get_errno()]  # NEWUSER
+report['ptrace'] = call(101, 16, 1, 0, 0)          # PTRACE_ATTACH to init (x86_64 numbers)
+report['bpf'] = call(321, 0, 0, 0)
+report['io_uring_setup'] = call(425, 1, 0)
+report['keyctl'] = call(250, 0, 0)
+threads = 0
+try:                                                  # the process cap: 32 for the whole student
+    for _ in range(100):
+        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+        threads += 1
+except RuntimeError:
+    pass
+report['threads'] = threads
+print(json.dumps(report), flush=True)
+os._exit(0)
+"""
+
+
+@needs_sandbox
+@pytest.mark.skipif(sandbox.missing() != (), reason=f"this host's sandbox lacks: {sandbox.missing()}")
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe calls x86_64 syscall numbers")
+def test_a_sandboxed_kernel_is_capped_and_filtered(tmp_path):
+    import json
+
+    cgroup = f"{cgroups.base()}/test-{os.getpid()}-{tmp_path.name}"
+    proc = _sandboxed(tmp_path, 64125, cgroup, _CAPPED_AND_FILTERED)
+    try:
+        report = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sandbox.Cgroup(cgroup).destroy()
+    assert f"/{cgroup}/kernel-" in report["cgroup"], report["cgroup"]
+    assert {k: report[k] for k in ("unshare", "ptrace", "bpf", "io_uring_setup", "keyctl")} == dict.fromkeys(
+        ("unshare", "ptrace", "bpf", "io_uring_setup", "keyctl"), "EPERM"
+    ), report
+    assert 10 < report["threads"] < 32, report  # what init, the interpreter and its threads leave of 32
+
+
 def _uid(pid: int) -> int:
     [line] = [x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("Uid:")]
     return int(line.split()[1])
@@ -674,6 +760,14 @@ for need in sys.argv[1:sep]:
             break
 os.execvp(sys.argv[sep + 1], sys.argv[sep + 1:])
 """
+_SANDBOXED_AS_IS = """
+import sys
+from disttrain_lab import grading
+try:
+    print('GRADES', grading.Limits(sandbox=sys.argv[1]).sandboxed())
+except grading.SandboxRefused as refused:
+    print('REFUSED', refused)
+"""
 _GRADE_AS_IS = """
 import json, sys
 from pathlib import Path
@@ -698,8 +792,36 @@ def _can_drop_root() -> str | None:
     return f"missing {', '.join(missing)} (Debian: apt-get install bubblewrap util-linux mount)" if missing else None
 
 
+# what a kernel under bwrap reports of its caps and filter (its memory cgroup's limit, a user namespace)
+_CAPS_PROBE = MEAN_OK + (
+    "import ctypes as _c, json as _j, os as _o\n"
+    "_mem = [l.split(':', 2)[2] for l in open('/proc/self/cgroup').read().splitlines() if ':memory:' in l]\n"
+    "_limit = open('/sys/fs/cgroup/memory' + _mem[0] + '/memory.limit_in_bytes').read().strip() if _mem else None\n"
+    "_libc = _c.CDLL(None, use_errno=True)\n"
+    "_ns = 'allowed' if _libc.unshare(0x10000000) == 0 else _o.strerror(_c.get_errno())\n"
+    "print('BWRAP-CAPS', _j.dumps({'memory': _mem, 'limit': _limit, 'unshare': _ns}))\n"
+)
+
+
+def _delegate(base: str, uid: int) -> list[Path]:
+    """As an administrator would (grader/README.md, 'Host requirements'): the cgroup v1 base,
+    created and given to the grader's user."""
+    made = []
+    for controller in ("memory", "pids", "cpu"):
+        root = Path("/sys/fs/cgroup") / controller
+        if (root / "cgroup.procs").exists():
+            (root / base).mkdir()
+            for path in [root / base, *(root / base).iterdir()]:
+                os.chown(path, uid, uid)
+            made.append(root / base)
+    return made
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_can_drop_root() is not None, reason=str(_can_drop_root()))
+@pytest.mark.skipif(
+    cgroups.host()["version"] not in ("v1", "hybrid"), reason="delegates a cgroup v1 base (this host: v2 or none)"
+)
 def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
     import json
     import subprocess
@@ -710,39 +832,45 @@ def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
     for name in ("c4_files", "c6_shm"):
         source = ATTACKS[name].replace("@COURSE@", str(course.course)).replace("@ROOT@", str(tmp_path))
         submit(course.course, name, course.lab, with_solution(course.solution, "ex_mean", source))
+    submit(course.course, "c6_caps", course.lab, with_solution(course.solution, "ex_mean", _CAPS_PROBE))
     submit(course.course, "a_honest", course.lab, course.solution)
     others = _digest(course.course / "submitted" / "a_honest")
     (tmp_path / "home").mkdir()
     subprocess.run(["chown", "-R", f"{UNPRIVILEGED}:{UNPRIVILEGED}", str(tmp_path)], check=True)
     needs = sorted({sys.base_prefix, sys.prefix, str(grading.REPO_ROOT), str(tmp_path)})
     env = dict(os.environ, HOME=str(tmp_path / "home"), **{SECRET_NAME: "grader-secret-" + os.urandom(8).hex()})
-    run = subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            sys.executable,
-            "-I",
-            "-c",
-            _OPEN_PATHS,
-            *needs,
-            "--",
-            "setpriv",
-            f"--reuid={UNPRIVILEGED}",
-            f"--regid={UNPRIVILEGED}",
-            "--clear-groups",
-            sys.executable,
-            "-c",
+
+    def as_grader(code: str, *args: str, **more_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["unshare", "--mount", sys.executable, "-I", "-c", _OPEN_PATHS, *needs, "--"]
+            + ["setpriv", f"--reuid={UNPRIVILEGED}", f"--regid={UNPRIVILEGED}", "--clear-groups"]
+            + [sys.executable, "-c", code, *args],
+            cwd=grading.REPO_ROOT,
+            env=dict(env, **more_env),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
+    # no cgroup delegated to the grader: no caps, so the default refuses, saying what would do
+    refused = as_grader(_SANDBOXED_AS_IS, "auto")
+    assert "REFUSED" in refused.stdout, refused.stdout + refused.stderr
+    assert "NO memory or process cap" in refused.stdout and "delegate it to the grader's user" in refused.stdout
+    assert "DISTTRAIN_SANDBOX=limited" in refused.stdout
+    # delegated as grader/README.md says: graded, capped and filtered
+    base = f"disttrain-test-{os.getpid()}"
+    delegated = _delegate(base, UNPRIVILEGED)
+    try:
+        run = as_grader(
             _GRADE_AS_IS,
             str(tmp_path),
             str(FIXTURES),
             json.dumps(dict(LIMITS, sandbox="on")),
-        ],
-        cwd=grading.REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+            DISTTRAIN_CGROUP_BASE=base,
+        )
+    finally:
+        cgroups.Cgroup(base).destroy()
+    assert not [d for d in delegated if d.exists()]
     [line] = [x for x in run.stdout.splitlines() if x.startswith("SCORES ")] or [
         run.stdout[-3000:] + run.stderr[-3000:]
     ]
@@ -751,7 +879,16 @@ def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
     full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
     assert got["scores"]["a_honest"] == full and got["scores"]["c6_shm"] == full
     assert got["scores"]["c4_files"]["total"] == 2.0  # no secret, no gradebook, no solutions, no .git
-    assert "LIMITED isolation" in run.stdout and "NO memory or process cap" in run.stdout
+    assert "LIMITED isolation" in run.stdout and "NO memory or process cap" not in run.stdout
+    assert got["scores"]["c6_caps"] == full
+    [caps] = [
+        json.loads(o["text"].split("BWRAP-CAPS ", 1)[1])
+        for c in load(course.course / "autograded" / "c6_caps" / course.lab / f"{course.lab}.ipynb").cells
+        for o in c.get("outputs", [])
+        if "BWRAP-CAPS " in o.get("text", "")
+    ]
+    assert caps["memory"] and caps["memory"][0].startswith(f"/{base}/disttrain-grade-"), caps
+    assert caps["limit"] == str(LIMITS["student_memory"]) and caps["unshare"] == "Operation not permitted", caps
     report = (course.course / "reports" / "00_basics.txt").read_text()
     assert "isolation: every kernel sandboxed" in report and "isolation LIMITED: the grader is not root" in report
     assert _digest(course.course / "submitted" / "a_honest") == others
