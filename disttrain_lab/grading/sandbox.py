@@ -134,18 +134,37 @@ def _host() -> tuple[str | None, str | None]:
     missing = [ns for ns in ("pid", "mnt", "ipc", "net") if not os.path.exists(f"/proc/self/ns/{ns}")]
     if missing:
         return None, f"the Linux kernel has no {'/'.join(missing)} namespaces"
-    if os.geteuid() != 0:
-        why = _bwrap_problem()
+    if os.geteuid() == 0:
+        why_not_root = _namespaces_problem()
+        if why_not_root is None:
+            return "root", None
+    else:
+        why_not_root = "the grader does not run as root (no user switch, mounts or cgroups)"
+    why = _bwrap_problem()
+    return ("bwrap", None) if why is None else (None, f"{why_not_root}, and bubblewrap cannot stand in: {why}")
+
+
+# what run_sandbox.py does first as root: a child of its own tries it (a container with
+# Docker's default capabilities is root without CAP_SYS_ADMIN, and mounts nothing)
+_UNSHARE = (
+    "import ctypes, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.unshare(0x00020000 | 0x20000000 | 0x08000000 | 0x40000000) != 0:\n"
+    "    sys.exit(os.strerror(ctypes.get_errno()))\n"
+)
+
+
+def _namespaces_problem() -> str | None:
+    try:
+        run = subprocess.run([sys.executable, "-I", "-c", _UNSHARE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the grader is root but could not try to make namespaces ({exc})"
+    if run.returncode != 0:
         return (
-            ("bwrap", None)
-            if why is None
-            else (
-                None,
-                f"the grader does not run as root (no user switch, mounts or cgroups), and bubblewrap "
-                f"cannot stand in: {why}",
-            )
+            f"the grader is root but cannot make mount, pid, IPC and network namespaces ({run.stderr.strip()[-200:]}; "
+            "no CAP_SYS_ADMIN: a container with Docker's default capabilities?)"
         )
-    return "root", None
+    return None
 
 
 def _bwrap_problem() -> str | None:
