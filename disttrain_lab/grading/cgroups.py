@@ -110,7 +110,9 @@ class Cgroup:
                 for c in self.offered["caps"]
                 if c != "cpu" or _may_create(mount / c / self.relative)
             }
-            if version == "v1":
+            # hybrid: v2's node only kills; a grader without root keeps to the v1 base delegated
+            # to it (v2 would also want the grader's own node below a delegated one to move a process)
+            if version == "v1" or os.geteuid() != 0:
                 self.v2 = None
         self.dirs = [*self.v1.values(), *([self.v2] if self.v2 is not None else [])]
 

@@ -12,12 +12,10 @@ import re
 from pathlib import Path
 
 import nbformat
-from bleach import ALLOWED_ATTRIBUTES, ALLOWED_TAGS
 from nbconvert.exporters import NotebookExporter
-from nbconvert.preprocessors.sanitize import SanitizeHTML
 from nbgrader.api import Gradebook, MissingEntry, TaskCell
 from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor, OverwriteCells
-from traitlets import Any, Bool, Integer, List, Unicode
+from traitlets import Integer, Unicode
 
 from . import intake, sandbox
 from .cells import is_test_cell
@@ -234,42 +232,6 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
             if output.output_type == "error":  # a traceback's last line is "Error: message"
                 output.traceback = output.traceback[-1:] or [f"\x1b[0;31m{output.ename}\x1b[0m: {output.evalue}"]
         return cell, resources
-
-
-class SanitizeFeedbackHTML(SanitizeHTML):
-    """Feedback step, last: the page a student opens runs nothing a submission wrote.
-    nbconvert's SanitizeHTML (bleach) drops JavaScript and every output type it does not
-    know to be inert, and cleans HTML and markdown outputs and the student's markdown
-    cells to the tags below; the instructor's own markdown (a locked cell as the gradebook
-    has it) is left as written, so that its quotes and code spans still render."""
-
-    tags = List(
-        [
-            *ALLOWED_TAGS,
-            *("p", "div", "span", "pre", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6"),
-            *("table", "thead", "tbody", "tr", "th", "td", "sub", "sup", "details", "summary", "code"),
-        ]
-    ).tag(config=True)
-    attributes = Any({**ALLOWED_ATTRIBUTES, "*": ["class", "title"]}).tag(config=True)
-    enabled = Bool(True).tag(config=True)  # (nbgrader registers it as it is; nbconvert's is off)
-
-    def preprocess(self, nb, resources):
-        ids = resources.get("nbgrader", {})
-        self._instructors: dict[str, str] = {}
-        if ids.get("db_url"):
-            with Gradebook(ids["db_url"]) as gb:
-                try:
-                    cells = gb.find_notebook(ids["notebook"], ids["assignment"]).source_cells
-                except MissingEntry:
-                    cells = []
-                self._instructors = {c.name: c.source for c in cells if c.locked and c.cell_type == "markdown"}
-        return super().preprocess(nb, resources)
-
-    def preprocess_cell(self, cell, resources, index):
-        grade_id = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
-        if cell.cell_type == "markdown" and self._instructors.get(grade_id, None) == cell.source:
-            return cell, resources  # the instructor's own text
-        return super().preprocess_cell(cell, resources, index)
 
 
 # Constructs a grader should look at; a match only flags the submission for a human.

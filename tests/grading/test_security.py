@@ -874,6 +874,7 @@ def test_a_grader_without_root_sandboxes_with_bubblewrap(tmp_path):
     [line] = [x for x in run.stdout.splitlines() if x.startswith("SCORES ")] or [
         run.stdout[-3000:] + run.stderr[-3000:]
     ]
+    assert line.startswith("SCORES "), line
     got = json.loads(line[len("SCORES ") :])
     assert set(got["rc"].values()) == {0}, run.stdout[-3000:]
     full = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
