@@ -116,10 +116,6 @@ class Cgroup:
                 self.v2 = None
         self.dirs = [*self.v1.values(), *([self.v2] if self.v2 is not None else [])]
 
-    @property
-    def capped(self) -> bool:
-        return self.offered["version"] == "v2" or bool(self.v1)
-
     def create(self, memory: int, pids: int) -> Cgroup:
         """Make the node (and the ones above it) and cap it: ``memory`` bytes (swap included),
         ``pids`` processes and threads, the CPU weight of every other node."""
