@@ -24,6 +24,7 @@ import re
 import pytest
 
 from disttrain_lab import grading
+from disttrain_lab.grading import cgroups, sandbox
 from tests import roundtrip
 
 # seconds of work per test file in a full run on 2 cores, 3 workers (what its tests take without
@@ -117,6 +118,57 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.originalname in ROUND_TRIP_TESTS and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(ROUND_TRIP_TIMEOUT))
+
+
+# Each pytest-xdist worker runs in a cgroup node of its own (where the host gives caps and
+# this is root): ``self`` holds the worker and every process it starts itself (ranks a test
+# launches, chromium, torchrun), ``grading`` is the sandbox's base (DISTTRAIN_CGROUP_BASE) for
+# the students it grades.  The workers have equal CPU weights, as a grading step's two sides
+# do (grading/cgroups.py).  Without it, every sandboxed student of the whole run shares the
+# weight of the one ``disttrain-lab`` node, which the kernel sets against each process of the
+# root group alone: under the suite's load (a dozen busy processes there) graded ranks got a
+# tenth of the CPU and ran past cell limits that hold on a grading host.
+_WORKER_NODE: list = []  # (the worker's cpu node, the cpu cgroup it came from)
+
+
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    offered = cgroups.host()
+    if (
+        not worker
+        or os.geteuid() != 0
+        or cgroups.BASE_ENV in os.environ
+        or offered["version"] not in ("v1", "hybrid")  # (v2: one hierarchy, the worker's memory node would move too)
+        or "cpu" not in offered["caps"]
+        or sandbox.caps_problem() is not None
+    ):
+        return
+    node = f"disttrain-tests/run-{os.getppid()}/{worker}"
+    came_from = next(line.split(":", 2)[2] for line in open("/proc/self/cgroup") if "cpu" in line.split(":")[1].split(","))
+    own = cgroups.MOUNT / "cpu" / node / "self"
+    try:
+        own.mkdir(parents=True, exist_ok=True)
+        (own / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as exc:
+        print(f"tests: worker {worker} stays in its cpu cgroup ({exc})")
+        return
+    os.environ[cgroups.BASE_ENV] = f"{node}/grading"
+    _WORKER_NODE.append((own, came_from))
+
+
+def pytest_unconfigure(config):
+    for own, came_from in _WORKER_NODE:
+        try:
+            (cgroups.MOUNT / "cpu" / came_from.lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            continue
+        grading = cgroups.Cgroup(os.environ[cgroups.BASE_ENV])  # (its nodes in every hierarchy)
+        for d in [own, *grading.dirs]:  # then those above, the run's once the last worker left
+            for empty in (d, d.parent, d.parent.parent, d.parent.parent.parent):
+                try:
+                    empty.rmdir()
+                except OSError:
+                    pass
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -40,7 +40,10 @@ DEFAULT_BASE = "disttrain-lab"
 
 # Every student's kernel gets the same CPU weight, and so does every grading step (one
 # student) beside it: under contention the CPU is split evenly between the students graded
-# at once, however many processes each runs; alone, a student may use every core.  (A quota
+# at once, however many processes each runs; alone, a student may use every core.  Within a
+# step, the grader's own side (nbgrader and the grader kernel, ``steps.py``) is a node of the
+# same weight beside the student's kernel: a grader kernel recomputing a reference cannot
+# starve the ranks it times, nor they it.  (A quota
 # or a cpuset per job would also stop a spinner, but would idle cores an honest student could
 # use whenever the classmate beside it waits.)  v1's default share and v2's default weight.
 CPU_SHARES = 1024
@@ -116,11 +119,14 @@ class Cgroup:
                 self.v2 = None
         self.dirs = [*self.v1.values(), *([self.v2] if self.v2 is not None else [])]
 
-    def create(self, memory: int, pids: int) -> Cgroup:
+    def create(self, memory: int | None, pids: int | None) -> Cgroup:
         """Make the node (and the ones above it) and cap it: ``memory`` bytes (swap included),
-        ``pids`` processes and threads, the CPU weight of every other node."""
+        ``pids`` processes and threads (None: no cap of that kind), the CPU weight of every
+        other node."""
         for c, d in self.v1.items():
             d.mkdir(parents=True, exist_ok=True)
+            if (c == "memory" and memory is None) or (c == "pids" and pids is None):
+                continue
             if c == "memory":
                 (d / "memory.limit_in_bytes").write_text(str(memory))
                 if (d / "memory.memsw.limit_in_bytes").exists():  # no swapping around the cap
@@ -137,11 +143,11 @@ class Cgroup:
             return self
         self._make_v2_path()
         caps = self.offered["caps"]
-        if "memory" in caps:
+        if "memory" in caps and memory is not None:
             _write(self.v2 / "memory.max", str(memory))
             if (self.v2 / "memory.swap.max").exists():
                 _write(self.v2 / "memory.swap.max", "0")
-        if "pids" in caps:
+        if "pids" in caps and pids is not None:
             _write(self.v2 / "pids.max", str(pids))
         if "cpu" in caps:
             for node in (self.v2, self.v2.parent):

@@ -80,11 +80,30 @@ def stop_running_steps() -> None:
 
 
 # the nbgrader process dies with the thread that started it (PR_SET_PDEATHSIG), so a grader
-# killed with SIGKILL leaves no step running on; then `python -m nbgrader ARGS`
-_NBGRADER_CHILD = (
-    "import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
-    "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)"
+# killed with SIGKILL leaves no step running on; it joins the step's grader node (the cgroup
+# files named in _JOIN, before it starts anything); then `python -m nbgrader ARGS`
+_JOIN = "DISTTRAIN_STEP_JOIN"
+_CHILD_SETUP = (
+    "import ctypes, os, runpy, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    f"for procs in filter(None, os.environ.pop({_JOIN!r}, '').split(os.pathsep)):\n"
+    "    with open(procs, 'w') as f: f.write(str(os.getpid()))\n"
 )
+_NBGRADER_CHILD = (
+    _CHILD_SETUP + "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)"
+)
+
+
+def _grader_node(cgroup: str) -> tuple[dict, str]:
+    """The step's own side (nbgrader, the grader kernel) in a node beside the student's
+    kernels, of their CPU weight (cgroups.py), where this host gives caps: (what the nbgrader
+    process's environment gets, a line for the step's output where it could not be made)."""
+    if sandbox.problem() is not None or sandbox.caps_problem() is not None:
+        return {}, ""
+    try:
+        node = sandbox.Cgroup(f"{cgroup}/grader").create(memory=None, pids=None)
+    except OSError as exc:
+        return {}, f"[disttrain-lab] the grader's side of this step runs without a CPU share of its own: {exc}\n"
+    return {_JOIN: os.pathsep.join(str(d / "cgroup.procs") for d in node.dirs)}, ""
 
 
 @dataclass
@@ -166,7 +185,9 @@ def _run_step(
             args = [*args, *prepare(Path(tmp) / "prepared")]
         full_env = dict(os.environ, **(env or {}))
         cgroup = f"{cgroups.base()}/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
+        join, unjoined = _grader_node(cgroup)
         full_env.update(
+            join,
             PATH=bindir + os.pathsep + full_env.get("PATH", ""),
             TMPDIR=tmp,
             JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
@@ -191,6 +212,7 @@ def _run_step(
         marker = f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode()
         try:
             output, timed_out = _wait_and_read(proc, timeout, lambda: _reap_orphans(before, marker))
+            output = unjoined + output
             if timed_out:
                 output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
         finally:

@@ -205,3 +205,31 @@ def test_a_grader_without_root_and_without_delegation_gets_no_caps_and_is_told_h
     )
     assert "cannot create a capped cgroup below 'disttrain-lab'" in run.stdout, run.stdout + run.stderr
     assert "delegate it to the grader's user" in run.stdout
+
+
+@needs_v1_caps
+def test_a_steps_grader_side_has_a_cpu_node_beside_its_students_kernel(node):
+    """steps.py: the nbgrader process joins ``<step>/grader`` before it runs anything, so the
+    grader kernel it starts and the student's kernel (``<step>/kernel-N``) weigh the same."""
+    from disttrain_lab.grading import steps
+
+    join, unjoined = steps._grader_node(node.relative)
+    assert unjoined == "" and set(join) == {steps._JOIN}
+    child = subprocess.run(
+        [sys.executable, "-c", steps._CHILD_SETUP + "print(open('/proc/self/cgroup').read())"],
+        env={**os.environ, **join},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    where = {c: path for _, cs, path in (x.split(":", 2) for x in child.stdout.split()) for c in cs.split(",")}
+    for c in ("memory", "pids", *(["cpu"] if "cpu" in HOST["caps"] else [])):
+        assert where[c] == f"/{node.relative}/grader", (c, where)
+    kernel = cgroups.Cgroup(f"{node.relative}/kernel-1").create(memory=2**30, pids=64)
+    if "cpu" in HOST["caps"]:
+        shares = {p.name: (p / "cpu.shares").read_text() for p in (kernel.v1["cpu"], kernel.v1["cpu"].parent / "grader")}
+        assert shares == {"kernel-1": "1024\n", "grader": "1024\n"}
+    # uncapped: the grader's side has no memory or process cap of the student's
+    grader = cgroups.MOUNT / "memory" / node.relative / "grader"
+    assert int((grader / "memory.limit_in_bytes").read_text()) > 2**40

@@ -652,7 +652,7 @@ def _cgroups_of(pid: int) -> dict[str, str]:
 def test_two_sandboxes_at_once_cannot_see_or_signal_each_other(tmp_path):
     import json
 
-    cgroup = f"disttrain-lab/test-{os.getpid()}-{tmp_path.name}"
+    cgroup = f"{cgroups.base()}/test-{os.getpid()}-{tmp_path.name}"
     neighbour = _sandboxed(tmp_path, 64124, cgroup, _NEIGHBOUR, MARKER + "-neighbour")
     prober = None
     try:
