@@ -203,7 +203,7 @@ def test_a_grader_without_root_and_without_delegation_gets_no_caps_and_is_told_h
         timeout=120,
         cwd="/",
     )
-    assert "cannot create a capped cgroup below 'disttrain-lab'" in run.stdout, run.stdout + run.stderr
+    assert f"cannot create a capped cgroup below {cgroups.base()!r}" in run.stdout, run.stdout + run.stderr
     assert "delegate it to the grader's user" in run.stdout
 
 
