@@ -1,24 +1,40 @@
-"""``disttrain-lab doctor | bench | release | grade``."""
+"""``disttrain-lab doctor | bench | release | grade | export | gradescope`` (also ``python -m disttrain_lab``)."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
+from . import __version__
 from .bench import benchmarks
 from .devices import doctor
 
+# the instructor's commands: each parses its own arguments in the grading wing, imported only when it runs
+INSTRUCTOR = {
+    "release": "release labs from solutions/ into a course folder (--course-dir), else regenerate labs/",
+    "grade": "autograde submissions, write feedback, export grades",
+    "export": "write a graded lab's results: per-student JSON, per-exercise CSV, Canvas and Moodle CSVs",
+    "gradescope": "pack a released lab as a Gradescope autograder (setup.sh, run_autograder)",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="disttrain-lab", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    _add_benchmarks(bench)
-    sub.add_parser("release", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)", add_help=False)
-    sub.add_parser("grade", help="autograde submissions, write feedback, export grades", add_help=False)
-    args, rest = parser.parse_known_args(argv)  # release and grade parse their own arguments
-    if rest and args.command not in ("release", "grade"):
+    names = _add_benchmarks(bench)
+    for command, what in INSTRUCTOR.items():
+        sub.add_parser(command, help=what, add_help=False)
+    command = _first_word(argv)
+    _known(parser, "command", command, list(sub.choices))
+    if command == "bench":
+        _known(bench, "benchmark", _first_word(argv[argv.index("bench") + 1 :]), names)
+    args, rest = parser.parse_known_args(argv)  # the instructor's commands parse their own arguments
+    if rest and args.command not in INSTRUCTOR:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")  # a typo must not run the default
     if args.command == "doctor":
         print(doctor())
@@ -36,7 +52,31 @@ def main(argv: list[str] | None = None) -> int:
         from .grading import classgrade
 
         return classgrade.cli_grade(rest)
+    if args.command == "export":
+        from .grading import export
+
+        return export.cli_export(rest)
+    if args.command == "gradescope":
+        from .grading import gradescope
+
+        return gradescope.cli_gradescope(rest)
     raise ValueError(f"unknown command {args.command!r}")
+
+
+def _first_word(argv: list[str]) -> str | None:
+    """The first argument that is not an option: the command (or a benchmark's name)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _known(parser: argparse.ArgumentParser, what: str, word: str | None, choices: list[str]) -> None:
+    """argparse's error (exit 2) for a word that is none of ``choices``, with the closest one."""
+    if word is None or word in choices:
+        return  # none given: argparse says what is missing
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    parser.error(
+        f"unknown {what} {word!r} (choose from {', '.join(choices)})"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+    )
 
 
 def _grading_host() -> str:
@@ -49,7 +89,7 @@ def _grading_host() -> str:
     return sandbox.describe()
 
 
-def _add_benchmarks(bench) -> None:
+def _add_benchmarks(bench) -> list[str]:
     """``bench NAME``: one subcommand per module in ``bench.BENCHMARKS``, each with its own options."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--repeats", type=int, default=5, help="samples per median (default %(default)s)")
@@ -64,6 +104,7 @@ def _add_benchmarks(bench) -> None:
         )
         module.add_arguments(parser)
         parser.set_defaults(benchmark=module)
+    return list(benchmarks())
 
 
 if __name__ == "__main__":

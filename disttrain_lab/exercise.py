@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from . import pool, wire
-from .hangs import EarlierTimeout, hung_before, stub_only, stubbed
+from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
 from .launcher import LaunchError, LaunchTimeout, RankError, launch
 from .network import Network
 from .trace import Run, region, to_events
@@ -248,7 +248,7 @@ def _record(name: str, target: str | dict, world_size: int, inputs: list, option
         error["error"]["running"] = list(dict.fromkeys(running))[:50]
         return error
     except RankError as exc:
-        if exc.exc_type == EarlierTimeout.__name__:  # a function that hung before, stopped at once
+        if exc.exc_type == SkippedAfterHang.__name__:  # a function that hung before, stopped at once
             return _error("ExerciseTimeout", f"{name} was stopped at once: {exc.exc_message}")
         return _error("ExerciseError", f"{name} failed on a rank:\n{exc}", exc.exc_type, exc.exc_message)
     except LaunchError as exc:

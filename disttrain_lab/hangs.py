@@ -4,7 +4,7 @@ A lab graded by nbgrader runs every cell with a time limit; a student's function
 would cost that limit in every later cell (and test) that calls it.  So, only when
 ``NBGRADER_EXECUTION`` is ``autograde``, the kit remembers the notebook function a hang was
 stuck in and, while it is still defined as it was, replaces it with a stand-in that raises
-:class:`EarlierTimeout` at once, saying what happened the first time:
+:class:`SkippedAfterHang` at once, saying what happened the first time:
 
 - ``dl.launch`` calls :func:`remember_hang` when a launch ran past its own timeout (the lab's
   word that a function hangs) and pickles the stand-ins (:func:`stubbed`, :func:`hung_before`);
@@ -45,7 +45,7 @@ REPORT_MARGIN = 4.0  # seconds a timed-out launch needs to stop its ranks and th
 MIN_LAUNCH = 1.0
 
 
-class EarlierTimeout(Exception):
+class SkippedAfterHang(Exception):
     """Raised on a rank, under grading, by a notebook function that did not finish in an earlier
     cell: it is not run (nor waited for) again."""
 
@@ -81,7 +81,7 @@ def capped(timeout: float) -> tuple[float, str | None]:
 
 def _stub(name: str, message: str) -> FunctionType:
     def stub(*args, **kwargs):
-        raise EarlierTimeout(message)
+        raise SkippedAfterHang(message)
 
     stub.__name__ = stub.__qualname__ = name
     return stub
@@ -90,7 +90,7 @@ def _stub(name: str, message: str) -> FunctionType:
 @contextlib.contextmanager
 def stubbed(messages: dict[str, str]) -> Iterator[dict[FunctionType, FunctionType]]:
     """Within: each notebook function named in ``messages`` is replaced by one that raises
-    ``EarlierTimeout(message)`` (what a launch pickles meanwhile runs that instead); then put back.
+    ``SkippedAfterHang(message)`` (what a launch pickles meanwhile runs that instead); then put back.
     Gives {the function: its stand-in}, for a function passed as an argument itself."""
     notebook = vars(sys.modules["__main__"])
     kept = {n: notebook[n] for n in messages if isinstance(notebook.get(n), FunctionType)}

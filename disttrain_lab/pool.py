@@ -45,6 +45,9 @@ from .worker import STACK_SIGNAL, STARTUP_TIMEOUT, worker_main
 __all__ = ["run", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
 
 MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
+# seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
+# sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
+PROGRESS_WINDOW = 0.25
 
 _POOL: _Pool | None = None
 _POOL_LOCK = threading.RLock()
@@ -362,9 +365,15 @@ class _Pool:
                 states[w.rank] = "finished"
             else:
                 states[w.rank] = trace.read_status(self.status, w.rank)
-        stacks = self._stacks([w for w in workers if w.rank not in replies])
+        stuck = [w for w in workers if w.rank not in replies]
+        # calls entered while we look: a rank still making them loops, however its last call looked
+        calls = {w.rank: trace.read_calls(self.status, w.rank) for w in stuck}
+        stacks = self._stacks(stuck)
+        time.sleep(max(0.0, now + PROGRESS_WINDOW - time.perf_counter()))
+        calls = {w.rank: trace.read_calls(self.status, w.rank) - calls[w.rank] for w in stuck}
+        window = time.perf_counter() - now
         self.close()
-        raise timeout_error(states, now, timeout, stacks)
+        raise timeout_error(states, now, timeout, stacks, calls, window)
 
     def _stacks(self, workers: list[_Worker]) -> dict[int, list[tuple[str, int]]]:
         """Each stuck rank's Python stack, outermost call first, as (function, line): the

@@ -150,38 +150,92 @@ def stack_frames(text: str) -> list[tuple[str, int]]:
     return frames
 
 
-def rank_doing(status: trace.Blocked | None, now: float, frames: list[tuple[str, int]] | None = None) -> str:
+def rank_doing(
+    status: trace.Blocked | None,
+    now: float,
+    frames: list[tuple[str, int]] | None = None,
+    calls: int = 0,
+    window: float = 0,
+) -> str:
     """What a stuck rank was doing: the torch.distributed call it was blocked in (its status
-    slot), or running Python code; and in which of your functions (``stack_frames``)."""
-    doing = (
-        "running Python code (not in a torch.distributed call)"
-        if status is None
-        else f"{status.text} for {now - status.since:.1f} s"
-    )
+    slot), or running Python code (``calls``: still entering calls, that many in the last
+    ``window`` seconds); and in which of your functions (``stack_frames``)."""
+    if calls:
+        doing = (
+            f"running Python code, still communicating ({calls:,} torch.distributed calls in the last {window:.2g} s)"
+        )
+    elif status is None:
+        doing = "running Python code (not in a torch.distributed call)"
+    else:
+        doing = f"{status.text} for {now - status.since:.1f} s"
     return doing + (", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else "")
 
 
-def timeout_error(states: dict, now: float, timeout: float, stacks: dict | None = None) -> LaunchTimeout:
+def timeout_error(
+    states: dict,
+    now: float,
+    timeout: float,
+    stacks: dict | None = None,
+    calls: dict[int, int] | None = None,
+    window: float = 0,
+) -> LaunchTimeout:
+    """The error of a launch whose ranks did not all finish: ``states`` what each rank was in at
+    the deadline (``"finished"``, a ``Blocked`` call, None: outside any call), ``stacks`` where in
+    your code (``stack_frames``), ``calls`` how many torch.distributed calls each entered in the
+    ``window`` seconds after the deadline (a rank still making calls is looping, not deadlocked)."""
     blocked: dict[int, str] = {}
     stacks = {rank: frames for rank, frames in (stacks or {}).items() if frames}
+    calls = calls or {}
     for rank, s in states.items():
-        blocked[rank] = "finished" if s == "finished" else rank_doing(s, now, stacks.get(rank))
+        blocked[rank] = (
+            "finished" if s == "finished" else rank_doing(s, now, stacks.get(rank), calls.get(rank, 0), window)
+        )
     lines = [f"not every rank finished within the timeout of {timeout:g} s; all ranks were stopped."]
     lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
-    lines.append(diagnose(states))
+    lines.append(diagnose(states, calls, stacks, window))
     return LaunchTimeout("\n".join(lines), blocked, stacks)
 
 
-def diagnose(states: dict) -> str:
-    """One sentence on the likely cause, from what each rank is blocked in."""
-    waiting = {r: s for r, s in states.items() if isinstance(s, trace.Blocked)}
-    finished = [r for r, s in states.items() if s == "finished"]
-    running = [r for r, s in states.items() if s is None]
-    if running:
-        return (
-            f"Rank(s) {running} never reached a communication call before the deadline: an infinite "
-            f"loop or a very long computation?  (Raise timeout= if the work is just slow.)"
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 0 and 1', 'ranks 0, 2 and 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _endless_loop(running: list[int], waiting: list[int], calls: dict, stacks: dict, window: float) -> str:
+    """Ranks still running at the deadline, in Python or still making calls: a loop that never
+    ends (not a deadlock, however their last call looked), with the student's line."""
+    where = next((f", in {stacks[r][-1][0]} (line {stacks[r][-1][1]})" for r in running if stacks.get(r)), "")
+    communicating = [r for r in running if calls.get(r)]
+    if communicating:
+        r = communicating[0]
+        what = (
+            f"Not a deadlock: {_ranks(running)} kept making torch.distributed calls until the deadline "
+            f"(rank {r}: {calls[r]:,} in the last {window:.2g} s){where}: an endless loop?"
         )
+    else:
+        what = (
+            f"{_ranks(running).capitalize()} kept running Python code outside any torch.distributed call{where}: "
+            "an endless loop, or a very long computation?"
+        )
+    if waiting:
+        what += f"  ({_ranks(waiting).capitalize()} waited for {'it' if len(running) == 1 else 'them'} meanwhile.)"
+    return (
+        what
+        + "  Check what ends the loop (does its condition ever change?), or raise timeout= if the work is just slow."
+    )
+
+
+def diagnose(states: dict, calls: dict[int, int] | None = None, stacks: dict | None = None, window: float = 0) -> str:
+    """One sentence on the likely cause, from what each rank is blocked in; a rank that kept
+    entering calls after the deadline (``calls``) or ran outside any call is looping, not blocked."""
+    calls, stacks = calls or {}, stacks or {}
+    running = [r for r, s in sorted(states.items()) if s != "finished" and (s is None or calls.get(r))]
+    waiting = {r: s for r, s in states.items() if isinstance(s, trace.Blocked) and r not in running}
+    finished = [r for r, s in states.items() if s == "finished"]
+    if running:
+        return _endless_loop(running, sorted(waiting), calls, stacks, window)
 
     def kind(s: trace.Blocked) -> str:
         op = s.op.split(":")[-1]

@@ -2,8 +2,10 @@
 
 A few bytes per rank of memory shared with the launcher: the recorder writes the call a rank
 enters (``write_status``) and clears it when the call returns, so a launch that times out can
-say ``rank 0: recv(src=1) for 30 s`` (``read_status``).
-Layout per rank: [float64 since][uint16 length][utf-8 text]; since == 0 means idle.
+say ``rank 0: recv(src=1) for 30 s`` (``read_status``).  It also counts the calls a rank has
+entered (``read_calls``): read twice, a moment apart, the count tells a rank that is still
+making calls (a loop that never ends) from one stuck in a call (a deadlock).
+Layout per rank: [float64 since][uint64 calls][uint16 length][utf-8 text]; since == 0 means idle.
 """
 
 from __future__ import annotations
@@ -15,17 +17,25 @@ from dataclasses import dataclass
 from .events import describe_call
 
 SLOT_BYTES = 256
-_HEAD = struct.Struct("dH")
+_HEAD = struct.Struct("=dQH")  # since, calls entered so far, length of the text
 
 
 def write_status(buf, rank: int, text: str | None) -> None:
+    """The rank enters the call ``text`` (``status_text``), or (None) has left it.  Only the
+    rank writes its slot; the launcher reads it from another process at any time."""
     off = rank * SLOT_BYTES
+    _, calls, length = _HEAD.unpack_from(buf, off)
     if text is None:
-        buf[off : off + 8] = b"\0" * 8
+        _HEAD.pack_into(buf, off, 0.0, calls, length)
         return
     raw = text.encode()[: SLOT_BYTES - _HEAD.size]
     buf[off + _HEAD.size : off + _HEAD.size + len(raw)] = raw
-    buf[off : off + _HEAD.size] = _HEAD.pack(time.perf_counter(), len(raw))
+    _HEAD.pack_into(buf, off, time.perf_counter(), calls + 1, len(raw))
+
+
+def read_calls(buf, rank: int) -> int:
+    """How many torch.distributed calls the rank has entered (in this pool's life)."""
+    return _HEAD.unpack_from(buf, rank * SLOT_BYTES)[1]
 
 
 @dataclass
@@ -47,7 +57,7 @@ def status_text(op: str, peer, tag, nbytes, group) -> str:
 def read_status(buf, rank: int) -> Blocked | None:
     """What the rank is blocked in, or None when it is not inside a torch.distributed call."""
     off = rank * SLOT_BYTES
-    since, n = _HEAD.unpack(bytes(buf[off : off + _HEAD.size]))
+    since, _, n = _HEAD.unpack(bytes(buf[off : off + _HEAD.size]))
     if since == 0:
         return None
     raw = bytes(buf[off + _HEAD.size : off + _HEAD.size + n]).decode(errors="replace")

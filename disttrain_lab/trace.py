@@ -53,7 +53,7 @@ from .events import (  # noqa: E402, F401
     p2p_bytes_claimed,
     to_events,
 )
-from .status import SLOT_BYTES, Blocked, read_status, status_text, write_status  # noqa: E402, F401
+from .status import SLOT_BYTES, Blocked, read_calls, read_status, status_text, write_status  # noqa: E402, F401
 
 
 # --------------------------------------------------------------------------------------

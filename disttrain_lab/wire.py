@@ -90,17 +90,24 @@ def _same_netns(pid: int) -> bool:
         return False
 
 
-def snapshot(netns_pid: int | None = None, timeout: float = 10.0) -> dict[tuple[str, str], Socket]:
+def snapshot(
+    netns_pid: int | None = None, timeout: float = 10.0, user: int | None = None
+) -> dict[tuple[str, str], Socket]:
     """Every established TCP socket of a network namespace, by (local, peer) address.
 
-    ``netns_pid``: a process in the namespace to read (None: this process's).  Raises
-    RuntimeError with the reason when it cannot be read."""
+    ``netns_pid``: a process in the namespace to read (None: this process's).  ``user``: read as
+    that uid (``setpriv``, the effective ids only: the real ones stay the caller's, so that user's
+    processes can neither read nor change the reader), where only it may see which of its processes
+    owns a socket (a root without CAP_SYS_PTRACE, in a container).  Raises RuntimeError with the
+    reason when it cannot be read."""
     why = available()
     if why:
         raise RuntimeError(why)
     cmd = ["ss", "-tinpH", "state", "established"]
     if netns_pid is not None and not _same_netns(netns_pid):
         cmd = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", *cmd]
+    if user is not None:
+        cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", *cmd]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")

@@ -15,9 +15,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 parser = argparse.ArgumentParser(description=__doc__)
-parser.add_argument("labs", nargs="*")
+parser.add_argument("labs", nargs="*", help="labs to time (default: every lab in solutions/)")
 parser.add_argument("--sandbox", default="auto", help="comma-separated modes to compare: auto, on, off")
-parser.add_argument("--rounds", type=int, default=3)
+parser.add_argument(
+    "--rounds", type=int, default=3, help="gradings per lab and mode; the median is printed (default 3)"
+)
 args = parser.parse_args()
 # after the arguments: --help answers at once, without loading nbgrader
 import nbformat  # noqa: E402

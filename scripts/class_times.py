@@ -43,9 +43,15 @@ def spinning(source: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("lab", nargs="?", default="01_point_to_point")
-    parser.add_argument("--students", type=int, default=24)
-    parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "lab", nargs="?", default="01_point_to_point", help="the lab the class submits (default %(default)s)"
+    )
+    parser.add_argument(
+        "--students", type=int, default=24, help="the class's size, a quarter of each kind (default %(default)s)"
+    )
+    parser.add_argument(
+        "--jobs", type=int, nargs="+", default=[1, 2], help="each N to grade the class with, `--jobs N` (default: 1 2)"
+    )
     args = parser.parse_args()
     # after the arguments: --help answers at once, without loading nbgrader
     import nbformat

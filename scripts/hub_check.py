@@ -66,9 +66,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(folder: Path, token: str, marker: str, fast: bool) -> Path:
+def write_config(folder: Path, token: str, marker: str, fast: bool, environment: dict | None = None) -> Path:
+    """The Hub's config; ``environment``: more variables every user's server gets (as an admin sets them)."""
     hub_port, api_port, proxy_port = free_port(), free_port(), free_port()
-    env = {"DISTTRAIN_HUB_CHECK": marker}  # marks every process the Hub starts (found if left behind)
+    # DISTTRAIN_HUB_CHECK marks every process the Hub starts (found if left behind)
+    env = {**(environment or {}), "DISTTRAIN_HUB_CHECK": marker}
     if fast:
         env["NBGRADER_EXECUTION"] = "1"  # the labs' FAST mode: smaller benchmarks, same tests
     config = f"""
@@ -104,9 +106,9 @@ c.JupyterHub.load_roles = [{{"name": "hub-check", "services": ["hub-check"],
 
 
 class Hub:
-    def __init__(self, folder: Path, token: str, marker: str, fast: bool):
+    def __init__(self, folder: Path, token: str, marker: str, fast: bool, environment: dict | None = None):
         self.folder, self.token = folder, token
-        config = write_config(folder, token, marker, fast)
+        config = write_config(folder, token, marker, fast, environment)
         self.url = next(l.split('"')[1] for l in config.read_text().splitlines() if "bind_url" in l)
         self.log = open(folder / "jupyterhub.log", "wb")
         env = dict(os.environ, DISTTRAIN_HUB_CHECK=marker, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -353,14 +355,16 @@ def check(users: int, lab: str, fast: bool, folder: Path, cell_timeout: float) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--users", type=int, default=8, help="students running the lab at once (default %(default)s)")
     parser.add_argument("--lab", default="01_point_to_point", help="a folder of solutions/")
     parser.add_argument(
         "--full",
         action="store_true",
         help="run the labs as a student does (default: the grader's FAST mode, smaller benchmarks)",
     )
-    parser.add_argument("--cell-timeout", type=float, default=900)
+    parser.add_argument(
+        "--cell-timeout", type=float, default=900, help="seconds a cell of the lab may run (default %(default)s)"
+    )
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--keep", action="store_true", help="keep the Hub's folder (logs, homes)")
     args = parser.parse_args(argv)

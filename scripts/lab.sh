@@ -3,6 +3,8 @@
 #   bash scripts/lab.sh                         # JupyterLab on labs/, opens your browser
 #   LAB_ROOT=solutions bash scripts/lab.sh      # another folder (the instructor's notebooks)
 #   bash scripts/lab.sh --no-browser --port=0   # anything after it goes to `jupyter lab`
+#   DISTTRAIN_RESOLUTION=lowest bash scripts/lab.sh   # in .venv-lowest, the lowest versions (scripts/setup.sh)
+#   VENV=DIR bash scripts/lab.sh                # another virtual environment's folder (default .venv)
 #   bash scripts/lab.sh --help                  # this text (jupyter's own: .venv/bin/jupyter lab --help)
 case "${1:-}" in -h|--help)    # the usage above, and nothing else done
     sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;

@@ -51,10 +51,14 @@ def _phases(fns, nbytes, repeats):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--notebook", default=str(REPO / "solutions" / "02_all_reduce" / "02_all_reduce.ipynb"))
-    parser.add_argument("--mib", type=int, default=64)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--notebook",
+        default=str(REPO / "solutions" / "02_all_reduce" / "02_all_reduce.ipynb"),
+        help="the notebook to take lab 2's ring functions from (default: the solution)",
+    )
+    parser.add_argument("--mib", type=int, default=64, help="MiB all-reduced (default %(default)s)")
+    parser.add_argument("--world-size", type=int, default=4, help="ranks (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=9, help="samples per median (default %(default)s)")
     args = parser.parse_args()
     # after the arguments: --help answers at once, without loading torch
     from disttrain_lab import launch

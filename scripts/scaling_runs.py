@@ -70,7 +70,11 @@ def train(cfg: models.GPTConfig, tokens: int, train_tokens: torch.Tensor, held_o
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("solutions", "08_capstone", "data", "scaling_runs.json"))
+    parser.add_argument(
+        "--out",
+        default=os.path.join("solutions", "08_capstone", "data", "scaling_runs.json"),
+        help="the JSON file to write the runs to (default %(default)s)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     train_tokens = models.corpus_tokens(CORPUS_TOKENS, seed=0)

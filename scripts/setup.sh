@@ -4,6 +4,8 @@
 #   bash scripts/setup.sh          # kit + instructor tools (JupyterLab, nbgrader) + test tools
 #   DISTTRAIN_RESOLUTION=lowest bash scripts/setup.sh   # the same in .venv-lowest, every direct
 #                                  # dependency at the lowest version pyproject.toml allows
+#   PYTHON=python3.12 bash scripts/setup.sh   # the interpreter that makes the venv (default python3)
+#   VENV=DIR bash scripts/setup.sh  # the venv's folder (default .venv, or .venv-lowest)
 #   bash scripts/setup.sh --help   # this text
 #
 # Without DISTTRAIN_RESOLUTION, pip resolves the newest versions the registry serves (what a
@@ -18,8 +20,11 @@
 # (Colab, a Hub image, a conda env) is used as it is.  Only where no torch can be
 # imported do we install the pinned CPU build, torch==2.13.0 -- never an unpinned torch,
 # which would pull several GB of CUDA packages.
-case "${1:-}" in -h|--help)    # the usage above, and nothing else done
-    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+case "${1:-}" in
+    -h|--help)    # the usage above, and nothing else done
+        sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    "") ;;
+    *)  echo "setup: unknown argument '$1' (it takes none; settings are environment variables: see --help)" >&2; exit 2 ;;
 esac
 set -euo pipefail
 cd "$(dirname "$0")/.."

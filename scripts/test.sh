@@ -10,6 +10,7 @@
 #   bash scripts/test.sh -m gpu     # the GPU tests (skipped, with the reason, without GPUs)
 #   DISTTRAIN_RESOLUTION=lowest bash scripts/test.sh   # on the lowest versions pyproject.toml
 #                                   # allows, in .venv-lowest (see scripts/setup.sh)
+#   VENV=DIR bash scripts/test.sh   # another virtual environment's folder (default .venv)
 #   bash scripts/test.sh --help     # this text (pytest's options: .venv/bin/python -m pytest --help)
 case "${1:-}" in -h|--help)    # the usage above, and nothing else done
     sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;

@@ -35,8 +35,9 @@ from tests import roundtrip
 SECONDS = {
     "test_browser.py": 420,
     "test_grading.py": 420,  # the fixtures' broken submissions and the CLI's (the labs are units of their own)
-    "test_gradeclass.py": 330,
+    "test_gradeclass.py": 345,  # (+15 s: the class's exports checked against its gradebook)
     "test_security.py": 230,  # (+40 s: the refusal and the delegated cgroup of the grading without root)
+    "test_gradescope.py": 205,  # measured alone, with other tests beside it: the packed round trip graded twice
     "test_trusted.py": 150,
     "test_lab05.py": 125,
     "test_lab09.py": 100,
@@ -54,7 +55,8 @@ SECONDS = {
     "test_cell_times.py": 40,  # the fixture timed once and a spinning student graded
     "test_lab07.py": 38,
     "test_lab08.py": 36,
-    "test_install.py": 29,
+    "test_install.py": 105,  # a release into a course folder, then its lab installed in a fresh venv
+    "test_feedback_page.py": 85,  # one grading, a browser with the network cut
     "test_sanitize.py": 25,  # a gradebook made by nbgrader, a browser on the formgrader's and feedback's pages
     "test_syscall_filter.py": 20,
     "test_torchrun_nodes.py": 25,

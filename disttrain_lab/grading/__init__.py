@@ -28,6 +28,8 @@ tests, feedback); this package adds what a course on distributed training needs 
    gradebook (deleted ones too); ``verdict.ScoreByPassing`` lets a test score only by
    passing; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code,
    and ``hidden_tests`` keeps hidden tests out of the kernel's history and every output;
+   ``feedback_page`` makes the page a student reads: the index by exercise, wrapped messages,
+   formulas typeset offline, a prediction's expected value withheld until the deadline;
    ``sanitize.SanitizeStudentHTML`` makes what the student wrote inert (outputs, markdown, HTML)
    in the autograded notebook the formgrader shows and in the feedback page;
    ``scan_submission`` and ``grade_report`` flag what a human should look at.
@@ -65,11 +67,11 @@ from . import sandbox
 from .config import (
     GRADER_DIR,
     LIMITED_ISOLATION,
-    NO_ISOLATION,
     REPO_ROOT,
     Limits,
     SandboxRefused,
     course_dir,
+    isolation_notice,
     release_dir,
     release_ignore,
     source_dir,
@@ -87,6 +89,7 @@ from .course import (
     students_of,
 )
 from .execute import NOTES_FILE, RobustExecute
+from .feedback_page import FeedbackPage, configure_exporter
 from .hidden_tests import ScrubHiddenTests
 from .install_source import configured_install_source
 from .sanitize import SanitizeStudentHTML
@@ -128,6 +131,7 @@ __all__ = [
     "clean_stale_steps",
     "run_nbgrader",
     "stop_running_steps",
+    "FeedbackPage",
     "FeedbackWithoutHiddenTests",
     "RestoringOverwriteCells",
     "SanitizeStudentHTML",
@@ -157,10 +161,10 @@ def configure(c, limits: Limits | None = None) -> None:
     c.RobustExecute.memory_limit = limits.kernel_memory
     use_sandbox, why = limits.sandboxed()
     if not use_sandbox and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
-        print(NO_ISOLATION.format(why=why), file=sys.stderr)
+        print(isolation_notice(why), file=sys.stderr)
     elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
         print(LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
-    c.RobustExecute.sandbox = "on" if use_sandbox else "off"
+    c.RobustExecute.sandbox = "on" if use_sandbox else ("container" if limits.sandbox == "container" else "off")
     c.RobustExecute.student_memory = limits.student_memory
     c.RobustExecute.student_pids = limits.student_pids
     c.LimitOutput.max_lines = 300
@@ -180,8 +184,10 @@ def configure(c, limits: Limits | None = None) -> None:
     c.GenerateFeedback.preprocessors = [
         FeedbackWithoutHiddenTests,
         *GenerateFeedback().preprocessors,
+        FeedbackPage,  # the index by exercise, MathJax inlined, a prediction's answer withheld till the deadline
         SanitizeStudentHTML,  # last: the page a student opens runs nothing a submission wrote
     ]
+    configure_exporter(c)  # the page through templates/disttrain_feedback (feedback_page.py)
     c.Autograde.autograde_preprocessors = [
         RobustExecute,
         ScoreByPassing,  # a test scores by passing, never by an execute_result (verdict.py)

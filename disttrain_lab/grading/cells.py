@@ -1,6 +1,7 @@
 """What a notebook cell is to the grader, read from its nbgrader metadata and its source: a
 graded test cell, a locked cell of the instructor's, the ``grade_id`` it is known by, the
-names it uses and binds; and the error outputs the grader writes into a cell."""
+names it uses and binds, the exercise it grades (named by the lab's heading); and the error
+outputs the grader writes into a cell."""
 
 from __future__ import annotations
 
@@ -65,6 +66,58 @@ def student_functions(nb) -> list[str]:
                 continue
             names.update(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
     return sorted(names)
+
+
+def is_graded(cell) -> bool:
+    """A cell worth points: a test, or an answer graded by hand."""
+    nbg = nbgrader_metadata(cell)
+    return bool(nbg.get("grade")) and float(nbg.get("points") or 0) > 0
+
+
+_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.*?)\s*#*\s*$")
+
+
+def headings(markdown: str) -> list[str]:
+    """A markdown cell's headings, in order, as read (no backticks or bold; not a ``# comment``
+    in a fenced code block)."""
+    found, fenced = [], False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and (m := _HEADING.match(line)):
+            found.append(" ".join(m.group(1).replace("`", "").replace("**", "").split()))
+    return found
+
+
+def exercise_names(nb) -> dict[str, str]:
+    """{grade_id of every graded cell: the name of the exercise it grades}, in the lab's order.
+
+    A test grades a solution cell: the one named like it (``ex_X`` for ``test_X``), else the
+    nearest above it that binds a name the test uses (a function, a prediction's ``PREDICTED_...``;
+    names the lab's own cells bind do not count).  The exercise's name is the last heading above
+    that cell (``Exercise 1: ping_pong(x, repeats)``); a graded answer is its own exercise.  No
+    solution found: the heading above the test; no heading at all: the grade_id.
+    """
+    heading, above = None, []  # the heading in force at each cell
+    for cell in nb.cells:
+        found = headings(cell.source) if cell.cell_type == "markdown" else []
+        heading = found[-1] if found else heading
+        above.append(heading)
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    solutions = [(i, c) for i, c in code if nbgrader_metadata(c).get("solution")]
+    lab_names = {n for _, c in code if not nbgrader_metadata(c).get("solution") for n in names_bound(c.source)}
+    names = {}
+    for i, cell in code:
+        if not is_graded(cell):
+            continue
+        gid, where = grade_id(cell), i
+        if is_test_cell(cell):
+            used = set(names_used(cell.source))
+            named = [j for j, s in solutions if gid.startswith("test_") and grade_id(s) == "ex_" + gid[5:]]
+            binding = [j for j, s in solutions if j < i and (set(names_bound(s.source)) - lab_names) & used]
+            where = (named or binding[-1:] or [None])[0]
+        names[gid] = (above[where] if where is not None else None) or above[i] or gid
+    return names
 
 
 def error_output(ename: str, message: str) -> nbformat.NotebookNode:

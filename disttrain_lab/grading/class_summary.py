@@ -1,6 +1,8 @@
-"""What an instructor reads after grading a class: what went wrong for each student
+"""What an instructor reads after grading a class: what went wrong in grading each student
 (``diagnose``: timeout, crash, kernel death, cell time limit, flagged) and the summary table
-(score, time, problems per student; the class's pass rate per exercise)."""
+(per student: score, time, the exercises they lost points on with the first line of each
+message, grading problems; the class's pass rate per exercise), read from the gradebook and
+the autograded notebooks by ``export.results``."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from pathlib import Path
 import nbformat
 from nbgrader.api import Gradebook
 from rich.table import Table
+from rich.text import Text
 
+from .export import ClassResults, StudentResult, results
 from .ledger import Outcome
 from .steps import StepResult
 from .submission import scan_submission
@@ -61,32 +65,56 @@ def gradebook_points(lab: str, course: Path) -> tuple[dict[str, dict[str, float]
     return table, maximum
 
 
-def summary(lab: str, outcomes: dict[str, Outcome], course: Path, console) -> None:
-    """Per student: score, time, what failed; per exercise: the class's pass rate (full marks)."""
-    points, maximum = gradebook_points(lab, course)
-    total = sum(maximum.values())
+LOST_CHARS = 100  # of a message in the terminal table (the export's JSON keeps up to export.MESSAGE_CHARS)
+
+
+def lost_points(student: StudentResult | None) -> str:
+    """One line per test the student lost points on: the exercise, the points, the message's first line."""
+    if student is None:
+        return "-"
+    lines = []
+    for t in student.lost():
+        message = t.message or "no message (see the feedback)"
+        message = message if len(message) <= LOST_CHARS else message[: LOST_CHARS - 1] + "…"
+        lines.append(f"{t.exercise} ({t.score:g}/{t.max_score:g}): {message}")
+    return "\n".join(lines) or "none: full marks"
+
+
+def summary(lab: str, outcomes: dict[str, Outcome], course: Path, console, found: ClassResults | None = None) -> None:
+    """Per student: score, time, the exercises they lost points on (with why), what went wrong in
+    grading; per exercise: the class's pass rate (full marks)."""
+    found = found or results(lab, course)
+    by_student = {s.student: s for s in found.students}
+    total = sum(found.exercises.values())
     students = Table(title=f"{lab}: {len(outcomes)} students", title_justify="left")
-    for name, justify in (("student", "left"), ("score", "right"), ("time", "right"), ("what failed", "left")):
+    for name, justify in (
+        ("student", "left"),
+        ("score", "right"),
+        ("time", "right"),
+        ("lost points", "left"),
+        ("grading problems", "left"),
+    ):
         students.add_column(name, justify=justify, overflow="fold")
     for student, outcome in outcomes.items():
-        score = points.get(student, {}).get("total")
-        failed = "; ".join(outcome.problems) + (
+        graded = by_student.get(student)
+        problems = "; ".join(outcome.problems) + (
             "  (grading failed: needs a look)" if outcome.status != "graded" else ""
         )
         students.add_row(
-            student,
-            f"{score:g} / {total:g}" if score is not None else "-",
+            Text(student),  # (Text: what a student wrote is never read as rich markup)
+            f"{graded.score:g} / {total:g}" if graded else "-",
             f"{outcome.seconds:.0f} s" + ("" if outcome.regraded else " (earlier run)"),
-            failed,
+            Text(lost_points(graded)),
+            Text(problems or "none"),
         )
     console.print(students)
     exercises = Table(title="pass rate per exercise (full marks)", title_justify="left")
     for name, justify in (("exercise", "left"), ("points", "right"), ("passed", "right"), ("rate", "right")):
         exercises.add_column(name, justify=justify)
-    graded = [points[s] for s in outcomes if s in points]
-    for grade_id, most in maximum.items():
-        passed = sum(row.get(grade_id, 0.0) >= most for row in graded)
+    graded = [by_student[s] for s in outcomes if s in by_student]
+    for exercise, most in found.exercises.items():
+        passed = sum(all(t.passed for t in s.tests if t.exercise == exercise) for s in graded)
         exercises.add_row(
-            grade_id, f"{most:g}", f"{passed} / {len(graded)}", f"{passed / len(graded):.0%}" if graded else "-"
+            exercise, f"{most:g}", f"{passed} / {len(graded)}", f"{passed / len(graded):.0%}" if graded else "-"
         )
     console.print(exercises)

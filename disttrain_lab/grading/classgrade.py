@@ -17,8 +17,10 @@
   ``disttrain-lab grade merge OUT.csv GRADEBOOK.db ...`` writes one grades CSV (nbgrader's
   export format) from their gradebooks, refusing a student graded on two of them.
 - **Seen while it runs** (``class_summary.py``).  A progress bar (rich: count, ETA, failures so far), then a table per
-  student (score, time, what failed: timeout, crash, kernel death, cell time limit, flagged)
-  and the class's pass rate per exercise.
+  student (score, time, the exercises they lost points on with the first line of each message, grading
+  problems: timeout, crash, kernel death, cell time limit, flagged) and the class's pass rate per exercise.
+- **Exported** (``export.py``, unless ``--no-export``): per student a JSON file of every test, a
+  per-exercise CSV and CSVs for Canvas's and Moodle's gradebook import, in ``<course>/exports/<lab>/``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .class_summary import diagnose, summary
 from .config import Limits, SandboxRefused, course_dir, source_dir
 from .course import autograde, export_grades, generate_feedback, students_of
+from .export import export_dir, results, write
 from .ledger import Ledger, Outcome, submission_digest
 from .shards import in_shard, merge, parse_shard
 from .steps import StepResult, clean_stale_steps
@@ -207,7 +210,7 @@ def cli_grade(argv: list[str] | None = None) -> int:
             "GRADEBOOK.db ...` merges the gradebooks of a class graded in shards."
         ),
     )
-    parser.add_argument("lab")
+    parser.add_argument("lab", help="the lab to grade (a folder of the source directory, e.g. 01_point_to_point)")
     parser.add_argument("--student", action="append", help="grade only this student (repeatable)")
     parser.add_argument(
         "--course-dir",
@@ -217,6 +220,12 @@ def cli_grade(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--csv", type=Path, help="where to write grades (default: <course-dir>/grades.csv)")
     parser.add_argument("--no-feedback", action="store_true", help="skip generating feedback HTML")
+    parser.add_argument(
+        "--no-export",
+        action="store_true",
+        help="skip writing <course-dir>/exports/<lab>/ (per-student JSON, per-exercise, Canvas and Moodle CSVs; "
+        "`disttrain-lab export LAB` writes them any time)",
+    )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -283,6 +292,10 @@ def cli_grade(argv: list[str] | None = None) -> int:
     if not args.no_feedback and (regraded or not all(p.exists() for p in feedback)):
         generate_feedback(args.lab, regraded if len(regraded) == 1 else None, course=course)
     csv_path = export_grades(args.csv, course=course)
-    summary(args.lab, outcomes, course, out)
+    found = results(args.lab, course)  # the gradebook's scores, each failure's first line
+    summary(args.lab, outcomes, course, out, found)
     print(f"grades: {csv_path}\nfeedback: {course / 'feedback' / '<student>' / args.lab}")
+    if not args.no_export:
+        write(found, export_dir(args.lab, course))
+        print(f"exports (per-student JSON, per-exercise, Canvas and Moodle CSVs): {export_dir(args.lab, course)}")
     return 0

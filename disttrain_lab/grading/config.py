@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from . import sandbox
+from . import run_container, sandbox
 
 # ----------------------------------------------------------------------------------------
 # Where things live, and the limits (each overridable by an environment variable, so the
@@ -85,6 +85,8 @@ class Limits:
     # "auto" (or "on"): sandbox each kernel with memory and process caps and the syscall
     # filter, and refuse to grade where the host cannot (sandbox.missing() says what lacks);
     # "limited": grade in whatever sandbox the host allows, without what it lacks, said loudly;
+    # "container": no sandbox but another uid, rlimits and the syscall filter (run_container.py), for a
+    # container without CAP_SYS_ADMIN, one student per container (Gradescope), said loudly;
     # "off": no sandbox, student code runs as the grader (trusted code only)
 
     def __post_init__(self):
@@ -119,6 +121,11 @@ class Limits:
         unless a setting opts out: hostile code is never graded unsandboxed by default."""
         if self.sandbox == "off":
             return False, f"switched off (sandbox='off' / {self.variable('sandbox')}=off)"
+        if self.sandbox == "container":  # opt-in only: weaker than the sandbox (grader/README.md, Gradescope)
+            why = run_container.problem()
+            if why:
+                raise SandboxRefused(f"{self.variable('sandbox')}=container cannot grade here: {why}")
+            return False, f"{CONTAINER}: {run_container.SUMMARY}"
         why = sandbox.problem()
         if why:
             raise SandboxRefused(
@@ -134,11 +141,26 @@ class Limits:
         return True, None
 
 
-SANDBOX_MODES = ("auto", "on", "limited", "off")
+SANDBOX_MODES = ("auto", "on", "limited", "off", "container")
 
 
 class SandboxRefused(RuntimeError):
     """Grading would run hostile code without the isolation it needs, and no setting allows it."""
+
+
+# when a failed prediction's feedback shows the cost model's value (grading/feedback_page.py,
+# and the Gradescope package's results: grading/gradescope.py)
+SHOW_EXPECTED_ENV = "DISTTRAIN_SHOW_EXPECTED"
+SHOW_EXPECTED = ("after-deadline", "always", "never")
+
+
+def show_expected() -> str:
+    """``after-deadline`` (the default: once the assignment's due date has passed; never while it
+    has none), ``always`` or ``never``, from ``$DISTTRAIN_SHOW_EXPECTED``."""
+    value = os.environ.get(SHOW_EXPECTED_ENV, "after-deadline").strip().lower()
+    if value not in SHOW_EXPECTED:
+        raise ValueError(f"{SHOW_EXPECTED_ENV}={value!r}: use one of {', '.join(SHOW_EXPECTED)}")
+    return value
 
 
 def release_ignore(solutions: Path) -> list[str]:
@@ -163,3 +185,19 @@ NO_ISOLATION = (
 
 
 LIMITED_ISOLATION = "\n*** disttrain-lab: grading with LIMITED isolation: {why} (see grader/README.md). ***\n"
+
+
+# how Limits.sandboxed() names a grading in container mode: not the sandbox, but not the grader's uid either
+CONTAINER = "container mode (DISTTRAIN_SANDBOX=container)"
+
+CONTAINER_ISOLATION = "\n*** disttrain-lab: grading in {why} (see grader/README.md, 'Grading on Gradescope'). ***\n"
+
+
+def isolation_notice(why: str) -> str:
+    """The loud notice of a grading outside the sandbox, ``why`` as ``Limits.sandboxed()`` said it."""
+    return (CONTAINER_ISOLATION if why.startswith(CONTAINER) else NO_ISOLATION).format(why=why)
+
+
+def isolation_report(why: str) -> str:
+    """The grade report's isolation line for a grading outside the sandbox."""
+    return why if why.startswith(CONTAINER) else f"NONE: {why}; student code ran as the grader"

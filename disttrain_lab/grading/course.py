@@ -20,7 +20,7 @@ from nbgrader.api import Gradebook, MissingEntry
 
 from . import cell_times, config, intake, sandbox
 from . import install_source as install  # (release() has an argument named install_source)
-from .config import LIMITED_ISOLATION, NO_ISOLATION, Limits, course_dir, release_dir, source_dir
+from .config import LIMITED_ISOLATION, REPO_ROOT, Limits, course_dir, isolation_notice, release_dir, source_dir
 from .execute import NOTES_FILE
 from .steps import StepResult, run_nbgrader, stop_running_steps
 from .submission import grade_report
@@ -36,7 +36,8 @@ def _env(course: Path | None, source: Path | None, release: Path | None) -> dict
     for name, value in (
         (config.COURSE_DIR_ENV, course),
         (config.SOURCE_DIR_ENV, source),
-        (config.RELEASE_DIR_ENV, release),
+        # always named: the course's own release if it has one, else labs/ (the maintainer's)
+        (config.RELEASE_DIR_ENV, release if release is not None else graded_release(course)),
     ):
         if value is not None:
             env[name] = str(Path(value).resolve())
@@ -65,6 +66,42 @@ def normalize_release(path: Path) -> None:
         nbformat.write(nb, nb_path)
 
 
+# Where a release goes.  A course folder is the instructor's and the kit's checkout is not:
+# with a course folder the release goes to <course>/release/ (nbgrader's own layout, what
+# `nbgrader release_assignment` hands to the exchange), the wheel beside the labs in
+# <course>/release/wheels/; only the maintainer, with no course folder, regenerates labs/.
+
+COURSE_RELEASE = "release"  # <course>/release/<lab>/, nbgrader's CourseDirectory.release_directory
+
+
+def release_folder(course: Path | None = None) -> Path:
+    """Where a release writes the labs (and ``wheels/`` beside them): ``$DISTTRAIN_RELEASE_DIR``
+    if set; else ``<course>/release/`` for a course folder (``course``, else
+    ``$DISTTRAIN_COURSE_DIR``); else, with no course folder, the checkout's ``labs/``.
+    ``grader/nbgrader_config.py`` gives plain nbgrader the same folder (``release_assignment``
+    hands it out); ``disttrain-lab grade`` names its own (:func:`graded_release`).
+
+    >>> release_folder(Path("/srv/dl101"))  # with neither variable set
+    PosixPath('/srv/dl101/release')
+    """
+    if os.environ.get(config.RELEASE_DIR_ENV):
+        return release_dir()
+    if course is None and os.environ.get(config.COURSE_DIR_ENV):
+        course = course_dir()
+    return Path(course).expanduser().resolve() / COURSE_RELEASE if course is not None else release_dir()
+
+
+def graded_release(course: Path | None = None) -> Path:
+    """The release ``disttrain-lab grade`` grades a course against (test cells are restored
+    from it): ``$DISTTRAIN_RELEASE_DIR`` if set; else ``<course>/release/`` once a release
+    wrote it (the course folder ``course``, else the configured one); else the checkout's
+    ``labs/`` (the maintainer's default course, released there)."""
+    if os.environ.get(config.RELEASE_DIR_ENV):
+        return release_dir()
+    own = Path(course or course_dir()).expanduser().resolve() / COURSE_RELEASE
+    return own if own.is_dir() else release_dir()
+
+
 def release(
     labs: list[str] | None = None,
     *,
@@ -74,24 +111,27 @@ def release(
     tmp_root: str | None = None,
     install_source: str | None = None,
 ) -> list[StepResult]:
-    """generate_assignment for each lab (all of solutions/ by default), into labs/.
+    """generate_assignment for each lab (all of solutions/ by default), into ``release_to``
+    (default: :func:`release_folder` of ``course``: ``<course>/release/``, or with no course
+    folder the checkout's ``labs/``); the lab is recorded in ``course``'s gradebook.
 
     ``install_source`` (default: the configured one, see :mod:`disttrain_lab.grading.install_source`)
     is stamped into every lab's setup cell; the unset placeholder is refused before anything
-    is written.  For ``wheel`` sources the kit's wheel is built into ``labs/wheels/``.
+    is written.  For ``wheel`` sources the kit's wheel is built into ``wheels/`` beside the labs.
     """
     chosen = install_source or install.configured_install_source()
     install.stamped_requirement(chosen)  # raises InstallSourceError, saying what to set
-    env = _env(course, source, release_to)
+    folder = Path(release_to or release_folder(course)).expanduser().resolve()
+    env = _env(course, source, folder)  # nbgrader writes where this release decided, whatever the shell says
     env[install.ENV_VAR] = chosen
     if install.needs_wheel(chosen):
-        install.build_wheel(out=Path(release_to or release_dir()) / install.WHEELS)
+        install.build_wheel(out=folder / install.WHEELS)
     results = []
     for lab in labs or list_labs(source):
         result = run_nbgrader(["generate_assignment", lab, "--force"], timeout=600, env=env, tmp_root=tmp_root)
         if result.returncode != 0:
             raise RuntimeError(f"nbgrader generate_assignment {lab} failed:\n{result.output}")
-        normalize_release(Path(release_to or release_dir()) / lab)
+        normalize_release(folder / lab)
         results.append(result)
     return results
 
@@ -143,7 +183,7 @@ def autograde(
     env.update(limits.environment(), DISTTRAIN_SANDBOX_WARNED="1")  # nbgrader's process: the same Limits()
     isolated, why = limits.sandboxed()
     if not isolated:
-        log(NO_ISOLATION.format(why=why))
+        log(isolation_notice(why))
     elif sandbox.caveat():
         log(LIMITED_ISOLATION.format(why=sandbox.caveat()))
     _ensure_in_gradebook(lab, course, env, tmp_root)
@@ -305,22 +345,29 @@ def measure_cell_times(lab: str, *, source: Path | None = None, tmp_root: str | 
 
 def cli_release(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="disttrain-lab release", description="Regenerate labs/ from solutions/ with nbgrader generate_assignment."
+        prog="disttrain-lab release",
+        description="Release the labs from solutions/ with nbgrader generate_assignment: with a course folder "
+        "(--course-dir, or $DISTTRAIN_COURSE_DIR) into <course>/release/ and nothing else; with none, the "
+        "maintainer's release, regenerating the checkout's labs/.",
     )
     parser.add_argument("labs", nargs="*", help="lab names (default: every lab in solutions/)")
     parser.add_argument(
         "--course-dir",
         type=Path,
-        help="course directory holding gradebook.db (default: $DISTTRAIN_COURSE_DIR or ~/.disttrain-lab/course)",
+        help="the course folder: the release goes to <course>/release/<lab>/ and <course>/release/wheels/, the "
+        "labs are recorded in its gradebook.db (default: $DISTTRAIN_COURSE_DIR; with neither, the checkout's labs/ "
+        "and the gradebook in ~/.disttrain-lab/course)",
     )
     parser.add_argument(
-        "--check", action="store_true", help="release into a scratch directory and fail if labs/ differs from it"
+        "--check",
+        action="store_true",
+        help="release into a scratch directory and fail if the release folder (labs/, or <course>/release/) differs",
     )
     parser.add_argument(
         "--install-source",
         help="where the labs' setup cell installs the kit from "
         "(default: c.StampInstallSource.pip_requirement in grader/nbgrader_config.py): 'wheel', "
-        "'wheel:<URL of labs/wheels>', 'git+<URL>' or a wheel's URL",
+        "'wheel:<URL of the released wheels/ folder>', 'git+<URL>' or a wheel's URL",
     )
     parser.add_argument(
         "--time-cells",
@@ -329,12 +376,14 @@ def cli_release(argv: list[str] | None = None) -> int:
         "(the grader derives each cell's time limit from them; see disttrain_lab/grading/cell_times.py)",
     )
     args = parser.parse_args(argv)
+    folder = release_folder(args.course_dir)
+    shown = "labs/" if folder == (REPO_ROOT / "labs").resolve() else f"{folder}/"
     try:
         if not args.check:
             labs = args.labs or list_labs()
             for lab in _track(labs, "releasing"):
                 for result in release([lab], course=args.course_dir, install_source=args.install_source):
-                    print(f"released {lab} -> {release_dir() / lab} ({result.seconds:.1f} s)")
+                    print(f"released {lab} -> {folder / lab} ({result.seconds:.1f} s)")
             for lab in _track(labs if args.time_cells else [], "timing the solutions' cells"):
                 print(f"cell times of {lab}: {cell_times.record(lab, measure_cell_times(lab))}")
             return 0
@@ -344,14 +393,14 @@ def cli_release(argv: list[str] | None = None) -> int:
             labs = args.labs or list_labs()
             release(labs, course=Path(scratch) / "course", release_to=fresh, install_source=args.install_source)
             for lab in labs:
-                stale += release_differences(fresh / lab, release_dir() / lab)
-            stale += install.wheel_differences(fresh / install.WHEELS, release_dir() / install.WHEELS)
+                stale += release_differences(fresh / lab, folder / lab)
+            stale += install.wheel_differences(fresh / install.WHEELS, folder / install.WHEELS)
     except install.InstallSourceError as exc:
         print(f"disttrain-lab release: {exc}", file=sys.stderr)
         return 2
     for line in stale:
         print(line)
-    print("labs/ is up to date" if not stale else "labs/ is out of date: run `disttrain-lab release`")
+    print(f"{shown} is up to date" if not stale else f"{shown} is out of date: run `disttrain-lab release`")
     return 1 if stale else 0
 
 

@@ -53,6 +53,22 @@ def _cell_limit(limit: int) -> str:
     return f"{_HANGS}.cell_limit({limit!r})"
 
 
+def _prompt(count: int) -> str:
+    """Code for the student's kernel, before a cell it runs with history (and before ``_cell_limit``,
+    which binds the limit to that count): that cell becomes ``In[count]``, so the tracebacks and the
+    kit's messages name the cell as the feedback shows it.  A kernel whose IPython the student
+    broke keeps its own count (the limit still follows)."""
+    return f"try:\n    __import__('IPython').get_ipython().execution_count = {count!r}\nexcept Exception:\n    pass"
+
+
+def prompt_numbers(nb) -> dict[int, int]:
+    """{index of each code cell that runs: its ``In[n]``}: its place among them in the notebook's
+    order, as a fresh "Run All" numbers them.  Graded tests run without history (in the student's
+    kernel or the grader kernel), so the kernel's own count would give them the previous cell's."""
+    runs = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    return {index: n for n, index in enumerate(runs, start=1)}
+
+
 def _growth(before: int | None, after: int | None) -> int | None:
     return None if before is None or after is None else after - before
 
@@ -92,6 +108,7 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
         self._lab = lab
+        self._prompts = prompt_numbers(nb)
         self._release_tests, self._uses_exercises = release_tests(lab)
         self._grader = None  # (manager, client) of the grader kernel
         self._grader_dir = tempfile.mkdtemp(prefix="grader-")  # hidden from the sandbox with the temp dir
@@ -161,9 +178,11 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         self._last_status = None
         try:
             if not is_test_cell(cell):  # its launches report a hang before the limit interrupts the cell
-                self._run_quietly(_cell_limit(limit), timeout=10)
+                self._run_quietly(_prompt(self._prompts[index]) + "\n" + _cell_limit(limit), timeout=10)
             # a test cell leaves no input history (In, _ih, _i...) its student code could print
-            cell = self.execute_cell(cell, index, store_history=not is_test_cell(cell))
+            cell = self.execute_cell(
+                cell, index, execution_count=self._prompts[index], store_history=not is_test_cell(cell)
+            )
         except DeadKernelError:
             cell.outputs.append(
                 error_output(

@@ -75,6 +75,8 @@ class GraderKernel:
             return
         if self.sandbox == "on":
             host_dir, kernel_dir = os.path.dirname(self.km.ip), KERNEL_EXCHANGE
+        elif self.sandbox == "container":  # no mounts: both see the kernel's own folder (kernels.py) at one path
+            host_dir = kernel_dir = os.path.dirname(self.km.ip)
         else:
             if self._exchange is None:
                 self._exchange = tempfile.mkdtemp(prefix="exchange-")
@@ -151,7 +153,7 @@ class GraderKernel:
         self._last_status = None
         started = time.monotonic()
         try:
-            cell = self.execute_cell(cell, index, store_history=False)
+            cell = self.execute_cell(cell, index, execution_count=self._prompts[index], store_history=False)
         except (DeadKernelError, CellTimeoutError) as exc:
             cell.outputs.append(
                 error_output(

@@ -5,9 +5,10 @@ A student on Colab opens a lab with nothing of the kit installed; the lab's firs
 ``grader/nbgrader_config.py`` (``c.StampInstallSource.pip_requirement``), or per release
 with ``disttrain-lab release --install-source SOURCE``.  ``SOURCE`` is one of:
 
-    wheel                         release builds the kit's wheel into labs/wheels/; a lab installs
-                                  it from ../wheels/<file> (a Hub or laptop with the labs folder,
-                                  or Colab with the folder uploaded)
+    wheel                         release builds the kit's wheel into wheels/ beside the labs
+                                  (<course>/release/wheels/, or the maintainer's labs/wheels/); a lab
+                                  installs it from ../wheels/<file> (a Hub or laptop with the release
+                                  folder, or Colab with the folder uploaded)
     wheel:https://BASE            the same wheel, installed from BASE/<file>: for Colab opening labs
                                   from GitHub, BASE = https://raw.githubusercontent.com/ORG/REPO/BRANCH/labs/wheels
     git+https://HOST/ORG/REPO@TAG pip builds the kit from a git repository
@@ -35,7 +36,7 @@ from traitlets.config.loader import PyFileConfigLoader
 from .. import __version__
 from .config import GRADER_DIR, REPO_ROOT
 
-WHEELS = "wheels"  # beside the labs: labs/wheels/
+WHEELS = "wheels"  # beside the labs: <course>/release/wheels/, or the maintainer's labs/wheels/
 ENV_VAR = "DISTTRAIN_LAB_INSTALL_SOURCE"  # overrides the configured source
 
 CHOICES = (

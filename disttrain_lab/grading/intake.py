@@ -1,7 +1,7 @@
 """What the grader takes from a submission folder, ``submitted/<student>/<lab>/``: the
-notebook and nbgrader's ``timestamp.txt``, each read only if it is a regular file, never
-through a symbolic link (the folders included); everything else is listed for the grade
-report and never copied to where the student's code runs.
+notebook and nbgrader's ``timestamp.txt`` and ``submission_secret.txt``, each read only if it
+is a regular file, never through a symbolic link (the folders included); everything else is
+listed for the grade report and never copied to where the student's code runs.
 
 The folder is the student's data.  nbgrader itself copies every other file in it into the
 autograded folder (the kernel's working directory, first on ``sys.path``: a ``torch/`` or
@@ -27,6 +27,11 @@ from pathlib import Path
 MAX_NOTEBOOK_BYTES = 50_000_000
 TIMESTAMP = "timestamp.txt"  # nbgrader's submission time (late penalties)
 MAX_TIMESTAMP_BYTES = 1000
+# nbgrader's exchange (`nbgrader submit`) writes it; `nbgrader release_feedback` names the feedback
+# it hands back to this submission after it, so it travels to autograded/ and feedback/ (the
+# student's own: it says nothing of anyone else's)
+SECRET = "submission_secret.txt"
+NBGRADER_FILES = (TIMESTAMP, SECRET)  # at most MAX_TIMESTAMP_BYTES each
 # written by stage() beside a notebook it could not take: why (the staged notebook is empty)
 REFUSED_NOTE = ".disttrain-refused.json"
 
@@ -124,9 +129,10 @@ def read_notebook(path: Path, limit: int = MAX_NOTEBOOK_BYTES) -> bytes:
         os.close(fd)
 
 
-def _timestamp(folder_fd: int) -> bytes | None:
+def _nbgrader_file(folder_fd: int, name: str) -> bytes | None:
+    """nbgrader's file ``name`` (one of :data:`NBGRADER_FILES`) if it is a small regular file."""
     try:
-        return _read_regular(TIMESTAMP, folder_fd, MAX_TIMESTAMP_BYTES)
+        return _read_regular(name, folder_fd, MAX_TIMESTAMP_BYTES)
     except Refused:
         return None
 
@@ -146,7 +152,7 @@ def fingerprint(path: Path) -> bytes:
     except (Refused, OSError):
         return h.digest()
     try:
-        h.update(b"\0timestamp\0" + (_timestamp(fd) or b"-"))
+        h.update(b"\0timestamp\0" + (_nbgrader_file(fd, TIMESTAMP) or b"-"))
     finally:
         os.close(fd)
     return h.digest()
@@ -166,7 +172,7 @@ def extras(path: Path) -> list[str]:
             found = sorted(entries, key=lambda e: e.name)
         for entry in found:
             st = entry.stat(follow_symlinks=False)
-            if entry.name in (Path(path).name, TIMESTAMP) and stat.S_ISREG(st.st_mode):
+            if entry.name in (Path(path).name, *NBGRADER_FILES) and stat.S_ISREG(st.st_mode):
                 if entry.name == Path(path).name or st.st_size <= MAX_TIMESTAMP_BYTES:
                     continue
             what = kind(st.st_mode)
@@ -189,8 +195,9 @@ def extras(path: Path) -> list[str]:
 
 def stage(submitted: Path, students: list[str], lab: str, into: Path) -> Path:
     """Write what the grader takes of each student's ``submitted/<student>/<lab>/`` into
-    ``into/<student>/<lab>/`` (the notebook ``<lab>.ipynb`` and a regular ``timestamp.txt``;
-    a notebook that cannot be taken is staged empty, with :data:`REFUSED_NOTE` saying why);
+    ``into/<student>/<lab>/`` (the notebook ``<lab>.ipynb``, a regular ``timestamp.txt`` and
+    ``submission_secret.txt``; a notebook that cannot be taken is staged empty, with
+    :data:`REFUSED_NOTE` saying why);
     returns ``into``, for nbgrader's ``--CourseDirectory.submitted_directory``."""
     # nbgrader matches paths below its submitted directory with a regular expression built
     # from that path unescaped: the path must read as itself
@@ -218,9 +225,10 @@ def stage(submitted: Path, students: list[str], lab: str, into: Path) -> Path:
         except (Refused, OSError):
             continue
         try:
-            stamp = _timestamp(fd)
+            found = {name: _nbgrader_file(fd, name) for name in NBGRADER_FILES}
         finally:
             os.close(fd)
-        if stamp is not None:
-            (staged / TIMESTAMP).write_bytes(stamp)
+        for name, data in found.items():
+            if data is not None:
+                (staged / name).write_bytes(data)
     return into

@@ -18,7 +18,7 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import DeadKernelError
 
-from . import cgroups, sandbox, uids
+from . import cgroups, run_container, sandbox, uids
 from .config import REPO_ROOT, course_dir, source_dir
 
 
@@ -29,6 +29,16 @@ class SandboxKernelManager(AsyncKernelManager):
 
     def format_kernel_cmd(self, extra_arguments=None):
         return sandbox.command(self.sandbox_spec, super().format_kernel_cmd(extra_arguments))
+
+
+class ContainerKernelManager(AsyncKernelManager):
+    """Starts the kernel as another uid, without namespaces (``run_container.command``; set
+    ``container_spec`` first): ``DISTTRAIN_SANDBOX=container``."""
+
+    container_spec: dict = {}
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return run_container.command(self.container_spec, super().format_kernel_cmd(extra_arguments))
 
 
 def git_paths(root: Path = REPO_ROOT) -> list[str]:
@@ -89,8 +99,17 @@ class StudentKernel:
             where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
             km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
             atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)  # (a killed wrapper cannot)
+        elif self.sandbox == "container":  # no namespaces to make: another uid, rlimits, the filter
+            km.__class__ = ContainerKernelManager
+            km.container_spec = run_container.spec(
+                data_limit=self.memory_limit, pids=self.student_pids, hide=hidden_paths(), keep=kept_paths()
+            )
+            # the kernel's own folder (its sockets, the copy of its working folder, its home): in /tmp,
+            # where its uid can reach it (the grading temp dir is root's); run_container.py removes it
+            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="kernel-", dir="/tmp"), "k")
+            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)
         elif self.sandbox != "off":
-            raise ValueError(f"RobustExecute.sandbox must be 'on' or 'off', got {self.sandbox!r}")
+            raise ValueError(f"RobustExecute.sandbox must be 'on', 'container' or 'off', got {self.sandbox!r}")
         return km
 
     def start_new_kernel(self, **kwargs):

@@ -41,10 +41,10 @@ import torch
 from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import exercise, wire
-from disttrain_lab.grading import sandbox
+from disttrain_lab.grading import reaper, sandbox
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
 
-__all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids"]
+__all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids", "reader"]
 
 REPLY_MARGIN = 60.0  # seconds past the launch's own timeout before the student's kernel is given up
 CELL_FILE = "cell.json"  # the test cell being graded: its grade_id, deadline, the student's function names
@@ -93,10 +93,32 @@ def _error(kind: str, message: str) -> dict:
     return {"error": {"type": kind, "message": message}}
 
 
-def host_pids(claimed: list, inside: int) -> list[int] | None:
+def _real_uid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def reader(kernel_pid: int | None) -> int | None:
+    """The uid the student's sockets are read as: where the student's kernel shares the grader's
+    network namespace as another user (``DISTTRAIN_SANDBOX=container``), that user, for in a
+    container the grader has no CAP_SYS_PTRACE to see which of another user's processes owns a
+    socket; else None (the grader itself).  Its reads failing then fails the test (no trace's claim)."""
+    if kernel_pid is None or sandbox.namespace_process(kernel_pid, "net") != kernel_pid:
+        return None
+    for pid in [kernel_pid, *reaper.children(kernel_pid)]:  # (the kernel, below run_container's wrapper)
+        uid = _real_uid(pid)
+        if uid is not None and uid != os.geteuid():
+            return uid
+    return None
+
+
+def host_pids(claimed: list, inside: int, user: int | None = None) -> list[int] | None:
     """The host's process ids of the processes the student's kernel calls ``claimed`` (ids in
-    its own pid namespace), each checked to be in the namespace of process ``inside``; None
-    when one is not."""
+    its own pid namespace), each checked to be in the namespace of process ``inside`` (and, with
+    no pid namespace, to run as ``user`` where given); None when one is not."""
     if not isinstance(claimed, list) or not all(type(p) is int and p > 0 for p in claimed):
         return None
     try:
@@ -104,7 +126,8 @@ def host_pids(claimed: list, inside: int) -> list[int] | None:
     except OSError:
         return None
     if namespace == os.readlink("/proc/self/ns/pid"):  # no pid namespace: ids are the host's
-        return claimed if all(os.path.exists(f"/proc/{p}") for p in claimed) else None
+        ok = all(os.path.exists(f"/proc/{p}") and (user is None or _real_uid(p) == user) for p in claimed)
+        return claimed if ok else None
     found: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -231,8 +254,9 @@ class RemoteRunner:
             f.write(buffer.getvalue())
         kernel_pid = settings.get("kernel_pid")
         inside = sandbox.namespace_process(kernel_pid, "net") if kernel_pid else None
+        user = reader(kernel_pid)
         try:
-            before = wire.snapshot(inside)
+            before = wire.snapshot(inside, user=user)
         except (RuntimeError, OSError, ValueError) as exc:
             before, why = None, str(exc)
         code = (
@@ -267,19 +291,20 @@ class RemoteRunner:
             return rec
         rec.pop("matrix", None)
         in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
-        pids = host_pids(rec.get("pids"), in_pid_ns) if in_pid_ns is not None else None
+        pids = host_pids(rec.get("pids"), in_pid_ns, user) if in_pid_ns is not None else None
         if pids is None or len(pids) != world_size:
             return _error(
                 "ExerciseError",
                 f"{name}: the ranks that ran it could not be found (their process ids were not "
                 "the student's kernel's own)",
             )
-        if before is None:
-            rec["source"] = f"trace (the operating system could not be asked: {why})"
-            return rec
         try:
-            rec["matrix"] = wire.traffic(before, wire.snapshot(inside), pids).matrix
+            if before is None:
+                raise RuntimeError(why)
+            rec["matrix"] = wire.traffic(before, wire.snapshot(inside, user=user), pids).matrix
         except (RuntimeError, OSError, ValueError) as exc:
+            if user is not None:  # the student's own processes can stop that read: no trace's claim instead
+                return _error("ExerciseError", f"{name}: the bytes between the ranks could not be counted ({exc})")
             rec["source"] = f"trace (the operating system could not be asked: {exc})"
         return rec
 

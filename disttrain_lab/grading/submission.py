@@ -19,6 +19,7 @@ from traitlets import Integer, Unicode
 
 from . import intake, sandbox
 from .cells import is_test_cell
+from .config import isolation_report
 from .execute import NOTES_FILE
 from .hidden_tests import gradebook_hidden_lines, hidden_lines, scrub_outputs
 from .install_source import ENV_VAR, stamped_requirement
@@ -285,7 +286,7 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path, iso
         + (
             "every kernel sandboxed (see grader/README.md, 'Threat model')"
             if isolation is None
-            else f"NONE: {isolation}; student code ran as the grader"
+            else isolation_report(isolation)
         )
         + (f"\nisolation LIMITED: {sandbox.caveat()}" if isolation is None and sandbox.caveat() else ""),
         "",
@@ -311,7 +312,8 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path, iso
             refused = [f"  notebook: {problem}; graded as the blank lab"]
         extra = [f"  not taken (never copied or read): {line}" for line in intake.extras(notebook)]
         look = notes or flags or refused or extra
-        lines.append(f"{student}: grading {status}" + ("" if look else ", nothing to look at"))
+        # (what a student lost is the class summary's and exports/<lab>/'s, not this report's)
+        lines.append(f"{student}: grading {status}" + ("" if look else ", nothing flagged"))
         lines += [f"  guard: {n}" for n in notes] + [f"  flag: {f}" for f in flags] + refused + extra
     path = course / "reports" / f"{lab}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)

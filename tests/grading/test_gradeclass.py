@@ -12,6 +12,7 @@ names split the class 1 + 2 over two shards, so the second shard grades two stud
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -19,10 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
+from nbgrader.api import Gradebook
 
 from disttrain_lab import grading
-from disttrain_lab.grading import class_summary, classgrade, shards
+from disttrain_lab.grading import class_summary, classgrade, export, shards
+from disttrain_lab.grading.cells import exercise_names
+from disttrain_lab.grading.hidden_tests import hidden_lines
 from disttrain_lab.grading.ledger import LEDGER_DIR, Ledger
 from tests.grading.test_grading import (
     Course,
@@ -272,3 +277,84 @@ def test_parallel_shards_merge_into_the_single_run(lab1_class, single_run, tmp_p
         timeout=300,
     )
     assert proc.returncode == 1 and "graded for" in proc.stderr and "both" in proc.stderr
+
+
+@pytest.mark.slow
+def test_exports_match_the_gradebook(lab1_class, single_run, tmp_path):
+    """What `disttrain-lab grade` exported at the end of the single run (and `disttrain-lab export`
+    writes again), against nbgrader's own reading of the gradebook: every test's score, each
+    exercise's points, the totals in the Canvas and Moodle files; the failures' first lines, and no
+    hidden-test line anywhere."""
+    course = single_run["course"]
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        assignment = gb.find_assignment(LAB)
+        maximum = {c.name: float(c.max_score) for nb in assignment.notebooks for c in nb.grade_cells if c.max_score}
+        graded = {
+            s.student.id: ({g.name: float(g.score) for nb in s.notebooks for g in nb.grades if g.max_score}, s.score)
+            for s in assignment.submissions
+        }
+        hidden = hidden_lines(c.source or "" for c in gb.find_notebook(LAB, LAB).source_cells)
+    assert sorted(graded) == sorted(STUDENTS) and hidden
+    names = exercise_names(lab1_class.solution)
+    out = course / "exports" / LAB
+    assert f"exports (per-student JSON, per-exercise, Canvas and Moodle CSVs): {out.resolve()}" in single_run["out"]
+    for student, (scores, total) in graded.items():
+        record = json.loads((out / "students" / f"{student}.json").read_text())
+        assert (record["score"], record["max_score"]) == (total, sum(maximum.values()))
+        assert [(t["grade_id"], t["exercise"], t["score"], t["max_score"]) for t in record["tests"]] == [
+            (gid, names[gid], scores[gid], maximum[gid]) for gid in names
+        ]
+        for t in record["tests"]:
+            assert t["passed"] == (t["score"] == t["max_score"]) and (t["message"] is None) == t["passed"], t
+            assert t["passed"] or ("\n" not in t["message"] and len(t["message"]) <= export.MESSAGE_CHARS), t
+    # alice lost nothing, bob everything, carol the last exercise (its message from her autograded notebook)
+    lost = {
+        s: [t for t in json.loads((out / "students" / f"{s}.json").read_text())["tests"] if not t["passed"]]
+        for s in graded
+    }
+    assert (len(lost["alice"]), len(lost["bob"])) == (0, len(maximum))
+    last = lab1_class.expected["carol"]
+    assert [t["grade_id"] for t in lost["carol"]] == [gid for gid in names if last[gid] == 0.0]
+    autograded = nbformat.read(course / "autograded" / "carol" / LAB / f"{LAB}.ipynb", as_version=4)
+    for t in lost["carol"]:
+        [cell] = [c for c in autograded.cells if grade_id(c) == t["grade_id"]]
+        [error] = [o for o in cell.outputs if o.output_type == "error"][:1]
+        assert t["message"].startswith(f"{error.ename}: ") and error.evalue.strip().splitlines()[0][:40] in t["message"]
+        # the summary's lost points (a table: its long cells wrap)
+        assert f"{t['exercise'][:30]}" in single_run["out"] and t["message"].split(":")[0] in single_run["out"]
+    assert "none: full marks" in single_run["out"]
+    text = "".join(p.read_text() for p in out.rglob("*") if p.is_file())
+    assert not [line for line in hidden if line in text], "a hidden-test line in the exports"
+
+    def rows(path):
+        with open(path, newline="") as f:
+            return list(csv.reader(f))
+
+    exercises = rows(out / f"{LAB}_exercises.csv")
+    order = list(dict.fromkeys(names.values()))
+    assert exercises[0][1:-1] == [f"{e} (max {sum(maximum[g] for g in names if names[g] == e):g})" for e in order]
+    for row in exercises[1:]:
+        scores, total = graded[row[0]]
+        assert [float(v) for v in row[1:]] == [sum(scores[g] for g in names if names[g] == e) for e in order] + [total]
+    canvas = rows(out / f"{LAB}_canvas.csv")
+    assert canvas[:2] == [
+        ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", LAB],
+        ["Points Possible", "", "", "", "", f"{sum(maximum.values()):g}"],
+    ]
+    assert {r[3]: float(r[5]) for r in canvas[2:]} == {s: total for s, (_, total) in graded.items()}
+    moodle = rows(out / f"{LAB}_moodle.csv")
+    assert moodle[0] == ["Username", "Email address", LAB]
+    assert {r[0]: float(r[2]) for r in moodle[1:]} == {s: total for s, (_, total) in graded.items()}
+    # `disttrain-lab export`: the same files again, elsewhere, with the id in Canvas's SIS User ID
+    again = tmp_path / "again"
+    command = [sys.executable, "-m", "disttrain_lab", "export", LAB, "--course-dir", str(course)]
+    proc = subprocess.run(
+        [*command, "--out", str(again), "--canvas-key", "sis"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and f"exported {LAB}, 3 students: {again}" in proc.stdout, proc.stdout + proc.stderr
+    for path in out.rglob("*.*"):
+        if path.name != f"{LAB}_canvas.csv":
+            assert (again / path.relative_to(out)).read_text() == path.read_text(), path
+    assert [r[2:4] for r in rows(again / f"{LAB}_canvas.csv")[2:]] == [[s, ""] for s in sorted(graded)]
+    proc = subprocess.run([*command[:4], "01_point_to_pont", *command[5:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "did you mean '01_point_to_point'?" in proc.stderr, proc.stdout + proc.stderr

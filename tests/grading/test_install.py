@@ -1,20 +1,37 @@
-"""Where a released lab installs the kit from: refused while unset, and a fresh kernel that
-has only torch and ipykernel (Colab, as a new user meets it) installs it and runs a lab."""
+"""Where a release goes and where a released lab installs the kit from: with a course folder
+the release (labs and wheel) goes there and the kit's checkout stays as it was; the install
+source is refused while unset; a fresh kernel that has only torch and ipykernel (Colab, as a
+new user meets it) installs the kit and runs a lab."""
 
 from __future__ import annotations
 
 import functools
 import http.server
 import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbgrader.api import Gradebook
+from traitlets.config.loader import PyFileConfigLoader
 
 from disttrain_lab import __version__, grading
-from disttrain_lab.grading.install_source import WHEELS, InstallSourceError, stamped_requirement, wheel_name
+from disttrain_lab.grading import course
+from disttrain_lab.grading.install_source import (
+    WHEELS,
+    InstallSourceError,
+    build_wheel,
+    stamped_requirement,
+    wheel_contents,
+    wheel_name,
+)
 from tests.freshenv import fresh_venv, installed
 from tests.notebooks import REPO, load, nbgrader_meta, solution_notebook
 
@@ -81,6 +98,142 @@ def test_the_committed_config_sets_a_source_that_installs():
     else:  # a URL pip installs the kit from, with the example's placeholder filled in
         assert requirement.startswith("disttrain-lab @ "), requirement
         assert "YOUR-ORG" not in requirement and "/ORG/" not in requirement, requirement
+
+
+# ----------------------------------------------------------------------------------------
+# A course folder is the instructor's, the kit's checkout is not
+
+FOLDER_VARIABLES = ("DISTTRAIN_COURSE_DIR", "DISTTRAIN_RELEASE_DIR", "DISTTRAIN_SOURCE_DIR")
+
+
+def test_a_release_goes_to_the_course_folder_and_only_without_one_to_labs(tmp_path, monkeypatch):
+    for name in FOLDER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    tmp_path = tmp_path.resolve()
+    labs = (REPO / "labs").resolve()
+    assert course.release_folder() == labs  # the maintainer, regenerating what the repository ships
+    assert course.release_folder(tmp_path / "dl101") == tmp_path / "dl101" / "release"  # --course-dir
+    monkeypatch.setenv("DISTTRAIN_COURSE_DIR", str(tmp_path / "env"))
+    assert course.release_folder() == tmp_path / "env" / "release"
+    # `disttrain-lab grade` grades against the course's own release once one was written, else labs/
+    assert course.graded_release() == labs
+    (tmp_path / "env" / "release").mkdir(parents=True)
+    assert course.graded_release() == tmp_path / "env" / "release"
+    assert course.graded_release(tmp_path / "dl101") == labs
+    monkeypatch.setenv("DISTTRAIN_RELEASE_DIR", str(tmp_path / "elsewhere"))  # wins over both
+    assert course.release_folder(tmp_path / "dl101") == course.graded_release() == tmp_path / "elsewhere"
+
+
+def _nbgrader_release_directory(env: dict[str, str], monkeypatch) -> Path:
+    """The release directory that grader/nbgrader_config.py gives every nbgrader step under ``env``."""
+    for name in FOLDER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"DISTTRAIN_SANDBOX": "off", "DISTTRAIN_SANDBOX_WARNED": "1", **env}.items():
+        monkeypatch.setenv(name, value)  # (the wiring only: no host check, no warning)
+    config = PyFileConfigLoader("nbgrader_config.py", path=str(REPO / "grader")).load_config()
+    return Path(config.CourseDirectory.release_directory)
+
+
+def test_plain_nbgrader_uses_the_course_folders_release_and_labs_only_without_one(tmp_path, monkeypatch):
+    dl101 = (tmp_path / "dl101").resolve()
+    assert _nbgrader_release_directory({}, monkeypatch) == REPO / "labs"
+    assert _nbgrader_release_directory({"DISTTRAIN_COURSE_DIR": str(dl101)}, monkeypatch) == dl101 / "release"
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def _checkout_copy(into: Path) -> Path:
+    """The kit's checkout as it is now (its files that git tracks or would), committed in a fresh
+    repository at ``into``: a clean checkout that no one else edits while the test runs."""
+    for name in _git(REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0"):
+        if name and (REPO / name).is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, into / name)
+    _git(into, "init", "-q")
+    _git(into, "add", "-A")
+    _git(into, "commit", "-q", "-m", "checkout")
+    return into
+
+
+def _written_since(folder: Path, start: float) -> list[str]:
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if not {".git", "__pycache__"} & set(p.relative_to(folder).parts) and p.is_file() and p.stat().st_mtime >= start
+    )
+
+
+def _install_part(setup_cell: str) -> str:
+    """The setup cell's first lines, up to its `pip install` of DISTTRAIN_LAB_PIP (the rest needs torch)."""
+    lines = setup_cell.splitlines()
+    end = next(i for i, line in enumerate(lines) if "pip" in line and "DISTTRAIN_LAB_PIP" in line and "run(" in line)
+    return "\n".join(lines[: end + 1])
+
+
+@pytest.mark.slow
+def test_a_release_with_a_course_folder_writes_only_there_and_its_lab_installs_from_its_wheel(tmp_path):
+    lab, dl101 = "01_point_to_point", (tmp_path / "dl101").resolve()
+    checkout = _checkout_copy((tmp_path / "checkout").resolve())
+    assert _git(checkout, "status", "--porcelain", "--untracked-files=all") == ""
+    env = {k: v for k, v in os.environ.items() if k not in FOLDER_VARIABLES}
+    start = time.time()
+    out = subprocess.run(  # the command an instructor types, run by that checkout's kit
+        [
+            sys.executable,
+            "-m",
+            "disttrain_lab.cli",
+            "release",
+            lab,
+            "--course-dir",
+            str(dl101),
+            "--install-source",
+            "wheel",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=checkout,
+        env={**env, "PYTHONPATH": str(checkout), "TMPDIR": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"released {lab} -> {dl101 / 'release' / lab}" in out.stdout, out.stdout
+
+    # the checkout: clean, and not a file of it rewritten as it was (bytecode aside)
+    assert _git(checkout, "status", "--porcelain", "--untracked-files=all") == ""
+    assert _written_since(checkout, start) == []
+
+    # the course folder: nbgrader's layout, the lab and the wheel beside it, the lab in the gradebook
+    released = dl101 / "release"
+    assert sorted(p.name for p in released.iterdir()) == [lab, WHEELS]
+    assert [p.name for p in (released / WHEELS).iterdir()] == [wheel_name()]
+    assert wheel_contents(released / WHEELS / wheel_name()) == wheel_contents(build_wheel(checkout))
+    with Gradebook(f"sqlite:///{dl101 / 'gradebook.db'}") as gb:
+        assert [n.name for n in gb.find_assignment(lab).notebooks] == [lab]
+
+    # its setup cell, run from the lab's folder in a fresh kernel without the kit, installs that wheel
+    setup = nbformat.read(released / lab / f"{lab}.ipynb", as_version=4).cells[0].source
+    assert f'DISTTRAIN_LAB_PIP = "../{WHEELS}/{wheel_name()}"' in setup, setup
+    python = fresh_venv(tmp_path / "venv", ["cloudpickle", "numpy", "matplotlib", "ipywidgets", "tqdm"])
+    assert "disttrain-lab" not in installed(python)
+    clean = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    ran = subprocess.run(
+        [str(python), "-c", _install_part(setup)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=released / lab,
+        env={**clean, "PIP_NO_INDEX": "1"},  # the wheel and what is installed: nothing from the network
+    )
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    version, location = installed(python)["disttrain-lab"]
+    assert version == __version__ and Path(location).resolve().is_relative_to((tmp_path / "venv").resolve())
 
 
 # ----------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from nbgrader.coursedir import CourseDirectory
 from traitlets.config import Config
 
 from disttrain_lab import grading
+from disttrain_lab.grading.feedback_page import FeedbackPage, configure_exporter
 from disttrain_lab.grading.sanitize import TAGS, SanitizeStudentHTML, render_markdown
 
 MARK = "window.__pwned=1"
@@ -295,6 +296,8 @@ BROWSER_PAYLOADS = [
     "<img src=x onerror=\"window.__pwned=1;alert('img')\">",
     '<iframe src="javascript:parent.__pwned=1"></iframe>',
     "<video><source onerror=\"alert('video')\"></video><input autofocus onfocus=\"alert('input')\">",
+    # TeX for the feedback page's MathJax: links, classes, styles, a fetched extension (none may work)
+    r"$\href{javascript:alert('tex')}{x} \class{full-credit}{y} \style{color:red}{z} \require{html}$",
 ]
 
 
@@ -336,10 +339,12 @@ def _formgrader_page(nb) -> str:
 
 
 def _feedback_page(nb, tmp_path) -> str:
-    """The feedback page: GenerateFeedback's exporter (HTMLExporter, template ``feedback``), with its
-    preprocessors as configure() sets them but for the gradebook's (GetGrades, hidden tests)."""
+    """The feedback page: GenerateFeedback's exporter as configure() sets it (feedback_page.py: template
+    ``disttrain_feedback``, MathJax inlined for a page with a formula), with its preprocessors but for
+    the gradebook's (GetGrades, hidden tests)."""
     config = Config()
-    config.GenerateFeedback.preprocessors = [CSSHTMLHeaderPreprocessor, SanitizeStudentHTML]
+    config.GenerateFeedback.preprocessors = [CSSHTMLHeaderPreprocessor, FeedbackPage, SanitizeStudentHTML]
+    configure_exporter(config)
     converter = GenerateFeedback(coursedir=CourseDirectory(root=str(tmp_path)), config=config)
     exporter = converter.exporter_class(parent=converter, config=converter.config)  # as BaseConverter.start
     for preprocessor in converter.preprocessors:
@@ -390,6 +395,8 @@ def test_no_payload_runs_in_the_formgrader_or_the_feedback_page(tmp_path):
                 page.route(re.compile(r"^https?://"), lambda route: route.abort())  # MathJax, require.js: offline
                 page.goto(path.as_uri(), wait_until="load", timeout=15_000)
                 page.wait_for_timeout(1_500)  # a refresh, an animation, a timer
+                if name == "feedback":  # MathJax typeset the TeX payload (as text: no link, class or style)
+                    page.wait_for_function("() => document.querySelector('mjx-container svg')", timeout=15_000)
                 marks = page.evaluate("() => [window.__pwned, document.title, location.href, document.baseURI]")
                 assert not dialogs, f"{name}: a payload opened a dialog: {dialogs}"
                 assert marks == [None, marks[1], path.as_uri(), path.as_uri()] and "PWNED" not in marks[1], (

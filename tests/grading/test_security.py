@@ -269,7 +269,7 @@ def test_grade_report_flags_for_a_human(attacked):
     report = (attacked.course / "reports" / "00_basics.txt").read_text()
     assert "isolation: every kernel sandboxed" in report
     blocks = {b.split(":", 1)[0]: b for b in report.split("\n") if b and not b.startswith(" ")}
-    assert "nothing to look at" in blocks["a_honest"] and "nothing to look at" in blocks["z_honest"]
+    assert "nothing flagged" in blocks["a_honest"] and "nothing flagged" in blocks["z_honest"]
     section = report.split("c1_hooks_during_test:")[1].split("\nc4")[0]
     assert "IPython hook APIs" in section and "changed while the test ran" in section
     assert "process or file-system probing" in report.split("c4_files:")[1].split("\nc5")[0]
@@ -346,7 +346,7 @@ def test_rebound_names_swapped_code_and_forged_traces(tmp_path):
     assert "the grader's count of traced bytes" in report.split("c3_forged_trace_unobserved:")[1]
     assert "the trace claims 5242880 B sent point to point" in report.split("c3_forged_trace:")[1]
     assert "the tracer's internals" in report.split("c3_forged_trace:")[1]
-    assert "nothing to look at" in report.split("a_honest:")[1].split("\n")[0]
+    assert "nothing flagged" in report.split("a_honest:")[1].split("\n")[0]
     assert not processes_with(str(course.course)) and not list(course.tmp.iterdir())
 
 

@@ -6,20 +6,27 @@
   (:data:`COVERED_ELSEWHERE`), and a benchmark added with neither fails
   :func:`test_every_benchmark_has_a_smoke_test`.
 - ``disttrain-lab bench --help`` (and every ``bench NAME --help``), ``grade --help``, ``release --help``,
-  ``release --check``.
+  ``release --check``; ``disttrain-lab --version`` and ``python -m disttrain_lab`` (the same command);
+  a mistyped command or benchmark (``disttrain-lab relase``): argparse's error, exit 2, "did you mean".
+- every option and argument of every command (``--help`` of each, through the parsers argparse
+  builds) and of every script has help text; a shell script's settings (``${NAME:-...}``) are named
+  in its ``--help``.
 - run elsewhere: ``disttrain-lab doctor`` in tests/kit/test_packaging.py::test_console_script_runs (the
   console script, READY; its text: tests/kit/test_launcher.py::test_doctor_reports_backend_and_verdict);
-  ``disttrain-lab grade LAB`` and ``grade merge`` in tests/grading/test_gradeclass.py; the labs' release in
+  ``disttrain-lab grade LAB`` and ``grade merge`` in tests/grading/test_gradeclass.py, ``disttrain-lab
+  export LAB`` there too (test_exports_match_the_gradebook, with a mistyped lab); the labs' release in
   tests/grading/test_grading.py and tests/grading/test_install.py.
 - every script under ``scripts/`` with ``--help``: it prints its usage and does nothing else
-  (a shell script's setup, JupyterLab or pytest never start).
+  (a shell script's setup, JupyterLab or pytest never start); ``setup.sh`` refuses an argument.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +250,118 @@ def test_release_check():
     fresh release is compared with labs/ by tests/grading/test_grading.py (its round trip's release)."""
     out = run(disttrain_lab() + ["release", "--check", "01_point_to_point"], timeout=560)
     assert out.returncode == 0 and "labs/ is up to date" in out.stdout, said(out)
+
+
+# ----------------------------------------------------------------------------------------
+# --version, python -m disttrain_lab, a typo, help for every option
+
+
+def test_version_and_python_dash_m_are_the_same_command():
+    from disttrain_lab import __version__
+
+    script = run(disttrain_lab() + ["--version"], timeout=120)
+    module = run([sys.executable, "-m", "disttrain_lab", "--version"], timeout=120)
+    assert script.returncode == module.returncode == 0, said(script) + said(module)
+    assert script.stdout == module.stdout == f"disttrain-lab {__version__}\n"
+    helped = run([sys.executable, "-m", "disttrain_lab", "--help"], timeout=120)
+    assert helped.returncode == 0 and "usage: disttrain-lab" in helped.stdout, said(helped)
+    assert all(command in helped.stdout for command in ("doctor", "bench", "release", "grade", "export"))
+
+
+@pytest.mark.parametrize(
+    "argv, meant",
+    [(["relase"], "release"), (["grde", "LAB"], "grade"), (["exprot", "LAB"], "export"), (["bench", "trce"], "trace")],
+)
+def test_a_typo_is_argparses_error_with_the_closest_name(argv, meant, capsys):
+    from disttrain_lab import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)  # before anything runs
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"did you mean {meant!r}?" in err and "usage: disttrain-lab" in err, err
+
+
+def test_a_typo_in_a_terminal_is_no_traceback():
+    out = run(disttrain_lab() + ["relase"], timeout=120)
+    assert out.returncode == 2 and "did you mean 'release'?" in out.stderr and "Traceback" not in out.stderr, said(out)
+
+
+def undocumented(parsers) -> list[str]:
+    """Every argument of ``parsers`` and of their subcommands, at any depth, that has no help text."""
+    missing, seen, todo = [], set(), list(parsers)
+    while todo:
+        parser = todo.pop()
+        if id(parser) in seen:
+            continue
+        seen.add(id(parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {c.dest for c in action._choices_actions if c.help}  # (none made without help=)
+                missing += [f"{parser.prog} {name}" for name in action.choices if name not in helped]
+                todo += action.choices.values()
+            elif not action.help:
+                missing.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
+    return missing
+
+
+@pytest.mark.parametrize("command", [[], ["release"], ["grade"], ["grade", "merge"], ["export"]], ids=" ".join)
+def test_every_option_of_every_command_has_help(command, monkeypatch, capsys):
+    """Each parser the command builds (the top level holds bench's and every benchmark's), caught as it
+    parses ``--help``."""
+    from disttrain_lab import cli
+
+    parsers, parse = [], argparse.ArgumentParser.parse_known_args
+
+    def seen(self, *args, **kwargs):
+        parsers.append(self)
+        return parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", seen)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*command, "--help"])
+    assert exited.value.code == 0 and "usage: disttrain-lab" in capsys.readouterr().out
+    assert parsers and undocumented(parsers) == []
+
+
+# run in one process: each script's parsers, caught as they parse --help (the script stops there)
+CATCH_PARSERS = """
+import argparse, json, runpy, sys
+found, parse = {}, argparse.ArgumentParser.parse_known_args
+def seen(self, *args, **kwargs):
+    found.setdefault(sys.argv[0], []).extend([a.option_strings or [a.dest], a.help] for a in self._actions)
+    return parse(self, *args, **kwargs)
+argparse.ArgumentParser.parse_known_args = seen
+out, scripts = sys.argv[1], sys.argv[2:]
+for script in scripts:
+    sys.argv = [script, "--help"]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        pass
+with open(out, "w") as f:
+    json.dump(found, f)
+"""
+
+
+def test_every_option_of_every_script_has_help(tmp_path):
+    scripts = sorted(str(p) for p in SCRIPTS.glob("*.py"))
+    out = run([sys.executable, "-c", CATCH_PARSERS, str(tmp_path / "found.json"), *scripts], timeout=240)
+    assert out.returncode == 0, said(out)
+    found = json.loads((tmp_path / "found.json").read_text())
+    assert sorted(found) == scripts, "a script that parses no arguments: give it argparse and --help"
+    assert {s: [names for names, text in actions if not text] for s, actions in found.items()} == {
+        s: [] for s in scripts
+    }
+    for script in sorted(SCRIPTS.glob("*.sh")):  # their settings are environment variables, with defaults
+        settings = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*):?-", script.read_text()))
+        text = run(["bash", str(script), "--help"], timeout=60).stdout
+        assert settings and not [name for name in settings if name not in text], f"{script.name}: {settings}"
+
+
+def test_setup_refuses_an_argument(tmp_path):
+    venv = tmp_path / "venv"  # as below: were it to go on, it would fail at once, in a scratch folder
+    out = run(["bash", str(SCRIPTS / "setup.sh"), "--bogus"], timeout=60, env={"PYTHON": "false", "VENV": str(venv)})
+    assert out.returncode == 2 and "unknown argument '--bogus'" in out.stderr and not venv.exists(), said(out)
 
 
 # ----------------------------------------------------------------------------------------

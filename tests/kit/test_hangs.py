@@ -71,7 +71,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     ), out
     assert "=== TIMED OUT" in out, out
     seconds, kind, message = out.split("=== AT ONCE ")[1].split("=== DRIVER")[0].split(" ", 2)
-    assert float(seconds) < 10 and kind == "EarlierTimeout", out
+    assert float(seconds) < 10 and kind == "SkippedAfterHang", out
     assert "spins is not run again: when an earlier cell ran it under grading, it did not finish within" in message
     assert "rank 1: running Python code" in message and re.search(r"spins \(line [78]\)", message), message
     seconds, kind, message = out.split("=== DRIVER ")[1].split("\n")[0].split(" ", 2)
@@ -106,7 +106,7 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
         try:
             if blamed:
                 spins(3)            # called in the kernel itself, it stops too
-        except dl.hangs.EarlierTimeout as exc:
+        except dl.hangs.SkippedAfterHang as exc:
             print("=== HERE AT ONCE", str(exc)[:40], flush=True)
         started = time.monotonic()
         try:
@@ -146,7 +146,7 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
     out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "autograde"}).stdout
     assert "=== BLAMED spins" in out and "=== HERE AT ONCE spins is not run again" in out, out
     seconds, kind, message = out.split("=== AT ONCE ")[1].split(" ", 2)
-    assert float(seconds) < 10 and kind == "EarlierTimeout", out
+    assert float(seconds) < 10 and kind == "SkippedAfterHang", out
     assert message.startswith(
         "spins is not run again: when the cell In[7] ran it under grading, it did not finish within the cell's 30 s "
         "limit"

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import disttrain_lab as dl
 from disttrain_lab import devices, pool
+from disttrain_lab.status import Blocked
 from tests.helpers import REPO, alive, child_pids, gpu_count, needs_gpus, run_python, tmp_listing
 
 # --- what a student writes -------------------------------------------------------------
@@ -66,6 +67,18 @@ def spins_forever_on_rank_one():
     if dist.get_rank() == 1:
         while True:
             pass
+
+
+def ping_pong_forever():
+    # matched calls, but the loop never ends: at the deadline either rank may sit in a send
+    t = torch.zeros(4)
+    while True:
+        if dist.get_rank() == 0:
+            dist.send(t, dst=1)
+            dist.recv(t, src=1)
+        else:
+            dist.recv(t, src=0)
+            dist.send(t, dst=0)
 
 
 def prints_pid_then_sleeps():
@@ -216,7 +229,16 @@ def test_error_inside_torch_call_ends_at_students_line():
         (both_receive_first, ["rank 0: recv(src=1", "rank 1: recv(src=0"], "Every rank is waiting to receive"),
         (tags_disagree, ["rank 0: send(dst=1, tag=1", "rank 1: recv(src=0, tag=2"], "different tags (1 and 2)"),
         (rank_zero_only_all_reduce, ["rank 0: all_reduce(", "rank 1: finished"], "every rank of the group must call"),
-        (spins_forever_on_rank_one, ["rank 0: finished", "rank 1: running Python code"], "infinite"),
+        (
+            spins_forever_on_rank_one,
+            ["rank 0: finished", "rank 1: running Python code", "in spins_forever_on_rank_one (line"],
+            "Rank 1 kept running Python code outside any torch.distributed call, in spins_forever_on_rank_one",
+        ),
+        (
+            ping_pong_forever,
+            ["rank 0: running Python code, still communicating", "rank 1: running Python code, still communicating"],
+            "Not a deadlock: ranks 0 and 1 kept making torch.distributed calls until the deadline",
+        ),
     ],
 )
 def test_deadlocks_and_loops_become_a_report_within_the_timeout(fn, lines, diagnosis):
@@ -230,6 +252,30 @@ def test_deadlocks_and_loops_become_a_report_within_the_timeout(fn, lines, diagn
         assert line in text, text
     assert diagnosis in text
     assert set(err.value.blocked) == {0, 1}
+    if fn is ping_pong_forever:  # the loop, with the student's line, not a guess from the calls it was in
+        assert re.search(r"in ping_pong_forever \(line \d+\): an endless loop\?", text), text
+        assert "deadlock (" not in text and "Every rank is" not in text, text
+
+
+def _blocked(op: str, peer: int) -> Blocked:
+    return Blocked(op, peer, 0, f"{op}({'dst' if op == 'send' else 'src'}={peer}, 16 B)", 0.0)
+
+
+def test_a_loop_still_making_calls_is_not_read_as_the_call_it_was_in():
+    from disttrain_lab.reports import diagnose
+
+    both_send = {0: _blocked("send", 1), 1: _blocked("send", 0)}
+    assert diagnose(both_send).startswith("Every rank is sending and no rank is receiving: a deadlock")
+    stacks = {0: [("train", 3), ("exchange", 9)], 1: [("train", 3), ("exchange", 9)]}
+    looping = diagnose(both_send, {0: 812, 1: 790}, stacks, 0.25)
+    assert looping.startswith(
+        "Not a deadlock: ranks 0 and 1 kept making torch.distributed calls until the deadline (rank 0: 812 in "
+        "the last 0.25 s), in exchange (line 9): an endless loop?"
+    ), looping
+    # one rank loops in Python while the other waits for it: the loop is the cause, named with its line
+    one = diagnose({0: None, 1: _blocked("recv", 0)}, {0: 0, 1: 0}, {0: [("spin", 4)]}, 0.25)
+    assert one.startswith("Rank 0 kept running Python code outside any torch.distributed call, in spin (line 4)")
+    assert "(Rank 1 waited for it meanwhile.)" in one, one
 
 
 def test_jupyter_shows_a_launch_error_ending_at_the_students_line():

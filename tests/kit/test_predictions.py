@@ -86,3 +86,18 @@ def test_fetch_reads_the_notebook_value_as_data(monkeypatch):
         predictions.fetch("PREDICTED_TEXT")
     with pytest.raises(PredictionError, match="predicted_stub is not filled in yet"):
         predictions.fetch("predicted_stub", cases)
+
+
+def test_a_failed_predictions_message_can_withhold_every_expected_value():
+    # the feedback before the deadline says which cases are wrong and what the student wrote, not the answers
+    with pytest.raises(PredictionError) as err:
+        predictions.assert_prediction("predicted_f", [0.5, -0.25], [3 / 11, -0.2], [(4, 8), (8, 32)])
+    message = str(err.value)
+    assert "the cost model gives 2.73e-01" in message and "the cost model gives -2.00e-01" in message
+    withheld = predictions.withhold_expected(message, "a different value")
+    assert withheld == (
+        "the prediction does not match the cost model to 3 significant figures: predicted_f(4, 8): predicted "
+        "5.00e-01, the cost model gives a different value; predicted_f(8, 32): predicted -2.50e-01, the cost "
+        "model gives a different value"
+    )
+    assert predictions.withhold_expected(withheld) == withheld  # nothing left to withhold
