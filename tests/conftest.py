@@ -146,7 +146,9 @@ def pytest_configure(config):
     ):
         return
     node = f"disttrain-tests/run-{os.getppid()}/{worker}"
-    came_from = next(line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if "cpu" in line.split(":")[1].split(","))
+    came_from = next(
+        line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if "cpu" in line.split(":")[1].split(",")
+    )
     own = cgroups.MOUNT / "cpu" / node / "self"
     try:
         own.mkdir(parents=True, exist_ok=True)

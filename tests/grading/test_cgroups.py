@@ -228,7 +228,9 @@ def test_a_steps_grader_side_has_a_cpu_node_beside_its_students_kernel(node):
         assert where[c] == f"/{node.relative}/grader", (c, where)
     kernel = cgroups.Cgroup(f"{node.relative}/kernel-1").create(memory=2**30, pids=64)
     if "cpu" in HOST["caps"]:
-        shares = {p.name: (p / "cpu.shares").read_text() for p in (kernel.v1["cpu"], kernel.v1["cpu"].parent / "grader")}
+        shares = {
+            p.name: (p / "cpu.shares").read_text() for p in (kernel.v1["cpu"], kernel.v1["cpu"].parent / "grader")
+        }
         assert shares == {"kernel-1": "1024\n", "grader": "1024\n"}
     # uncapped: the grader's side has no memory or process cap of the student's
     grader = cgroups.MOUNT / "memory" / node.relative / "grader"
