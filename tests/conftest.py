@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -145,6 +146,7 @@ def pytest_configure(config):
         or sandbox.caps_problem() is not None
     ):
         return
+    _remove_stale_runs()
     node = f"disttrain-tests/run-{os.getppid()}/{worker}"
     came_from = next(
         line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if "cpu" in line.split(":")[1].split(",")
@@ -158,6 +160,19 @@ def pytest_configure(config):
         return
     os.environ[cgroups.BASE_ENV] = f"{node}/grading"
     _WORKER_NODE.append((own, came_from))
+
+
+def _remove_stale_runs() -> None:
+    """The empty nodes of earlier runs whose pytest is gone (a run killed before its workers
+    left their nodes), in every hierarchy."""
+    for top in cgroups.MOUNT.glob("*/disttrain-tests/run-*"):
+        if Path(f"/proc/{top.name[len('run-') :]}").exists():
+            continue
+        for node in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+            try:
+                node.rmdir()
+            except OSError:
+                pass
 
 
 def pytest_unconfigure(config):

@@ -5,10 +5,14 @@ that calls the spinning function waits the whole limit.  Instead, ``disttrain-la
 --time-cells`` grades the solution once and records how long each of its cells took, in
 ``grader/cell_times/<lab>.json``; the grader then gives each cell
 
-    limit = max(FLOOR, FACTOR * solution's seconds) * scale
+    limit = max(FLOOR, FACTOR * solution's seconds) * scale * host
 
-(``scale``: ``DISTTRAIN_CELL_TIME_SCALE`` / ``Limits.cell_time_scale``, e.g. 2 on a grading
-machine twice as slow as the one that recorded them).  A cell is known by its nbgrader
+(``scale``: ``DISTTRAIN_CELL_TIME_SCALE`` / ``Limits.cell_time_scale``, an instructor's
+margin; ``host``: how much slower this grading host runs a fixed piece of work, ``probe()``,
+than the machine that recorded the times ran it -- the record keeps that machine's probe --
+at least 1, at most ``HOST_MAX``, measured by the grader, never by student code, as each
+student's grading starts: a host twice as slow, or as loaded, gives twice the time, so an
+honest submission does not fail on the grading host's speed).  A cell is known by its nbgrader
 ``grade_id``, or by its source for a cell without one (text the student did not edit); a
 cell the record does not know (one the student added, a lab never timed) keeps the plain
 cell limit.  (Grading the solution to time it is a course step: ``course.measure_cell_times``.)
@@ -20,6 +24,8 @@ import hashlib
 import json
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 from .config import GRADER_DIR
@@ -27,6 +33,8 @@ from .config import GRADER_DIR
 FACTOR = 5.0  # a loaded or slower grading machine, a slower but correct submission
 FLOOR = 30.0  # seconds: a cold kernel importing torch or starting ranks on a loaded 2-core machine
 ENV_VAR = "DISTTRAIN_CELL_TIMES_DIR"  # where the records live, instead of grader/cell_times/
+HOST_MAX = 4.0  # the most a slow or loaded host stretches the limits (what a spinner can cost)
+PROBE_N = 1_000_000  # the probe's work: about 0.1 s of pure Python on a 2-core laptop
 
 
 def times_dir() -> Path:
@@ -48,12 +56,38 @@ def recorded(lab: str) -> dict[str, float]:
 
 
 def limits_for(lab: str, scale: float = 1.0) -> dict[str, int]:
-    """Seconds allowed per cell key when grading ``lab``."""
+    """Seconds allowed per cell key when grading ``lab`` (``scale``: an instructor's margin
+    times ``host_factor``)."""
     return {key: int(max(FLOOR, FACTOR * seconds) * scale + 0.5) for key, seconds in recorded(lab).items()}
 
 
-def record(lab: str, seconds: dict[str, float]) -> Path:
-    """Write the solution's cell times of ``lab`` (from the grader's notes of a graded solution)."""
+def probe() -> float:
+    """Seconds this process takes for a fixed piece of pure-Python work (the median of three):
+    the host's speed, and the share of it a grading step gets now."""
+    runs = []
+    for _ in range(3):
+        start, total = time.perf_counter(), 0
+        for i in range(PROBE_N):
+            total += i * i
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def host_factor(lab: str, now: float) -> tuple[float, str]:
+    """(how much to stretch ``lab``'s limits on this host: ``now``, its ``probe()``, against the
+    one its record kept, between 1 and ``HOST_MAX``; the figures, for the grader's notes).  1
+    for a record without a probe or a lab never timed."""
+    try:
+        then = float(json.loads((times_dir() / f"{lab}.json").read_text())["probe"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1.0, "no probe recorded"
+    factor = min(HOST_MAX, max(1.0, now / then)) if then > 0 else 1.0
+    return factor, f"probe {now:.3f} s here, {then:.3f} s where the times were recorded"
+
+
+def record(lab: str, seconds: dict[str, float], probe_seconds: float) -> Path:
+    """Write the solution's cell times of ``lab`` and the grader's probe as that grading started
+    (from the grader's notes of a graded solution)."""
     path = times_dir() / f"{lab}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -61,6 +95,7 @@ def record(lab: str, seconds: dict[str, float]) -> Path:
             {
                 "lab": lab,
                 "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+                "probe": round(probe_seconds, 4),  # (host_factor: this machine's speed then)
                 "cells": {k: round(v, 2) for k, v in sorted(seconds.items())},
             },
             indent=1,

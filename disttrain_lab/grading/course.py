@@ -303,10 +303,13 @@ def scores(lab: str, course: Path | None = None) -> dict[str, dict[str, float]]:
     return table
 
 
-def measure_cell_times(lab: str, *, source: Path | None = None, tmp_root: str | None = None) -> dict[str, float]:
+def measure_cell_times(
+    lab: str, *, source: Path | None = None, tmp_root: str | None = None
+) -> tuple[dict[str, float], float]:
     """Grade the solution of ``lab`` once, in a scratch course, under the plain cell limit, and
-    return its seconds per cell key (as RobustExecute measured them): what ``cell_times.record``
-    keeps for ``disttrain-lab release --time-cells``."""
+    return its seconds per cell key (as RobustExecute measured them) and the grader's probe as
+    that grading started (``cell_times.probe``): what ``cell_times.record`` keeps for
+    ``disttrain-lab release --time-cells``."""
     source = Path(source or source_dir())
     with tempfile.TemporaryDirectory(prefix="disttrain-cell-times-", dir=tmp_root) as scratch:
         scratch = Path(scratch)
@@ -336,7 +339,7 @@ def measure_cell_times(lab: str, *, source: Path | None = None, tmp_root: str | 
         if result.returncode != 0:
             raise RuntimeError(f"grading the solution of {lab} failed:\n{result.output[-3000:]}")
         notes = json.loads((course / "autograded" / "solution" / lab / NOTES_FILE).read_text())
-        return notes["cell_seconds"]
+        return notes["cell_seconds"], notes["probe"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -385,7 +388,7 @@ def cli_release(argv: list[str] | None = None) -> int:
                 for result in release([lab], course=args.course_dir, install_source=args.install_source):
                     print(f"released {lab} -> {folder / lab} ({result.seconds:.1f} s)")
             for lab in _track(labs if args.time_cells else [], "timing the solutions' cells"):
-                print(f"cell times of {lab}: {cell_times.record(lab, measure_cell_times(lab))}")
+                print(f"cell times of {lab}: {cell_times.record(lab, *measure_cell_times(lab))}")
             return 0
         stale = []
         with tempfile.TemporaryDirectory(prefix="disttrain-check-") as scratch:

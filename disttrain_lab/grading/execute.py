@@ -106,7 +106,10 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         self._output_bytes, self._output_capped = 0, False
         self._cell_seconds: dict[str, float] = {}  # this run's time per cell (recorded for the solution)
         lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
-        self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale) if lab else {}
+        self._probe = cell_times.probe()  # (this host's speed and load now; the solution's is recorded)
+        self._host_factor, host = cell_times.host_factor(lab, self._probe) if lab else (1.0, "")
+        self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale * self._host_factor) if lab else {}
+        self._host = host
         self._lab = lab
         self._prompts = prompt_numbers(nb)
         self._release_tests, self._uses_exercises = release_tests(lab)
@@ -307,7 +310,16 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         if path and os.path.isdir(path):
             with open(os.path.join(path, NOTES_FILE), "w") as f:
                 json.dump(
-                    {"notes": self._notes, "sandbox": self.sandbox, "cell_seconds": self._cell_seconds}, f, indent=1
+                    {
+                        "notes": self._notes,
+                        "sandbox": self.sandbox,
+                        "cell_seconds": self._cell_seconds,
+                        "probe": self._probe,
+                        "cell_limit_factor": self._host_factor,
+                        "cell_limit_host": self._host,
+                    },
+                    f,
+                    indent=1,
                 )
 
     # -- restart and replay ----------------------------------------------------------------

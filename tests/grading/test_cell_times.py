@@ -7,11 +7,14 @@ plain cell limit.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from disttrain_lab import grading
 from disttrain_lab.grading import cell_times
 from disttrain_lab.grading.course import measure_cell_times
+from disttrain_lab.grading.execute import NOTES_FILE
 from tests.grading.test_grading import FIXTURE_LIMITS, FIXTURES, Course, grade_id, submit, with_solution
 
 pytestmark = pytest.mark.timeout(1500)
@@ -20,9 +23,28 @@ pytestmark = pytest.mark.timeout(1500)
 def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path))
     assert cell_times.limits_for("lab") == {}  # never timed: the plain cell limit applies
-    cell_times.record("lab", {"quick": 0.5, "slow": 30.0})
+    cell_times.record("lab", {"quick": 0.5, "slow": 30.0}, 0.1)
     assert cell_times.limits_for("lab") == {"quick": cell_times.FLOOR, "slow": cell_times.FACTOR * 30}
     assert cell_times.limits_for("lab", scale=2) == {"quick": 2 * cell_times.FLOOR, "slow": 2 * cell_times.FACTOR * 30}
+
+
+def test_a_slower_or_busier_host_stretches_the_limits_by_its_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path))
+    assert cell_times.host_factor("lab", 0.1) == (1.0, "no probe recorded")  # never timed
+    here = cell_times.probe()
+    assert 0 < here < 10  # (about 0.1 s on a laptop)
+    record = cell_times.record("lab", {"quick": 0.5, "slow": 30.0}, here)
+    assert json.loads(record.read_text())["probe"] == round(here, 4)
+    kept = round(here, 4)
+    for now, factor in ((kept * 2, 2.0), (kept / 3, 1.0), (kept * 100, cell_times.HOST_MAX)):
+        got, said = cell_times.host_factor("lab", now)
+        assert got == pytest.approx(factor) and f"{kept:.3f} s where the times were recorded" in said
+    # what the grader does with it: the limits of a host twice as slow are twice as long
+    factor, _ = cell_times.host_factor("lab", kept * 2)
+    assert cell_times.limits_for("lab", factor) == {"quick": 2 * cell_times.FLOOR, "slow": 2 * cell_times.FACTOR * 30}
+    # a record from before the probe (no "probe" field): no stretch
+    record.write_text(json.dumps({"lab": "lab", "cells": {"quick": 0.5}}))
+    assert cell_times.host_factor("lab", kept * 2) == (1.0, "no probe recorded")
 
 
 @pytest.mark.slow
@@ -35,11 +57,10 @@ def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path,
         FIXTURES,
         dict(FIXTURE_LIMITS, cell_timeout=600, notebook_timeout=900, student_timeout=900),
     )
-    seconds = measure_cell_times("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
-    assert {"test_add", "test_mean", "test_scale"} <= seconds.keys()
-    cell_times.record("00_basics", seconds)
-    limit = cell_times.limits_for("00_basics")["test_mean"]
-    assert limit < 600
+    seconds, probe = measure_cell_times("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
+    assert {"test_add", "test_mean", "test_scale"} <= seconds.keys() and probe > 0
+    cell_times.record("00_basics", seconds, probe)
+    assert cell_times.limits_for("00_basics")["test_mean"] < 600
     course.do_release()
     submit(
         course.course,
@@ -55,6 +76,10 @@ def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path,
         "test_scale": 1.0,
         "total": 2.0,
     }
+    # the limit the grader gave: the record's, stretched by this host's probe at grading time
+    notes = json.loads((course.course / "autograded" / "spinner" / course.lab / NOTES_FILE).read_text())
+    assert 1 <= notes["cell_limit_factor"] <= cell_times.HOST_MAX, notes
+    limit = cell_times.limits_for("00_basics", notes["cell_limit_factor"])["test_mean"]
     [cell] = [c for c in course.autograded("spinner").cells if grade_id(c) == "test_mean"]
     text = "".join(o.get("evalue", "") + "".join(o.get("traceback", [])) for o in cell.outputs)
     assert f"longer than the {limit} s allowed" in text, text  # not the 600 s cell limit
