@@ -131,6 +131,11 @@ def pytest_collection_modifyitems(config, items):
 # weight of the one ``disttrain-lab`` node, which the kernel sets against each process of the
 # root group alone: under the suite's load (a dozen busy processes there) graded ranks got a
 # tenth of the CPU and ran past cell limits that hold on a grading host.
+# A worker's node weighs as four processes of the root group (v1 weighs a node against each
+# process there): a CPU-bound process beside the suite (the brief's loaded machine) then takes
+# about what it took when the workers' processes were each in the root group themselves,
+# instead of as much as a whole worker with its gradings.
+WORKER_SHARES = 4 * 1024
 _WORKER_NODE: list = []  # (the worker's cpu node, the cpu cgroup it came from)
 
 
@@ -154,6 +159,7 @@ def pytest_configure(config):
     own = cgroups.MOUNT / "cpu" / node / "self"
     try:
         own.mkdir(parents=True, exist_ok=True)
+        (own.parent / "cpu.shares").write_text(str(WORKER_SHARES))
         (own / "cgroup.procs").write_text(str(os.getpid()))
     except OSError as exc:
         print(f"tests: worker {worker} stays in its cpu cgroup ({exc})")
