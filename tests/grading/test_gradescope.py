@@ -18,7 +18,6 @@ sandboxes, unshare/setpriv/ss: elsewhere skipped with the reason.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -38,7 +37,6 @@ from nbgrader.api import Gradebook
 
 from disttrain_lab import cli, grading
 from disttrain_lab.grading import config, gradescope, run_container, sandbox, syscall_filter
-from tests.kit.test_commands import undocumented
 from tests.roundtrip import FIXTURE_LIMITS, FIXTURES, Course, load, round_trip, submit, with_solution
 
 LAB = "00_basics"
@@ -341,18 +339,8 @@ def test_in_gradescopes_container_it_refuses_by_default_and_grades_as_stated_in_
     assert not list(Path("/tmp").glob("kernel-*/work"))  # each kernel's own folder, removed
 
 
-def test_every_option_has_help_and_a_lab_never_released_is_refused(monkeypatch, capsys, tmp_path):
-    parsers, parse = [], argparse.ArgumentParser.parse_known_args
-
-    def seen(self, *args, **kwargs):
-        parsers.append(self)
-        return parse(self, *args, **kwargs)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", seen)
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["gradescope", "--help"])
-    assert exited.value.code == 0 and "usage: disttrain-lab gradescope" in capsys.readouterr().out
-    assert undocumented(parsers) == []
+def test_a_lab_never_released_is_refused(monkeypatch, capsys, tmp_path):
+    # (every option's help: tests/kit/test_commands.py, test_every_option_of_every_command_has_help)
     monkeypatch.setenv("DISTTRAIN_SOURCE_DIR", str(FIXTURES))
     out = tmp_path / "autograder.zip"
     assert cli.main(["gradescope", LAB, "--out", str(out), "--course-dir", str(tmp_path / "none")]) == 1

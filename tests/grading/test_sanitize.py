@@ -24,15 +24,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.api import Gradebook
-from nbgrader.converters import GenerateFeedback
-from nbgrader.coursedir import CourseDirectory
 from traitlets.config import Config
 
 from disttrain_lab import grading
-from disttrain_lab.grading.feedback_page import FeedbackPage, configure_exporter
 from disttrain_lab.grading.sanitize import TAGS, SanitizeStudentHTML, render_markdown
+from tests.grading.test_feedback_page import render
 
 MARK = "window.__pwned=1"
 PAYLOADS = {
@@ -338,22 +335,6 @@ def _formgrader_page(nb) -> str:
     return html
 
 
-def _feedback_page(nb, tmp_path) -> str:
-    """The feedback page: GenerateFeedback's exporter as configure() sets it (feedback_page.py: template
-    ``disttrain_feedback``, MathJax inlined for a page with a formula), with its preprocessors but for
-    the gradebook's (GetGrades, hidden tests)."""
-    config = Config()
-    config.GenerateFeedback.preprocessors = [CSSHTMLHeaderPreprocessor, FeedbackPage, SanitizeStudentHTML]
-    configure_exporter(config)
-    converter = GenerateFeedback(coursedir=CourseDirectory(root=str(tmp_path)), config=config)
-    exporter = converter.exporter_class(parent=converter, config=converter.config)  # as BaseConverter.start
-    for preprocessor in converter.preprocessors:
-        exporter.register_preprocessor(preprocessor)
-    ids = {"student": "s", "assignment": "lab", "notebook": "lab", "score": 0.0, "max_score": 1.0, "late_penalty": 0}
-    html, _ = exporter.from_notebook_node(nb, resources={"nbgrader": ids})
-    return html
-
-
 # the notebook's cells (both templates extend nbconvert's classic one: a cell is a `.cell`); the
 # page around them is nbgrader's (the formgrader's own `onclick`s, say)
 _CELLS_IN_PAGE = """() => {
@@ -381,7 +362,7 @@ def test_no_payload_runs_in_the_formgrader_or_the_feedback_page(tmp_path):
     start = time.monotonic()
     pages = {
         "formgrader": _formgrader_page(_browser_notebook()),
-        "feedback": _feedback_page(_browser_notebook(), tmp_path),
+        "feedback": render(_browser_notebook(), tmp_path),  # (the feedback page as configure() makes it)
     }
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)

@@ -304,7 +304,9 @@ def undocumented(parsers) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("command", [[], ["release"], ["grade"], ["grade", "merge"], ["export"]], ids=" ".join)
+@pytest.mark.parametrize(
+    "command", [[], ["release"], ["grade"], ["grade", "merge"], ["export"], ["gradescope"]], ids=" ".join
+)
 def test_every_option_of_every_command_has_help(command, monkeypatch, capsys):
     """Each parser the command builds (the top level holds bench's and every benchmark's), caught as it
     parses ``--help``."""
@@ -319,7 +321,7 @@ def test_every_option_of_every_command_has_help(command, monkeypatch, capsys):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", seen)
     with pytest.raises(SystemExit) as exited:
         cli.main([*command, "--help"])
-    assert exited.value.code == 0 and "usage: disttrain-lab" in capsys.readouterr().out
+    assert exited.value.code == 0 and "usage: " + " ".join(["disttrain-lab", *command]) in capsys.readouterr().out
     assert parsers and undocumented(parsers) == []
 
 
