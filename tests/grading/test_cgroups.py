@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from disttrain_lab.grading import cgroups
+from disttrain_lab.grading import cgroups, steps
 
 HOST = cgroups.host()
 ROOT = os.geteuid() == 0
@@ -211,8 +211,6 @@ def test_a_grader_without_root_and_without_delegation_gets_no_caps_and_is_told_h
 def test_a_steps_grader_side_has_a_cpu_node_beside_its_students_kernel(node):
     """steps.py: the nbgrader process joins ``<step>/grader`` before it runs anything, so the
     grader kernel it starts and the student's kernel (``<step>/kernel-N``) weigh the same."""
-    from disttrain_lab.grading import steps
-
     join, unjoined = steps._grader_node(node.relative)
     assert unjoined == "" and set(join) == {steps._JOIN}
     child = subprocess.run(
