@@ -33,17 +33,14 @@ def children(pid: int) -> list[int]:
 
 
 def kill(pids) -> None:
-    """SIGKILL each of ``pids`` that still runs, and reap those that are our children."""
+    """SIGKILL each of ``pids`` that still runs.  Reaping is the caller's: a child that a
+    ``subprocess.Popen`` holds must be reaped by its ``wait()``, or that reads exit status 0
+    (``steps._reap_orphans`` waits for the orphans it kills)."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
-    for pid in pids:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass  # not ours (a subreaper's orphan is, once re-parented)
 
 
 def kill_tree(pid: int) -> None:

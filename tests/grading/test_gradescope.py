@@ -74,7 +74,9 @@ def closed_above(path):
     return next((os.sep.join(parts[:i]) for i in range(2, len(parts)) if not os.stat(os.sep.join(parts[:i])).st_mode & 1), None)
 
 subprocess.run(["mount", "--make-rprivate", "/"], check=True)
-for kept in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}):
+# the interpreter, and the checkout the kit runs from (a clone below a 0700 folder: mktemp -d)
+checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(filter_path))))
+for kept in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), checkout}):
     top = closed_above(kept)
     if top:
         hold = f"/tmp/.gradescope-hold-{os.getpid()}"
