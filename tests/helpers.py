@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -74,6 +75,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def survivors(pids, within: float = 10.0) -> list[int]:
+    """Those of ``pids`` still running after waiting up to ``within`` seconds for all to exit.
+    A signalled process dies when it next runs, which on a loaded host can be a while after
+    the signal: check deaths with this, not after a fixed sleep."""
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [p for p in pids if alive(p)]
 
 
 def gpu_count() -> int:
