@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 
 from . import checks, exercise, integrity, memory, models, network, predictions, trace, viz, wire  # noqa: E402
 from .devices import device, doctor, plan  # noqa: E402
-from .launcher import LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
+from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
 from .pool import shutdown  # noqa: E402
 from .trace import Event, Run, region  # noqa: E402
@@ -42,6 +42,7 @@ __all__ = [
     "RankError",
     "RankDied",
     "LaunchTimeout",
+    "CollectiveMismatch",
     "TamperingError",
     "viz",
     "trace",

@@ -16,14 +16,31 @@ traceback, and the parent puts the real file name (e.g. IPython's cell file) bac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import os
 import traceback
 import types
 
 import cloudpickle
 
-__all__ = ["dumps", "code_key", "frames_of", "relocate"]
+__all__ = ["dumps", "code_key", "frames_of", "relocate", "is_internal", "is_library"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(maxsize=4096)
+def is_internal(filename: str) -> bool:
+    """Code of the kit itself (or cloudpickle's, which carries functions to the ranks)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR) or "cloudpickle" in filename
+
+
+@functools.lru_cache(maxsize=4096)
+def is_library(filename: str) -> bool:
+    """Code of the kit, torch or an installed package: not the student's."""
+    f = os.path.abspath(filename)
+    return is_internal(f) or f"{os.sep}torch{os.sep}" in f or f"{os.sep}site-packages{os.sep}" in f
 
 
 def code_key(code: types.CodeType) -> str:

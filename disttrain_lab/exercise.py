@@ -35,7 +35,7 @@ import torch
 
 from . import pool, wire
 from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
-from .launcher import LaunchError, LaunchTimeout, RankError, launch
+from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankError, launch
 from .network import Network
 from .trace import Run, region, to_events
 
@@ -238,6 +238,8 @@ def _record(name: str, target: str | dict, world_size: int, inputs: list, option
         )
         pids = pool.worker_pids()[:world_size]
         after = wire.snapshot() if before is not None else None
+    except CollectiveMismatch as exc:  # seen at once: not a hang (nothing to remember, nothing to skip)
+        return _error("ExerciseError", f"{name} failed on the ranks:\n{exc}")
     except LaunchTimeout as exc:
         error = _error("ExerciseTimeout", f"{name} did not finish within {within} on every rank:\n{exc}")
         # the functions the stuck ranks were in, innermost first, those of ranks stuck outside torch's

@@ -50,7 +50,7 @@ from .devices import MAX_WORLD_SIZE, Plan, device, plan, resolve_device
 from .integrity import TamperingError
 from .network import Network
 from .pool import shutdown
-from .reports import LaunchError, LaunchTimeout, RankDied, RankError
+from .reports import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankError
 
 DEFAULT_TIMEOUT = 60.0  # seconds a launch may take before it is stopped
 
@@ -64,6 +64,7 @@ __all__ = [
     "RankError",
     "RankDied",
     "LaunchTimeout",
+    "CollectiveMismatch",
     "TamperingError",
 ]
 
@@ -144,6 +145,8 @@ def launch(
     timeout, capped = hangs.capped(timeout)  # under grading: the launch reports a hang before the cell's limit
     try:
         results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
+    except CollectiveMismatch:
+        raise  # seen at once, whatever the timeout: not a hang to remember
     except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
         hangs.remember_hang(exc)
         if capped is None:

@@ -35,11 +35,11 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import codemap, trace
+from . import codemap, ledger, trace
 from .devices import Plan
 from .integrity import TamperingError
 from .network import Network
-from .reports import LaunchError, RankDied, rank_doing, rank_error, stack_frames, timeout_error
+from .reports import LaunchError, died_error, mismatch_error, rank_doing, rank_error, stack_frames, timeout_error
 from .worker import STACK_SIGNAL, STARTUP_TIMEOUT, worker_main
 
 __all__ = ["run", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
@@ -48,6 +48,8 @@ MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
 # seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
 # sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
 PROGRESS_WINDOW = 0.25
+# a rank inside a collective this long has its call compared with the other ranks' (ledger.py)
+MISMATCH_AFTER = 1.0
 
 _POOL: _Pool | None = None
 _POOL_LOCK = threading.RLock()
@@ -158,7 +160,7 @@ class _Pool:
                 pid, _ = os.waitpid(w.pid, os.WNOHANG)
             except ChildProcessError:
                 return False
-            if pid:
+            if pid or _dying(w.pid):
                 return False
         return True
 
@@ -284,14 +286,19 @@ class _Pool:
         replies: dict[int, tuple] = {}
         by_conn = {w.conn.fileno(): w for w in workers}
         by_out = {w.out_fd: w for w in workers}
+        next_look = 0.0
         try:
             while len(replies) < len(workers):
-                left = deadline_pc - time.perf_counter()
+                now = time.perf_counter()
+                left = deadline_pc - now
                 if left <= 0:
                     self._relay_all()
                     self._timeout(workers, replies, timeout)
+                if now >= next_look:
+                    next_look = now + MISMATCH_AFTER / 4
+                    self._compare_ledgers(workers, replies, now)
                 pending = [fd for fd, w in by_conn.items() if w.rank not in replies]
-                ready, _, _ = select.select(pending + list(by_out), [], [], min(left, 1.0))
+                ready, _, _ = select.select(pending + list(by_out), [], [], min(left, MISMATCH_AFTER / 4))
                 for fd in ready:
                     if fd in by_out:
                         self._relay(by_out[fd])
@@ -302,7 +309,7 @@ class _Pool:
                     except (EOFError, OSError, ConnectionError):
                         reply = None  # raised below, not in here: the EOFError is not the student's news
                     if reply is None:
-                        self._rank_died(w, workers)
+                        self._rank_died(w, workers, replies)
                     if reply[0] == "error":
                         self._relay_all()
                         self.close()
@@ -330,31 +337,60 @@ class _Pool:
         return replies
 
     # ---- failures ---------------------------------------------------------------------
-    def _rank_died(self, w: _Worker, workers: list[_Worker]):
+    def _states(self, workers: list[_Worker], replies: dict) -> dict:
+        """What each rank is in: "finished", the call it is blocked in, or None (running Python)."""
+        return {w.rank: "finished" if w.rank in replies else trace.read_status(self.status, w.rank) for w in workers}
+
+    def _compare_ledgers(self, workers: list[_Worker], replies: dict, now: float, dead: tuple = ()) -> None:
+        """Stop the launch with the ranks' calls if a rank inside a collective for MISMATCH_AFTER
+        seconds entered it unlike the others (ledger.py).  ``dead``: (rank, what happened to it)
+        of a rank that died inside a collective: then it and every rank inside one are compared."""
+        __tracebackhide__ = True
+        states = self._states(workers, replies)
+        stuck = [
+            r
+            for r, s in states.items()
+            if isinstance(s, trace.Blocked)
+            and s.op.split(":")[-1] in trace.COLLECTIVE_OPS
+            and (dead or now - s.since >= MISMATCH_AFTER)
+        ]
+        if not stuck:
+            return
+        found = ledger.find_mismatch(self.status, [w.rank for w in workers], stuck, sorted(replies))
+        if found is None:
+            return
+        self._relay_all()
+        # (after a death the others are ending too: their stacks would say where they went next)
+        stacks = {} if dead else self._stacks([w for w in workers if w.rank not in replies])
+        self.close()
+        if dead:
+            states[dead[0]] = f"{dead[1]} inside {states[dead[0]].text}"
+        raise mismatch_error(found, states, now, stacks)
+
+    def _rank_died(self, w: _Worker, workers: list[_Worker], replies: dict):
         __tracebackhide__ = True
         self._relay_all()
         code = self._reap(w)
+        blocked = trace.read_status(self.status, w.rank)  # the call it died in, if any
+        frames = stack_frames(self._read_crash(w))  # faulthandler's report of a fatal signal
+        if code is not None and code < 0 and signal.Signals(-code).name == "SIGABRT" and blocked is not None:
+            # gloo aborts a rank whose collective receives a message of another size than it expects
+            self._compare_ledgers(workers, replies, time.perf_counter(), (w.rank, "its process was aborted (SIGABRT)"))
         self.close()
-        if code is not None and code < 0:
-            sig = signal.Signals(-code).name
-            hint = {
-                "SIGABRT": "abort() was called (os.abort, or a C++ assertion)",
-                "SIGSEGV": "it crashed (segmentation fault)",
-                "SIGKILL": "it was killed, often for using too much memory",
-            }.get(sig, "")
-            how = f"was killed by {sig}" + (f": {hint}" if hint else "")
-        else:
-            how = f"exited with code {code}" + (
-                " (os._exit or sys.exit inside the rank?)"
-                if code
-                else " before returning a value (os._exit(0) inside the rank?)"
-            )
-        others = ", ".join(str(o.rank) for o in workers if o is not w)
-        raise RankDied(
-            f"rank {w.rank} ended without returning: its process {how}. The other ranks ({others}) were stopped.",
-            w.rank,
-            code,
-        )
+        raise died_error(w.rank, code, blocked, frames, [o.rank for o in workers if o is not w])
+
+    def _read_crash(self, w: _Worker) -> str:
+        """What the rank's faulthandler wrote on its stack pipe when a fatal signal killed it."""
+        text = b""
+        for _ in range(64):
+            try:
+                chunk = os.read(w.stack_fd, 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            text += chunk
+        return text.decode(errors="replace")
 
     def _timeout(self, workers: list[_Worker], replies: dict, timeout: float):
         __tracebackhide__ = True
@@ -486,6 +522,24 @@ class _Pool:
         if self.status_fd is not None:
             os.close(self.status_fd)
             self.status_fd = None
+
+
+def _dying(pid: int) -> bool:
+    """True for a process that a SIGKILL is pending for, or that is exiting: its main thread
+    is a zombie while its other threads (gloo's) still end, when waitpid cannot reap it yet."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    except OSError:
+        return False  # no /proc (macOS): waitpid alone
+    state = fields.get(b"State", b"").strip()[:1]
+    pending = 0
+    for key in (b"SigPnd", b"ShdPnd"):
+        try:
+            pending |= int(fields.get(key, b"0").strip() or b"0", 16)
+        except ValueError:
+            pass
+    return state in (b"Z", b"X") or bool(pending & (1 << (signal.SIGKILL - 1)))
 
 
 @atexit.register

@@ -9,10 +9,10 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import signal
 
 from . import trace
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+from .codemap import is_internal, is_library
 
 
 class LaunchError(RuntimeError):
@@ -67,13 +67,15 @@ class LaunchTimeout(LaunchError):
         self.blocked, self.stacks = blocked, stacks or {}
 
 
-def _is_internal(filename: str) -> bool:
-    return os.path.abspath(filename).startswith(_PACKAGE_DIR) or "cloudpickle" in filename
+class CollectiveMismatch(LaunchTimeout):
+    """Ranks called a collective in ways that cannot match (another op, size, dtype or root,
+    or some ranks never call it), seen in the ranks' ledgers (``ledger.py``) and stopped at once:
+    the launch would have waited until its timeout (or gloo aborted a rank), so it is a
+    ``LaunchTimeout`` that came early.  ``mismatch``: each rank's call."""
 
-
-def _is_library(filename: str) -> bool:
-    f = os.path.abspath(filename)
-    return _is_internal(f) or f"{os.sep}torch{os.sep}" in f or f"{os.sep}site-packages{os.sep}" in f
+    def __init__(self, message: str, blocked: dict[int, str], stacks: dict, mismatch):
+        super().__init__(message, blocked, stacks)
+        self.mismatch = mismatch
 
 
 def _cell_name(filename: str) -> str:
@@ -100,9 +102,9 @@ def _format_frames(frames: list[tuple]) -> str:
 
 
 def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
-    frames = [f for f in info["frames"] if not _is_internal(f[0])]
+    frames = [f for f in info["frames"] if not is_internal(f[0])]
     # end at the student's own line: drop trailing frames inside torch / site-packages
-    while len(frames) > 1 and _is_library(frames[-1][0]) and not all(_is_library(f[0]) for f in frames):
+    while len(frames) > 1 and is_library(frames[-1][0]) and not all(is_library(f[0]) for f in frames):
         frames.pop()
     shown = _format_frames(frames)
     if "initialize the default process group twice" in info["message"]:
@@ -127,7 +129,7 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
     )
     if others:
         message += f"\n\n(The other ranks, {', '.join(map(str, others))}, were stopped.)"
-    full = _format_frames([f for f in info["frames"] if not _is_internal(f[0])])
+    full = _format_frames([f for f in info["frames"] if not is_internal(f[0])])
     return RankError(message, rank, info["type"], info["message"], full)
 
 
@@ -145,7 +147,7 @@ def stack_frames(text: str) -> list[tuple[str, int]]:
             continue
         if found["name"] == "_run_job" and os.path.basename(found["file"]) == "worker.py":
             frames = []  # what ran the job: the launched function's frames come after it
-        elif not _is_library(found["file"]):
+        elif not is_library(found["file"]):
             frames.append((found["name"], int(found["line"])))
     return frames
 
@@ -171,6 +173,40 @@ def rank_doing(
     return doing + (", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else "")
 
 
+def died_error(rank: int, code: int | None, blocked, frames: list[tuple[str, int]], others: list[int]) -> RankDied:
+    """The error of a rank whose process ended without returning: ``code`` its exit status
+    (negative: the signal), ``blocked`` the torch.distributed call it was in (or None), ``frames``
+    where in the student's code (``stack_frames`` of its crash report)."""
+    where = ", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else ""
+    if code is not None and code < 0:
+        sig = signal.Signals(-code).name
+        hint = {
+            "SIGABRT": "abort() was called (os.abort, or a C++ assertion)",
+            "SIGSEGV": "it crashed (segmentation fault)",
+            "SIGKILL": "it was killed, often for using too much memory",
+        }.get(sig, "")
+        if sig == "SIGABRT" and blocked is not None:
+            hint = (
+                f"gloo aborted it inside {blocked.text}{where}: gloo aborts a rank that receives a message "
+                "of another size than its tensor (a send and its recv, or the ranks of a collective, must "
+                "use tensors of the same size and dtype)"
+            )
+            where = ""
+        how = f"was killed by {sig}" + (f": {hint}" if hint else "")
+    else:
+        how = f"exited with code {code}" + (
+            " (os._exit or sys.exit inside the rank?)"
+            if code
+            else " before returning a value (os._exit(0) inside the rank?)"
+        )
+    return RankDied(
+        f"rank {rank} ended without returning: its process {how}{where}. "
+        f"The other ranks ({', '.join(map(str, others))}) were stopped.",
+        rank,
+        code,
+    )
+
+
 def timeout_error(
     states: dict,
     now: float,
@@ -194,6 +230,25 @@ def timeout_error(
     lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
     lines.append(diagnose(states, calls, stacks, window))
     return LaunchTimeout("\n".join(lines), blocked, stacks)
+
+
+def mismatch_error(
+    mismatch, states: dict, now: float, stacks: dict | None = None, died: str = ""
+) -> CollectiveMismatch:
+    """The error of ranks whose ledgers do not match (``ledger.Mismatch``), with what each rank
+    was doing when they were stopped (``states``, as for :func:`timeout_error`); ``died``: how a
+    rank that ended meanwhile ended (gloo aborts a rank that receives a message of another size)."""
+    stacks = {rank: frames for rank, frames in (stacks or {}).items() if frames}
+    blocked = {
+        r: s if isinstance(s, str) else rank_doing(s, now, stacks.get(r)) for r, s in states.items()
+    }  # (a str: "finished", or how a rank ended)
+    lines = [mismatch.message(), ""]
+    lines.append(
+        "All ranks were stopped as soon as this was seen (gloo does not check: the ranks would have waited "
+        "until the timeout, or gloo aborted one):"
+    )
+    lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
+    return CollectiveMismatch("\n".join(lines), blocked, stacks, mismatch)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -280,6 +335,16 @@ def diagnose(states: dict, calls: dict[int, int] | None = None, stacks: dict | N
             "matching receive).  Order the calls so that each send meets a receive, or use isend/irecv."
         )
     collectives = {kind(s) for s in waiting.values()} - {"recv", "send"}
+    groups = {s.group for s in waiting.values() if kind(s) in collectives}
+    if collectives and len(groups) > 1:
+        where = "; ".join(
+            f"rank {r} in {'the whole world' if s.group is None else 'group ' + str(list(s.group))}"
+            for r, s in sorted(waiting.items())
+        )
+        return (
+            f"The ranks wait in collectives of different groups ({where}): every rank of a group must call "
+            "the same collectives in the same order (this one calls them on another group first)."
+        )
     if collectives and (finished or len(kinds) > 1):
         return (
             "Some ranks are inside a collective that other ranks did not call (or called in another "

@@ -5,7 +5,8 @@ enters (``write_status``) and clears it when the call returns, so a launch that 
 say ``rank 0: recv(src=1) for 30 s`` (``read_status``).  It also counts the calls a rank has
 entered (``read_calls``): read twice, a moment apart, the count tells a rank that is still
 making calls (a loop that never ends) from one stuck in a call (a deadlock).
-Layout per rank: [float64 since][uint64 calls][uint16 length][utf-8 text]; since == 0 means idle.
+Layout per rank: [float64 since][uint64 calls][uint16 length][utf-8 text]; since == 0 means idle;
+after the first ``TEXT_BYTES``, the rank's ledger of its last collectives (``ledger.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 from .events import describe_call
 
-SLOT_BYTES = 256
+SLOT_BYTES = 1024  # per rank
+TEXT_BYTES = 256  # of which the status (the rest: ledger.py's)
 _HEAD = struct.Struct("=dQH")  # since, calls entered so far, length of the text
 
 
@@ -28,7 +30,7 @@ def write_status(buf, rank: int, text: str | None) -> None:
     if text is None:
         _HEAD.pack_into(buf, off, 0.0, calls, length)
         return
-    raw = text.encode()[: SLOT_BYTES - _HEAD.size]
+    raw = text.encode()[: TEXT_BYTES - _HEAD.size]
     buf[off + _HEAD.size : off + _HEAD.size + len(raw)] = raw
     _HEAD.pack_into(buf, off, time.perf_counter(), calls + 1, len(raw))
 
@@ -47,6 +49,7 @@ class Blocked:
     tag: int
     text: str  # human form: "recv(src=1, 16 B)"
     since: float  # perf_counter when it started
+    group: tuple[int, ...] | None = None  # the ranks of its group; None: the whole world
 
 
 def status_text(op: str, peer, tag, nbytes, group) -> str:
@@ -68,6 +71,6 @@ def read_status(buf, rank: int) -> Blocked | None:
         text = describe_call(op.split(":")[-1], peer, int(tag), int(nbytes), group)
         if op.startswith("wait:"):
             text = f"wait on {text}"
-        return Blocked(op, peer, int(tag), text, since)
+        return Blocked(op, peer, int(tag), text, since, group)
     except ValueError:
         return Blocked("?", None, 0, raw, since)

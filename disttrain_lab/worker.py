@@ -61,12 +61,15 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int, st
     # the kernel's sys.stdout talks to Jupyter through a thread that a fork does not copy
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, errors="backslashreplace")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, errors="backslashreplace")
-    if faulthandler.is_enabled():
+    if stack_fd is not None:
+        # asked (timeout), the stack goes to the launcher, also from inside C++; and so does it
+        # when a fatal signal kills the rank (a C++ abort, a crash): the launcher names the line
+        faulthandler.register(STACK_SIGNAL, file=stack_fd, all_threads=False)
+        faulthandler.enable(file=stack_fd, all_threads=True)
+    elif faulthandler.is_enabled():
         # inherited from the parent (pytest enables it on its own copy of the terminal): a
         # rank's crash report goes to the rank's relayed stderr, like everything it prints
         faulthandler.enable(file=sys.stderr)
-    if stack_fd is not None:  # asked (timeout), the stack goes to the launcher, also from inside C++
-        faulthandler.register(STACK_SIGNAL, file=stack_fd, all_threads=False)
     import torch
 
     global _FORKED
