@@ -38,8 +38,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FunctionType
+from types import FunctionType, ModuleType
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
@@ -88,6 +89,37 @@ def _validate(fn, world_size, timeout, network=None) -> None:
             f"network must be a dl.Network (e.g. dl.Network.preset('1 Gbit Ethernet')) or None "
             f"(the real links), got {type(network).__name__} {network!r}"
         )
+
+
+def _pickled(fn, args: tuple, kwargs: dict) -> tuple[bytes, dict[str, str]]:
+    """``codemap.dumps((fn, args, kwargs))``; what cannot be pickled is named, with the rule."""
+    __tracebackhide__ = True
+    try:
+        return codemap.dumps((fn, args, kwargs))
+    except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        error = exc
+
+    def fails(obj) -> bool:
+        try:
+            cloudpickle.dumps(obj)
+        except Exception:
+            return True
+        return False
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+    culprits = [f"argument {i + 1} ({type(a).__name__})" for i, a in enumerate(args) if fails(a)]
+    culprits += [f"the argument {k}= ({type(v).__name__})" for k, v in kwargs.items() if fails(v)]
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if not culprits and code is not None:
+        used = [n for n in code.co_names if n in scope and not isinstance(scope[n], ModuleType)]
+        culprits = [f"the variable {n} ({type(scope[n]).__name__}) that {name} uses" for n in used if fails(scope[n])]
+    what = " and ".join(culprits) if culprits else f"the function {name} (or something it uses)"
+    raise TypeError(
+        f"dl.launch cannot send {what} to the ranks: {type(error).__name__}: {error}.  dl.launch sends the "
+        "function and its arguments to every rank's process by pickling them (cloudpickle); locks, open "
+        "files, sockets, threads and generators cannot be pickled.  Pass the data they hold, or create "
+        "them inside the function."
+    ) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -141,7 +173,7 @@ def launch(
     with hangs.stubbed(hangs.hung_before()) as stubs:  # (pickled now: the ranks get what is defined now)
         fn = stubs.get(fn, fn) if isinstance(fn, FunctionType) else fn
         args = tuple(stubs.get(a, a) if isinstance(a, FunctionType) else a for a in args)
-        payload, where = codemap.dumps((fn, args, kwargs))  # where: each code's real cell, for tracebacks
+        payload, where = _pickled(fn, args, kwargs)  # where: each code's real cell, for tracebacks
     timeout, capped = hangs.capped(timeout)  # under grading: the launch reports a hang before the cell's limit
     try:
         results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -372,6 +373,33 @@ def test_sys_exit_in_a_rank_is_an_error_not_a_silent_death():
         dl.launch(exits, 2)
 
 
+# a function of a notebook (of __main__: cloudpickle sends it by value, with the globals it uses)
+_NOTEBOOK = {"__name__": "__main__", "threading": threading, "dist": dist}
+exec(
+    textwrap.dedent("""
+        lock = threading.Lock()
+        def uses_the_lock():
+            with lock:
+                return dist.get_rank()
+    """),
+    _NOTEBOOK,
+)
+
+
+def test_an_unpicklable_argument_or_global_is_named_with_the_rule():
+    start = time.perf_counter()
+    with pytest.raises(TypeError) as err:
+        dl.launch(add, 2, 1, y={"lock": threading.Lock()})
+    text = str(err.value)
+    assert "dl.launch cannot send the argument y= (dict) to the ranks" in text, text
+    assert "cannot pickle '_thread.lock'" in text and "by pickling them" in text and "inside the function" in text
+    with pytest.raises(TypeError) as err:
+        dl.launch(_NOTEBOOK["uses_the_lock"], 2)
+    assert "cannot send the variable lock (lock) that uses_the_lock uses" in str(err.value), str(err.value)
+    assert time.perf_counter() - start < 10  # refused before any rank starts
+    assert dl.launch(add, 2, 1, y=2) == [3, 4]
+
+
 def test_unpicklable_return_value_is_explained():
     with pytest.raises(dl.RankError, match="cannot be sent back"):
         dl.launch(lambda: (x for x in range(3)), 2)
@@ -554,8 +582,6 @@ def test_an_idle_worker_that_died_is_replaced():
 
 
 def test_launch_from_a_thread_then_from_the_main_thread():
-    import threading
-
     pool.shutdown()  # so the thread forks the ranks
     out = []
     worker = threading.Thread(target=lambda: out.append((dl.launch(rank_times_ten, 2), pool.worker_pids())))
