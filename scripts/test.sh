@@ -28,7 +28,8 @@ export PATH="$PWD/$VENV/bin:$PATH"   # nbgrader shells out to alembic and jupyte
 # grading run shared by many assertions, are made once), and a lab's tests in test_grading.py join
 # its own file's, which read the same round trip (tests/conftest.py marks each test's unit as an
 # xdist_group); the longest units first (xdist would otherwise hand out those with most tests first).
-"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
+# the 25 slowest tests are listed at the end: where a run's time went (tests/conftest.py's SECONDS)
+"$VENV/bin/python" -m pytest -n "${DISTTRAIN_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder --durations=25 "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
     echo "pytest collected no tests"   # exit 5: nothing to run is not a failure of the kit
