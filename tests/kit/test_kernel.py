@@ -42,6 +42,14 @@ CELLS = [
     "def outer():\n    def inner():\n        raise ValueError('inner broke')\n    return inner()\ndl.launch(outer, 2)",
     "class Model:\n    def go(self):\n        return {}['missing']\ndl.launch(Model().go, 2)",
     "def ping_pong():\n    # YOUR CODE HERE\n    raise NotImplementedError()\ndl.launch(ping_pong, 2)",
+    # mistakes named in the kernel itself: a stub called in a cell, a method stub, dist.* outside a launch
+    "def bubble(p, m):\n    # YOUR CODE HERE\n    raise NotImplementedError()\nbubble(4, 8)",
+    "class Zero2Optimizer:\n    def __init__(self, params):\n        # YOUR CODE HERE\n        raise NotImplementedError()\n"
+    "Zero2Optimizer([])",
+    "dist.get_rank()",
+    # ... and on the ranks: collectives that cannot match, an argument that cannot travel
+    "def sizes():\n    t = torch.ones(4 if dist.get_rank() == 0 else 3)\n    dist.all_reduce(t)\ndl.launch(sizes, 2)",
+    "import threading\nlock = threading.Lock()\ndef locked():\n    with lock:\n        return 1\ndl.launch(locked, 2)",
 ]
 
 
@@ -76,6 +84,22 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
     assert "Cell In[9], line 3, in go\n    return {}['missing']" in error(8)
     assert "ping_pong is not written yet (Cell In[10], line 3 still raises the stub's NotImplementedError)" in error(9)
     assert "Cell In[10], line 3, in ping_pong\n    raise NotImplementedError()" in error(9)
+    assert error(10).startswith("bubble is not written yet (Cell In[11], line 3 still raises the stub's"), error(10)
+    assert error(11).startswith("Zero2Optimizer.__init__ is not written yet (Cell In[12], line 4"), error(11)
+    assert "outside a launch" in error(12) and "dl.launch(hello, 4)" in error(12), error(12)
+    assert "Default process group has not been initialized" in error(12)  # torch's own words stay
+    assert "with different sizes" in error(
+        13
+    ) and "rank 1: all_reduce(3 elements, float32), in sizes (line 3)" in error(13)
+    assert "cannot send the variable lock (lock) that locked uses" in error(14), error(14)
+    enames = [[o.ename for o in outputs[i] if o.output_type == "error"] for i in range(10, 15)]
+    assert enames == [
+        ["NotImplementedError"],
+        ["NotImplementedError"],
+        ["ValueError"],
+        ["CollectiveMismatch"],
+        ["TypeError"],
+    ]
 
 
 @pytest.mark.slow
@@ -111,3 +135,22 @@ def test_interrupting_the_kernel_stops_every_rank():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.slow
+def test_a_kernels_own_exception_handler_is_kept():
+    # Colab and other front ends may install IPython's one custom exception handler: the kit's
+    # hints (disttrain_lab/hints.py) then stay out, and errors read as Python's own
+    cells = [
+        "get_ipython().set_custom_exc((KeyError,), lambda self, *a, **k: print('theirs'))",
+        "import disttrain_lab as dl\nprint(get_ipython().custom_exceptions)",
+        "def stub():\n    raise NotImplementedError()\nstub()",
+        "{}['x']",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    out = [c.outputs for c in nb.cells]
+    assert "(<class 'KeyError'>,)" in "".join(o.get("text", "") for o in out[1])
+    (err,) = [o for o in out[2] if o.output_type == "error"]
+    assert err.ename == "NotImplementedError" and err.evalue == ""
+    assert "theirs" in "".join(o.get("text", "") for o in out[3])

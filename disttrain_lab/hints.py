@@ -1,0 +1,82 @@
+"""What the notebook adds to two errors a student meets in a cell, outside the ranks.
+
+- A lab's stub called in the kernel (a local self-check, a prediction's function): nbgrader's
+  release leaves ``raise NotImplementedError()`` with no message, which names nothing; the
+  error then says which function or method is not written yet, and in which cell and line.
+- ``torch.distributed`` called in a cell, outside a launch: torch advises to call
+  ``init_process_group``, which is wrong advice in this kit; the error then says how to run
+  it (inside the function ``dl.launch`` runs on every rank).
+
+A rank's errors get the same treatment in ``reports.py`` (they come back as data).  Both
+hints are IPython's custom exception handler (``shell.set_custom_exc``), installed when
+``disttrain_lab`` is imported in an IPython kernel that has no handler of its own (Colab
+and others may install one: theirs is kept, and the errors stay torch's and Python's).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+from .codemap import is_library
+
+NOT_INITIALIZED = "Default process group has not been initialized"
+OUTSIDE_A_LAUNCH = (
+    "torch.distributed was called in a cell, outside a launch.  In this kit, torch.distributed calls run "
+    "inside the function you launch: dl.launch(fn, world_size) starts world_size ranks, sets up the "
+    "process group on each and runs fn there (do not call dist.init_process_group yourself).  For example:\n"
+    "    def hello():\n"
+    "        return dist.get_rank()\n"
+    "    dl.launch(hello, 4)   # [0, 1, 2, 3]"
+)
+
+
+def _cell(filename: str) -> str:
+    shell = _shell()
+    count = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename) if shell else None
+    return f"Cell In[{count}]" if count is not None else f'File "{filename}"'
+
+
+def hint(exc: BaseException) -> str | None:
+    """The message ``exc`` should carry in a notebook, or None to leave it as it is."""
+    if type(exc) is NotImplementedError and not exc.args and exc.__traceback__ is not None:
+        frames = [f for f in traceback.walk_tb(exc.__traceback__) if not is_library(f[0].f_code.co_filename)]
+        if not frames:
+            return None
+        frame, line = frames[-1]
+        code = frame.f_code
+        name = getattr(code, "co_qualname", code.co_name)
+        return (
+            f"{name} is not written yet ({_cell(code.co_filename)}, line {line} still raises the stub's "
+            "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
+            "then run this one again."
+        )
+    if isinstance(exc, ValueError) and exc.args and NOT_INITIALIZED in str(exc.args[0]):
+        return f"{exc.args[0]}\n\n{OUTSIDE_A_LAUNCH}"
+    return None
+
+
+def _handler(shell, etype, value, tb, tb_offset=None):
+    """IPython's custom exception handler: the usual traceback, with the hint as the message
+    (the handler shows it: IPython's ``run_code`` drops what a handler returns)."""
+    better = hint(value)
+    if better is not None:
+        value.args = (better,)
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+
+
+def _shell():
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
+def install() -> bool:
+    """Give the kernel's shell the hints; False where there is no IPython shell, or it has a
+    custom exception handler already (which is kept)."""
+    shell = _shell()
+    if shell is None or not hasattr(shell, "set_custom_exc"):
+        return False
+    if shell.custom_exceptions and shell.custom_exceptions != (NotImplementedError, ValueError):
+        return False
+    shell.set_custom_exc((NotImplementedError, ValueError), _handler)
+    return True
