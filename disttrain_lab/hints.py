@@ -1,4 +1,4 @@
-"""What the notebook adds to two errors a student meets in a cell, outside the ranks.
+"""What the notebook adds to errors a student meets in a cell.
 
 - A lab's stub called in the kernel (a local self-check, a prediction's function): nbgrader's
   release leaves ``raise NotImplementedError()`` with no message, which names nothing; the
@@ -6,6 +6,8 @@
 - ``torch.distributed`` called in a cell, outside a launch: torch advises to call
   ``init_process_group``, which is wrong advice in this kit; the error then says how to run
   it (inside the function ``dl.launch`` runs on every rank).
+- A launch that failed in a cell that had made a figure to draw its run in: the figure is
+  still empty, and the notebook would show its bare axes under the error; it is closed.
 
 A rank's errors get the same treatment in ``reports.py`` (they come back as data).  Both
 hints are IPython's custom exception handler (``shell.set_custom_exc``), installed when
@@ -19,6 +21,7 @@ import sys
 import traceback
 
 from .codemap import is_library
+from .reports import LaunchError
 
 NOT_INITIALIZED = "Default process group has not been initialized"
 OUTSIDE_A_LAUNCH = (
@@ -56,12 +59,32 @@ def hint(exc: BaseException) -> str | None:
     return None
 
 
+def close_empty_figures() -> list[int]:
+    """Close the open matplotlib figures with nothing drawn on any of their axes (a notebook's
+    inline backend shows a cell's open figures after it, under its error); their numbers."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return []
+    closed = []
+    for number in plt.get_fignums():
+        fig = plt.figure(number)
+        if fig.axes and not any(ax.has_data() or ax.texts or ax.artists for ax in fig.axes):
+            plt.close(fig)
+            closed.append(number)
+    return closed
+
+
+HANDLED = (NotImplementedError, ValueError, LaunchError)
+
+
 def _handler(shell, etype, value, tb, tb_offset=None):
     """IPython's custom exception handler: the usual traceback, with the hint as the message
     (the handler shows it: IPython's ``run_code`` drops what a handler returns)."""
     better = hint(value)
     if better is not None:
         value.args = (better,)
+    if isinstance(value, LaunchError):
+        close_empty_figures()
     shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
 
@@ -76,7 +99,7 @@ def install() -> bool:
     shell = _shell()
     if shell is None or not hasattr(shell, "set_custom_exc"):
         return False
-    if shell.custom_exceptions and shell.custom_exceptions != (NotImplementedError, ValueError):
+    if shell.custom_exceptions and shell.custom_exceptions != HANDLED:
         return False
-    shell.set_custom_exc((NotImplementedError, ValueError), _handler)
+    shell.set_custom_exc(HANDLED, _handler)
     return True

@@ -50,6 +50,9 @@ CELLS = [
     # ... and on the ranks: collectives that cannot match, an argument that cannot travel
     "def sizes():\n    t = torch.ones(4 if dist.get_rank() == 0 else 3)\n    dist.all_reduce(t)\ndl.launch(sizes, 2)",
     "import threading\nlock = threading.Lock()\ndef locked():\n    with lock:\n        return 1\ndl.launch(locked, 2)",
+    # a figure made to draw a run in, when the launch fails: no bare axes under the error; one drawn on stays
+    "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\ndef boom():\n    raise KeyError('x')\ndl.launch(boom, 2)",
+    "fig, ax = plt.subplots()\nax.plot([1, 2])\ndl.launch(boom, 2)",
 ]
 
 
@@ -92,6 +95,8 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
         13
     ) and "rank 1: all_reduce(3 elements, float32), in sizes (line 3)" in error(13)
     assert "cannot send the variable lock (lock) that locked uses" in error(14), error(14)
+    kinds = [[o.output_type for o in outputs[i]] for i in (15, 16)]
+    assert kinds == [["error"], ["error", "display_data"]], kinds
     enames = [[o.ename for o in outputs[i] if o.output_type == "error"] for i in range(10, 15)]
     assert enames == [
         ["NotImplementedError"],
