@@ -68,6 +68,7 @@ def rounded(value: float, sig: int = SIG) -> str:
 
 def _values(name: str, value, cases: Sequence[tuple] | None) -> list[float]:
     """The numbers a prediction stands for: the value itself, or a function's value at each case."""
+    __tracebackhide__ = True  # IPython: a student's error in the prediction ends at their line
     if value is None or value is Ellipsis:  # left blank, a number or a function alike
         _number(value, name)
     if cases is None:
@@ -76,12 +77,16 @@ def _values(name: str, value, cases: Sequence[tuple] | None) -> list[float]:
         return [_number(value, name)]
     if not callable(value):
         raise PredictionError(f"{name} should be a function of {len(cases[0])} arguments, got {type(value).__name__}")
-    return [_number(value(*args), f"{name}{tuple(args)}") for args in cases]
+    numbers = []
+    for args in cases:  # (a loop, not a comprehension: its frame would show in the traceback)
+        numbers.append(_number(value(*args), f"{name}{tuple(args)}"))
+    return numbers
 
 
 def digest(name: str, value, cases: Sequence[tuple] | None = None) -> str:
     """The salted digest of ``value`` rounded to ``SIG`` figures (or of ``value(*c)`` for each
     case ``c``), as a notebook's self-check holds it instead of the answer."""
+    __tracebackhide__ = True
     text = name + ":" + ",".join(rounded(v) for v in _values(name, value, cases))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -90,6 +95,7 @@ def check(name: str, value, expected_digest: str, cases: Sequence[tuple] | None 
     """A notebook's self-check: print whether ``value`` (or the function ``value`` at each of
     ``cases``) equals the cost model to ``SIG`` significant figures, without saying the answer.
     Returns whether it does.  Raises PredictionError when the prediction is not a number."""
+    __tracebackhide__ = True
     ok = digest(name, value, cases) == expected_digest
     if ok:
         print(

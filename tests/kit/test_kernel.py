@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import nbformat
@@ -53,6 +54,9 @@ CELLS = [
     # a figure made to draw a run in, when the launch fails: no bare axes under the error; one drawn on stays
     "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\ndef boom():\n    raise KeyError('x')\ndl.launch(boom, 2)",
     "fig, ax = plt.subplots()\nax.plot([1, 2])\ndl.launch(boom, 2)",
+    # a prediction's self-check on a stub: the stub named, the kit's frames hidden
+    "def predicted_bubble(p, m):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+    "dl.predictions.check('bubble', predicted_bubble, '0' * 20, [(4, 8)])",
 ]
 
 
@@ -95,6 +99,9 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
         13
     ) and "rank 1: all_reduce(3 elements, float32), in sizes (line 3)" in error(13)
     assert "cannot send the variable lock (lock) that locked uses" in error(14), error(14)
+    assert error(17).startswith("predicted_bubble is not written yet (Cell In[18], line 3"), error(17)
+    (shown,) = [re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(o.traceback)) for o in outputs[17] if o.output_type == "error"]
+    assert "predictions.py" not in shown and "skipping hidden" in shown, shown
     kinds = [[o.output_type for o in outputs[i]] for i in (15, 16)]
     assert kinds == [["error"], ["error", "display_data"]], kinds
     enames = [[o.ename for o in outputs[i] if o.output_type == "error"] for i in range(10, 15)]
