@@ -1,4 +1,5 @@
-"""``disttrain-lab doctor | bench | release | grade | export | gradescope`` (also ``python -m disttrain_lab``)."""
+"""``disttrain-lab doctor | start | bench | release | grade | export | gradescope``
+(also ``python -m disttrain_lab``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import difflib
 import sys
 
-from . import __version__
+from . import __version__, start
 from .bench import benchmarks
 from .devices import doctor
 
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what this machine offers and what the launcher will use")
+    # (parses its own arguments, as the instructor's commands do)
+    sub.add_parser("start", help="your own copy of a lab in work/, kept when the lab is fixed", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
     names = _add_benchmarks(bench)
     for command, what in INSTRUCTOR.items():
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         _known(bench, "benchmark", _first_word(argv[argv.index("bench") + 1 :]), names)
     args, rest = parser.parse_known_args(argv)  # the instructor's commands parse their own arguments
-    if rest and args.command not in INSTRUCTOR:
+    if rest and args.command not in (*INSTRUCTOR, "start"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")  # a typo must not run the default
     if args.command == "doctor":
         print(doctor())
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         return args.benchmark.run(args)
+    if args.command == "start":
+        return start.cli_start(rest)
     # the grading wing needs the instructor's tools (the [grader] extra: nbgrader, rich), which a
     # student's install lacks: imported only when an instructor's command runs
     if args.command == "release":

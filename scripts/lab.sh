@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up .venv (see scripts/setup.sh) and open JupyterLab on the student notebooks.
-#   bash scripts/lab.sh                         # JupyterLab on labs/, opens your browser
-#   LAB_ROOT=solutions bash scripts/lab.sh      # another folder (the instructor's notebooks)
+# Set up .venv (see scripts/setup.sh), copy the labs into your own work/ folder (disttrain-lab start
+# --all: a lab fixed later never overwrites what you wrote there) and open JupyterLab on it.
+#   bash scripts/lab.sh                         # JupyterLab on work/, opens your browser
+#   LAB_ROOT=solutions bash scripts/lab.sh      # another folder (the instructor's notebooks), as it is
+#   WORK_ROOT=DIR bash scripts/lab.sh           # your copies of the labs in DIR (default work/)
 #   bash scripts/lab.sh --no-browser --port=0   # anything after it goes to `jupyter lab`
 #   DISTTRAIN_RESOLUTION=lowest bash scripts/lab.sh   # in .venv-lowest, the lowest versions (scripts/setup.sh)
 #   VENV=DIR bash scripts/lab.sh                # another virtual environment's folder (default .venv)
@@ -18,4 +20,8 @@ bash scripts/setup.sh
 export PATH="$PWD/$VENV/bin:$PATH"
 as_root=()
 [ "$(id -u)" = 0 ] && as_root=(--allow-root)   # containers and CI run as root; Jupyter refuses it otherwise
-exec "$VENV/bin/jupyter" lab "${LAB_ROOT:-labs/}" "${as_root[@]}" "$@"
+if [ -z "${LAB_ROOT:-}" ]; then
+    # work/NN_name/: yours (labs/ is the kit's, tracked by git); a lab fixed later is offered beside yours
+    "$VENV/bin/disttrain-lab" start --all --labs labs --into "${WORK_ROOT:-work}"
+fi
+exec "$VENV/bin/jupyter" lab "${LAB_ROOT:-${WORK_ROOT:-work}}" "${as_root[@]}" "$@"

@@ -305,7 +305,7 @@ def undocumented(parsers) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["release"], ["grade"], ["grade", "merge"], ["export"], ["gradescope"]], ids=" ".join
+    "command", [[], ["start"], ["release"], ["grade"], ["grade", "merge"], ["export"], ["gradescope"]], ids=" ".join
 )
 def test_every_option_of_every_command_has_help(command, monkeypatch, capsys):
     """Each parser the command builds (the top level holds bench's and every benchmark's), caught as it
