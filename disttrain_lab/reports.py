@@ -118,7 +118,7 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
         where = f"{_cell_name(frames[-1][0])}, line {frames[-1][1]}"
         info = {
             **info,
-            "message": f"{frames[-1][2]} is not written yet ({where} still raises the stub's "
+            "message": f"{info.get('qualname') or frames[-1][2]} is not written yet ({where} still raises the stub's "
             "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
             "then run this one again.",
         }

@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import sys
+import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -226,4 +227,9 @@ def _error_info(exc: BaseException) -> dict:
     message = str(exc)
     if isinstance(exc, SystemExit):
         message = f"sys.exit({exc.code!r}) was called inside the rank"
-    return {"type": type(exc).__name__, "message": message, "frames": frames}
+    # the qualified name of the innermost function of the student's ("Zero2Optimizer.__init__"),
+    # which a traceback's frames do not carry: a stub's message names the class too
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    code = next((c for c in reversed(codes) if not codemap.is_library(c.co_filename)), None)
+    qualname = getattr(code, "co_qualname", code.co_name) if code is not None else None
+    return {"type": type(exc).__name__, "message": message, "frames": frames, "qualname": qualname}

@@ -57,6 +57,8 @@ CELLS = [
     # a prediction's self-check on a stub: the stub named, the kit's frames hidden
     "def predicted_bubble(p, m):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
     "dl.predictions.check('bubble', predicted_bubble, '0' * 20, [(4, 8)])",
+    # a class's stub on the ranks names the class
+    "def build():\n    return Zero2Optimizer([])\ndl.launch(build, 2)",
 ]
 
 
@@ -102,6 +104,7 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
     assert error(17).startswith("predicted_bubble is not written yet (Cell In[18], line 3"), error(17)
     (shown,) = [re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(o.traceback)) for o in outputs[17] if o.output_type == "error"]
     assert "predictions.py" not in shown and "skipping hidden" in shown, shown
+    assert "Zero2Optimizer.__init__ is not written yet (Cell In[12], line 4 still raises" in error(18), error(18)
     kinds = [[o.output_type for o in outputs[i]] for i in (15, 16)]
     assert kinds == [["error"], ["error", "display_data"]], kinds
     enames = [[o.ename for o in outputs[i] if o.output_type == "error"] for i in range(10, 15)]
