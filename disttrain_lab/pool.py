@@ -35,7 +35,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import codemap, ledger, trace
+from . import codemap, matching, trace
 from .devices import Plan
 from .integrity import TamperingError
 from .network import Network
@@ -48,7 +48,7 @@ MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
 # seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
 # sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
 PROGRESS_WINDOW = 0.25
-# a rank inside a collective this long has its call compared with the other ranks' (ledger.py)
+# a rank inside a collective this long has its call compared with the other ranks' (matching.py)
 MISMATCH_AFTER = 1.0
 
 _POOL: _Pool | None = None
@@ -296,7 +296,7 @@ class _Pool:
                     self._timeout(workers, replies, timeout)
                 if now >= next_look:
                     next_look = now + MISMATCH_AFTER / 4
-                    self._compare_ledgers(workers, replies, now)
+                    self._compare_calls(workers, replies, now)
                 pending = [fd for fd, w in by_conn.items() if w.rank not in replies]
                 ready, _, _ = select.select(pending + list(by_out), [], [], min(left, MISMATCH_AFTER / 4))
                 for fd in ready:
@@ -341,9 +341,9 @@ class _Pool:
         """What each rank is in: "finished", the call it is blocked in, or None (running Python)."""
         return {w.rank: "finished" if w.rank in replies else trace.read_status(self.status, w.rank) for w in workers}
 
-    def _compare_ledgers(self, workers: list[_Worker], replies: dict, now: float, dead: tuple = ()) -> None:
+    def _compare_calls(self, workers: list[_Worker], replies: dict, now: float, dead: tuple = ()) -> None:
         """Stop the launch with the ranks' calls if a rank inside a collective for MISMATCH_AFTER
-        seconds entered it unlike the others (ledger.py).  ``dead``: (rank, what happened to it)
+        seconds entered it unlike the others (matching.py).  ``dead``: (rank, what happened to it)
         of a rank that died inside a collective: then it and every rank inside one are compared."""
         __tracebackhide__ = True
         states = self._states(workers, replies)
@@ -356,7 +356,7 @@ class _Pool:
         ]
         if not stuck:
             return
-        found = ledger.find_mismatch(self.status, [w.rank for w in workers], stuck, sorted(replies))
+        found = matching.find_mismatch(self.status, [w.rank for w in workers], stuck, sorted(replies))
         if found is None:
             return
         self._relay_all()
@@ -375,7 +375,7 @@ class _Pool:
         frames = stack_frames(self._read_crash(w))  # faulthandler's report of a fatal signal
         if code is not None and code < 0 and signal.Signals(-code).name == "SIGABRT" and blocked is not None:
             # gloo aborts a rank whose collective receives a message of another size than it expects
-            self._compare_ledgers(workers, replies, time.perf_counter(), (w.rank, "its process was aborted (SIGABRT)"))
+            self._compare_calls(workers, replies, time.perf_counter(), (w.rank, "its process was aborted (SIGABRT)"))
         self.close()
         raise died_error(w.rank, code, blocked, frames, [o.rank for o in workers if o is not w])
 

@@ -69,7 +69,7 @@ class LaunchTimeout(LaunchError):
 
 class CollectiveMismatch(LaunchTimeout):
     """Ranks called a collective in ways that cannot match (another op, size, dtype or root,
-    or some ranks never call it), seen in the ranks' ledgers (``ledger.py``) and stopped at once:
+    or some ranks never call it), seen in the ranks' call logs (``matching.py``) and stopped at once:
     the launch would have waited until its timeout (or gloo aborted a rank), so it is a
     ``LaunchTimeout`` that came early.  ``mismatch``: each rank's call."""
 
@@ -235,7 +235,7 @@ def timeout_error(
 def mismatch_error(
     mismatch, states: dict, now: float, stacks: dict | None = None, died: str = ""
 ) -> CollectiveMismatch:
-    """The error of ranks whose ledgers do not match (``ledger.Mismatch``), with what each rank
+    """The error of ranks whose call logs do not match (``matching.Mismatch``), with what each rank
     was doing when they were stopped (``states``, as for :func:`timeout_error`); ``died``: how a
     rank that ended meanwhile ended (gloo aborts a rank that receives a message of another size)."""
     stacks = {rank: frames for rank, frames in (stacks or {}).items() if frames}

@@ -6,7 +6,7 @@ say ``rank 0: recv(src=1) for 30 s`` (``read_status``).  It also counts the call
 entered (``read_calls``): read twice, a moment apart, the count tells a rank that is still
 making calls (a loop that never ends) from one stuck in a call (a deadlock).
 Layout per rank: [float64 since][uint64 calls][uint16 length][utf-8 text]; since == 0 means idle;
-after the first ``TEXT_BYTES``, the rank's ledger of its last collectives (``ledger.py``).
+after the first ``TEXT_BYTES``, the rank's call log of its last collectives (``matching.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .events import describe_call
 
 SLOT_BYTES = 1024  # per rank
-TEXT_BYTES = 256  # of which the status (the rest: ledger.py's)
+TEXT_BYTES = 256  # of which the status (the rest: matching.py's)
 _HEAD = struct.Struct("=dQH")  # since, calls entered so far, length of the text
 
 

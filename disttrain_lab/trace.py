@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import ledger
+from . import matching
 
 # what a run recorded (events.py) and the status slot (status.py) live beside this module;
 # their names are kept here too, where the rest of the kit and the labs have always found them
@@ -72,7 +72,7 @@ class _Recorder:
         self.depth = 0
         self.requests = 0
         self.status_buf = None
-        self.collectives = 0  # entered in this launch (the ledger's n)
+        self.collectives = 0  # entered in this launch (the call log's n)
         self.per_group: dict[tuple | None, int] = {}  # of each group (its k)
         # an emulated network's hook (install(last_cost=...)): the model's seconds of the call
         # that just ended, stored in its event; None when no network is emulated
@@ -86,7 +86,7 @@ class _Recorder:
         self.collectives = 0
         self.per_group = {}
         if status_buf is not None:
-            ledger.clear(status_buf, rank)
+            matching.clear(status_buf, rank)
 
     def end(self) -> list[tuple]:
         events, self.events, self.recording = self.events, [], False
@@ -99,14 +99,14 @@ class _Recorder:
             write_status(self.status_buf, self.rank, text)
 
     def note_collective(self, op: str, group, bound: dict, root) -> None:
-        """Note the collective this rank enters in its ledger (the launcher compares the ranks')."""
+        """Note the collective this rank enters in its call log (the launcher compares the ranks')."""
         if self.status_buf is None:
             return
         self.collectives += 1
         # two groups of the same ranks are told apart by their names (the same in every rank)
         key = group if group is None else (group, getattr(bound.get("group"), "group_name", ""))
         k = self.per_group[key] = self.per_group.get(key, 0) + 1
-        ledger.note(self.status_buf, self.rank, self.collectives, k, key, op, bound, root)
+        matching.note(self.status_buf, self.rank, self.collectives, k, key, op, bound, root)
 
 
 _REC = _Recorder()

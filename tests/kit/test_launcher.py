@@ -61,7 +61,7 @@ def tags_disagree():
 
 def collectives_of_two_groups_crossed():
     # each rank waits in a collective of a group the other is not calling yet: what the ranks'
-    # ledgers cannot tell from a slow peer (test_ledger.py), so it is reported at the timeout
+    # call logs cannot tell from a slow peer (test_matching.py), so it is reported at the timeout
     pair = dist.new_group([0, 1])
     groups = [pair, None] if dist.get_rank() == 0 else [None, pair]
     for group in groups:

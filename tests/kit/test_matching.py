@@ -1,4 +1,4 @@
-"""Collectives that cannot match are named at once (disttrain_lab/ledger.py): each rank's call,
+"""Collectives that cannot match are named at once (disttrain_lab/matching.py): each rank's call,
 its values and its line, within seconds, where gloo would wait until the timeout or abort."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import disttrain_lab as dl
-from disttrain_lab import ledger, status
+from disttrain_lab import matching, status
 
 # within this, on a loaded machine: the ranks are compared once one has waited MISMATCH_AFTER (1 s)
 SOON = 10.0
@@ -107,7 +107,7 @@ def test_ranks_that_wait_long_in_matching_collectives_are_left_alone():
     def slow_rank_one():
         pair = dist.new_group([0, 1])
         total = 0.0
-        for i in range(20):  # more collectives than a ledger keeps
+        for i in range(20):  # more collectives than a call log keeps
             t = torch.full((1000,), float(i))
             dist.all_reduce(t)
             dist.broadcast(t, src=i % 2)
@@ -151,22 +151,22 @@ def test_a_crash_names_the_line_it_happened_on():
     assert "SIGSEGV" in str(err.value) and f"in crash (line {line_of(crash, '# the call')})" in str(err.value)
 
 
-def test_a_ledger_is_data_whatever_a_rank_wrote_there():
+def test_a_call_log_is_data_whatever_a_rank_wrote_there():
     buf = bytearray(status.SLOT_BYTES * 2)
     # a rank's process can write anything into its slot: junk is read as data, or skipped
     buf[status.TEXT_BYTES :] = bytes(range(256)) * ((len(buf) - status.TEXT_BYTES) // 256) + bytes(
         (len(buf) - status.TEXT_BYTES) % 256
     )
     for rank in (0, 1):
-        for call in ledger.calls(buf, rank):
+        for call in matching.calls(buf, rank):
             assert isinstance(call.op, str) and isinstance(call.line, int)
-    ledger.find_mismatch(buf, [0, 1], [0, 1], [0, 1])
-    # two clean ledgers of one collective that match: no mismatch
+    matching.find_mismatch(buf, [0, 1], [0, 1], [0, 1])
+    # two clean call logs of one collective that match: no mismatch
     buf = bytearray(status.SLOT_BYTES * 2)
     for rank in (0, 1):
-        ledger.note(buf, rank, 1, 1, None, "all_reduce", {"tensor": torch.ones(3)}, None)
-    assert ledger.find_mismatch(buf, [0, 1], [0, 1]) is None
-    ledger.note(buf, 1, 2, 2, None, "all_reduce", {"tensor": torch.ones(5)}, None)
-    ledger.note(buf, 0, 2, 2, None, "all_reduce", {"tensor": torch.ones(3)}, None)
-    found = ledger.find_mismatch(buf, [0, 1], [0])
+        matching.note(buf, rank, 1, 1, None, "all_reduce", {"tensor": torch.ones(3)}, None)
+    assert matching.find_mismatch(buf, [0, 1], [0, 1]) is None
+    matching.note(buf, 1, 2, 2, None, "all_reduce", {"tensor": torch.ones(5)}, None)
+    matching.note(buf, 0, 2, 2, None, "all_reduce", {"tensor": torch.ones(3)}, None)
+    found = matching.find_mismatch(buf, [0, 1], [0])
     assert found is not None and found.what == "sizes" and [c.elements for c in found.calls] == [3, 5]

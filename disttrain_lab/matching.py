@@ -1,4 +1,4 @@
-"""The ledger: the last collectives each rank entered, compared across ranks by the launcher.
+"""The call log: the last collectives each rank entered, compared across ranks by the launcher.
 
 Every rank of a group must call the same collectives in the same order, each with the same
 root and dtype and, for most, the same size.  gloo does not check: an ``all_reduce`` of 4
@@ -51,7 +51,7 @@ _DTYPE_ARGS = ("tensor", "input_tensor", "output", "input", "output_tensor")
 
 @dataclass(frozen=True)
 class Call:
-    """One collective a rank entered, as its ledger keeps it."""
+    """One collective a rank entered, as its call log keeps it."""
 
     rank: int
     n: int  # the rank's n-th collective in this launch (1-based)
@@ -145,7 +145,7 @@ def note(buf, rank: int, n: int, k: int, group: tuple | None, op: str, bound: di
 
 
 def calls(buf, rank: int) -> list[Call]:
-    """The collectives the rank's ledger holds, in the order entered.  The slot is written by
+    """The collectives the rank's call log holds, in the order entered.  The slot is written by
     the rank's own process: whatever is there is read as data, never trusted to be well-formed."""
     out = []
     base = rank * SLOT_BYTES + TEXT_BYTES
@@ -214,30 +214,30 @@ def find_mismatch(buf, ranks: list[int], stuck: list[int], returned: list[int] =
     """The first mismatch between the collective each rank of ``stuck`` is in (its latest) and
     the same collective (same group, same place in it) of every other rank of ``ranks``; or, for
     a collective of the whole world, ranks of ``returned`` (those that returned) that never called it."""
-    ledgers = {r: calls(buf, r) for r in ranks}
+    logs = {r: calls(buf, r) for r in ranks}
     for r in stuck:
-        if not ledgers.get(r):
+        if not logs.get(r):
             continue
-        mine = ledgers[r][-1]
+        mine = logs[r][-1]
         same = [mine]
         for other in ranks:
             if other == r:
                 continue
-            theirs = next((c for c in ledgers[other] if (c.group, c.k) == (mine.group, mine.k)), None)
+            theirs = next((c for c in logs[other] if (c.group, c.k) == (mine.group, mine.k)), None)
             if theirs is None:
                 continue
             same.append(theirs)
             what = _differ(mine, theirs)
             if what is not None:
-                found = [c for o in ranks for c in ledgers[o] if (c.group, c.k) == (mine.group, mine.k)]
+                found = [c for o in ranks for c in logs[o] if (c.group, c.k) == (mine.group, mine.k)]
                 return Mismatch(sorted(found, key=lambda c: c.rank), what)
         if mine.group == 0:
             never = [
                 o
                 for o in returned
                 if o != r
-                and not any(c.k >= mine.k for c in ledgers[o] if c.group == 0)
-                and (not ledgers[o] or ledgers[o][0].n == 1)  # all it entered is still in its ledger
+                and not any(c.k >= mine.k for c in logs[o] if c.group == 0)
+                and (not logs[o] or logs[o][0].n == 1)  # all it entered is still in its call log
             ]
             if never:
                 return Mismatch(sorted(same, key=lambda c: c.rank), "missing", tuple(never))
