@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -10,19 +12,33 @@ import sys
 
 import pytest
 
+from disttrain_lab import cli
 from tests.helpers import REPO
 
 LAB = "01_point_to_point"
 
 
-def start(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "disttrain_lab", "start", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def start(*args: str, cwd, monkeypatch=None) -> subprocess.CompletedProcess:
+    """``disttrain-lab start ARGS`` in ``cwd``: in this process (``cli.main``, what the console
+    script calls) where ``monkeypatch`` is given, else as a command."""
+    if monkeypatch is None:
+        return subprocess.run(
+            [sys.executable, "-m", "disttrain_lab", "start", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    monkeypatch.chdir(cwd)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(["start", *args])
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+            if isinstance(exit.code, str):
+                print(exit.code, file=sys.stderr)
+    return subprocess.CompletedProcess(["disttrain-lab", "start", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -54,8 +70,8 @@ def test_a_lab_is_copied_into_work_with_the_wheels_its_first_cell_installs_from(
     assert start("point_to_point", cwd=clone).stdout.startswith(f"your copy: {mine}")  # by title too
 
 
-def test_a_fixed_lab_never_overwrites_the_students_work(clone):
-    assert start("--all", cwd=clone).returncode == 0
+def test_a_fixed_lab_never_overwrites_the_students_work(clone, monkeypatch):
+    assert start("--all", cwd=clone, monkeypatch=monkeypatch).returncode == 0
     released = clone / "labs" / LAB / f"{LAB}.ipynb"
     mine = clone / "work" / LAB / f"{LAB}.ipynb"
     theirs = clone / "work" / "02_all_reduce" / "02_all_reduce.ipynb"
@@ -73,7 +89,7 @@ def test_a_fixed_lab_never_overwrites_the_students_work(clone):
         fixed["cells"][1]["source"] = "# a corrected introduction\n"
         write(path, fixed)
     (clone / "labs" / LAB / "data.csv").write_text("x\n1\n")
-    out = start("--all", cwd=clone)
+    out = start("--all", cwd=clone, monkeypatch=monkeypatch)
     assert out.returncode == 0, out.stderr
     assert mine.read_bytes() == work, "the student's notebook was written over"
     beside = mine.with_name(f"{LAB}.new.ipynb")
@@ -84,24 +100,24 @@ def test_a_fixed_lab_never_overwrites_the_students_work(clone):
     assert notebook(theirs)["cells"][1]["source"] == "# a corrected introduction\n"  # untouched: updated
     assert f"updated {theirs}" in said and f"added {clone / 'work' / LAB / 'data.csv'}" in said, said
     # said once: nothing new the next time
-    again = start("--all", cwd=clone)
+    again = start("--all", cwd=clone, monkeypatch=monkeypatch)
     assert "kept your" not in again.stdout and "updated" not in again.stdout and mine.read_bytes() == work
 
 
-def test_a_copy_made_before_start_existed_is_kept_too(clone):
+def test_a_copy_made_before_start_existed_is_kept_too(clone, monkeypatch):
     mine = clone / "work" / LAB / f"{LAB}.ipynb"
     mine.parent.mkdir(parents=True)
     mine.write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}')
-    out = start(LAB, cwd=clone)
+    out = start(LAB, cwd=clone, monkeypatch=monkeypatch)
     assert out.returncode == 0 and mine.read_text().startswith('{"cells": []'), out.stdout
     assert mine.with_name(f"{LAB}.new.ipynb").exists()
 
 
-def test_what_start_refuses(clone, tmp_path):
-    out = start("99", cwd=clone)
+def test_what_start_refuses(clone, tmp_path, monkeypatch):
+    out = start("99", cwd=clone, monkeypatch=monkeypatch)
     assert out.returncode != 0 and "no lab '99'" in out.stderr and "01_point_to_point, 02_all_reduce" in out.stderr
-    assert "name one lab" in start(cwd=clone).stderr
-    assert "no folder" in start("01", "--labs", str(tmp_path / "nowhere"), cwd=clone).stderr
+    assert "name one lab" in start(cwd=clone, monkeypatch=monkeypatch).stderr
+    assert "no folder" in start("01", "--labs", str(tmp_path / "nowhere"), cwd=clone, monkeypatch=monkeypatch).stderr
 
 
 @pytest.mark.slow
