@@ -21,7 +21,7 @@ import sys
 import traceback
 
 from .codemap import is_library
-from .reports import LaunchError
+from .reports import LaunchError, stub_message
 
 NOT_INITIALIZED = "Default process group has not been initialized"
 OUTSIDE_A_LAUNCH = (
@@ -34,12 +34,6 @@ OUTSIDE_A_LAUNCH = (
 )
 
 
-def _cell(filename: str) -> str:
-    shell = _shell()
-    count = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename) if shell else None
-    return f"Cell In[{count}]" if count is not None else f'File "{filename}"'
-
-
 def hint(exc: BaseException) -> str | None:
     """The message ``exc`` should carry in a notebook, or None to leave it as it is."""
     if type(exc) is NotImplementedError and not exc.args and exc.__traceback__ is not None:
@@ -48,12 +42,7 @@ def hint(exc: BaseException) -> str | None:
             return None
         frame, line = frames[-1]
         code = frame.f_code
-        name = getattr(code, "co_qualname", code.co_name)
-        return (
-            f"{name} is not written yet ({_cell(code.co_filename)}, line {line} still raises the stub's "
-            "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
-            "then run this one again."
-        )
+        return stub_message(getattr(code, "co_qualname", code.co_name), code.co_filename, line)
     if isinstance(exc, ValueError) and exc.args and NOT_INITIALIZED in str(exc.args[0]):
         return f"{exc.args[0]}\n\n{OUTSIDE_A_LAUNCH}"
     return None

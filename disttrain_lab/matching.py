@@ -64,25 +64,6 @@ class Call:
     function: str  # the student's function that called it ("" if none)
     line: int
 
-    def fingerprint(self) -> tuple:
-        return (self.op, self.dtype, self.elements, self.root)
-
-    def text(self) -> str:
-        side = "src" if self.op in ("broadcast", "scatter") else "dst"
-        what = [
-            f"{side}={self.root}" if self.root >= 0 else "",
-            f"{self.elements:,} elements" if self.elements >= 0 else "",
-        ]
-        what.append(self.dtype)
-        where = f", in {self.function} (line {self.line})" if self.function else ""
-        return f"{self.op}({', '.join(w for w in what if w)}){where}"
-
-
-def _ranks(ranks) -> str:
-    """'ranks 0 and 1', 'ranks 0, 2 and 3'."""
-    ranks = sorted(ranks)
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
-
 
 @functools.lru_cache(maxsize=256)
 def group_key(group: tuple | None) -> int:
@@ -169,33 +150,11 @@ def calls(buf, rank: int) -> list[Call]:
 class Mismatch:
     """Ranks whose calls of one collective (the same place in the same group) cannot match:
     ``what`` is "ops", "sizes", "dtypes" or "roots", or "missing" when ``returned`` ranks
-    returned without calling it."""
+    returned without calling it.  (Data: ``reports.mismatch_error`` says it to the student.)"""
 
     calls: list[Call]
     what: str
     returned: tuple[int, ...] = ()
-
-    def message(self) -> str:
-        first = self.calls[0]
-        if self.what == "missing":
-            who = ("ranks " if len(self.returned) > 1 else "rank ") + ", ".join(map(str, self.returned))
-            lines = [
-                f"rank {first.rank} waits in collective #{first.k} of the whole world, which {who} "
-                "returned without calling: every rank of a group must call the same collectives in the same order."
-            ]
-        else:
-            rule = {
-                "ops": "every rank of a group must call the same collectives in the same order",
-                "sizes": "every rank must pass a tensor of the same size to it",
-                "dtypes": "every rank must pass tensors of the same dtype to it",
-                "roots": "every rank must name the same root (src or dst)",
-            }[self.what]
-            lines = [
-                f"{_ranks({c.rank for c in self.calls})} entered collective #{first.k} of their group with "
-                f"different {self.what}: {rule}."
-            ]
-        lines += [f"  rank {c.rank}: {c.text()}" for c in self.calls]
-        return "\n".join(lines)
 
 
 def _differ(a: Call, b: Call) -> str | None:

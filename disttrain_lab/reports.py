@@ -78,7 +78,7 @@ class CollectiveMismatch(LaunchTimeout):
         self.mismatch = mismatch
 
 
-def _cell_name(filename: str) -> str:
+def cell_name(filename: str) -> str:
     """'Cell In[5]' for code typed in a notebook cell, else the file name."""
     try:
         from IPython import get_ipython
@@ -95,10 +95,25 @@ def _format_frames(frames: list[tuple]) -> str:
     lines = []
     for filename, lineno, name, text in frames:
         text = text or linecache.getline(filename, lineno).strip()
-        lines.append(f"  {_cell_name(filename)}, line {lineno}, in {name}")
+        lines.append(f"  {cell_name(filename)}, line {lineno}, in {name}")
         if text:
             lines.append(f"    {text}")
     return "\n".join(lines)
+
+
+def stub_message(name: str, filename: str, line: int) -> str:
+    """What a lab's stub (``raise NotImplementedError()`` under "# YOUR CODE HERE") says when
+    it runs, on a rank or in the notebook's kernel (``hints.py``)."""
+    return (
+        f"{name} is not written yet ({cell_name(filename)}, line {line} still raises the stub's "
+        "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
+        "then run this one again."
+    )
+
+
+def _in_functions(frames: list[tuple[str, int]]) -> str:
+    """', in f (line 3) → g (line 7)': where in the student's functions a rank was."""
+    return ", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else ""
 
 
 def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
@@ -115,13 +130,7 @@ def rank_error(rank: int, info: dict, others: list[int]) -> RankError:
         }
     if info["type"] == "NotImplementedError" and not info["message"] and frames:
         # a lab's stub: `raise NotImplementedError()` under "# YOUR CODE HERE"
-        where = f"{_cell_name(frames[-1][0])}, line {frames[-1][1]}"
-        info = {
-            **info,
-            "message": f"{info.get('qualname') or frames[-1][2]} is not written yet ({where} still raises the stub's "
-            "NotImplementedError): replace `raise NotImplementedError()` with your code, run that cell, "
-            "then run this one again.",
-        }
+        info = {**info, "message": stub_message(info.get("qualname") or frames[-1][2], frames[-1][0], frames[-1][1])}
     message = (
         f"rank {rank} raised {info['type']}: {info['message']}\n\n"
         f"Traceback of rank {rank} (most recent call last):\n{shown}\n"
@@ -170,14 +179,14 @@ def rank_doing(
         doing = "running Python code (not in a torch.distributed call)"
     else:
         doing = f"{status.text} for {now - status.since:.1f} s"
-    return doing + (", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else "")
+    return doing + _in_functions(frames)
 
 
 def died_error(rank: int, code: int | None, blocked, frames: list[tuple[str, int]], others: list[int]) -> RankDied:
     """The error of a rank whose process ended without returning: ``code`` its exit status
     (negative: the signal), ``blocked`` the torch.distributed call it was in (or None), ``frames``
     where in the student's code (``stack_frames`` of its crash report)."""
-    where = ", in " + " → ".join(f"{name} (line {line})" for name, line in frames) if frames else ""
+    where = _in_functions(frames)
     if code is not None and code < 0:
         sig = signal.Signals(-code).name
         hint = {
@@ -242,13 +251,50 @@ def mismatch_error(
     blocked = {
         r: s if isinstance(s, str) else rank_doing(s, now, stacks.get(r)) for r, s in states.items()
     }  # (a str: "finished", or how a rank ended)
-    lines = [mismatch.message(), ""]
+    lines = [*_mismatch_lines(mismatch), ""]
     lines.append(
         "All ranks were stopped as soon as this was seen (gloo does not check: the ranks would have waited "
         "until the timeout, or gloo aborted one):"
     )
     lines += [f"  rank {r}: {what}" for r, what in sorted(blocked.items())]
     return CollectiveMismatch("\n".join(lines), blocked, stacks, mismatch)
+
+
+_MISMATCH_RULES = {
+    "ops": "every rank of a group must call the same collectives in the same order",
+    "sizes": "every rank must pass a tensor of the same size to it",
+    "dtypes": "every rank must pass tensors of the same dtype to it",
+    "roots": "every rank must name the same root (src or dst)",
+}
+
+
+def _call_text(call) -> str:
+    """One rank's call from its call log (``matching.Call``): 'all_reduce(4 elements, float32), in f (line 5)'."""
+    side = "src" if call.op in ("broadcast", "scatter") else "dst"
+    what = [
+        f"{side}={call.root}" if call.root >= 0 else "",
+        f"{call.elements:,} elements" if call.elements >= 0 else "",
+    ]
+    what.append(call.dtype)
+    where = _in_functions([(call.function, call.line)]) if call.function else ""
+    return f"{call.op}({', '.join(w for w in what if w)}){where}"
+
+
+def _mismatch_lines(mismatch) -> list[str]:
+    """The rule a ``matching.Mismatch`` broke, and each rank's call."""
+    first = mismatch.calls[0]
+    if mismatch.what == "missing":
+        who = _ranks(list(mismatch.returned))
+        lines = [
+            f"rank {first.rank} waits in collective #{first.k} of the whole world, which {who} returned without "
+            "calling: every rank of a group must call the same collectives in the same order."
+        ]
+    else:
+        lines = [
+            f"{_ranks(sorted({c.rank for c in mismatch.calls}))} entered collective #{first.k} of their group with "
+            f"different {mismatch.what}: {_MISMATCH_RULES[mismatch.what]}."
+        ]
+    return lines + [f"  rank {c.rank}: {_call_text(c)}" for c in mismatch.calls]
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import nbformat
 from nbgrader.api import Gradebook, MissingEntry
 
+from ..start import labs_in
 from . import cell_times, config, intake, sandbox
 from . import install_source as install  # (release() has an argument named install_source)
 from .config import LIMITED_ISOLATION, REPO_ROOT, Limits, course_dir, isolation_notice, release_dir, source_dir
@@ -45,12 +46,9 @@ def _env(course: Path | None, source: Path | None, release: Path | None) -> dict
 
 
 def list_labs(source: Path | None = None) -> list[str]:
+    """The labs in ``source`` (default: solutions/): what ``disttrain-lab start`` calls a lab too."""
     source = Path(source or source_dir())
-    return (
-        sorted(p.name for p in source.iterdir() if p.is_dir() and (p / f"{p.name}.ipynb").exists())
-        if source.is_dir()
-        else []
-    )
+    return labs_in(source) if source.is_dir() else []
 
 
 def normalize_release(path: Path) -> None:
