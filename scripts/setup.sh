@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install the kit.
 #
-#   bash scripts/setup.sh          # kit + instructor tools (JupyterLab, nbgrader) + test tools
+#   bash scripts/setup.sh          # the developer's: kit, JupyterLab, instructor tools, test tools
+#   DISTTRAIN_KIT=student bash scripts/setup.sh      # the kit and JupyterLab, nothing else (what
+#                                  # scripts/lab.sh installs unless told otherwise)
+#   DISTTRAIN_KIT=instructor bash scripts/setup.sh   # + nbgrader and the grading tools (release, grade)
 #   DISTTRAIN_RESOLUTION=lowest bash scripts/setup.sh   # the same in .venv-lowest, every direct
 #                                  # dependency at the lowest version pyproject.toml allows
 #   PYTHON=python3.12 bash scripts/setup.sh   # the interpreter that makes the venv (default python3)
@@ -30,6 +33,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RESOLUTION=${DISTTRAIN_RESOLUTION:-newest}
+# what goes in besides the kit (pyproject.toml's extras): the student's JupyterLab (`lab`), the
+# instructor's nbgrader and grading tools (`grader`), the developer's pytest, Playwright, JupyterHub (`test`)
+case "${DISTTRAIN_KIT:-developer}" in
+    student) EXTRAS="lab" ;;
+    instructor) EXTRAS="lab,grader" ;;
+    developer) EXTRAS="lab,grader,test" ;;
+    *) echo "setup: DISTTRAIN_KIT must be 'student', 'instructor' or 'developer' (the default), not '$DISTTRAIN_KIT'" >&2; exit 2 ;;
+esac
 case "$RESOLUTION" in
     newest) VENV=${VENV:-.venv} ;;
     lowest) VENV=${VENV:-.venv-lowest} ;;
@@ -48,8 +59,8 @@ else
 fi
 if [ "$RESOLUTION" = lowest ]; then
     "$VPY" -m pip install -q uv
-    "$VENV/bin/uv" pip install -q --python "$VPY" --resolution lowest-direct -e ".[grader,test]"
+    "$VENV/bin/uv" pip install -q --python "$VPY" --resolution lowest-direct -e ".[$EXTRAS]"
 else
-    "$VPY" -m pip install -q -e ".[grader,test]"
+    "$VPY" -m pip install -q -e ".[$EXTRAS]"
 fi
-echo "setup: ready in $VENV, $RESOLUTION versions ($("$VPY" -c 'import torch, disttrain_lab; print("torch", torch.__version__, "disttrain_lab", disttrain_lab.__version__)'))"
+echo "setup: ready in $VENV, ${DISTTRAIN_KIT:-developer}'s kit, $RESOLUTION versions ($("$VPY" -c 'import torch, disttrain_lab; print("torch", torch.__version__, "disttrain_lab", disttrain_lab.__version__)'))"

@@ -385,6 +385,9 @@ def cli_release(argv: list[str] | None = None) -> int:
             for lab in _track(labs, "releasing"):
                 for result in release([lab], course=args.course_dir, install_source=args.install_source):
                     print(f"released {lab} -> {folder / lab} ({result.seconds:.1f} s)")
+                url = install.colab_url(args.install_source or install.configured_install_source(), lab)
+                if url:  # once the release folder is pushed where its install source says
+                    print(f"  Open in Colab: {url}")
             for lab in _track(labs if args.time_cells else [], "timing the solutions' cells"):
                 print(f"cell times of {lab}: {cell_times.record(lab, *measure_cell_times(lab))}")
             return 0

@@ -102,6 +102,31 @@ def stamped_requirement(source: str) -> str:
     raise InstallSourceError(f"install source {source!r} is not one the labs can install from. {how}")
 
 
+_RAW_GITHUB = re.compile(r"^wheel:https://raw\.githubusercontent\.com/([^/\s]+)/([^/\s]+)/([^/\s]+)/(\S*?)/?wheels/?$")
+COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def colab_url(source: str, lab: str) -> str | None:
+    """Where Colab opens ``lab`` of a course whose labs are published on GitHub, read from the install
+    source that says so (``wheel:https://raw.githubusercontent.com/ORG/REPO/BRANCH/PATH/wheels``: the labs
+    sit beside that wheels/ folder); None for any other source, whose labs' address is not known.
+
+    >>> colab_url("wheel:https://raw.githubusercontent.com/uni/dl/main/labs/wheels", "01_point_to_point")
+    'https://colab.research.google.com/github/uni/dl/blob/main/labs/01_point_to_point/01_point_to_point.ipynb'
+    """
+    found = _RAW_GITHUB.match((source or "").strip())
+    if not found:
+        return None
+    org, repo, branch, path = found.groups()
+    folder = f"{path.strip('/')}/" if path.strip("/") else ""
+    return f"https://colab.research.google.com/github/{org}/{repo}/blob/{branch}/{folder}{lab}/{lab}.ipynb"
+
+
+def colab_badge(url: str) -> str:
+    """The "Open in Colab" badge (markdown) that links to ``url``."""
+    return f"[![Open In Colab]({COLAB_BADGE})]({url})"
+
+
 def needs_wheel(source: str) -> bool:
     return source.strip() == "wheel" or source.strip().startswith("wheel:")
 

@@ -22,7 +22,7 @@ from .cells import is_test_cell
 from .config import isolation_report
 from .execute import NOTES_FILE
 from .hidden_tests import gradebook_hidden_lines, hidden_lines, scrub_outputs
-from .install_source import ENV_VAR, stamped_requirement
+from .install_source import ENV_VAR, colab_badge, colab_url, stamped_requirement
 
 # ----------------------------------------------------------------------------------------
 # Sanitizing a submission.
@@ -321,9 +321,16 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path, iso
     return path
 
 
+_BADGE = "[![Open In Colab]("  # how a lab's first markdown line starts when the release stamped its badge
+
+
 class StampInstallSource(NbGraderPreprocessor):
     """Release step: write where the kit installs from into each lab's setup cell (the line
     ``DISTTRAIN_LAB_PIP = "..."``), so a fresh kernel (Colab) can install it.
+
+    Where the source says the labs are published on GitHub (``wheel:https://raw.githubusercontent.com/...``),
+    the lab's first markdown cell also begins with an "Open in Colab" badge linking to the lab itself
+    (:func:`~disttrain_lab.grading.install_source.colab_url`).
 
     Set it once in grader/nbgrader_config.py, e.g. ``c.StampInstallSource.pip_requirement =
     "wheel:https://raw.githubusercontent.com/ORG/REPO/main/labs/wheels"``; the choices and
@@ -340,7 +347,14 @@ class StampInstallSource(NbGraderPreprocessor):
     _LINE = re.compile(r'^DISTTRAIN_LAB_PIP = "[^"\n]*"', re.MULTILINE)
 
     def preprocess(self, nb, resources):
-        self._stamp = stamped_requirement(os.environ.get(ENV_VAR) or self.pip_requirement)
+        source = os.environ.get(ENV_VAR) or self.pip_requirement
+        self._stamp = stamped_requirement(source)
+        lab = resources.get("nbgrader", {}).get("notebook") or resources.get("metadata", {}).get("name", "")
+        url = colab_url(source, lab)
+        title = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+        if title is not None and (url or _BADGE in title.source):  # the lab's own badge, where its address is known
+            body = "\n".join(line for line in title.source.split("\n") if not line.startswith(_BADGE)).lstrip("\n")
+            title.source = f"{colab_badge(url)}\n\n{body}" if url else body
         return super().preprocess(nb, resources)
 
     def preprocess_cell(self, cell, resources, index):

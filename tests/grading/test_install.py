@@ -5,10 +5,12 @@ new user meets it) installs the kit and runs a lab."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from disttrain_lab.grading.install_source import (
     WHEELS,
     InstallSourceError,
     build_wheel,
+    colab_url,
     stamped_requirement,
     wheel_contents,
     wheel_name,
@@ -74,6 +77,58 @@ def test_unusable_install_sources_are_refused_saying_what_to_set(source, fragmen
     assert fragment in str(err.value)
     if "placeholder" not in fragment and "wheel:" not in fragment:
         assert "c.StampInstallSource.pip_requirement" in str(err.value) and "'wheel'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "source, url",
+    [
+        (
+            "wheel:https://raw.githubusercontent.com/uni/dl-course/main/labs/wheels",
+            "https://colab.research.google.com/github/uni/dl-course/blob/main/labs/01_point_to_point/01_point_to_point.ipynb",
+        ),
+        (
+            "wheel:https://raw.githubusercontent.com/uni/dl-course/fall-26/course/release/wheels/",
+            "https://colab.research.google.com/github/uni/dl-course/blob/fall-26/course/release/01_point_to_point/01_point_to_point.ipynb",
+        ),
+        (
+            "wheel:https://raw.githubusercontent.com/uni/dl-course/main/wheels",
+            "https://colab.research.google.com/github/uni/dl-course/blob/main/01_point_to_point/01_point_to_point.ipynb",
+        ),
+        ("wheel", None),  # the labs' address is not known: no badge
+        ("wheel:https://example.org/labs/wheels", None),
+        ("git+https://github.com/uni/dl-course@v2", None),
+    ],
+)
+def test_colab_opens_a_lab_beside_the_wheels_folder_its_source_names(source, url):
+    assert colab_url(source, "01_point_to_point") == url
+
+
+@pytest.mark.slow
+def test_a_release_published_on_github_begins_each_lab_with_its_open_in_colab_badge(tmp_path, capsys):
+    lab, dl101 = "01_point_to_point", tmp_path / "dl101"
+    source = "wheel:https://raw.githubusercontent.com/uni/dl-course/main/release/wheels"
+    url = "https://colab.research.google.com/github/uni/dl-course/blob/main/release/01_point_to_point/01_point_to_point.ipynb"
+    title = nbformat.read(solution_notebook(lab), as_version=4).cells[1].source
+    for _ in range(2):  # released again: one badge, not two
+        assert grading.cli_release(["--course-dir", str(dl101), "--install-source", source, lab]) == 0
+        assert f"  Open in Colab: {url}" in capsys.readouterr().out
+        first = next(
+            c
+            for c in nbformat.read(dl101 / "release" / lab / f"{lab}.ipynb", as_version=4).cells
+            if c.cell_type == "markdown"
+        )
+        assert (
+            first.source
+            == f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})\n\n{title}"
+        )
+    assert grading.cli_release(["--course-dir", str(dl101), "--install-source", "wheel", lab]) == 0
+    assert "Open in Colab" not in capsys.readouterr().out  # a release for a Hub or a laptop: no badge
+    first = next(
+        c
+        for c in nbformat.read(dl101 / "release" / lab / f"{lab}.ipynb", as_version=4).cells
+        if c.cell_type == "markdown"
+    )
+    assert first.source == title
 
 
 def test_release_refuses_the_placeholder_before_writing_anything(tmp_path, capsys):
@@ -171,10 +226,12 @@ def _written_since(folder: Path, start: float) -> list[str]:
 
 
 def _install_part(setup_cell: str) -> str:
-    """The setup cell's first lines, up to its `pip install` of DISTTRAIN_LAB_PIP (the rest needs torch)."""
-    lines = setup_cell.splitlines()
-    end = next(i for i, line in enumerate(lines) if "pip" in line and "DISTTRAIN_LAB_PIP" in line and "run(" in line)
-    return "\n".join(lines[: end + 1])
+    """The setup cell's first statements, up to its `if` that pip-installs DISTTRAIN_LAB_PIP (the rest needs torch)."""
+    body = ast.parse(setup_cell).body
+    end = next(
+        n for n in body if isinstance(n, ast.If) and "DISTTRAIN_LAB_PIP" in ast.get_source_segment(setup_cell, n)
+    )
+    return "\n".join(setup_cell.splitlines()[: end.end_lineno])
 
 
 @pytest.mark.slow
@@ -253,8 +310,32 @@ def _solution_source(source: str) -> str:
     return "\n".join(l for l in source.splitlines() if l.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION"))
 
 
+# what Colab's runtime has imported before the first cell runs, and must keep: its widgets are 7.x
+COLAB_IPYWIDGETS = "7.7.1"
+WIDGETS_CELL = """
+# every widget of the kit, on this runtime's ipywidgets: tqdm's bar (the benchmarks') and lab 2's slider
+import ipywidgets
+from disttrain_lab.bench.common import progress
+
+def _swap(numel):
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    mine, theirs = torch.full((numel,), float(rank)), torch.empty(numel)
+    with dl.region("reduce-scatter", step=0, send=rank, recv=peer):
+        receiving = dist.irecv(theirs, src=peer)
+        dist.isend(mine, dst=peer).wait()
+        receiving.wait()
+
+print("ipywidgets", ipywidgets.__version__, "bar:", sum(progress(range(3), desc="three")))
+dl.viz.ring_steps_slider(dl.launch(_swap, 2, 16, trace=True))
+"""
+
+
 @pytest.mark.slow
-def test_fresh_kernel_installs_the_kit_from_a_released_lab_and_passes_a_self_check(tmp_path, monkeypatch):
+def test_a_lab_opened_alone_in_a_colab_like_runtime_installs_the_kit_and_runs_to_the_end(tmp_path, monkeypatch):
+    """Colab as a student meets it: a kernel with torch, ipykernel and ipywidgets 7.7.1 and nothing of
+    the kit; one released lab alone in a folder (no wheels/ beside it), its kit served over HTTP (as
+    raw.githubusercontent.com serves a course's published labs/wheels).  The whole lab, solutions
+    filled in, runs to its last cell; torch and ipywidgets are what they were; every widget renders."""
     lab = "01_point_to_point"
     served = tmp_path / "served"
     served.mkdir()
@@ -267,29 +348,37 @@ def test_fresh_kernel_installs_the_kit_from_a_released_lab_and_passes_a_self_che
         assert (served / "wheels" / WHEEL).exists()
         released = nbformat.read(served / lab / f"{lab}.ipynb", as_version=4)
         assert f'DISTTRAIN_LAB_PIP = "{stamped_requirement(source)}"' in released.cells[0].source
+        alone = tmp_path / "colab"  # what Colab holds of a lab opened from GitHub: the notebook, nothing beside it
+        alone.mkdir()
 
-        # the first exercise with the solution filled in, up to its self-check
-        solution = load(solution_notebook(lab))
-        first = next(i for i, c in enumerate(released.cells) if nbgrader_meta(c).get("solution"))
-        grade_id = nbgrader_meta(released.cells[first])["grade_id"]
-        released.cells[first].source = _solution_source(
-            next(c.source for c in solution.cells if nbgrader_meta(c).get("grade_id") == grade_id)
-        )
-        check = next(
-            i for i, c in enumerate(released.cells) if i > first and c.cell_type == "code" and not nbgrader_meta(c)
-        )
-        released.cells = released.cells[: check + 1]
+        # every exercise with the solution filled in
+        solutions = {
+            nbgrader_meta(c).get("grade_id"): c.source for c in load(solution_notebook(lab)).cells if nbgrader_meta(c)
+        }
+        exercises = [c for c in released.cells if nbgrader_meta(c).get("solution")]
+        assert exercises
+        for cell in exercises:
+            cell.source = _solution_source(solutions[nbgrader_meta(cell)["grade_id"]])
+        released.cells.append(nbformat.v4.new_code_cell(WIDGETS_CELL))
 
         python = fresh_venv(tmp_path / "venv", ["torch", "ipykernel"])
+        pinned = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", f"ipywidgets=={COLAB_IPYWIDGETS}"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert pinned.returncode == 0, pinned.stdout[-3000:] + pinned.stderr[-3000:]
         before = installed(python)
-        assert "disttrain-lab" not in before and "torch" in before and "ipykernel" in before
-        kernels = tmp_path / "jupyter" / "kernels" / "fresh"
+        assert "disttrain-lab" not in before and before["ipywidgets"][0] == COLAB_IPYWIDGETS
+        assert "torch" in before and "ipykernel" in before
+        kernels = tmp_path / "jupyter" / "kernels" / "colab"
         kernels.mkdir(parents=True)
         (kernels / "kernel.json").write_text(
             json.dumps(
                 {
                     "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                    "display_name": "fresh (torch + ipykernel)",
+                    "display_name": "Colab-like (torch, ipykernel, ipywidgets 7.7.1)",
                     "language": "python",
                 }
             )
@@ -297,12 +386,13 @@ def test_fresh_kernel_installs_the_kit_from_a_released_lab_and_passes_a_self_che
         monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
         monkeypatch.delenv("PYTHONPATH", raising=False)
         monkeypatch.delenv("VIRTUAL_ENV", raising=False)
+        monkeypatch.delenv("NBGRADER_EXECUTION", raising=False)  # a student's run: pictures and benchmarks in full
         client = NotebookClient(
             released,
-            kernel_name="fresh",
+            kernel_name="colab",
             timeout=900,
             startup_timeout=180,
-            resources={"metadata": {"path": str(served / lab)}},
+            resources={"metadata": {"path": str(alone)}},
         )
         client.execute()
     finally:
@@ -310,11 +400,46 @@ def test_fresh_kernel_installs_the_kit_from_a_released_lab_and_passes_a_self_che
         server.server_close()
     errors = [o for c in released.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
-    check_out = "".join(o.get("text", "") for o in released.cells[-1].outputs)
-    assert grade_id[3:] in check_out, check_out  # the self-check's verdict names the exercise
+    code = [c for c in released.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), "a cell did not run"
+    passed = "".join(o.get("text", "") for c in code for o in c.outputs)
+    # a self-check raises where its exercise is wrong: no error above means each passed; the first names its own
+    assert nbgrader_meta(exercises[0])["grade_id"][3:] in passed, passed[:3000]
+    widgets = [o for o in code[-1].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(widgets) >= 2, code[-1].outputs  # the bar and the slider, as widget views
+    assert f"ipywidgets {COLAB_IPYWIDGETS} bar: 3" in passed
     after = installed(python)
     assert after["disttrain-lab"][0] == __version__
     changed = {n: (before[n], after.get(n)) for n in before if after.get(n) != before[n]}
     assert not changed, f"installing the kit replaced installed packages: {changed}"
     added = set(after) - set(before)
     assert "matplotlib" in added and not added & {"jupyterlab", "nbgrader", "notebook", "jupyter-server"}, added
+
+
+@pytest.mark.slow
+def test_a_setup_cell_that_cannot_install_the_kit_says_why_and_what_to_do(tmp_path):
+    """The setup cell of a lab opened where its install source cannot be reached: a RuntimeError that
+    names the requirement and what to do, not pip's OSError alone and a ModuleNotFoundError per cell."""
+    setup = nbformat.read(REPO / "labs" / "01_point_to_point" / "01_point_to_point.ipynb", as_version=4).cells[0]
+    python = fresh_venv(tmp_path / "venv", [])
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    for requirement, advice in (
+        (f"../{WHEELS}/{WHEEL}", "upload wheels/ next to it"),  # opened alone: no wheels/ beside it
+        (f"disttrain-lab @ http://127.0.0.1:9/{WHEEL}", "Can this machine reach that address"),  # nothing listens
+    ):
+        cell = re.sub(r'^DISTTRAIN_LAB_PIP = "[^"]*"', f'DISTTRAIN_LAB_PIP = "{requirement}"', setup.source, flags=re.M)
+        ran = subprocess.run(
+            [str(python), "-c", _install_part(cell)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**clean, "PIP_NO_INDEX": "1", "PIP_RETRIES": "0", "PIP_TIMEOUT": "5"},
+        )
+        assert ran.returncode == 1, ran.stdout + ran.stderr
+        said = ran.stderr.strip().splitlines()[-1]
+        assert said.startswith(
+            "RuntimeError: The lab kit (disttrain_lab) is not installed here, and `pip install "
+            f"{requirement}` failed (pip's reason is above)."
+        ), said
+        assert advice in said and "DISTTRAIN_LAB_PIP above" in said, said

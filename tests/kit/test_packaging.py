@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -94,11 +95,108 @@ NEVER_FOR_STUDENTS = {
 }
 
 
+# the instructor's and the developer's tools: never in the student's kit (scripts/lab.sh); the grader's
+# nbclient and psutil are not here, JupyterLab brings them (nbconvert, ipykernel)
+INSTRUCTOR_ONLY = {"nbgrader", "rich", "nh3", "django-static-mathjax"}
+DEVELOPER_ONLY = {"pytest", "pytest-xdist", "playwright", "jupyterhub", "ruff", "uv"}
+
+
 def test_student_dependencies_are_only_what_a_kernel_needs():
     project = _pyproject()["project"]
     assert {_name(r) for r in project["dependencies"]} == STUDENT_DEPS
-    assert {"jupyterlab", "nbgrader"} <= {_name(r) for r in project["optional-dependencies"]["grader"]}
-    assert ".[grader,test]" in (REPO / "scripts" / "setup.sh").read_text()
+    extras = {name: {_name(r) for r in requirements} for name, requirements in project["optional-dependencies"].items()}
+    assert extras["lab"] == {"jupyterlab"}  # the student's laptop: somewhere to open the labs
+    assert {"jupyterlab", "nbgrader"} <= extras["grader"] and INSTRUCTOR_ONLY <= extras["grader"]
+    assert DEVELOPER_ONLY <= extras["test"]
+    script = (REPO / "scripts" / "setup.sh").read_text()
+    assert '-e ".[$EXTRAS]"' in script
+    for kit, wanted in (("student", "lab"), ("instructor", "lab,grader"), ("developer", "lab,grader,test")):
+        assert f'{kit}) EXTRAS="{wanted}" ;;' in script, kit
+    assert "DISTTRAIN_KIT=${DISTTRAIN_KIT:-student} bash scripts/setup.sh" in (REPO / "scripts" / "lab.sh").read_text()
+
+
+def test_setup_refuses_a_kit_it_does_not_know(tmp_path):
+    venv = tmp_path / "venv"
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": "false", "VENV": str(venv), "DISTTRAIN_KIT": "teacher"},
+    )
+    assert out.returncode == 2 and "DISTTRAIN_KIT must be 'student', 'instructor'" in out.stderr, out.stderr
+    assert not venv.exists()
+
+
+def _kit_figures() -> dict[str, tuple[int, int]]:
+    """The README's table of the three installs: kit -> (packages, MB), as measured and written there."""
+    found = re.findall(
+        r"^\| (student|instructor|developer)\b.*?\| ([0-9]+) packages \| ([0-9,]+) MB \|",
+        (REPO / "README.md").read_text(),
+        re.MULTILINE,
+    )
+    return {kit: (int(count), int(mb.replace(",", ""))) for kit, count, mb in found}
+
+
+@pytest.mark.slow
+def test_the_students_install_has_jupyterlab_and_nothing_of_the_instructors(tmp_path):
+    """What scripts/lab.sh installs (the kit's `lab` extra) into a venv that has only torch, as a
+    fresh laptop does after setup's torch: JupyterLab and the kit, no nbgrader, no test tools,
+    about as many packages and megabytes as the README says (torch aside)."""
+    wheel = build_wheel(REPO, tmp_path / "dist")
+    python = fresh_venv(tmp_path / "venv", ["torch"])
+    before = installed(python)
+    proc = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", f"{wheel}[lab]"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = installed(python)
+    added = set(after) - set(before)
+    assert {"disttrain-lab", "jupyterlab", "ipywidgets", "matplotlib", "tqdm"} <= added, added
+    assert not added & (INSTRUCTOR_ONLY | DEVELOPER_ONLY), added & (INSTRUCTOR_ONLY | DEVELOPER_ONLY)
+    assert after["torch"] == before["torch"]
+    # JupyterLab starts, with no nbgrader extension (no "Nbgrader" menu, no "Create Assignment")
+    own = {  # this venv's jupyter alone: `jupyter labextension` finds its subcommand on PATH
+        **{k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "VIRTUAL_ENV", "PYTHON"))},
+        "PATH": f"{python.parent}:/usr/bin:/bin",
+    }
+    lab = subprocess.run(
+        [str(python.parent / "jupyter"), "labextension", "list"], capture_output=True, text=True, timeout=120, env=own
+    )
+    assert lab.returncode == 0 and "jupyterlab_widgets" in lab.stdout + lab.stderr, lab.stdout + lab.stderr
+    assert "nbgrader" not in (lab.stdout + lab.stderr).lower(), lab.stdout + lab.stderr
+    # the student's own copies of the labs, with this kit's command
+    start = subprocess.run(
+        [
+            str(tmp_path / "venv" / "bin" / "disttrain-lab"),
+            "start",
+            "01",
+            "--labs",
+            str(REPO / "labs"),
+            "--into",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert start.returncode == 0 and (tmp_path / "work" / "01_point_to_point").is_dir(), start.stdout + start.stderr
+    # the README's figures: packages the kit adds (torch's own aside) and their size on disk
+    count, size = _kit_figures()["student"]
+    megabytes = _disk_mb(tmp_path / "venv") - _disk_mb(tmp_path / "venv" / "kept")
+    assert abs(len(added) - count) <= max(5, count // 5), (
+        f"README says {count} packages, the install added {len(added)}"
+    )
+    assert abs(megabytes - size) <= max(20, size // 4), f"README says {size} MB, the install holds {megabytes} MB"
+
+
+def _disk_mb(folder: Path) -> int:
+    out = subprocess.run(["du", "-sm", str(folder)], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0])
 
 
 @pytest.mark.slow
