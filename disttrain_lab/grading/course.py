@@ -64,6 +64,48 @@ def normalize_release(path: Path) -> None:
         nbformat.write(nb, nb_path)
 
 
+class ReleaseWouldOverwrite(ValueError):
+    """Where a release would write, someone has worked: a notebook that was run, or a file the lab's
+    source does not have.  A release writes only the kit's own files, and never over anyone's work."""
+
+
+def worked_on(released: Path, source: Path) -> list[Path]:
+    """Files under ``released`` (a released lab's folder) that a release did not write as they are: a
+    notebook with outputs or execution counts (``normalize_release`` strips both; JupyterLab's autosave
+    of a student's run keeps them), one that cannot be read, or a file the lab's ``source`` folder lacks."""
+    found = []
+    for path in sorted(p for p in Path(released).rglob("*") if p.is_file()):
+        relative = path.relative_to(released)
+        if {".ipynb_checkpoints", "__pycache__"} & set(relative.parts):
+            continue  # JupyterLab's and Python's own leftovers: nobody's work
+        if not (Path(source) / relative).exists():
+            found.append(path)
+            continue
+        if path.suffix != ".ipynb":
+            continue
+        try:
+            cells = nbformat.read(path, as_version=4).cells
+        except Exception:  # not a notebook any more: not what a release wrote either
+            found.append(path)
+            continue
+        if any(c.cell_type == "code" and (c.get("outputs") or c.get("execution_count")) for c in cells):
+            found.append(path)
+    return found
+
+
+def _refuse_overwriting(labs: list[str], folder: Path, source: Path) -> None:
+    kept = [path for lab in labs if (folder / lab).is_dir() for path in worked_on(folder / lab, source / lab)]
+    if kept:
+        shown = "\n".join(f"  {path}" for path in kept)
+        raise ReleaseWouldOverwrite(
+            f"the release would write over work in {folder} that it did not write (a notebook that was run: it "
+            f"has outputs; or a file the lab's source does not have):\n{shown}\nMove them to a folder of your own "
+            f"first (students work in their own copies: `disttrain-lab start NN` makes work/NN_name/), e.g. `mv "
+            f"{kept[0]} {kept[0].stem}.mine{kept[0].suffix}`; then release again (in a git checkout, `git checkout "
+            f"-- labs/` first)."
+        )
+
+
 # Where a release goes.  A course folder is the instructor's and the kit's checkout is not:
 # with a course folder the release goes to <course>/release/ (nbgrader's own layout, what
 # `nbgrader release_assignment` hands to the exchange), the wheel beside the labs in
@@ -115,17 +157,20 @@ def release(
 
     ``install_source`` (default: the configured one, see :mod:`disttrain_lab.grading.install_source`)
     is stamped into every lab's setup cell; the unset placeholder is refused before anything
-    is written.  For ``wheel`` sources the kit's wheel is built into ``wheels/`` beside the labs.
+    is written, and so is a release folder where someone worked (:func:`worked_on`).  For
+    ``wheel`` sources the kit's wheel is built into ``wheels/`` beside the labs.
     """
     chosen = install_source or install.configured_install_source()
     install.stamped_requirement(chosen)  # raises InstallSourceError, saying what to set
     folder = Path(release_to or release_folder(course)).expanduser().resolve()
     env = _env(course, source, folder)  # nbgrader writes where this release decided, whatever the shell says
     env[install.ENV_VAR] = chosen
+    labs = labs or list_labs(source)
+    _refuse_overwriting(labs, folder, Path(source or source_dir()))
     if install.needs_wheel(chosen):
         install.build_wheel(out=folder / install.WHEELS)
     results = []
-    for lab in labs or list_labs(source):
+    for lab in labs:
         result = run_nbgrader(["generate_assignment", lab, "--force"], timeout=600, env=env, tmp_root=tmp_root)
         if result.returncode != 0:
             raise RuntimeError(f"nbgrader generate_assignment {lab} failed:\n{result.output}")
@@ -399,7 +444,7 @@ def cli_release(argv: list[str] | None = None) -> int:
             for lab in labs:
                 stale += release_differences(fresh / lab, folder / lab)
             stale += install.wheel_differences(fresh / install.WHEELS, folder / install.WHEELS)
-    except install.InstallSourceError as exc:
+    except (install.InstallSourceError, ReleaseWouldOverwrite) as exc:
         print(f"disttrain-lab release: {exc}", file=sys.stderr)
         return 2
     for line in stale:

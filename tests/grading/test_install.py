@@ -131,6 +131,37 @@ def test_a_release_published_on_github_begins_each_lab_with_its_open_in_colab_ba
     assert first.source == title
 
 
+def test_release_never_writes_over_a_students_work_in_the_release_folder(tmp_path, capsys):
+    """A student who opened the release folder's lab and ran it (JupyterLab autosaves the outputs), or left a
+    file of their own there: the release refuses, names each file and what to do, and writes nothing."""
+    lab, dl101 = "01_point_to_point", tmp_path / "dl101"
+    shutil.copytree(REPO / "labs" / lab, dl101 / "release" / lab)
+    notebook = dl101 / "release" / lab / f"{lab}.ipynb"
+    worked = nbformat.read(notebook, as_version=4)
+    first = next(c for c in worked.cells if nbgrader_meta(c).get("solution"))
+    first.source += "\n# my answer"
+    first.execution_count = 3
+    first.outputs = [nbformat.v4.new_output("stream", name="stdout", text="it works\n")]
+    nbformat.write(worked, notebook)
+    (dl101 / "release" / lab / ".ipynb_checkpoints").mkdir()  # JupyterLab's own: nobody's work
+    (dl101 / "release" / lab / ".ipynb_checkpoints" / f"{lab}-checkpoint.ipynb").write_text("{}")
+    (dl101 / "release" / lab / "notes.md").write_text("mine")
+    before = {p: p.read_bytes() for p in (dl101 / "release").rglob("*") if p.is_file()}
+
+    assert grading.cli_release(["--course-dir", str(dl101), "--install-source", "wheel", lab]) == 2
+    said = capsys.readouterr().err
+    assert "the release would write over work in" in said and "disttrain-lab start NN" in said, said
+    assert f"  {notebook}\n" in said and f"  {dl101 / 'release' / lab / 'notes.md'}\n" in said, said
+    assert "checkpoint" not in said, said
+    assert {p: p.read_bytes() for p in (dl101 / "release").rglob("*") if p.is_file()} == before
+    assert not (dl101 / "release" / WHEELS).exists()  # refused before anything was written
+
+    # a lab nobody ran (the release's own files) is not work
+    shutil.copy2(REPO / "labs" / lab / f"{lab}.ipynb", notebook)
+    (dl101 / "release" / lab / "notes.md").unlink()
+    assert course.worked_on(dl101 / "release" / lab, REPO / "solutions" / lab) == []
+
+
 def test_release_refuses_the_placeholder_before_writing_anything(tmp_path, capsys):
     with pytest.raises(InstallSourceError, match="no package of that name is published"):
         grading.release(
