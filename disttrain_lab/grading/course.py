@@ -19,7 +19,7 @@ import nbformat
 from nbgrader.api import Gradebook, MissingEntry
 
 from ..start import labs_in
-from . import cell_times, config, intake, sandbox
+from . import cell_times, config, intake, readme_labs, sandbox
 from . import install_source as install  # (release() has an argument named install_source)
 from .config import LIMITED_ISOLATION, REPO_ROOT, Limits, course_dir, isolation_notice, release_dir, source_dir
 from .execute import NOTES_FILE
@@ -424,13 +424,18 @@ def cli_release(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     folder = release_folder(args.course_dir)
     shown = "labs/" if folder == (REPO_ROOT / "labs").resolve() else f"{folder}/"
+    # the maintainer's release (labs/) also writes the README's Colab column (readme_labs.py)
+    readme = REPO_ROOT / "README.md" if folder == (REPO_ROOT / "labs").resolve() else None
     try:
+        chosen = args.install_source or install.configured_install_source()
         if not args.check:
             labs = args.labs or list_labs()
+            if readme is not None and readme.is_file() and readme_labs.update(readme, chosen):
+                print(f"wrote {readme.name}'s Colab column for {chosen!r}")
             for lab in _track(labs, "releasing"):
                 for result in release([lab], course=args.course_dir, install_source=args.install_source):
                     print(f"released {lab} -> {folder / lab} ({result.seconds:.1f} s)")
-                url = install.colab_url(args.install_source or install.configured_install_source(), lab)
+                url = install.colab_url(chosen, lab)
                 if url:  # once the release folder is pushed where its install source says
                     print(f"  Open in Colab: {url}")
             for lab in _track(labs if args.time_cells else [], "timing the solutions' cells"):
@@ -444,6 +449,10 @@ def cli_release(argv: list[str] | None = None) -> int:
             for lab in labs:
                 stale += release_differences(fresh / lab, folder / lab)
             stale += install.wheel_differences(fresh / install.WHEELS, folder / install.WHEELS)
+            if readme is not None and readme.is_file():
+                text = readme.read_text()
+                if readme_labs.with_badges(text, chosen) != text:
+                    stale.append(f"{readme}: its Colab column is not what {chosen!r} gives")
     except (install.InstallSourceError, ReleaseWouldOverwrite) as exc:
         print(f"disttrain-lab release: {exc}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ from nbgrader.api import Gradebook
 from traitlets.config.loader import PyFileConfigLoader
 
 from disttrain_lab import __version__, grading
-from disttrain_lab.grading import course
+from disttrain_lab.grading import course, readme_labs
 from disttrain_lab.grading.install_source import (
     WHEELS,
     InstallSourceError,
@@ -101,6 +101,22 @@ def test_unusable_install_sources_are_refused_saying_what_to_set(source, fragmen
 )
 def test_colab_opens_a_lab_beside_the_wheels_folder_its_source_names(source, url):
     assert colab_url(source, "01_point_to_point") == url
+
+
+def test_the_readmes_lab_table_has_a_colab_cell_per_lab_that_the_release_writes():
+    text = (REPO / "README.md").read_text()
+    assert readme_labs.labs_listed(text) == course.list_labs()  # a row for every lab, in order
+    configured = grading.configured_install_source()
+    assert readme_labs.with_badges(text, configured) == text, "README.md's Colab column: run `disttrain-lab release`"
+    published = readme_labs.with_badges(text, "wheel:https://raw.githubusercontent.com/uni/dl-course/main/labs/wheels")
+    assert readme_labs.labs_listed(published) == course.list_labs()
+    for lab in course.list_labs():
+        assert (
+            f"| [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+            f"(https://colab.research.google.com/github/uni/dl-course/blob/main/labs/{lab}/{lab}.ipynb) |\n"
+        ) in published, lab
+    assert readme_labs.with_badges(published, "wheel") == readme_labs.with_badges(text, "wheel")  # and back
+    assert published.replace("\n", "").count("|") == text.replace("\n", "").count("|")  # only the last cells
 
 
 @pytest.mark.slow
