@@ -8,6 +8,9 @@
   it (inside the function ``dl.launch`` runs on every rank).
 - A launch that failed in a cell that had made a figure to draw its run in: the figure is
   still empty, and the notebook would show its bare axes under the error; it is closed.
+- Any error that passed through the kit's own code (a check that failed, an argument the kit
+  refused): the kit's frames are cut from the traceback, which shows the student's cell and
+  functions and the message; ``%xmode Verbose`` shows them again (a line under the error says so).
 
 A rank's errors get the same treatment in ``reports.py`` (they come back as data).  Both
 hints are IPython's custom exception handler (``shell.set_custom_exc``), installed when
@@ -20,7 +23,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from .codemap import is_library
+from .codemap import is_internal, is_library
 from .reports import LaunchError, stub_message
 
 NOT_INITIALIZED = "Default process group has not been initialized"
@@ -63,18 +66,44 @@ def close_empty_figures() -> list[int]:
     return closed
 
 
-HANDLED = (NotImplementedError, ValueError, LaunchError)
+def without_kit_frames(tb):
+    """``tb`` with the frames of the kit's own code unlinked, and how many; as it was where every
+    frame is the kit's or none is (nothing of the student's would be left to show, or nothing to cut)."""
+    head, frames, cut = tb, [], 0
+    while tb is not None:
+        if is_internal(tb.tb_frame.f_code.co_filename):
+            cut += 1
+        else:
+            frames.append(tb)
+        tb = tb.tb_next
+    if not cut or not frames:
+        return head, 0
+    for frame, after in zip(frames, frames[1:]):
+        frame.tb_next = after
+    frames[-1].tb_next = None
+    return frames[0], cut
+
+
+HANDLED = (Exception,)  # every error a cell raises: all may pass through the kit's code
+KIT_FRAMES_NOTE = "({} of disttrain_lab's own code not shown: `%xmode Verbose` shows {})"
 
 
 def _handler(shell, etype, value, tb, tb_offset=None):
     """IPython's custom exception handler: the usual traceback, with the hint as the message
-    (the handler shows it: IPython's ``run_code`` drops what a handler returns)."""
+    (the handler shows it: IPython's ``run_code`` drops what a handler returns), without the kit's
+    frames unless the shell's traceback mode is Verbose."""
     better = hint(value)
     if better is not None:
         value.args = (better,)
     if isinstance(value, LaunchError):
         close_empty_figures()
+    cut = 0
+    if getattr(getattr(shell, "InteractiveTB", None), "mode", "") != "Verbose":
+        trimmed, cut = without_kit_frames(tb)
+        tb = trimmed if cut else tb
     shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    if cut:
+        print(KIT_FRAMES_NOTE.format(f"{cut} frame{'s' * (cut > 1)}", "them" if cut > 1 else "it"), file=sys.stderr)
 
 
 def _shell():

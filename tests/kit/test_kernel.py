@@ -59,6 +59,10 @@ CELLS = [
     "dl.predictions.check('bubble', predicted_bubble, '0' * 20, [(4, 8)])",
     # a class's stub on the ranks names the class
     "def build():\n    return Zero2Optimizer([])\ndl.launch(build, 2)",
+    # a check that fails: the student's cell and the message, not the kit's frames (unless asked for)
+    "from disttrain_lab import checks\nchecks.assert_close(torch.ones(2), torch.zeros(2), what='the sum')",
+    "%xmode Verbose\nchecks.assert_close(torch.ones(2), torch.zeros(2), what='the sum')",
+    "%xmode Context\ndl.launch(5, 2)",
 ]
 
 
@@ -103,10 +107,22 @@ def test_launch_trace_and_timeline_in_a_real_kernel():
     assert "cannot send the variable lock (lock) that locked uses" in error(14), error(14)
     assert error(17).startswith("predicted_bubble is not written yet (Cell In[18], line 3"), error(17)
     (shown,) = [re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(o.traceback)) for o in outputs[17] if o.output_type == "error"]
-    assert "predictions.py" not in shown and "skipping hidden" in shown, shown
+    assert "predictions.py" not in shown and "own code not shown" in text(17), shown
     assert "Zero2Optimizer.__init__ is not written yet (Cell In[12], line 4 still raises" in error(18), error(18)
-    kinds = [[o.output_type for o in outputs[i]] for i in (15, 16)]
+    kinds = [[o.output_type for o in outputs[i] if o.output_type != "stream"] for i in (15, 16)]
     assert kinds == [["error"], ["error", "display_data"]], kinds
+
+    def shown(i):
+        (err,) = [o for o in outputs[i] if o.output_type == "error"]
+        return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err.traceback)), text(i)
+
+    trace, note = shown(19)
+    assert "Cell In[20], line 2" in trace and "the sum: values differ" in trace and "checks.py" not in trace, trace
+    assert "(1 frame of disttrain_lab's own code not shown: `%xmode Verbose` shows it)" in note, note
+    trace, note = shown(20)
+    assert "checks.py" in trace and "not shown" not in note, trace  # asked for
+    trace, note = shown(21)
+    assert "Cell In[22], line 2" in trace and "launcher.py" not in trace and "not shown" in note, trace
     enames = [[o.ename for o in outputs[i] if o.output_type == "error"] for i in range(10, 15)]
     assert enames == [
         ["NotImplementedError"],
