@@ -3,7 +3,8 @@
 #   bash scripts/test.sh            # everything: about 23 min on 2 cores, three pytest workers
 #                                   # (pytest-xdist), each taking one test file at a time, the
 #                                   # longest first (tests/conftest.py)
-#   bash scripts/test.sh -m "not slow"   # skip notebook execution, autograding, the browser
+#   bash scripts/test.sh -m "not slow"   # the fast tier (about 90 s): no notebook execution, autograding,
+#                                   # browser, nor any test over 3 s (pyproject.toml's `slow` marker)
 #   bash scripts/test.sh tests/labs/test_lab03.py   # one lab's tests
 #   DISTTRAIN_TEST_WORKERS=0 bash scripts/test.sh   # one process, in order (about 35 min)
 #   DISTTRAIN_HUB_TEST=1 bash scripts/test.sh tests/grading/test_hub.py   # the real JupyterHub (~3 min)

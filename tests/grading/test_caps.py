@@ -452,6 +452,7 @@ def test_scrub_replaces_hidden_lines_even_behind_markup():
     assert hidden_tests.scrub(output, lines)["data"]["application/json"]["k"] == [hidden_tests.MARKER]
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 @needs_sandbox
 def test_a_uid_lease_is_exclusive_and_dies_with_its_holder(tmp_path):
     import fcntl

@@ -96,6 +96,7 @@ def test_exercise_names_follow_the_solution_cell_each_test_grades():
     assert cells.exercise_names(lonely) == {"test_x": "test_x"}  # no heading at all: its grade_id
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_results_read_the_gradebook_and_the_first_line_of_each_failure(made, tmp_path):
     course, source = made
     found = export.results(LAB, course, source)

@@ -101,6 +101,7 @@ def test_the_index_names_each_graded_cell_by_its_exercise_with_its_points(tmp_pa
     ]
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_the_index_takes_the_instructors_headings_and_shows_a_students_as_text(tmp_path):
     nb = _scored(lab1())
     [heading] = [c for c in nb.cells if c.cell_type == "markdown" and c.source.startswith("### Exercise 2")]
@@ -127,6 +128,7 @@ def test_an_exercise_with_two_tests_numbers_them():
 # wrapping, formulas
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_outputs_wrap_and_no_page_loads_anything_from_the_network(tmp_path):
     with_formula, without = _scored(lab1()), _scored(lab1())
     without.cells = [c for c in without.cells if "$" not in c.source or c.cell_type != "markdown"]
@@ -193,6 +195,7 @@ def gradebook(tmp_path_factory):
     return f"sqlite:///{path}"
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_predictions_expected_value_is_shown_after_the_deadline(gradebook, monkeypatch):
     cases = [  # (DISTTRAIN_SHOW_EXPECTED, the assignment, shown)
         (None, "no_due_date", False),  # the default: after the deadline, and there is none

@@ -400,6 +400,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 @needs_container
 def test_the_grader_reads_another_uids_sockets_as_that_uid_in_a_container():
     """Root without CAP_SYS_PTRACE sees no owner of another uid's sockets (an honest student's bytes

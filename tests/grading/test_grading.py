@@ -329,6 +329,7 @@ def _step_with_a_leftover(body: str):
     )
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_process_left_holding_nbgraders_output_does_not_hold_the_grader(monkeypatch):
     monkeypatch.setattr(steps, "PIPE_GRACE", 1.0)
     steps._become_subreaper()  # as run_nbgrader does: the leftover becomes ours

@@ -236,6 +236,7 @@ def test_outputs_keep_only_inert_types():
     assert "widgets" not in nb.metadata
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_the_instructors_locked_markdown_is_left_as_the_gradebook_has_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # nbgrader's alembic
     # the instructor's text quotes, shows `a<b` in code and uses a tag: exactly as written

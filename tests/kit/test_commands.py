@@ -195,6 +195,7 @@ def test_bench_3d(tmp_path):
     assert all(r["median_step_s"] > 0 and len(r["step_s"]) == 1 for r in written["runs"])
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_bench_help_lists_every_benchmark():
     out = run(disttrain_lab() + ["bench", "--help"], timeout=120)
     assert out.returncode == 0 and "usage: disttrain-lab bench" in out.stdout, said(out)
@@ -256,6 +257,7 @@ def test_release_check():
 # --version, python -m disttrain_lab, a typo, help for every option
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_version_and_python_dash_m_are_the_same_command():
     from disttrain_lab import __version__
 
@@ -281,6 +283,7 @@ def test_a_typo_is_argparses_error_with_the_closest_name(argv, meant, capsys):
     assert exited.value.code == 2 and f"did you mean {meant!r}?" in err and "usage: disttrain-lab" in err, err
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_typo_in_a_terminal_is_no_traceback():
     out = run(disttrain_lab() + ["relase"], timeout=120)
     assert out.returncode == 2 and "did you mean 'release'?" in out.stderr and "Traceback" not in out.stderr, said(out)
@@ -345,6 +348,7 @@ with open(out, "w") as f:
 """
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_every_option_of_every_script_has_help(tmp_path):
     scripts = sorted(str(p) for p in SCRIPTS.glob("*.py"))
     out = run([sys.executable, "-c", CATCH_PARSERS, str(tmp_path / "found.json"), *scripts], timeout=240)
@@ -370,8 +374,16 @@ def test_setup_refuses_an_argument(tmp_path):
 # scripts/: each answers --help with its usage, and does nothing else
 
 
+SLOW_HELP = {"hub_check.py", "scaling_runs.py"}  # their imports take 7-12 s: the full suite runs them
+
+
 @pytest.mark.parametrize(
-    "script", sorted(p for p in SCRIPTS.iterdir() if p.is_file() and not p.name.startswith(".")), ids=lambda p: p.name
+    "script",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_HELP else p
+        for p in sorted(p for p in SCRIPTS.iterdir() if p.is_file() and not p.name.startswith("."))
+    ],
+    ids=lambda p: p.name,
 )  # not __pycache__/, which importing a script leaves
 def test_script_help(script, tmp_path):
     if script.suffix == ".py":

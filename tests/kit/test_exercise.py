@@ -147,6 +147,7 @@ def test_what_is_not_data_is_an_error_and_never_unpickled(tmp_path):
     assert not os.path.exists(marker)
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_errors_and_timeouts_say_what_happened():
     with pytest.raises(exercise.ExerciseTimeout, match="did not finish within 3 s"):
         exercise.run("stuck", 2, _inputs(4, 1), timeout=3)
@@ -188,6 +189,7 @@ def test_ss_output_is_read_per_connection_and_only_between_ranks():
     assert wire.traffic(before, sockets, pids=[10, 20]).matrix == [[0, 100], [100, 0]]
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_function_stops_at_once(monkeypatch):
     # under grading (disttrain_lab/grading/remote.py): the record of a timeout names the notebook's functions
     # the stuck ranks were in, and a function that timed out in an earlier test is not waited for again: on

@@ -6,9 +6,12 @@ from __future__ import annotations
 import re
 import textwrap
 
+import pytest
+
 from tests.helpers import run_python
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     # Under autograding (NBGRADER_EXECUTION=autograde): a launch the cell's limit interrupts says where each rank
     # was; a function that ran past a launch's own timeout (the lab's word that it hangs) is not waited for again:
@@ -80,6 +83,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
     assert "=== REDEFINED [0, 1]" in out, out
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_again():
     # A self-check that calls the student's function in the kernel itself (no launch, so no launch timeout):
     # the grader interrupts the cell at its limit, then asks the kernel which notebook function the interrupt
@@ -162,6 +166,7 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
     assert "=== BLAMED None" in out, out
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_under_grading_a_launch_reports_a_hang_before_the_cells_limit():
     # The grader tells the student's kernel each cell's limit (hangs.cell_limit, a quiet run before the cell):
     # a launch in that cell that asks for more than is left of it is capped, so the hang ends with the launcher's

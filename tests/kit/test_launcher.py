@@ -287,6 +287,7 @@ def test_a_loop_still_making_calls_is_not_read_as_the_call_it_was_in():
     assert "(Rank 1 waited for it meanwhile.)" in one, one
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_jupyter_shows_a_launch_error_ending_at_the_students_line():
     # IPython renders the error as a notebook does; the launcher's frames (_collect, _rank_died) must not show
     script = textwrap.dedent("""
@@ -342,6 +343,7 @@ def test_rank_calling_abort_is_reported():
     assert f"abort() was called (os.abort, or a C++ assertion), in _aborts (line {line})" in str(err.value)
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_rank_that_aborts_prints_nothing_to_the_test_runners_terminal():
     # pytest's faulthandler writes to its own copy of the terminal, which a forked rank inherits
     out = subprocess.run(
@@ -452,6 +454,7 @@ def test_replacing_all_reduce_inside_a_rank_is_caught():
 # --- separate processes: interrupt, concurrency, torchrun ---------------------------------
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_interrupt_stops_all_ranks():
     script = textwrap.dedent("""
         import disttrain_lab as dl, os, time, sys
@@ -478,6 +481,7 @@ def test_interrupt_stops_all_ranks():
     assert left == [], f"ranks {left} survived the interrupt"
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_ranks_die_with_a_killed_kernel():
     script = textwrap.dedent("""
         import disttrain_lab as dl, os, time
@@ -493,6 +497,7 @@ def test_ranks_die_with_a_killed_kernel():
     assert survivors(pids) == [], "orphaned ranks"
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_eight_users_launching_at_once_on_one_host():
     script = textwrap.dedent("""
         import disttrain_lab as dl, torch, torch.distributed as dist, sys
@@ -513,6 +518,7 @@ def test_eight_users_launching_at_once_on_one_host():
     assert not failed, failed[0][-2000:]
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
     script = tmp_path / "lab_as_script.py"
     script.write_text(
@@ -606,6 +612,7 @@ def test_os_exit_zero_is_explained():
         dl.launch(lambda: os._exit(0), 2)
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
     script = tmp_path / "deadlock.py"
     script.write_text(
@@ -739,6 +746,7 @@ def test_a_stub_that_is_not_written_yet_says_so():
     assert "replace `raise NotImplementedError()` with your code" in str(err.value)
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_class_rebased_or_redefined_in_the_kernel_is_what_warm_ranks_run():
     # A notebook class travels by value; cloudpickle keeps a class it has rebuilt and, when the same class
     # arrives again, only sets the attributes it was sent: a warm rank kept the bases of its first launch

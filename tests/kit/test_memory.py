@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +34,7 @@ def test_tensor_bytes_counts_each_storage_once():
     assert memory.tensor_bytes([empty]) == 0
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_held_adam_and_sgd():
     model, adam = _trained()
     psi = sum(p.numel() for p in model.parameters())  # 58

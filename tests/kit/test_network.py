@@ -151,6 +151,7 @@ def _race(numel: int, repeats: int = 1) -> dict:
     return out
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 @pytest.mark.parametrize("duplex, ratio", [("full", 4.0), ("half", 2.0)])
 def test_ring_beats_naive_by_the_models_ratio_at_16_mib_on_4_ranks(duplex, ratio):
     # a link slow enough (400 Mbit/s) that the model's times (2 s and 0.5 s) dwarf the real
@@ -237,6 +238,7 @@ def _send_16_kib() -> bool:
     return emulation._STATE is None and trace.genuine_of(dist.send) in inner
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_network_none_changes_nothing_after_an_emulated_launch():
     crawl = dl.Network(latency=1e-3, bandwidth=1e3)  # 1 kB/s: this send takes 16 s
     with pytest.raises(dl.LaunchTimeout):

@@ -70,6 +70,7 @@ def test_package_holds_no_solutions():
         assert not any(m in text for m in markers if f'"{m}' not in text and f"'{m}" not in text), path
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_console_script_runs():
     out = subprocess.run(
         [str(Path(sys.executable).parent / "disttrain-lab"), "doctor"], capture_output=True, text=True, timeout=120

@@ -37,6 +37,7 @@ def test_the_readme_has_examples_with_their_output():
     assert len(examples()) >= 2
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 @pytest.mark.parametrize("code, shown", examples(), ids=lambda v: v.splitlines()[0][:40] if "\n" in v else v)
 def test_each_readme_example_prints_what_the_readme_shows(tmp_path, code, shown):
     cell = tmp_path / "cell.py"

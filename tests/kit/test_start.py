@@ -59,6 +59,7 @@ def write(path, nb) -> None:
     path.write_text(json.dumps(nb, indent=1))
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_lab_is_copied_into_work_with_the_wheels_its_first_cell_installs_from(clone):
     out = start("1", cwd=clone)
     assert out.returncode == 0, out.stderr

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 PACKAGE = REPO / "disttrain_lab"
@@ -193,6 +195,7 @@ def test_no_module_takes_an_underscored_name_from_another():
     assert sorted(KNOWN_PRIVATE_USES - used) == [], "fixed: take it off KNOWN_PRIVATE_USES"
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_importing_the_kit_loads_nothing_of_the_grading_wing():
     # what a student's kernel does; the grading wing needs the instructor's tools (nbgrader)
     out = subprocess.run(

@@ -316,6 +316,7 @@ def test_wrappers_expose_no_untraced_function():
     assert dl.launch(probe, 2) == [[False, False], [False, False]]
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_a_rank_stuck_in_new_group_is_reported_as_such():
     def only_rank_zero_makes_a_group():
         if dist.get_rank() == 0:

@@ -294,6 +294,7 @@ def test_exercises_on_one_gpu():
 # The bench harness
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_bench_zero_side_by_side_with_torch(solution):
     versions = {name: (stage, solution[name]) for name, stage in CLASSES.items()}
     rows = bench.bench_zero(

@@ -339,6 +339,7 @@ def test_pipeline_idle_and_schedule(solution):
         dl.viz.pipeline_regions(run, 0, step=3)
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_bench_pipeline_measures_side_by_side(solution):
     versions = {
         "naive": (solution["naive_step"], 1),

@@ -383,6 +383,7 @@ def test_format_memory_table_says_why_fsdp2_could_not_run():
     assert f"{TORCH_OFFLOAD:<46} cannot run here: RuntimeError: no" in table, table
 
 
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
 def test_fsdp2_cpu_offload_runs_on_cpu_gloo_unpinned_and_moves_fp32_over_the_link():
     """Pins what the bench relies on in torch 2.13: FSDP2 with CPUOffloadPolicy(pin_memory=False) steps on
     one gloo rank; its default pin_memory=True needs an accelerator (a torch that lifts this is noticed);
