@@ -158,8 +158,17 @@ def _shared_root() -> Path:
     return SHARED
 
 
+# The suite grades on three workers beside each other on 2 cores: a host busy with other work, which the
+# instructor's guide answers with a cell-time scale (cell_times.py).  A real lab's honest round trip gets 2:
+# lab 8's large-batch cell (4 runs of DDP on 8 ranks, 11 s alone, limit 55 s) ran over its limit once in a
+# loaded full run.  The limits themselves are tested at scale 1 (test_cell_times.py, lab 8's spinning grid).
+LOADED_HOST_SCALE = 2.0
+
+
 def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -> RoundTrip:
     """Lab ``lab``'s round trip, made by the first caller of the session and read by the others."""
+    if limits is None:
+        limits = {"cell_time_scale": LOADED_HOST_SCALE * grading.Limits().cell_time_scale}
     root = _shared_root() / "round_trip" / lab
     with FileLock(str(root) + ".lock"):
         done = root / "round_trip.json"
