@@ -104,6 +104,7 @@ def stamped_requirement(source: str) -> str:
 
 _RAW_GITHUB = re.compile(r"^wheel:https://raw\.githubusercontent\.com/([^/\s]+)/([^/\s]+)/([^/\s]+)/(\S*?)/?wheels/?$")
 COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+BADGE_START = "[![Open In Colab]("  # how a stamped badge's line starts (so a release can find and replace it)
 
 
 def colab_url(source: str, lab: str) -> str | None:
@@ -124,7 +125,7 @@ def colab_url(source: str, lab: str) -> str | None:
 
 def colab_badge(url: str) -> str:
     """The "Open in Colab" badge (markdown) that links to ``url``."""
-    return f"[![Open In Colab]({COLAB_BADGE})]({url})"
+    return f"{BADGE_START}{COLAB_BADGE})]({url})"
 
 
 def needs_wheel(source: str) -> bool:

@@ -22,7 +22,7 @@ from .cells import is_test_cell
 from .config import isolation_report
 from .execute import NOTES_FILE
 from .hidden_tests import gradebook_hidden_lines, hidden_lines, scrub_outputs
-from .install_source import ENV_VAR, colab_badge, colab_url, stamped_requirement
+from .install_source import BADGE_START, ENV_VAR, colab_badge, colab_url, stamped_requirement
 
 # ----------------------------------------------------------------------------------------
 # Sanitizing a submission.
@@ -321,9 +321,6 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path, iso
     return path
 
 
-_BADGE = "[![Open In Colab]("  # how a lab's first markdown line starts when the release stamped its badge
-
-
 class StampInstallSource(NbGraderPreprocessor):
     """Release step: write where the kit installs from into each lab's setup cell (the line
     ``DISTTRAIN_LAB_PIP = "..."``), so a fresh kernel (Colab) can install it.
@@ -352,8 +349,9 @@ class StampInstallSource(NbGraderPreprocessor):
         lab = resources.get("nbgrader", {}).get("notebook") or resources.get("metadata", {}).get("name", "")
         url = colab_url(source, lab)
         title = next((c for c in nb.cells if c.cell_type == "markdown"), None)
-        if title is not None and (url or _BADGE in title.source):  # the lab's own badge, where its address is known
-            body = "\n".join(line for line in title.source.split("\n") if not line.startswith(_BADGE)).lstrip("\n")
+        # the lab's own badge, where its address is known (released again: replaced, or removed)
+        if title is not None and (url or BADGE_START in title.source):
+            body = "\n".join(line for line in title.source.split("\n") if not line.startswith(BADGE_START)).lstrip("\n")
             title.source = f"{colab_badge(url)}\n\n{body}" if url else body
         return super().preprocess(nb, resources)
 
