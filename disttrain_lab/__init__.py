@@ -6,7 +6,7 @@ run = dl.launch(fn, 4, trace=True)  # ... and every torch.distributed call they 
 dl.launch(fn, 4, network=dl.Network.preset("1 Gbit Ethernet"))   # over an emulated link
 dl.viz.timeline(run)                # per-rank timeline of a real run
 dl.exercise.run("ping_pong", 2, inputs)   # a notebook's function, results and bytes as data (tests)
-dl.predictions.check("bubble", PREDICTED_BUBBLE, digest)  # a graded prediction, checked without the answer
+dl.predictions.check("bubble", PREDICTED_BUBBLE)  # a graded prediction's form (never its answer)
 """
 
 __version__ = "0.1.0"

@@ -6,24 +6,23 @@ it measures the same quantity on real ranks and draws the two side by side
 (``dl.viz.predicted_vs_measured``).
 
 A prediction is right when it equals the lab's cost model **to three significant figures**
-(``SIG``): both are written as ``f"{x:.2e}"`` and compared as text, so the self-check and the
-graded test apply the same rule and a student knows exactly what counts.
+(``SIG``): both are written as ``f"{x:.2e}"`` and compared as text, so a student knows exactly
+what counts (the self-check shows a prediction written that way).
 
-The self-check never shows the answer: the notebook holds only a salted digest of the
-rounded answer (``check(name, value, digest)``), and says whether the prediction matches it.
+The self-check (``check(name, value)``, or ``check(name, fn, cases)`` for a function) checks
+only the prediction's **form**: a finite number, or a function that gives one at each of the
+settings the graded test uses; it shows the values the graded test will compare, rounded as it
+rounds them.  It does not know the answer: a self-check that held one (even as a salted digest
+of the rounded value) could be made to tell it: a number to three figures has 900 candidates per
+power of ten, and a program tries every one from 1e-10 to 1e10 in well under a second.  The
+measurement after a prediction shows how close it is.
 The graded test reads the student's value from the student's kernel as data (``fetch``,
 through ``dl.exercise.run``) and compares it with the cost model computed in the test itself
-(``assert_prediction``); no answer lives in this package.
-
-An author makes the digest of an answer with ``digest(name, value)``::
-
-    >>> digest("bubble p=4 m=8", 3 / 11)
-    '...'
+(``assert_prediction``); no answer lives in this package or in the student's notebook.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 import re
@@ -33,7 +32,7 @@ import torch
 
 from . import exercise
 
-__all__ = ["SIG", "rounded", "digest", "check", "fetch", "assert_prediction", "withhold_expected", "PredictionError"]
+__all__ = ["SIG", "rounded", "check", "fetch", "assert_prediction", "withhold_expected", "PredictionError"]
 
 SIG = 3  # significant figures a prediction must get right
 
@@ -83,32 +82,35 @@ def _values(name: str, value, cases: Sequence[tuple] | None) -> list[float]:
     return numbers
 
 
-def digest(name: str, value, cases: Sequence[tuple] | None = None) -> str:
-    """The salted digest of ``value`` rounded to ``SIG`` figures (or of ``value(*c)`` for each
-    case ``c``), as a notebook's self-check holds it instead of the answer."""
+def check(name: str, value, *args, cases: Sequence[tuple] | None = None) -> bool:
+    """``check(name, value)`` or ``check(name, fn, cases)``: a notebook's self-check of a
+    prediction's form: ``value`` is a finite number, or (with ``cases``, settings the graded test
+    uses) a function that gives one at each case.  Prints the values the graded test will compare
+    with the cost model, to ``SIG`` significant figures, and returns True; raises PredictionError,
+    saying what is wrong, when the form is not right.  It never says whether a value is right:
+    nothing here knows the answer."""
     __tracebackhide__ = True
-    text = name + ":" + ",".join(rounded(v) for v in _values(name, value, cases))
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def check(name: str, value, expected_digest: str, cases: Sequence[tuple] | None = None) -> bool:
-    """A notebook's self-check: print whether ``value`` (or the function ``value`` at each of
-    ``cases``) equals the cost model to ``SIG`` significant figures, without saying the answer.
-    Returns whether it does.  Raises PredictionError when the prediction is not a number."""
-    __tracebackhide__ = True
-    ok = digest(name, value, cases) == expected_digest
-    if ok:
-        print(
-            f"\N{WHITE HEAVY CHECK MARK} your prediction of {name} matches the cost model to {SIG} significant figures"
+    if args and isinstance(args[0], str):  # check(name, value, digest[, cases]): a notebook from before
+        raise PredictionError(
+            f"the self-check of {name} passes a digest of the answer, which this kit no longer reads: the "
+            "notebook is from an older release; `disttrain-lab start` updates your copy (your edits are kept)"
         )
+    if len(args) > 1 or (args and cases is not None):
+        raise TypeError(f"check takes the prediction's name, its value and the cases; got {2 + len(args)} arguments")
+    cases = args[0] if args else cases
+    cases = None if cases is None else [tuple(c) for c in cases]
+    values = _values(name, value, cases)
+    if cases is None:
+        shown, where = rounded(values[0]), ""
     else:
-        shown = ", ".join(rounded(v) for v in _values(name, value, cases))
-        print(
-            f"\N{CROSS MARK} your prediction of {name} ({shown}) does not match the cost model to {SIG} "
-            "significant figures. Work it out again from the model in the text above (the graded test "
-            "applies the same rule); the measurement below shows how close you are."
-        )
-    return ok
+        shown = "; ".join(f"{tuple(c)}: {rounded(v)}" for c, v in zip(cases, values))
+        where = " at these settings (and perhaps others)"
+    print(
+        f"\N{WHITE HEAVY CHECK MARK} your prediction of {name} is in a form the graded test reads ({shown}); it "
+        f"compares it with the cost model to {SIG} significant figures{where}.  This check knows only the form, "
+        "not the answer: work it out from the model in the text above; the measurement below shows how close you are."
+    )
+    return True
 
 
 def _getter(name: str) -> dict:

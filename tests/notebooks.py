@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -269,33 +270,61 @@ def one_rank_notebook(lab: Path, device: str, given: str, exercises, checks: str
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
 
 
+_SELF_CHECK = re.compile(r'\s*"([^"]+)",\s*globals\(\)\.get\("(\w+)"\)\s*(?:,\s*(?:cases=)?([\w\[].*?))?\s*', re.S)
+
+
+def self_check_problems(nb) -> tuple[list[str], list[tuple[str, str, str | None]]]:
+    """Whether the prediction self-checks of ``nb`` (a solution or a released notebook) could hold
+    an answer: each must be ``dl.predictions.check(name, globals().get("X"))``, with the cases
+    after it for a function, and nothing more; no code cell may hold a hex string (a digest).
+    Returns the problems and each self-check's (name, variable, cases text or None)."""
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    problems = [f"a hex string in a code cell: {h}" for h in re.findall(r"\b(?=[0-9]*[a-f])[0-9a-f]{16,}\b", code)]
+    calls = []
+    for call in re.findall(r"dl\.predictions\.check\((.*?)\)\s*(?:\n|$)", code, re.S):
+        found = _SELF_CHECK.fullmatch(call)
+        if found:
+            calls.append((found[1], found[2], found[3]))
+        else:
+            problems.append(f"a self-check that passes more than the name, the value and the cases: check({call})")
+    return problems, calls
+
+
 def prediction_problems(nb) -> list[str]:
     """What breaks the pattern of a lab's graded predictions; empty when nothing does.
 
-    A number (``PREDICTED_X = ...``, checked by ``dl.predictions.check(name, globals().get("X"),
-    digest)``): the self-check's digest is the digest of the solution's own value, which lies away
-    from a rounding boundary, and one 1-point graded test fetches it and compares it under the same
-    name.  A function (a solution cell ``ex_predict_X`` defining one): the self-check's digest is
-    the digest of the solution's function at the cases of the graded cell ``test_predict_X``, and
-    the self-check uses those cases.  A lab with neither is a problem too."""
+    A self-check is ``dl.predictions.check(name, globals().get("X"))`` for a number, with the
+    graded cases after it for a function, and nothing else: no argument that could hold the
+    answer (a digest of a 3-figure number is found by search in well under a second), and no
+    hex string anywhere in the notebook's code.  A number (``PREDICTED_X = ...``): the solution's
+    value passes its self-check, lies away from a rounding boundary, and one 1-point graded test
+    fetches it under the same name.  A function (a solution cell ``ex_predict_X`` defining one):
+    its self-check's cases are cases of the graded cell ``test_predict_X`` (the form is checked
+    where it is graded) and the solution passes it.  A lab with neither is a problem too."""
     import ast
+    import contextlib
+    import io
     import math
     import re
 
     from disttrain_lab import predictions
 
-    checks = re.findall(
-        r'dl\.predictions\.check\(\s*"([^"]+)",\s*globals\(\)\.get\("(\w+)"\),\s*"([0-9a-f]+)"\)',
-        "\n".join(c.source for c in nb.cells if c.cell_type == "code"),
-    )
-    problems = []
-    for name, variable, digest in checks:
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    problems, calls = self_check_problems(nb)
+    checks, function_checks = [], {}
+    for name, variable, cases in calls:
+        if cases is None:
+            checks.append((name, variable))
+        else:
+            function_checks[variable] = (name, cases)
+    quiet = contextlib.redirect_stdout(io.StringIO())
+    for name, variable in checks:
         [solution] = [c for c in nb.cells if nbgrader_meta(c).get("solution") and f"{variable} =" in c.source]
         namespace: dict = {}
         exec(solution.source, namespace)
         value = float(namespace[variable])
-        if predictions.digest(name, value) != digest:
-            problems.append(f"{name}: the self-check's digest is not that of the solution's {variable} = {value}")
+        with quiet:
+            predictions.check(name, value)
         exponent = math.floor(math.log10(abs(value)))
         step = 10.0 ** (exponent - predictions.SIG + 1)  # one unit in the last significant figure
         boundary = (math.floor(value / step) + 0.5) * step
@@ -313,25 +342,21 @@ def prediction_problems(nb) -> list[str]:
         if not defined:
             continue  # a number: checked above
         functions += 1
-        namespace = {}
+        namespace = {"math": math}  # (the lab's setup cell imports it)
         exec(compile(cell.source, f"<{grade_id}>", "exec"), namespace)
         [fn_name] = defined
         test = cell_by_id(nb, "test_" + grade_id[3:]).source
         cases = ast.literal_eval(re.search(r"^_cases = (\[.*?\])", test, re.M).group(1))
-        [check] = [
-            c.source for c in nb.cells if f'globals().get("{fn_name}")' in c.source and "predictions.check(" in c.source
-        ]
-        found = re.search(
-            r'predictions\.check\("([^"]+)", globals\(\)\.get\("' + fn_name + r'"\), "([0-9a-f]+)"', check
-        )
-        if not found:
+        if fn_name not in function_checks:
             problems.append(f"{grade_id}: no self-check of {fn_name}")
             continue
-        name, digest = found.groups()
-        if predictions.digest(name, namespace[fn_name], cases) != digest:
-            problems.append(f"{grade_id}: the self-check's digest is not {fn_name}'s at the graded cases {cases}")
-        if repr(cases) not in check:
-            problems.append(f"{grade_id}: the self-check does not use the graded cases {cases}")
+        name, given = function_checks[fn_name]
+        defined_as = re.search(rf"^{re.escape(given)} = (\[.*\])", code, re.M) if given.isidentifier() else None
+        checked = ast.literal_eval(defined_as[1] if defined_as else given)
+        if not checked or any(tuple(c) not in cases for c in checked):
+            problems.append(f"{grade_id}: the self-check's cases {checked} are not all graded cases {cases}")
+        with quiet:
+            predictions.check(name, namespace[fn_name], checked)
     if not checks and not functions:
         problems.append("no dl.predictions.check(...) self-check found")
     return problems

@@ -56,7 +56,7 @@ CELLS = [
     "fig, ax = plt.subplots()\nax.plot([1, 2])\ndl.launch(boom, 2)",
     # a prediction's self-check on a stub: the stub named, the kit's frames hidden
     "def predicted_bubble(p, m):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
-    "dl.predictions.check('bubble', predicted_bubble, '0' * 20, [(4, 8)])",
+    "dl.predictions.check('bubble', predicted_bubble, [(4, 8)])",
     # a class's stub on the ranks names the class
     "def build():\n    return Zero2Optimizer([])\ndl.launch(build, 2)",
     # a check that fails: the student's cell and the message, not the kit's frames (unless asked for)

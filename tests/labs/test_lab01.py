@@ -52,8 +52,8 @@ EXERCISES = [
 
 
 def test_predictions_self_checks_and_graded_tests_agree():
-    # two predictions, each with a self-check holding the digest of the solution's value and a
-    # 1-point graded test computing the same model
+    # two predictions, each with a self-check of its form (no answer, no digest) that the solution's value
+    # passes, and a 1-point graded test computing the same model
     assert prediction_problems(load(LAB)) == []
     source = "\n".join(c.source for c in load(LAB).cells)
     assert source.count("dl.predictions.check(") == 2 and source.count("dl.viz.predicted_vs_measured(") == 2

@@ -81,8 +81,8 @@ def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
 
 
 def test_predictions_self_checks_and_graded_tests_agree():
-    # three predictions, each with a self-check holding the digest of the solution's value and a
-    # 1-point graded test computing section 2's model
+    # three predictions, each with a self-check of its form (no answer, no digest) that the solution's value
+    # passes, and a 1-point graded test computing section 2's model
     assert prediction_problems(load(LAB)) == []
     source = "\n".join(c.source for c in load(LAB).cells)
     assert source.count("dl.predictions.check(") == 3 and source.count("dl.viz.predicted_vs_measured(") == 2

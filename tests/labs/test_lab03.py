@@ -41,6 +41,7 @@ from tests.notebooks import (
     one_rank_notebook,
     output_of,
     pictures,
+    prediction_problems,
     run_solution,
     solution_notebook,
     text,
@@ -69,6 +70,10 @@ def solution() -> dict:
 # The notebook's structure (fast)
 
 
+def test_prediction_self_checks_hold_no_answer():
+    assert prediction_problems(load(LAB)) == []
+
+
 def test_hidden_tests_cover_the_issue():
     # N = 2, 3, 4; tied and frozen models; batches that do not divide by N
     nb = load(LAB)
@@ -95,10 +100,10 @@ def test_solution_notebook_executes_within_budget():
     assert pictures(nb) >= 3, (
         f"expected the three timelines, the bucket sweep and the async/sync plot, got {pictures(nb)}"
     )
-    # the predictions: each self-check says the solution's value matches (its digest is right), and the
+    # the predictions: each self-check reads the solution's value (its form; no answer), and the
     # measurement on 4 real ranks agrees with the cost model (gloo's headers add well under 1 %)
     for marker in ('dl.predictions.check("BucketedDDP', 'dl.predictions.check("predicted_bytes_sent'):
-        assert "matches the cost model" in output_of(nb, marker), output_of(nb, marker)
+        assert "is in a form the graded test reads" in output_of(nb, marker), output_of(nb, marker)
     measured = output_of(nb, "def _bucketed_steps(")
     match = re.search(
         r"measured: (\S+) all-reduces per step; the busiest rank sent [\d,]+ B per step \(([\d.]+) ×", measured

@@ -133,8 +133,8 @@ def test_timing_checks_sit_in_their_own_graded_cells():
         assert "_check_pipeline" not in source, timing
 
 
-def test_predictions_self_checks_hold_the_graded_answers():
-    # the self-check's digest is the solution's at the graded cases, and never the answer itself
+def test_predictions_self_checks_hold_no_answer():
+    # each self-check checks the form at graded cases; it holds no answer (nor any digest of one)
     assert prediction_cells_problems(load(LAB), PREDICTIONS) == []
 
 

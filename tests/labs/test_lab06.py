@@ -110,8 +110,8 @@ def test_groups_and_errors_are_exercised_visibly():
     assert text.index("**Process groups.**") < text.index("### Exercise 1")
 
 
-def test_predictions_self_checks_hold_the_graded_answers():
-    # the self-check's digest is the solution's at the graded cases, and never the answer itself
+def test_predictions_self_checks_hold_no_answer():
+    # each self-check checks the form at graded cases; it holds no answer (nor any digest of one)
     assert prediction_cells_problems(load(LAB), PREDICTIONS) == []
 
 

@@ -49,6 +49,7 @@ from tests.notebooks import (
     nbgrader_meta,
     output_of,
     pictures,
+    prediction_problems,
     solution_notebook,
     text,
 )
@@ -222,6 +223,7 @@ def test_two_graded_predictions_each_with_a_measurement():
         assert f'globals().get("{variable}")' in check.source
         measure = next(c for c in later if measured in c.source and "predicted_vs_measured" in c.source)
         assert nb.cells.index(check) < nb.cells.index(measure) < nb.cells.index(graded)
+    assert prediction_problems(nb) == []  # each self-check checks the form, at graded cases, and holds no answer
 
 
 def test_reference_pieces_ship_with_lab_8_only():
