@@ -5,8 +5,14 @@ a rank can write anything there.  The kernel's TCP stack counts what really cros
 connection: ``ss -ti`` shows, per socket, ``bytes_received`` (payload bytes read off that
 connection, TCP/IP headers excluded).  Gloo gives every pair of ranks that talk its own
 TCP connection, so the bytes rank A sent rank B are the bytes B's end of their connection
-received.  A launch's process group stays up until the next launch, so its sockets can be
-read right after the launch returns; a snapshot before and one after give what the launch
+received.  Which process owns a socket is read from the kernel as well: ``ss -e`` gives each
+socket's inode, and ``/proc/<pid>/fd`` of each rank links to its sockets' inodes
+(``socket:[N]``).  No text a student's process chooses is parsed: ``ss -p`` would print each
+owner's process name, which a process sets itself (``prctl(PR_SET_NAME)``: a name holding
+``pid=1`` or a newline moves or hides its bytes), so it is not used; ``ss``'s output is read as
+bytes, and a line it cannot parse fails the read rather than being skipped.  A launch's
+process group stays up until the next launch, so its sockets can be read right after the
+launch returns; a snapshot before and one after give what the launch
 moved (``traffic``).  Gloo adds a small header to each message (about 150 bytes on torch
 2.13), so a message of S payload bytes counts a little more than S.
 
@@ -16,32 +22,43 @@ moved (``traffic``).  Gloo adds a small header to each message (about 150 bytes 
     moved.sent(0), moved.received(1), moved.between(0, 1)
 
 ``snapshot(netns_pid=P)`` reads the sockets of the network namespace that process ``P`` is in
-(``nsenter``, for the grader, which runs outside the student's sandbox); pids in the answer
-are then the host's.  Needs ``ss`` (iproute2); ``available()`` says why not.
+(``nsenter``, for the grader, which runs outside the student's sandbox); ``pids`` are then the
+host's.  Needs ``ss`` (iproute2); ``available()`` says why not.  A rank whose sockets cannot be
+read (another user's process, one made non-dumpable) fails the count: ``RuntimeError``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
-__all__ = ["Socket", "Traffic", "snapshot", "traffic", "available"]
+__all__ = ["Socket", "Traffic", "Unobserved", "snapshot", "owners", "traffic", "available"]
 
-_RECEIVED = re.compile(r"\bbytes_received:(\d+)")
-_PID = re.compile(r"\bpid=(\d+)")
+_RECEIVED = re.compile(r"(?:^|\s)bytes_received:(\d+)(?:\s|$)")
+# a socket's line of `ss -tineH state established`: Recv-Q, Send-Q, local, peer, a timer while one
+# runs, the owner's uid where it is not root, then ino:N (before sk: and the grader-made cgroup path)
+_HEAD = re.compile(r"\d+\s+\d+\s+(\S+)\s+(\S+)\s+(?:timer:\([\w.,]*\)\s+)?(?:uid:\d+\s+)?ino:(\d+)\s")
+_SOCKET_LINK = re.compile(r"socket:\[(\d+)\]")
 
 
 @dataclass(frozen=True)
 class Socket:
-    """One established TCP connection end: its owner, its two addresses, what it received."""
+    """One established TCP connection end: its socket's inode, its two addresses, what it received."""
 
-    pid: int | None
+    inode: int
     local: str
     peer: str
     received: int
+
+
+class Unobserved(RuntimeError):
+    """The bytes between the ranks were not counted by the OS where a grade needs them: the test
+    fails rather than take the ranks' own account (``Traffic.unobserved``)."""
 
 
 @dataclass
@@ -49,30 +66,47 @@ class Traffic:
     """Payload bytes (gloo's message headers included) each rank sent each other rank.
 
     ``matrix[a][b]``: bytes rank ``a`` sent rank ``b``, as counted by the OS; ``source`` says
-    where the numbers come from (``"os"``, or ``"trace"`` where the OS could not be asked)."""
+    where the numbers come from: ``"os"``; ``"trace"`` (the ranks' own account, for pictures and
+    self-checks where the student's own machine cannot ask the OS); or ``"unobserved"`` (under
+    grading, where the grader could not count them: every count raises ``Unobserved``, saying
+    why, and ``matrix`` is None)."""
 
-    matrix: list[list[int]]
+    matrix: list[list[int]] | None
     source: str = "os"
+    why: str = ""
+
+    @classmethod
+    def unobserved(cls, why: str) -> Traffic:
+        return cls(matrix=None, source="unobserved", why=why)
+
+    def _counts(self) -> list[list[int]]:
+        if self.matrix is None:
+            raise Unobserved(
+                f"the grader could not count the bytes between the ranks ({self.why}), so a test that grades "
+                "them fails rather than take the ranks' own account. For the instructor: grade on a host where "
+                "`ss` (iproute2) runs and the grader may read the ranks' /proc/<pid>/fd (grader/README.md)"
+            )
+        return self.matrix
 
     @property
     def world_size(self) -> int:
-        return len(self.matrix)
+        return len(self._counts())
 
     def sent(self, rank: int) -> int:
-        return sum(self.matrix[rank])
+        return sum(self._counts()[rank])
 
     def received(self, rank: int) -> int:
-        return sum(row[rank] for row in self.matrix)
+        return sum(row[rank] for row in self._counts())
 
     def between(self, src: int, dst: int) -> int:
-        return self.matrix[src][dst]
+        return self._counts()[src][dst]
 
     @property
     def total(self) -> int:
-        return sum(map(sum, self.matrix))
+        return sum(map(sum, self._counts()))
 
     def describe(self) -> str:
-        pairs = [f"{a}->{b}: {n:,} B" for a, row in enumerate(self.matrix) for b, n in enumerate(row) if n]
+        pairs = [f"{a}->{b}: {n:,} B" for a, row in enumerate(self._counts()) for b, n in enumerate(row) if n]
         return ", ".join(pairs) or "no bytes between ranks"
 
 
@@ -103,62 +137,101 @@ def snapshot(
     why = available()
     if why:
         raise RuntimeError(why)
-    cmd = ["ss", "-tinpH", "state", "established"]
+    cmd = ["ss", "-tineH", "state", "established"]
     if netns_pid is not None and not _same_netns(netns_pid):
         cmd = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", *cmd]
     if user is not None:
         cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", *cmd]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:300]}")
-    return parse(done.stdout)
+    for attempt in range(3):  # (a connection closing while ss reads may print half of it: read again)
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.decode('ascii', 'replace').strip()[:300]}")
+        try:
+            return parse(done.stdout)
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
-def parse(text: str) -> dict[tuple[str, str], Socket]:
-    """``ss -tinpH state established``'s output, by (local, peer) address."""
+def parse(output: bytes | str) -> dict[tuple[str, str], Socket]:
+    """``ss -tineH state established``'s output (bytes, as the kernel's tool wrote them), by
+    (local, peer) address.  Raises RuntimeError on a line it cannot read: a count that skipped
+    one would be a count someone could hide bytes from."""
+    text = output.decode("ascii", "replace") if isinstance(output, bytes) else output
     found: dict[tuple[str, str], Socket] = {}
-    head: list[str] | None = None
-    info: list[str] = []
-
-    def flush() -> None:
-        if head is None or len(head) < 4:
-            return
-        local, peer = head[2], head[3]
-        pid = _PID.search(" ".join(head[4:]))
-        received = _RECEIVED.search(" ".join(info))
-        found[(local, peer)] = Socket(
-            pid=int(pid.group(1)) if pid else None,
-            local=local,
-            peer=peer,
-            received=int(received.group(1)) if received else 0,
-        )
-
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        if line[0].isspace():
-            info.append(line)
-            continue
-        flush()
-        head, info = line.split(), []
-    flush()
+    lines = [line for line in text.split("\n") if line.strip()]
+    i = 0
+    while i < len(lines):
+        head = _HEAD.match(lines[i] + " ")
+        if head is None or i + 1 >= len(lines) or not lines[i + 1][0].isspace():
+            after = lines[i + 1][:200] if i + 1 < len(lines) else "(the end)"
+            raise RuntimeError(
+                f"ss printed a line that is not a socket and its details: {lines[i][:200]!r}, then {after!r}"
+            )
+        received = _RECEIVED.search(lines[i + 1])
+        local, peer, inode = head[1], head[2], int(head[3])
+        if (local, peer) in found:
+            raise RuntimeError(f"ss printed the connection {local} -> {peer} twice")
+        found[(local, peer)] = Socket(inode=inode, local=local, peer=peer, received=int(received[1]) if received else 0)
+        i += 2
     return found
 
 
-def traffic(before: dict[tuple[str, str], Socket], after: dict[tuple[str, str], Socket], pids: list[int]) -> Traffic:
+_OWNERS = """
+import json, os, sys
+links = {}
+for pid in sys.argv[1:]:
+    links[pid] = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):  # (a rank that cannot be read fails the whole count)
+        try:
+            links[pid].append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed since the listing: nothing left to count on it
+            pass
+print(json.dumps(links))
+"""
+
+
+def owners(pids: list[int], user: int | None = None, timeout: float = 10.0) -> dict[int, int]:
+    """Socket inode -> pid, for every socket each of ``pids`` holds open (``/proc/<pid>/fd``), read
+    as ``user`` where given (as ``snapshot``).  Raises RuntimeError when one cannot be read."""
+    cmd = [sys.executable, "-I", "-c", _OWNERS, *map(str, pids)]
+    if user is not None:
+        cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", *cmd]
+    done = subprocess.run(cmd, capture_output=True, timeout=timeout)
+    if done.returncode != 0:
+        why = done.stderr.decode("ascii", "replace").strip().splitlines()[-1:] or ["no reason given"]
+        raise RuntimeError(f"the ranks' sockets could not be read from /proc/<pid>/fd: {why[0][:300]}")
+    found: dict[int, int] = {}
+    for pid, links in json.loads(done.stdout).items():
+        for link in links:
+            socket = _SOCKET_LINK.fullmatch(link)
+            if socket:
+                found[int(socket[1])] = int(pid)
+    return found
+
+
+def traffic(
+    before: dict[tuple[str, str], Socket],
+    after: dict[tuple[str, str], Socket],
+    pids: list[int],
+    owner: dict[int, int] | None = None,
+    user: int | None = None,
+) -> Traffic:
     """What moved between the processes ``pids`` (rank r is ``pids[r]``) from ``before`` to
     ``after``.  A connection that is new in ``after`` counts whole; one that was already there
     counts its growth.  Connections to anything that is not a rank (the launcher's store) are
-    left out."""
+    left out.  ``owner``: socket inode -> pid (default: ``owners(pids, user)``, read now)."""
+    owner = owners(pids, user) if owner is None else owner
     rank_of = {pid: r for r, pid in enumerate(pids)}
     matrix = [[0] * len(pids) for _ in pids]
     for key, sock in after.items():
-        receiver = rank_of.get(sock.pid)
+        receiver = rank_of.get(owner.get(sock.inode))
         other = after.get((sock.peer, sock.local))  # the other end of the same connection
-        sender = rank_of.get(other.pid) if other is not None else None
+        sender = rank_of.get(owner.get(other.inode)) if other is not None else None
         if receiver is None or sender is None or sender == receiver:
             continue
         old = before.get(key)
-        grown = sock.received - (old.received if old is not None and old.pid == sock.pid else 0)
+        grown = sock.received - (old.received if old is not None and old.inode == sock.inode else 0)
         matrix[sender][receiver] += max(0, grown)
     return Traffic(matrix=matrix)

@@ -10,14 +10,16 @@ cell here:
    timeout) with ``torch.save`` into a folder the student's kernel can read (its socket
    folder, bound into its sandbox), as a new file (``O_EXCL | O_NOFOLLOW``);
 2. reads every TCP socket of the student's network namespace (``wire.snapshot``, from
-   outside: ``nsenter`` + ``ss``);
+   outside: ``nsenter`` + ``ss``, no process names parsed);
 3. asks the student's kernel, over its own Jupyter channels, to run
    ``disttrain_lab.exercise.serve(request, record)`` (silently: nothing reaches the notebook);
 4. reads the sockets again: the bytes between the ranks' processes are the launch's traffic,
    counted by the OS (the test's references run in their own launches, here);
 5. reads the record as data only (a regular file, not a link, at most
    ``exercise.MAX_RECORD_BYTES``, ``torch.load(weights_only=True)``), and replaces whatever
-   traffic it claims with the count of step 4.
+   traffic it claims with the count of step 4, the sockets given to ranks by the inodes in
+   their ``/proc/<pid>/fd``.  Where step 2 or 4 fails, the traffic is *unobserved*: a test that
+   reads it fails with the reason (``wire.Unobserved``); the ranks' own trace is never used.
 
 The ranks' process ids in the record are the student's claim; each must name a process of
 the student's own sandbox (its pid namespace), so a forged id can only relabel the student's
@@ -33,6 +35,7 @@ import json
 import os
 import secrets
 import stat
+import subprocess
 import time
 from pathlib import Path
 from queue import Empty
@@ -120,6 +123,8 @@ def host_pids(claimed: list, inside: int, user: int | None = None) -> list[int] 
     its own pid namespace), each checked to be in the namespace of process ``inside`` (and, with
     no pid namespace, to run as ``user`` where given); None when one is not."""
     if not isinstance(claimed, list) or not all(type(p) is int and p > 0 for p in claimed):
+        return None
+    if len(set(claimed)) != len(claimed):  # one process named as two ranks
         return None
     try:
         namespace = os.readlink(f"/proc/{inside}/ns/pid")
@@ -289,7 +294,7 @@ class RemoteRunner:
                     pass
         if "error" in rec:
             return rec
-        rec.pop("matrix", None)
+        rec.pop("matrix", None), rec.pop("unobserved", None)  # (only the grader's own count is believed)
         in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         pids = host_pids(rec.get("pids"), in_pid_ns, user) if in_pid_ns is not None else None
         if pids is None or len(pids) != world_size:
@@ -301,11 +306,10 @@ class RemoteRunner:
         try:
             if before is None:
                 raise RuntimeError(why)
-            rec["matrix"] = wire.traffic(before, wire.snapshot(inside, user=user), pids).matrix
-        except (RuntimeError, OSError, ValueError) as exc:
-            if user is not None:  # the student's own processes can stop that read: no trace's claim instead
-                return _error("ExerciseError", f"{name}: the bytes between the ranks could not be counted ({exc})")
-            rec["source"] = f"trace (the operating system could not be asked: {exc})"
+            rec["matrix"] = wire.traffic(before, wire.snapshot(inside, user=user), pids, user=user).matrix
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            # fail closed: a test that reads the bytes fails (wire.Unobserved); never the ranks' own claim
+            rec["unobserved"] = str(exc)[:300]
         return rec
 
     def _execute(self, client: BlockingKernelClient, code: str, timeout: float, pid: int | None):

@@ -3,8 +3,12 @@ between ranks counted by the operating system (disttrain_lab/wire.py), not by th
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
+import socket
+import time
 
 import pytest
 import torch
@@ -168,14 +172,14 @@ def test_records_that_do_not_hold_a_run_are_refused():
     assert run.trace.events == [] and run.traffic.source == "trace"  # a bad matrix is not believed
 
 
-SS_OUTPUT = """\
-0      0               127.0.0.1:44671          127.0.0.1:34618 users:(("python",pid=20,fd=14))
+SS_OUTPUT = b"""\
+0      0               127.0.0.1:44671          127.0.0.1:34618 ino:2001 sk:1 cgroup:/grader <->
 \t bbr wscale:10,10 bytes_sent:819632 bytes_retrans:32768 bytes_acked:786604 bytes_received:786872 segs_out:36
-0      0               127.0.0.1:34618          127.0.0.1:44671 users:(("python",pid=10,fd=24))
+0      0               127.0.0.1:34618          127.0.0.1:44671 ino:1001 sk:2 cgroup:/grader <->
 \t bbr wscale:10,10 bytes_sent:786872 bytes_acked:786873 bytes_received:786864 segs_out:37
-0      0      [::ffff:127.0.0.1]:29533 [::ffff:127.0.0.1]:49646 users:(("python",pid=5,fd=18))
+0      0      [::ffff:127.0.0.1]:29533 [::ffff:127.0.0.1]:49646 ino:501 sk:3 cgroup:/grader <->
 \t bbr bytes_sent:576 bytes_acked:576 bytes_received:586
-0      0      [::ffff:127.0.0.1]:49646 [::ffff:127.0.0.1]:29533 users:(("python",pid=20,fd=8))
+0      0      [::ffff:127.0.0.1]:49646 [::ffff:127.0.0.1]:29533 ino:2002 sk:4 cgroup:/grader <->
 \t bbr bytes_sent:626 bytes_received:576
 """
 
@@ -183,10 +187,81 @@ SS_OUTPUT = """\
 def test_ss_output_is_read_per_connection_and_only_between_ranks():
     sockets = wire.parse(SS_OUTPUT)
     assert sockets[("127.0.0.1:34618", "127.0.0.1:44671")].received == 786864
-    moved = wire.traffic({}, sockets, pids=[10, 20])
+    owner = {1001: 10, 2001: 20, 2002: 20, 501: 5}  # socket inode -> pid, as /proc/<pid>/fd says
+    moved = wire.traffic({}, sockets, pids=[10, 20], owner=owner)
     assert moved.matrix == [[0, 786872], [786864, 0]]  # the store (pid 5) is not a rank
-    before = {k: wire.Socket(s.pid, s.local, s.peer, s.received - 100) for k, s in sockets.items()}
-    assert wire.traffic(before, sockets, pids=[10, 20]).matrix == [[0, 100], [100, 0]]
+    before = {k: wire.Socket(s.inode, s.local, s.peer, s.received - 100) for k, s in sockets.items()}
+    assert wire.traffic(before, sockets, pids=[10, 20], owner=owner).matrix == [[0, 100], [100, 0]]
+
+
+def test_a_line_ss_printed_that_is_not_a_socket_fails_the_count():
+    for broken in (SS_OUTPUT + b"pid=7 bytes_received:99999\n", SS_OUTPUT.replace(b"ino:1001 ", b"")):
+        with pytest.raises(RuntimeError, match="not a socket"):
+            wire.parse(broken)
+
+
+HOSTILE_NAMES = ["pid=1 fd=3", "a\nbytes_recv:9", 'x",pid=7,fd=3']
+
+
+def _named_peer(name: str, port: int, payload: int) -> int:
+    """A child process named ``name`` (prctl PR_SET_NAME: what `ss -p` would print) that connects
+    to ``port`` and sends ``payload`` bytes, then waits to be killed; its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name.encode()), 0, 0, 0)
+            conn = socket.create_connection(("127.0.0.1", port))
+            conn.sendall(b"x" * payload)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def test_a_process_name_can_neither_move_nor_hide_its_bytes():
+    # a rank names itself so that `ss -p`'s owner field lies or breaks the line: the count comes from
+    # the sockets' inodes in each rank's /proc/<pid>/fd, so every byte lands on the rank that sent it
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(len(HOSTILE_NAMES))
+    before = wire.snapshot()
+    children = [_named_peer(name, server.getsockname()[1], 1000 * (i + 1)) for i, name in enumerate(HOSTILE_NAMES)]
+    try:
+        accepted = []
+        for _ in children:  # every byte read off each connection before the count
+            conn, _ = server.accept()
+            accepted.append(conn)  # (kept open: a closed connection is no longer counted)
+            conn.settimeout(0.5)
+            try:
+                while conn.recv(65536):
+                    pass
+            except TimeoutError:  # (the sender stays connected: nothing more came)
+                pass
+        moved = wire.traffic(before, wire.snapshot(), [os.getpid(), *children])
+        assert [moved.between(1 + i, 0) for i in range(len(children))] == [1000, 2000, 3000], moved.describe()
+        assert moved.sent(0) == 0
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        server.close()
+
+
+def test_a_rank_whose_sockets_cannot_be_read_fails_the_count():
+    with pytest.raises(RuntimeError, match=r"/proc/<pid>/fd"):
+        wire.owners([2**22 + 12345])  # no such process (pid_max is at most 2**22)
+
+
+def test_an_unobserved_count_fails_every_test_that_reads_it_and_says_why():
+    rec = {"results": [1, 2], "inputs_after": [[], []], "events": [], "unobserved": "ss: not found"}
+    rec["matrix"] = [[0, 5], [5, 0]]  # what the student's kernel claims is never used when the grader could not count
+    run = exercise.from_record("f", 2, rec)
+    assert run.traffic.source == "unobserved" and run.results == [1, 2]  # the results still grade
+    for read in (lambda t: t.sent(0), lambda t: t.between(0, 1), lambda t: t.describe(), lambda t: t.total):
+        with pytest.raises(wire.Unobserved, match=r"could not count the bytes between the ranks \(ss: not found\)"):
+            read(run.traffic)
+    with pytest.raises(wire.Unobserved):
+        checks.assert_traffic(run, {(0, 1): 5, (1, 0): 5}, "f")
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
