@@ -178,32 +178,40 @@ def parse(output: bytes | str) -> dict[tuple[str, str], Socket]:
     return found
 
 
-_OWNERS = """
-import json, os, sys
-links = {}
-for pid in sys.argv[1:]:
-    links[pid] = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):  # (a rank that cannot be read fails the whole count)
-        try:
-            links[pid].append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:  # closed since the listing: nothing left to count on it
-            pass
-print(json.dumps(links))
-"""
+def socket_links(pids: list[int]) -> dict[str, list[str]]:
+    """What each of ``pids``'s open file descriptors links to (``socket:[N]`` for a socket); raises
+    OSError when a process's descriptors cannot be listed.  (Also this file's program, for
+    ``owners`` to run as another user: it imports only the standard library.)"""
+    links: dict[str, list[str]] = {}
+    for pid in pids:
+        links[str(pid)] = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):  # (a rank that cannot be read fails the whole count)
+            try:
+                links[str(pid)].append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except FileNotFoundError:  # closed since the listing: nothing left to count on it
+                pass
+    return links
 
 
 def owners(pids: list[int], user: int | None = None, timeout: float = 10.0) -> dict[int, int]:
     """Socket inode -> pid, for every socket each of ``pids`` holds open (``/proc/<pid>/fd``), read
     as ``user`` where given (as ``snapshot``).  Raises RuntimeError when one cannot be read."""
-    cmd = [sys.executable, "-I", "-c", _OWNERS, *map(str, pids)]
-    if user is not None:
-        cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", *cmd]
-    done = subprocess.run(cmd, capture_output=True, timeout=timeout)
-    if done.returncode != 0:
-        why = done.stderr.decode("ascii", "replace").strip().splitlines()[-1:] or ["no reason given"]
-        raise RuntimeError(f"the ranks' sockets could not be read from /proc/<pid>/fd: {why[0][:300]}")
+    try:
+        if user is None:
+            listed = socket_links(pids)
+        else:
+            cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", sys.executable, "-I"]
+            done = subprocess.run(
+                [*cmd, os.path.abspath(__file__), *map(str, pids)], capture_output=True, timeout=timeout
+            )
+            if done.returncode != 0:
+                why = done.stderr.decode("ascii", "replace").strip().splitlines()[-1:] or ["no reason given"]
+                raise OSError(why[0][:300])
+            listed = json.loads(done.stdout)
+    except OSError as exc:
+        raise RuntimeError(f"the ranks' sockets could not be read from /proc/<pid>/fd: {exc}") from None
     found: dict[int, int] = {}
-    for pid, links in json.loads(done.stdout).items():
+    for pid, links in listed.items():
         for link in links:
             socket = _SOCKET_LINK.fullmatch(link)
             if socket:
@@ -235,3 +243,7 @@ def traffic(
         grown = sock.received - (old.received if old is not None and old.inode == sock.inode else 0)
         matrix[sender][receiver] += max(0, grown)
     return Traffic(matrix=matrix)
+
+
+if __name__ == "__main__":  # `python -I wire.py PID ...`: socket_links, as JSON (owners, as another user)
+    print(json.dumps(socket_links([int(p) for p in sys.argv[1:]])))
