@@ -72,6 +72,7 @@ class ExerciseRun:
     trace: Run
     inputs_after: list  # rank r's arguments as the call left them (in-place work shows here)
     backend: str = "gloo"  # the process group's backend the ranks ran on
+    timeline: wire.Timeline = dataclasses.field(default_factory=lambda: wire.Timeline.unobserved("not asked for"))
 
     def __repr__(self) -> str:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
@@ -105,6 +106,7 @@ def run(
     timeout: float = 30.0,
     device: str | None = None,
     network: Network | None = None,
+    timeline: bool = False,
 ) -> ExerciseRun:
     """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
     arguments; one tuple for all ranks when ``inputs`` is a tuple).
@@ -116,7 +118,9 @@ def run(
     defined there, so what it returns is data like any result, and its references belong in
     the test, outside it.
 
-    ``device`` and ``network`` are ``dl.launch``'s.
+    ``device`` and ``network`` are ``dl.launch``'s.  ``timeline``: ``run.timeline`` holds when
+    each segment of data crossed between which ranks, captured from the wire under grading
+    (``wire.Timeline``; in the student's own kernel, the ranks' traced sends).
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
@@ -133,7 +137,7 @@ def run(
     per_rank = [tuple(inputs)] * world_size if isinstance(inputs, tuple) else [tuple(x) for x in inputs]
     if len(per_rank) != world_size:
         raise ValueError(f"inputs must hold one tuple of arguments per rank: {world_size} ranks, {len(per_rank)} given")
-    options = {"timeout": float(timeout), "device": device, "network": _network_fields(network)}
+    options = {"timeout": float(timeout), "device": device, "network": _network_fields(network), "timeline": timeline}
     got = _RUNNER(target, world_size, per_rank, options)
     return from_record(name, world_size, got)
 
@@ -402,6 +406,7 @@ def from_record(name: str, world_size: int, rec: dict) -> ExerciseRun:
         world_size=world_size,
         results=results,
         traffic=traffic,
+        timeline=_timeline(rec, to_events(events), world_size),
         trace=Run(
             results=results,
             events=to_events(events),
@@ -411,6 +416,27 @@ def from_record(name: str, world_size: int, rec: dict) -> ExerciseRun:
         inputs_after=[tuple(x) if isinstance(x, list) else () for x in inputs_after],
         backend=str(rec.get("backend", "gloo"))[:20],
     )
+
+
+def _timeline(rec: dict, events, world_size: int) -> wire.Timeline:
+    """The grader's capture (``timeline``), or why there is none (``timeline_unobserved``); in the
+    student's own kernel (neither: no grader), the ranks' traced sends, for a self-check."""
+    segments, unobserved = rec.get("timeline"), rec.get("timeline_unobserved")
+    if isinstance(unobserved, str):
+        return wire.Timeline.unobserved(unobserved[:MAX_MESSAGE_CHARS])
+    if segments is not None:
+        plain = isinstance(segments, list) and all(
+            isinstance(s, (list, tuple))
+            and len(s) == 4
+            and isinstance(s[0], float)
+            and all(type(x) is int and 0 <= x < world_size for x in s[1:3])
+            and type(s[3]) is int
+            for s in segments
+        )
+        return wire.Timeline(segments=[tuple(s) for s in segments]) if plain else wire.Timeline.unobserved("bad")
+    sends = sorted((e.start, e.rank, e.peer, e.bytes) for e in events if e.kind == "p2p" and e.op in ("send", "isend"))
+    start = sends[0][0] if sends else 0.0
+    return wire.Timeline(segments=[(t - start, a, b, n) for t, a, b, n in sends if b is not None], source="trace")
 
 
 def _plain_event(e, world_size: int) -> bool:

@@ -14,7 +14,9 @@ cell here:
 3. asks the student's kernel, over its own Jupyter channels, to run
    ``disttrain_lab.exercise.serve(request, record)`` (silently: nothing reaches the notebook);
 4. reads the sockets again: the bytes between the ranks' processes are the launch's traffic,
-   counted by the OS (the test's references run in their own launches, here);
+   counted by the OS (the test's references run in their own launches, here); where the test
+   asked for it (``timeline=True``), a packet capture in the student's network namespace ran
+   from step 2 to here (``capture.py``): when each segment crossed, between which ranks;
 5. reads the record as data only (a regular file, not a link, at most
    ``exercise.MAX_RECORD_BYTES``, ``torch.load(weights_only=True)``), and replaces whatever
    traffic it claims with the count of step 4, the sockets given to ranks by the inodes in
@@ -45,10 +47,12 @@ from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import exercise, wire
 from disttrain_lab.grading import reaper, sandbox
+from disttrain_lab.grading.capture import Capture
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
 
 __all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids", "reader"]
 
+NOT_ASKED = "not asked for: dl.exercise.run(..., timeline=True) captures it"
 REPLY_MARGIN = 60.0  # seconds past the launch's own timeout before the student's kernel is given up
 CELL_FILE = "cell.json"  # the test cell being graded: its grade_id, deadline, the student's function names
 TIMED_OUT_FILE = "timed-out.json"  # the student's functions that timed out, and where (kept across kernels)
@@ -262,8 +266,14 @@ class RemoteRunner:
         user = reader(kernel_pid)
         try:
             before = wire.snapshot(inside, user=user)
-        except (RuntimeError, OSError, ValueError) as exc:
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             before, why = None, str(exc)
+        capture, not_captured = None, NOT_ASKED
+        if options.get("timeline"):  # the data's times from the wire, for a test that asked for them
+            try:
+                capture = Capture(inside).__enter__()
+            except (RuntimeError, OSError) as exc:
+                not_captured = str(exc)[:300]
         code = (
             "__import__('disttrain_lab.exercise', fromlist=['serve']).serve("
             f"{kernel_dir + '/' + request.name!r}, {kernel_dir + '/' + record.name!r})"
@@ -287,6 +297,12 @@ class RemoteRunner:
                 )
             rec = _read_record(record)
         finally:
+            segments = None
+            if capture is not None:
+                try:
+                    segments = capture.stop()
+                except RuntimeError as exc:
+                    not_captured = str(exc)[:300]
             for path in (request, record):
                 try:
                     os.unlink(path)
@@ -294,7 +310,8 @@ class RemoteRunner:
                     pass
         if "error" in rec:
             return rec
-        rec.pop("matrix", None), rec.pop("unobserved", None)  # (only the grader's own count is believed)
+        for claimed in ("matrix", "unobserved", "timeline", "timeline_unobserved"):  # (only the grader's own)
+            rec.pop(claimed, None)
         in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         pids = host_pids(rec.get("pids"), in_pid_ns, user) if in_pid_ns is not None else None
         if pids is None or len(pids) != world_size:
@@ -306,10 +323,15 @@ class RemoteRunner:
         try:
             if before is None:
                 raise RuntimeError(why)
-            rec["matrix"] = wire.traffic(before, wire.snapshot(inside, user=user), pids, user=user).matrix
+            after, owner = wire.snapshot(inside, user=user), wire.owners(pids, user)
+            rec["matrix"] = wire.traffic(before, after, pids, owner=owner).matrix
+            if segments is not None:
+                rec["timeline"] = wire.timeline(segments, after, pids, owner).segments
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             # fail closed: a test that reads the bytes fails (wire.Unobserved); never the ranks' own claim
-            rec["unobserved"] = str(exc)[:300]
+            rec["unobserved"] = not_captured = str(exc)[:300]
+        if "timeline" not in rec:
+            rec["timeline_unobserved"] = not_captured
         return rec
 
     def _execute(self, client: BlockingKernelClient, code: str, timeout: float, pid: int | None):

@@ -1,4 +1,4 @@
-"""The verdict is decided where no student code runs (issue 24): lab 1's graded tests run in
+"""The verdict is decided where no student code runs (issues 24, 42): lab 1's graded tests run in
 a grader kernel; the student's kernel only serves the runs a test asks for, and what comes
 back is read as data.  Crafted lab 1 submissions, each aimed at what used to decide inside
 the student's kernel, are graded with `--jobs 2` between two honest classmates (the real
@@ -194,6 +194,33 @@ for path in sorted(glob.glob("/tmp/stash/*")):
     print("FILE", path, open(path, "rb").read()[:20000])
 """
 
+# 8. Not a ping-pong: every ping goes out before any pong comes back (the same bytes between the
+# same ranks, the right values), and the rank's own trace is rewritten to read as round trips: the
+# order is read from the wire (the grader's packet capture), so the ping-pong gets nothing
+BATCHED_FORGED_TRACE = """
+import torch.distributed as dist
+from disttrain_lab import trace as _trace
+
+def ping_pong(x, repeats=1):
+    rank = dist.get_rank()
+    if rank > 1:
+        return x
+    copies = [x.clone() for _ in range(repeats)]
+    for c in copies:
+        dist.send(c, dst=1) if rank == 0 else dist.recv(c, src=0)
+    for c in copies:
+        dist.recv(c, src=1) if rank == 0 else dist.send(c, dst=0)
+    x.copy_(copies[-1])
+    events = _trace._REC.events     # (rank, op, kind, start, end, ...): alternate them, times kept in order
+    p2p = [e for e in events if e[2] == "p2p"]
+    firsts, seconds = p2p[:repeats], p2p[repeats:]
+    alternating = [e for pair in zip(firsts, seconds) for e in pair]
+    times = sorted((e[3], e[4]) for e in p2p)
+    forged = [e[:3] + t + e[5:] for e, t in zip(alternating, times)]
+    events[:] = [e for e in events if e[2] != "p2p"] + forged
+    return x
+"""
+
 # A function that never returns: the test gives up on it, the student's kernel is
 # interrupted (or restarted), and the tests after it run
 HANGS = """
@@ -205,6 +232,7 @@ def ping_pong(x, repeats=1):
 """
 
 ATTACKS = {
+    "batched_forged_trace": BATCHED_FORGED_TRACE,
     "forged_serve": FORGED_SERVE,
     "hangs": HANGS,
     "pickle_bomb": PICKLE_BOMB,
@@ -262,6 +290,8 @@ def test_what_each_attack_is_told(graded):
     assert "the operating system counted" in feedback(graded.course, "shared_memory", LAB)
     hung = feedback(graded.course, "hangs", LAB)
     assert "did not finish within" in hung and "CellTimeoutError" not in hung  # the launcher says so, in time
+    batched = feedback(graded.course, "batched_forged_trace", LAB)  # right bytes, right values, a forged trace
+    assert "it crossed as 0->1 then 1->0" in batched and "each ping waiting for its pong" in batched, batched[-3000:]
     hooked = feedback(graded.course, "hooks_and_modes", LAB)  # its own kernel is what it broke
     assert "values differ" in hooked or "wrote no result" in hooked
 

@@ -293,3 +293,41 @@ def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_functio
     assert "running Python code" in error["message"] and re.search(r"in spinner \(line [23]\)", error["message"]), error
     with pytest.raises(hangs.SkippedAfterHang, match="spinner is not run again: when a graded test ran it"):
         __main__.spinner(None, 1)  # in the kernel itself, at once
+
+
+def _batched(x, repeats):
+    """Not a ping-pong: rank 0 sends every message before rank 1 answers any: the same bytes
+    between the same ranks, the same result (a trace is the ranks' to rewrite as round trips)."""
+    rank = dist.get_rank()
+    copies = [x.clone() for _ in range(repeats)]
+    for c in copies:
+        dist.send(c, dst=1) if rank == 0 else dist.recv(c, src=0)
+    for c in copies:
+        dist.recv(c, src=1) if rank == 0 else dist.send(c, dst=0)
+    return copies[-1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_wire_shows_round_trips_that_a_batched_exchange_does_not_have():
+    # what crossed, when, between which ranks: the grader's packet capture (grading/capture.py) read with the
+    # sockets' owners, as remote.py does; a batched exchange (whose trace a rank could rewrite) is told apart
+    from disttrain_lab import pool
+    from disttrain_lab.grading.capture import Capture
+
+    __main__.batched = _batched
+    found = {}
+    for name in ("ping_pong", "batched"):
+        exercise.run(name, 2, _inputs(64, 1), timeout=30)  # the ranks' connections made before the capture
+        before = wire.snapshot()
+        with Capture() as capture:
+            run = exercise.run(name, 2, _inputs(4096, 3), timeout=30)
+        pids = pool.worker_pids()[:2]
+        after, owner = wire.snapshot(), wire.owners(pids)
+        found[name] = wire.timeline(capture.segments, after, pids, owner)
+        checks.assert_close(run.results[1], torch.arange(4096.0), what=f"{name}: rank 1")
+        counted = wire.traffic(before, after, pids, owner=owner)
+        for src, dst in ((0, 1), (1, 0)):  # the capture sees what the OS counted, gloo's headers and all
+            assert found[name].bytes(src, dst) == counted.between(src, dst) >= 3 * 16384, (found[name], counted)
+    assert found["ping_pong"].directions() == [(0, 1), (1, 0)] * 3, found["ping_pong"].segments
+    assert found["batched"].directions() == [(0, 1), (1, 0)], found["batched"].segments
+    del __main__.batched

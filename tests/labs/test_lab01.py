@@ -139,7 +139,7 @@ def ping_pong(x, repeats=1):
             dist.send(x, dst=0)
     return x
 """,
-        "a ping must wait for its pong",
+        "each ping waiting for its pong",
     ),
     (
         "gather",

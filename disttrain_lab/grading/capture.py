@@ -1,0 +1,150 @@
+"""The data on each TCP connection of the student's network, and when it crossed, captured by the
+grader: a timeline no rank writes.
+
+``wire.snapshot`` counts what each connection carried over a whole run; the order of the
+messages (who sends before receiving, a pipeline schedule's order, a collective's rounds)
+needs their times too.  A rank's trace has them, but the rank writes it.  This program opens
+a packet socket (``AF_PACKET``, ``CAP_NET_RAW``: the grader, root) on the loopback interface
+of the network namespace it is started in (the sandbox has no other interface) and writes,
+for every TCP segment that carries data, the host's monotonic time it saw it, the two
+addresses and the payload's length.  Each segment is seen once, leaving (``PACKET_OUTGOING``);
+a segment sent again (the same connection and sequence number) counts once.  Only the headers
+are read (IP and TCP, bounds checked); the payload, the student's bytes, is never parsed.
+
+The grader runs it as a program (standard library only, no import of the package):
+``nsenter --net=/proc/P/ns/net python -I capture.py``; it prints ``ready`` once the socket is
+bound, captures until SIGINT, then prints one line per segment, ``t local peer seq bytes``
+(times in seconds, ``time.monotonic``), and a last line ``end DROPPED``: the kernel's count of
+packets it dropped because the socket's queue was full.  ``Capture`` in this module does that
+and reads the answer; a capture that could not start, or that dropped a packet, is refused
+(``RuntimeError``): a test that needs the timeline then fails, never the ranks' own clocks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+ETH_P_ALL = 0x0003
+PACKET_OUTGOING = 4
+SOL_PACKET, PACKET_STATISTICS = 263, 6
+HEADERS = 14 + 60 + 60  # loopback's Ethernet header, the longest IPv4 and TCP headers
+QUEUE_BYTES = 64 << 20
+
+
+def _address(family: int, raw: bytes, port: int) -> str:
+    """As ``ss`` writes an IPv4 address (an IPv4-mapped IPv6 one too: it travels as IPv4)."""
+    if family == 4:
+        return f"{socket.inet_ntop(socket.AF_INET, raw)}:{port}"
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return f"{socket.inet_ntop(socket.AF_INET, raw[12:])}:{port}"
+    return f"[{socket.inet_ntop(socket.AF_INET6, raw)}]:{port}"
+
+
+def segment(frame: bytes) -> tuple[str, str, int, int] | None:
+    """(source, destination, sequence number, payload bytes) of a loopback frame holding a TCP
+    segment with data, else None.  Reads the headers only, each length checked."""
+    if len(frame) < 14:
+        return None
+    ethertype, ip = struct.unpack("!H", frame[12:14])[0], frame[14:]
+    if ethertype == 0x0800 and len(ip) >= 20 and ip[0] >> 4 == 4:
+        ihl, total, proto = (ip[0] & 0x0F) * 4, struct.unpack("!H", ip[2:4])[0], ip[9]
+        family, src, dst, payload_start, length = 4, ip[12:16], ip[16:20], ihl, total - ihl
+    elif ethertype == 0x86DD and len(ip) >= 40 and ip[0] >> 4 == 6:
+        proto, length = ip[6], struct.unpack("!H", ip[4:6])[0]
+        family, src, dst, payload_start = 6, ip[8:24], ip[24:40], 40
+    else:
+        return None
+    tcp = ip[payload_start:]
+    if proto != 6 or len(tcp) < 20 or payload_start < 20:
+        return None
+    sport, dport, seq = struct.unpack("!HHI", tcp[:8])
+    data = length - (tcp[12] >> 4) * 4
+    if data <= 0:
+        return None
+    return _address(family, src, sport), _address(family, dst, dport), seq, data
+
+
+def _capture() -> None:
+    """The program: capture on ``lo`` until SIGINT, then print the segments (module docstring)."""
+    stop = []
+    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, QUEUE_BYTES)
+    sock.bind(("lo", 0))
+    sock.settimeout(0.05)
+    print("ready", flush=True)
+    seen: set[tuple[str, str, int]] = set()
+    lines = []
+    while True:
+        try:
+            frame, address = sock.recvfrom(HEADERS)
+        except (TimeoutError, InterruptedError):
+            if stop:
+                break
+            continue
+        if address[2] != PACKET_OUTGOING:
+            continue
+        found = segment(frame)
+        if found is not None and found[:3] not in seen:
+            seen.add(found[:3])
+            lines.append(f"{time.monotonic():.6f} {found[0]} {found[1]} {found[2]} {found[3]}")
+    dropped = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
+    print("\n".join([*lines, f"end {dropped}"]), flush=True)
+
+
+class Capture:
+    """The grader's side: ``with Capture(netns_pid) as c: ...run...``, then ``c.segments``: a list
+    of (time, source, destination, bytes) in the order seen.  ``netns_pid`` None: this process's
+    own namespace.  Raises RuntimeError where the capture cannot start or lost a packet."""
+
+    def __init__(self, netns_pid: int | None = None, timeout: float = 10.0):
+        self.netns_pid, self.timeout = netns_pid, timeout
+        self.segments: list[tuple[float, str, str, int]] = []
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> Capture:
+        cmd = [sys.executable, "-I", os.path.abspath(__file__)]
+        if self.netns_pid is not None:
+            cmd = ["nsenter", f"--net=/proc/{self.netns_pid}/ns/net", *cmd]
+        self._process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        ready = self._process.stdout.readline()
+        if ready != b"ready\n":
+            self._process.kill()
+            why = self._process.communicate(timeout=self.timeout)[1].decode("ascii", "replace").strip()
+            raise RuntimeError(f"the packet capture could not start: {why.splitlines()[-1:] or ['no reason given']}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> list[tuple[float, str, str, int]]:
+        """End the capture and read its segments (once)."""
+        process, self._process = self._process, None
+        if process is None:
+            return self.segments
+        process.send_signal(signal.SIGINT)
+        try:
+            out, err = process.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise RuntimeError("the packet capture did not end when asked") from None
+        lines = out.decode("ascii", "replace").splitlines()
+        if not lines or not lines[-1].startswith("end "):
+            raise RuntimeError(f"the packet capture ended without its count: {err.decode('ascii', 'replace')[-300:]}")
+        if int(lines[-1].split()[1]):
+            raise RuntimeError(f"the packet capture lost {lines[-1].split()[1]} packets (its queue was full)")
+        for line in lines[:-1]:
+            t, src, dst, _, size = line.split()
+            self.segments.append((float(t), src, dst, int(size)))
+        return self.segments
+
+
+if __name__ == "__main__":
+    _capture()
