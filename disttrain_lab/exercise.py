@@ -436,7 +436,8 @@ def _timeline(rec: dict, events, world_size: int) -> wire.Timeline:
         return wire.Timeline(segments=[tuple(s) for s in segments]) if plain else wire.Timeline.unobserved("bad")
     sends = sorted((e.start, e.rank, e.peer, e.bytes) for e in events if e.kind == "p2p" and e.op in ("send", "isend"))
     start = sends[0][0] if sends else 0.0
-    return wire.Timeline(segments=[(t - start, a, b, n) for t, a, b, n in sends if b is not None], source="trace")
+    segments = [(t - start, a, b, wire.GLOO_PREAMBLE + n) for t, a, b, n in sends if b is not None]  # (as on the wire)
+    return wire.Timeline(segments=segments, source="trace")
 
 
 def _plain_event(e, world_size: int) -> bool:

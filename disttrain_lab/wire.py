@@ -121,7 +121,7 @@ class Timeline:
     Under grading the grader captures them from the wire (``grading/capture.py``): ``source`` is
     ``"wire"``.  Where it could not, ``"unobserved"``: every read raises ``Unobserved``.  In the
     student's own kernel (``dl.exercise.run(..., timeline=True)`` for a self-check) it is the
-    ranks' own trace, ``"trace"``: one segment per traced send."""
+    ranks' own trace, ``"trace"``: one segment per traced send, of its payload and gloo's preamble."""
 
     segments: list[tuple[float, int, int, int]] | None
     source: str = "wire"

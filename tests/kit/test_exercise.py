@@ -331,3 +331,10 @@ def test_the_wire_shows_round_trips_that_a_batched_exchange_does_not_have():
     assert found["ping_pong"].directions() == [(0, 1), (1, 0)] * 3, found["ping_pong"].segments
     assert found["batched"].directions() == [(0, 1), (1, 0)], found["batched"].segments
     del __main__.batched
+
+
+def test_the_students_own_run_shows_the_traces_sends_as_its_timeline():
+    # no grader in the student's kernel: a self-check reads the order of the ranks' traced sends (a picture, not a grade)
+    run = exercise.run("ping_pong", 2, _inputs(10, 3), timeout=30, timeline=True)
+    assert run.timeline.source == "trace" and run.timeline.directions() == [(0, 1), (1, 0)] * 3
+    assert run.timeline.bytes(0, 1) == 3 * (wire.GLOO_PREAMBLE + 40)
