@@ -34,7 +34,9 @@ tests, feedback); this package adds what a course on distributed training needs 
    in the autograded notebook the formgrader shows and in the feedback page;
    ``scan_submission`` and ``grade_report`` flag what a human should look at.
 3. ``steps.run_nbgrader`` runs one nbgrader step in its own process under a wall-clock cap,
-   in a private temp directory, and every process it started is gone afterwards.
+   in a private temp directory, and every process it started is gone afterwards, and every
+   folder: ``trees.remove`` takes away what a student's kernel wrote into them, whatever it is,
+   without raising.
 4. ``course``: ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` /
    ``scores`` and ``disttrain-lab release``; ``classgrade``: ``disttrain-lab grade`` (a class
    in parallel, resumable by ``ledger``, in ``shards``, summed up by ``class_summary``).

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import tempfile
 import time
 
@@ -22,7 +21,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
 
-from . import cell_times, guard, hidden_tests
+from . import cell_times, guard, hidden_tests, trees
 from .cells import (
     clamp_partial_credit,
     error_output,
@@ -122,9 +121,14 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
             return super().preprocess(nb, resources, km)
         finally:
             self._stop_grader()
-            shutil.rmtree(self._grader_dir, ignore_errors=True)
-            if self._exchange and self.sandbox != "on":
-                shutil.rmtree(self._exchange, ignore_errors=True)
+            if self.km is not None and self.owns_km:  # (nbclient stops the kernel it ran, not one that failed to start)
+                self._stop_kernel()
+            self.clean_kernels()
+            # the exchange (unsandboxed: the student's kernel writes there) is removed like a kernel's folder
+            for folder in (self._grader_dir, self._exchange):
+                left = trees.said(folder, trees.remove(folder)) if folder else ""
+                if left:
+                    self.log.warning(left)
             self._write_notes(resources)
 
     def preprocess_cell(self, cell, resources, index):

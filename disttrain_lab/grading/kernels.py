@@ -1,13 +1,13 @@
 """The student's kernel as ``execute.RobustExecute`` runs it: started in the sandbox where it is
 on (``SandboxKernelManager``, what it hides and keeps), under a memory limit where it is not,
 started again when it dies while starting, run quietly (code whose outputs nobody keeps), asked
-whether it still answers, and stopped."""
+whether it still answers, and stopped, leaving nothing: each sandboxed kernel's own folder (its
+sockets, what its sandbox staged) and cgroup are removed once it is stopped (``clean_kernels``)."""
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -18,8 +18,10 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import DeadKernelError
 
-from . import cgroups, run_container, sandbox, uids
+from . import cgroups, run_container, sandbox, steps, trees, uids
 from .config import REPO_ROOT, course_dir, source_dir
+
+WRAPPER_GRACE = 5.0  # seconds a sandbox's wrapper has to end its kernel and clean up when asked
 
 
 class SandboxKernelManager(AsyncKernelManager):
@@ -61,9 +63,20 @@ def git_paths(root: Path = REPO_ROOT) -> list[str]:
 def hidden_paths() -> list[str]:
     """What a sandboxed kernel must not see: the course (gradebook, every submission),
     the solutions and the repository's git data (which holds them too), the grading temp
-    dir, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
+    dir and its folder for sockets, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
     extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
+    extra += [p for p in [os.environ.get(steps.SOCKETS_ENV)] if p]
     return [str(course_dir()), str(source_dir()), *git_paths(), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
+
+
+def socket_root() -> str:
+    """Where a sandboxed kernel's own folder goes: the grading step's folder for sockets
+    (``steps.SOCKETS_ENV``), else the temp dir, else /tmp: a unix socket's path holds at most
+    107 bytes (``steps.SOCKET_DIR_MAX``)."""
+    for where in (os.environ.get(steps.SOCKETS_ENV), tempfile.gettempdir()):
+        if where and len(where) < steps.SOCKET_DIR_MAX:
+            return where
+    return "/tmp"
 
 
 def kept_paths() -> list[str]:
@@ -81,6 +94,12 @@ class StudentKernel:
         km = super().create_kernel_manager()
         if self.sandbox == "on":
             km.__class__ = SandboxKernelManager
+            # the sandbox has its own network namespace: ZMQ over unix sockets, in the kernel's own
+            # folder (bound in; a bubblewrap sandbox stages there too), removed once it is stopped
+            folder = tempfile.mkdtemp(prefix="kernel-", dir=socket_root())
+            self._kernels_made().append(("folder", folder))
+            os.mkdir(os.path.join(folder, "ipc"), 0o700)
+            km.transport, km.ip = "ipc", os.path.join(folder, "ipc", "k")
             km.sandbox_spec = sandbox.spec(
                 # a uid no other grading on the host uses (uids.py), else one per parallel job
                 uid=uids.sandbox_uid(self.sandbox_uid, int(os.environ.get("DISTTRAIN_SANDBOX_SLOT", "0")))
@@ -92,13 +111,8 @@ class StudentKernel:
                 cgroup=os.environ.get("DISTTRAIN_SANDBOX_CGROUP", f"{cgroups.base()}/plain"),
                 hide=hidden_paths(),
                 keep=kept_paths(),
+                scratch=folder,
             )
-            # the sandbox has its own network namespace: ZMQ over unix sockets in a folder
-            # made for this kernel (the sandbox binds it in and removes it); a unix socket's
-            # path holds at most 107 bytes, so a deep temp dir gives way to /tmp
-            where = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
-            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="ipc-", dir=where), "k")
-            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)  # (a killed wrapper cannot)
         elif self.sandbox == "container":  # no namespaces to make: another uid, rlimits, the filter
             km.__class__ = ContainerKernelManager
             km.container_spec = run_container.spec(
@@ -106,8 +120,10 @@ class StudentKernel:
             )
             # the kernel's own folder (its sockets, the copy of its working folder, its home): in /tmp,
             # where its uid can reach it (the grading temp dir is root's); run_container.py removes it
-            km.transport, km.ip = "ipc", os.path.join(tempfile.mkdtemp(prefix="kernel-", dir="/tmp"), "k")
-            atexit.register(shutil.rmtree, os.path.dirname(km.ip), True)
+            # (and clean_kernels, where its wrapper was killed first)
+            folder = tempfile.mkdtemp(prefix="kernel-", dir="/tmp")
+            self._kernels_made().append(("folder", folder))
+            km.transport, km.ip = "ipc", os.path.join(folder, "k")
         elif self.sandbox != "off":
             raise ValueError(f"RobustExecute.sandbox must be 'on', 'container' or 'off', got {self.sandbox!r}")
         return km
@@ -117,6 +133,8 @@ class StudentKernel:
         kwargs = self._kernel_kwargs = kwargs or getattr(self, "_kernel_kwargs", {})
         super().start_new_kernel(**kwargs)
         pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+        if self.sandbox == "on" and pid and self.km.sandbox_spec.get("caps"):  # (run_sandbox's name for it)
+            self._kernels_made().append(("cgroup", f"{self.km.sandbox_spec['cgroup']}/kernel-{pid}"))
         if self.memory_limit and pid and self.sandbox != "on":  # (the sandbox sets it before the kernel starts)
             import resource
 
@@ -151,6 +169,8 @@ class StudentKernel:
         return sandbox.loopback_bytes(pid) if pid else None
 
     def _stop_kernel(self) -> None:
+        self._end_wrapper()
+
         async def stop():
             if self.kc is not None:
                 self.kc.stop_channels()
@@ -165,6 +185,44 @@ class StudentKernel:
 
         run_sync(stop)()
         self.kc, self.km = None, None
+        self.clean_kernels()
+
+    def _end_wrapper(self) -> None:
+        """Ask a sandbox's wrapper to end (SIGTERM: it kills the kernel, removes its cgroup or, in
+        container mode, every process of the student's uid, and its staged folder) before the
+        kernel manager's SIGKILL to its process group would cut that short."""
+        process = getattr(getattr(self.km, "provisioner", None), "process", None)
+        if self.sandbox not in ("on", "container") or process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(WRAPPER_GRACE)
+        except subprocess.TimeoutExpired:  # (killed with its group next)
+            self.log.warning("the sandbox of the student's kernel did not end within %s s", WRAPPER_GRACE)
+
+    def _kernels_made(self) -> list[tuple[str, str]]:
+        """("folder" | "cgroup", path) of what was made for each kernel started, until removed."""
+        if not hasattr(self, "_made_for_kernels"):
+            self._made_for_kernels = []
+        return self._made_for_kernels
+
+    def clean_kernels(self) -> None:
+        """Remove what was made for the kernels, all stopped by now: each cgroup node its sandbox's
+        wrapper did not remove (killed before it could: its processes are killed first), then each
+        kernel's folder, which the student's code could write into (``trees.remove``: as the
+        student, never following a link, at any depth; what is left is logged, never raised)."""
+        made = self._kernels_made()
+        for kind, path in sorted(made):  # ("cgroup" < "folder")
+            if kind == "cgroup":
+                try:
+                    sandbox.Cgroup(path).destroy()
+                except OSError as exc:
+                    self.log.warning("could not remove the kernel's cgroup %s: %s", path, exc)
+            else:
+                left = trees.said(path, trees.remove(path))
+                if left:
+                    self.log.warning(left)
+        made.clear()
 
     def _run_quietly(self, code: str, timeout: float, expression: str | None = None) -> dict | None:
         """Execute code without recording outputs; the reply content, or None on timeout."""

@@ -17,7 +17,8 @@ dir, the grader's home, ``$DISTTRAIN_SANDBOX_HIDE``) is readable or enterable as
 file permissions, not mounts, keep them from the student.  What holds and what does not is
 grader/README.md, "Grading on Gradescope".  Like ``run_sandbox.py`` this file runs as a file
 (``python -I run_container.py SPEC -- KERNEL-COMMAND``) and imports nothing of the package; it
-loads ``syscall_filter.py`` and ``run_sandbox.py`` (for ``kernel_env``) by their paths.
+loads ``syscall_filter.py``, ``run_sandbox.py`` (for ``kernel_env``) and ``trees.py`` (removing
+the kernel's folder) by their paths.
 """
 
 from __future__ import annotations
@@ -194,7 +195,11 @@ def main(argv: list[str]) -> None:
         _, status = os.waitpid(kernel, 0)
     finally:
         sweep(uid)
-        shutil.rmtree(folder, ignore_errors=True)
+        # the student wrote into it: removed as the student, whatever it holds (trees.py); never raises
+        trees = _sibling("trees")
+        left = trees.said(folder, trees.remove(folder))
+        if left:
+            sys.stderr.write(left + "\n")
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
 
 

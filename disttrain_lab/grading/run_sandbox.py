@@ -6,9 +6,9 @@ grader's own code but through ``sandbox.py`` (the grader's side: whether this ho
 sandbox, the spec, the command line, what the OS counted on the sandbox's network).  The
 grader starts every kernel through it (``python -I .../run_sandbox.py SPEC -- KERNEL-COMMAND``,
 see ``sandbox.command``); it imports nothing of the package (importing ``disttrain_lab``
-would import torch, seconds per kernel start), and loads by path its two siblings that import
-only the standard library: ``cgroups.py`` (the caps, cgroup v1 or v2) and ``syscall_filter.py``
-(seccomp).  As root::
+would import torch, seconds per kernel start), and loads by path its siblings that import
+only the standard library: ``cgroups.py`` (the caps, cgroup v1 or v2), ``syscall_filter.py``
+(seccomp) and, under bubblewrap, ``trees.py`` (removing the folder it staged).  As root::
 
     wrapper (root)    creates the kernel's cgroup (caps), unshares mount, pid, IPC and network
     │                 namespaces, waits, kills what is left in the cgroup and removes it
@@ -218,7 +218,6 @@ def main(argv: list[str]) -> None:
     the_spec, cmd = json.loads(argv[0]), argv[2:]
     if the_spec.get("method") == "bwrap":
         _run_bwrap(the_spec, cmd)
-    ipc_dir = _ipc_dir(json.loads(Path(cmd[cmd.index("-f") + 1]).read_bytes())) if "-f" in cmd else None
     cgroup = _student_cgroup(the_spec)
     sockets = host_unix_sockets()  # (read in the host's network namespace, before leaving it)
     go_r, go_w = os.pipe()
@@ -248,10 +247,10 @@ def main(argv: list[str]) -> None:
         os.write(go_w, b"1")
         _, status = os.waitpid(child, 0)
     finally:
+        # (the kernel's socket folder, which it could write into, is the grader's to remove: it
+        # made it, and this process can start no other once its pid namespace's init has ended)
         if cgroup is not None:
             cgroup.destroy()
-        if ipc_dir:
-            shutil.rmtree(ipc_dir, ignore_errors=True)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF if os.WIFEXITED(status) else 1)
 
 
@@ -426,13 +425,15 @@ def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
 
 def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
     """wrapper (the grader) -> bwrap -> kernel, in new user, pid, IPC and mount namespaces.
-    The submission folder, home and connection file are staged below the grading's temp
-    dir (hidden from the kernel) and bound in; the stage is removed when the kernel ends."""
+    The submission folder, home and connection file are staged in the kernel's own folder
+    (``scratch``, else the grading's temp dir; hidden from the kernel) and bound in; the stage,
+    which the kernel writes into, is removed when the kernel ends (``trees.remove``)."""
     import resource
     import tempfile
 
     size = str(the_spec["memory"] // 2)
-    stage, ipc_dir, cgroup = Path(tempfile.mkdtemp(prefix="sandbox-")), None, None
+    stage = Path(tempfile.mkdtemp(prefix="sandbox-", dir=the_spec.get("scratch")))
+    ipc_dir, cgroup = None, None
     try:
         work, home, runtime = stage / "work", stage / "home", stage / "kernel"
         shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
@@ -548,11 +549,14 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
         signal.signal(signal.SIGTERM, lambda *_: proc.kill())
         code = proc.wait()
     finally:
-        if cgroup is not None:
-            cgroup.destroy()
-        shutil.rmtree(stage, ignore_errors=True)
-        if ipc_dir:
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+        try:
+            if cgroup is not None:
+                cgroup.destroy()
+        finally:  # (the socket folder is the grader's to remove, with the kernel's own folder)
+            trees = _sibling("trees")
+            left = trees.said(stage, trees.remove(stage))
+            if left:
+                sys.stderr.write(left + "\n")
     os._exit(code & 0xFF if code >= 0 else 1)
 
 

@@ -244,7 +244,19 @@ def loopback_bytes(pid: int) -> int | None:
 # the spec the grader passes, and the command that starts a kernel in a sandbox
 
 
-def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str, hide: list[str], keep: list[str]) -> dict:
+def spec(
+    *,
+    uid: int,
+    memory: int,
+    pids: int,
+    data_limit: int,
+    cgroup: str,
+    hide: list[str],
+    keep: list[str],
+    scratch: str | None = None,
+) -> dict:
+    """What ``run_sandbox.py`` is asked for.  ``scratch``: a folder the grader made for this kernel
+    (and removes after it) where a bubblewrap sandbox stages the kernel's working folder and home."""
     return {
         "uid": uid,
         "memory": memory,
@@ -253,6 +265,7 @@ def spec(*, uid: int, memory: int, pids: int, data_limit: int, cgroup: str, hide
         "cgroup": cgroup,
         "hide": hide,
         "keep": keep,
+        "scratch": scratch,
         "method": method(),
         "caps": caps_problem() is None,  # (grading without them: DISTTRAIN_SANDBOX=limited)
         "syscall_filter": syscall_filter.problem() is None,

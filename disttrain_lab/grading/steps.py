@@ -1,9 +1,13 @@
-"""Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind."""
+"""Running nbgrader: one process per step, capped, in a private temp dir, nothing left behind.
+
+A step's folders (its temp dir, and where that path is too long for a unix socket's, a short
+folder for its kernels' sockets) carry the grader's pid in their names and are removed when the
+step ends, however it ended (``trees.remove``: whatever a student's kernel left in them never
+stops the removal nor the run); a killed grader's, by the next run (``clean_stale_steps``)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cgroups, reaper, sandbox
+from . import cgroups, reaper, sandbox, trees
 from .config import GRADER_DIR
 
 
@@ -53,24 +57,41 @@ def _reap_orphans(before: set[int], marker: bytes | None = None) -> None:
 
 _STEP_PREFIX = "disttrain-grade-"
 
+# a sandboxed kernel's sockets live in a folder of its own (kernels.py) below the step's folder
+# for them, named in the nbgrader process's environment: a unix socket's path holds at most 107
+# bytes, so that folder's path stays shorter than SOCKET_DIR_MAX
+SOCKETS_ENV = "DISTTRAIN_SOCKET_DIR"
+SOCKET_DIR_MAX = 60
 
-def clean_stale_steps(tmp_root: str | None = None) -> None:
-    """Remove what grading runs that were killed (SIGKILL, a restart) left: their temp
-    directories and cgroups (whose sandboxed kernels die with them).  A step's names carry
-    its grader's pid, so only steps of graders no longer running are touched."""
-    root = Path(tmp_root or tempfile.gettempdir())
-    stale = []
-    for path in root.glob(f"{_STEP_PREFIX}*-*"):
-        pid = path.name[len(_STEP_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            stale.append(path.name)
-            shutil.rmtree(path, ignore_errors=True)
+
+def _short_root() -> str:
+    """Where a step whose temp dir is too deep puts its sockets' folder: the grader's temp dir,
+    else /tmp (each with room below it for the folder's name)."""
+    where = tempfile.gettempdir()
+    return where if len(where) + len(_STEP_PREFIX) + 16 < SOCKET_DIR_MAX else "/tmp"
+
+
+def clean_stale_steps(tmp_root: str | None = None, log=print) -> None:
+    """Remove what grading runs that were killed (SIGKILL, a restart) left: their cgroups (whose
+    sandboxed kernels die with them), then their temp directories and sockets' folders.  A
+    step's names carry its grader's pid, so only steps of graders no longer running are
+    touched; what cannot be removed is said (``log``), never raised."""
+
+    def stale(names):
+        for path in names:
+            pid = path.name[len(_STEP_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                yield path
+
     if sandbox.problem() is None and sandbox.caps_problem() is None:
         for parent in sandbox.Cgroup(cgroups.base()).dirs[:1]:
-            for node in parent.glob(f"{_STEP_PREFIX}*-*") if parent.is_dir() else []:
-                pid = node.name[len(_STEP_PREFIX) :].split("-", 1)[0]
-                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                    sandbox.Cgroup(f"{cgroups.base()}/{node.name}").destroy()
+            for node in stale(parent.glob(f"{_STEP_PREFIX}*-*") if parent.is_dir() else []):
+                sandbox.Cgroup(f"{cgroups.base()}/{node.name}").destroy()
+    for root in sorted({Path(tmp_root or tempfile.gettempdir()), Path(_short_root())}):
+        for path in stale(root.glob(f"{_STEP_PREFIX}*-*")):
+            left = trees.said(path, trees.remove(path))
+            if left:
+                log(left)
 
 
 def stop_running_steps() -> None:
@@ -178,46 +199,65 @@ def _run_step(
     args: list[str], timeout: float, env: dict | None, tmp_root: str | None, slot: int, prepare
 ) -> StepResult:
     before = set(reaper.descendants(os.getpid()))
-    bindir = os.path.dirname(sys.executable)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root) as tmp:
-        if prepare is not None:
-            args = [*args, *prepare(Path(tmp) / "prepared")]
-        full_env = dict(os.environ, **(env or {}))
-        cgroup = f"{cgroups.base()}/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
-        join, unjoined = _grader_node(cgroup)
-        full_env.update(
-            join,
-            PATH=bindir + os.pathsep + full_env.get("PATH", ""),
-            TMPDIR=tmp,
-            JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
-            # the student's kernel draws inline, as in JupyterLab: the feedback shows the figures
-            # a student's cells drew (the grader kernel's tests draw nothing: grader_kernel.py)
-            MPLBACKEND="module://matplotlib_inline.backend_inline",
-            PYTHONDONTWRITEBYTECODE="1",
-            DISTTRAIN_SANDBOX_CGROUP=cgroup,
-            DISTTRAIN_SANDBOX_SLOT=str(slot),
-            DISTTRAIN_GRADE_STEP=os.path.basename(tmp),
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _NBGRADER_CHILD, *args],
-            cwd=GRADER_DIR,
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        _RUNNING[proc.pid] = proc
-        marker = f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode()
-        try:
-            output, timed_out = _wait_and_read(proc, timeout, lambda: _reap_orphans(before, marker))
-            output = unjoined + output
-            if timed_out:
-                output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
-        finally:
-            _RUNNING.pop(proc.pid, None)
-            _reap_orphans(before, marker)
-            if sandbox.problem() is None and sandbox.caps_problem() is None:
-                sandbox.Cgroup(cgroup).destroy()
-    return StepResult(args, proc.returncode, output, time.monotonic() - started, timed_out)
+    tmp = tempfile.mkdtemp(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=tmp_root)
+    folders = [tmp]
+    try:
+        if len(tmp) >= SOCKET_DIR_MAX:
+            folders.append(tempfile.mkdtemp(prefix=f"{_STEP_PREFIX}{os.getpid()}-", dir=_short_root()))
+        result = _run_in(tmp, folders[-1], before, args, timeout, env, slot, prepare)
+    finally:
+        # (after the step's processes were reaped and its cgroup removed: no student code runs)
+        left = [line for folder in folders if (line := trees.said(folder, trees.remove(folder)))]
+    if left:
+        result.output += "\n" + "\n".join(left) + "\n"
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _run_in(
+    tmp: str, sockets: str, before: set[int], args: list[str], timeout: float, env: dict | None, slot: int, prepare
+) -> StepResult:
+    """The step itself, in its temp dir ``tmp``, its kernels' sockets below ``sockets``."""
+    bindir = os.path.dirname(sys.executable)
+    if prepare is not None:
+        args = [*args, *prepare(Path(tmp) / "prepared")]
+    full_env = dict(os.environ, **(env or {}))
+    cgroup = f"{cgroups.base()}/{os.path.basename(tmp)}"  # every sandboxed kernel of this run below it
+    join, unjoined = _grader_node(cgroup)
+    full_env.update(
+        join,
+        PATH=bindir + os.pathsep + full_env.get("PATH", ""),
+        TMPDIR=tmp,
+        JUPYTER_RUNTIME_DIR=os.path.join(tmp, "runtime"),
+        # the student's kernel draws inline, as in JupyterLab: the feedback shows the figures
+        # a student's cells drew (the grader kernel's tests draw nothing: grader_kernel.py)
+        MPLBACKEND="module://matplotlib_inline.backend_inline",
+        PYTHONDONTWRITEBYTECODE="1",
+        DISTTRAIN_SANDBOX_CGROUP=cgroup,
+        DISTTRAIN_SANDBOX_SLOT=str(slot),
+        DISTTRAIN_GRADE_STEP=os.path.basename(tmp),
+    )
+    full_env[SOCKETS_ENV] = sockets
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _NBGRADER_CHILD, *args],
+        cwd=GRADER_DIR,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    _RUNNING[proc.pid] = proc
+    marker = f"DISTTRAIN_GRADE_STEP={os.path.basename(tmp)}".encode()
+    try:
+        output, timed_out = _wait_and_read(proc, timeout, lambda: _reap_orphans(before, marker))
+        output = unjoined + output
+        if timed_out:
+            output += f"\n[disttrain-lab] nbgrader {' '.join(args)} ran past {timeout:.0f} s and was stopped\n"
+    finally:
+        _RUNNING.pop(proc.pid, None)
+        _reap_orphans(before, marker)
+        if sandbox.problem() is None and sandbox.caps_problem() is None:
+            sandbox.Cgroup(cgroup).destroy()
+    return StepResult(args, proc.returncode, output, 0.0, timed_out)

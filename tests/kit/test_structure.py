@@ -237,11 +237,17 @@ def test_the_guard_program_compiles_and_runs_nothing_when_imported():
 
 def test_the_sandbox_runs_as_a_file_without_the_package():
     # the grader starts it with `python -I FILE` (no package on the path): it imports nothing of the
-    # package, and nor do the two siblings it loads by their paths (run_sandbox._sibling)
-    by_path = re.findall(r'_sibling\("(\w+)"\)', (PACKAGE / "grading" / "run_sandbox.py").read_text())
-    assert set(by_path) == {"cgroups", "syscall_filter"}
-    for module in ("run_sandbox", *by_path):
-        assert GRAPH[f"disttrain_lab.grading.{module}"] == set(), module
+    # package, and nor do the siblings it loads by their paths (run_sandbox._sibling); container
+    # mode's wrapper likewise (run_container._sibling)
+    siblings = {
+        "run_sandbox": {"cgroups", "syscall_filter", "trees"},
+        "run_container": {"syscall_filter", "run_sandbox", "trees"},
+    }
+    for program, expected in siblings.items():
+        by_path = re.findall(r'_sibling\("(\w+)"\)', (PACKAGE / "grading" / f"{program}.py").read_text())
+        assert set(by_path) == expected, program
+        for module in (program, *by_path):
+            assert GRAPH[f"disttrain_lab.grading.{module}"] == set(), module
     # the grader's side: the program, its two siblings, and the reaper of the grader's own processes
     grading = {f"disttrain_lab.grading.{m}" for m in ("run_sandbox", "cgroups", "syscall_filter", "reaper")}
     assert GRAPH["disttrain_lab.grading.sandbox"] == grading
