@@ -136,13 +136,15 @@ def _make_enterable(name: str, parent: int) -> None:
         os.close(parent)
 
 
-def _unlink(name: str, parent: int | None) -> list[str]:
+def _unlink(name: str, parent: int | None, remove=os.unlink, shown: str | None = None) -> list[str]:
+    """Remove the entry ``name`` of the folder ``parent`` (None: a path) with ``remove`` (``os.rmdir``
+    for an empty folder): what went wrong, in words, with ``shown`` as its name."""
     try:
-        os.unlink(name, dir_fd=parent)
+        remove(name, dir_fd=parent)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        return [f"{_shown(name)}: {exc.strerror}"]
+        return [f"{shown or _shown(name)}: {exc.strerror}"]
     return []
 
 
@@ -224,12 +226,7 @@ def _walk(top: int) -> list[str]:
                     return problems
                 todo.pop()
                 name = names.pop()
-                try:
-                    os.rmdir(name, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    problems.append(f"{_where([*names, name])}: {exc.strerror}")
+                problems += _unlink(name, fd, os.rmdir, _where([*names, name]))
                 continue
             name = todo[-1].pop()
             try:
@@ -297,13 +294,7 @@ def _owners_part(name: str, parent: int, info: os.stat_result, names: list[str])
         problems = [f"{_where([*names, name])}/{p}" for p in _as_owner(inner, info)]
     finally:
         os.close(inner)
-    try:
-        os.rmdir(name, dir_fd=parent)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        problems.append(f"{_where([*names, name])}: {exc.strerror}")
-    return problems
+    return problems + _unlink(name, parent, os.rmdir, _where([*names, name]))
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
