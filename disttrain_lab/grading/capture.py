@@ -22,6 +22,7 @@ and reads the answer; a capture that could not start, or that dropped a packet, 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -33,8 +34,9 @@ import time
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
 SOL_PACKET, PACKET_STATISTICS = 263, 6
+SO_RCVBUFFORCE, SO_ATTACH_FILTER = 33, 26  # (linux/asm-generic/socket.h)
 HEADERS = 14 + 60 + 60  # loopback's Ethernet header, the longest IPv4 and TCP headers
-QUEUE_BYTES = 64 << 20
+QUEUE_BYTES = 256 << 20  # what the kernel may queue for this socket before it drops a packet
 
 
 def _address(family: int, raw: bytes, port: int) -> str:
@@ -75,7 +77,11 @@ def _capture() -> None:
     stop = []
     signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, QUEUE_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, QUEUE_BYTES)  # (past net.core.rmem_max: root may)
+    # a one-instruction socket filter, "accept HEADERS bytes": the kernel queues each packet's
+    # headers only (BPF_RET | BPF_K; struct sock_fprog is its length and a pointer to it)
+    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, HEADERS))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HxxxxxxQ", 1, ctypes.addressof(program)))
     sock.bind(("lo", 0))
     sock.settimeout(0.05)
     print("ready", flush=True)
