@@ -8,6 +8,7 @@ the classmates keep 16/16, nothing runs on the grader's side, nothing is left be
 
 from __future__ import annotations
 
+import html
 import os
 
 import pytest
@@ -290,7 +291,9 @@ def test_what_each_attack_is_told(graded):
     assert "the operating system counted" in feedback(graded.course, "shared_memory", LAB)
     hung = feedback(graded.course, "hangs", LAB)
     assert "did not finish within" in hung and "CellTimeoutError" not in hung  # the launcher says so, in time
-    batched = feedback(graded.course, "batched_forged_trace", LAB)  # right bytes, right values, a forged trace
+    batched = html.unescape(
+        feedback(graded.course, "batched_forged_trace", LAB)
+    )  # right bytes and values, forged trace
     assert "it crossed as 0->1 then 1->0" in batched and "each ping waiting for its pong" in batched, batched[-3000:]
     hooked = feedback(graded.course, "hooks_and_modes", LAB)  # its own kernel is what it broke
     assert "values differ" in hooked or "wrote no result" in hooked
