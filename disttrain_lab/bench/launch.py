@@ -37,25 +37,20 @@ def time_spawn(world_size: int) -> float:
     return time.perf_counter() - start
 
 
-def time_torchrun(world_size: int) -> float:
-    start = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={world_size}",
-            "-m",
-            "disttrain_lab.bench.launch",
-            "--torchrun-child",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    return time.perf_counter() - start
+def time_torchrun(world_size: int, tries: int = 2) -> float:
+    """Seconds of one torchrun launch of ``world_size`` trivial ranks.  A launch that fails (its
+    rendezvous on a loaded host) is tried again, once; a second failure says what torchrun said."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+    cmd += ["-m", "disttrain_lab.bench.launch", "--torchrun-child"]
+    for attempt in range(tries):
+        start = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if done.returncode == 0:
+            return time.perf_counter() - start
+        if attempt == tries - 1:
+            said = (done.stderr or done.stdout).strip().splitlines()[-15:]
+            raise RuntimeError(f"torchrun exited with {done.returncode} ({tries} tries); it said:\n" + "\n".join(said))
+    raise AssertionError("unreachable")
 
 
 def time_launch(world_size: int, warm: bool) -> float:
