@@ -433,7 +433,9 @@ def _timeline(rec: dict, events, world_size: int) -> wire.Timeline:
             and type(s[3]) is int
             for s in segments
         )
-        return wire.Timeline(segments=[tuple(s) for s in segments]) if plain else wire.Timeline.unobserved("bad")
+        if not plain:
+            return wire.Timeline.unobserved("the capture's segments were not plain data")
+        return wire.Timeline(segments=[tuple(s) for s in segments])
     sends = sorted((e.start, e.rank, e.peer, e.bytes) for e in events if e.kind == "p2p" and e.op in ("send", "isend"))
     start = sends[0][0] if sends else 0.0
     segments = [(t - start, a, b, wire.GLOO_PREAMBLE + n) for t, a, b, n in sends if b is not None]  # (as on the wire)

@@ -115,6 +115,10 @@ class Capture:
         self._process: subprocess.Popen | None = None
 
     def __enter__(self) -> Capture:
+        return self.start()
+
+    def start(self) -> Capture:
+        """Start the capture; returns once its socket is bound (``stop`` ends it)."""
         cmd = [sys.executable, "-I", os.path.abspath(__file__)]
         if self.netns_pid is not None:
             cmd = ["nsenter", f"--net=/proc/{self.netns_pid}/ns/net", *cmd]

@@ -271,7 +271,7 @@ class RemoteRunner:
         capture, not_captured = None, NOT_ASKED
         if options.get("timeline"):  # the data's times from the wire, for a test that asked for them
             try:
-                capture = Capture(inside).__enter__()
+                capture = Capture(inside).start()
             except (RuntimeError, OSError) as exc:
                 not_captured = str(exc)[:300]
         code = (
