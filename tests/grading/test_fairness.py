@@ -85,7 +85,9 @@ def test_a_deadlock_is_reported_by_the_launcher_within_the_cells_limit(graded):
     told = _errors(graded.cells["test_ping_pong"])
     assert "rank 0: recv(src=1" in told and "rank 1: recv(src=0" in told and "in ping_pong (line" in told, told
     assert "Every rank is waiting to receive" in told, told
-    assert "what was left of this test's time limit when graded" in told, told
+    # the launch ends first: its own timeout, or (when the cell's limit is the shorter, as on a quiet
+    # host where the limit is not scaled up for load) what was left of the cell's limit
+    assert "ping_pong did not finish within" in told, told
     assert "CellTimeoutError" not in told and "KeyboardInterrupt" not in told, told
     assert "KeyboardInterrupt" not in graded.page and "CellTimeoutError" not in graded.page
 
