@@ -6,20 +6,23 @@ would cost that limit in every later cell (and test) that calls it.  So, only wh
 stuck in and, while it is still defined as it was, replaces it with a stand-in that raises
 :class:`SkippedAfterHang` at once, saying what happened the first time:
 
-- ``dl.launch`` calls :func:`remember_hang` when a launch ran past its own timeout (the lab's
-  word that a function hangs) and pickles the stand-ins (:func:`stubbed`, :func:`hung_before`);
-- ``dl.exercise.record`` does the same for the grader's runs, only for the student's own
-  functions (:func:`stub_only`, the grader's list);
+- around every ``dl.launch`` (:func:`around_launch`, which this module registers with
+  ``launcher.add_hook``): the stand-ins are what the launch sends to the ranks (:func:`stubbed`,
+  :func:`hung_before`), and a launch that ran past its own timeout (the lab's word that a
+  function hangs) is remembered (:func:`remember_hang`);
+- ``serving.run`` does the same for the grader's runs, only for the student's own functions
+  (:func:`stub_only`, the grader's list);
 - the grader runs :func:`remember_interrupted` in the student's kernel after it interrupted a
   cell at its limit (``grading/execute.py`` sends the call as code).
 
 And a hang ends with the launcher's own report (which rank, blocked in what, in which of the
 student's functions) inside the cell's limit, not with the cell's interrupt: before each cell it
 runs in the student's kernel the grader tells :func:`cell_limit` that cell's limit, and
-``dl.launch`` caps its timeout to what is left of it (:func:`capped`), less the seconds a
+the launch's timeout is capped to what is left of it (:func:`capped`), less the seconds a
 timed-out launch needs to stop its ranks and say so.
 
-This module is part of the student kit: it imports nothing of the grading wing.
+This module is part of the student kit: it imports nothing of the grading wing, and the
+launcher imports nothing of it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import traceback
 from collections.abc import Iterator
 from types import FunctionType
 
-from .reports import LaunchTimeout
+from .launcher import Pending, add_hook
+from .reports import CollectiveMismatch, LaunchTimeout
 
 _GRADING = os.environ.get("NBGRADER_EXECUTION") == "autograde"
 _HUNG: dict[str, tuple[FunctionType, str]] = {}  # name -> (the function that hung, what happened)
@@ -199,3 +203,30 @@ def remember_interrupted(cell: str, limit: float, student_functions: list[str]) 
     _HUNG[name] = (notebook[name], message)
     notebook[name] = _stub(name, message)
     return name
+
+
+@contextlib.contextmanager
+def around_launch(pending: Pending) -> Iterator[None]:
+    """Under grading, around every ``dl.launch``: the notebook's functions that hung before are
+    sent to the ranks as their stand-ins, the timeout is capped to what is left of the cell's
+    limit, and a launch that runs past its timeout is remembered (``remember_hang``)."""
+    if not _GRADING:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stubs = stack.enter_context(stubbed(hung_before()))  # (the ranks get what is defined now)
+        if isinstance(pending.fn, FunctionType):
+            pending.fn = stubs.get(pending.fn, pending.fn)
+        pending.args = tuple(stubs.get(a, a) if isinstance(a, FunctionType) else a for a in pending.args)
+        pending.timeout, pending.timeout_why = capped(pending.timeout)
+        try:
+            yield
+        except CollectiveMismatch:
+            raise  # seen at once, whatever the timeout: not a hang to remember
+        except LaunchTimeout as exc:
+            stack.close()  # the notebook's own functions back first
+            remember_hang(exc)
+            raise
+
+
+add_hook(around_launch)

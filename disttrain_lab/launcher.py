@@ -9,8 +9,9 @@
 
 How it works (see docs/architecture.md, "Launching ranks from a notebook"); this module
 holds ``launch`` (checking its arguments) and the torchrun path, ``devices`` the device
-policy, ``pool`` the warm ranks, ``worker`` a rank's side, ``hangs`` what grading remembers
-of a launch that hung:
+policy, ``pool`` the warm ranks, ``worker`` a rank's side.  It knows nothing of grading:
+what composes around every launch (under autograding, ``hangs.py``: what is left of the
+cell's limit, and functions that hung before) registers itself with :func:`add_hook`:
 
 - One policy (see :func:`plan`): ``device="cpu"`` (the default) runs gloo on the CPU and
   never touches a GPU; ``device="cuda"`` gives rank k the k-th visible GPU and NCCL.
@@ -38,14 +39,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from types import FunctionType, ModuleType
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from types import ModuleType
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
 # `trace` and `network` are also launch's keywords: the modules go by other names here
-from . import codemap, emulation, hangs, integrity, pool
+from . import codemap, emulation, integrity, pool
 from . import trace as tracer
 from .devices import MAX_WORLD_SIZE, Plan, device, plan, resolve_device
 from .integrity import TamperingError
@@ -68,6 +71,34 @@ __all__ = [
     "CollectiveMismatch",
     "TamperingError",
 ]
+
+
+# --------------------------------------------------------------------------------------
+# What composes around a launch
+# --------------------------------------------------------------------------------------
+@dataclass
+class Pending:
+    """A launch about to start, as a hook sees it: a hook may replace the function, its
+    arguments or the timeout (saying why, in ``timeout_why``), before they are sent to the ranks."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    timeout: float
+    timeout_why: str | None = None
+
+
+Hook = Callable[[Pending], AbstractContextManager]
+_HOOKS: list[Hook] = []
+
+
+def add_hook(hook: Hook) -> None:
+    """Run every later launch inside ``hook(pending)``, a context manager entered before the
+    function is sent to the ranks and left when the launch ends (an exception the launch raises
+    passes through it; it may raise another instead).  None are set unless something installs one
+    (under autograding, ``hangs.py``)."""
+    if hook not in _HOOKS:
+        _HOOKS.append(hook)
 
 
 # --------------------------------------------------------------------------------------
@@ -169,21 +200,19 @@ def launch(
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
     integrity.verify()
     chosen = plan(world_size, device)
-    # under grading, a notebook function that hung in an earlier launch is stopped at once (hangs.py)
-    with hangs.stubbed(hangs.hung_before()) as stubs:  # (pickled now: the ranks get what is defined now)
-        fn = stubs.get(fn, fn) if isinstance(fn, FunctionType) else fn
-        args = tuple(stubs.get(a, a) if isinstance(a, FunctionType) else a for a in args)
-        payload, where = _pickled(fn, args, kwargs)  # where: each code's real cell, for tracebacks
-    timeout, capped = hangs.capped(timeout)  # under grading: the launch reports a hang before the cell's limit
-    try:
-        results, events, wall = pool.run(payload, world_size, chosen, timeout, trace, network, where)
-    except CollectiveMismatch:
-        raise  # seen at once, whatever the timeout: not a hang to remember
-    except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
-        hangs.remember_hang(exc)
-        if capped is None:
-            raise
-        raise LaunchTimeout(f"{exc}\n(the timeout of {timeout:g} s: {capped})", exc.blocked, exc.stacks) from None
+    pending = Pending(fn, args, kwargs, timeout)
+    with ExitStack() as hooks:
+        for hook in tuple(_HOOKS):
+            hooks.enter_context(hook(pending))
+        payload, where = _pickled(pending.fn, pending.args, pending.kwargs)  # where: each code's real cell
+        try:
+            results, events, wall = pool.run(payload, world_size, chosen, pending.timeout, trace, network, where)
+        except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
+            if pending.timeout_why is None or isinstance(exc, CollectiveMismatch):
+                raise
+            raise LaunchTimeout(
+                f"{exc}\n(the timeout of {pending.timeout:g} s: {pending.timeout_why})", exc.blocked, exc.stacks
+            ) from None
     if trace:
         run = tracer.Run(
             results=results,

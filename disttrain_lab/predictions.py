@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from . import exercise
+from .protocol import Driver
 
 __all__ = ["SIG", "rounded", "check", "fetch", "assert_prediction", "withhold_expected", "PredictionError"]
 
@@ -113,7 +114,7 @@ def check(name: str, value, *args, cases: Sequence[tuple] | None = None) -> bool
     return True
 
 
-def _getter(name: str) -> dict:
+def _getter(name: str) -> Driver:
     """A driver for ``dl.exercise.run`` that reads the notebook's ``name``: the variable's value,
     or the function's value at each case.  What crosses back is numbers, as data."""
     source = (
@@ -136,7 +137,7 @@ def _getter(name: str) -> dict:
         "    except NotImplementedError:  # the prediction's function is still the release's stub: blank\n"
         "        return None\n"
     )
-    return {"name": f"_prediction_{name}", "source": source}
+    return Driver(name=f"_prediction_{name}", source=source)
 
 
 def fetch(name: str, cases: Sequence[tuple] | None = None, timeout: float = 30.0) -> list[float] | float:

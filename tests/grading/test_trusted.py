@@ -41,10 +41,9 @@ HIDDEN_LINE = "_check_ping_pong(3, 7, 4, torch.int64)"  # a line of lab 1's hidd
 # request's inputs, a trace with exactly the sends and receives the test wants, the ranks'
 # real process ids, and a claimed byte count; nothing is sent.
 FORGED_SERVE = """
-import io, torch
+import torch
 import disttrain_lab as dl
-import disttrain_lab.exercise as _exercise
-from disttrain_lab import pool as _pool
+from disttrain_lab import pool as _pool, protocol as _protocol
 
 def ping_pong(x, repeats=1):
     return x
@@ -61,36 +60,32 @@ def _answers(name, inputs):
 
 def _events(name, inputs):
     if name != "ping_pong":
-        return []
+        return ()
     x, repeats = inputs[0]
     nbytes, events, t = x.numel() * x.element_size(), [], 0.0
     for _ in range(repeats):
         for rank, ops in ((0, ("send", "recv")), (1, ("recv", "send"))):
             for op in ops:
-                events.append((rank, op, "p2p", t, t + 1e-4, 1 - rank, None, nbytes, None, "", {}))
+                events.append(dl.Event(rank=rank, op=op, kind="p2p", start=t, end=t + 1e-4, peer=1 - rank, bytes=nbytes))
                 t += 2e-4
-    return events
+    return tuple(events)
 
-def _forged_serve(request_path, record_path):
-    request = torch.load(request_path, weights_only=True)
-    target, n, inputs = request["target"], request["world_size"], request["inputs"]
-    name = target if isinstance(target, str) else target["name"]
+def _forged(comm, msg):
+    request = _protocol.Request.from_bytes(bytes(msg["buffers"][0]))
+    name, n, inputs = request.name, request.world_size, request.inputs
     dl.launch(lambda: None, n)                      # real ranks, whose ids check out
-    record = {"results": _answers(name, inputs), "inputs_after": [list(i) for i in inputs],
-              "events": _events(name, inputs), "pids": _pool.worker_pids()[:n],
-              "matrix": [[0 if a == b else 10**9 for b in range(n)] for a in range(n)]}
-    buffer = io.BytesIO()
-    torch.save(record, buffer)
-    with open(record_path, "wb") as f:
-        f.write(buffer.getvalue())
+    record = _protocol.Record(results=_answers(name, inputs), inputs_after=[tuple(i) for i in inputs],
+                              events=_events(name, inputs), pids=tuple(_pool.worker_pids()[:n]))
+    comm.send({}, buffers=[record.to_bytes()])      # a valid record: only the grader's own count can tell
+    comm.close()
 
-_exercise.serve = _forged_serve
+get_ipython().kernel.comm_manager.register_target(_protocol.COMM_TARGET, _forged)
 """
 
 # 2. A record that runs code when unpickled (a plain pickle, and one inside torch.save's zip)
 PICKLE_BOMB = """
 import io, os, pickle, torch
-import disttrain_lab.exercise as _exercise
+from disttrain_lab import protocol as _protocol
 
 def ping_pong(x, repeats=1):
     return x
@@ -101,19 +96,20 @@ class _Bomb:
 
 _calls = [0]
 
-def _bomb_serve(request_path, record_path):
+def _bomb(comm, msg):
     _calls[0] += 1
-    record = {"results": [_Bomb(), _Bomb()], "inputs_after": [[], []], "events": [], "pids": [1, 2]}
+    record = {"version": 1, "results": [_Bomb(), _Bomb()], "inputs_after": [[], []], "events": [], "pids": [1, 2],
+              "backend": "gloo", "failure": None}
     if _calls[0] % 2:
         data = pickle.dumps(record)
     else:
         buffer = io.BytesIO()
         torch.save(record, buffer)
         data = buffer.getvalue()
-    with open(record_path, "wb") as f:
-        f.write(data)
+    comm.send({}, buffers=[data])
+    comm.close()
 
-_exercise.serve = _bomb_serve
+get_ipython().kernel.comm_manager.register_target(_protocol.COMM_TARGET, _bomb)
 """
 
 # 1. What the old in-kernel guard had to catch: comparisons replaced, a torch function mode
@@ -296,7 +292,7 @@ def test_what_each_attack_is_told(graded):
     )  # right bytes and values, forged trace
     assert "it crossed as 0->1 then 1->0" in batched and "each ping waiting for its pong" in batched, batched[-3000:]
     hooked = feedback(graded.course, "hooks_and_modes", LAB)  # its own kernel is what it broke
-    assert "values differ" in hooked or "wrote no result" in hooked
+    assert "values differ" in hooked or "no valid record" in hooked or "the run stopped" in hooked, hooked[-3000:]
 
 
 @pytest.mark.slow

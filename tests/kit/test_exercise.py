@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import __main__
-from disttrain_lab import checks, exercise, hangs, wire
+from disttrain_lab import checks, exercise, hangs, protocol, serving, wire
 
 pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
 
@@ -146,8 +146,9 @@ def test_what_is_not_data_is_an_error_and_never_unpickled(tmp_path):
     import pickle
 
     buffer = io.BytesIO()
-    torch.save({"results": [_Evil(), 1]}, buffer, pickle_module=pickle)
-    assert "error" in exercise.loads(buffer.getvalue())
+    torch.save({"version": 1, "results": [_Evil(), 1]}, buffer, pickle_module=pickle)
+    record = protocol.Record.from_bytes(buffer.getvalue(), 2)
+    assert record.failure is not None and "could not be read as plain data" in record.failure.message
     assert not os.path.exists(marker)
 
 
@@ -161,15 +162,76 @@ def test_errors_and_timeouts_say_what_happened():
         exercise.run("ping_pong", 3, _inputs(4, 1))
 
 
-def test_records_that_do_not_hold_a_run_are_refused():
-    with pytest.raises(exercise.ExerciseError, match="one result per rank"):
-        exercise.from_record("f", 2, {"results": [1]})
-    run = exercise.from_record(
-        "f",
-        2,
-        {"results": [1, 2], "inputs_after": [[], []], "events": [("not", "an", "event")], "matrix": [[0, -5], [1, 0]]},
+def _record_bytes(**fields) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"version": 1, **fields}, buffer)
+    return buffer.getvalue()
+
+
+GOOD = {"results": [1, 2], "inputs_after": [[], []], "events": [], "pids": [11, 12], "backend": "gloo", "failure": None}
+EVENT = dict(
+    rank=0, op="send", kind="p2p", start=0.0, end=1e-4, peer=1, group=None, bytes=40, tag=None, name="", meta={}
+)
+
+
+@pytest.mark.parametrize(
+    "changes, said",
+    [
+        ({"results": [1]}, "one result per rank"),
+        ({"inputs_after": [[]]}, "arguments after the call"),
+        ({"events": [("not", "an", "event")]}, "an event must hold exactly the fields"),
+        ({"events": [("rank", 0, "send", "p2p", 0.0, 1e-4, 1, None, 40, None, "", {})]}, "exactly the fields"),
+        ({"events": [{**EVENT, "rank": 5}]}, "wrong types"),  # a rank that does not exist
+        ({"events": [{**EVENT, "bytes": -40}]}, "wrong types"),
+        ({"events": [{**EVENT, "start": float("nan")}]}, "wrong types"),
+        ({"pids": [0, -1]}, "process ids"),
+        ({"matrix": [[0, 10**9], [10**9, 0]]}, "fields a Record does not have: matrix"),  # the grader's own count
+        ({"timeline": [(0.0, 0, 1, 88)]}, "fields a Record does not have: timeline"),
+        ({"version": 0}, "protocol version 0"),
+        ({"failure": {"kind": "Passed", "message": "all good"}}, "failure's kind must be one of"),
+    ],
+)
+def test_records_that_do_not_hold_a_run_are_refused(changes, said):
+    record = protocol.Record.from_bytes(_record_bytes(**{**GOOD, **changes}), 2)
+    assert record.failure is not None and record.failure.kind == "ExerciseError", record
+    assert "no valid record" in record.failure.message and said in record.failure.message, record.failure.message
+    with pytest.raises(exercise.ExerciseError, match="no valid record"):
+        exercise.from_record("f", 2, record, protocol.Evidence.unobserved("no run"))
+
+
+def test_a_valid_record_reads_back_as_named_fields():
+    record = protocol.Record.from_bytes(_record_bytes(**{**GOOD, "events": [EVENT]}), 2)
+    assert record.failure is None and record.results == [1, 2] and record.pids == (11, 12)
+    assert record.events[0].op == "send" and record.events[0].peer == 1 and record.events[0].bytes == 40
+    assert protocol.Record.from_bytes(record.to_bytes(), 2) == record  # the same bytes both ways
+    assert protocol.Record.from_bytes(b"x" * (protocol.MAX_RECORD_BYTES + 1), 2).failure.message.endswith(
+        f"more than {protocol.MAX_RECORD_BYTES:,}"
     )
-    assert run.trace.events == [] and run.traffic.source == "trace"  # a bad matrix is not believed
+
+
+def test_a_request_crosses_as_data_and_is_checked_at_both_ends():
+    request = protocol.Request(
+        target=protocol.Driver("_drive", "def _drive():\n    return 1\n"),
+        world_size=2,
+        inputs=[(torch.ones(3), 1), (torch.zeros(3), 1)],
+        timeout=5.0,
+        network={"latency": 1e-3, "bandwidth": 1e9},
+        timed_out={"f": "f hung in test_f"},
+        student_functions=["f"],
+    )
+    again = protocol.Request.from_bytes(request.to_bytes())
+    assert again.target == request.target and again.name == "_drive" and again.timed_out == request.timed_out
+    assert again.student_functions == ("f",) and torch.equal(again.inputs[0][0], torch.ones(3))
+    for bad, said in (
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"inputs": [(1,)]}, "one tuple per rank"),
+        ({"timeout": float("inf")}, "timeout must be a positive number"),
+        ({"target": "os.system"}, "target must be a function's name"),
+    ):
+        with pytest.raises(protocol.ProtocolError, match=said):
+            request.replace(**bad)
 
 
 SS_OUTPUT = b"""\
@@ -253,9 +315,8 @@ def test_a_rank_whose_sockets_cannot_be_read_fails_the_count():
 
 
 def test_an_unobserved_count_fails_every_test_that_reads_it_and_says_why():
-    rec = {"results": [1, 2], "inputs_after": [[], []], "events": [], "unobserved": "ss: not found"}
-    rec["matrix"] = [[0, 5], [5, 0]]  # what the student's kernel claims is never used when the grader could not count
-    run = exercise.from_record("f", 2, rec)
+    record = protocol.Record.from_bytes(_record_bytes(**GOOD), 2)
+    run = exercise.from_record("f", 2, record, protocol.Evidence.unobserved("ss: not found"))
     assert run.traffic.source == "unobserved" and run.results == [1, 2]  # the results still grade
     for read in (lambda t: t.sent(0), lambda t: t.between(0, 1), lambda t: t.describe(), lambda t: t.total):
         with pytest.raises(wire.Unobserved, match=r"could not count the bytes between the ranks \(ss: not found\)"):
@@ -269,16 +330,20 @@ def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_functio
     # under grading (disttrain_lab/grading/remote.py): the record of a timeout names the notebook's functions
     # the stuck ranks were in, and a function that timed out in an earlier test is not waited for again: on
     # the ranks it raises at once, with what happened then, wherever it is called from (here: a driver)
-    options = {"timeout": 3.0, "device": None, "network": None}
-    stuck = exercise.record("stuck", 2, _inputs(4, 1), options, count=False)["error"]
-    assert stuck["type"] == "ExerciseTimeout" and "_stuck" in stuck["running"], stuck
-    assert "rank 1: recv(src=0" in stuck["message"] and "in _stuck (line" in stuck["message"], stuck["message"]
+    request = protocol.Request(target="stuck", world_size=2, inputs=_inputs(4, 1), timeout=3.0)
+    stuck = serving.run(request).failure
+    assert stuck.kind == "ExerciseTimeout" and "_stuck" in stuck.running, stuck
+    assert "rank 1: recv(src=0" in stuck.message and "in _stuck (line" in stuck.message, stuck.message
     original = __main__.ping_pong
-    not_again = {**options, "timeout": 30.0, "timed_out": {"ping_pong": "ping_pong timed out in test_x"}}
-    driver = exercise._driver(_drive_ping_pong)
-    error = exercise.record(driver, 2, [(8, 1)] * 2, not_again, count=False)["error"]
-    assert error["type"] == "ExerciseTimeout", error
-    assert "was stopped at once: ping_pong timed out in test_x" in error["message"], error
+    not_again = request.replace(
+        target=exercise._driver(_drive_ping_pong),
+        inputs=[(8, 1)] * 2,
+        timeout=30.0,
+        timed_out={"ping_pong": "ping_pong timed out in test_x"},
+    )
+    error = serving.run(not_again).failure
+    assert error.kind == "ExerciseTimeout" and error.skipped, error
+    assert "was stopped at once: ping_pong timed out in test_x" in error.message, error
     assert __main__.ping_pong is original  # put back for the notebook
     assert exercise.run(_drive_ping_pong, 2, (8, 1), timeout=30).results == [28.0, 28.0]
     # the grader's run of a test in the student's kernel under autograding: a student's function that ran past
@@ -287,10 +352,10 @@ def test_a_timeout_names_the_functions_the_ranks_were_in_and_a_timed_out_functio
     monkeypatch.setattr(hangs, "_HUNG", {})
     monkeypatch.setattr(__main__, "spinner", None, raising=False)  # (removed after the test)
     exec("def spinner(x, repeats):\n    while True:\n        pass\n", vars(__main__))  # as a cell defines it
-    graded = {**options, "student_functions": ["spinner", "ping_pong"]}
-    error = exercise.record("spinner", 2, _inputs(4, 1), graded, count=False)["error"]
+    graded = request.replace(target="spinner", student_functions=["spinner", "ping_pong"])
+    error = serving.run(graded).failure
     # (the loop's two lines, `while True:` and `pass`: the stack is sampled on either)
-    assert "running Python code" in error["message"] and re.search(r"in spinner \(line [23]\)", error["message"]), error
+    assert "running Python code" in error.message and re.search(r"in spinner \(line [23]\)", error.message), error
     with pytest.raises(hangs.SkippedAfterHang, match="spinner is not run again: when a graded test ran it"):
         __main__.spinner(None, 1)  # in the kernel itself, at once
 

@@ -54,11 +54,11 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
             dl.launch(lambda: spins(2), 2, timeout=60)
         except dl.RankError as exc:
             print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
-        driver = {"name": "_drive", "source": "def _drive():\\n    return spins(3)\\n"}   # a test's, by its source
-        options = {"timeout": 60.0, "device": None, "network": None}
+        from disttrain_lab import protocol, serving
+        driver = protocol.Driver("_drive", "def _drive():\\n    return spins(3)\\n")   # a test's, by its source
         started = time.monotonic()
-        error = dl.exercise.record(driver, 2, [()] * 2, options, count=False)["error"]
-        print("=== DRIVER", round(time.monotonic() - started, 1), error["type"], error["message"][:80], flush=True)
+        error = serving.run(protocol.Request(target=driver, world_size=2, inputs=[()] * 2, timeout=60.0)).failure
+        print("=== DRIVER", round(time.monotonic() - started, 1), error.kind, error.message[:80], flush=True)
 
         def spins(x):
             return x

@@ -1,0 +1,173 @@
+"""The student's end of a graded run: carry out a :class:`~disttrain_lab.protocol.Request` in the
+notebook's own kernel and describe the run as a :class:`~disttrain_lab.protocol.Record`.
+
+``run(request)`` launches the notebook's function (or the test's driver, defined in a copy of the
+notebook's names) on the ranks with ``dl.launch`` and returns what happened as data.  The same
+function serves the student's own self-checks (``dl.exercise.run`` in the notebook) and the
+grader's requests, which arrive as a Jupyter comm on ``protocol.COMM_TARGET``: importing this
+module in an IPython kernel registers that target (:func:`register`); each comm carries one
+request as its buffer and is answered with one message whose buffer is the record's bytes.
+
+Under grading the student's functions that hung in an earlier test are not run again
+(``hangs.py``): the grader's list (``Request.timed_out``) and this kernel's own.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sys
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from . import pool
+from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
+from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankError, launch
+from .network import Network
+from .protocol import COMM_TARGET, Driver, ProtocolError, Record, Request
+from .trace import region
+
+__all__ = ["register", "run"]
+
+
+class _NotRunnable(Exception):
+    """The request names no function of the notebook (or not a function)."""
+
+
+def _call(fn, inputs: list):
+    """What every rank runs: the student's function on this rank's inputs, marked; its result
+    and the inputs as the call left them (an in-place exercise changes them)."""
+    mine = inputs[dist.get_rank()]
+    with region("student"):
+        result = fn(*mine)
+    return result, mine
+
+
+def _student_function(target: str | Driver):
+    """The notebook's function ``target``, or the driver ``target`` defined among the
+    notebook's names (so that it calls the notebook's code)."""
+    namespace = vars(sys.modules["__main__"])
+    if isinstance(target, Driver):
+        # defined in a namespace of its own that starts as the notebook's (so it calls the
+        # notebook's code), leaving the notebook's own definition of it alone; its source is
+        # kept in linecache, so tracebacks quote it and inspect reads it
+        filename = f"<test driver {target.name}>"
+        linecache.cache[filename] = (len(target.source), None, target.source.splitlines(True), filename)
+        namespace = dict(namespace)
+        exec(compile(target.source, filename, "exec"), namespace)  # noqa: S102  (the test's own code)
+        target = target.name
+    fn = namespace.get(target)
+    if fn is None:
+        raise _NotRunnable(f"there is no function named {target!r} in the notebook: run the cell that defines it")
+    if not callable(fn):
+        raise _NotRunnable(f"{target} should be a function, but in the notebook it is {type(fn).__name__} {fn!r:.60}")
+    return fn
+
+
+def _network(fields: dict | None) -> Network | None:
+    if fields is None:
+        return None
+    inter = fields.get("inter")
+    return Network(**{**fields, "inter": Network(**inter) if inter else None})
+
+
+def run(request: Request) -> Record:
+    """Launch the notebook's function (or the driver) that ``request`` names and describe the run."""
+    # under grading: the notebook's functions that timed out in an earlier test are not run again
+    # (the grader's list; and those that hung in this kernel, of the student's own functions)
+    # (before a driver is defined in its copy of the notebook's names: it calls the stand-ins)
+    only = request.student_functions
+    with stub_only(only) if only is not None else nullcontext():
+        with stubbed({**hung_before(), **request.timed_out}):
+            return _run(request)
+
+
+def _run(request: Request) -> Record:
+    name, timeout = request.name, request.timeout
+    within = f"{timeout:g} s" + (f" ({request.why})" if request.why else "")
+    try:
+        fn = _student_function(request.target)
+        result = launch(
+            _call,
+            request.world_size,
+            fn,
+            request.inputs,
+            trace=True,
+            timeout=timeout,
+            device=request.device,
+            network=_network(request.network),
+        )
+        pids = pool.worker_pids()[: request.world_size]
+    except _NotRunnable as exc:
+        return Record.failed("ExerciseError", str(exc))
+    except CollectiveMismatch as exc:  # seen at once: not a hang (nothing to remember, nothing to skip)
+        return Record.failed("ExerciseError", f"{name} failed on the ranks:\n{exc}")
+    except LaunchTimeout as exc:
+        # the functions the stuck ranks were in, innermost first, those of ranks stuck outside torch's
+        # calls (a loop) before those waiting in one: the grader's fail-fast keys on them
+        blocked = exc.blocked
+        ranks = sorted(exc.stacks, key=lambda r: not str(blocked.get(r, "")).startswith("running Python"))
+        running = list(dict.fromkeys(f for r in ranks for f, _ in reversed(exc.stacks[r])))
+        return Record.failed(
+            "ExerciseTimeout", f"{name} did not finish within {within} on every rank:\n{exc}", running=running
+        )
+    except RankError as exc:
+        if exc.exc_type == SkippedAfterHang.__name__:  # a function that hung before, stopped at once
+            return Record.failed("ExerciseTimeout", f"{name} was stopped at once: {exc.exc_message}", skipped=True)
+        return Record.failed(
+            "ExerciseError", f"{name} failed on a rank:\n{exc}", exc_type=exc.exc_type, exc_message=exc.exc_message
+        )
+    except LaunchError as exc:
+        return Record.failed("ExerciseError", f"{name} failed on a rank:\n{exc}")
+    # the student's own regions (dl.region) stay, named, without their meta (which need not be data);
+    # the "student" region that marks the call itself is the runner's
+    events = tuple(
+        e if e.kind != "region" else _without_meta(e)
+        for e in result.events
+        if not (e.kind == "region" and e.name == "student")
+    )
+    return Record(
+        results=[r for r, _ in result.results],
+        inputs_after=[tuple(after) for _, after in result.results],
+        events=events,
+        pids=tuple(pids),
+        backend=result.backend,
+    )
+
+
+def _without_meta(e):
+    return replace(e, name=e.name[:200], meta={})
+
+
+# --------------------------------------------------------------------------------------
+# The grader's requests, over a comm
+# --------------------------------------------------------------------------------------
+def _answer(comm, msg) -> None:
+    """One comm from the grader: its buffer is a request; the reply's buffer the record."""
+    try:
+        buffers = msg.get("buffers") or []
+        if len(buffers) != 1:
+            raise ProtocolError(f"a request comes as one buffer, {len(buffers)} came")
+        data = run(Request.from_bytes(bytes(buffers[0]))).to_bytes()
+    except ProtocolError as exc:
+        data = Record.failed("ExerciseError", f"the request could not be read: {exc}").to_bytes()
+    except BaseException as exc:  # noqa: BLE001  (an interrupt, or a bug here: the grader must hear back)
+        data = Record.failed("ExerciseError", f"the run stopped: {type(exc).__name__}: {exc}"[:2000]).to_bytes()
+    comm.send({"record": len(data)}, buffers=[data])
+    comm.close()
+
+
+def register() -> bool:
+    """In an IPython kernel (the notebook's), serve the grader's requests on ``COMM_TARGET``;
+    elsewhere (a rank, a script) nothing.  Whether the target is registered."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    manager = getattr(getattr(shell, "kernel", None), "comm_manager", None)
+    if manager is None:
+        return False
+    manager.register_target(COMM_TARGET, _answer)
+    return True
+
+
+register()
