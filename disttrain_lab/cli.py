@@ -1,4 +1,4 @@
-"""``disttrain-lab doctor | start | bench | release | grade | export | gradescope``
+"""``disttrain-lab doctor | start | bench | release | grade | export | gradescope | new-lab``
 (also ``python -m disttrain_lab``)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ INSTRUCTOR = {
     "grade": "autograde submissions, write feedback, export grades",
     "export": "write a graded lab's results: per-student JSON, per-exercise CSV, Canvas and Moodle CSVs",
     "gradescope": "pack a released lab as a Gradescope autograder (setup.sh, run_autograder)",
+    "new-lab": "make a new lab's solution notebook, its graded checks and its README row",
 }
 
 
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         from .grading import gradescope
 
         return gradescope.cli_gradescope(rest)
+    if args.command == "new-lab":
+        from .grading import newlab
+
+        return newlab.cli_new_lab(rest)
     raise ValueError(f"unknown command {args.command!r}")
 
 

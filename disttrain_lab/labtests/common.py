@@ -1,0 +1,52 @@
+"""What the labs' graded tests share: running on N ranks against a single process, expecting an
+error with a message, comparing with a tolerance.  (Add here only what two or more labs use.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .. import checks, exercise
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+def run_or_fail(
+    target: str | Callable, world_size: int, inputs: Sequence, case: str, hint: str, *, timeout: float = 30.0, **options
+) -> exercise.ExerciseRun:
+    """``exercise.run(target, world_size, inputs, timeout=timeout, **options)``; a run that does not
+    finish in time fails the check with ``"{case} did not finish within {timeout} s: {hint}"`` and the
+    ranks' own report of where they waited (a deadlock's, usually), instead of ExerciseTimeout."""
+    try:
+        return exercise.run(target, world_size, inputs, timeout=timeout, **options)
+    except exercise.ExerciseTimeout as e:
+        raise AssertionError(f"{case} did not finish within {timeout:g} s: {hint}\n{e}") from None
+
+
+def rank_raised(error: exercise.ExerciseError, exc_type: str, words: str, *, loose: bool = False) -> bool:
+    """Whether a rank itself raised ``exc_type`` (e.g. "ValueError", as an exercise may ask) with ``words``
+    in its message, rather than failing otherwise.  ``loose``: the message read in lower case, hyphens as
+    spaces ("Power-of-two" says "power of two")."""
+    said = error.exc_message or ""
+    if loose:
+        said = said.lower().replace("-", " ")
+    return error.exc_type == exc_type and words in said
+
+
+def assert_parameters_match(
+    per_rank: Sequence[dict[str, torch.Tensor]],
+    reference: nn.Module,
+    what: Callable[[int, str], str],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Every rank's parameters (``per_rank[r]``: name -> tensor, as a driver hands them back) against
+    ``reference``'s (a model trained in one process, or built as rank 0 builds it), parameter by
+    parameter in ``reference.named_parameters()`` order, with ``checks.assert_close`` (``what(rank,
+    name)`` says which; ``rtol``/``atol``: the tolerance, e.g. float32 gradients added in another order)."""
+    for rank, params in enumerate(per_rank):
+        for name, p in reference.named_parameters():
+            checks.assert_close(params[name], p.detach(), what=what(rank, name), rtol=rtol, atol=atol)
