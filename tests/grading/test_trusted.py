@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 MARKER = "h24-trusted-marker"  # a file of this name on the host = code ran on the grader's side
-HIDDEN_LINE = "_check_ping_pong(3, 7, 4, torch.int64)"  # a line of lab 1's hidden tests
+HIDDEN_LINE = "lab_tests.check_ping_pong(3, 7, 4, torch.int64)"  # a line of lab 1's hidden tests
 
 # 1 + 7. The student's kernel answers the grader itself: right values made up from the
 # request's inputs, a trace with exactly the sends and receives the test wants, the ranks'
@@ -112,9 +112,9 @@ def _bomb(comm, msg):
 get_ipython().kernel.comm_manager.register_target(_protocol.COMM_TARGET, _bomb)
 """
 
-# 1. What the old in-kernel guard had to catch: comparisons replaced, a torch function mode
-# that makes every comparison agree, hooks that swallow assertion errors, and a thread that
-# keeps putting all of it back
+# 1. What a check inside the student's kernel would have to catch: comparisons replaced, a
+# torch function mode that makes every comparison agree, hooks that swallow assertion errors,
+# and a thread that keeps putting all of it back
 HOOKS_AND_MODES = """
 import threading, time
 import torch
@@ -302,4 +302,4 @@ def test_no_hidden_test_reaches_the_students_kernel_or_feedback(graded):
     assert HIDDEN_LINE not in page and "BEGIN HIDDEN TESTS" not in page  # ... and found none
     [cell] = [c for c in graded.autograded("snoop").cells if grade_id(c) == "ex_parameter_server_step"]
     printed = "".join(str(o.get("text", "")) for o in cell.outputs)
-    assert "HISTORY:" in printed and "_check_" not in printed and "dl.exercise.run" not in printed
+    assert "HISTORY:" in printed and "check_ping_pong(" not in printed and "dl.exercise.run" not in printed
