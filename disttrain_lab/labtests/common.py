@@ -50,3 +50,15 @@ def assert_parameters_match(
     for rank, params in enumerate(per_rank):
         for name, p in reference.named_parameters():
             checks.assert_close(params[name], p.detach(), what=what(rank, name), rtol=rtol, atol=atol)
+
+
+def given(name: str):
+    """What the lab's notebook defines as ``name`` in its given, locked cells (a reference run a check
+    compares with, a driver the self-check shares with the test), as this kernel ran them: in the grader
+    kernel, the release's own cells; in the student's notebook, the student's (what its graded cells use)."""
+    import sys
+
+    namespace = vars(sys.modules["__main__"])
+    if name not in namespace:
+        raise NameError(f"name {name!r} is not defined: run the lab's given cell that defines it (above) first")
+    return namespace[name]

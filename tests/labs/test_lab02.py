@@ -17,6 +17,7 @@ The notebook helpers come from tests/notebooks.py; the autograde round trip live
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import matplotlib
@@ -26,6 +27,7 @@ import torch
 
 import disttrain_lab as dl
 from disttrain_lab import bench
+from disttrain_lab.labtests import common, lab02
 from tests.helpers import run_python
 from tests.notebooks import (
     REPO,
@@ -73,10 +75,14 @@ def solution() -> dict:
 
 def test_not_a_power_of_two_is_matched_on_the_words_the_text_asks_for():
     # the exercise asks for a ValueError that says "power of two" (torch's own ValueError for a partner
-    # rank that does not exist must not pass), and the graded cell matches exactly that
+    # rank that does not exist must not pass), and the graded cell's check matches exactly that
     nb = load(LAB)
-    source = cell_by_id(nb, "test_halving_doubling_all_reduce").source
-    assert '"power of two" in said' in source
+    hidden = cell_by_id(nb, "test_halving_doubling_all_reduce").source.split("### BEGIN HIDDEN TESTS")[1]
+    assert "lab_tests.check_halving_doubling_not_a_power_of_two(3)" in hidden
+    check = inspect.getsource(lab02.check_halving_doubling_not_a_power_of_two)
+    assert 'common.rank_raised(e, "ValueError", "power of two", loose=True)' in check
+    raised = inspect.getsource(common.rank_raised)
+    assert "error.exc_type == exc_type and words in said" in raised and 'said.lower().replace("-", " ")' in raised
     assert "says N must be a **power of two**" in "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
 
 
@@ -246,7 +252,6 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
         cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch, *(ring if "pipelined" in exercise else []))]
         + [
             nbformat.v4.new_code_cell(wrong),
-            copy.deepcopy(cell_by_id(lab, "test_helpers")),
             copy.deepcopy(cell_by_id(lab, f"test_{exercise}")),
         ]
     )

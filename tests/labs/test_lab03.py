@@ -33,12 +33,12 @@ from tests.notebooks import (
     assert_wrong_answers_caught,
     cell_by_id,
     code_cells_on_device,
+    device_setting,
     errors,
     errors_of_graded_predictions,
     execute,
     execute_without_errors,
     load,
-    one_rank_notebook,
     output_of,
     pictures,
     prediction_problems,
@@ -82,7 +82,7 @@ def test_hidden_tests_cover_the_issue():
         for e in EXERCISES
         if e != "shard"
     )
-    for needle in ('"tied", 4', '"frozen", 3', '"mlp", 3', "batch=9", "batch=7"):
+    for needle in ('"tied", 4', '"frozen", 3', '"mlp", 3', '("tied", 4, 9)', '("frozen", 3, 7)'):
         assert needle in hidden, needle
 
 
@@ -242,12 +242,12 @@ class AccumulatingDDP(BucketedDDP):           # no try/finally: an exception ins
 
 def _notebook(lab, replaced: str, wrong: str, tests: list[str]) -> nbformat.NotebookNode:
     """The setup cell, the given code, every solution but ``replaced``'s, the wrong code in its place,
-    the test helpers and the graded cells ``tests``."""
+    and the graded cells ``tests``."""
     given = next(c for c in lab.cells if "def shard_loss(" in c.source)
     cells = [lab.cells[0], given]
     for e in EXERCISES:
         cells.append(nbformat.v4.new_code_cell(wrong) if e == replaced else cell_by_id(lab, f"ex_{e}"))
-    cells += [cell_by_id(lab, "test_helpers"), *(cell_by_id(lab, f"test_{t}") for t in tests)]
+    cells += [cell_by_id(lab, f"test_{t}") for t in tests]
     return nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells])
 
 
@@ -259,7 +259,7 @@ def test_graded_cells_catch_wrong_answers():
     lab = load(LAB)
     given = next(c for c in lab.cells if "def shard_loss(" in c.source)
     solutions = [cell_by_id(lab, f"ex_{e}") for e in EXERCISES]
-    cells = [copy.deepcopy(c) for c in (lab.cells[0], given, *solutions, cell_by_id(lab, "test_helpers"))]
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], given, *solutions)]
     wrong = [(exercise, source) for exercise, source, _ in WRONG]
     graded_at = add_wrong_answers(lab, cells, solutions, wrong, replace=True)
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
@@ -372,22 +372,34 @@ ONE_RANK_CHECKS = """
 # every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
 # with the graded cells' own checks (trace, overlap, buckets, single-process reference)
 for kind in ("mlp", "tied", "frozen"):
-    _buckets = _bucket_sizes(_model(kind, 0), 1 / 1024)
+    _buckets = lab_tests.bucket_sizes(lab_tests.graded_model(kind, 0), 1 / 1024)
+    _calls = lab_tests.per_parameter(kind)
     _runs = [
-        _check_ddp("NaiveDDP", "NaiveDDP", kind, 1, batch=8, all_reduces=_per_parameter(kind)),
-        _check_ddp("OverlappedDDP", "OverlappedDDP", kind, 1, batch=8, all_reduces=_per_parameter(kind), overlap=True),
-        _check_ddp("BucketedDDP", "BucketedDDP", kind, 1, batch=8, bucket_mb=1 / 1024, buckets=_buckets, overlap=True),
-        _check_ddp("AccumulatingDDP", "AccumulatingDDP", kind, 1, batch=12, micro_steps=3, bucket_mb=1 / 1024,
-                   buckets=_buckets, overlap=True)]
+        lab_tests.check_ddp("NaiveDDP", "NaiveDDP", kind, 1, batch=8, all_reduces=_calls),
+        lab_tests.check_ddp("OverlappedDDP", "OverlappedDDP", kind, 1, batch=8, all_reduces=_calls, overlap=True),
+        lab_tests.check_ddp("BucketedDDP", "BucketedDDP", kind, 1, batch=8, bucket_mb=1 / 1024, buckets=_buckets,
+                            overlap=True),
+        lab_tests.check_ddp("AccumulatingDDP", "AccumulatingDDP", kind, 1, batch=12, micro_steps=3, bucket_mb=1 / 1024,
+                            buckets=_buckets, overlap=True)]
     print("backends:", sorted({run.backend for run in _runs}))
 print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
 """
 
 
-def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
-    nb = execute_without_errors(
-        one_rank_notebook(LAB, device, "def shard_loss(", EXERCISES, ONE_RANK_CHECKS), LAB.parent
+def _one_rank_notebook(device: str) -> nbformat.NotebookNode:
+    """The setup cell (it imports the graded tests' module), ``DEVICE = device``, the given code, every
+    solution, then ONE_RANK_CHECKS.  (tests.notebooks.one_rank_notebook adds a test_helpers cell: this lab's
+    helpers are its module's, disttrain_lab.labtests.lab03.)"""
+    lab = load(LAB)
+    given = next(c for c in lab.cells if "def shard_loss(" in c.source)
+    cells = [lab.cells[0], device_setting(lab, device), given, *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES)]
+    return nbformat.v4.new_notebook(
+        cells=[copy.deepcopy(c) for c in cells] + [nbformat.v4.new_code_cell(ONE_RANK_CHECKS)]
     )
+
+
+def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> None:
+    nb = execute_without_errors(_one_rank_notebook(device), LAB.parent)
     out = text(nb.cells[-1])
     assert out.count(f"backends: ['{backend}']") == 3 and f"rank device: ['{rank_device}']" in out, out
 
@@ -437,9 +449,7 @@ def predicted_bytes_sent(n, num_parameters):
 @pytest.mark.slow
 @pytest.mark.parametrize("prediction", [WRONG_PREDICTIONS, "# left blank"], ids=["wrong", "blank"])
 def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
-    buckets, ring = errors_of_graded_predictions(
-        LAB, prediction, ["test_predict_buckets", "test_predict_ring_bytes"], given=("test_helpers",)
-    )
+    buckets, ring = errors_of_graded_predictions(LAB, prediction, ["test_predict_buckets", "test_predict_ring_bytes"])
     if prediction == WRONG_PREDICTIONS:
         assert buckets and "predicted 3.00e+00, the cost model gives 5.00e+00" in buckets[0], buckets
         assert (

@@ -272,9 +272,9 @@ def test_exercises_and_graded_cells_pass_on_gpus():
 ONE_RANK_CHECKS = """
 # every exercise on ONE rank of DEVICE (world_size=1: each collective is still a real call of the backend),
 # with the graded cells' own checks (memory, traffic, single-process reference), AdamW with weight decay
-_runs = [_check_zero(cls, stage, 1, sizes, kind=kind, opt="adamw")
+_runs = [check(1, sizes, kind=kind, opt="adamw")
          for kind, sizes in (("mlp", [5, 7, 3]), ("frozen", [5, 7, 7, 3]), ("tied", [5, 7, 5]))
-         for stage, cls in ((1, Zero1Optimizer), (2, Zero2Optimizer), (3, Zero3Module))]
+         for check in (lab_tests.check_zero1, lab_tests.check_zero2, lab_tests.check_zero3)]
 print("backends:", sorted(set(dl.launch(lambda: dist.get_backend(), 1, device=DEVICE))), len(_runs), "runs")
 print("rank device:", dl.launch(lambda: str(dl.device()), 1, device=DEVICE))
 """

@@ -19,12 +19,15 @@ The notebook helpers come from tests/notebooks.py; the autograde round trip live
 from __future__ import annotations
 
 import copy
+import inspect
 
 import nbformat
 import pytest
 import torch
 
 from disttrain_lab import bench, viz
+from disttrain_lab.exercise import ExerciseError
+from disttrain_lab.labtests import common, lab06
 from tests.helpers import gpu_count, needs_gpus, run_python
 from tests.notebooks import (
     REPO,
@@ -84,18 +87,24 @@ def test_hidden_tests_cover_the_issue():
         for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
     )
     for needle in (
-        "_check_mlp(4,",
+        "check_tp_mlp(4,",
         "tp_size=2)",
-        "_check_mlp(3,",
-        "_check_2d(4, 4",
-        "_check_2d(4, 1",
-        "_expect_value_error(_build_mlp",
+        "check_tp_mlp(3,",
+        "check_2d(_train_2d, 4, 4",
+        "check_2d(_train_2d, 4, 1",
+        "check_mlp_not_divisible(4, [4, 6, 4])",
         "bias=False",
     ):
         assert needle in hidden, needle
-    helpers = cell_by_id(nb, "test_helpers").source
-    # only the word the exercise asks for ("divisible") is matched, so that torch's own errors do not pass
-    assert 'e.exc_type == "ValueError" and "divisible" in e.exc_message' in helpers
+    # the tests are the kit's (disttrain_lab/labtests/lab06.py): only the word the exercise asks for
+    # ("divisible") is matched, so that torch's own errors do not pass
+    helpers = inspect.getsource(lab06)
+    assert 'common.rank_raised(e, "ValueError", "divisible", loose=True)' in helpers
+    said = lambda exc_type, message: common.rank_raised(
+        ExerciseError("", exc_type, message), "ValueError", "divisible", loose=True
+    )
+    assert said("ValueError", "out_features=10 is not Divisible by 4") and not said("RuntimeError", "not divisible")
+    assert not said("ValueError", "10 does not divide by 4")
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
     assert "**not divisible**" in text and "not **divisible**" in text
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import inspect
 import json
 import math
 import re
@@ -38,6 +39,7 @@ import pytest
 from disttrain_lab import grading
 from disttrain_lab.grading import cell_times
 from disttrain_lab.grading.execute import NOTES_FILE
+from disttrain_lab.labtests import lab08
 from tests.notebooks import (
     REPO,
     SLOWDOWN,
@@ -85,33 +87,38 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
     )
     for needle in (
-        "_check_grid(1, 2, 4)",
-        "_check_grid(4, 1, 2)",
-        "_check_grid(3, 2, 1)",
-        "_expect_value_error(_grid_in_rank, 8, (3, 2, 2)",
-        "_check_attention(4, models.GPTConfig(seq_len=7, d_model=24, n_heads=6), batch=1, tp=2)",
-        "_check_attention(3,",
-        "_expect_value_error(_attention_of, 4, (8, 2)",
-        "_check_stage(1, 1, 3,",
-        "_check_stage(2, 2, 2,",
-        "_expect_value_error(_stage_of, 2, (3, 1, 1, 2)",
-        "_check_3d(1, 2, 2, micro_batches=3, batch=10",
-        "_check_3d(1, 2, 4,",
-        "_check_3d(2, 1, 2,",
-        "models.lm_batches(_TOKENS, 5,",
+        "lab_tests.check_grid(1, 2, 4)",
+        "lab_tests.check_grid(4, 1, 2)",
+        "lab_tests.check_grid(3, 2, 1)",
+        "lab_tests.check_grid_error(8, (3, 2, 2)",
+        "lab_tests.check_attention(4, models.GPTConfig(seq_len=7, d_model=24, n_heads=6), batch=1, tp=2)",
+        "lab_tests.check_attention(3,",
+        "lab_tests.check_attention_error(4, 8, 2)",
+        "lab_tests.check_stage(1, 1, 3,",
+        "lab_tests.check_stage(2, 2, 2,",
+        "lab_tests.check_stage_error(2, 3, 1, 1, 2)",
+        "lab_tests.check_3d(1, 2, 2, micro_batches=3, batch=10",
+        "lab_tests.check_3d(1, 2, 4,",
+        "lab_tests.check_3d(2, 1, 2,",
+        "lab_tests.check_3d_error(batch=5, dp=2)",
         "zero_grad=1",
         "groups=[",
         "lrs=[0.1, 0.2, 0.3, 0.4]",
-        "def _graders_pieces(graders, users)",  # the grader's own earlier pieces, hidden
-        "_check_lars_without_grad()",
+        "def _graders_pieces(graders)",  # the grader's own earlier pieces, hidden, handed to the module at run time
+        'lab_tests.GRADERS["pieces"] = _graders_pieces',
+        "lab_tests.check_lars_without_grad()",
         'float("inf")',
         "sp=True",
     ):
         assert needle in hidden, needle
     # the traffic the graded test expects comes from the configuration, not from the solution
-    helpers = cell_by_id(nb, "test_helpers_three_d").source
-    assert "def _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)" in helpers
-    assert "train_3d(" not in helpers.split("def _expected_traffic")[1].split("def _train_3d_in_rank")[0]
+    traffic = inspect.getsource(lab08._expected_traffic)
+    assert traffic.startswith("def _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)")
+    assert "train_3d(" not in traffic
+    # the grader's own pieces (solutions of earlier exercises) stay in the hidden tests, never in the kit
+    kit = inspect.getsource(lab08)
+    assert "def _graders_pieces" not in kit and "def _graders_planner" not in kit
+    assert "def grid_groups(" not in kit and "class PipelineStage3D(" not in kit
     assert (
         "def train_3d(cfg: models.GPTConfig, batches: list, *, dp: int, tp: int, pp: int, micro_batches: int,"
         in cell_by_id(nb, "ex_three_d").source

@@ -19,10 +19,12 @@ test_lab08.py; the blank notebook failing every graded cell is the autograde rou
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 
 import nbformat
 
+from disttrain_lab.labtests import lab08
 from tests.notebooks import cell_by_id, graded_cells, load, nbgrader_meta, solution_notebook
 
 LAB = solution_notebook("08_capstone")
@@ -121,19 +123,23 @@ def test_graded_cells_and_hidden_tests_cover_the_issue():
     ):  # memory rejection
         assert needle in hidden["test_planner_plans"], needle
     measured = cell_by_id(nb, "test_planner_step_time").source
-    assert "_rho >= 0.7" in measured and "< 3" in measured and 'Path("data/step_times.json")' not in measured
+    ranking = inspect.getsource(lab08.check_step_time_ranking)
+    assert "rho >= 0.7" in ranking and "< 3" in ranking and "check_step_time_ranking(" in measured
+    assert 'Path("data/step_times.json")' not in measured + inspect.getsource(lab08)
     assert "_ref_step" in hidden["test_planner_step_time"]
     assert "(1 + 2 * plan.micro_batches) / 2" in hidden["test_planner_step_time"]  # ZeRO 3 gathers per micro-batch
     assert (
         "sp=True" in hidden["test_planner_memory"]
         and "10 + 24 / plan.tp" in cell_by_id(nb, "test_planner_memory").source
     )
-    assert "def _graders_planner(graders, users)" in hidden["test_planner_plans"]  # graded on its own
+    assert "def _graders_planner(graders)" in hidden["test_planner_plans"]  # graded on its own
+    assert 'lab_tests.GRADERS["planner"] = _graders_planner' in hidden["test_planner_plans"]
     # sp both ways: where it decides what fits, and visibly (the self-check too)
-    assert "sp=True)" in hidden["test_planner_plans"] and "sp=False)" in hidden["test_planner_plans"]
+    called = ("sp=True, reference=_ref_memory)", "sp=False, reference=_ref_memory)")
+    assert all(call in hidden["test_planner_plans"] for call in called)
     visible = "".join(part.split("### END HIDDEN TESTS")[-1] for part in plans.split("### BEGIN HIDDEN TESTS"))
     self_check = nb.cells[nb.cells.index(cell_by_id(nb, "ex_planner_plans")) + 1].source
-    assert "plan_parallelism(_big, _c32_16, sp=True)" in self_check and "sp=True)" in visible
+    assert "plan_parallelism(_big, _c32_16, sp=True)" in self_check and called[0] in visible
     assert "np.polyfit" not in cell_by_id(nb, "test_scaling_fit").source  # the reference is written out
     assert "(flops / (6 * r)) ** 0.5" in cell_by_id(nb, "test_scaling_optimal").source
     # the graded tests' references are formulas in the test, never code of the kit

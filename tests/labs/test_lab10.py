@@ -28,6 +28,7 @@ The blank notebook failing every graded cell, and the autograde round trip, are 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import re
 
@@ -35,6 +36,7 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
+from disttrain_lab.labtests import lab10
 from tests.helpers import run_python
 from tests.notebooks import (
     REPO,
@@ -121,33 +123,37 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
     )
     for needle in (
-        '_check_ring(4, 1, 24, 3, "zigzag"',  # N = 4, 3, 1, naive and zig-zag, groups of 2
-        '_check_ring(3, 2, 18, 4, "zigzag"',
-        '_check_ring(3, 3, 9, 2, "naive"',
-        '_check_ring(1, 2, 6, 4, "zigzag"',
+        'lab_tests.check_ring(_ring, 4, 1, 24, 3, "zigzag"',  # N = 4, 3, 1, naive and zig-zag, groups of 2
+        'lab_tests.check_ring(_ring, 3, 2, 18, 4, "zigzag"',
+        'lab_tests.check_ring(_ring, 3, 3, 9, 2, "naive"',
+        'lab_tests.check_ring(_ring, 1, 2, 6, 4, "zigzag"',
         "groups_of=2)",
-        "_check_ring_traffic(3,",
-        '_expect_value_error("sequence_positions"',
-        "_check_router(33, 8, 2, 0.5,",  # k = 2, tokens dropped
-        "_check_router(10, 5, 1, 2.0,",
-        "_check_moe(4, 5, 7, 8, 2, 0.5,",
-        "_check_moe(3, 4, 5, 6, 1, 0.75,",
-        "_check_moe_bytes(4,",
-        "_expect_value_error(_build_moe, 4, 6",
+        "lab_tests.check_ring_traffic(_ring, 3,",
+        'lab_tests.check_positions_error(10, 2, 0, "zigzag")',
+        'lab_tests.check_positions(24, 3, 1, "zigzag")',
+        "lab_tests.check_router(33, 8, 2, 0.5,",  # k = 2, tokens dropped
+        "lab_tests.check_router(10, 5, 1, 2.0,",
+        "lab_tests.check_moe(_moe, 4, 5, 7, 8, 2, 0.5,",
+        "lab_tests.check_moe(_moe, 3, 4, 5, 6, 1, 0.75,",
+        "lab_tests.check_moe_bytes(_moe, 4,",
+        "lab_tests.check_moe_error(4, 6)",
         "def _ring_with_graders_blocks(",
         "def _moe_with_graders_router(",
+        "def _reference_route(",  # the router's and the capacity-limited MoE's references stay hidden
+        "def _reference_moe(",
         "dl.predictions.assert_prediction(",
-        "_check_sp(4, 16, 4, 8, 1, 1)",  # t = 4, 3 (6 heads), 1; a head count that does not split
-        "_check_sp(3, 12, 6, 9, 2, 2)",
-        "_check_sp(1, 8, 2, 4, 2, 3)",
-        "_expect_value_error(_build_sp, 3, 4",
-        "_check_ulysses(4, 4, 16, 3,",  # N = 4, 3, 1, 2 ranks; heads the group does not divide
-        "_check_ulysses(3, 6, 12, 2,",
-        "_check_ulysses(1, 2, 6, 4,",
-        "_expect_value_error(_ulysses_heads, 4, 6",
-        "_check_expert_grid(pp=2, dp=2, cp=2, tp=2, ep=2)",  # five dimensions: the experts' view of pp·dp·cp·tp
-        "_check_expert_grid(pp=1, dp=4, cp=2, tp=2, ep=4)",
-        '_check_groups({"pp": 2, "dp": 3, "cp": 2, "tp": 2}, "cp")',
+        "lab_tests.check_sp(4, 16, 4, 8, 1, 1)",  # t = 4, 3 (6 heads), 1; a head count that does not split
+        "lab_tests.check_sp(3, 12, 6, 9, 2, 2)",
+        "lab_tests.check_sp(1, 8, 2, 4, 2, 3)",
+        "lab_tests.check_sp_error(3, 4)",
+        "lab_tests.check_ulysses(4, 4, 16, 3,",  # N = 4, 3, 1, 2 ranks; heads the group does not divide
+        "lab_tests.check_ulysses(3, 6, 12, 2,",
+        "lab_tests.check_ulysses(1, 2, 6, 4,",
+        "lab_tests.check_ulysses_error(4, 6)",
+        # five dimensions: the experts' view of pp·dp·cp·tp
+        "lab_tests.check_expert_grid(pp=2, dp=2, cp=2, tp=2, ep=2, reference=_reference_groups)",
+        "lab_tests.check_expert_grid(pp=1, dp=4, cp=2, tp=2, ep=4, reference=_reference_groups)",
+        'lab_tests.check_groups({"pp": 2, "dp": 3, "cp": 2, "tp": 2}, "cp", reference=_reference_groups)',
         "dict(dp=128, tp=8, micro_batches=12, zero=3)",  # cp = ep = 1: Lab 8's memory_per_device, on GPT-3
         "dict(tp=8, cp=16, zero=1, sp=True)",  # cp up to 16, ep up to 16, ZeRO 0-3, sp both ways
         "dict(dp=4, cp=4, ep=16, zero=3)",
@@ -158,16 +164,22 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         '"dp·cp = 12 not divisible by ep = 16"',
     ):
         assert needle in hidden, needle
-    ring = cell_by_id(nb, "test_ring_attention").source
-    assert "rtol=1e-9, atol=1e-9" in ring and "dtype=torch.float64" in ring
-    planner = cell_by_id(nb, "test_planner_5d").source  # its reference reduces to Lab 8's where cp = ep = 1
-    assert "math.isclose(want, _lab8_memory(config), rel_tol=1e-12)" in planner
-    helpers = cell_by_id(nb, "test_helpers").source
-    assert 'e.exc_type == "ValueError" and "divisible" in e.exc_message' in helpers
-    # the graded cells reach the notebook only through dl.exercise.run (or dl.predictions.fetch)
+    ring = inspect.getsource(lab10.check_ring) + inspect.getsource(lab10._ring_in_rank)
+    assert ring.count("rtol=1e-9") == ring.count("atol=1e-9") == 2 and "dtype=torch.float64" in ring  # output, grads
+    planner = inspect.getsource(lab10.check_5d)  # its reference reduces to Lab 8's where cp = ep = 1
+    assert "math.isclose(want, lab8_reference(config), rel_tol=1e-12)" in planner
+    assert "lab_tests.check_5d(_LAB8, _ref_memory_5d, _lab8_memory," in cell_by_id(nb, "test_planner_5d").source
+    helpers = inspect.getsource(lab10._expect_value_error)
+    assert 'common.rank_raised(e, "ValueError", "divisible", loose=True)' in helpers
+    # the graded cells reach the notebook only through dl.exercise.run (or dl.predictions.fetch): the module's
+    # checks they call run the student's code with exercise.run (run_or_fail and _expect_value_error run it)
+    runs = ("exercise.run(", "common.run_or_fail(", "_expect_value_error(", "check_groups(")
     for e in EXERCISES:
         source = cell_by_id(nb, f"test_{e}").source
-        assert "dl.exercise.run(" in source or "dl.predictions.fetch(" in source, e
+        called = set(re.findall(r"lab_tests\.(check_\w+)\(", source))
+        assert called or "dl.predictions.fetch(" in source, e
+        for name in called:
+            assert any(r in inspect.getsource(getattr(lab10, name)) for r in runs), name
 
 
 def test_visible_self_checks_exercise_every_hidden_requirement():
@@ -485,11 +497,10 @@ def _base_cells(lab):
 
 @pytest.mark.slow
 def test_graded_cells_catch_wrong_answers():
-    """One kernel: the graded cells whose helpers later cells use, then for each wrong answer the
+    """One kernel: the setup, solutions, given code and test helpers, then for each wrong answer the
     solutions again, the wrong definition and its graded cell."""
     lab = load(LAB)
     cells, solutions = _base_cells(lab)
-    cells += [copy.deepcopy(cell_by_id(lab, f"test_{e}")) for e in ("online_softmax", "router")]  # _check_* helpers
     graded_at = add_wrong_answers(lab, cells, solutions, [(graded, wrong) for graded, wrong, _ in WRONG])
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
     assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])

@@ -1,0 +1,518 @@
+"""Lab 3's graded tests (data parallelism): each check runs the student's code on ranks through
+``dl.exercise.run`` with a *driver* of this module (``_shards``, ``_broadcast_in_rank``,
+``_train_in_rank``: sent to the student's kernel as source, they build the student's classes by
+name there and hand back plain data: parameters, the ranks' trace), then compares every rank with
+a reference computed here, in one process, from the kit's own models, and reads the trace for the
+rules the text states (when the all-reduces run, how many, how many bytes).
+
+Exercises built on an earlier one (``average_gradients`` through ``NaiveDDP``, which broadcasts;
+``AccumulatingDDP`` on ``BucketedDDP``) are graded on the grader's own version of the earlier one
+when the student's did not pass its graded test (``GRADED_PASSED``): that grader's version is a
+solution, so it is defined in the graded cell's hidden tests, never here."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .. import checks, exercise, models, trace
+from ..trace import Run
+from . import common
+
+__all__ = [
+    "GRADED_PASSED",
+    "TOLERANCE",
+    "batches",
+    "broadcast_that_passed",
+    "bucket_sizes",
+    "bucketed_ddp_that_passed",
+    "check_average_gradients",
+    "check_broadcast_parameters",
+    "check_bucketed_ddp",
+    "check_ddp",
+    "check_no_sync",
+    "check_overlapped_ddp",
+    "check_shard",
+    "graded_model",
+    "per_parameter",
+]
+
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # float32: the ranks add their gradients in another order
+GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed, for the exercises built on them
+_COLLECTIVES_IN_ORDER = "do all ranks issue the same collectives in the same order?"
+
+
+def _device(device: str | None) -> str:
+    """Where the graded runs compute: ``device`` when given; else the CPU under the grader
+    (NBGRADER_EXECUTION), which always grades there, and otherwise the notebook's ``DEVICE``."""
+    if device is not None:
+        return device
+    if os.environ.get("NBGRADER_EXECUTION"):
+        return "cpu"
+    return getattr(sys.modules.get("__main__"), "DEVICE", "cpu")
+
+
+def graded_model(kind: str, seed: int) -> nn.Module:
+    """The graded models: a plain MLP, one with tied weights, one with a frozen first layer."""
+    if kind == "mlp":
+        return models.MLP([6, 16, 16, 3], seed=seed)
+    if kind == "tied":
+        return models.TiedAutoencoder(d=6, hidden=8, seed=seed)
+    if kind == "frozen":
+        return models.PartlyFrozenMLP([6, 16, 16, 3], seed=seed)
+    raise ValueError(f"kind must be 'mlp', 'tied' or 'frozen', got {kind!r}")
+
+
+def batches(kind: str, batch: int, steps: int) -> list:
+    """``steps`` batches of ``batch`` rows of regression data for the model ``kind``: (x, y) pairs."""
+    data = models.regression_data(batch * steps, 6, 6 if kind == "tied" else 3, seed=7)
+    return list(zip(data.x.split(batch), data.y.split(batch)))
+
+
+def per_parameter(kind: str) -> int:
+    """All-reduces per step with one per parameter: each trainable parameter once (tied ones too)."""
+    return sum(1 for p in graded_model(kind, 0).parameters() if p.requires_grad)
+
+
+def bucket_sizes(model: nn.Module, bucket_mb: float) -> list[int]:
+    """The bucket rule of exercise 5's text, in bytes per bucket: trainable parameters in reverse order,
+    a new bucket whenever the next one would push the current bucket past the cap (a larger one gets
+    its own)."""
+    cap, sizes = bucket_mb * 2**20, []
+    for p in list(model.parameters())[::-1]:
+        if not p.requires_grad:
+            continue
+        size = p.numel() * p.element_size()
+        if not sizes or sizes[-1] + size > cap:
+            sizes.append(0)
+        sizes[-1] += size
+    return sizes
+
+
+# --------------------------------------------------------------------------------------
+# Drivers: run in the student's kernel, among the notebook's names (its functions and classes,
+# torch, dist, nn, dl ...); anything else they import themselves.
+# --------------------------------------------------------------------------------------
+def _shards(x, world_size):
+    """A driver: every rank's shard of ``x`` from your ``shard``, as it returned them (``before``) and after
+    ``x`` changed in place (``after``: a view of x shows the change, a copy does not)."""
+    import torch
+
+    shards = [shard(x, rank, world_size) for rank in range(world_size)]  # noqa: F821  (the notebook's)
+    before = [s.clone() if isinstance(s, torch.Tensor) else s for s in shards]
+    x.add_(1)
+    return before, shards
+
+
+def _broadcast_in_rank(kind):
+    """A driver: your broadcast_parameters on a model built from this rank's own seed; the parameters after."""
+    import torch.distributed as dist
+
+    import disttrain_lab as dl
+    from disttrain_lab.labtests.lab03 import graded_model
+
+    model = graded_model(kind, seed=dist.get_rank()).to(dl.device())
+    broadcast_parameters(model)  # noqa: F821  (the notebook's)
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
+
+
+def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, graders=None, interrupted=False):
+    """A driver: in a rank, wrap a model built from *this rank's* seed (so the wrapper must broadcast rank 0's
+    parameters) in your class ``wrapper`` (with ``bucket_mb=`` when given), train it data-parallel for ``steps``
+    steps, each of ``micro_steps`` micro-batches (all but the last under ddp.no_sync()), as a torch DDP user
+    would.  ``graders``: the grader's own code for the exercise this one is built on, used instead of yours when
+    yours did not pass its test: ("broadcast_parameters", the function's name, its source), or ("BucketedDDP",
+    the name of a function that makes the class, its source).  ``interrupted``: before training, an exception is
+    raised inside ``with ddp.no_sync():`` and caught, as a training loop that skips a failed micro-batch does.
+    Returns the parameters, and the events of the rank's trace with its dl.region marks (dl.exercise.run's
+    run.trace leaves those out)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import disttrain_lab as dl
+    from disttrain_lab.labtests.lab03 import batches, graded_model
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    make_ddp = {  # the notebook's classes
+        "NaiveDDP": lambda: NaiveDDP,  # noqa: F821
+        "OverlappedDDP": lambda: OverlappedDDP,  # noqa: F821
+        "BucketedDDP": lambda: BucketedDDP,  # noqa: F821
+        "AccumulatingDDP": lambda: AccumulatingDDP,  # noqa: F821
+    }[wrapper]()
+    bases, swapped = make_ddp.__bases__, None  # swapped: (names, yours), put back at the end
+    if graders is not None:
+        replaces, name, source = graders
+        space = {"__name__": "graders", "torch": torch, "dist": dist, "nn": nn}
+        exec(source, space)
+        if replaces == "broadcast_parameters":  # NaiveDDP(model) broadcasts with the grader's
+            names = make_ddp.__init__.__globals__
+            swapped = (names, names.get(replaces))
+            names[replaces] = space[name]
+        elif bases == (BucketedDDP,):  # noqa: F821  (AccumulatingDDP on the grader's BucketedDDP)
+            make_ddp.__bases__ = (space[name](),)
+    try:
+        model = graded_model(kind, seed=rank).to(dl.device())
+        ddp = make_ddp(model) if bucket_mb is None else make_ddp(model, bucket_mb=bucket_mb)
+        if not isinstance(ddp, nn.Module) or getattr(ddp, "module", None) is not model:
+            raise TypeError(
+                f"{type(ddp).__name__}(model) should be an nn.Module whose .module is the model it "
+                f"wraps, like torch's DistributedDataParallel (call super().__init__(), then "
+                f"self.module = module)"
+            )
+        optimizer = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+        if interrupted:
+            failure = RuntimeError("a micro-batch failed inside no_sync()")
+            try:
+                with ddp.no_sync():
+                    raise failure
+            except RuntimeError as e:
+                if e is not failure:
+                    raise
+            else:
+                raise AssertionError(
+                    "an exception raised inside `with ddp.no_sync():` did not come out of it: "
+                    "no_sync() swallowed it; restore the state in `finally:` and let it go on"
+                )
+        for step, (x, y) in enumerate(batches(kind, batch, steps)):
+            x, y = x.tensor_split(world_size)[rank].to(dl.device()), y.tensor_split(world_size)[rank].to(dl.device())
+            optimizer.zero_grad()
+            for micro, (xm, ym) in enumerate(zip(x.tensor_split(micro_steps), y.tensor_split(micro_steps))):
+                last = micro == micro_steps - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
+                    with dl.region("backward", step=step, micro=micro, last=last):
+                        loss.backward()
+            with dl.region("finish", step=step):
+                ddp.finish_gradient_synchronization()
+            optimizer.step()
+    finally:
+        if make_ddp.__bases__ != bases:
+            make_ddp.__bases__ = bases
+        if swapped is not None:
+            swapped[0]["broadcast_parameters"] = swapped[1]
+    return {
+        "parameters": {name: p.detach().cpu() for name, p in model.named_parameters()},
+        "events": dl.trace.set_recording(True),
+        "backend": dist.get_backend(),
+    }
+
+
+def _traced(run: exercise.ExerciseRun) -> Run:
+    """The ranks' trace of a run of _train_in_rank, each rank's events as its driver handed them back."""
+    events = [e for rank, result in enumerate(run.results) for e in trace.to_events(result["events"]) if e.rank == rank]
+    return Run(
+        results=[result["parameters"] for result in run.results],
+        events=sorted(events, key=lambda e: e.start),
+        world_size=run.world_size,
+        backend=run.results[0]["backend"],
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The checks
+# --------------------------------------------------------------------------------------
+def check_shard(n_rows: int, world_size: int) -> None:
+    """``shard(x, rank, world_size)`` (exercise 1): rank r's rows are ``x.tensor_split(world_size)[r]``
+    (contiguous, the first ``n_rows % world_size`` ranks one row more, none dropped), returned as a
+    view of ``x``, not a copy."""
+    x = torch.arange(n_rows * 2).view(n_rows, 2)
+    run = exercise.run(_shards, 1, (x.clone(), world_size), timeout=30)
+    before, after = run.results[0]
+    for rank in range(world_size):
+        got, want = before[rank], x.tensor_split(world_size)[rank]
+        checks.assert_close(
+            got,
+            want,
+            what=f"shard of {n_rows} rows, rank {rank} of {world_size} (the first "
+            f"{n_rows % world_size} ranks get {n_rows // world_size + 1} rows, the others "
+            f"{n_rows // world_size}; none dropped)",
+        )
+        view = torch.equal(after[rank], want + 1) or got.numel() == 0  # a copy does not see x change
+        assert view, "shard should return a view (a slice), not a copy"
+
+
+def check_broadcast_parameters(kind: str, n: int, device: str | None = None) -> None:
+    """``broadcast_parameters(model)`` (exercise 2): on n ranks, each with the model ``kind`` built from
+    its own seed, every rank ends with rank 0's parameters exactly, frozen ones too."""
+    case = f"broadcast_parameters on {n} ranks ({kind} model)"
+    run = common.run_or_fail(
+        _broadcast_in_rank,
+        n,
+        (kind,),
+        case,
+        "do all ranks broadcast the same parameters in the same order?",
+        timeout=60,
+        device=_device(device),
+    )
+    common.assert_parameters_match(
+        run.results,
+        graded_model(kind, seed=0),  # rank 0's, built here
+        lambda rank, name: (
+            f"{case}: rank {rank}'s {name} against rank 0's (every parameter, frozen ones too, is copied from rank 0)"
+        ),
+        rtol=0,
+        atol=0,
+    )
+
+
+def check_ddp(
+    name: str,
+    wrapper: str,
+    kind: str,
+    n: int,
+    batch: int,
+    steps: int = 3,
+    micro_steps: int = 1,
+    all_reduces: int | None = None,
+    overlap: bool = False,
+    buckets: list[int] | None = None,
+    bucket_mb: float | None = None,
+    graders: tuple[str, str, str] | None = None,
+    interrupted: bool = False,
+    device: str | None = None,
+) -> Run:
+    """Train your class ``wrapper`` on n ranks; read the trace (per step: none under no_sync(); with ``overlap``,
+    each all-reduce posted with async_op=True during backward and waited for only after it; exactly the trainable
+    gradients all-reduced, in ``all_reduces`` calls or, with ``buckets``, in all-reduces of those byte sizes);
+    then compare every rank with single-process SGD on the full batch.  ``interrupted``: an exception is raised
+    inside no_sync() first (the steps after it must communicate).  ``graders``: the grader's own version of the
+    exercise ``wrapper`` is built on, used instead of yours (``broadcast_that_passed``,
+    ``bucketed_ddp_that_passed``).  ``device``: where the ranks compute (None: the CPU under the grader, else the
+    notebook's DEVICE).  Returns the ranks' trace."""
+    case = (
+        f"{name} on {n} ranks ({kind} model, batch {batch}, {steps} steps"
+        + (f", {micro_steps} micro-steps" if micro_steps > 1 else "")
+        + (", after an exception inside no_sync())" if interrupted else ")")
+    )
+    ran = common.run_or_fail(
+        _train_in_rank,
+        n,
+        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted),
+        case,
+        _COLLECTIVES_IN_ORDER,
+        timeout=60,
+        device=_device(device),
+    )
+    run = _traced(ran)
+    if interrupted:  # the first backward after the exception must post its all-reduces from the hooks again
+        for rank in range(n):
+            first = next(e for e in run.by_rank(rank) if e.kind == "region" and e.name == "backward")
+            assert [e for e in run.select(op="all_reduce", rank=rank) if e.start < first.end], (
+                f"{case}: rank {rank}'s first backward after an exception was raised inside `with ddp.no_sync():` "
+                f"(and caught) posted no all-reduce: no_sync() left require_sync False, so the hooks stayed switched "
+                f"off.  Restore it in `finally:` (`try: yield` / `finally: ...`): the exception is raised at the "
+                f"yield, and a line after it never runs"
+            )
+    model = graded_model(kind, seed=0)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    for rank in range(n):
+        regions = [e for e in run.by_rank(rank) if e.kind == "region"]
+        for step in range(steps):
+            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets)
+    reference = models.train_single_process(graded_model(kind, seed=0), batches(kind, batch, steps), lr=0.1)
+    common.assert_parameters_match(
+        run.results,
+        reference,
+        lambda rank, pname: (
+            f"{case}: rank {rank}'s {pname} after {steps} steps, against one process training on the "
+            f"whole batch (rank {rank} started from its own random weights: rank 0's must be broadcast "
+            f"first; gradients are averaged, SUM / N)"
+        ),
+        **TOLERANCE,
+    )
+    return run
+
+
+def _check_step(
+    case: str,
+    run: Run,
+    rank: int,
+    step: int,
+    regions: list,
+    trainable: int,
+    overlap: bool,
+    all_reduces: int | None,
+    buckets: list[int] | None,
+) -> None:
+    """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp)."""
+    backward = [e for e in regions if e.name == "backward" and e.meta["step"] == step]
+    [finish] = [e for e in regions if e.name == "finish" and e.meta["step"] == step]
+    last = next(e for e in backward if e.meta["last"])
+    calls = [e for e in run.select(op="all_reduce", rank=rank) if backward[0].start <= e.start <= finish.end]
+    early = [e for e in calls if e.start < last.start]
+    assert not early, (
+        f"{case}: rank {rank} all-reduced during a micro-step under no_sync() "
+        f"({len(early)} calls in step {step}); under no_sync() gradients only accumulate"
+    )
+    if overlap:
+        assert calls and calls[0].start < last.end, (
+            f"{case}: rank {rank}'s first all-reduce of step {step} started after backward ended: "
+            f"post it from a gradient hook, during backward"
+        )
+        blocking = [e for e in calls if "request" not in e.meta]  # a call without async_op=True
+        assert not blocking, (
+            f"{case}: rank {rank} made {len(blocking)} blocking all-reduce call(s) in step {step} "
+            f"(no async_op=True): backward stops at each until the network is done, so nothing overlaps. "
+            f"Post each all-reduce with async_op=True from the hook and wait for the works in "
+            f"finish_gradient_synchronization()"
+        )
+        waits = [
+            e
+            for e in run.by_rank(rank)
+            if e.kind == "wait" and e.name == "all_reduce" and last.start <= e.start <= finish.end
+        ]
+        blocked = [e for e in waits if e.start < last.end]
+        assert len(waits) == len(calls) and not blocked, (
+            f"{case}: rank {rank} should post each all-reduce with async_op=True during backward and "
+            f"wait for all of them in finish_gradient_synchronization(), so communication overlaps the "
+            f"rest of backward; in step {step} it posted {len(calls)}, waited for {len(waits)}, "
+            f"{len(blocked)} of the waits inside backward (no overlap)"
+        )
+    total = sum(e.bytes for e in calls)
+    assert total == trainable, (
+        f"{case}: in step {step} rank {rank} all-reduced {total} bytes; the trainable gradients are "
+        f"{trainable} bytes (each parameter once, even when used twice; frozen ones not at all)"
+    )
+    if all_reduces is not None:
+        assert len(calls) == all_reduces, (
+            f"{case}: in step {step} rank {rank} made {len(calls)} all-reduce calls, expected {all_reduces}"
+        )
+    if buckets is not None:
+        got = [e.bytes for e in calls]
+        assert sorted(got) == sorted(buckets), (
+            f"{case}: in step {step} rank {rank}'s all-reduces carried {got} B; the bucket rule gives "
+            f"{buckets} B: fill buckets with the trainable parameters in *reverse* order of "
+            f"model.parameters() (the order backward makes their gradients ready), closing a bucket when "
+            f"the next parameter would push it past bucket_mb · 2**20 bytes"
+            + (" (forward order gives other buckets)" if len(got) == len(buckets) else "")
+        )
+
+
+def _that_passed(exercise_id: str, replaces: str, graders: Callable | None, note: str) -> tuple[str, str, str] | None:
+    """None: the student's version of ``exercise_id``, which passed its graded test (or the grader's is not
+    at hand: ``graders`` is defined only in a graded cell's hidden tests); else the grader's, for the driver
+    to use instead: (``replaces``, its name, its source)."""
+    if exercise_id not in GRADED_PASSED:
+        print(note)
+    if exercise_id in GRADED_PASSED or graders is None:
+        return None
+    return replaces, graders.__name__, inspect.getsource(graders)
+
+
+def broadcast_that_passed(graders: Callable | None) -> tuple[str, str, str] | None:
+    """None: NaiveDDP with your broadcast_parameters, if that passed its graded test; else the grader's own
+    (``graders``, defined in the graded cell's hidden tests), for the driver to build NaiveDDP with instead of
+    yours: ("broadcast_parameters", its name, its source)."""
+    return _that_passed(
+        "broadcast_parameters",
+        "broadcast_parameters",
+        graders,
+        "(broadcast_parameters has not passed its graded test yet: the grader checks average_gradients with its own)",
+    )
+
+
+def bucketed_ddp_that_passed(graders: Callable | None) -> tuple[str, str, str] | None:
+    """None: AccumulatingDDP on your BucketedDDP, if that passed its graded test; else the grader's own
+    (``graders``, a function of the graded cell's hidden tests that makes the class), for the driver to put
+    under AccumulatingDDP instead of yours: ("BucketedDDP", the function that makes it, its source)."""
+    return _that_passed(
+        "bucketed_ddp",
+        "BucketedDDP",
+        graders,
+        "(BucketedDDP has not passed its graded test yet: the grader checks no_sync() on its own BucketedDDP)",
+    )
+
+
+def check_average_gradients(
+    kind: str,
+    n: int,
+    batch: int,
+    graders: tuple[str, str, str] | None = None,
+    one_per_parameter: bool = True,
+    device: str | None = None,
+) -> None:
+    """``average_gradients(model)`` (exercise 3), through ``NaiveDDP``: every rank trains exactly like one
+    process on the whole batch (gradients summed, then divided by N); with ``one_per_parameter``, one
+    all-reduce per trainable parameter per step (frozen ones not communicated).  ``graders``:
+    ``broadcast_that_passed(...)``."""
+    check_ddp(
+        "NaiveDDP",
+        "NaiveDDP",
+        kind,
+        n,
+        batch=batch,
+        all_reduces=per_parameter(kind) if one_per_parameter else None,
+        graders=graders,
+        device=device,
+    )
+
+
+def check_overlapped_ddp(kind: str, n: int, batch: int, device: str | None = None) -> None:
+    """``OverlappedDDP`` (exercise 4): trains like one process on the whole batch, one all-reduce per
+    trainable parameter, each posted with async_op=True from a gradient hook during backward and waited
+    for only in finish_gradient_synchronization(), after backward."""
+    check_ddp(
+        "OverlappedDDP",
+        "OverlappedDDP",
+        kind,
+        n,
+        batch=batch,
+        all_reduces=per_parameter(kind),
+        overlap=True,
+        device=device,
+    )
+
+
+def check_bucketed_ddp(kind: str, n: int, batch: int, bucket_mb: float, device: str | None = None) -> None:
+    """``BucketedDDP(model, bucket_mb)`` (exercise 5): trains like one process on the whole batch, one async
+    all-reduce per bucket of the bucket rule's sizes (``bucket_sizes``: reverse order of model.parameters()),
+    posted during backward."""
+    check_ddp(
+        f"BucketedDDP(bucket_mb={bucket_mb:.6g})",
+        "BucketedDDP",
+        kind,
+        n,
+        batch,
+        bucket_mb=bucket_mb,
+        buckets=bucket_sizes(graded_model(kind, 0), bucket_mb),
+        overlap=True,
+        device=device,
+    )
+
+
+def check_no_sync(
+    kind: str,
+    n: int,
+    batch: int,
+    micro_steps: int,
+    bucket_mb: float = 1 / 1024,
+    interrupted: bool = False,
+    graders: tuple[str, str, str] | None = None,
+    device: str | None = None,
+) -> None:
+    """``AccumulatingDDP.no_sync()`` (exercise 6): with ``micro_steps`` micro-batches per step, all but the
+    last under no_sync(), no all-reduce inside no_sync(), the last one's buckets as BucketedDDP's, and the
+    result of one process on the whole batch; ``interrupted``: after an exception raised (and caught) inside
+    no_sync(), the next steps communicate again.  ``graders``: ``bucketed_ddp_that_passed(...)``."""
+    check_ddp(
+        "AccumulatingDDP with no_sync()",
+        "AccumulatingDDP",
+        kind,
+        n,
+        batch,
+        micro_steps=micro_steps,
+        bucket_mb=bucket_mb,
+        buckets=bucket_sizes(graded_model(kind, 0), bucket_mb),
+        overlap=True,
+        graders=graders,
+        interrupted=interrupted,
+        device=device,
+    )

@@ -1,0 +1,513 @@
+"""Lab 4's graded tests (ZeRO): each check runs the student's code on ranks with
+``dl.exercise.run`` through a driver that builds and trains it there and returns data only (what
+a rank holds after backward, its parameters, the layers' bytes at every forward and backward),
+then compares, outside the ranks, the memory with the shard the stage allows, the parameters with
+the same optimizer in one process, and the collectives the ranks say they made with 2Ψ or 3Ψ.
+
+The memory calculator's reference (the ZeRO formula, exercise 1's answer) is not here: the graded
+cell defines it and hands it to :func:`check_zero_memory`.  Nor is the grader's own ZeRO-1 that
+Zero2Optimizer is graded on when the student's failed: it sits in that cell's hidden tests and
+reaches :func:`check_zero2` as a driver (:func:`zero2_driver`).
+
+The lab's helper cell calls :func:`setup` (the device the tests' ranks use, no exercise passed yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import checks, devices, exercise, memory, models
+from ..exercise import ExerciseRun
+from . import common
+
+__all__ = [
+    "GRADED_PASSED",
+    "OPTIMIZERS",
+    "STEPS",
+    "batches",
+    "check_zero1",
+    "check_zero2",
+    "check_zero3",
+    "check_zero_memory",
+    "communication_volume",
+    "setup",
+    "train",
+    "zero2_driver",
+]
+
+STEPS = 3  # training steps of every graded run
+SLACK_PER_TENSOR = 16  # bytes: Adam's step counter (a 0-d tensor per parameter tensor) and the like
+OPTIMIZERS = {  # what the tests wrap: (optimizer_class, defaults, fp32 bytes of state per element)
+    "adam": (torch.optim.Adam, {"lr": 0.01}, 8),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, 8),
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, 4),  # its update is proportional to the gradient
+}
+TEST_DEVICE = "cpu"  # where the tests' ranks compute (setup(); the grader always runs on the CPU)
+GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed, for the exercises built on them
+
+
+def setup(device: str = "cpu") -> None:
+    """The graded tests' state, as the lab's helper cell sets it: their ranks compute on ``device``
+    (the notebook's DEVICE; the CPU under grading), and no exercise has passed its graded cell yet."""
+    global TEST_DEVICE
+    TEST_DEVICE = device
+    GRADED_PASSED.clear()
+
+
+def communication_volume(events) -> int:
+    """Bytes a rank's collectives moved (section 2's accounting): reduce-scatter or all-gather of S bytes
+    count S (the size of the whole input, resp. output), an all-reduce of S bytes 2S (it is a reduce-scatter
+    plus an all-gather)."""
+    return sum(2 * e.bytes if e.op.startswith("all_reduce") else e.bytes for e in events if e.kind == "collective")
+
+
+def batches(sizes: Sequence[int], batch: int, steps: int) -> list:
+    """The data of every graded run (and of the lab's pictures): ``steps`` batches of ``batch`` rows for
+    an MLP of ``sizes``."""
+    return [models.regression_data(batch, sizes[0], sizes[-1], seed=10 + step) for step in range(steps)]
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 1: the memory calculator
+# --------------------------------------------------------------------------------------
+def _ask_calculator(cases):
+    """The test's driver, run next to the notebook's code: zero_memory_per_rank(*args, **kwargs) for each case
+    (args, kwargs).  Returns data: each answer's items (numbers as numbers, anything else as its repr), or the
+    repr of an answer that is not a dict, or what it raised."""
+    answers = []
+    for args, kwargs in cases:
+        try:
+            got = zero_memory_per_rank(*args, **kwargs)  # noqa: F821  (the notebook's)
+        except Exception as e:
+            answers.append(
+                {"raised": type(e).__name__, "value_error": isinstance(e, ValueError), "message": str(e)[:500]}
+            )
+            continue
+        if not isinstance(got, dict):
+            answers.append({"other": repr(got)[:200]})
+            continue
+        items = {}
+        for key, value in got.items():
+            if type(value) not in (int, float, bool):
+                try:
+                    value = value.item()  # a numpy or torch scalar
+                except Exception:
+                    pass
+            items[str(key)] = value if type(value) in (int, float, bool) else repr(value)[:100]
+        answers.append({"dict": items})
+    return answers
+
+
+def _check_calculator(formula: Callable, psi: int, stage: int, n: int, answer: dict, **bytes_per_element) -> None:
+    short = {"param_bytes": "pb", "grad_bytes": "gb", "optimizer_bytes": "ob"}
+    want = formula(psi, stage, n, **{short[k]: v for k, v in bytes_per_element.items()})
+    case = (
+        f"zero_memory_per_rank({psi}, stage={stage}, world_size={n}"
+        + "".join(f", {k}={v}" for k, v in bytes_per_element.items())
+        + ")"
+    )
+    assert "raised" not in answer, f"{case} raised {answer['raised']}: {answer['message']}"
+    got = answer.get("dict")
+    assert isinstance(got, dict) and set(want) <= set(got), (
+        f"{case} should return a dict with the keys {sorted(want)}, "
+        f"got {got if got is not None else answer.get('other')!r}"
+    )
+    for key in want:
+        assert got[key] == want[key], (
+            f"{case}[{key!r}] = {got[key]}, expected {want[key]} (a sharded part is held for ceil(Ψ/N) = "
+            f"{-(-psi // n)} parameters, an unsharded one for all Ψ = {psi}; stage {stage} shards "
+            f"{['nothing', 'the optimizer state', 'optimizer state and gradients', 'everything'][stage]})"
+        )
+
+
+def check_zero_memory(formula: Callable, cases: Sequence[tuple], bad: Sequence[dict] = ()) -> None:
+    """Exercise 1, ``zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_bytes=2,
+    optimizer_bytes=12)``: for each case ``(Ψ, N)`` or ``(Ψ, N, bytes per element)`` and every stage 0-3,
+    a dict whose "parameters", "gradients", "optimizer_state" and "total" are ``formula``'s (the graded
+    cell's: ceil(Ψ/N) parameters for a part the stage shards, Ψ for one it does not); and a ValueError
+    for each set of arguments in ``bad`` (a stage other than 0-3, a world_size below 1).  One run on one
+    rank, stage by stage."""
+    cases = [(psi, stage, n, dict(rest[0]) if rest else {}) for stage in range(4) for psi, n, *rest in cases]
+    asked = [((psi, stage, n), kwargs) for psi, stage, n, kwargs in cases] + [((100,), kwargs) for kwargs in bad]
+    try:
+        run = exercise.run(_ask_calculator, 1, (asked,), timeout=60)
+    except exercise.ExerciseTimeout as e:
+        raise AssertionError(f"zero_memory_per_rank did not return within 60 s\n{e}") from None
+    answers = run.results[0]
+    assert isinstance(answers, list) and len(answers) == len(asked), (
+        f"expected {len(asked)} answers, got {answers!r:.200}"
+    )
+    for (psi, stage, n, kwargs), answer in zip(cases, answers):
+        _check_calculator(formula, psi, stage, n, answer, **kwargs)
+    for kwargs, answer in zip(bad, answers[len(cases) :]):
+        assert answer.get("value_error"), f"zero_memory_per_rank(100, **{kwargs}) should raise ValueError" + (
+            f"; it raised {answer['raised']}: {answer['message']}" if "raised" in answer else ""
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Exercises 2-4: training with ZeRO on ranks, against one process
+# --------------------------------------------------------------------------------------
+def _model(kind: str, sizes: Sequence[int]) -> nn.Module:
+    """The graded models: an MLP, one with a frozen first layer, a fine-tuned one (its first layer trains only its
+    bias, the next linear layer is frozen: at least 3 layers), a tied autoencoder (sizes = [d, hidden, d])."""
+    if kind == "mlp":
+        return models.MLP(sizes, seed=0)
+    if kind == "frozen":
+        return models.PartlyFrozenMLP(sizes, seed=0)
+    if kind == "finetuned":
+        model = models.MLP(sizes, seed=0)
+        for p in [model[0].weight, *model[2].parameters()]:
+            p.requires_grad_(False)
+        return model
+    if kind == "tied":
+        return models.TiedAutoencoder(d=sizes[0], hidden=sizes[1], seed=0)
+    raise ValueError(f"kind must be 'mlp', 'frozen', 'finetuned' or 'tied', got {kind!r}")
+
+
+def _shared(model: nn.Module) -> list:
+    """The parameters used by more than one layer: the tied autoencoder's weight (its encoder's, used again by
+    the decoder step in the model's own forward)."""
+    return [model.encoder.weight] if isinstance(model, models.TiedAutoencoder) else []
+
+
+def _gathered_for_backward(model: nn.Module, sizes: Sequence[int]) -> list[int]:
+    """The sizes of the parameters ZeRO-3 all-gathers for backward: the units (minus shared parameters) of the
+    layers a gradient reaches, i.e. whose output needs one.  Found with torch's own forward hooks."""
+    reached, shared = set(), set(_shared(model))
+    layers = memory.layers_with_parameters(model)
+
+    def record(name, output):
+        if output.requires_grad:
+            reached.add(name)
+
+    hooks = [
+        layer.register_forward_hook(lambda m, args, out, name=name: record(name, out)) for name, layer in layers.items()
+    ]
+    model(batches(sizes, 1, 1)[0].x)
+    for hook in hooks:
+        hook.remove()
+    return [
+        p.numel()
+        for name, layer in layers.items()
+        if name in reached
+        for p in layer.parameters(recurse=False)
+        if p not in shared
+    ]
+
+
+def _build(cls, stage: int, model: nn.Module, opt: str):
+    """What a user writes: ZeRO-1/2 wrap an optimizer like ZeroRedundancyOptimizer; ZeRO-3 wraps the model
+    like fully_shard, and the optimizer is built on its parameters (the shards).  Returns (forward, optimizer)."""
+    optimizer_class, defaults, _ = OPTIMIZERS[opt]
+    if stage == 3:
+        wrapped = cls(model, shared=_shared(model))
+        if not isinstance(wrapped, nn.Module) or getattr(wrapped, "module", None) is not model:
+            raise TypeError(
+                f"{cls.__name__}(model, shared=...) should be an nn.Module whose .module is the model it wraps"
+            )
+        return wrapped, optimizer_class(wrapped.parameters(), **defaults)
+    optimizer = cls(model.parameters(), optimizer_class, **defaults)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{cls.__name__}(params, optimizer_class, **defaults) should be a torch.optim.Optimizer, "
+            f"like ZeroRedundancyOptimizer (class {cls.__name__}(torch.optim.Optimizer))"
+        )
+    return model, optimizer
+
+
+def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: int, opt: str) -> dict:
+    """In a rank (the drivers call it: public, as what a driver imports): build the notebook's class ``cls``
+    and train the model with optimizer ``opt`` for ``steps`` steps, each rank on its slice of the batch.  Returns
+    data only: what the rank holds after the last backward, (stage 3) each layer's parameter bytes at every
+    layer's forward and backward, and the model's parameters as the rank holds them after the last step (for
+    stage 3, its shards: the test puts them together)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = _model(kind, sizes).to(devices.device())
+    full_bytes = {
+        layer_name: 4 * sum(p.numel() for p in layer.parameters(recurse=False))
+        for layer_name, layer in memory.layers_with_parameters(model).items()
+    }
+    forward, optimizer = _build(cls, stage, model, opt)
+    watch = memory.ParameterWatch(model)  # after cls(...): its hooks run after the student's
+    for step, (x, y) in enumerate(batches(sizes, batch, steps)):
+        optimizer.zero_grad()
+        watch.snapshots.clear()
+        x, y = x.tensor_split(n)[rank].to(devices.device()), y.tensor_split(n)[rank].to(devices.device())
+        F.mse_loss(forward(x), y).backward()
+        if step == steps - 1:
+            held = memory.held(model, optimizer, forward).as_dict()
+        optimizer.step()
+    watch.remove()
+    return {
+        "params": [p.detach().cpu() for p in model.parameters()],
+        "held": held,
+        "full_bytes": full_bytes,
+        "snapshots": [(s.moment, s.layer, s.bytes_by_layer) for s in watch.snapshots],
+    }
+
+
+def _train_in_rank(name, stage, kind, sizes, steps, batch, opt):
+    """The tests' driver (dl.exercise.run defines it where the notebook's code runs, and runs it in every rank):
+    the notebook's class ``name``, built and trained there (``train``); returns data only."""
+    from disttrain_lab.labtests.lab04 import train
+
+    if name == "Zero1Optimizer":
+        cls = Zero1Optimizer  # noqa: F821  (the notebook's)
+    elif name == "Zero2Optimizer":
+        cls = Zero2Optimizer  # noqa: F821
+    elif name == "Zero3Module":
+        cls = Zero3Module  # noqa: F821
+    else:
+        raise ValueError(f"the tests train Zero1Optimizer, Zero2Optimizer or Zero3Module, not {name!r}")
+    return train(cls, stage, kind, sizes, steps, batch, opt)
+
+
+def _single_process(
+    kind: str, sizes: Sequence[int], batch: int, steps: int, opt: str, lr_scale: float = 1
+) -> nn.Module:
+    """The reference: the same optimizer in one process, on the whole batch (``lr_scale``: a larger learning rate)."""
+    model = _model(kind, sizes)
+    optimizer_class, defaults, _ = OPTIMIZERS[opt]
+    defaults = {**defaults, "lr": defaults["lr"] * lr_scale}
+    optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], **defaults)
+    for x, y in batches(sizes, batch, steps):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+def _check_zero3_frees(run: ExerciseRun, case: str) -> None:
+    """ZeRO-3: a layer's full parameters exist only while that layer (or a layer around it) runs."""
+    for rank, out in enumerate(run.results):
+        for moment, layer, held in out["snapshots"]:
+            full = [name for name, b in held.items() if b >= out["full_bytes"][name]]
+            around = [
+                name for name in out["full_bytes"] if name != layer and (name == "" or layer.startswith(name + "."))
+            ]
+            allowed = around + ([layer] if moment in ("forward", "backward") else [])
+            extra = [name for name in full if name not in allowed]
+            assert not extra, (
+                f"{case}: rank {rank}, at the {moment} of layer {layer!r}, still held the full parameters of layer(s) "
+                f"{extra} ({[held[n] for n in extra]} B): free a layer's gathered parameters right after its forward "
+                f"and after its backward (ZeRO-3 holds a full layer only while it, or a layer around it, runs)"
+            )
+        assert out["snapshots"], f"{case}: no layer's forward was seen"
+
+
+def _check_zero(
+    name: str,
+    stage: int,
+    n: int,
+    sizes: Sequence[int],
+    batch: int = 12,
+    steps: int = STEPS,
+    kind: str = "mlp",
+    opt: str = "adam",
+    driver: Callable = _train_in_rank,
+) -> ExerciseRun:
+    """The notebook's class ``name`` on n ranks, trained by ``driver`` through dl.exercise.run: memory against
+    the formula, then the parameters against the same optimizer in one process (computed here), then
+    communication from the ranks' trace."""
+    case = f"{name} on {n} ranks, {kind} model {sizes}, {OPTIMIZERS[opt][0].__name__}({OPTIMIZERS[opt][1]})"
+    hint = "do all ranks make the same collective calls, in the same order, with equal-size shards?"
+    try:
+        run = common.run_or_fail(
+            driver, n, (name, stage, kind, sizes, steps, batch, opt), case, hint, timeout=60, device=TEST_DEVICE
+        )
+    except exercise.ExerciseError as e:
+        if stage == 3 and kind == "tied" and e.exc_type == "RuntimeError":
+            raise AssertionError(
+                f"{e}\n(the tied weight, used by the encoder and again by the model's own forward, "
+                f"was not whole when one of them ran: a shared parameter belongs to the root unit; "
+                f"gather it in the root's before_forward and free it only in grad_ready)"
+            ) from None
+        raise
+    reference = _single_process(kind, sizes, batch, steps, opt)
+    shapes = [p.shape for p in reference.parameters()]
+    frozen = [not p.requires_grad for p in reference.parameters()]
+    for rank, out in enumerate(run.results):
+        assert len(out["params"]) == len(shapes), (
+            f"{case}: rank {rank}'s model has {len(out['params'])} parameters, the model has {len(shapes)}"
+        )
+        if stage == 3:  # rank r holds [r·c, (r+1)·c) of each padded flat tensor
+            wrong = [
+                f"{tuple(p.shape)} for a{' frozen' * f} parameter of shape {tuple(s)}"
+                for p, s, f in zip(out["params"], shapes, frozen)
+                if tuple(p.shape) != (math.ceil(math.prod(s) / n),)
+            ]
+            assert not wrong, (
+                f"{case}: rank {rank}: after step(), each parameter's .data should be this rank's shard, 1-D of "
+                f"ceil(k/N) elements; found {', '.join(wrong)}"
+                + (
+                    "; a frozen parameter never reaches grad_ready: free it in after_backward, once its layer's "
+                    "backward is done (the gradient of the layer's input is computed), or at the end of backward if "
+                    "that input needs no gradient" * any(" frozen " in w for w in wrong)
+                )
+            )
+    numels = [p.numel() for p in reference.parameters()]
+    trainable = [p.numel() for p in reference.parameters() if p.requires_grad]
+
+    shard = lambda ks: sum(math.ceil(k / n) for k in ks)  # (a lambda: a `def shard` is lab 3's exercise)
+
+    slack = SLACK_PER_TENSOR * len(numels)
+    # 1. memory, measured after the last backward: at most the rank's padded shard of each sharded part
+    roles = {
+        "parameters": (4, 3, numels),
+        "gradients": (4, 2, trainable),
+        "optimizer_state": (OPTIMIZERS[opt][2], 1, trainable),
+    }
+    free_hint = {
+        "gradients": ": free the gradient you do not own (after reduce-scattering p.grad, set p.grad = None "
+        "and keep only your shard's)",
+        "optimizer_state": ": build the wrapped optimizer over this rank's shards only",
+        "parameters": ": keep only this rank's shard of each parameter between layers",
+    }
+    for role, (nbytes, first_stage, ks) in roles.items():
+        sharded = stage >= first_stage
+        high = nbytes * (shard(ks) if sharded else sum(ks)) + slack
+        for rank, out in enumerate(run.results):
+            got = out["held"][role]
+            assert got <= high, (
+                f"{case}: rank {rank} holds {got} B of {role.replace('_', ' ')} after backward; ZeRO-{stage} "
+                + (
+                    f"shards it, so a rank holds at most its padded shard, {nbytes} B × Σ ceil(k/N) = {high - slack} B "
+                    f"(+{slack} B slack), not the whole model's {nbytes * sum(ks)} B{free_hint[role]}"
+                    if sharded
+                    else f"keeps it whole: {nbytes * sum(ks)} B"
+                )
+            )
+        together = sum(out["held"][role] for out in run.results)
+        assert together >= nbytes * sum(ks) * (1 if sharded else n), (
+            f"{case}: the {n} ranks together hold {together} B of {role.replace('_', ' ')}; the model needs "
+            f"{nbytes * sum(ks)} B " + ("spread over the ranks" if sharded else "on every rank")
+        )
+    limit = sum(nbytes * (shard(ks) if stage >= first else sum(ks)) for nbytes, first, ks in roles.values()) + slack
+    for rank, out in enumerate(run.results):
+        assert out["held"]["total"] <= limit, (
+            f"{case}: rank {rank} holds {out['held']['total']} B in all ({out['held']['other']} B in other tensors "
+            f"your class keeps); the formula allows {limit} B"
+        )
+    if stage == 3 and n > 1:  # (on one rank a shard is the whole tensor: nothing to free)
+        _check_zero3_frees(run, case)
+    # 2. training: exactly the same optimizer in one process on the whole batch
+    if stage == 3:  # the ranks' shards of each padded flat tensor, put together here
+        together = [
+            torch.cat([out["params"][i].reshape(-1) for out in run.results])[: math.prod(s)].view(s)
+            for i, s in enumerate(shapes)
+        ]
+        params = {"the ranks' shards, put together,": together}
+    else:
+        params = {f"rank {rank}'s": out["params"] for rank, out in enumerate(run.results)}
+    for whose, got_params in params.items():
+        for (pname, want), got in zip(reference.named_parameters(), got_params):
+            what = f"{case}: {whose} {pname} after {steps} steps (the reference is the same optimizer in one process)"
+            try:
+                checks.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6, what=what)
+            except AssertionError as e:
+                # SGD is linear in the gradient: N times the gradient is N times the learning rate
+                summed = dict(_single_process(kind, sizes, batch, steps, opt, lr_scale=n).named_parameters())
+                if opt == "sgd" and torch.allclose(got, summed[pname].detach(), rtol=1e-4, atol=1e-5):
+                    raise AssertionError(
+                        f"{e}\nEvery update is {n} times too large: divide the reduce-scattered "
+                        f"gradient by N = {n}, so each rank's shard holds the mean over ranks, "
+                        f"not the sum"
+                    ) from None
+                raise
+    # 3. communication per step and per rank, from the ranks' trace of the call (gloo's own collectives, whose
+    #    bytes on the wire are gloo's algorithm's): 2Ψ (stages 1-2) or 3Ψ (stage 3), within padding
+    student = run.trace
+    if stage == 3:  # all-gather every layer for forward, again for backward those a gradient reaches (a
+        # frozen one too when the layers below it train; a shared parameter stays whole from
+        # forward to its gradient: gathered once); reduce-scatter the trainable ones
+        again = _gathered_for_backward(reference, sizes)
+        low = 4 * (sum(numels) + sum(again) + sum(trainable))
+        high = 4 * n * (shard(numels) + shard(again) + shard(trainable))
+    else:
+        low, high = 4 * 2 * sum(trainable), 4 * 2 * n * shard(trainable)
+    if stage != 3:
+        words = "2Ψ"
+    elif sum(again) == sum(trainable) - sum(p.numel() for p in _shared(reference)):
+        if _shared(reference):
+            words = "3Ψ − Ψ_shared"
+        else:
+            words = "3Ψ" if len(trainable) == len(numels) else "Ψ + 2Ψ_trainable"
+    else:
+        words = "Ψ (forward) + Ψ of the layers a gradient reaches (backward) + Ψ_trainable"
+    for rank in range(n):
+        ops = set(student.calls(rank))
+        reduce_ops = {op for op in ops if op.startswith("all_reduce")}
+        assert not reduce_ops, (
+            f"{case}: rank {rank} called {sorted(reduce_ops)}; ZeRO-{stage} reduce-scatters the "
+            f"gradients (each rank needs only its shard's) instead of all-reducing them"
+        )
+        assert any(op.startswith("reduce_scatter") for op in ops) and any(op.startswith("all_gather") for op in ops), (
+            f"{case}: rank {rank} should reduce-scatter gradients and all-gather parameters; it called {sorted(ops)}"
+        )
+        volume = communication_volume(student.by_rank(rank)) / steps
+        assert low <= volume <= high, (
+            f"{case}: rank {rank}'s collectives moved {volume:.0f} B per step; ZeRO-{stage} moves {words} = "
+            f"{low} B per step (up to {high} B with padding)"
+            + (
+                "; all-gather each layer's parameters before its forward and again before its backward"
+                + (", a shared parameter once, in the root's before_forward" if _shared(reference) else "")
+                if stage == 3
+                else ""
+            )
+        )
+    return run
+
+
+def check_zero1(n: int, sizes: Sequence[int], *, batch: int = 12, kind: str = "mlp", opt: str = "adam") -> ExerciseRun:
+    """Exercise 2, ``Zero1Optimizer(params, optimizer_class, **defaults)`` wrapping the optimizer ``opt``
+    ("adam", "adamw", "sgd") on n ranks, an MLP of ``sizes`` (``kind``: "frozen", "tied" for the models with a
+    frozen layer or a tied weight), 3 steps: the same parameters as the same optimizer in one process on the
+    whole batch (the mean gradient: ÷ N); after backward a rank holds the optimizer's state for its padded
+    shard only (parameters and gradients whole); per step its collectives move 2Ψ (reduce-scatter the
+    gradients, all-gather the parameters; no all-reduce).  Returns the run (``run.results[r]["held"]``)."""
+    return _check_zero("Zero1Optimizer", 1, n, sizes, batch=batch, kind=kind, opt=opt)
+
+
+def zero2_driver(graders: Callable | None = None) -> Callable:
+    """The driver Zero2Optimizer is graded with: the lab's own (Zero2Optimizer on the student's
+    Zero1Optimizer) once that passed its graded cell, else ``graders`` (the grader's ZeRO-1 under it,
+    defined in the graded cell's hidden tests: None in a student's notebook), so that a mistake in
+    exercise 2 does not cost exercise 3's points."""
+    if "zero1" in GRADED_PASSED:
+        return _train_in_rank
+    print("(Zero1Optimizer has not passed its graded test yet: the grader checks Zero2Optimizer on its own)")
+    return graders or _train_in_rank
+
+
+def check_zero2(
+    n: int,
+    sizes: Sequence[int],
+    *,
+    batch: int = 12,
+    kind: str = "mlp",
+    opt: str = "adam",
+    driver: Callable | None = None,
+) -> ExerciseRun:
+    """Exercise 3, ``Zero2Optimizer(Zero1Optimizer)``, as :func:`check_zero1` checks ZeRO-1, and: after
+    backward a rank holds only its shard of the gradients (each reduce-scattered as soon as backward made it,
+    the full one freed); 2Ψ per step, no all-reduce.  ``driver``: :func:`zero2_driver`'s (default: on the
+    student's Zero1Optimizer)."""
+    return _check_zero("Zero2Optimizer", 2, n, sizes, batch=batch, kind=kind, opt=opt, driver=driver or _train_in_rank)
+
+
+def check_zero3(n: int, sizes: Sequence[int], *, batch: int = 12, kind: str = "mlp", opt: str = "adam") -> ExerciseRun:
+    """Exercise 4, ``Zero3Module(model, shared=())`` and the optimizer ``opt`` built on its parameters, as
+    :func:`check_zero1` checks ZeRO-1 (``kind`` also "finetuned": a first layer training its bias only and a
+    frozen next layer), and: after step() every parameter's ``.data`` is this rank's 1-D shard of ceil(k/N)
+    elements, frozen ones too; after backward a rank holds its shard of parameters, gradients and state; a
+    layer's full parameters exist only while it (or a layer around it) runs its forward or backward; a
+    shared (tied) weight stays whole from the root's forward to its gradient; per step the collectives move
+    3Ψ (Ψ forward + Ψ of the layers a gradient reaches + Ψ trainable; a shared weight gathered once)."""
+    return _check_zero("Zero3Module", 3, n, sizes, batch=batch, kind=kind, opt=opt)

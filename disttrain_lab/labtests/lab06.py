@@ -1,0 +1,584 @@
+"""Lab 6's graded tests (tensor parallelism): each check runs the student's classes on ranks in a
+*driver* (a function below whose source ``exercise.run`` sends to the student's kernel, where it is
+defined among the notebook's names, builds and calls the notebook's classes, and returns data),
+compares every rank's tensors with one process running the dense layer or MLP, and reads the
+collective calls each rank made (``run.trace``): how many all-reduces, of how many bytes, over which
+group, in which phase of the driver.
+
+A driver uses only the notebook's names (the student's classes, and ``dist``, ``nn``, ``checks``,
+``models`` of the setup cell) and imports what it needs of this module inside its body.  Nothing here is a
+solution: train_2d's fallback (the grader's own TensorParallelMLP, used where exercise 3 fails)
+stays in the graded cell's hidden tests, as do the predictions' cost models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import checks, exercise, models
+from ..exercise import ExerciseRun
+from . import common
+
+__all__ = [
+    "check_2d",
+    "check_f_and_g",
+    "check_groups_not_divisible",
+    "check_linear_not_divisible",
+    "check_mlp_not_divisible",
+    "check_parallel_linear",
+    "check_tp_mlp",
+    "train_2d_driver",
+]
+
+TIMEOUT = 60  # seconds a test's run may take
+_DEADLOCK_HINT = "do all ranks of a group make the same collective calls, in the same order?"
+_F_G_PHASES = ("set-up", "f forward", "f backward", "g forward", "g backward")
+_MLP_PHASES = ("building", "forward", "backward")
+
+
+# --------------------------------------------------------------------------------------
+# What the drivers import in the ranks (public: code that runs elsewhere uses it, the hidden
+# tests' own drivers too; none of it uses the notebook's names)
+# --------------------------------------------------------------------------------------
+def chunk(size: int, parts: int, index: int) -> slice:
+    """The index-th of ``parts`` equal contiguous chunks of range(size)."""
+    step = size // parts
+    return slice(index * step, (index + 1) * step)
+
+
+def tp_group(tp_size: int):
+    """Groups of ``tp_size`` consecutive ranks (torch's own dist.new_subgroups); None: all ranks, one group."""
+    if tp_size == dist.get_world_size():
+        return None
+    group, _ = dist.new_subgroups(tp_size)
+    return group
+
+
+def parameter_bytes(tensors) -> int:
+    """Bytes of the tensors themselves (what an all-reduce of their gradients moves)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors``: a slice that is a view of the full weight
+    costs the whole full weight."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def parameters_of(module: nn.Module) -> dict:
+    """``module``'s parameters: name -> (value, gradient or None), copies."""
+    return {
+        name: (p.detach().clone(), None if p.grad is None else p.grad.clone()) for name, p in module.named_parameters()
+    }
+
+
+def batches_2d(sizes, batch, steps):
+    """train_2d's data: ``steps`` batches of ``batch`` rows (the same in the ranks and in the reference)."""
+    data = models.regression_data(batch * steps, sizes[0], sizes[-1], seed=7)
+    return list(zip(data.x.split(batch), data.y.split(batch)))
+
+
+def next_phase():
+    """A driver calls this between two phases of your code (building, forward, backward): a barrier
+    of all ranks, where ``_phases`` splits each rank's trace."""
+    dist.barrier()
+
+
+def trained_2d_with(train_2d, mlp_class, sizes, batch, steps, tp_size):
+    """In a rank: the student's ``train_2d`` on the dense MLP and the batches, with ``mlp_class`` in the
+    place of the TensorParallelMLP it builds; the trained slices, their bytes and their storage's."""
+    names = train_2d.__globals__  # what train_2d calls TensorParallelMLP, in this rank
+    students = names.get("TensorParallelMLP")
+    names["TensorParallelMLP"] = mlp_class
+    try:
+        model = train_2d(models.MLP(sizes, seed=11), batches_2d(sizes, batch, steps), tp_size, lr=0.1)
+    finally:
+        names["TensorParallelMLP"] = students
+    return parameters_of(model), parameter_bytes(model.parameters()), storage_bytes(model.parameters())
+
+
+# --------------------------------------------------------------------------------------
+# Drivers: run in the student's kernel, among the notebook's names (their source is sent)
+# --------------------------------------------------------------------------------------
+def _linear_in_rank(d_in, d_out, batch, bias, tp_size):
+    """The test's driver: both layers built from one full layer; the row layer gets this rank's slice of the input."""
+    from disttrain_lab.labtests.lab06 import chunk, parameters_of, storage_bytes, tp_group
+
+    group = tp_group(tp_size)
+    position, size = dist.get_rank(group), dist.get_world_size(group)
+    full = models.MLP([d_in, d_out], seed=1, bias=bias)[0]
+    x, dy = checks.sample_tensor((batch, d_in), seed=2), checks.sample_tensor((batch, d_out), seed=3)
+    column, row = ColumnParallelLinear(full, group), RowParallelLinear(full, group)  # noqa: F821  (the notebook's)
+    y_column, y_row = column(x), row(x[:, chunk(d_in, size, position)])
+    y_column.backward(dy[:, chunk(d_out, size, position)])
+    y_row.backward(dy)
+    return {
+        "y_column": y_column.detach(),
+        "y_row": y_row.detach(),
+        "column": parameters_of(column),
+        "row": parameters_of(row),
+        "column_bytes": storage_bytes(column.parameters()),
+        "row_bytes": storage_bytes(row.parameters()),
+    }
+
+
+def _build_layer(kind, d_in, d_out):
+    """The test's driver: one of your layers, built from a full layer."""
+    layer = {"column": ColumnParallelLinear, "row": RowParallelLinear}[kind]  # noqa: F821  (the notebook's)
+    layer(nn.Linear(d_in, d_out))
+
+
+def _f_g_in_rank(batch, d, tp_size):
+    """The test's driver: f then g, forward and backward, with a next_phase() between the phases."""
+    from disttrain_lab.labtests.lab06 import next_phase, tp_group
+
+    group, rank = tp_group(tp_size), dist.get_rank()
+    same = checks.sample_tensor((batch, d), seed=1).requires_grad_()  # f's input: one X on every rank
+    mine = checks.sample_tensor((batch, d), seed=10 + rank).requires_grad_()  # g's input: each rank's partial sum
+    before = mine.detach().clone()
+    next_phase()  # f forward
+    out_f = CopyToTensorParallel.apply(same, group)  # noqa: F821  (the notebook's)
+    next_phase()  # f backward
+    out_f.backward(checks.sample_tensor((batch, d), seed=20 + rank))
+    next_phase()  # g forward
+    out_g = ReduceFromTensorParallel.apply(mine, group)  # noqa: F821  (the notebook's)
+    next_phase()  # g backward
+    out_g.backward(checks.sample_tensor((batch, d), seed=30 + rank))
+    return {
+        "f": out_f.detach(),
+        "f grad": same.grad,
+        "g": out_g.detach(),
+        "g grad": mine.grad,
+        "g input changed": not torch.equal(mine.detach(), before),
+    }
+
+
+def _mlp_in_rank(sizes, batch, tp_size):
+    """The test's driver: your TensorParallelMLP built from the dense MLP, one forward and one backward,
+    with a next_phase() between the phases."""
+    from disttrain_lab.labtests.lab06 import next_phase, parameters_of, storage_bytes, tp_group
+
+    group = tp_group(tp_size)
+    dense = models.MLP(sizes, seed=3)
+    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
+    mlp = TensorParallelMLP(dense, group)  # noqa: F821  (the notebook's)
+    next_phase()  # forward
+    y = mlp(x)
+    next_phase()  # backward
+    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
+    return {"y": y.detach(), "x grad": x.grad, "params": parameters_of(mlp), "bytes": storage_bytes(mlp.parameters())}
+
+
+def _build_mlp(sizes):
+    """The test's driver: your TensorParallelMLP built from a dense MLP."""
+    TensorParallelMLP(models.MLP(sizes))  # noqa: F821  (the notebook's)
+
+
+def _train_2d_in_rank(sizes, batch, steps, tp_size):
+    """The test's driver: your train_2d on the dense MLP and the batches; the trained slices come back."""
+    from disttrain_lab.labtests.lab06 import batches_2d, parameter_bytes, parameters_of, storage_bytes
+
+    model = train_2d(models.MLP(sizes, seed=11), batches_2d(sizes, batch, steps), tp_size, lr=0.1)  # noqa: F821
+    return parameters_of(model), parameter_bytes(model.parameters()), storage_bytes(model.parameters())
+
+
+def _call_parallel_groups(tp_size):
+    """The test's driver: your parallel_groups (what it returns stays in the ranks)."""
+    parallel_groups(tp_size)  # noqa: F821  (the notebook's)
+
+
+# --------------------------------------------------------------------------------------
+# Reading a run
+# --------------------------------------------------------------------------------------
+def _run(driver: Callable, n: int, args: tuple, case: str) -> ExerciseRun:
+    """``driver`` on n ranks; a run that did not finish in time fails saying what to look for."""
+    return common.run_or_fail(driver, n, args, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+
+
+def _group_of(rank: int, tp_size: int) -> tuple:
+    start = rank - rank % tp_size
+    return tuple(range(start, start + tp_size))
+
+
+def _communication(run: ExerciseRun, rank: int) -> list:
+    """``rank``'s calls that communicate, in the order it made them (the trace holds the driver's call only)."""
+    return sorted((e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p")), key=lambda e: e.start)
+
+
+def _describe(events, world_size) -> str:
+    return (
+        ", ".join(f"{e.op} of {e.bytes} B over ranks {e.group or tuple(range(world_size))}" for e in events)
+        or "nothing"
+    )
+
+
+def _phases(run: ExerciseRun, rank: int, names: tuple, case: str) -> dict:
+    """``rank``'s communication in each phase of the driver (phase name -> calls), split at the
+    barriers of all ranks that ``next_phase`` made between them."""
+    calls = _communication(run, rank)
+    marks = [i for i, e in enumerate(calls) if e.op == "barrier" and e.group is None]
+    assert len(marks) == len(names) - 1, (
+        f"{case}: the test separates {', '.join(names)} by {len(names) - 1} barriers of all ranks, but rank {rank} "
+        f"made {len(marks)}: make no dist.barrier() of your own here. Its calls: {_describe(calls, run.world_size)}"
+    )
+    bounds = [-1, *marks, len(calls)]
+    return {name: calls[bounds[k] + 1 : bounds[k + 1]] for k, name in enumerate(names)}
+
+
+def _assert_all_reduces(run: ExerciseRun, calls: list, rank: int, count: int, nbytes: int, group: tuple, what: str):
+    """``calls`` (``rank``'s, in one phase) are exactly ``count`` all-reduces of ``nbytes`` over ``group``,
+    nothing else."""
+    ok = len(calls) == count and all(
+        e.op == "all_reduce" and e.bytes == nbytes and (e.group or tuple(range(run.world_size))) == group for e in calls
+    )
+    assert ok, (
+        f"{what}: rank {rank} should make exactly {count} all-reduce(s) of {nbytes} B over ranks {group} "
+        f"{'(nothing else)' if count else '(no communication at all)'}; it made: "
+        f"{_describe(calls, run.world_size)}"
+    )
+
+
+def _compare_parameters(got: dict, expected: dict, what: str):
+    """``got``/``expected``: name -> (value, gradient).  Same names, values and gradients."""
+    assert set(got) == set(expected), (
+        f"{what}: expected the parameters {sorted(expected) or 'none'}, got {sorted(got) or 'none'} "
+        f"(register slices as nn.Parameter; the row-parallel bias lives on group rank 0 only)"
+    )
+    for name, (value, grad) in expected.items():
+        checks.assert_close(got[name][0], value, what=f"{what}: {name}")
+        assert got[name][1] is not None, (
+            f"{what}: no gradient reached {name}: make it a leaf nn.Parameter "
+            f"(a fresh copy of the slice) and compute the output from it"
+        )
+        checks.assert_close(got[name][1], grad, what=f"{what}: the gradient of {name}", rtol=1e-4, atol=1e-5)
+
+
+def _expected_slices(dense: nn.Module, tp_size: int, position: int, grads: bool = True) -> dict:
+    """What TensorParallelMLP's parameters must be on the rank at ``position`` in its TP group."""
+    first, second = dense[0], dense[2]
+    rows, cols = chunk(first.out_features, tp_size, position), chunk(second.in_features, tp_size, position)
+    pick = lambda p, index: (p.detach()[index], p.grad[index] if grads else None)
+    expected = {
+        "column.weight": pick(first.weight, rows),
+        "column.bias": pick(first.bias, rows),
+        "row.weight": pick(second.weight, (slice(None), cols)),
+    }
+    if position == 0:
+        expected["row.bias"] = pick(second.bias, slice(None))
+    return expected
+
+
+def _expect_value_error(target: Callable, n: int, args: tuple, case: str) -> None:
+    """``target`` (a driver) on n ranks must stop with the student's ValueError saying "divisible", as
+    the exercise asks (only that word: an error torch raises by accident does not pass)."""
+    try:
+        exercise.run(target, n, args, timeout=TIMEOUT)
+    except exercise.ExerciseError as e:
+        if common.rank_raised(e, "ValueError", "divisible", loose=True):
+            return
+        got = f"{e.exc_type}: {e.exc_message}" if e.exc_type is not None else str(e)
+        raise AssertionError(
+            f"{case}: expected your ValueError saying the size is not divisible by the number "
+            f'of ranks (the exercise asks for the word "divisible"); got {got}'
+        ) from None
+    raise AssertionError(
+        f"{case}: expected a ValueError (the size is not divisible by the number of ranks), but it ran without one"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The checks, one per exercise
+# --------------------------------------------------------------------------------------
+def check_parallel_linear(
+    n: int, d_in: int, d_out: int, batch: int = 3, bias: bool = True, tp_size: int | None = None
+) -> None:
+    """Exercise 1: ``ColumnParallelLinear`` and ``RowParallelLinear`` built from one full layer on n ranks
+    (in groups of ``tp_size``, else all ranks) only compute; column's output and gradients are this rank's
+    rows of the full layer's, row's partial sums over a group add up to the full output (the bias on group
+    rank 0 only); each holds only its slices as fresh copies (no view of the full weight)."""
+    tp_size = tp_size or n
+    case = f"a {d_in} -> {d_out} layer{'' if bias else ' without bias'} on {n} ranks" + (
+        f" (groups of {tp_size})" if tp_size != n else ""
+    )
+    run = _run(_linear_in_rank, n, (d_in, d_out, batch, bias, tp_size), case)
+    for rank in range(n):
+        calls = _communication(run, rank)
+        assert not calls, (
+            f"{case}: the layers only compute (the all-reduce is exercise 2's g), but rank {rank} "
+            f"made: {_describe(calls, n)}"
+        )
+    checks.assert_traffic(run, {}, f"{case}: the layers only compute (the all-reduce is exercise 2's g)")
+    full = models.MLP([d_in, d_out], seed=1, bias=bias)[0]
+    x, dy = checks.sample_tensor((batch, d_in), seed=2), checks.sample_tensor((batch, d_out), seed=3)
+    y = full(x)
+    y.backward(dy)
+    for rank, got in enumerate(run.results):
+        position = rank % tp_size
+        rows, cols = chunk(d_out, tp_size, position), chunk(d_in, tp_size, position)
+        checks.assert_close(
+            got["y_column"],
+            y.detach()[:, rows],
+            what=(
+                f"{case}: rank {rank}'s ColumnParallelLinear output, against output features "
+                f"{rows.start}..{rows.stop - 1} of the full layer's"
+            ),
+        )
+        expected = {"weight": (full.weight.detach()[rows], full.weight.grad[rows])}
+        if bias:
+            expected["bias"] = (full.bias.detach()[rows], full.bias.grad[rows])
+        _compare_parameters(got["column"], expected, what=f"{case}: rank {rank}'s ColumnParallelLinear")
+        assert got["column_bytes"] == 4 * sum(v.numel() for v, _ in expected.values()), (
+            f"{case}: rank {rank}'s ColumnParallelLinear holds {got['column_bytes']} B of parameter storage, its "
+            f"slices are {4 * sum(v.numel() for v, _ in expected.values())} B: keep a copy of the slice "
+            f"(.clone()), not a view into the full weight"
+        )
+    for start in range(0, n, tp_size):
+        group = range(start, start + tp_size)
+        total = sum(run.results[r]["y_row"] for r in group)
+        checks.assert_close(
+            total,
+            y.detach(),
+            what=(
+                f"{case}: the RowParallelLinear partial sums of ranks {tuple(group)} added up (what the all-reduce of "
+                f"exercise 2 will do), against the full layer's output (the bias must be added exactly once: by "
+                f"group rank 0)"
+            ),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    for rank, got in enumerate(run.results):
+        position = rank % tp_size
+        cols = chunk(d_in, tp_size, position)
+        expected = {"weight": (full.weight.detach()[:, cols], full.weight.grad[:, cols])}
+        if bias and position == 0:
+            expected["bias"] = (full.bias.detach(), full.bias.grad)
+        _compare_parameters(got["row"], expected, what=f"{case}: rank {rank}'s RowParallelLinear")
+        assert got["row_bytes"] == 4 * sum(v.numel() for v, _ in expected.values()), (
+            f"{case}: rank {rank}'s RowParallelLinear holds {got['row_bytes']} B of parameter storage, its "
+            f"slices are {4 * sum(v.numel() for v, _ in expected.values())} B: keep a copy, not a view"
+        )
+
+
+def check_linear_not_divisible(kind: str, n: int, d_in: int, d_out: int) -> None:
+    """Exercise 1: a layer whose split dimension does not divide by the n ranks (``kind`` "column": its
+    out_features, "row": its in_features) raises a ValueError saying "divisible"."""
+    name = {"column": "ColumnParallelLinear", "row": "RowParallelLinear"}[kind]
+    _expect_value_error(_build_layer, n, (kind, d_in, d_out), case=f"{name}(nn.Linear({d_in}, {d_out})) on {n} ranks")
+
+
+def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> None:
+    """Exercise 2: on n ranks (in groups of ``tp_size``, else all ranks), f is the identity forward and
+    all-reduces (SUM over its group) the gradient backward; g all-reduces a copy forward (its input left
+    unchanged) and is the identity backward: one all-reduce of the tensor each, in its own phase, over
+    the group."""
+    tp_size = tp_size or n
+    case = f"f and g on {n} ranks" + (f" in groups of {tp_size}" if tp_size != n else "") + f", ({batch}, {d}) tensors"
+    run = _run(_f_g_in_rank, n, (batch, d, tp_size), case)
+    nbytes = batch * d * 4
+    for rank, got in enumerate(run.results):
+        group = _group_of(rank, tp_size)
+        calls = _phases(run, rank, _F_G_PHASES, case)
+        _assert_all_reduces(
+            run,
+            calls["f forward"],
+            rank,
+            0,
+            nbytes,
+            group,
+            f"{case}: f's forward is the identity (did you swap f and g?)",
+        )
+        _assert_all_reduces(
+            run,
+            calls["f backward"],
+            rank,
+            1,
+            nbytes,
+            group,
+            f"{case}: f's backward all-reduces the gradient over its group",
+        )
+        _assert_all_reduces(
+            run, calls["g forward"], rank, 1, nbytes, group, f"{case}: g's forward all-reduces over its group"
+        )
+        _assert_all_reduces(
+            run,
+            calls["g backward"],
+            rank,
+            0,
+            nbytes,
+            group,
+            f"{case}: g's backward is the identity (did you swap f and g?)",
+        )
+        checks.assert_close(
+            got["f"], checks.sample_tensor((batch, d), seed=1), what=f"{case}: rank {rank}'s f(x), against x"
+        )
+        checks.assert_close(
+            got["f grad"],
+            sum(checks.sample_tensor((batch, d), seed=20 + r) for r in group),
+            what=f"{case}: rank {rank}'s gradient through f, against the SUM of the gradients of ranks {group}",
+        )
+        checks.assert_close(
+            got["g"],
+            sum(checks.sample_tensor((batch, d), seed=10 + r) for r in group),
+            what=f"{case}: rank {rank}'s g(x), against the SUM of x over ranks {group}",
+        )
+        checks.assert_close(
+            got["g grad"],
+            checks.sample_tensor((batch, d), seed=30 + rank),
+            what=f"{case}: rank {rank}'s gradient through g, against its own upstream gradient (identity)",
+        )
+        assert not got["g input changed"], (
+            f"{case}: g changed its input in place on rank {rank}: all-reduce a copy (x.clone()) and return that"
+        )
+
+
+def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None) -> None:
+    """Exercise 3: ``TensorParallelMLP`` of the dense MLP ``sizes`` on n ranks (in groups of ``tp_size``,
+    else all ranks) gives the dense output and input gradient on every rank, with one all-reduce of the
+    output forward (g, none between the two layers) and one of the input gradient backward (f), over its
+    group; each rank's ``column``/``row`` parameters and gradients are its slices of the dense ones, and
+    it holds nothing more."""
+    tp_size = tp_size or n
+    case = (
+        f"TensorParallelMLP({' -> '.join(map(str, sizes))}) on {n} ranks"
+        + (f" in groups of {tp_size}" if tp_size != n else "")
+        + f", batch {batch}"
+    )
+    run = _run(_mlp_in_rank, n, (sizes, batch, tp_size), case)
+    for rank in range(n):
+        group = _group_of(rank, tp_size)
+        calls = _phases(run, rank, _MLP_PHASES, case)
+        _assert_all_reduces(
+            run,
+            calls["forward"],
+            rank,
+            1,
+            batch * sizes[-1] * 4,
+            group,
+            f"{case}, forward: one all-reduce, of the output (g), none between the two layers",
+        )
+        _assert_all_reduces(
+            run,
+            calls["backward"],
+            rank,
+            1,
+            batch * sizes[0] * 4,
+            group,
+            f"{case}, backward: one all-reduce, of the input gradient (f)",
+        )
+    dense = models.MLP(sizes, seed=3)
+    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
+    y = dense(x)
+    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
+    dense_bytes = sum(p.numel() * 4 for p in dense.parameters())
+    for rank, got in enumerate(run.results):
+        position = rank % tp_size
+        checks.assert_close(
+            got["y"], y.detach(), what=f"{case}: rank {rank}'s output, against the dense MLP's", rtol=1e-5, atol=1e-5
+        )
+        checks.assert_close(
+            got["x grad"],
+            x.grad,
+            what=f"{case}: rank {rank}'s input gradient, against the dense MLP's",
+            rtol=1e-4,
+            atol=1e-5,
+        )
+        expected = _expected_slices(dense, tp_size, position)
+        _compare_parameters(got["params"], expected, what=f"{case}: rank {rank}'s slices")
+        should_hold = 4 * sum(v.numel() for v, _ in expected.values())
+        assert got["bytes"] == should_hold, (
+            f"{case}: rank {rank} holds {got['bytes']} B of parameters; its slices are {should_hold} B "
+            f"(about 1/{tp_size} of the dense {dense_bytes} B): keep only the slices"
+        )
+
+
+def check_mlp_not_divisible(n: int, sizes: list) -> None:
+    """Exercise 3: a TensorParallelMLP whose hidden width does not divide by the n ranks raises the
+    layers' ValueError saying "divisible"."""
+    _expect_value_error(
+        _build_mlp, n, (sizes,), case=f"TensorParallelMLP(MLP({sizes})) on {n} ranks (hidden {sizes[1]})"
+    )
+
+
+def train_2d_driver(graders: Callable | None = None) -> Callable:
+    """The driver ``check_2d`` runs train_2d with, decided once per graded cell: one that builds the
+    student's TensorParallelMLP where it passes exercise 3's check (groups of 2 on 4 ranks), else
+    ``graders`` (the grader's own, in the cell's hidden tests), so that train_2d is graded on its own;
+    without ``graders`` (the student's notebook) that failure is raised, saying to fix exercise 3 first."""
+    try:
+        check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+        return _train_2d_in_rank
+    except Exception as e:  # an AssertionError, or the student's code raised in a rank
+        if graders is None:
+            raise AssertionError(
+                f"train_2d builds on your TensorParallelMLP, which does not pass exercise 3's "
+                f"check yet; fix exercise 3 first (the grader grades train_2d with its own)."
+                f"\n{e}"
+            ) from None
+        return graders
+
+
+def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), batch: int = 8, steps: int = 3) -> None:
+    """Exercise 4: ``train_2d`` on n ranks with TP groups of ``tp_size`` (and DP groups across them),
+    run by ``driver`` (``train_2d_driver``): every rank's communication stays inside its TP group
+    (at least one all-reduce a step) or its DP group (each parameter's gradient once a step, the
+    parameters held as copies); each rank's trained slices equal its slices of one process training the
+    dense MLP on the whole batches."""
+    dp_size = n // tp_size
+    case = (
+        f"train_2d on {n} ranks, tp_size={tp_size} ({dp_size} data-parallel group(s) of {tp_size} "
+        f"tensor-parallel ranks), MLP {' -> '.join(map(str, sizes))}, batch {batch}, {steps} steps"
+    )
+    run = _run(driver, n, (list(sizes), batch, steps, tp_size), case)
+    world = tuple(range(n))
+    for rank in range(n):
+        tp, dp = _group_of(rank, tp_size), tuple(range(rank % tp_size, n, tp_size))
+        calls = _communication(run, rank)
+        stray = [e for e in calls if (e.group or world) not in (tp, dp)]
+        assert not stray, (
+            f"{case}: rank {rank}'s communication must stay inside its TP group {tp} (tensor-parallel all-reduces) "
+            f"or its DP group {dp} (gradient averaging); it also made: {_describe(stray[:3], n)}"
+        )
+        if tp_size > 1:
+            in_tp = [e for e in calls if (e.group or world) == tp and e.op == "all_reduce"]
+            assert len(in_tp) >= steps, (
+                f"{case}: rank {rank} made {len(in_tp)} all-reduces in its TP group {tp}; "
+                f"the TensorParallelMLP needs at least one per step (g)"
+            )
+        if dp_size > 1:
+            in_dp = sum(e.bytes for e in calls if (e.group or world) == dp and e.op == "all_reduce")
+            held, stored = run.results[rank][1], run.results[rank][2]
+            assert stored == held, (
+                f"{case}: rank {rank}'s parameters are {held} B but hold {stored} B of storage: "
+                f"exercise 1's layers keep a view into the full weight; keep a copy (.clone())"
+            )
+            assert in_dp == steps * held, (
+                f"{case}: rank {rank} all-reduced {in_dp} B in its DP group {dp} over {steps} steps; its gradients "
+                f"are {held} B a step (each of its parameters' gradients once per step)"
+            )
+    dense = models.MLP(list(sizes), seed=11)
+    reference = models.train_single_process(dense, batches_2d(sizes, batch, steps), lr=0.1)
+    for rank, (params, _, _) in enumerate(run.results):
+        expected = _expected_slices(reference, tp_size, rank % tp_size, grads=False)
+        assert set(params) == set(expected), (
+            f"{case}: rank {rank}: expected the parameters {sorted(expected)}, got {sorted(params)}"
+        )
+        for name, (value, _) in expected.items():
+            checks.assert_close(
+                params[name][0],
+                value,
+                what=(
+                    f"{case}: rank {rank}'s {name} after training, against its slice of one process training the "
+                    f"dense MLP on the whole batches (gradients averaged over the DP group: SUM / {dp_size})"
+                ),
+                rtol=1e-4,
+                atol=1e-5,
+            )
+
+
+def check_groups_not_divisible(n: int, tp_size: int) -> None:
+    """Exercise 4: ``parallel_groups(tp_size)`` where the world size n does not divide by ``tp_size``
+    raises a ValueError saying "divisible"."""
+    _expect_value_error(_call_parallel_groups, n, (tp_size,), case=f"parallel_groups({tp_size}) on {n} ranks")
