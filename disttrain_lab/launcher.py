@@ -214,7 +214,7 @@ def launch(
                 f"{exc}\n(the timeout of {pending.timeout:g} s: {pending.timeout_why})", exc.blocked, exc.stacks
             ) from None
     if trace:
-        run = tracer.Run(
+        return tracer.Run(
             results=results,
             events=events,
             world_size=world_size,
@@ -222,8 +222,6 @@ def launch(
             wall_time=wall,
             network=network,
         )
-        tracer.notify_observers(run)
-        return run
     return results
 
 

