@@ -312,6 +312,7 @@ class _Pool:
                         self._rank_died(w, workers, replies)
                     if reply[0] == "error":
                         self._relay_all()
+                        self._died_first(w, workers, replies, str(reply[1].get("message", "")))
                         self.close()
                         if reply[1]["type"] == "TamperingError":
                             raise TamperingError(f"rank {w.rank}: {reply[1]['message']}")
@@ -366,6 +367,24 @@ class _Pool:
         if dead:
             states[dead[0]] = f"{dead[1]} inside {states[dead[0]].text}"
         raise mismatch_error(found, states, now, stacks)
+
+    def _died_first(self, w: _Worker, workers: list[_Worker], replies: dict, message: str) -> None:
+        """A rank's error that only says its connection to another rank broke (gloo's "Connection reset
+        by peer") is the news of that rank's death: when another rank's process ends within a second,
+        report its death instead (which names a mismatch of collectives where there is one)."""
+        __tracebackhide__ = True
+        if not any(words in message for words in ("Connection reset by peer", "Connection closed by peer")):
+            return
+        others = {o.conn.fileno(): o for o in workers if o is not w and o.rank not in replies}
+        deadline = time.perf_counter() + 1.0
+        while others and time.perf_counter() < deadline:
+            ready, _, _ = select.select(list(others), [], [], max(0.0, deadline - time.perf_counter()))
+            for fd in ready:
+                o = others.pop(fd)
+                try:
+                    o.conn.recv_bytes()  # (a reply: that rank finished or failed on its own; not a death)
+                except (EOFError, OSError, ConnectionError):
+                    self._rank_died(o, workers, replies)  # (raises)
 
     def _rank_died(self, w: _Worker, workers: list[_Worker], replies: dict):
         __tracebackhide__ = True
