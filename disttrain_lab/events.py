@@ -121,18 +121,6 @@ def to_events(raw: list[tuple]) -> list[Event]:
     ]
 
 
-def p2p_bytes_claimed(events) -> int:
-    """Point-to-point bytes the events say were sent (send + isend), negative claims as 0."""
-    total = 0
-    for e in events:
-        try:
-            if e.kind == "p2p" and e.op in ("send", "isend"):
-                total += max(0, int(e.bytes))
-        except (AttributeError, TypeError, ValueError):
-            pass
-    return total
-
-
 # --------------------------------------------------------------------------------------
 # What the notebook gets back
 # --------------------------------------------------------------------------------------

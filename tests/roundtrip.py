@@ -31,8 +31,10 @@ FIRST_REAL_LAB = (grading.list_labs(SOLUTIONS) or [None])[0]
 # where the workers of one session share their round trips (tests/conftest.py sets it)
 SHARED: Path | None = None
 
-# small limits so broken cases cost seconds, not minutes; real labs get the defaults
-FIXTURE_LIMITS = dict(cell_timeout=10, notebook_timeout=120, kernel_memory=2 * 2**30, student_timeout=240)
+# small limits so broken cases cost seconds, not minutes; real labs get the defaults.  A fixture's
+# test makes up to three runs on the student's ranks, and a run is not started with less than
+# 5 s of the test's limit left (hangs.REPORT_MARGIN + MIN_LAUNCH): 20 s leaves room under load
+FIXTURE_LIMITS = dict(cell_timeout=20, notebook_timeout=180, kernel_memory=2 * 2**30, student_timeout=300)
 
 # ----------------------------------------------------------------------------------------
 # crafting submissions

@@ -10,15 +10,15 @@ tests, feedback); this package adds what a course on distributed training needs 
    interrupt: it marks the cell with a message, restarts the kernel, replays the earlier
    cells to restore their definitions and carries on.  It also enforces a per-notebook
    wall-clock budget, a per-process memory limit in the kernel (and the ranks it starts),
-   caps huge output while it arrives, and fails a graded test cell when code before it
-   replaced ``torch.distributed`` or ``disttrain_lab`` functions.  Before each graded
-   test cell it resets IPython's hooks and restores the names tests use (``guard.py``, which
-   sends ``guard_program.py`` into the kernel); where the host allows it, each kernel runs in
-   a sandbox (``sandbox.py``, which starts ``run_sandbox.py``: another user, private /tmp and
-   /dev/shm, hidden grader files, cgroup caps, one pid namespace killed as a unit; the kernel
-   itself: ``kernels.py``).  ``cells.py`` says which cells are tests; ``cell_times.py`` gives
-   each cell a time limit from the solution's own time; ``grader_kernel.py`` runs a lab's
-   graded tests in a kernel that holds no student code.
+   and caps huge output while it arrives.  Every graded test cell runs, as the lab's release
+   has it, in the grader kernel (``grader_kernel.py``), which holds no student code and
+   reaches the student's functions only through ``dl.exercise.run`` (``remote.py``): data
+   comes back, never code; a test the grader has no release copy of scores 0, saying why.
+   Where the host allows it, each student's kernel runs in a sandbox (``sandbox.py``, which
+   starts ``run_sandbox.py``: another user, private /tmp and /dev/shm, hidden grader files,
+   cgroup caps, one pid namespace killed as a unit; the kernel itself: ``kernels.py``).
+   ``cells.py`` says which cells are tests; ``cell_times.py`` gives each cell a time limit
+   from the solution's own time.
 2. ``intake`` takes from a submission folder only the notebook (a regular file, never
    through a symbolic link) and stages it for nbgrader; the rest is listed, never copied.
    ``submission.SubmissionExporter`` pre-checks each submission (a link, empty file,
@@ -27,7 +27,7 @@ tests, feedback); this package adds what a course on distributed training needs 
    ``submission.RestoringOverwriteCells`` takes test cells whole from the release and the
    gradebook (deleted ones too); ``verdict.ScoreByPassing`` lets a test score only by
    passing; ``submission.FeedbackWithoutHiddenTests`` shows failing messages, not test code,
-   and ``hidden_tests`` keeps hidden tests out of the kernel's history and every output;
+   and ``hidden_tests`` keeps hidden tests out of every output;
    ``feedback_page`` makes the page a student reads: the index by exercise, wrapped messages,
    formulas typeset offline, a prediction's expected value withheld until the deadline;
    ``sanitize.SanitizeStudentHTML`` makes what the student wrote inert (outputs, markdown, HTML)

@@ -42,7 +42,7 @@ def diagnose(course: Path, lab: str, student: str, result: StepResult) -> list[s
         others = len(found[ename]) - len(named)
         if found[ename]:
             problems.append(f"{what}: " + ", ".join(named + ([f"{others} other cell(s)"] if others else [])))
-    # hostile constructs a human should look at (what the guard put back is in the grade report too)
+    # hostile constructs a human should look at (the grader's notes are in the grade report too)
     flags = scan_submission(course / "submitted" / student / lab / f"{lab}.ipynb")
     if flags:
         problems.append(f"flagged: {len(flags)} construct(s) to look at (see the grade report)")

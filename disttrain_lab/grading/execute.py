@@ -1,19 +1,21 @@
 """Executing a submission: ``RobustExecute``, nbgrader's ``Execute`` made to survive whatever a
-student's notebook does (dead kernels, ignored interrupts, hooks, replaced names), in a sandboxed
+student's notebook does (dead kernels, ignored interrupts, floods of output), in a sandboxed
 kernel where the host allows it.
 
-This module is the cell loop: each cell's time limit, the guard's questions around a test cell
-(``guard.answer``), what the grader writes into a cell that failed, restarting and replaying
-after a dead or stuck kernel, and the output cap.  The student's kernel itself (sandbox,
-memory limit, quiet runs) is ``kernels.StudentKernel``; the second kernel that runs a lab's
-graded tests without student code is ``grader_kernel.GraderKernel``; what a cell is
-(a test, a locked cell, the names it binds) is ``cells.py``."""
+This module is the cell loop: each cell's time limit, what the grader writes into a cell that
+failed, restarting and replaying after a dead or stuck kernel, and the output cap.  There is one
+way a graded test cell is run: in the grader kernel (``grader_kernel.GraderKernel``), a second
+kernel that holds no student code, with the release's source for its ``grade_id``; the test
+reaches the student's functions only through ``dl.exercise.run`` (and ``dl.predictions.fetch``),
+which asks the student's kernel to run them and reads back data only.  A test cell the grader
+has no release copy of fails closed (0 points, never run).  The student's kernel runs every
+other cell; it itself (sandbox, memory limit, quiet runs) is ``kernels.StudentKernel``; what a
+cell is (a test, a locked cell) is ``cells.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import tempfile
 import time
 
@@ -21,18 +23,9 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbgrader.preprocessors import Execute
 from traitlets import Float, Integer, Unicode
 
-from . import cell_times, guard, hidden_tests, trees
-from .cells import (
-    clamp_partial_credit,
-    error_output,
-    grade_id,
-    is_instructor_cell,
-    is_test_cell,
-    names_bound,
-    names_used,
-    student_functions,
-)
-from .grader_kernel import GraderKernel, release_tests
+from . import cell_times, trees
+from .cells import error_output, is_instructor_cell, is_test_cell, student_functions
+from .grader_kernel import GraderKernel, release_locked_cells, release_tests
 from .kernels import StudentKernel
 
 NOTES_FILE = ".disttrain-grading.json"  # next to the autograded notebook; read by the grade report
@@ -62,14 +55,10 @@ def _prompt(count: int) -> str:
 
 def prompt_numbers(nb) -> dict[int, int]:
     """{index of each code cell that runs: its ``In[n]``}: its place among them in the notebook's
-    order, as a fresh "Run All" numbers them.  Graded tests run without history (in the student's
-    kernel or the grader kernel), so the kernel's own count would give them the previous cell's."""
+    order, as a fresh "Run All" numbers them.  Graded tests run in the grader kernel, without
+    history, so no kernel's own count would give them theirs."""
     runs = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
     return {index: n for n, index in enumerate(runs, start=1)}
-
-
-def _growth(before: int | None, after: int | None) -> int | None:
-    return None if before is None or after is None else after - before
 
 
 class RobustExecute(GraderKernel, StudentKernel, Execute):
@@ -97,27 +86,30 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
     def preprocess(self, nb, resources=None, km=None):
         self._deadline = time.monotonic() + self.notebook_timeout
         self._replayable: list[int] = []  # earlier cells that rebuild the kernel's state
-        self._guard_ready = False
         self._instructor_cells: list[int] = []
         self._kernel_kwargs = {}
         self._notes: list[str] = []
         self._last_status = None
         self._output_bytes, self._output_capped = 0, False
         self._cell_seconds: dict[str, float] = {}  # this run's time per cell (recorded for the solution)
-        lab = ((resources or {}).get("nbgrader") or {}).get("assignment")
+        ids = (resources or {}).get("nbgrader") or {}
+        lab, notebook = ids.get("assignment"), ids.get("notebook")
         self._probe = cell_times.probe()  # (this host's speed and load now; the solution's is recorded)
         self._host_factor, host = cell_times.host_factor(lab, self._probe) if lab else (1.0, "")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale * self._host_factor) if lab else {}
         self._host = host
         self._lab = lab
         self._prompts = prompt_numbers(nb)
-        self._release_tests, self._uses_exercises = release_tests(lab)
+        # what every test cell runs as, and what the grader kernel runs first: the lab's release source
+        self._release_tests = release_tests(lab, notebook)
+        self._release_locked = release_locked_cells(lab, notebook)
         self._grader = None  # (manager, client) of the grader kernel
+        self._grader_ready = False
         self._grader_dir = tempfile.mkdtemp(prefix="grader-")  # hidden from the sandbox with the temp dir
         self._exchange = None
         try:
-            if self._uses_exercises:  # it boots, and runs the lab's locked cells, while the student's cells run
-                self._start_grader(nb)
+            if self._release_tests and any(is_test_cell(c) for c in nb.cells):
+                self._start_grader()  # it boots, and runs the lab's locked cells, while the student's cells run
             return super().preprocess(nb, resources, km)
         finally:
             self._stop_grader()
@@ -147,26 +139,8 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
                 )
             ]
             return cell, self.resources
-        if self._on_grader(cell):
-            return self._run_on_grader(cell, index), self.resources
-        names = names_used(cell.source) if is_test_cell(cell) else []
-        traffic = None
-        if is_test_cell(cell):
-            replaced, notes, traced = self._guard("before_test", names)
-            traffic = (traced, self._loopback_bytes())
-            self._notes += [f"{grade_id(cell)}: put back before the test: {n}" for n in notes]
-            if replaced:
-                self._notes.append(f"{grade_id(cell)}: replaced before the test (scored 0): {', '.join(replaced)}")
-                cell.outputs = [
-                    error_output(
-                        "TamperingError",
-                        (
-                            "grading relies on the genuine " + ", ".join(replaced) + ", but code above "
-                            "replaced it; this exercise gets 0 (the originals were put back for the rest)"
-                        ),
-                    )
-                ]
-                return cell, self.resources
+        if is_test_cell(cell):  # the one way a test is graded: grader_kernel.py
+            return self._grade_test(cell, index), self.resources
         key = cell_times.cell_key(cell)
         # the solution's own time for this cell, times a generous factor (cell_times.py), else the cell limit
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
@@ -182,14 +156,10 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         }
         self._output_bytes, self._output_capped = 0, False
         started = time.monotonic()
-        self._last_status = None
         try:
-            if not is_test_cell(cell):  # its launches report a hang before the limit interrupts the cell
-                self._run_quietly(_prompt(self._prompts[index]) + "\n" + _cell_limit(limit), timeout=10)
-            # a test cell leaves no input history (In, _ih, _i...) its student code could print
-            cell = self.execute_cell(
-                cell, index, execution_count=self._prompts[index], store_history=not is_test_cell(cell)
-            )
+            # its launches report a hang before the limit interrupts the cell
+            self._run_quietly(_prompt(self._prompts[index]) + "\n" + _cell_limit(limit), timeout=10)
+            cell = self.execute_cell(cell, index, execution_count=self._prompts[index], store_history=True)
         except DeadKernelError:
             cell.outputs.append(
                 error_output(
@@ -217,57 +187,13 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         finally:
             self.timeout = cell_timeout
             self._cell_seconds[key] = round(time.monotonic() - started, 3)
-        timed_out = any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs)
-        if is_test_cell(cell) and not timed_out:
-            self._run_quietly(hidden_tests.forget_program(cell.source), timeout=30)  # its cached source
-            changed, _, traced = self._guard("after_test", names)
-            claimed, counted = _growth(traffic[0], traced), _growth(traffic[1], self._loopback_bytes())
-            if changed:  # the student's code, called by the test, changed what the test relies on
-                self._notes.append(f"{grade_id(cell)}: changed while the test ran: {', '.join(changed)}")
-                cell.outputs.append(
-                    error_output(
-                        "TamperingError",
-                        (
-                            "while this test ran, code it called changed " + ", ".join(changed) + "; the result "
-                            "cannot be trusted, so this exercise gets 0 (the originals were put back)"
-                        ),
-                    )
-                )
-            elif claimed is not None and counted is not None and claimed > counted:
-                self._notes.append(
-                    f"{grade_id(cell)}: the trace claims {claimed} B sent point to point, "
-                    f"the operating system counted {counted} B"
-                )
-                cell.outputs.append(
-                    error_output(
-                        "TrafficError",
-                        (
-                            f"the traces of this test's launches say the ranks sent {claimed:,} bytes point to "
-                            f"point, but the operating system counted only {counted:,} bytes on the ranks' network "
-                            "while the cell ran (it counts every byte sent between ranks, headers included, so it "
-                            "can only be more): the trace was altered, or data moved some other way than "
-                            "torch.distributed; this exercise gets 0"
-                        ),
-                    )
-                )
-            elif self._last_status != "ok" and not any(o.output_type == "error" for o in cell.outputs):
-                cell.outputs.append(
-                    error_output(
-                        "GradingError",
-                        f"the test did not pass (the kernel answered {self._last_status!r})"
-                        if self._last_status is not None  # None: no execute reply (a skipped cell)
-                        else "the kernel never ran this test (no reply came), so it cannot have passed",
-                    )
-                )
-            clamp_partial_credit(cell)
-        elif is_instructor_cell(cell):
-            self._record_instructor_names(index)
+        if is_instructor_cell(cell):
+            self._record_instructor_cell(index)
         errors = [o for o in cell.outputs if o.output_type == "error"]
         if any(o.ename == "CellTimeoutError" for o in errors):
             # a student's function the interrupt stopped in this cell is not waited for again by later
             # launches (the graded tests' among them): the kernel is asked once it answers again
-            remember = "pass" if is_test_cell(cell) else _remember_interrupted(cell, limit, student_functions(self.nb))
-            if not self._kernel_answers(remember):
+            if not self._kernel_answers(_remember_interrupted(cell, limit, student_functions(self.nb))):
                 cell.outputs.append(
                     error_output(
                         "CellTimeoutError",
@@ -278,38 +204,28 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
                     )
                 )
                 self._restart_and_replay()
-        elif not is_test_cell(cell) and (not errors or time.monotonic() - started < 10):
+        elif not errors or time.monotonic() - started < 10:
             self._replayable.append(index)
         return cell, self.resources
 
-    # -- the tampering guard ----------------------------------------------------------------
+    # -- the student's kernel ---------------------------------------------------------------
 
     def _kernel_started(self) -> None:
-        """A (new) student's kernel answers: tell the grader kernel where it is, and send the
-        guard into it before any student code, signing with a fresh key (guard.py)."""
+        """A (new) student's kernel answers: tell the grader kernel where it is."""
         self._tell_grader_kernel()
-        self._guard_key = secrets.token_bytes(32)  # signs the guard's answers (guard.py)
-        self._guard_ready = self._run_quietly(guard.program(self._guard_key), timeout=120) is not None
 
-    def _guard(self, function: str, names: list[str]) -> tuple[list[str], list[str], int | None]:
-        """(problems, notes, traced bytes) from the guard in the kernel (``guard.answer``)."""
-        if not self._guard_ready:
-            return [], [], None
-        return guard.answer(self._run_quietly, self._guard_key, function, names)
-
-    def _record_instructor_names(self, index: int) -> None:
+    def _record_instructor_cell(self, index: int) -> None:
+        """A locked cell of the instructor's ran: it is replayed after a restart, whatever it raised."""
         if index not in self._instructor_cells:
             self._instructor_cells.append(index)
-        names = names_bound(self.nb.cells[index].source)
-        if self._guard_ready and names:
-            self._run_quietly("", timeout=30, expression=guard.call("record", names))
 
     async def _check_raise_for_error(self, cell, cell_index, exec_reply):
         self._last_status = (exec_reply or {}).get("content", {}).get("status")
         return await super()._check_raise_for_error(cell, cell_index, exec_reply)
 
     def _write_notes(self, resources) -> None:
-        """What the guard put back or caught, for the grade report (never shown to the student)."""
+        """What the grader noted (a test it could not grade, a test's copy it did not run), the
+        sandbox and the cells' times, for the grade report (never shown to the student)."""
         path = (resources or {}).get("metadata", {}).get("path")
         if path and os.path.isdir(path):
             with open(os.path.join(path, NOTES_FILE), "w") as f:
@@ -347,8 +263,6 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
                         kept.remove(index)
                 self._restart_and_replay()
                 return
-            if index in self._instructor_cells:
-                self._record_instructor_names(index)
 
     # -- output cap ------------------------------------------------------------------------
 

@@ -1,8 +1,14 @@
-"""The grader kernel: a second kernel that holds no student code, where the graded test cells
-of a lab whose tests run the student's code through ``dl.exercise.run`` are run (a test cell
-of the release, its source exactly the release's).  It starts in a fresh folder with the
-grader's own interpreter and kit and the lab's ``data/``, runs the lab's locked cells and the
-exercise runner (``remote.py``), and reaches the student's kernel only through that runner.
+"""The grader kernel: a second kernel that holds no student code, where every graded test cell
+is run, always as the lab's release has it (its source read from the lab's source notebook,
+hidden tests in; never the submission's copy).  It starts in a fresh folder with the grader's
+own interpreter and kit and the lab's ``data/``, runs the lab's locked cells and the exercise
+runner (``remote.py``), and reaches the student's kernel only through that runner:
+``dl.exercise.run`` (and ``dl.predictions.fetch``, a one-rank run of it) asks the student's
+kernel to run the student's function and reads back data only.
+
+A test cell the grader has no release copy of (no lab named, no source notebook for the lab,
+or no test of that ``grade_id`` in it) fails closed: it gets an error saying why and scores 0;
+it never runs, in either kernel.
 
 ``GraderKernel`` is a mixin of ``execute.RobustExecute``: it swaps the grader kernel in for
 one test cell, then makes sure the student's kernel answers again (interrupted, else
@@ -26,48 +32,95 @@ from . import cell_times, remote
 from .cells import clamp_partial_credit, error_output, grade_id, is_instructor_cell, is_test_cell, student_functions
 from .config import source_dir
 
-# a test cell that runs the student's code through dl.exercise.run is graded in the grader kernel
-_RUNS_EXERCISES = re.compile(r"\bexercise\.run\(")
+# how a test (or a locked helper cell) reaches the student's code from the grader kernel
+_REACHES_STUDENT_CODE = re.compile(r"\b(?:exercise\.run|predictions\.fetch)\(")
 KERNEL_EXCHANGE = "/tmp/.kernel/ipc"  # the sandboxed kernel's view of its socket folder (run_sandbox.py)
+# seconds the grader kernel may take to start and run the lab's locked cells (its set-up is the
+# grader's time: a test's limit starts once it is ready)
+GRADER_READY_SECONDS = 300
 
 
-def release_tests(lab: str | None) -> tuple[dict[str, str], bool]:
-    """grade_id -> source of every test cell of the lab's release source (hidden tests in),
-    and whether the lab's tests reach student code through ``dl.exercise.run`` (a test cell
-    or a locked cell of the instructor calls it): then they run in the grader kernel."""
-    found: dict[str, str] = {}
-    uses_exercises = False
+def _source_cells(lab: str | None, notebook: str | None = None):
+    """The code cells of the lab's source notebooks (of ``notebook`` alone where named); none
+    without a lab, nor of a notebook that cannot be read."""
     if not lab:
-        return found, uses_exercises
+        return
     for path in sorted((source_dir() / lab).glob("*.ipynb")):
+        if notebook is not None and path.stem != notebook:
+            continue
         try:
             nb = nbformat.read(path, as_version=4)
         except Exception:  # noqa: BLE001  (not a notebook: nothing to trust)
             continue
-        for cell in nb.cells:
-            if cell.cell_type != "code" or not (is_test_cell(cell) or is_instructor_cell(cell)):
-                continue
-            uses_exercises = uses_exercises or bool(_RUNS_EXERCISES.search(cell.source))
-            if is_test_cell(cell):
-                found[grade_id(cell)] = cell.source
-    return found, uses_exercises
+        yield from (c for c in nb.cells if c.cell_type == "code")
 
 
-def lab_runs_on_grader(lab: str) -> bool:
-    """Whether ``lab``'s graded tests run in the grader kernel (see ``GraderKernel._on_grader``)."""
-    return release_tests(lab)[1]
+def release_tests(lab: str | None, notebook: str | None = None) -> dict[str, str]:
+    """grade_id -> source of every test cell of the lab's release source (hidden tests in):
+    what the grader kernel runs for a test cell of that grade_id."""
+    return {grade_id(c): c.source for c in _source_cells(lab, notebook) if is_test_cell(c)}
+
+
+def release_locked_cells(lab: str | None, notebook: str | None = None) -> list[str]:
+    """The sources of the lab's locked cells of the instructor (its set-up, the tests' helpers),
+    in order, as its release source has them: what the grader kernel runs before any test.  Never
+    the submission's: a cell a student marked locked is still the student's."""
+    return [c.source for c in _source_cells(lab, notebook) if is_instructor_cell(c)]
+
+
+def tests_reach_student_code(lab: str) -> bool:
+    """Whether ``lab``'s graded tests can reach the student's code at all: they run in the grader
+    kernel, which holds none of it, so a test cell (or a locked cell of the instructor's that
+    defines its helpers) must call ``dl.exercise.run`` or ``dl.predictions.fetch``."""
+    return any(
+        _REACHES_STUDENT_CODE.search(c.source) for c in _source_cells(lab) if is_test_cell(c) or is_instructor_cell(c)
+    )
+
+
+def runs_as_release(source: str, release: str) -> bool:
+    """Whether a test cell's ``source`` runs exactly the release's code: it is the release's, or
+    the release's behind whole comment lines only (nbgrader's note atop a test cell it put back)."""
+    if source == release:
+        return True
+    prefix = source[: len(source) - len(release)]
+    if not source.endswith(release) or not prefix.endswith("\n"):
+        return False
+    return all(not line.strip() or line.lstrip().startswith("#") for line in prefix.splitlines())
+
+
+def _ungradable(lab: str | None, tests: dict[str, str], test_id: str) -> str | None:
+    """Why the test cell ``test_id`` cannot be graded (said to the student), or None."""
+    if not lab:
+        return "the grader was not told which lab this notebook belongs to, so it has no release copy of its tests"
+    if not tests:
+        return f"the grader has no release copy of lab {lab}'s tests (its source notebook is not in the course)"
+    if test_id not in tests:
+        return f"lab {lab}'s release has no test named {test_id!r}"
+    return None
 
 
 class GraderKernel:
     """The grader-kernel methods of ``RobustExecute`` (see the module docstring)."""
 
-    def _on_grader(self, cell) -> bool:
-        """A test cell of the release (its source exactly the release's) of a lab whose tests
-        run the student's code through ``dl.exercise.run`` (in a test cell or a locked helper
-        cell): graded in the grader kernel."""
-        if not is_test_cell(cell) or not self._uses_exercises:
-            return False
-        return self._release_tests.get(grade_id(cell)) == cell.source
+    def _grade_test(self, cell, index: int):
+        """Every test cell: run in the grader kernel with the release's source for its grade_id,
+        else failed closed with an error saying why (0 points, never run anywhere)."""
+        test_id = grade_id(cell)
+        why = _ungradable(self._lab, self._release_tests, test_id)
+        if why is not None:
+            self._notes.append(f"{test_id}: not graded (scored 0): {why}")
+            cell.outputs = [
+                error_output(
+                    "GradingError",
+                    f"this test could not be graded: {why}. A test runs only as the lab's release has it, "
+                    "so it scores 0; please tell your instructor",
+                )
+            ]
+            return cell
+        if not runs_as_release(cell.source, self._release_tests[test_id]):
+            self._notes.append(f"{test_id}: the submission's copy differs from the release's; the release's ran")
+            cell.source = self._release_tests[test_id]
+        return self._run_on_grader(cell, index)
 
     def _tell_grader_kernel(self) -> None:
         """Where the student's (new) kernel is, for the grader kernel's exercise runner."""
@@ -89,11 +142,11 @@ class GraderKernel:
             kernel_dir=kernel_dir,
         )
 
-    def _start_grader(self, nb) -> None:
+    def _start_grader(self) -> None:
         """The grader kernel: the grader's own interpreter and kit, a fresh folder holding only
-        the lab's ``data/`` from its source (no submission on its path); the lab's locked cells
-        (restored from the gradebook) and the exercise runner are queued in it at once, so it
-        gets ready while the student's cells run (a test cell's request queues behind them)."""
+        the lab's ``data/`` from its source (no submission on its path); the lab's locked cells,
+        from its release source, and the exercise runner are queued in it at once, so it gets
+        ready while the student's cells run (a test cell's request queues behind them)."""
 
         async def start():
             km = AsyncKernelManager(kernel_name=self.kernel_name or "python3")
@@ -108,8 +161,9 @@ class GraderKernel:
             return km, kc
 
         self._grader = run_sync(start)()
+        self._grader_ready = False
         settings = str(Path(self._grader_dir) / "student-kernel.json")
-        queued = [c.source for c in nb.cells if c.cell_type == "code" and is_instructor_cell(c)]
+        queued = list(self._release_locked)
         queued.append(f"from disttrain_lab.grading import remote as _remote\n_remote.install({settings!r})\n")
         for code in queued:
             self._grader[1].execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
@@ -129,12 +183,37 @@ class GraderKernel:
 
         run_sync(stop)()
 
+    def _wait_for_grader(self) -> str | None:
+        """Wait until the grader kernel has run what was queued in it (the lab's locked cells, the
+        runner): its start-up is not the test's time.  None once it is ready, else why not."""
+        if self._grader_ready:
+            return None
+        wait = max(1.0, min(GRADER_READY_SECONDS, self._deadline - time.monotonic()))
+        student = (self.km, self.kc)
+        self.km, self.kc = self._grader
+        try:
+            reply = self._run_quietly("", timeout=wait)  # answered after everything queued before it
+        except DeadKernelError:
+            return "the grader's own kernel died while it started (the lab's locked cells)"
+        finally:
+            self.km, self.kc = student
+        if reply is None:
+            return f"the grader's own kernel was not ready within {wait:.0f} s (it runs the lab's locked cells first)"
+        self._grader_ready = True
+        return None
+
     def _run_on_grader(self, cell, index: int):
         """Run a test cell in the grader kernel; the student's kernel only serves the runs
         the test asks for.  A student kernel left busy or dead is restarted afterwards."""
         if self._grader is None:  # (it ended: a test before this one ran past its limit)
-            self._start_grader(self.nb)
+            self._start_grader()
         key = cell_times.cell_key(cell)
+        not_ready = self._wait_for_grader()
+        if not_ready is not None:
+            self._notes.append(f"{grade_id(cell)}: not graded (scored 0): {not_ready}")
+            cell.outputs = [error_output("GradingError", f"this test could not be run: {not_ready}; it scores 0")]
+            self._stop_grader()  # (the next test starts a fresh one)
+            return cell
         remaining = self._deadline - time.monotonic()
         limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
         student, cell_timeout, on_timeout = (self.km, self.kc), self.timeout, self.error_on_timeout
@@ -151,6 +230,7 @@ class GraderKernel:
             ],
         }
         self._last_status = None
+        self._output_bytes, self._output_capped = 0, False  # (the cap is per cell: this test's own output)
         started = time.monotonic()
         try:
             cell = self.execute_cell(cell, index, execution_count=self._prompts[index], store_history=False)
@@ -168,7 +248,12 @@ class GraderKernel:
             self._cell_seconds[key] = round(time.monotonic() - started, 3)
         if self._last_status != "ok" and not any(o.output_type == "error" for o in cell.outputs):
             cell.outputs.append(
-                error_output("GradingError", f"the test did not pass (the kernel answered {self._last_status!r})")
+                error_output(
+                    "GradingError",
+                    f"the test did not pass (the grader kernel answered {self._last_status!r})"
+                    if self._last_status is not None  # None: no execute reply (a skipped cell)
+                    else "the grader kernel never ran this test (no reply came), so it cannot have passed",
+                )
             )
         if any(o.output_type == "error" and o.ename == "CellTimeoutError" for o in cell.outputs):
             # the interrupt's traceback is the grader's own code: the limit is what the student needs

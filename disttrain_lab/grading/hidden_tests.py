@@ -1,22 +1,18 @@
-"""Hidden tests stay hidden: out of the kernel's memory after they run, and out of every
-output a student sees.
+"""Hidden tests stay hidden: out of the student's kernel, and out of every output a student sees.
 
-A graded test cell runs without input history (``store_history=False``: no ``In``,
-``_ih``, ``_i``, history database entry), and right after it the grader tells the kernel to
-forget it (``forget_program``): IPython still caches the source of every cell it compiles
-in ``linecache`` (for tracebacks), and keeps the last cell's ``ExecutionResult`` and
-traceback.  What code running *during* the test can see (its caller's frame) may still be
-printed, so every output of every cell of the autograded notebook and the feedback is
-scrubbed: a line of a hidden-tests block (between the BEGIN and END markers) of the lab's source (read from the
-gradebook, where nbgrader keeps it) that appears in an output is replaced by ``MARKER``;
-an output that shows one only once its markup, escapes or spacing are undone is replaced
-whole.  (An encoded copy -- base64, one character a line -- is not recognised: that is
-why the kernel must not keep the source in the first place.)
+A graded test cell runs only in the grader kernel (``grader_kernel.py``), which holds no student
+code and keeps no input history; the student's kernel never receives a test's source, only the
+requests of ``dl.exercise.run`` (a function's name and its inputs, as data).  What a test itself
+prints or raises is shown, so every output of every cell of the autograded notebook and the
+feedback is scrubbed all the same: a line of a hidden-tests block (between the BEGIN and END
+markers) of the lab's source (read from the gradebook, where nbgrader keeps it) that appears in
+an output is replaced by ``MARKER``; an output that shows one only once its markup, escapes or
+spacing are undone is replaced whole.  (An encoded copy -- base64, one character a line -- is not
+recognised: that is why a test's source never reaches the student's kernel.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import html
 import re
 
@@ -108,29 +104,3 @@ class ScrubHiddenTests(NbGraderPreprocessor):
         lines = gradebook_hidden_lines(ids["db_url"], ids["notebook"], ids["assignment"])
         scrub_outputs(nb, lines)
         return nb, resources
-
-
-def forget_program(source: str) -> str:
-    """Code that makes the kernel forget a test cell it just ran (``source``): IPython's
-    cached copies of its lines (``linecache``, the compiler's file names), the last
-    execution's result and traceback.  Only digests of its hidden lines are sent, never the lines."""
-    digests = sorted(hashlib.sha256(line.encode()).hexdigest() for line in hidden_lines([source]))
-    return (
-        "def __disttrain_forget(digests):\n"
-        "    import hashlib, linecache, sys\n"
-        "    from IPython import get_ipython\n"
-        "    ip = get_ipython()\n"
-        "    names = getattr(getattr(ip, 'compile', None), '_filename_map', {})\n"
-        "    for cache in (linecache.cache, getattr(linecache, '_ipython_cache', {})):\n"
-        "        for name, entry in list(cache.items()):\n"
-        "            lines = entry[2] if isinstance(entry, tuple) and len(entry) > 2 else []\n"
-        "            if any(hashlib.sha256(str(l).strip().encode()).hexdigest() in digests for l in lines):\n"
-        "                cache.pop(name, None)\n"
-        "                names.pop(name, None)\n"
-        "    for name in ('last_type', 'last_value', 'last_traceback', 'last_exc'):\n"
-        "        if hasattr(sys, name):\n"
-        "            setattr(sys, name, None)\n"
-        "    ip.last_execution_result = None\n"
-        f"__disttrain_forget(set({digests!r}))\n"
-        "del __disttrain_forget\n"
-    )

@@ -163,11 +163,6 @@ class StudentKernel:
         except DeadKernelError:
             return False
 
-    def _loopback_bytes(self) -> int | None:
-        """What the OS counted on the kernel's loopback so far (sandbox.loopback_bytes)."""
-        pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
-        return sandbox.loopback_bytes(pid) if pid else None
-
     def _stop_kernel(self) -> None:
         self._end_wrapper()
 
@@ -224,7 +219,7 @@ class StudentKernel:
                     self.log.warning(left)
         made.clear()
 
-    def _run_quietly(self, code: str, timeout: float, expression: str | None = None) -> dict | None:
+    def _run_quietly(self, code: str, timeout: float) -> dict | None:
         """Execute code without recording outputs; the reply content, or None on timeout."""
 
         async def run():
@@ -234,7 +229,6 @@ class StudentKernel:
                 store_history=False,
                 allow_stdin=False,
                 stop_on_error=False,
-                user_expressions={"r": expression} if expression else None,
             )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

@@ -3,8 +3,7 @@
 it lacks here (``missing``: the memory and process caps, the syscall filter; a grading under
 ``DISTTRAIN_SANDBOX=auto`` refuses to start without them), what it cannot do although it runs
 (``caveat``), a summary for ``disttrain-lab doctor`` (``describe``), the spec and the command
-line that start a kernel in it (``spec``, ``command``), and what the operating system counted
-on its network (``loopback_bytes``).
+line that start a kernel in it (``spec``, ``command``).
 
 What the sandbox is -- an unprivileged user, private /tmp and /dev/shm, hidden grader
 files, memory and process caps for the whole student, a syscall filter, killed as one unit --
@@ -22,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from . import cgroups, reaper, run_sandbox, syscall_filter
 from .cgroups import Cgroup
@@ -36,7 +34,6 @@ __all__ = [
     "command",
     "describe",
     "kernel_env",
-    "loopback_bytes",
     "method",
     "missing",
     "namespace_process",
@@ -220,24 +217,6 @@ def namespace_process(pid: int, kind: str) -> int:
         except OSError:
             continue
     return pid
-
-
-def loopback_bytes(pid: int) -> int | None:
-    """Bytes sent so far over loopback in the network namespace of the kernel started as
-    ``pid``: the sandbox's own namespace (the first process below ``pid`` in a namespace other
-    than the grader's), or the host's when the kernel is not sandboxed (more traffic than the
-    student's, never less: traffic between local addresses always crosses ``lo``).  Headers
-    and acknowledgements included, so at least every payload byte the ranks sent each other.
-    None where it cannot be read."""
-    where = namespace_process(pid, "net")
-    try:
-        for line in Path(f"/proc/{where}/net/dev").read_text().splitlines():
-            name, _, counters = line.partition(":")
-            if name.strip() == "lo":
-                return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 # ----------------------------------------------------------------------------------------

@@ -279,7 +279,8 @@ def scan_submission(path: Path) -> list[str]:
 
 def grade_report(lab: str, students: list[str], results: dict, course: Path, isolation: str | None) -> Path:
     """<course>/reports/<lab>.txt: how each student was graded and what a human should look
-    at (grading failures, what the guard put back or caught, hostile constructs)."""
+    at (grading failures, what the grader noted: a test it could not grade or whose copy it did
+    not run, hostile constructs)."""
     lines = [
         f"Grade report for {lab}",
         "isolation: "
@@ -314,7 +315,7 @@ def grade_report(lab: str, students: list[str], results: dict, course: Path, iso
         look = notes or flags or refused or extra
         # (what a student lost is the class summary's and exports/<lab>/'s, not this report's)
         lines.append(f"{student}: grading {status}" + ("" if look else ", nothing flagged"))
-        lines += [f"  guard: {n}" for n in notes] + [f"  flag: {f}" for f in flags] + refused + extra
+        lines += [f"  grader: {n}" for n in notes] + [f"  flag: {f}" for f in flags] + refused + extra
     path = course / "reports" / f"{lab}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

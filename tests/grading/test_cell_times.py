@@ -60,14 +60,12 @@ def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path,
     seconds, probe = measure_cell_times("00_basics", source=FIXTURES, tmp_root=str(course.tmp))
     assert {"test_add", "test_mean", "test_scale"} <= seconds.keys() and probe > 0
     cell_times.record("00_basics", seconds, probe)
-    assert cell_times.limits_for("00_basics")["test_mean"] < 600
+    assert cell_times.limits_for("00_basics")["ex_mean"] < 600
     course.do_release()
-    submit(
-        course.course,
-        "spinner",
-        course.lab,
-        with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"),
-    )
+    # its solution cell spins before it defines mean() (a test cannot spin: it runs in the grader
+    # kernel, and a run of mean() that spins ends at the run's own timeout)
+    spins = "while True:\n    pass\ndef mean(xs):\n    return sum(xs) / len(xs)\n"
+    submit(course.course, "spinner", course.lab, with_solution(course.solution, "ex_mean", spins))
     result = course.grade(["spinner"])["spinner"]
     assert result.returncode == 0, result.output[-3000:]
     assert grading.scores(course.lab, course.course)["spinner"] == {
@@ -79,8 +77,13 @@ def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path,
     # the limit the grader gave: the record's, stretched by this host's probe at grading time
     notes = json.loads((course.course / "autograded" / "spinner" / course.lab / NOTES_FILE).read_text())
     assert 1 <= notes["cell_limit_factor"] <= cell_times.HOST_MAX, notes
-    limit = cell_times.limits_for("00_basics", notes["cell_limit_factor"])["test_mean"]
-    [cell] = [c for c in course.autograded("spinner").cells if grade_id(c) == "test_mean"]
+    limit = cell_times.limits_for("00_basics", notes["cell_limit_factor"])["ex_mean"]
+    [cell] = [c for c in course.autograded("spinner").cells if grade_id(c) == "ex_mean"]
     text = "".join(o.get("evalue", "") + "".join(o.get("traceback", [])) for o in cell.outputs)
     assert f"longer than the {limit} s allowed" in text, text  # not the 600 s cell limit
+    assert limit - 1 <= notes["cell_seconds"]["ex_mean"] < limit + 60, (limit, notes["cell_seconds"])
+    [test] = [c for c in course.autograded("spinner").cells if grade_id(c) == "test_mean"]
+    assert [o.evalue for o in test.outputs if o.output_type == "error"] == [
+        "there is no function named 'mean' in the notebook: run the cell that defines it"
+    ]
     assert not list(course.tmp.iterdir())

@@ -352,7 +352,7 @@ def graded(tmp_path_factory):
     source = root / "source"
     (source / LAB).mkdir(parents=True)
     nbformat.write(_feedback_lab(), source / LAB / f"{LAB}.ipynb")
-    # a cell limit the grader kernel's start fits in (it boots during the first test) on a busy machine
+    # a cell limit for a busy machine (the grader kernel's own start is not counted against a test's)
     course = Course(
         root, LAB, source, {**FIXTURE_LIMITS, "cell_timeout": 60, "notebook_timeout": 300, "student_timeout": 400}
     )

@@ -6,13 +6,16 @@ autograde the solution submitted as a student (full marks) and the released blan
 with its first exercise done (exactly that exercise's points), and one whose kernel dies in
 its last exercise; made once per session by tests/roundtrip.py.  On the fixtures, every
 broken submission the grader must survive is crafted by editing ONE exercise of a copy of
-the solution notebook; that exercise loses its points, the others keep theirs, the feedback
-says why, and nothing is left running or on disk.
+the solution notebook; that exercise loses its points, the others keep theirs (but where the
+notebook replaced the kit's or torch's functions in its own kernel: every run there after it is
+refused), the feedback says why, and nothing is left running or on disk.  Every test runs in the
+grader kernel, the student's functions on ranks of the student's kernel (``dl.exercise.run``).
 """
 
 from __future__ import annotations
 
 import copy
+import html
 import os
 import signal
 import subprocess
@@ -130,45 +133,54 @@ def test_round_trip_full_blank_partial(released):
 
 
 # ----------------------------------------------------------------------------------------
-# broken submissions (fixture 00_basics: add 1 + mean 2 + scale 1 points; mean is broken)
+# broken submissions (fixture 00_basics: add 1 + mean 2 + scale 1 points; mean is broken).
+# Every test runs in the grader kernel and calls the student's function on a rank of the
+# student's kernel (dl.exercise.run): what the function does there, the run reports.
 
 MEAN_OK = "def mean(xs):\n    return sum(xs) / len(xs)\n"
 BROKEN_MEAN = {
     # name: (solution-cell source for ex_mean, text the feedback must show)
-    "infinite_loop": ("def mean(xs):\n    while True:\n        pass\n", "ran longer than"),
-    "long_sleep": ("def mean(xs):\n    time.sleep(10**6)\n", "ran longer than"),
-    # (ipykernel resets the SIGINT handler before each cell, so ignore it inside the call)
+    # (the run's timeout is capped to what is left of the test's 20 s: the launcher's report of it)
+    "infinite_loop": ("def mean(xs):\n    while True:\n        pass\n", "mean did not finish within"),
+    "long_sleep": ("def mean(xs):\n    time.sleep(10**6)\n", "mean did not finish within"),
+    # the solution cell itself hangs, ignoring the interrupt: the kernel is restarted, mean never defined
+    # (ipykernel resets the SIGINT handler before each cell, so the cell ignores it itself)
     "ignores_interrupt": (
-        "import signal\ndef mean(xs):\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "    while True:\n        pass\n",
+        "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass\n" + MEAN_OK,
         "did not stop when interrupted",
     ),
-    "kills_kernel_in_test": ("def mean(xs):\n    os._exit(1)\n", "kernel died"),
+    # the rank kills the student's kernel (its parent) while the test waits for the run
+    "kills_kernel_in_test": (
+        "import signal\ndef mean(xs):\n    os.kill(os.getppid(), signal.SIGKILL)\n",
+        "the student's kernel did not answer",
+    ),
     "aborts_kernel_in_cell": ("os.abort()\n" + MEAN_OK, "kernel died"),
-    # 1 GiB held (touched: real memory), then 8 GiB asked for at once: over the kernel's 4-GiB data cap,
-    # refused with a MemoryError at once (filling the cap 256 MiB at a time took over the cell's 10 s under load)
+    # 1 GiB held (touched: real memory), then 8 GiB asked for at once: over the rank's data cap (the
+    # kernel's, inherited), refused with a MemoryError at once
     "exhausts_memory": (
         "def mean(xs):\n    hog = [bytearray(2**30), bytearray(2**33)]\n    return len(hog)\n",
         "MemoryError",
     ),
-    "huge_output": (
-        "def mean(xs):\n    for _ in range(5000):\n        print('x' * 1000)\n    return sum(xs) / len(xs)\n",
-        "OutputLimitExceeded",
-    ),
+}
+# Replacing the kit's or torch's functions in one's own kernel: from then on the kit refuses to
+# launch there (integrity.verify), so every later test fails, saying what was replaced
+TAMPERED = {
     "patches_all_reduce": (
         "import torch.distributed as dist\ndist.all_reduce = lambda *a, **k: None\n" + MEAN_OK,
-        "torch.distributed.all_reduce",
+        "torch.distributed.all_reduce was replaced by code defined in the notebook",
     ),
     "patches_dl_checks": (
         "import importlib, types\n"
-        "try:\n    mod = importlib.import_module('disttrain_lab.checks')\n"
-        "except ImportError:\n    mod = importlib.import_module('disttrain_lab.integrity')\n"
+        "mod = importlib.import_module('disttrain_lab.checks')\n"
         "for name, obj in list(vars(mod).items()):\n"
         "    if isinstance(obj, types.FunctionType) and not name.startswith('_'):\n"
         "        setattr(mod, name, lambda *a, **k: None)\n" + MEAN_OK,
-        "TamperingError",
+        "disttrain_lab.checks.assert_close was replaced by code defined in the notebook",
     ),
 }
+# 5 MB printed by the solution cell, whose mean() is right: the cell's output is capped, and the
+# exercise is graded on its merits
+FLOOD = "for _ in range(5000):\n    print('x' * 1000)\n" + MEAN_OK
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +189,12 @@ def broken_batch(tmp_path_factory):
     course = Course(tmp_path_factory.mktemp("broken"), "00_basics", FIXTURES, FIXTURE_LIMITS)
     course.do_release()
     sol, lab = course.solution, course.lab
-    for name, (source, _) in BROKEN_MEAN.items():
+    for name, (source, _) in {**BROKEN_MEAN, **TAMPERED}.items():
         submit(course.course, name, lab, with_solution(sol, "ex_mean", source))
+    submit(course.course, "huge_output", lab, with_solution(sol, "ex_mean", FLOOD))
+    submit(
+        course.course, "huge_output_wrong", lab, with_solution(sol, "ex_mean", FLOOD + "def mean(xs):\n    return 0\n")
+    )
     wrong = with_solution(sol, "ex_mean", "def mean(xs):\n    return 0\n")
     edited = copy.deepcopy(wrong)
     [test_cell] = [c for c in edited.cells if grade_id(c) == "test_mean"]
@@ -209,7 +225,41 @@ def test_broken_exercise_loses_only_its_points(broken_batch, case):
     assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
     assert broken_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 1.0, "total": 2.0}
     why = BROKEN_MEAN.get(case, (None, "mean([1, 2, 3]) should be 2"))[1]
-    assert why in feedback(broken_batch.course, case, "00_basics")
+    assert why in html.unescape(feedback(broken_batch.course, case, "00_basics"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_replacing_the_kit_in_ones_own_kernel_fails_every_later_test(broken_batch, case):
+    assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
+    assert broken_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 0.0, "total": 1.0}
+    page = html.unescape(feedback(broken_batch.course, case, "00_basics"))
+    assert "TamperingError: grading relies on torch's and disttrain_lab's own functions" in page
+    assert TAMPERED[case][1] in page
+    for test in ("test_mean", "test_scale"):  # each says so, not only the first
+        [cell] = [c for c in broken_batch.autograded(case).cells if grade_id(c) == test]
+        assert any(TAMPERED[case][1] in o.get("evalue", "") for o in cell.outputs), (test, cell.outputs)
+
+
+@pytest.mark.slow
+def test_a_flood_of_output_is_capped_and_the_exercise_graded_on_its_merits(broken_batch):
+    assert broken_batch.results["huge_output"].returncode == 0, broken_batch.results["huge_output"].output[-3000:]
+    assert broken_batch.table["huge_output"] == {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
+    path = broken_batch.course / "autograded" / "huge_output" / "00_basics" / "00_basics.ipynb"
+    assert path.stat().st_size < 3 * 10**6, path.stat().st_size
+    [cell] = [c for c in broken_batch.autograded("huge_output").cells if grade_id(c) == "ex_mean"]
+    assert [o.ename for o in cell.outputs if o.output_type == "error"] == ["OutputLimitExceeded"]
+    # the cap is per cell: the failing test after the flood shows its own message
+    assert broken_batch.table["huge_output_wrong"] == {
+        "test_add": 1.0,
+        "test_mean": 0.0,
+        "test_scale": 1.0,
+        "total": 2.0,
+    }
+    [test] = [c for c in broken_batch.autograded("huge_output_wrong").cells if grade_id(c) == "test_mean"]
+    assert [(o.ename, o.evalue) for o in test.outputs if o.output_type == "error"] == [
+        ("AssertionError", "mean([1, 2, 3]) should be 2")
+    ]
 
 
 @pytest.mark.slow
@@ -258,8 +308,9 @@ BROKEN_ALLSUM = {
     "rank_aborts": "import os\ndef allsum():\n    if dist.get_rank() == 0:\n        os.abort()\n    return 3.0\n",
     "deadlock": "def allsum():\n    t = torch.zeros(1)\n    dist.recv(t, (dist.get_rank() + 1) % dist.get_world_size())\n"
     "    return t.item()\n",
-    "patches_all_reduce": "def _fake(t, *a, **k):\n    t.fill_(3.0)\ndist.all_reduce = _fake\n" + ALLSUM_OK,
 }
+# a fake all_reduce in the student's kernel: the kit refuses every launch there from then on
+PATCHES_ALL_REDUCE = "def _fake(t, *a, **k):\n    t.fill_(3.0)\ndist.all_reduce = _fake\n" + ALLSUM_OK
 
 
 @pytest.mark.slow
@@ -267,7 +318,7 @@ BROKEN_ALLSUM = {
 def test_broken_ranks_lose_only_that_exercise(tmp_path):
     course = Course(tmp_path, "00_launch", FIXTURES, dict(FIXTURE_LIMITS, cell_timeout=60))
     course.do_release()
-    for name, source in BROKEN_ALLSUM.items():
+    for name, source in {**BROKEN_ALLSUM, "patches_all_reduce": PATCHES_ALL_REDUCE}.items():
         submit(course.course, name, course.lab, with_solution(course.solution, "ex_allsum", source))
     submit(course.course, "honest_full", course.lab, course.solution)
     results = course.grade(one_process_per_student=False)
@@ -276,6 +327,12 @@ def test_broken_ranks_lose_only_that_exercise(tmp_path):
     for name in BROKEN_ALLSUM:
         assert results[name].returncode == 0, results[name].output[-3000:]
         assert table[name] == {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0}, name
+    assert results["patches_all_reduce"].returncode == 0, results["patches_all_reduce"].output[-3000:]
+    assert table["patches_all_reduce"] == {"test_allsum": 0.0, "test_ring_next": 0.0, "test_shift": 0.0, "total": 0.0}
+    for cell in course.autograded("patches_all_reduce").cells:
+        if grade_id(cell) in ("test_allsum", "test_ring_next", "test_shift"):
+            said = [o.get("evalue", "") for o in cell.outputs if o.output_type == "error"]
+            assert said and "torch.distributed.all_reduce was replaced" in said[0], (grade_id(cell), said)
     assert not processes_with(str(course.course))
     assert not list(course.tmp.iterdir())
 
@@ -288,21 +345,18 @@ def test_broken_ranks_lose_only_that_exercise(tmp_path):
 def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch, capsys):
     course = Course(tmp_path, "00_basics", FIXTURES, None)
     course.do_release()
-    submit(
-        course.course,
-        "hung",
-        course.lab,
-        with_solution(course.solution, "ex_mean", "def mean(xs):\n    while True:\n        pass\n"),
-    )
+    # its solution cell never ends (the cell limit is 600 s below): only the per-student cap stops it
+    submit(course.course, "hung", course.lab, with_solution(course.solution, "ex_mean", "while True:\n    pass\n"))
     submit(course.course, "honest", course.lab, course.solution)
     for name, value in {
         "DISTTRAIN_COURSE_DIR": course.course,
         "DISTTRAIN_SOURCE_DIR": FIXTURES,
         "DISTTRAIN_RELEASE_DIR": course.release,
         "TMPDIR": course.tmp,
-        # the cap applies to the honest student too: 60 s leaves room on a loaded machine
+        # the cap applies to the honest student too (two kernels: the student's and the grader's; 50 s
+        # under a load of 5 on 2 cores): 120 s leaves room on a loaded machine
         "DISTTRAIN_CELL_TIMEOUT": 600,
-        "DISTTRAIN_STUDENT_TIMEOUT": 60,
+        "DISTTRAIN_STUDENT_TIMEOUT": 120,
     }.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr("tempfile.tempdir", None)  # let tempfile see the new TMPDIR

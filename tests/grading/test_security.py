@@ -4,6 +4,11 @@ before every attacker, "z_honest" after).  Each attacker gets exactly its deserv
 the classmates keep theirs, the gradebook, solutions and other students' files are
 untouched, and nothing is left running or on disk.
 
+Every test cell runs in the grader kernel, which holds no student code; the student's
+functions run on ranks of the student's kernel (``dl.exercise.run``) and only data comes
+back.  What a submission does to its own kernel (hooks, rebound names, the kit's functions
+replaced) reaches no test: at most it breaks the student's own runs, which then fail.
+
 The batch needs a host that can sandbox (root, cgroup v1 memory+pids, namespaces), as CI
 has; elsewhere it is skipped with the reason, and the report test proves the grader says
 loudly that it graded without isolation.
@@ -13,13 +18,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import html
 import os
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from disttrain_lab import grading
+from disttrain_lab import checks, grading, wire
 from disttrain_lab.grading import cells, cgroups, kernels, reaper, sandbox
 from tests.grading.test_grading import (
     FIXTURE_LIMITS,
@@ -63,8 +69,9 @@ ATTACKS = {
         "get_ipython().ast_transformers.append(_NoAssert())\n"
     ),
     "c1_input_transformer": WRONG_MEAN + "get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])\n",
-    # ... and one that answers the grader's guard itself, so that the hooks are never reset
-    "c1_forged_guard": WRONG_MEAN
+    # ... and one that also answers IPython's user expressions itself (how a check inside its
+    # kernel would be asked): the grader asks the student's kernel nothing that way
+    "c1_forged_user_expressions": WRONG_MEAN
     + (
         "ip = get_ipython()\n"
         "ip.set_custom_exc((AssertionError,), lambda *a, **k: None)\n"
@@ -154,7 +161,15 @@ ATTACKS = {
         "    pass\n"
     ),
 }
-DESERVED = {name: 2.0 for name in ATTACKS} | {"c5_escape": 4.0, "c6_shm": 4.0}
+# each attacker's scores: its wrong mean() gets nothing, its honest add() and scale() keep their
+# points, but for the input transformer, which turns every later cell of its own kernel into
+# `pass` (scale() is never defined there: "there is no function named 'scale'")
+FULL = {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
+DESERVED = (
+    {name: dict(FULL, test_mean=0.0, total=2.0) for name in ATTACKS}
+    | {"c5_escape": FULL, "c6_shm": FULL}
+    | {"c1_input_transformer": {"test_add": 1.0, "test_mean": 0.0, "test_scale": 0.0, "total": 1.0}}
+)
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -220,9 +235,21 @@ def attacked(tmp_path_factory):
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attacker_gets_exactly_its_deserved_score(attacked, attack):
     assert attacked.results[attack].returncode == 0, attacked.results[attack].output[-3000:]
-    deserved = DESERVED[attack]
-    mean = deserved - 2
-    assert attacked.table[attack] == {"test_add": 1.0, "test_mean": mean, "test_scale": 1.0, "total": deserved}
+    assert attacked.table[attack] == DESERVED[attack]
+    said = {
+        grade_id(c): [o.get("evalue", "") for o in c.outputs if o.output_type == "error"]
+        for c in attacked.autograded(attack).cells
+        if grade_id(c) in ("test_mean", "test_scale")
+    }
+    if attack == "c1_hooks_during_test":  # mean() holds the kernel's shell: it cannot even reach a rank
+        [why] = said["test_mean"]
+        assert "dl.launch cannot send argument 1 (function) to the ranks" in why, said
+    elif DESERVED[attack]["test_mean"] == 0:  # the grader kernel's own assertion, on the student's value
+        assert said["test_mean"] == ["mean([1, 2, 3]) should be 2"], said
+    if attack == "c1_input_transformer":
+        assert said["test_scale"] == [
+            "there is no function named 'scale' in the notebook: run the cell that defines it"
+        ]
 
 
 @pytest.mark.slow
@@ -259,7 +286,9 @@ def test_feedback_shows_messages_not_hidden_tests(attacked):
         feedback(attacked.course, "c1_hooks", "00_basics"),
     )
     for page in (honest, wrong):
-        assert page and "BEGIN HIDDEN TESTS" not in page and "mean([5]) == 5" not in page
+        page = html.unescape(page)
+        assert page and "BEGIN HIDDEN TESTS" not in page
+        assert 'run("mean", 1, ([5],))' not in page and 'run("mean", 1, ([1, 2],))' not in page
     assert "mean([1, 2, 3]) should be 2" in wrong  # 7: the failing message is there
 
 
@@ -271,15 +300,14 @@ def test_grade_report_flags_for_a_human(attacked):
     blocks = {b.split(":", 1)[0]: b for b in report.split("\n") if b and not b.startswith(" ")}
     assert "nothing flagged" in blocks["a_honest"] and "nothing flagged" in blocks["z_honest"]
     section = report.split("c1_hooks_during_test:")[1].split("\nc4")[0]
-    assert "IPython hook APIs" in section and "changed while the test ran" in section
+    assert "IPython hook APIs" in section
     assert "process or file-system probing" in report.split("c4_files:")[1].split("\nc5")[0]
     assert "ctypes" not in report.split("a_honest:")[1].split("\n")[0]
 
 
 # ----------------------------------------------------------------------------------------
 # 2. names the tests use, and code objects; 3. a forged trace (fixture 00_launch: allsum 2 +
-# ring_next 1 + shift 1 points; every test calls dl.launch, so a fake launch that "passes"
-# allsum fails ring_next; shift's test checks the bytes each rank's trace says it sent)
+# ring_next 1 + shift 1 points; shift's test checks the bytes the OS counted between the ranks)
 
 ALLSUM_WRONG = "def allsum():\n    return 0.0\n"
 FAKE_LAUNCH = "lambda fn, world_size, *a, **k: [world_size * (world_size + 1) / 2.0] * world_size"
@@ -292,31 +320,48 @@ FORGED_SHIFT = (
     "    _t._REC.events.append((rank, 'send', 'p2p', 0.0, 0.0, (rank + 1) % n, None, x.nbytes, None, '', {}))\n"
     "    return torch.full_like(x, float((rank - 1) % n))\n"
 )
+# the right values, carried through /dev/shm instead of torch.distributed (one barrier: a few bytes)
+SHARED_MEMORY_SHIFT = (
+    "def shift(x):\n"
+    "    rank, n = dist.get_rank(), dist.get_world_size()\n"
+    "    torch.save(x, f'/dev/shm/h16-shift-{n}-{rank}')\n"
+    "    dist.barrier()\n"
+    "    return torch.load(f'/dev/shm/h16-shift-{n}-{(rank - 1) % n}')\n"
+)
 LAUNCH_ATTACKS = {
+    # dl rebound in the student's kernel: the tests' dl is the grader kernel's own
     "c2_rebind_dl": (
         "ex_allsum",
         ALLSUM_WRONG + f"class _FakeDL:\n    launch = staticmethod({FAKE_LAUNCH})\ndl = _FakeDL()\n",
     ),
+    # the kit's launch given other code in the student's kernel: every run there after it is broken
     "c2_code_swap": ("ex_allsum", ALLSUM_WRONG + f"dl.launch.__code__ = ({FAKE_LAUNCH}).__code__\n"),
+    # a Run method replaced: the kit refuses to launch in that kernel from then on (integrity.verify)
     "c2_class_patch": (
         "ex_shift",
         "def shift(x):\n    return torch.full_like(x, float((dist.get_rank() - 1) % dist.get_world_size()))\n"
         "dl.Run.bytes_sent = lambda self, rank: 2**20\n",
     ),
     "c3_forged_trace": ("ex_shift", FORGED_SHIFT),
-    # ... and the guard's count of what traces claim, taken out of the launcher's reach
-    "c3_forged_trace_unobserved": (
-        "ex_shift",
-        FORGED_SHIFT + "from disttrain_lab import trace as _t\n_t._RUN_OBSERVERS.clear()\n",
-    ),
+    "c3_shared_memory": ("ex_shift", SHARED_MEMORY_SHIFT),
 }
 LAUNCH_DESERVED = {
     "c2_rebind_dl": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
-    "c2_code_swap": {"test_allsum": 0.0, "test_ring_next": 1.0, "test_shift": 1.0, "total": 2.0},
+    "c2_code_swap": {"test_allsum": 0.0, "test_ring_next": 0.0, "test_shift": 0.0, "total": 0.0},
     "c2_class_patch": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
     "c3_forged_trace": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
-    "c3_forged_trace_unobserved": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
+    "c3_shared_memory": {"test_allsum": 2.0, "test_ring_next": 1.0, "test_shift": 0.0, "total": 3.0},
 }
+# what the OS counted decides: the right values arrived, no payload crossed between the ranks
+NOT_SENT = (
+    "shift on 2 ranks (each sends its 1 MiB once): rank 0 should send rank 1 1,048,576 bytes (its payload), "
+    "but the operating system counted"
+)
+
+
+def _errors(course: Course, student: str, test: str) -> list[str]:
+    [cell] = [c for c in course.autograded(student).cells if grade_id(c) == test]
+    return [html.unescape(o.get("evalue", "")) for o in cell.outputs if o.output_type == "error"]
 
 
 @pytest.mark.slow
@@ -335,28 +380,34 @@ def test_rebound_names_swapped_code_and_forged_traces(tmp_path):
     assert table["a_honest"]["total"] == table["z_honest"]["total"] == 4
     for name in LAUNCH_ATTACKS:
         assert table[name] == LAUNCH_DESERVED[name], name
-    page = feedback(course.course, "c2_code_swap", course.lab)
-    assert "TamperingError" in page and "disttrain_lab.launch" in page
-    assert "TamperingError" in feedback(course.course, "c2_class_patch", course.lab)
-    page = feedback(course.course, "c3_forged_trace", course.lab)
-    assert "TrafficError" in page and "sent 5,242,880 bytes" in page and "operating system counted only" in page
+    assert _errors(course, "c2_rebind_dl", "test_allsum") == ["on 2 ranks allsum() should give 3.0 everywhere"]
+    for test in ("test_allsum", "test_ring_next", "test_shift"):  # the fake launch gave no run back
+        [said] = _errors(course, "c2_code_swap", test)
+        assert said.startswith("the run stopped: "), (test, said)
+    [said] = _errors(course, "c2_class_patch", "test_shift")
+    assert "TamperingError: grading relies on torch's and disttrain_lab's own functions" in said, said
+    assert "disttrain_lab.Run.bytes_sent was replaced or added" in said, said
+    for name in ("c3_forged_trace", "c3_shared_memory"):
+        [said] = _errors(course, name, "test_shift")
+        assert said.startswith(NOT_SENT) and "Data that is returned without being sent does not count" in said, said
     report = (course.course / "reports" / "00_launch.txt").read_text()
-    assert "the name 'dl' (disttrain_lab)" in report.split("c2_rebind_dl:")[1]
-    assert "disttrain_lab.events.Run.bytes_sent" in report.split("c2_class_patch:")[1].split("\nc2_code_swap")[0]
-    assert "the grader's count of traced bytes" in report.split("c3_forged_trace_unobserved:")[1]
-    assert "the trace claims 5242880 B sent point to point" in report.split("c3_forged_trace:")[1]
-    assert "the tracer's internals" in report.split("c3_forged_trace:")[1]
+    assert "the tracer's internals" in report.split("c3_forged_trace:")[1].split("\nc3_shared")[0]
+    assert "/dev/shm" in report.split("c3_shared_memory:")[1].split("\nz_honest")[0]
     assert "nothing flagged" in report.split("a_honest:")[1].split("\n")[0]
     assert not processes_with(str(course.course)) and not list(course.tmp.iterdir())
 
 
 def _forged_shift():
+    # (a driver: its source runs in the ranks as it is, so it imports what it uses)
     import torch
     import torch.distributed as dist
 
-    namespace = {"torch": torch, "dist": dist}
-    exec(FORGED_SHIFT, namespace)
-    return namespace["shift"](torch.full((2**18,), float(dist.get_rank())))
+    from disttrain_lab import trace as _t
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.full((2**18,), float(rank))
+    _t._REC.events.append((rank, "send", "p2p", 0.0, 0.0, (rank + 1) % n, None, x.nbytes, None, "", {}))
+    return torch.full_like(x, float((rank - 1) % n))
 
 
 def _honest_shift():
@@ -372,25 +423,24 @@ def _honest_shift():
 
 
 @pytest.mark.skipif(not HAS_LAUNCH, reason="dl.launch has not landed")
+@pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
 def test_a_forged_trace_fools_the_trace_but_not_the_operating_system():
     # the attack is real: the trace alone cannot tell the forged shift from the honest one ...
     import disttrain_lab as dl
-    from disttrain_lab import trace
 
-    runs, claimed = {}, []
-    trace._RUN_OBSERVERS.append(lambda run: claimed.append(trace.p2p_bytes_claimed(run.events)))
-    try:
-        for name, fn in (("forged", _forged_shift), ("honest", _honest_shift)):
-            before = sandbox.loopback_bytes(os.getpid())
-            runs[name] = (dl.launch(fn, 2, trace=True, timeout=60), sandbox.loopback_bytes(os.getpid()) - before)
-    finally:
-        trace._RUN_OBSERVERS.pop()
-    for run, _ in runs.values():
+    runs = {
+        name: dl.exercise.run(fn, 2, timeout=60) for name, fn in (("forged", _forged_shift), ("honest", _honest_shift))
+    }
+    for run in runs.values():
         assert [float(t[0]) for t in run.results] == [1.0, 0.0]
-        assert [run.bytes_sent(r) for r in range(2)] == [2**20, 2**20]
-    assert claimed == [2**21, 2**21]  # every traced Run was shown to the observers
-    # ... what the OS counted can: every byte the honest ranks sent crossed loopback
-    assert runs["honest"][1] >= 2**21
+        assert [checks.sends(run.trace, r)[0].bytes for r in range(2)] == [2**20, 2**20]
+    # ... what the OS counted can: every byte the honest ranks sent crossed between them, none of the forged
+    assert [runs["honest"].traffic.between(r, 1 - r) >= 2**20 for r in range(2)] == [True, True]
+    assert runs["forged"].traffic.source == runs["honest"].traffic.source == "os"
+    assert runs["forged"].traffic.total < checks.WIRE_SLACK, runs["forged"].traffic.describe()
+    with pytest.raises(AssertionError, match="Data that is returned without being sent does not count"):
+        checks.assert_traffic(runs["forged"], {(0, 1): 2**20, (1, 0): 2**20}, "shift on 2 ranks")
+    checks.assert_traffic(runs["honest"], {(0, 1): 2**20, (1, 0): 2**20}, "shift on 2 ranks")
 
 
 # ----------------------------------------------------------------------------------------
@@ -550,7 +600,7 @@ def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path):
 
 
 def test_verify_untampered_sees_swapped_code_objects_and_defaults():
-    # 2. the in-rank guard compared identities only: same object, other code, passed
+    # 2. the in-rank check (integrity.py) compared identities only: same object, other code, passed
     from disttrain_lab import checks, integrity
 
     genuine = checks.sample_tensor.__defaults__

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -207,12 +208,17 @@ def test_test_cells_are_the_releases_whole(graded):
 
 
 @pytest.mark.slow
-def test_displayed_values_are_shown_not_counted(graded):
+def test_what_a_students_function_displays_never_reaches_a_test(graded):
+    # the test runs in the grader kernel; mean() runs on a rank of the student's kernel, so what it
+    # displays stays there (a test's own execute_result is shown, not counted: the fast test below)
     for student in ("s3_result_text", "s3_result_number", "s3_result_zero_but_right"):
         [cell] = [c for c in graded.autograded(student).cells if grade_id(c) == "test_mean"]
         kinds = [o.output_type for o in cell.outputs]
-        assert "execute_result" not in kinds and "display_data" in kinds, (student, kinds)
-    assert "all tests passed" in feedback(graded.course, "s3_result_text", LAB)  # still shown
+        assert "execute_result" not in kinds and "display_data" not in kinds, (student, kinds)
+        assert "all tests passed" not in json.dumps(cell.outputs)
+        said = [(o.ename, o.evalue) for o in cell.outputs if o.output_type == "error"]
+        wrong = student != "s3_result_zero_but_right"
+        assert said == ([("AssertionError", "mean([1, 2, 3]) should be 2")] if wrong else []), (student, said)
 
 
 @pytest.mark.slow
@@ -276,25 +282,132 @@ def test_the_classmate_and_the_host_are_untouched(graded):
     assert not list(graded.tmp.iterdir())  # the staged copies went with their step
 
 
+def _lab_source(root: Path, tests: dict[str, str]) -> Path:
+    """A course's source folder holding lab ``t_lab``: a locked set-up cell and the test cells ``tests``
+    (grade_id: source)."""
+    nbg = {"grade": False, "grade_id": "setup", "locked": True, "solution": False, "schema_version": 3}
+    cells = [nbformat.v4.new_code_cell("import disttrain_lab as dl", metadata={"nbgrader": nbg})]
+    for name, source in tests.items():
+        nbg = {"grade": True, "grade_id": name, "locked": True, "points": 1, "solution": False, "schema_version": 3}
+        cells.append(nbformat.v4.new_code_cell(source, metadata={"nbgrader": nbg}))
+    (root / "t_lab").mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), root / "t_lab" / "t_lab.ipynb")
+    return root
+
+
+def _test_cell(name: str, source: str, **metadata):
+    nbg = {"grade": True, "grade_id": name, "locked": True, "points": 1, "solution": False}
+    return nbformat.v4.new_code_cell(source, metadata={"nbgrader": nbg, **metadata})
+
+
+def _execute(tmp_path: Path, nb, lab: str | None):
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    resources = {"metadata": {"path": str(work)}}
+    if lab is not None:
+        resources["nbgrader"] = {"assignment": lab, "notebook": lab}
+    nb, _ = grading.RobustExecute(timeout=60, startup_timeout=60).preprocess(nb, resources)
+    notes = json.loads((work / grading.NOTES_FILE).read_text())["notes"]
+    return nb, notes
+
+
 @pytest.mark.slow
-def test_a_test_the_kernel_never_ran_scores_zero(tmp_path):
-    # defence in depth behind the restore: nbclient skips a tagged cell and sends nothing
-    test = nbformat.v4.new_code_cell(
-        "assert False",
-        metadata={
-            "tags": ["skip-execution"],
-            "nbgrader": {"grade": True, "grade_id": "t", "locked": True, "points": 1, "solution": False},
-        },
+def test_every_test_runs_as_the_release_has_it_in_the_grader_kernel(tmp_path, monkeypatch):
+    marker = tmp_path / "ran-in-a-kernel"
+    # the grader kernel ran the release's locked set-up, and holds nothing of the student's cells
+    where = "assert dl.__name__ == 'disttrain_lab' and 'STUDENT_WAS_HERE' not in globals(), 'in the student kernel'"
+    tests = {"t_skipped": "assert False", "t_edited": 'assert False, "the release\'s own test"', "t_where": where}
+    monkeypatch.setenv("DISTTRAIN_SOURCE_DIR", str(_lab_source(tmp_path / "source", tests)))
+    setup = nbformat.v4.new_code_cell("import disttrain_lab as dl")
+    setup.metadata["nbgrader"] = {"grade": False, "grade_id": "setup", "locked": True, "solution": False}
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            setup,
+            nbformat.v4.new_code_cell("STUDENT_WAS_HERE = True"),
+            # defence in depth behind the restore: nbclient skips a tagged cell and sends nothing
+            _test_cell("t_skipped", "assert False", tags=["skip-execution"]),
+            # the submission's copy of a test is never what runs
+            _test_cell("t_edited", "assert True"),
+            _test_cell("t_where", "assert True"),
+            # a test the release does not have: never run, in either kernel
+            _test_cell("t_unknown", f"open({str(marker)!r}, 'w').close()"),
+        ]
     )
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1"), test])
-    nb, _ = grading.RobustExecute(timeout=60, startup_timeout=60).preprocess(nb, {"metadata": {"path": str(tmp_path)}})
-    assert [o.ename for o in nb.cells[1].outputs] == ["GradingError"]
-    assert "never ran this test" in nb.cells[1].outputs[0].evalue
-    assert determine_grade(nb.cells[1]) == (0, 1.0)
+    nb, notes = _execute(tmp_path, nb, "t_lab")
+    assert nb.cells[1].execution_count == 2 and nb.cells[1].outputs == []  # the student's own cell ran
+    cells = {c.metadata.nbgrader["grade_id"]: c for c in nb.cells[2:]}
+    assert [(o.ename, o.evalue) for o in cells["t_skipped"].outputs] == [
+        ("GradingError", "the grader kernel never ran this test (no reply came), so it cannot have passed")
+    ]
+    assert cells["t_edited"].source == 'assert False, "the release\'s own test"'
+    assert [(o.ename, o.evalue) for o in cells["t_edited"].outputs if o.output_type == "error"] == [
+        ("AssertionError", "the release's own test")
+    ]
+    assert cells["t_where"].source == where and cells["t_where"].outputs == []
+    assert [(o.ename, o.evalue) for o in cells["t_unknown"].outputs] == [
+        (
+            "GradingError",
+            "this test could not be graded: lab t_lab's release has no test named 't_unknown'. A test runs only "
+            "as the lab's release has it, so it scores 0; please tell your instructor",
+        )
+    ]
+    assert [determine_grade(cells[t]) for t in ("t_skipped", "t_edited", "t_where", "t_unknown")] == [
+        (0, 1.0),
+        (0, 1.0),
+        (1.0, 1.0),
+        (0, 1.0),
+    ]
+    assert not marker.exists()
+    assert notes == [
+        "t_edited: the submission's copy differs from the release's; the release's ran",
+        "t_where: the submission's copy differs from the release's; the release's ran",
+        "t_unknown: not graded (scored 0): lab t_lab's release has no test named 't_unknown'",
+    ]
+
+
+@pytest.mark.slow
+def test_a_test_the_grader_has_no_release_of_fails_closed(tmp_path, monkeypatch):
+    marker = tmp_path / "ran-in-a-kernel"
+    monkeypatch.setenv("DISTTRAIN_SOURCE_DIR", str(tmp_path / "empty-source"))
+    cells = [nbformat.v4.new_code_cell("x = 1"), _test_cell("t", f"open({str(marker)!r}, 'w').close()")]
+    for lab, why in (
+        ("t_lab", "the grader has no release copy of lab t_lab's tests (its source notebook is not in the course)"),
+        (None, "the grader was not told which lab this notebook belongs to, so it has no release copy of its tests"),
+    ):
+        nb, notes = _execute(tmp_path, nbformat.v4.new_notebook(cells=copy.deepcopy(cells)), lab)
+        assert [(o.ename, o.evalue) for o in nb.cells[1].outputs] == [
+            (
+                "GradingError",
+                f"this test could not be graded: {why}. A test runs only as the lab's release has it, so it "
+                "scores 0; please tell your instructor",
+            )
+        ]
+        assert determine_grade(nb.cells[1]) == (0, 1.0)
+        assert nb.cells[0].execution_count == 1  # the student's cells ran
+        assert notes == [f"t: not graded (scored 0): {why}"]
+    assert not marker.exists()
 
 
 # ----------------------------------------------------------------------------------------
 # fast: the rules, no grading run
+
+
+def test_a_test_runs_only_as_the_release_has_it():
+    from disttrain_lab.grading.grader_kernel import runs_as_release
+
+    release = "assert f(1) == 1\n### BEGIN HIDDEN TESTS\nassert f(2) == 2\n### END HIDDEN TESTS"
+    assert runs_as_release(release, release)
+    # nbgrader's note atop a test cell it put back: whole comment lines, the release's code below them
+    note = "# This cell (id:t) was missing from the submission. It was added back by nbgrader.\n\n"
+    assert runs_as_release(note + release, release)
+    for edited in (
+        "# note" + release,  # the release's first line turned into a comment
+        "f = lambda x: x\n" + release,  # code before it
+        release + "\nassert True",  # or after it
+        "assert True",
+        "",
+    ):
+        assert not runs_as_release(edited, release), edited
 
 
 def test_a_test_cells_execute_result_is_shown_not_counted():

@@ -24,12 +24,7 @@ GRADING = "disttrain_lab.grading"
 TOP_FLOOR = "disttrain_lab.cli"
 
 # Known exceptions, to be emptied as the modules named are reworked (each is (module, what)).
-KNOWN_PRIVATE_USES = {
-    # the guard program (sent into a graded kernel as text) counts traced bytes through the
-    # tracer's observer list and checks that list is still the one it installed into; it keeps
-    # doing exactly that until the grading redesign takes the verdict out of the kernel
-    ("disttrain_lab.grading.guard_program", "disttrain_lab.trace._RUN_OBSERVERS"),
-}
+KNOWN_PRIVATE_USES: set[tuple[str, str]] = set()
 KNOWN_CIRCLE_EDGES: set[tuple[str, str]] = set()
 
 
@@ -161,8 +156,6 @@ def test_the_reader_sees_every_kind_of_import():
             "course",
             "execute",
             "grader_kernel",
-            "guard",
-            "guard_program",
             "install_source",
             "kernels",
             "run_sandbox",
@@ -212,27 +205,6 @@ def test_importing_the_kit_loads_nothing_of_the_grading_wing():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-
-
-# ----------------------------------------------------------------------------------------
-# the guard program: a module file, sent into the kernel as text
-
-
-def test_the_guard_program_compiles_and_runs_nothing_when_imported():
-    from disttrain_lab.grading import guard
-
-    path = PACKAGE / "grading" / "guard_program.py"
-    compile(path.read_text(), str(path), "exec")
-    assert guard.PROGRAM == path.read_text()
-    assert guard.PROGRAM.count(guard.KEY_PLACEHOLDER) == 1
-    key = bytes(range(32))
-    assert key.hex() in guard.program(key) and guard.KEY_PLACEHOLDER not in guard.program(key)
-    # importing it (tooling, a doc build) defines the installer and runs nothing
-    sys.modules.pop("_disttrain_grading_guard", None)
-    from disttrain_lab.grading import guard_program
-
-    assert callable(guard_program._disttrain_install_guard)
-    assert "_disttrain_grading_guard" not in sys.modules
 
 
 def test_the_sandbox_runs_as_a_file_without_the_package():

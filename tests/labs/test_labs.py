@@ -102,11 +102,12 @@ def test_package_ships_none_of_the_solutions(lab):
 
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
 def test_graded_tests_run_where_no_student_code_runs(path):
-    # issue 24: every lab's tests reach student code only through dl.exercise.run, so the
-    # grader runs them in its own kernel (a lab that forgot would silently be graded in the
-    # student's kernel, by the in-kernel guard)
-    from disttrain_lab.grading.grader_kernel import lab_runs_on_grader
+    # issue 24: every graded test runs in the grader kernel, which holds no student code, so a
+    # lab's tests reach the student's functions only through dl.exercise.run (or
+    # dl.predictions.fetch, a run of it); a test that called them by name would fail there on
+    # every submission, the solution's too
+    from disttrain_lab.grading.grader_kernel import tests_reach_student_code
 
-    assert lab_runs_on_grader(path.parent.name), (
-        f"{path.parent.name}: no graded test cell or locked cell calls dl.exercise.run"
+    assert tests_reach_student_code(path.parent.name), (
+        f"{path.parent.name}: no graded test cell or locked cell calls dl.exercise.run or dl.predictions.fetch"
     )
