@@ -22,7 +22,9 @@ def test_a_copy_takes_the_model_time_and_is_logged():
     source = torch.arange(1000, dtype=torch.float32)
     start = time.perf_counter()
     future = link.copy(source, "down")
-    assert time.perf_counter() - start < 0.05, "copy must return at once"
+    # at once: well inside the 0.11 s the copy models (a copy that waited for it would take all of it;
+    # 0.05 s, the bound before, was missed by 0.3 ms once on a loaded host)
+    assert time.perf_counter() - start < 0.1, "copy must return at once"
     source.zero_()  # the copy was taken when copy() was called
     out = future.result()
     assert time.perf_counter() - start >= 0.11
