@@ -52,6 +52,10 @@ from __future__ import annotations
 import os
 import sys
 
+from .startup import skip_slow_imports
+
+skip_slow_imports()  # before nbconvert imports jsonschema (startup.py)
+# isort: split
 from nbconvert.preprocessors import ClearMetadataPreprocessor
 from nbgrader.converters import GenerateAssignment, GenerateFeedback
 from nbgrader.preprocessors import (

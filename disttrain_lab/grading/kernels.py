@@ -182,6 +182,14 @@ class StudentKernel:
         self.kc, self.km = None, None
         self.clean_kernels()
 
+    def _cleanup_kernel(self) -> None:
+        # nbclient's own (at the end of the notebook) ends a kernel gracefully: an interrupt, a
+        # shutdown request, then half its shutdown_wait_time (2.5 s) before SIGTERM, which every
+        # sandboxed kernel waited out (its wrapper outlives the kernel).  A graded kernel has
+        # nothing left to save: _stop_kernel ends it, and all it started, at once.
+        if self.km is not None:
+            self._stop_kernel()
+
     def _end_wrapper(self) -> None:
         """Ask a sandbox's wrapper to end (SIGTERM: it kills the kernel, removes its cgroup or, in
         container mode, every process of the student's uid, and its staged folder) before the

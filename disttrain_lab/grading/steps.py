@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cgroups, reaper, sandbox, trees
+from . import cgroups, reaper, sandbox, startup, trees
 from .config import GRADER_DIR
 
 
@@ -110,7 +110,9 @@ _CHILD_SETUP = (
     "    with open(procs, 'w') as f: f.write(str(os.getpid()))\n"
 )
 _NBGRADER_CHILD = (
-    _CHILD_SETUP + "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)"
+    _CHILD_SETUP
+    + startup.NBGRADER_PRELUDE
+    + "sys.argv[0] = 'nbgrader'; runpy.run_module('nbgrader', run_name='__main__', alter_sys=True)"
 )
 
 
