@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -145,7 +145,7 @@ class RoundTrip:
     students: list[str]  # "full", "blank" (and "partial", "crashed": see _grade_round_trip)
     results: dict[str, Step]
     table: dict  # grading.scores
-    full_seconds: float  # autograding the solution alone, start to end
+    full_seconds: float  # the solution's cells as autograding ran them, first start to last end
     kept: dict[str, float]  # the test cells of the one exercise the partial submission did
     lost: dict[str, float]  # the test cells of the last exercise, which the crashed submission kills
     total: dict[str, float]  # every test cell's points
@@ -194,10 +194,24 @@ def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -
     )
 
 
+def cells_seconds(nb) -> float:
+    """From the first cell's start to the last cell's end, as the kernel's messages timed them
+    when ``nb`` was executed (nbclient's ``metadata.execution``)."""
+    stamps = [
+        datetime.fromisoformat(cell.metadata.execution[key].replace("Z", "+00:00"))
+        for cell in nb.cells
+        for key in ("iopub.execute_input", "shell.execute_reply")
+        if key in cell.get("metadata", {}).get("execution", {})
+    ]
+    if not stamps:
+        raise ValueError("no cell of this notebook carries its execution times")
+    return (max(stamps) - min(stamps)).total_seconds()
+
+
 def _grade_round_trip(course: Course) -> dict:
-    """Release ``course``'s lab, submit the solution and the blank, and autograde them: the
-    solution alone first (timed: its cells' outputs are what the lab's file checks), then the
-    others in one nbgrader process.  On the launch fixture and the first real lab also a partly
+    """Release ``course``'s lab, submit the solution and the blank, and autograde them in one
+    nbgrader process (the solution's cells are timed from its autograded notebook; their outputs
+    are what the lab's file checks).  On the launch fixture and the first real lab also a partly
     done notebook (the blank with only its first exercise done: exactly that exercise's points)
     and one whose kernel dies in the last exercise (only that exercise's points lost): each is
     a whole grading more, made where it proves the grader's behaviour, not on every lab (a
@@ -215,17 +229,14 @@ def _grade_round_trip(course: Course) -> dict:
         submit(course.course, "partial", lab, with_solution(course.blank(), first, first_source))
         [last_source] = [c.source for c in sol.cells if grade_id(c) == last]
         submit(course.course, "crashed", lab, with_solution(sol, last, "__import__('os')._exit(1)\n" + last_source))
-    start = time.perf_counter()
-    results = dict(course.grade(["full"], one_process_per_student=False, feedback=False))
-    full_seconds = time.perf_counter() - start
-    # one nbgrader process for the rest; test_cli_grade_... covers one process per student; then
-    # one feedback step for every student (the solution's too), as an instructor runs it
-    results.update(course.grade(students[1:], one_process_per_student=False))
+    # one nbgrader process for all (test_cli_grade_... covers one process per student), then one
+    # feedback step for every student, as an instructor runs them
+    results = dict(course.grade(students, one_process_per_student=False))
     return {
         "students": students,
         "results": {s: {"returncode": r.returncode, "output": r.output[-5000:]} for s, r in results.items()},
         "table": grading.scores(lab, course.course),
-        "full_seconds": full_seconds,
+        "full_seconds": cells_seconds(course.autograded("full")),
         "kept": points_after(sol, first),
         "lost": points_after(sol, last),
         "total": all_points(sol),
