@@ -5,7 +5,7 @@ A pool of ``size`` worker processes is kept between launches; a launch with
 ``world_size <= size`` and the same plan uses its first ranks.  On the CPU the workers are
 forked from the notebook's kernel (0.1 s for 4 ranks); for GPUs they are fresh interpreters.
 One ``TCPStore`` per pool, on port 0 with a secret key prefix, carries every launch's fresh
-process group.  Each worker's stdout/stderr is relayed into the cell as ``[rank k] ...``.
+process group.  Each worker's stdout/stderr is relayed into the cell as ``[rank k] ...`` (``ranks.py``).
 The pool waits on every rank with a deadline; an exception, a rank that dies, a timeout or
 Ctrl-C stops every rank (SIGKILL) and raises here; the pool is rebuilt on the next launch.
 
@@ -23,28 +23,25 @@ import random
 import secrets
 import select
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
-from multiprocessing.connection import Connection
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import codemap, matching, trace
+from . import codemap, matching, ranks, trace
 from .devices import Plan
 from .integrity import TamperingError
 from .network import Network
+from .ranks import MAX_OUTPUT_LINES
 from .reports import LaunchError, died_error, mismatch_error, rank_doing, rank_error, stack_frames, timeout_error
-from .worker import STACK_SIGNAL, STARTUP_TIMEOUT, worker_main
+from .worker import STARTUP_TIMEOUT
 
 __all__ = ["run", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
 
-MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
 # seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
 # sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
 PROGRESS_WINDOW = 0.25
@@ -100,22 +97,13 @@ def _pool_for(world_size: int, chosen: Plan) -> _Pool:
     return _POOL
 
 
-class _Worker:
-    def __init__(self, rank: int, pid: int, conn: Connection, out_fd: int, stack_fd: int, popen=None):
-        self.rank, self.pid, self.conn, self.out_fd, self.popen = rank, pid, conn, out_fd, popen
-        self.stack_fd = stack_fd  # where the rank writes its Python stack when asked (STACK_SIGNAL)
-        self.partial = b""
-        self.shown = 0
-        self.hidden = 0
-
-
 class _Pool:
     """``size`` warm workers; a call with world_size <= size uses the first ones."""
 
     def __init__(self, size: int, chosen: Plan):
         self.size, self.plan = size, chosen
         self.owner_pid = os.getpid()
-        self.workers: list[_Worker] = []
+        self.workers: list[ranks.Rank] = []
         self.calls = 0
         self.broken = False
         if chosen.start_method == "spawn":
@@ -131,7 +119,9 @@ class _Pool:
         self.secret = secrets.token_hex(16)
         try:
             for rank in range(size):
-                self.workers.append(self._start_worker(rank))
+                self.workers.append(
+                    ranks.start(rank, chosen.start_method == "fork", self.status, self.status_fd, size, self.owner_pid)
+                )
             self._wait_ready()
             # One store per pool, created after the forks (so no child inherits its socket),
             # on port 0: the OS picks a free port, so launches on a shared host never clash.
@@ -165,53 +155,6 @@ class _Pool:
         return True
 
     # ---- starting workers ---------------------------------------------------------
-    def _start_worker(self, rank: int) -> _Worker:
-        parent_sock, child_sock = socket.socketpair()
-        out_r, out_w = os.pipe()
-        stack_r, stack_w = os.pipe()
-        if self.plan.start_method == "fork":
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # child: never return into the caller's stack
-                code = 1
-                try:
-                    parent_sock.close()
-                    os.close(out_r)
-                    os.close(stack_r)
-                    worker_main(
-                        child_sock.detach(), out_w, self.status, forked=True, parent=self.owner_pid, stack_fd=stack_w
-                    )
-                    code = 0
-                finally:
-                    os._exit(code)
-            popen = None
-        else:
-            fds = (child_sock.fileno(), out_w, self.status_fd, stack_w)
-            popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "from disttrain_lab.worker import spawned_main; spawned_main()",
-                    *map(str, fds[:3]),
-                    str(self.owner_pid),
-                    str(trace.SLOT_BYTES * self.size),
-                    str(stack_w),
-                ],
-                pass_fds=fds,
-                stdin=subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=out_w,
-                close_fds=True,
-            )
-            pid = popen.pid
-        child_sock.close()
-        os.close(out_w)
-        os.close(stack_w)
-        os.set_blocking(out_r, False)
-        os.set_blocking(stack_r, False)
-        return _Worker(rank, pid, Connection(parent_sock.detach()), out_r, stack_r, popen)
-
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         waiting = {w.conn.fileno(): w for w in self.workers}
@@ -229,9 +172,9 @@ class _Pool:
                         w.conn.recv_bytes()
                     except (EOFError, OSError):
                         self._relay_all()
-                        raise LaunchError(f"rank {w.rank} failed to start (exit code {self._reap(w)})") from None
+                        raise LaunchError(f"rank {w.rank} failed to start (exit code {w.reap()})") from None
                 else:
-                    self._relay(next(w for w in self.workers if w.out_fd == fd))
+                    next(w for w in self.workers if w.out_fd == fd).relay()
 
     # ---- one launch -------------------------------------------------------------------
     def run(
@@ -281,7 +224,7 @@ class _Pool:
         events.sort(key=lambda e: (e.start, e.rank))
         return results, events, wall
 
-    def _collect(self, workers: list[_Worker], deadline_pc: float, timeout: float, where: dict[str, str]) -> dict:
+    def _collect(self, workers: list[ranks.Rank], deadline_pc: float, timeout: float, where: dict[str, str]) -> dict:
         __tracebackhide__ = True
         replies: dict[int, tuple] = {}
         by_conn = {w.conn.fileno(): w for w in workers}
@@ -301,7 +244,7 @@ class _Pool:
                 ready, _, _ = select.select(pending + list(by_out), [], [], min(left, MISMATCH_AFTER / 4))
                 for fd in ready:
                     if fd in by_out:
-                        self._relay(by_out[fd])
+                        by_out[fd].relay()
                         continue
                     w = by_conn[fd]
                     try:
@@ -324,7 +267,7 @@ class _Pool:
             # where each unfinished rank was: said in the cell, and kept on the exception (a launch
             # under grading is interrupted at the cell's limit; hangs.py remembers the function)
             stuck = [w for w in workers if w.rank not in replies]
-            stacks = self._stacks(stuck)
+            stacks = ranks.stacks(stuck)
             exc.stacks = stacks
             now = time.perf_counter()
             status = {w.rank: trace.read_status(self.status, w.rank) for w in stuck}
@@ -334,15 +277,16 @@ class _Pool:
             print(f"[disttrain-lab] interrupted: stopped all {len(workers)} ranks{where}", file=sys.stderr)
             raise
         finally:
-            self._flush_hidden(workers)
+            for w in workers:
+                w.flush_hidden()
         return replies
 
     # ---- failures ---------------------------------------------------------------------
-    def _states(self, workers: list[_Worker], replies: dict) -> dict:
+    def _states(self, workers: list[ranks.Rank], replies: dict) -> dict:
         """What each rank is in: "finished", the call it is blocked in, or None (running Python)."""
         return {w.rank: "finished" if w.rank in replies else trace.read_status(self.status, w.rank) for w in workers}
 
-    def _compare_calls(self, workers: list[_Worker], replies: dict, now: float, dead: tuple = ()) -> None:
+    def _compare_calls(self, workers: list[ranks.Rank], replies: dict, now: float, dead: tuple = ()) -> None:
         """Stop the launch with the ranks' calls if a rank inside a collective for MISMATCH_AFTER
         seconds entered it unlike the others (matching.py).  ``dead``: (rank, what happened to it)
         of a rank that died inside a collective: then it and every rank inside one are compared."""
@@ -362,13 +306,13 @@ class _Pool:
             return
         self._relay_all()
         # (after a death the others are ending too: their stacks would say where they went next)
-        stacks = {} if dead else self._stacks([w for w in workers if w.rank not in replies])
+        stacks = {} if dead else ranks.stacks([w for w in workers if w.rank not in replies])
         self.close()
         if dead:
             states[dead[0]] = f"{dead[1]} inside {states[dead[0]].text}"
         raise mismatch_error(found, states, now, stacks)
 
-    def _died_first(self, w: _Worker, workers: list[_Worker], replies: dict, message: str) -> None:
+    def _died_first(self, w: ranks.Rank, workers: list[ranks.Rank], replies: dict, message: str) -> None:
         """A rank's error that only says its connection to another rank broke (gloo's "Connection reset
         by peer") is the news of that rank's death: when another rank's process ends within a second,
         report its death instead (which names a mismatch of collectives where there is one)."""
@@ -386,32 +330,19 @@ class _Pool:
                 except (EOFError, OSError, ConnectionError):
                     self._rank_died(o, workers, replies)  # (raises)
 
-    def _rank_died(self, w: _Worker, workers: list[_Worker], replies: dict):
+    def _rank_died(self, w: ranks.Rank, workers: list[ranks.Rank], replies: dict):
         __tracebackhide__ = True
         self._relay_all()
-        code = self._reap(w)
+        code = w.reap()
         blocked = trace.read_status(self.status, w.rank)  # the call it died in, if any
-        frames = stack_frames(self._read_crash(w))  # faulthandler's report of a fatal signal
+        frames = stack_frames(w.crash_report())  # faulthandler's report of a fatal signal
         if code is not None and code < 0 and signal.Signals(-code).name == "SIGABRT" and blocked is not None:
             # gloo aborts a rank whose collective receives a message of another size than it expects
             self._compare_calls(workers, replies, time.perf_counter(), (w.rank, "its process was aborted (SIGABRT)"))
         self.close()
         raise died_error(w.rank, code, blocked, frames, [o.rank for o in workers if o is not w])
 
-    def _read_crash(self, w: _Worker) -> str:
-        """What the rank's faulthandler wrote on its stack pipe when a fatal signal killed it."""
-        text = b""
-        for _ in range(64):
-            try:
-                chunk = os.read(w.stack_fd, 1 << 16)
-            except (BlockingIOError, OSError):
-                break
-            if not chunk:
-                break
-            text += chunk
-        return text.decode(errors="replace")
-
-    def _timeout(self, workers: list[_Worker], replies: dict, timeout: float):
+    def _timeout(self, workers: list[ranks.Rank], replies: dict, timeout: float):
         __tracebackhide__ = True
         now = time.perf_counter()
         states: dict[int, trace.Blocked | str | None] = {}
@@ -423,95 +354,16 @@ class _Pool:
         stuck = [w for w in workers if w.rank not in replies]
         # calls entered while we look: a rank still making them loops, however its last call looked
         calls = {w.rank: trace.read_calls(self.status, w.rank) for w in stuck}
-        stacks = self._stacks(stuck)
+        stacks = ranks.stacks(stuck)
         time.sleep(max(0.0, now + PROGRESS_WINDOW - time.perf_counter()))
         calls = {w.rank: trace.read_calls(self.status, w.rank) - calls[w.rank] for w in stuck}
         window = time.perf_counter() - now
         self.close()
         raise timeout_error(states, now, timeout, stacks, calls, window)
 
-    def _stacks(self, workers: list[_Worker]) -> dict[int, list[tuple[str, int]]]:
-        """Each stuck rank's Python stack, outermost call first, as (function, line): the
-        functions of the notebook (and of a test's driver) it is in, the kit's and torch's left out.
-        A rank writes it when signalled (faulthandler, so also while blocked inside C++)."""
-        for w in workers:
-            try:
-                os.kill(w.pid, STACK_SIGNAL)
-            except ProcessLookupError:
-                pass
-        texts = {w.rank: b"" for w in workers}
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            grew = False
-            for w in workers:
-                try:
-                    chunk = os.read(w.stack_fd, 1 << 16)
-                except (BlockingIOError, OSError):
-                    continue
-                texts[w.rank] += chunk
-                grew = grew or bool(chunk)
-            if not grew and all(texts.values()):
-                break  # every rank wrote its stack, and nothing more came
-            time.sleep(0.05)
-        return {rank: stack_frames(text.decode(errors="replace")) for rank, text in texts.items()}
-
-    def _reap(self, w: _Worker) -> int | None:
-        """Exit code of a worker (negative: killed by that signal); waits briefly."""
-        for _ in range(50):
-            try:
-                pid, status = os.waitpid(w.pid, os.WNOHANG)
-            except ChildProcessError:
-                return w.popen.returncode if w.popen else None
-            if pid:
-                if w.popen is not None:
-                    w.popen.returncode = os.waitstatus_to_exitcode(status)
-                return os.waitstatus_to_exitcode(status)
-            time.sleep(0.02)
-        return None
-
-    # ---- output relay -------------------------------------------------------------------
-    def _relay(self, w: _Worker) -> bool:
-        """Show the complete lines a rank has written so far; False when nothing was read."""
-        try:
-            chunk = os.read(w.out_fd, 1 << 16)
-        except (BlockingIOError, OSError):
-            return False
-        if not chunk:
-            return False
-        lines = (w.partial + chunk).split(b"\n")
-        w.partial = lines.pop()
-        self._show(w, lines)
-        return True
-
-    def _show(self, w: _Worker, lines: list[bytes]) -> None:
-        out = []
-        for line in lines:
-            if w.shown < MAX_OUTPUT_LINES:
-                out.append(f"[rank {w.rank}] {line.decode(errors='replace')}\n")
-                w.shown += 1
-            else:
-                w.hidden += 1
-        if out:
-            sys.stdout.write("".join(out))
-            sys.stdout.flush()
-
     def _relay_all(self) -> None:
-        """Drain every rank's pipe, including a last line without a newline."""
         for w in self.workers:
-            for _ in range(64):
-                if not self._relay(w):
-                    break
-            if w.partial:
-                self._show(w, [w.partial])
-                w.partial = b""
-
-    def _flush_hidden(self, workers: list[_Worker]) -> None:
-        for w in workers:
-            if w.hidden:
-                sys.stdout.write(
-                    f"[rank {w.rank}] ... {w.hidden} more lines not shown (at most {MAX_OUTPUT_LINES} per rank)\n"
-                )
-                w.hidden = 0
+            w.drain()
 
     # ---- stopping -------------------------------------------------------------------------
     def close(self) -> None:
@@ -519,23 +371,7 @@ class _Pool:
         self.broken = True
         if os.getpid() != self.owner_pid:
             return
-        for w in self.workers:
-            try:
-                os.kill(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for w in self.workers:
-            try:
-                os.waitpid(w.pid, 0)
-            except ChildProcessError:
-                pass
-            if w.popen is not None:
-                w.popen.returncode = w.popen.returncode if w.popen.returncode is not None else -9
-            for closer in (w.conn.close, lambda w=w: os.close(w.out_fd), lambda w=w: os.close(w.stack_fd)):
-                try:
-                    closer()
-                except OSError:
-                    pass
+        ranks.kill(self.workers)
         self.workers = []
         self.store = None
         if self.status_fd is not None:

@@ -15,7 +15,7 @@
 #   OverwriteCells.add_missing_cells, the robust executor, the submission pre-checks,
 #   and CourseDirectory.ignore (only notebooks and data/ reach a release).
 from disttrain_lab.grading import Limits, configure
-from disttrain_lab.grading.course import release_folder
+from disttrain_lab.grading.releasing import release_folder
 
 c = get_config()  # noqa: F821  (provided by nbgrader when it loads this file)
 

@@ -37,7 +37,8 @@ tests, feedback); this package adds what a course on distributed training needs 
    in a private temp directory, and every process it started is gone afterwards, and every
    folder: ``trees.remove`` takes away what a student's kernel wrote into them, whatever it is,
    without raising.
-4. ``course``: ``release`` / ``autograde`` / ``generate_feedback`` / ``export_grades`` /
+4. ``releasing``: ``release`` (where it goes, made the same each time, never over a student's work);
+   ``course``: ``autograde`` / ``generate_feedback`` / ``export_grades`` /
    ``scores`` and ``disttrain-lab release``; ``classgrade``: ``disttrain-lab grade`` (a class
    in parallel, resumable by ``ledger``, in ``shards``, summed up by ``class_summary``).
    ``install_source``: where a lab's setup cell installs the kit from, and the wheel beside
@@ -82,22 +83,12 @@ from .config import (
     release_ignore,
     source_dir,
 )
-from .course import (
-    autograde,
-    cli_release,
-    export_grades,
-    generate_feedback,
-    list_labs,
-    normalize_release,
-    release,
-    release_differences,
-    scores,
-    students_of,
-)
+from .course import autograde, cli_release, export_grades, generate_feedback, scores, students_of
 from .execute import NOTES_FILE, RobustExecute
 from .feedback_page import FeedbackPage, configure_exporter
 from .hidden_tests import ScrubHiddenTests
 from .install_source import configured_install_source
+from .releasing import list_labs, normalize_release, release, release_differences
 from .sanitize import SanitizeStudentHTML
 from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
 from .submission import (

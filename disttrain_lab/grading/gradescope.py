@@ -63,9 +63,10 @@ from .config import (
     show_expected,
     source_dir,
 )
-from .course import autograde, graded_release
+from .course import autograde
 from .feedback_page import WITHHELD, expected_shown
 from .hidden_tests import BEGIN as HIDDEN_TESTS
+from .releasing import graded_release
 
 ROOT_ENV = "DISTTRAIN_AUTOGRADER_DIR"  # Gradescope's /autograder (a test's stand-in elsewhere)
 PACKAGE = "gradescope.json"
@@ -118,7 +119,7 @@ def build(
     sandbox_setting: str = "auto",
 ) -> dict:
     """Write the autograder zip ``out`` for ``lab``: its source (default: ``source_dir()``), the
-    release it is graded against (default: the course's, ``course.graded_release``) and the lab's
+    release it is graded against (default: the course's, ``releasing.graded_release``) and the lab's
     gradebook entry from ``course`` (default: ``course_dir()``).  Returns the package's settings."""
     if hidden_visibility not in VISIBILITIES:
         raise ValueError(f"hidden_visibility is one of {', '.join(VISIBILITIES)}, not {hidden_visibility!r}")

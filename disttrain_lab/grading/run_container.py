@@ -17,8 +17,8 @@ dir, the grader's home, ``$DISTTRAIN_SANDBOX_HIDE``) is readable or enterable as
 file permissions, not mounts, keep them from the student.  What holds and what does not is
 grader/README.md, "Grading on Gradescope".  Like ``run_sandbox.py`` this file runs as a file
 (``python -I run_container.py SPEC -- KERNEL-COMMAND``) and imports nothing of the package; it
-loads ``syscall_filter.py``, ``run_sandbox.py`` (for ``kernel_env``) and ``trees.py`` (removing
-the kernel's folder) by their paths.
+loads ``syscall_filter.py``, ``kernel_env.py`` and ``trees.py`` (removing the kernel's folder) by
+their paths.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main(argv: list[str]) -> None:
     syscall_filter = _sibling("syscall_filter")  # (built while this file is where it was)
     folder, work, home = _stage(cmd, uid)
     keep = [os.path.realpath(k) for k in the_spec["keep"]]
-    env = _sibling("run_sandbox").kernel_env(os.environ, home=str(home), runtime=str(folder / "kernel"), keep=keep)
+    env = _sibling("kernel_env").kernel_env(os.environ, home=str(home), runtime=str(folder / "kernel"), keep=keep)
     env["JPY_PARENT_PID"] = str(os.getpid())  # ipykernel ends when this wrapper does
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
     kernel = os.fork()

@@ -8,7 +8,8 @@ grader starts every kernel through it (``python -I .../run_sandbox.py SPEC -- KE
 see ``sandbox.command``); it imports nothing of the package (importing ``disttrain_lab``
 would import torch, seconds per kernel start), and loads by path its siblings that import
 only the standard library: ``cgroups.py`` (the caps, cgroup v1 or v2), ``syscall_filter.py``
-(seccomp) and, under bubblewrap, ``trees.py`` (removing the folder it staged).  As root::
+(seccomp), ``kernel_env.py`` (the environment a kernel sees) and, under bubblewrap,
+``trees.py`` (removing the folder it staged).  As root::
 
     wrapper (root)    creates the kernel's cgroup (caps), unshares mount, pid, IPC and network
     │                 namespaces, waits, kills what is left in the cgroup and removes it
@@ -92,7 +93,7 @@ BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unsha
 
 def _sibling(name: str):
     """A module beside this file that imports nothing but the standard library (cgroups.py,
-    syscall_filter.py), loaded by its path: this program runs as a file, not in the package."""
+    syscall_filter.py, kernel_env.py, trees.py), loaded by its path: this program runs as a file, not in the package."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"disttrain_sandbox_{name}", Path(__file__).with_name(f"{name}.py"))
@@ -142,56 +143,6 @@ def _ipc_dir(conn: dict | None) -> str | None:
             f"transport 'ipc' (unix sockets), not {conn.get('transport')!r}"
         )
     return os.path.dirname(os.path.realpath(conn["ip"]))
-
-
-# ----------------------------------------------------------------------------------------
-# the kernel's environment: an allowlist, never the grader's own (tokens, HOME, course paths)
-
-# names passed through as they are: the locale, thread counts, the kit's and torch's settings
-ENV_NAMES = {
-    "PATH",
-    "LANG",
-    "LANGUAGE",
-    "TZ",
-    "TERM",
-    "MPLBACKEND",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "PYTHONDONTWRITEBYTECODE",
-    "PYTHONUNBUFFERED",
-    "PYTHONHASHSEED",
-    "NBGRADER_EXECUTION",
-    "CUDA_VISIBLE_DEVICES",
-}
-ENV_PREFIXES = ("LC_", "DISTTRAIN_LAB_", "GLOO_", "NCCL_")
-
-
-def kernel_env(environ: dict, *, home: str, runtime: str, keep: list[str]) -> dict:
-    """What a sandboxed kernel sees of the grader's environment: the allowlist above;
-    ``PYTHONPATH`` only with its entries inside the kept paths (the kit); ``HOME`` and the
-    config dirs in the sandbox's private home.  Everything else -- a token, the course's
-    paths (``DISTTRAIN_COURSE_DIR``), the grader's ``HOME`` -- stays out."""
-    env = {k: v for k, v in environ.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
-    inside = [
-        p
-        for p in environ.get("PYTHONPATH", "").split(os.pathsep)
-        if p
-        and any(os.path.realpath(p) == k or os.path.realpath(p).startswith(k.rstrip(os.sep) + os.sep) for k in keep)
-    ]
-    if inside:
-        env["PYTHONPATH"] = os.pathsep.join(inside)
-    env.update(
-        HOME=home,
-        TMPDIR="/tmp",
-        JUPYTER_RUNTIME_DIR=runtime,
-        IPYTHONDIR=os.path.join(home, ".ipython"),
-        MPLCONFIGDIR=os.path.join(home, ".matplotlib"),
-        USER="student",
-        LOGNAME="student",
-        JPY_PARENT_PID="1",
-    )  # ipykernel's parent poller: its parent is the sandbox's init
-    return env
 
 
 def _student_cgroup(the_spec: dict):
@@ -396,7 +347,9 @@ def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
                 raise
     _read_only_host(private)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    env = kernel_env(os.environ, home=str(home), runtime=str(runtime), keep=[os.path.realpath(k) for k in keep_fds])
+    env = _sibling("kernel_env").kernel_env(
+        os.environ, home=str(home), runtime=str(runtime), keep=[os.path.realpath(k) for k in keep_fds]
+    )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     kernel = os.fork()
     if kernel == 0:
@@ -516,7 +469,7 @@ def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
             "--",
             *cmd,
         ]
-        env = kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
+        env = _sibling("kernel_env").kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
         limit = the_spec["data_limit"]
         cgroup = _student_cgroup(the_spec)  # (a base an administrator delegated to the grader)
 

@@ -24,7 +24,8 @@ import sys
 
 from . import cgroups, reaper, run_sandbox, syscall_filter
 from .cgroups import Cgroup
-from .run_sandbox import BWRAP_NAMESPACES, kernel_env
+from .kernel_env import kernel_env
+from .run_sandbox import BWRAP_NAMESPACES
 
 __all__ = [
     "BWRAP_CAVEAT",

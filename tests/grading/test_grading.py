@@ -6,15 +6,14 @@ autograde the solution submitted as a student (full marks) and the released blan
 with its first exercise done (exactly that exercise's points), and one whose kernel dies in
 its last exercise; made once per session by tests/roundtrip.py.  On the fixtures, every
 broken submission the grader must survive is crafted by editing ONE exercise of a copy of
-the solution notebook; that exercise loses its points, the others keep theirs (but where the
-notebook replaced the kit's or torch's functions in its own kernel: every run there after it is
-refused), the feedback says why, and nothing is left running or on disk.  Every test runs in the
+the solution notebook; that exercise loses its points, the others keep theirs, the feedback says
+why, and nothing is left running or on disk (here the runs that hang, kill their kernel or exhaust
+memory; the other broken submissions are test_broken_submissions.py's).  Every test runs in the
 grader kernel, the student's functions on ranks of the student's kernel (``dl.exercise.run``).
 """
 
 from __future__ import annotations
 
-import copy
 import html
 import os
 import signal
@@ -162,50 +161,17 @@ BROKEN_MEAN = {
         "MemoryError",
     ),
 }
-# Replacing the kit's or torch's functions in one's own kernel: from then on the kit refuses to
-# launch there (integrity.verify), so every later test fails, saying what was replaced
-TAMPERED = {
-    "patches_all_reduce": (
-        "import torch.distributed as dist\ndist.all_reduce = lambda *a, **k: None\n" + MEAN_OK,
-        "torch.distributed.all_reduce was replaced by code defined in the notebook",
-    ),
-    "patches_dl_checks": (
-        "import importlib, types\n"
-        "mod = importlib.import_module('disttrain_lab.checks')\n"
-        "for name, obj in list(vars(mod).items()):\n"
-        "    if isinstance(obj, types.FunctionType) and not name.startswith('_'):\n"
-        "        setattr(mod, name, lambda *a, **k: None)\n" + MEAN_OK,
-        "disttrain_lab.checks.assert_close was replaced by code defined in the notebook",
-    ),
-}
-# 5 MB printed by the solution cell, whose mean() is right: the cell's output is capped, and the
-# exercise is graded on its merits
-FLOOD = "for _ in range(5000):\n    print('x' * 1000)\n" + MEAN_OK
 
 
 @pytest.fixture(scope="module")
 def broken_batch(tmp_path_factory):
-    """Every broken case plus two honest students, autograded in one batch."""
+    """Every broken run of mean (a hang, a dead kernel, memory) beside two honest students and a
+    partial one, autograded in one batch (the other broken submissions: test_broken_submissions.py)."""
     course = Course(tmp_path_factory.mktemp("broken"), "00_basics", FIXTURES, FIXTURE_LIMITS)
     course.do_release()
     sol, lab = course.solution, course.lab
-    for name, (source, _) in {**BROKEN_MEAN, **TAMPERED}.items():
+    for name, (source, _) in BROKEN_MEAN.items():
         submit(course.course, name, lab, with_solution(sol, "ex_mean", source))
-    submit(course.course, "huge_output", lab, with_solution(sol, "ex_mean", FLOOD))
-    submit(
-        course.course, "huge_output_wrong", lab, with_solution(sol, "ex_mean", FLOOD + "def mean(xs):\n    return 0\n")
-    )
-    wrong = with_solution(sol, "ex_mean", "def mean(xs):\n    return 0\n")
-    edited = copy.deepcopy(wrong)
-    [test_cell] = [c for c in edited.cells if grade_id(c) == "test_mean"]
-    test_cell.source = "assert True"
-    submit(course.course, "tests_edited", lab, edited)
-    deleted = copy.deepcopy(wrong)
-    deleted.cells = [c for c in deleted.cells if grade_id(c) != "test_mean"]
-    submit(course.course, "tests_deleted", lab, deleted)
-    submit(course.course, "malformed_json", lab, '{"cells": [ {"cell_type": "code", ')
-    submit(course.course, "empty_file", lab, "")
-    submit(course.course, "wrong_lab", lab, load(FIXTURES / "00_launch" / "00_launch.ipynb"))
     submit(course.course, "honest_full", lab, sol)
     submit(course.course, "honest_blank", lab, course.blank())
     [blank_scale] = [c.source for c in course.blank().cells if grade_id(c) == "ex_scale"]
@@ -216,7 +182,7 @@ def broken_batch(tmp_path_factory):
     return course
 
 
-CASES = list(BROKEN_MEAN) + ["tests_edited", "tests_deleted"]
+CASES = list(BROKEN_MEAN)
 
 
 @pytest.mark.slow
@@ -224,62 +190,7 @@ CASES = list(BROKEN_MEAN) + ["tests_edited", "tests_deleted"]
 def test_broken_exercise_loses_only_its_points(broken_batch, case):
     assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
     assert broken_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 1.0, "total": 2.0}
-    why = BROKEN_MEAN.get(case, (None, "mean([1, 2, 3]) should be 2"))[1]
-    assert why in html.unescape(feedback(broken_batch.course, case, "00_basics"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(TAMPERED))
-def test_replacing_the_kit_in_ones_own_kernel_fails_every_later_test(broken_batch, case):
-    assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
-    assert broken_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 0.0, "total": 1.0}
-    page = html.unescape(feedback(broken_batch.course, case, "00_basics"))
-    assert "TamperingError: grading relies on torch's and disttrain_lab's own functions" in page
-    assert TAMPERED[case][1] in page
-    for test in ("test_mean", "test_scale"):  # each says so, not only the first
-        [cell] = [c for c in broken_batch.autograded(case).cells if grade_id(c) == test]
-        assert any(TAMPERED[case][1] in o.get("evalue", "") for o in cell.outputs), (test, cell.outputs)
-
-
-@pytest.mark.slow
-def test_a_flood_of_output_is_capped_and_the_exercise_graded_on_its_merits(broken_batch):
-    assert broken_batch.results["huge_output"].returncode == 0, broken_batch.results["huge_output"].output[-3000:]
-    assert broken_batch.table["huge_output"] == {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
-    path = broken_batch.course / "autograded" / "huge_output" / "00_basics" / "00_basics.ipynb"
-    assert path.stat().st_size < 3 * 10**6, path.stat().st_size
-    [cell] = [c for c in broken_batch.autograded("huge_output").cells if grade_id(c) == "ex_mean"]
-    assert [o.ename for o in cell.outputs if o.output_type == "error"] == ["OutputLimitExceeded"]
-    # the cap is per cell: the failing test after the flood shows its own message
-    assert broken_batch.table["huge_output_wrong"] == {
-        "test_add": 1.0,
-        "test_mean": 0.0,
-        "test_scale": 1.0,
-        "total": 2.0,
-    }
-    [test] = [c for c in broken_batch.autograded("huge_output_wrong").cells if grade_id(c) == "test_mean"]
-    assert [(o.ename, o.evalue) for o in test.outputs if o.output_type == "error"] == [
-        ("AssertionError", "mean([1, 2, 3]) should be 2")
-    ]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "case,why",
-    [
-        ("malformed_json", "not valid notebook JSON"),
-        ("empty_file", "is an empty file"),
-        ("wrong_lab", "is not the notebook of lab 00_basics"),
-    ],
-)
-def test_unreadable_submission_scores_zero_with_a_note(broken_batch, case, why):
-    assert broken_batch.results[case].returncode == 0, broken_batch.results[case].output[-3000:]
-    assert broken_batch.table[case]["total"] == 0
-    assert why in feedback(broken_batch.course, case, "00_basics")
-
-
-@pytest.mark.slow
-def test_deleted_test_cell_is_restored(broken_batch):
-    assert "was missing from the submission" in feedback(broken_batch.course, "tests_deleted", "00_basics")
+    assert BROKEN_MEAN[case][1] in html.unescape(feedback(broken_batch.course, case, "00_basics"))
 
 
 @pytest.mark.slow

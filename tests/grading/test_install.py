@@ -25,7 +25,7 @@ from nbgrader.api import Gradebook
 from traitlets.config.loader import PyFileConfigLoader
 
 from disttrain_lab import __version__, grading
-from disttrain_lab.grading import course, readme_labs
+from disttrain_lab.grading import readme_labs, releasing
 from disttrain_lab.grading.install_source import (
     WHEELS,
     InstallSourceError,
@@ -105,12 +105,12 @@ def test_colab_opens_a_lab_beside_the_wheels_folder_its_source_names(source, url
 
 def test_the_readmes_lab_table_has_a_colab_cell_per_lab_that_the_release_writes():
     text = (REPO / "README.md").read_text()
-    assert readme_labs.labs_listed(text) == course.list_labs()  # a row for every lab, in order
+    assert readme_labs.labs_listed(text) == releasing.list_labs()  # a row for every lab, in order
     configured = grading.configured_install_source()
     assert readme_labs.with_badges(text, configured) == text, "README.md's Colab column: run `disttrain-lab release`"
     published = readme_labs.with_badges(text, "wheel:https://raw.githubusercontent.com/uni/dl-course/main/labs/wheels")
-    assert readme_labs.labs_listed(published) == course.list_labs()
-    for lab in course.list_labs():
+    assert readme_labs.labs_listed(published) == releasing.list_labs()
+    for lab in releasing.list_labs():
         assert (
             f"| [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
             f"(https://colab.research.google.com/github/uni/dl-course/blob/main/labs/{lab}/{lab}.ipynb) |\n"
@@ -175,7 +175,7 @@ def test_release_never_writes_over_a_students_work_in_the_release_folder(tmp_pat
     # a lab nobody ran (the release's own files) is not work
     shutil.copy2(REPO / "labs" / lab / f"{lab}.ipynb", notebook)
     (dl101 / "release" / lab / "notes.md").unlink()
-    assert course.worked_on(dl101 / "release" / lab, REPO / "solutions" / lab) == []
+    assert releasing.worked_on(dl101 / "release" / lab, REPO / "solutions" / lab) == []
 
 
 def test_release_refuses_the_placeholder_before_writing_anything(tmp_path, capsys):
@@ -213,17 +213,17 @@ def test_a_release_goes_to_the_course_folder_and_only_without_one_to_labs(tmp_pa
         monkeypatch.delenv(name, raising=False)
     tmp_path = tmp_path.resolve()
     labs = (REPO / "labs").resolve()
-    assert course.release_folder() == labs  # the maintainer, regenerating what the repository ships
-    assert course.release_folder(tmp_path / "dl101") == tmp_path / "dl101" / "release"  # --course-dir
+    assert releasing.release_folder() == labs  # the maintainer, regenerating what the repository ships
+    assert releasing.release_folder(tmp_path / "dl101") == tmp_path / "dl101" / "release"  # --course-dir
     monkeypatch.setenv("DISTTRAIN_COURSE_DIR", str(tmp_path / "env"))
-    assert course.release_folder() == tmp_path / "env" / "release"
+    assert releasing.release_folder() == tmp_path / "env" / "release"
     # `disttrain-lab grade` grades against the course's own release once one was written, else labs/
-    assert course.graded_release() == labs
+    assert releasing.graded_release() == labs
     (tmp_path / "env" / "release").mkdir(parents=True)
-    assert course.graded_release() == tmp_path / "env" / "release"
-    assert course.graded_release(tmp_path / "dl101") == labs
+    assert releasing.graded_release() == tmp_path / "env" / "release"
+    assert releasing.graded_release(tmp_path / "dl101") == labs
     monkeypatch.setenv("DISTTRAIN_RELEASE_DIR", str(tmp_path / "elsewhere"))  # wins over both
-    assert course.release_folder(tmp_path / "dl101") == course.graded_release() == tmp_path / "elsewhere"
+    assert releasing.release_folder(tmp_path / "dl101") == releasing.graded_release() == tmp_path / "elsewhere"
 
 
 def _nbgrader_release_directory(env: dict[str, str], monkeypatch) -> Path:

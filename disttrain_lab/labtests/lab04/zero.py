@@ -1,16 +1,4 @@
-"""Lab 4's graded tests (ZeRO): each check runs the student's code on ranks with
-``dl.exercise.run`` through a driver that builds and trains it there and returns data only (what
-a rank holds after backward, its parameters, the layers' bytes at every forward and backward),
-then compares, outside the ranks, the memory with the shard the stage allows, the parameters with
-the same optimizer in one process, and the collectives the ranks say they made with 2Ψ or 3Ψ.
-
-The memory calculator's reference (the ZeRO formula, exercise 1's answer) is not here: the graded
-cell defines it and hands it to :func:`check_zero_memory`.  Nor is the grader's own ZeRO-1 that
-Zero2Optimizer is graded on when the student's failed: it sits in that cell's hidden tests and
-reaches :func:`check_zero2` as a driver (:func:`zero2_driver`).
-
-The lab's helper cell calls :func:`setup` (the device the tests' ranks use, no exercise passed yet).
-"""
+"""Lab 4's exercises 2-4: training with ZeRO stages 1-3 on ranks, against one process."""
 
 from __future__ import annotations
 
@@ -22,133 +10,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import checks, devices, exercise, memory, models
-from ..exercise import ExerciseRun
-from . import common
-
-__all__ = [
-    "GRADED_PASSED",
-    "OPTIMIZERS",
-    "STEPS",
-    "batches",
-    "check_zero1",
-    "check_zero2",
-    "check_zero3",
-    "check_zero_memory",
-    "communication_volume",
-    "setup",
-    "train",
-    "zero2_driver",
-]
-
-STEPS = 3  # training steps of every graded run
-SLACK_PER_TENSOR = 16  # bytes: Adam's step counter (a 0-d tensor per parameter tensor) and the like
-OPTIMIZERS = {  # what the tests wrap: (optimizer_class, defaults, fp32 bytes of state per element)
-    "adam": (torch.optim.Adam, {"lr": 0.01}, 8),
-    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, 8),
-    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, 4),  # its update is proportional to the gradient
-}
-TEST_DEVICE = "cpu"  # where the tests' ranks compute (setup(); the grader always runs on the CPU)
-GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed, for the exercises built on them
-
-
-def setup(device: str = "cpu") -> None:
-    """The graded tests' state, as the lab's helper cell sets it: their ranks compute on ``device``
-    (the notebook's DEVICE; the CPU under grading), and no exercise has passed its graded cell yet."""
-    global TEST_DEVICE
-    TEST_DEVICE = device
-    GRADED_PASSED.clear()
-
-
-def communication_volume(events) -> int:
-    """Bytes a rank's collectives moved (section 2's accounting): reduce-scatter or all-gather of S bytes
-    count S (the size of the whole input, resp. output), an all-reduce of S bytes 2S (it is a reduce-scatter
-    plus an all-gather)."""
-    return sum(2 * e.bytes if e.op.startswith("all_reduce") else e.bytes for e in events if e.kind == "collective")
-
-
-def batches(sizes: Sequence[int], batch: int, steps: int) -> list:
-    """The data of every graded run (and of the lab's pictures): ``steps`` batches of ``batch`` rows for
-    an MLP of ``sizes``."""
-    return [models.regression_data(batch, sizes[0], sizes[-1], seed=10 + step) for step in range(steps)]
-
-
-# --------------------------------------------------------------------------------------
-# Exercise 1: the memory calculator
-# --------------------------------------------------------------------------------------
-def _ask_calculator(cases):
-    """The test's driver, run next to the notebook's code: zero_memory_per_rank(*args, **kwargs) for each case
-    (args, kwargs).  Returns data: each answer's items (numbers as numbers, anything else as its repr), or the
-    repr of an answer that is not a dict, or what it raised."""
-    answers = []
-    for args, kwargs in cases:
-        try:
-            got = zero_memory_per_rank(*args, **kwargs)  # noqa: F821  (the notebook's)
-        except Exception as e:
-            answers.append(
-                {"raised": type(e).__name__, "value_error": isinstance(e, ValueError), "message": str(e)[:500]}
-            )
-            continue
-        if not isinstance(got, dict):
-            answers.append({"other": repr(got)[:200]})
-            continue
-        items = {}
-        for key, value in got.items():
-            if type(value) not in (int, float, bool):
-                try:
-                    value = value.item()  # a numpy or torch scalar
-                except Exception:
-                    pass
-            items[str(key)] = value if type(value) in (int, float, bool) else repr(value)[:100]
-        answers.append({"dict": items})
-    return answers
-
-
-def _check_calculator(formula: Callable, psi: int, stage: int, n: int, answer: dict, **bytes_per_element) -> None:
-    short = {"param_bytes": "pb", "grad_bytes": "gb", "optimizer_bytes": "ob"}
-    want = formula(psi, stage, n, **{short[k]: v for k, v in bytes_per_element.items()})
-    case = (
-        f"zero_memory_per_rank({psi}, stage={stage}, world_size={n}"
-        + "".join(f", {k}={v}" for k, v in bytes_per_element.items())
-        + ")"
-    )
-    assert "raised" not in answer, f"{case} raised {answer['raised']}: {answer['message']}"
-    got = answer.get("dict")
-    assert isinstance(got, dict) and set(want) <= set(got), (
-        f"{case} should return a dict with the keys {sorted(want)}, "
-        f"got {got if got is not None else answer.get('other')!r}"
-    )
-    for key in want:
-        assert got[key] == want[key], (
-            f"{case}[{key!r}] = {got[key]}, expected {want[key]} (a sharded part is held for ceil(Ψ/N) = "
-            f"{-(-psi // n)} parameters, an unsharded one for all Ψ = {psi}; stage {stage} shards "
-            f"{['nothing', 'the optimizer state', 'optimizer state and gradients', 'everything'][stage]})"
-        )
-
-
-def check_zero_memory(formula: Callable, cases: Sequence[tuple], bad: Sequence[dict] = ()) -> None:
-    """Exercise 1, ``zero_memory_per_rank(num_parameters, stage, world_size, param_bytes=2, grad_bytes=2,
-    optimizer_bytes=12)``: for each case ``(Ψ, N)`` or ``(Ψ, N, bytes per element)`` and every stage 0-3,
-    a dict whose "parameters", "gradients", "optimizer_state" and "total" are ``formula``'s (the graded
-    cell's: ceil(Ψ/N) parameters for a part the stage shards, Ψ for one it does not); and a ValueError
-    for each set of arguments in ``bad`` (a stage other than 0-3, a world_size below 1).  One run on one
-    rank, stage by stage."""
-    cases = [(psi, stage, n, dict(rest[0]) if rest else {}) for stage in range(4) for psi, n, *rest in cases]
-    asked = [((psi, stage, n), kwargs) for psi, stage, n, kwargs in cases] + [((100,), kwargs) for kwargs in bad]
-    try:
-        run = exercise.run(_ask_calculator, 1, (asked,), timeout=60)
-    except exercise.ExerciseTimeout as e:
-        raise AssertionError(f"zero_memory_per_rank did not return within 60 s\n{e}") from None
-    answers = run.results[0]
-    assert isinstance(answers, list) and len(answers) == len(asked), (
-        f"expected {len(asked)} answers, got {answers!r:.200}"
-    )
-    for (psi, stage, n, kwargs), answer in zip(cases, answers):
-        _check_calculator(formula, psi, stage, n, answer, **kwargs)
-    for kwargs, answer in zip(bad, answers[len(cases) :]):
-        assert answer.get("value_error"), f"zero_memory_per_rank(100, **{kwargs}) should raise ValueError" + (
-            f"; it raised {answer['raised']}: {answer['message']}" if "raised" in answer else ""
-        )
+from ... import checks, devices, exercise, memory, models
+from ...exercise import ExerciseRun
+from .. import common
+from .common import GRADED_PASSED, OPTIMIZERS, SLACK_PER_TENSOR, STEPS, TEST_DEVICE, batches, communication_volume
 
 
 # --------------------------------------------------------------------------------------

@@ -1,292 +1,33 @@
-"""Lab 6's graded tests (tensor parallelism): each check runs the student's classes on ranks in a
-*driver* (a function below whose source ``exercise.run`` sends to the student's kernel, where it is
-defined among the notebook's names, builds and calls the notebook's classes, and returns data),
-compares every rank's tensors with one process running the dense layer or MLP, and reads the
-collective calls each rank made (``run.trace``): how many all-reduces, of how many bytes, over which
-group, in which phase of the driver.
-
-A driver uses only the notebook's names (the student's classes, and ``dist``, ``nn``, ``checks``,
-``models`` of the setup cell) and imports what it needs of this module inside its body.  Nothing here is a
-solution: train_2d's fallback (the grader's own TensorParallelMLP, used where exercise 3 fails)
-stays in the graded cell's hidden tests, as do the predictions' cost models."""
+"""Lab 6's checks, one per exercise, against the dense layers in one process."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from .. import checks, exercise, models
-from ..exercise import ExerciseRun
-from . import common
-
-__all__ = [
-    "check_2d",
-    "check_f_and_g",
-    "check_groups_not_divisible",
-    "check_linear_not_divisible",
-    "check_mlp_not_divisible",
-    "check_parallel_linear",
-    "check_tp_mlp",
-    "train_2d_driver",
-]
-
-TIMEOUT = 60  # seconds a test's run may take
-_DEADLOCK_HINT = "do all ranks of a group make the same collective calls, in the same order?"
-_F_G_PHASES = ("set-up", "f forward", "f backward", "g forward", "g backward")
-_MLP_PHASES = ("building", "forward", "backward")
-
-
-# --------------------------------------------------------------------------------------
-# What the drivers import in the ranks (public: code that runs elsewhere uses it, the hidden
-# tests' own drivers too; none of it uses the notebook's names)
-# --------------------------------------------------------------------------------------
-def chunk(size: int, parts: int, index: int) -> slice:
-    """The index-th of ``parts`` equal contiguous chunks of range(size)."""
-    step = size // parts
-    return slice(index * step, (index + 1) * step)
-
-
-def tp_group(tp_size: int):
-    """Groups of ``tp_size`` consecutive ranks (torch's own dist.new_subgroups); None: all ranks, one group."""
-    if tp_size == dist.get_world_size():
-        return None
-    group, _ = dist.new_subgroups(tp_size)
-    return group
-
-
-def parameter_bytes(tensors) -> int:
-    """Bytes of the tensors themselves (what an all-reduce of their gradients moves)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages under ``tensors``: a slice that is a view of the full weight
-    costs the whole full weight."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def parameters_of(module: nn.Module) -> dict:
-    """``module``'s parameters: name -> (value, gradient or None), copies."""
-    return {
-        name: (p.detach().clone(), None if p.grad is None else p.grad.clone()) for name, p in module.named_parameters()
-    }
-
-
-def batches_2d(sizes, batch, steps):
-    """train_2d's data: ``steps`` batches of ``batch`` rows (the same in the ranks and in the reference)."""
-    data = models.regression_data(batch * steps, sizes[0], sizes[-1], seed=7)
-    return list(zip(data.x.split(batch), data.y.split(batch)))
-
-
-def next_phase():
-    """A driver calls this between two phases of your code (building, forward, backward): a barrier
-    of all ranks, where ``_phases`` splits each rank's trace."""
-    dist.barrier()
-
-
-def trained_2d_with(train_2d, mlp_class, sizes, batch, steps, tp_size):
-    """In a rank: the student's ``train_2d`` on the dense MLP and the batches, with ``mlp_class`` in the
-    place of the TensorParallelMLP it builds; the trained slices, their bytes and their storage's."""
-    names = train_2d.__globals__  # what train_2d calls TensorParallelMLP, in this rank
-    students = names.get("TensorParallelMLP")
-    names["TensorParallelMLP"] = mlp_class
-    try:
-        model = train_2d(models.MLP(sizes, seed=11), batches_2d(sizes, batch, steps), tp_size, lr=0.1)
-    finally:
-        names["TensorParallelMLP"] = students
-    return parameters_of(model), parameter_bytes(model.parameters()), storage_bytes(model.parameters())
-
-
-# --------------------------------------------------------------------------------------
-# Drivers: run in the student's kernel, among the notebook's names (their source is sent)
-# --------------------------------------------------------------------------------------
-def _linear_in_rank(d_in, d_out, batch, bias, tp_size):
-    """The test's driver: both layers built from one full layer; the row layer gets this rank's slice of the input."""
-    from disttrain_lab.labtests.lab06 import chunk, parameters_of, storage_bytes, tp_group
-
-    group = tp_group(tp_size)
-    position, size = dist.get_rank(group), dist.get_world_size(group)
-    full = models.MLP([d_in, d_out], seed=1, bias=bias)[0]
-    x, dy = checks.sample_tensor((batch, d_in), seed=2), checks.sample_tensor((batch, d_out), seed=3)
-    column, row = ColumnParallelLinear(full, group), RowParallelLinear(full, group)  # noqa: F821  (the notebook's)
-    y_column, y_row = column(x), row(x[:, chunk(d_in, size, position)])
-    y_column.backward(dy[:, chunk(d_out, size, position)])
-    y_row.backward(dy)
-    return {
-        "y_column": y_column.detach(),
-        "y_row": y_row.detach(),
-        "column": parameters_of(column),
-        "row": parameters_of(row),
-        "column_bytes": storage_bytes(column.parameters()),
-        "row_bytes": storage_bytes(row.parameters()),
-    }
-
-
-def _build_layer(kind, d_in, d_out):
-    """The test's driver: one of your layers, built from a full layer."""
-    layer = {"column": ColumnParallelLinear, "row": RowParallelLinear}[kind]  # noqa: F821  (the notebook's)
-    layer(nn.Linear(d_in, d_out))
-
-
-def _f_g_in_rank(batch, d, tp_size):
-    """The test's driver: f then g, forward and backward, with a next_phase() between the phases."""
-    from disttrain_lab.labtests.lab06 import next_phase, tp_group
-
-    group, rank = tp_group(tp_size), dist.get_rank()
-    same = checks.sample_tensor((batch, d), seed=1).requires_grad_()  # f's input: one X on every rank
-    mine = checks.sample_tensor((batch, d), seed=10 + rank).requires_grad_()  # g's input: each rank's partial sum
-    before = mine.detach().clone()
-    next_phase()  # f forward
-    out_f = CopyToTensorParallel.apply(same, group)  # noqa: F821  (the notebook's)
-    next_phase()  # f backward
-    out_f.backward(checks.sample_tensor((batch, d), seed=20 + rank))
-    next_phase()  # g forward
-    out_g = ReduceFromTensorParallel.apply(mine, group)  # noqa: F821  (the notebook's)
-    next_phase()  # g backward
-    out_g.backward(checks.sample_tensor((batch, d), seed=30 + rank))
-    return {
-        "f": out_f.detach(),
-        "f grad": same.grad,
-        "g": out_g.detach(),
-        "g grad": mine.grad,
-        "g input changed": not torch.equal(mine.detach(), before),
-    }
-
-
-def _mlp_in_rank(sizes, batch, tp_size):
-    """The test's driver: your TensorParallelMLP built from the dense MLP, one forward and one backward,
-    with a next_phase() between the phases."""
-    from disttrain_lab.labtests.lab06 import next_phase, parameters_of, storage_bytes, tp_group
-
-    group = tp_group(tp_size)
-    dense = models.MLP(sizes, seed=3)
-    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
-    mlp = TensorParallelMLP(dense, group)  # noqa: F821  (the notebook's)
-    next_phase()  # forward
-    y = mlp(x)
-    next_phase()  # backward
-    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
-    return {"y": y.detach(), "x grad": x.grad, "params": parameters_of(mlp), "bytes": storage_bytes(mlp.parameters())}
-
-
-def _build_mlp(sizes):
-    """The test's driver: your TensorParallelMLP built from a dense MLP."""
-    TensorParallelMLP(models.MLP(sizes))  # noqa: F821  (the notebook's)
-
-
-def _train_2d_in_rank(sizes, batch, steps, tp_size):
-    """The test's driver: your train_2d on the dense MLP and the batches; the trained slices come back."""
-    from disttrain_lab.labtests.lab06 import batches_2d, parameter_bytes, parameters_of, storage_bytes
-
-    model = train_2d(models.MLP(sizes, seed=11), batches_2d(sizes, batch, steps), tp_size, lr=0.1)  # noqa: F821
-    return parameters_of(model), parameter_bytes(model.parameters()), storage_bytes(model.parameters())
-
-
-def _call_parallel_groups(tp_size):
-    """The test's driver: your parallel_groups (what it returns stays in the ranks)."""
-    parallel_groups(tp_size)  # noqa: F821  (the notebook's)
-
-
-# --------------------------------------------------------------------------------------
-# Reading a run
-# --------------------------------------------------------------------------------------
-def _run(driver: Callable, n: int, args: tuple, case: str) -> ExerciseRun:
-    """``driver`` on n ranks; a run that did not finish in time fails saying what to look for."""
-    return common.run_or_fail(driver, n, args, case, _DEADLOCK_HINT, timeout=TIMEOUT)
-
-
-def _group_of(rank: int, tp_size: int) -> tuple:
-    start = rank - rank % tp_size
-    return tuple(range(start, start + tp_size))
-
-
-def _communication(run: ExerciseRun, rank: int) -> list:
-    """``rank``'s calls that communicate, in the order it made them (the trace holds the driver's call only)."""
-    return sorted((e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p")), key=lambda e: e.start)
-
-
-def _describe(events, world_size) -> str:
-    return (
-        ", ".join(f"{e.op} of {e.bytes} B over ranks {e.group or tuple(range(world_size))}" for e in events)
-        or "nothing"
-    )
-
-
-def _phases(run: ExerciseRun, rank: int, names: tuple, case: str) -> dict:
-    """``rank``'s communication in each phase of the driver (phase name -> calls), split at the
-    barriers of all ranks that ``next_phase`` made between them."""
-    calls = _communication(run, rank)
-    marks = [i for i, e in enumerate(calls) if e.op == "barrier" and e.group is None]
-    assert len(marks) == len(names) - 1, (
-        f"{case}: the test separates {', '.join(names)} by {len(names) - 1} barriers of all ranks, but rank {rank} "
-        f"made {len(marks)}: make no dist.barrier() of your own here. Its calls: {_describe(calls, run.world_size)}"
-    )
-    bounds = [-1, *marks, len(calls)]
-    return {name: calls[bounds[k] + 1 : bounds[k + 1]] for k, name in enumerate(names)}
-
-
-def _assert_all_reduces(run: ExerciseRun, calls: list, rank: int, count: int, nbytes: int, group: tuple, what: str):
-    """``calls`` (``rank``'s, in one phase) are exactly ``count`` all-reduces of ``nbytes`` over ``group``,
-    nothing else."""
-    ok = len(calls) == count and all(
-        e.op == "all_reduce" and e.bytes == nbytes and (e.group or tuple(range(run.world_size))) == group for e in calls
-    )
-    assert ok, (
-        f"{what}: rank {rank} should make exactly {count} all-reduce(s) of {nbytes} B over ranks {group} "
-        f"{'(nothing else)' if count else '(no communication at all)'}; it made: "
-        f"{_describe(calls, run.world_size)}"
-    )
-
-
-def _compare_parameters(got: dict, expected: dict, what: str):
-    """``got``/``expected``: name -> (value, gradient).  Same names, values and gradients."""
-    assert set(got) == set(expected), (
-        f"{what}: expected the parameters {sorted(expected) or 'none'}, got {sorted(got) or 'none'} "
-        f"(register slices as nn.Parameter; the row-parallel bias lives on group rank 0 only)"
-    )
-    for name, (value, grad) in expected.items():
-        checks.assert_close(got[name][0], value, what=f"{what}: {name}")
-        assert got[name][1] is not None, (
-            f"{what}: no gradient reached {name}: make it a leaf nn.Parameter "
-            f"(a fresh copy of the slice) and compute the output from it"
-        )
-        checks.assert_close(got[name][1], grad, what=f"{what}: the gradient of {name}", rtol=1e-4, atol=1e-5)
-
-
-def _expected_slices(dense: nn.Module, tp_size: int, position: int, grads: bool = True) -> dict:
-    """What TensorParallelMLP's parameters must be on the rank at ``position`` in its TP group."""
-    first, second = dense[0], dense[2]
-    rows, cols = chunk(first.out_features, tp_size, position), chunk(second.in_features, tp_size, position)
-    pick = lambda p, index: (p.detach()[index], p.grad[index] if grads else None)
-    expected = {
-        "column.weight": pick(first.weight, rows),
-        "column.bias": pick(first.bias, rows),
-        "row.weight": pick(second.weight, (slice(None), cols)),
-    }
-    if position == 0:
-        expected["row.bias"] = pick(second.bias, slice(None))
-    return expected
-
-
-def _expect_value_error(target: Callable, n: int, args: tuple, case: str) -> None:
-    """``target`` (a driver) on n ranks must stop with the student's ValueError saying "divisible", as
-    the exercise asks (only that word: an error torch raises by accident does not pass)."""
-    try:
-        exercise.run(target, n, args, timeout=TIMEOUT)
-    except exercise.ExerciseError as e:
-        if common.rank_raised(e, "ValueError", "divisible", loose=True):
-            return
-        got = f"{e.exc_type}: {e.exc_message}" if e.exc_type is not None else str(e)
-        raise AssertionError(
-            f"{case}: expected your ValueError saying the size is not divisible by the number "
-            f'of ranks (the exercise asks for the word "divisible"); got {got}'
-        ) from None
-    raise AssertionError(
-        f"{case}: expected a ValueError (the size is not divisible by the number of ranks), but it ran without one"
-    )
+from ... import checks, models
+from .common import _F_G_PHASES, _MLP_PHASES
+from .ranks import (
+    _build_layer,
+    _build_mlp,
+    _call_parallel_groups,
+    _f_g_in_rank,
+    _linear_in_rank,
+    _mlp_in_rank,
+    _train_2d_in_rank,
+    batches_2d,
+    chunk,
+)
+from .reading import (
+    _assert_all_reduces,
+    _communication,
+    _compare_parameters,
+    _describe,
+    _expect_value_error,
+    _expected_slices,
+    _group_of,
+    _phases,
+    _run,
+)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,219 +1,26 @@
-"""Lab 3's graded tests (data parallelism): each check runs the student's code on ranks through
-``dl.exercise.run`` with a *driver* of this module (``_shards``, ``_broadcast_in_rank``,
-``_train_in_rank``: sent to the student's kernel as source, they build the student's classes by
-name there and hand back plain data: parameters, the ranks' trace), then compares every rank with
-a reference computed here, in one process, from the kit's own models, and reads the trace for the
-rules the text states (when the all-reduces run, how many, how many bytes).
-
-Exercises built on an earlier one (``average_gradients`` through ``NaiveDDP``, which broadcasts;
-``AccumulatingDDP`` on ``BucketedDDP``) are graded on the grader's own version of the earlier one
-when the student's did not pass its graded test (``GRADED_PASSED``): that grader's version is a
-solution, so it is defined in the graded cell's hidden tests, never here."""
+"""Lab 3's checks, against one process training the same model on the whole batch."""
 
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from .. import checks, exercise, models, trace
-from ..trace import Run
-from . import common
-
-__all__ = [
-    "GRADED_PASSED",
-    "TOLERANCE",
-    "batches",
-    "broadcast_that_passed",
-    "bucket_sizes",
-    "bucketed_ddp_that_passed",
-    "check_average_gradients",
-    "check_broadcast_parameters",
-    "check_bucketed_ddp",
-    "check_ddp",
-    "check_no_sync",
-    "check_overlapped_ddp",
-    "check_shard",
-    "graded_model",
-    "per_parameter",
-]
-
-TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # float32: the ranks add their gradients in another order
-GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed, for the exercises built on them
-_COLLECTIVES_IN_ORDER = "do all ranks issue the same collectives in the same order?"
-
-
-def _device(device: str | None) -> str:
-    """Where the graded runs compute: ``device`` when given; else the CPU under the grader
-    (NBGRADER_EXECUTION), which always grades there, and otherwise the notebook's ``DEVICE``."""
-    if device is not None:
-        return device
-    if os.environ.get("NBGRADER_EXECUTION"):
-        return "cpu"
-    return getattr(sys.modules.get("__main__"), "DEVICE", "cpu")
-
-
-def graded_model(kind: str, seed: int) -> nn.Module:
-    """The graded models: a plain MLP, one with tied weights, one with a frozen first layer."""
-    if kind == "mlp":
-        return models.MLP([6, 16, 16, 3], seed=seed)
-    if kind == "tied":
-        return models.TiedAutoencoder(d=6, hidden=8, seed=seed)
-    if kind == "frozen":
-        return models.PartlyFrozenMLP([6, 16, 16, 3], seed=seed)
-    raise ValueError(f"kind must be 'mlp', 'tied' or 'frozen', got {kind!r}")
-
-
-def batches(kind: str, batch: int, steps: int) -> list:
-    """``steps`` batches of ``batch`` rows of regression data for the model ``kind``: (x, y) pairs."""
-    data = models.regression_data(batch * steps, 6, 6 if kind == "tied" else 3, seed=7)
-    return list(zip(data.x.split(batch), data.y.split(batch)))
-
-
-def per_parameter(kind: str) -> int:
-    """All-reduces per step with one per parameter: each trainable parameter once (tied ones too)."""
-    return sum(1 for p in graded_model(kind, 0).parameters() if p.requires_grad)
-
-
-def bucket_sizes(model: nn.Module, bucket_mb: float) -> list[int]:
-    """The bucket rule of exercise 5's text, in bytes per bucket: trainable parameters in reverse order,
-    a new bucket whenever the next one would push the current bucket past the cap (a larger one gets
-    its own)."""
-    cap, sizes = bucket_mb * 2**20, []
-    for p in list(model.parameters())[::-1]:
-        if not p.requires_grad:
-            continue
-        size = p.numel() * p.element_size()
-        if not sizes or sizes[-1] + size > cap:
-            sizes.append(0)
-        sizes[-1] += size
-    return sizes
-
-
-# --------------------------------------------------------------------------------------
-# Drivers: run in the student's kernel, among the notebook's names (its functions and classes,
-# torch, dist, nn, dl ...); anything else they import themselves.
-# --------------------------------------------------------------------------------------
-def _shards(x, world_size):
-    """A driver: every rank's shard of ``x`` from your ``shard``, as it returned them (``before``) and after
-    ``x`` changed in place (``after``: a view of x shows the change, a copy does not)."""
-    import torch
-
-    shards = [shard(x, rank, world_size) for rank in range(world_size)]  # noqa: F821  (the notebook's)
-    before = [s.clone() if isinstance(s, torch.Tensor) else s for s in shards]
-    x.add_(1)
-    return before, shards
-
-
-def _broadcast_in_rank(kind):
-    """A driver: your broadcast_parameters on a model built from this rank's own seed; the parameters after."""
-    import torch.distributed as dist
-
-    import disttrain_lab as dl
-    from disttrain_lab.labtests.lab03 import graded_model
-
-    model = graded_model(kind, seed=dist.get_rank()).to(dl.device())
-    broadcast_parameters(model)  # noqa: F821  (the notebook's)
-    return {name: p.detach().cpu() for name, p in model.named_parameters()}
-
-
-def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, graders=None, interrupted=False):
-    """A driver: in a rank, wrap a model built from *this rank's* seed (so the wrapper must broadcast rank 0's
-    parameters) in your class ``wrapper`` (with ``bucket_mb=`` when given), train it data-parallel for ``steps``
-    steps, each of ``micro_steps`` micro-batches (all but the last under ddp.no_sync()), as a torch DDP user
-    would.  ``graders``: the grader's own code for the exercise this one is built on, used instead of yours when
-    yours did not pass its test: ("broadcast_parameters", the function's name, its source), or ("BucketedDDP",
-    the name of a function that makes the class, its source).  ``interrupted``: before training, an exception is
-    raised inside ``with ddp.no_sync():`` and caught, as a training loop that skips a failed micro-batch does.
-    Returns the parameters, and the events of the rank's trace with its dl.region marks (dl.exercise.run's
-    run.trace leaves those out)."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
-    import disttrain_lab as dl
-    from disttrain_lab.labtests.lab03 import batches, graded_model
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    make_ddp = {  # the notebook's classes
-        "NaiveDDP": lambda: NaiveDDP,  # noqa: F821
-        "OverlappedDDP": lambda: OverlappedDDP,  # noqa: F821
-        "BucketedDDP": lambda: BucketedDDP,  # noqa: F821
-        "AccumulatingDDP": lambda: AccumulatingDDP,  # noqa: F821
-    }[wrapper]()
-    bases, swapped = make_ddp.__bases__, None  # swapped: (names, yours), put back at the end
-    if graders is not None:
-        replaces, name, source = graders
-        space = {"__name__": "graders", "torch": torch, "dist": dist, "nn": nn}
-        exec(source, space)
-        if replaces == "broadcast_parameters":  # NaiveDDP(model) broadcasts with the grader's
-            names = make_ddp.__init__.__globals__
-            swapped = (names, names.get(replaces))
-            names[replaces] = space[name]
-        elif bases == (BucketedDDP,):  # noqa: F821  (AccumulatingDDP on the grader's BucketedDDP)
-            make_ddp.__bases__ = (space[name](),)
-    try:
-        model = graded_model(kind, seed=rank).to(dl.device())
-        ddp = make_ddp(model) if bucket_mb is None else make_ddp(model, bucket_mb=bucket_mb)
-        if not isinstance(ddp, nn.Module) or getattr(ddp, "module", None) is not model:
-            raise TypeError(
-                f"{type(ddp).__name__}(model) should be an nn.Module whose .module is the model it "
-                f"wraps, like torch's DistributedDataParallel (call super().__init__(), then "
-                f"self.module = module)"
-            )
-        optimizer = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
-        if interrupted:
-            failure = RuntimeError("a micro-batch failed inside no_sync()")
-            try:
-                with ddp.no_sync():
-                    raise failure
-            except RuntimeError as e:
-                if e is not failure:
-                    raise
-            else:
-                raise AssertionError(
-                    "an exception raised inside `with ddp.no_sync():` did not come out of it: "
-                    "no_sync() swallowed it; restore the state in `finally:` and let it go on"
-                )
-        for step, (x, y) in enumerate(batches(kind, batch, steps)):
-            x, y = x.tensor_split(world_size)[rank].to(dl.device()), y.tensor_split(world_size)[rank].to(dl.device())
-            optimizer.zero_grad()
-            for micro, (xm, ym) in enumerate(zip(x.tensor_split(micro_steps), y.tensor_split(micro_steps))):
-                last = micro == micro_steps - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():
-                    loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
-                    with dl.region("backward", step=step, micro=micro, last=last):
-                        loss.backward()
-            with dl.region("finish", step=step):
-                ddp.finish_gradient_synchronization()
-            optimizer.step()
-    finally:
-        if make_ddp.__bases__ != bases:
-            make_ddp.__bases__ = bases
-        if swapped is not None:
-            swapped[0]["broadcast_parameters"] = swapped[1]
-    return {
-        "parameters": {name: p.detach().cpu() for name, p in model.named_parameters()},
-        "events": dl.trace.set_recording(True),
-        "backend": dist.get_backend(),
-    }
-
-
-def _traced(run: exercise.ExerciseRun) -> Run:
-    """The ranks' trace of a run of _train_in_rank, each rank's events as its driver handed them back."""
-    events = [e for rank, result in enumerate(run.results) for e in trace.to_events(result["events"]) if e.rank == rank]
-    return Run(
-        results=[result["parameters"] for result in run.results],
-        events=sorted(events, key=lambda e: e.start),
-        world_size=run.world_size,
-        backend=run.results[0]["backend"],
-    )
+from ... import checks, exercise, models
+from ...trace import Run
+from .. import common
+from .common import (
+    _COLLECTIVES_IN_ORDER,
+    GRADED_PASSED,
+    TOLERANCE,
+    _device,
+    batches,
+    bucket_sizes,
+    graded_model,
+    per_parameter,
+)
+from .ranks import _broadcast_in_rank, _shards, _traced, _train_in_rank
 
 
 # --------------------------------------------------------------------------------------

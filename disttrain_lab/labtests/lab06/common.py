@@ -1,0 +1,8 @@
+"""What every check of lab 6 shares: its constants and the data a case runs on."""
+
+from __future__ import annotations
+
+TIMEOUT = 60  # seconds a test's run may take
+_DEADLOCK_HINT = "do all ranks of a group make the same collective calls, in the same order?"
+_F_G_PHASES = ("set-up", "f forward", "f backward", "g forward", "g backward")
+_MLP_PHASES = ("building", "forward", "backward")

@@ -1,0 +1,212 @@
+"""Lab 7's exercises 5-6: ``topk_hook`` and (stretch) ``powersgd_hook`` on DDP, against training with
+torch's own all-reduce and ``powerSGD_hook``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ... import checks, models
+from ...launcher import launch
+from .. import common
+from .common import _HOOK_SIZES, GRADED_PASSED, _bytes_sent, _run
+from .ranks import _train_dense, _train_topk
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 5: topk_hook
+# --------------------------------------------------------------------------------------
+def _hook_data(n, sizes):
+    """Each rank's share (x, y) of a fixed regression set."""
+    data = models.regression_data(256, sizes[0], sizes[-1], seed=1)
+    return [(data.x[rank::n], data.y[rank::n]) for rank in range(n)]
+
+
+def hook_driver(graders: Callable | None = None) -> tuple[Callable, tuple]:
+    """The driver the topk_hook checks run and its extra arguments, decided once per graded cell: topk_hook
+    on the notebook's topk_compress, ErrorFeedback and sparse_all_reduce where those passed their graded
+    tests, else on ``graders`` (the grader's own copies of those that did not, in the cell's hidden tests)."""
+    replace = [
+        name
+        for name, exercise_name in (
+            ("topk_compress", "topk"),
+            ("ErrorFeedback", "error_feedback"),
+            ("sparse_all_reduce", "sparse_all_reduce"),
+        )
+        if exercise_name not in GRADED_PASSED
+    ]
+    if replace:
+        print(f"({', '.join(replace)} has not passed its graded test yet: the grader checks topk_hook on its own copy)")
+        if graders is not None:
+            return graders, (tuple(replace),)
+    return _train_topk, ()
+
+
+def _check_future(run, case):
+    for rank, got in enumerate(run.results):
+        for kind, value, buffer, *_ in got["seen"]:
+            assert kind == "Future", (
+                f"{case}: topk_hook must return a future (a torch.futures.Future, or the "
+                f"torch._C.Future of work.get_future().then(...)); rank {rank}'s returned a {kind}"
+            )
+            assert value == buffer, (
+                f"{case}: the future's value must be a tensor of the bucket's shape and dtype "
+                f"{buffer}, rank {rank}'s is {value}"
+            )
+
+
+def _check_average(run, case):
+    """At density 1 (everything sent) each call's future must hold the average of the ranks' bucket gradients."""
+    n = run.world_size
+    for call in range(len(run.results[0]["seen"])):
+        gradients = [run.results[rank]["seen"][call][3] for rank in range(n)]
+        average = sum(gradients) / n
+        for rank in range(n):
+            value = run.results[rank]["seen"][call][4]
+            if (
+                n > 1
+                and torch.allclose(value, average * n, rtol=1e-5, atol=1e-6)
+                and not torch.allclose(value, average)
+            ):
+                raise AssertionError(
+                    f"{case}: rank {rank}'s future at call {call} holds the sum over the {n} ranks, not "
+                    f"the average: divide by the world size (DDP copies the future's value into .grad as it is)"
+                )
+            checks.assert_close(
+                value,
+                average,
+                what=f"{case}: rank {rank}'s future at call {call}: at density 1 every "
+                f"entry is sent, so it must be the average over ranks of bucket.buffer()",
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
+def _check_compressed_bytes(run, case, density, steps):
+    """Only the compressed pieces travel: at most k values + k int64 indices per rank and step (its trace)."""
+    numel = sum(p.numel() for p in run.results[0]["params"])
+    k = math.ceil(density * numel)
+    for rank in range(run.world_size):
+        per_step = _bytes_sent(run, rank) / steps
+        assert per_step <= k * 12, (
+            f"{case}: rank {rank} sent {per_step:.0f} B per step; the compressed gradient is "
+            f"at most {k * 12} B (k = {k} values + indices), the dense one {4 * numel} B"
+        )
+
+
+def check_hook_exact(driver: tuple[Callable, tuple], n: int, steps: int = 3) -> None:
+    """Exercise 5: torch DDP with ``topk_hook`` at density 1 on n ranks (run by ``driver``, ``hook_driver``)
+    gets a future of the bucket's shape and dtype holding the average of the ranks' gradients, trains
+    exactly like DDP's own all-reduce, and sends only its compressed pieces."""
+    hook, extra = driver
+    case = f"torch DDP with topk_hook at density 1.0 on {n} ranks"
+    mine = _run(hook, n, [(x, y, 1.0, True, steps, *extra) for x, y in _hook_data(n, _HOOK_SIZES)], case)
+    _check_future(mine, case)
+    _check_average(mine, case)
+    reference = launch(_train_dense, n, steps, timeout=60)
+    for rank in range(n):
+        for i, (p, q) in enumerate(zip(mine.results[rank]["params"], reference[rank]["params"])):
+            checks.assert_close(
+                p,
+                q,
+                what=f"{case}: rank {rank}'s parameter {i} after {steps} steps, against default_hooks.allreduce_hook",
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    _check_compressed_bytes(mine, case, 1.0, steps)
+
+
+def check_training(
+    driver: tuple[Callable, tuple], density: float = 0.01, steps: int = 300, tolerance: float = 0.25
+) -> tuple[float, float, float]:
+    """Exercise 5: on 2 ranks, 1 % top-k with error feedback (``state.feedback[bucket.index()]``, kept from
+    step to step) reaches dense training's final loss within 25 %, and without it
+    (``TopKState(error_feedback=False)``) the loss is clearly worse; each sends only its compressed pieces."""
+    hook, extra = driver
+    case = f"2 ranks, {steps} steps of SGD, top-k at {density:.0%}"
+    dense = launch(_train_dense, 2, steps, timeout=120)[0]["losses"][-1]
+    data = _hook_data(2, _HOOK_SIZES)
+    with_ef = _run(hook, 2, [(x, y, density, True, steps, *extra) for x, y in data], case)
+    without = _run(hook, 2, [(x, y, density, False, steps, *extra) for x, y in data], case)
+    _check_future(with_ef, case)
+    _check_compressed_bytes(with_ef, case, density, steps)
+    ef_loss, plain_loss = with_ef.results[0]["losses"][-1], without.results[0]["losses"][-1]
+    assert ef_loss <= dense * (1 + tolerance), (
+        f"{case}: with error feedback the final loss is {ef_loss:.4f}, more than "
+        f"{tolerance:.0%} above dense training's {dense:.4f}: with "
+        f"state.error_feedback, topk_hook must compress through the bucket's "
+        f"ErrorFeedback, state.feedback[bucket.index()], kept from step to step"
+    )
+    assert plain_loss >= 1.5 * ef_loss, (
+        f"{case}: without error feedback (TopKState(error_feedback=False)) the final "
+        f"loss is {plain_loss:.4f}, not clearly worse than with it ({ef_loss:.4f}): "
+        f"does topk_hook skip the ErrorFeedback when state.error_feedback is False?"
+    )
+    return dense, ef_loss, plain_loss
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 6 (stretch): powersgd_hook
+# --------------------------------------------------------------------------------------
+def check_powersgd(n: int, rank: int, sizes: tuple = (9, 17, 11, 5), steps: int = 6, factor: float = 1.25) -> None:
+    """Exercise 6: torch DDP (one bucket) with ``powersgd_hook`` at matrix rank ``rank`` on n ranks returns a
+    Future of the bucket's shape and dtype, the same average on every rank, keeps error feedback across steps
+    (``state.error_dict[bucket.index()]`` = gradient + old error - the average), puts torch's
+    ``powerSGD_hook``'s bytes on the wire, and its average's median relative error is at most ``factor`` ×
+    torch's + 0.02.  Its run and torch's are the notebook's own (``powersgd_helpers``, beside the self-check)."""
+    lab_steps, torch_steps, relative_errors = (
+        common.given(name) for name in ("_lab_powersgd_steps", "_torch_powersgd_steps", "_relative_errors")
+    )
+    case = f"torch DDP (one bucket) with powersgd_hook at rank {rank} on {n} ranks, MLP {list(sizes)}"
+    mine = _run(lab_steps, n, (rank, steps, sizes), case)
+    reference = launch(torch_steps, n, rank, steps, sizes, trace=True, timeout=60)
+    for step in range(steps):
+        kind, gradient, _, out, _ = mine.results[0][step]
+        assert kind == "Future", (
+            f"{case}: powersgd_hook must return a torch.futures.Future, step {step}'s returned a {kind}"
+        )
+        assert (tuple(out.shape), out.dtype) == (tuple(gradient.shape), gradient.dtype), (
+            f"{case}: the future's value must have the bucket's shape and dtype {tuple(gradient.shape)}, "
+            f"{gradient.dtype}; step {step}'s has {tuple(out.shape)}, {out.dtype}"
+        )
+        for r in range(1, n):
+            checks.assert_close(
+                mine.results[r][step][3],
+                out,
+                what=f"{case}: step {step}, rank {r}'s average against rank 0's "
+                f"(every rank must return the same average)",
+            )
+        if step < 2:
+            continue
+        for r in range(n):
+            _, gradient, before, out, after = mine.results[r][step]
+            assert after is not None, (
+                f"{case}: after step {step} rank {r}'s state.error_dict[bucket.index()] is not set: "
+                f"error feedback keeps (gradient + old error) - average"
+            )
+            assert step == 2 or before is not None, (
+                f"{case}: at step {step} rank {r} has no error from the step before: "
+                f"error feedback must carry state.error_dict across steps"
+            )
+            checks.assert_close(
+                after,
+                gradient + (0 if before is None else before) - out,
+                what=f"{case}: step {step}, rank {r}'s error feedback: state.error_dict[bucket.index()] must be "
+                f"(gradient + old error) - the returned average",
+                rtol=1e-4,
+                atol=1e-5,
+            )
+    sent = [sum(e.meta.get("in_bytes", e.bytes) for e in run.collectives(rank=0)) for run in (mine.trace, reference)]
+    assert sent[0] == sent[1], (
+        f"{case}: rank 0 put {sent[0]} B on the wire in {steps} steps, torch's powerSGD_hook {sent[1]} B: "
+        f"all Ps in one all-reduce (n·r' each), all Qs in another (m·r'), only matrices with "
+        f"(n + m)·r'·min_compression_rate < n·m compressed, the rest in one all-reduce"
+    )
+    yours, torchs = (float(np.median(relative_errors(results))) for results in (mine.results, reference.results))
+    assert yours <= factor * torchs + 0.02, (
+        f"{case}: the median relative error of your average is {yours:.3f}, torch's powerSGD_hook's {torchs:.3f} "
+        f"(at most {factor} × that + 0.02 allowed): orthogonalise P after its all-reduce, then Q = Mᵀ P, average P Qᵀ"
+    )

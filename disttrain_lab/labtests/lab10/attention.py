@@ -1,0 +1,213 @@
+"""Lab 10's exercises 1-2: ``block_attention``/``merge_attention`` (one rank) and ring attention
+across ranks, against torch's causal attention in one process; the ring's traffic."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ... import checks, exercise
+from .. import common
+from .common import _DEADLOCK_HINT, TIMEOUT, _expect_value_error, _forward_phase, _qkv, _reference, describe
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 1: block_attention and merge_attention (on one rank)
+# --------------------------------------------------------------------------------------
+def check_block(
+    heads: int, q_positions: Sequence[int], k_positions: Sequence[int], dim: int = 4, seed: int = 0
+) -> None:
+    """block_attention of queries at ``q_positions`` over keys at ``k_positions``: out equals torch's causal
+    attention over this block (0, never NaN, for a query that sees no key), and lse is -inf exactly for those
+    queries and the log-sum-exp of the visible scores for the others."""
+    q_pos, k_pos = torch.as_tensor(q_positions), torch.as_tensor(k_positions)
+    case = f"block_attention of queries at {q_pos.tolist()} over keys at {k_pos.tolist()} ({heads} heads, d={dim})"
+    q, k, v, _ = _qkv(heads, max(len(q_pos), len(k_pos)), dim, seed)
+    q, k, v = q[:, : len(q_pos)], k[:, : len(k_pos)], v[:, : len(k_pos)]
+    out, lse = exercise.run("block_attention", 1, (q, k, v, q_pos, k_pos), timeout=TIMEOUT).results[0]
+    want_out, want_lse = _reference("attention")(q, k, v, q_pos, k_pos)
+    assert not torch.as_tensor(out).isnan().any(), f"{case}: the output holds NaN (a query that sees no key gets 0)"
+    checks.assert_close(out, want_out, what=f"{case}: out, against torch's causal attention over this block")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), (
+        f"{case}: lse must be -inf exactly for the queries that see no key of the block "
+        f"(expected at {torch.isneginf(want_lse).nonzero().tolist()[:6]}, "
+        f"got at {torch.isneginf(lse).nonzero().tolist()[:6]})"
+    )
+    seen = ~torch.isneginf(want_lse)
+    checks.assert_close(lse[seen], want_lse[seen], what=f"{case}: lse, the log-sum-exp of the visible scores")
+
+
+def check_merge(heads: int, seq_len: int, cuts: Sequence[int], dim: int = 4, seed: int = 1) -> None:
+    """merge_attention, folding the blocks of ``seq_len`` keys cut at ``cuts`` (each block's (out, lse) from
+    torch), gives torch's causal attention over the whole sequence and its log-sum-exp, without NaN."""
+    case = f"merge_attention of the blocks {cuts} of {seq_len} keys ({heads} heads)"
+    q, k, v, _ = _qkv(heads, seq_len, dim, seed)
+    pos = torch.arange(seq_len)
+    bounds = [0, *cuts, seq_len]
+    attention = _reference("attention")
+    blocks = [attention(q, k[:, a:b], v[:, a:b], pos, pos[a:b]) for a, b in zip(bounds, bounds[1:])]
+    out, lse = blocks[0]
+    for nxt in blocks[1:]:
+        out, lse = exercise.run("merge_attention", 1, (out, lse, *nxt), timeout=TIMEOUT).results[0]
+    assert not torch.as_tensor(out).isnan().any(), f"{case}: the merged output holds NaN"
+    want_out, want_lse = attention(q, k, v, pos, pos)
+    checks.assert_close(
+        out, want_out, what=f"{case}: the merged output, against F.scaled_dot_product_attention(is_causal=True)"
+    )
+    checks.assert_close(lse, want_lse, what=f"{case}: the merged log-sum-exp")
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 2: ring attention
+# --------------------------------------------------------------------------------------
+def _ring_in_rank(heads, seq_len, dim, layout, seed, positions, backward, groups_of):
+    """The test's driver: your ring attention on this rank's tokens (the positions the test gives);
+    a barrier, then the given backward.  Returns the output and the gradients of q, k, v."""
+    group = None if groups_of == dist.get_world_size() else dist.new_subgroups(groups_of)[0]
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(heads, seq_len, dim, generator=g, dtype=torch.float64) for _ in range(4))
+    mine = [t[:, positions].clone().requires_grad_() for t in (q, k, v)]
+    out = RingAttention.apply(*mine, layout, group)  # noqa: F821  (the notebook's)
+    if not backward:
+        return out.detach(), None
+    dist.barrier()
+    out.backward(dout[:, positions])
+    return out.detach(), [t.grad for t in mine]
+
+
+def ring_driver(graders: Callable | None = None) -> Callable:
+    """The driver ring attention is graded with: the lab's own (your ring on your blocks) where your
+    block_attention and merge_attention pass exercise 1's check, else ``graders`` (your ring on the grader's
+    blocks, defined in the graded cell's hidden tests: None in your notebook), so that a mistake in exercise 1
+    does not cost exercise 2's points.  Decided once per run of the graded cell."""
+    try:
+        check_block(2, [0, 1, 6, 7], [2, 3, 4, 5])
+        check_merge(2, 8, [3])
+        return _ring_in_rank
+    except Exception as e:
+        if graders is None:
+            raise AssertionError(
+                f"ring attention builds on your block_attention and merge_attention, which do not "
+                f"pass exercise 1's check yet; fix exercise 1 first (the grader grades the ring with "
+                f"its own blocks).\n{e}"
+            ) from None
+        return graders
+
+
+def check_ring(
+    driver: Callable,
+    n: int,
+    heads: int,
+    seq_len: int,
+    dim: int,
+    layout: str,
+    seed: int = 0,
+    groups_of: int | None = None,
+) -> None:
+    """Ring attention of ``seq_len`` tokens in ``layout`` on ``n`` ranks (in rings of ``groups_of``), in
+    float64: each rank's output and the gradients of its q, k, v (the given backward uses your lse) equal
+    torch's causal attention on the whole sequence to 1e-9; in forward it only isends to the next rank and
+    irecvs from the previous one, N - 1 key/value blocks, one dl.region("block") per ring step, the next
+    block's isend and irecv posted before a block's computation and waited for after it."""
+    groups_of = groups_of or n
+    case = (
+        f"ring attention, {layout} layout, {seq_len} tokens on {n} ranks"
+        + (f" in groups of {groups_of}" if groups_of != n else "")
+        + f" ({heads} heads, d={dim}, float64)"
+    )
+    positions = [_reference("positions")(seq_len, groups_of, rank % groups_of, layout) for rank in range(n)]
+    inputs = [(heads, seq_len, dim, layout, seed, positions[r], True, groups_of) for r in range(n)]
+    run = common.run_or_fail(driver, n, inputs, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.backward(dout)
+    block_bytes = 2 * heads * (seq_len // groups_of) * dim * 8
+    for rank, (out, grads) in enumerate(run.results):
+        pos = positions[rank]
+        checks.assert_close(
+            out,
+            want.detach()[:, pos],
+            rtol=1e-9,
+            atol=1e-9,
+            what=(
+                f"{case}: rank {rank}'s output (tokens {pos.tolist()}), against "
+                "F.scaled_dot_product_attention(is_causal=True) on the whole sequence"
+            ),
+        )
+        for name, got, ref in zip("qkv", grads, (q, k, v)):
+            checks.assert_close(
+                got,
+                ref.grad[:, pos],
+                rtol=1e-9,
+                atol=1e-9,
+                what=f"{case}: rank {rank}'s gradient of {name} (the given backward uses your lse)",
+            )
+        calls, blocks = _forward_phase(run, rank)
+        start = rank - rank % groups_of
+        nxt, prev = start + (rank + 1) % groups_of, start + (rank - 1) % groups_of
+        assert len(blocks) == groups_of, (
+            f"{case}: rank {rank} marked {len(blocks)} dl.region('block') in forward; "
+            f"the exercise asks for one per ring step: {groups_of}"
+        )
+        other = [
+            e
+            for e in calls
+            if e.kind != "wait" and not (e.op == "isend" and e.peer == nxt) and not (e.op == "irecv" and e.peer == prev)
+        ]
+        assert not other, (
+            f"{case}: in forward rank {rank} may only isend to the next rank ({nxt}) and irecv from the previous "
+            f"({prev}); it also made: {describe(other, n)}"
+        )
+        sent = sum(e.bytes for e in calls if e.op == "isend")
+        assert sent == (groups_of - 1) * block_bytes, (
+            f"{case}: in forward rank {rank} sent {sent} B; N - 1 = {groups_of - 1} ring steps of one key/value block "
+            f"({block_bytes} B) each make {(groups_of - 1) * block_bytes} B"
+        )
+        for step, block in enumerate(blocks[:-1]):
+            posted = [e for e in calls if e.kind == "p2p" and e.start < block.start]
+            waited = [e for e in calls if e.kind == "wait" and e.end <= block.start]
+            assert {"isend", "irecv"} <= {e.op for e in posted} and len(posted) - len(waited) >= 2, (
+                f"{case}: rank {rank}, ring step {step}: the next block's isend and irecv must be posted before this "
+                f"block's computation (dl.region('block')) and waited for after it; when the block started, "
+                f"{len(posted)} isend/irecv had been posted and {len(waited)} waited for"
+            )
+
+
+def check_ring_traffic(driver: Callable, n: int, heads: int, seq_len: int, dim: int, layout: str) -> None:
+    """Ring attention's forward on ``n`` ranks: by the operating system's count, each rank sends the next one
+    N - 1 key/value blocks and nothing else."""
+    case = f"ring attention's forward, {layout} layout, {seq_len} tokens on {n} ranks ({heads} heads, d={dim}, float64)"
+    positions = [_reference("positions")(seq_len, n, rank, layout) for rank in range(n)]
+    inputs = [(heads, seq_len, dim, layout, 0, positions[r], False, n) for r in range(n)]
+    run = common.run_or_fail(driver, n, inputs, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    block_bytes = 2 * heads * (seq_len // n) * dim * 8
+    checks.assert_traffic(
+        run,
+        {(r, (r + 1) % n): (n - 1) * block_bytes for r in range(n)},
+        f"{case}: each rank sends N - 1 = {n - 1} key/value blocks of {block_bytes} B to the next rank",
+    )
+
+
+def check_positions_error(seq_len: int, world_size: int, rank: int, layout: str) -> None:
+    """sequence_positions(seq_len, world_size, rank, layout) where the layout's chunks do not divide the
+    sequence raises a ValueError saying "divisible"."""
+    bad = (seq_len, world_size, rank, layout)
+    _expect_value_error("sequence_positions", 1, *bad, case=f"sequence_positions{bad}")
+
+
+def check_positions(seq_len: int, world_size: int, rank: int, layout: str) -> None:
+    """sequence_positions(seq_len, world_size, rank, layout) gives the positions section 3's text asks for:
+    zig-zag, chunks rank and 2N - 1 - rank of 2N; naive, chunk rank of N."""
+    got = exercise.run("sequence_positions", 1, (seq_len, world_size, rank, layout), timeout=TIMEOUT).results[0]
+    chunks = (
+        f"chunks {rank} and {2 * world_size - 1 - rank} of {2 * world_size}"
+        if layout == "zigzag"
+        else f"chunk {rank} of {world_size}"
+    )
+    assert torch.equal(torch.as_tensor(got), _reference("positions")(seq_len, world_size, rank, layout)), (
+        f"sequence_positions({seq_len}, {world_size}, {rank}, {layout!r}) should be {chunks}, "
+        f"got {torch.as_tensor(got).tolist()}"
+    )

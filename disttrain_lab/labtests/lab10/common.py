@@ -1,0 +1,78 @@
+"""What every check of lab 10 shares: the references the notebook hands in, the tensors a case
+runs on, an expected ValueError, what a rank's calls looked like."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ... import exercise
+from ...exercise import ExerciseRun
+from .. import common
+
+TIMEOUT = 60  # seconds a test's run may take
+_DEADLOCK_HINT = (
+    "does every isend have a matching irecv on the next rank, and do all ranks make the same collective "
+    "calls in the same order?"
+)
+_REFERENCES: dict[str, Callable] = {}  # the notebook's references (use_references)
+
+
+def use_references(*, attention: Callable, positions: Callable) -> None:
+    """The references the checks compare with, written in the lab's helper cell (they compute exercises' own
+    answers, so they are not here): ``attention(q, k, v, q_pos, k_pos) -> (out, lse)``, torch's causal attention
+    of q over (k, v) at those positions (rows that see no key: 0 and -inf), and ``positions(seq_len, n, rank,
+    layout)``, the positions section 3's text asks rank ``rank`` of ``n`` to hold."""
+    _REFERENCES.update(attention=attention, positions=positions)
+
+
+def _reference(name: str) -> Callable:
+    if name not in _REFERENCES:
+        raise RuntimeError("run the lab's helper cell (it hands the tests their references: lab_tests.use_references)")
+    return _REFERENCES[name]
+
+
+def _notebook(name: str):
+    """The notebook's given (locked) ``name``: the dense MoE, transformer_block, which the references run."""
+    return vars(sys.modules["__main__"])[name]
+
+
+def _qkv(heads: int, seq_len: int, dim: int, seed: int) -> tuple:
+    """q, k, v and the gradient of the output: the same tensors in the ranks and in the reference (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(heads, seq_len, dim, generator=g, dtype=torch.float64) for _ in range(4))
+
+
+def _expect_value_error(target: str | Callable, n: int, *args, case: str) -> None:
+    """``target`` on n ranks must stop with the student's ValueError saying "divisible", as the exercise asks."""
+    try:
+        exercise.run(target, n, args, timeout=TIMEOUT)
+    except exercise.ExerciseError as e:
+        if common.rank_raised(e, "ValueError", "divisible", loose=True):
+            return
+        got = f"{e.exc_type}: {e.exc_message}" if e.exc_type is not None else str(e)
+        raise AssertionError(
+            f"{case}: expected your ValueError saying the size is not divisible (the exercise "
+            f'asks for the word "divisible"); got {got}'
+        ) from None
+    raise AssertionError(f"{case}: expected a ValueError (not divisible), but it ran without one")
+
+
+def describe(events: Sequence, world_size: int) -> str:
+    """Calls a rank made, for a message: "isend(peer 1) of 512 B, ..." (or "nothing")."""
+    return (
+        ", ".join(f"{e.op}{'' if e.peer is None else f'(peer {e.peer})'} of {e.bytes} B" for e in events) or "nothing"
+    )
+
+
+def _forward_phase(run: ExerciseRun, rank: int) -> tuple[list, list]:
+    """``rank``'s events before the driver's barrier (the forward pass), and its "block" regions there."""
+    events = sorted(run.trace.by_rank(rank), key=lambda e: e.start)
+    cut = next((e.start for e in events if e.op == "barrier"), float("inf"))
+    before = [e for e in events if e.start < cut]
+    return (
+        [e for e in before if e.kind in ("p2p", "collective", "wait")],
+        [e for e in before if e.kind == "region" and e.name == "block"],
+    )

@@ -1,0 +1,254 @@
+"""Lab 10's exercises 4-5: the router (one rank) and the expert-parallel MoE layer against the
+dense MoE in one process; its all-to-all's bytes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ... import checks, exercise
+from .. import common
+from .common import _DEADLOCK_HINT, TIMEOUT, _expect_value_error, _notebook, describe
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 4: the router (on one rank)
+# --------------------------------------------------------------------------------------
+def check_router_literal() -> None:
+    """top_k_route (k = 1, capacity factor 1) on 5 tokens and 3 experts: each token's most probable expert,
+    its softmax probability as the gate, and capacity 2 served in order (the third token wanting expert 1 is
+    dropped); load_balancing_loss: E · Σ f_e · P_e."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.5, 0.0, 3.0], [1.0, 2.0, 0.0], [2.5, 0.0, 0.1], [0.0, 1.5, 0.2]])
+    # k = 1, factor 1: C = ceil(5/3) = 2; first choices 1, 2, 1, 0, 1 -> token 4 finds expert 1 full
+    experts, gates, kept = exercise.run("top_k_route", 1, (logits, 1, 1.0), timeout=TIMEOUT).results[0]
+    assert torch.as_tensor(experts).tolist() == [[1], [2], [1], [0], [1]], (
+        f"top_k_route(k=1): the experts, got {torch.as_tensor(experts).tolist()}"
+    )
+    checks.assert_close(
+        gates, torch.softmax(logits, -1).max(-1, keepdim=True).values, what="top_k_route(k=1): the gates"
+    )
+    assert torch.as_tensor(kept).tolist() == [[True], [True], [True], [True], [False]], (
+        f"top_k_route(k=1, capacity_factor=1.0) on 5 tokens, 3 experts: capacity 2, the third token wanting expert 1 "
+        f"is dropped; got kept={torch.as_tensor(kept).tolist()}"
+    )
+    chosen = torch.tensor([[1], [2], [1], [0], [1]])
+    loss = exercise.run("load_balancing_loss", 1, (logits, chosen), timeout=TIMEOUT).results[0]
+    want = 3 * (torch.tensor([1 / 5, 3 / 5, 1 / 5]) * torch.softmax(logits, -1).mean(0)).sum()
+    checks.assert_close(torch.as_tensor(loss), want, what="load_balancing_loss: E * sum_e f_e P_e")
+
+
+def _aux_grad_driver(logits, experts):
+    """The test's driver: your loss's gradient with respect to the logits."""
+    logits = logits.clone().requires_grad_()
+    loss = load_balancing_loss(logits, experts)  # noqa: F821  (the notebook's)
+    loss.backward()
+    return loss.detach(), logits.grad
+
+
+def check_router(
+    tokens: int, n_experts: int, k: int, factor: float, seed: int, *, route: Callable, aux: Callable
+) -> None:
+    """top_k_route on random float64 logits: the chosen experts (most probable first), the gates and the
+    choices kept (capacity ceil(factor · k · tokens / n_experts), served choice-major) equal ``route(logits, k,
+    factor)``; load_balancing_loss and its gradient with respect to the logits equal ``aux(logits, experts)``'s
+    (both references held by the graded cell's hidden tests)."""
+    case = f"top_k_route on {tokens} tokens, {n_experts} experts, k={k}, capacity_factor={factor}"
+    logits = torch.randn(tokens, n_experts, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    experts, gates, kept = exercise.run("top_k_route", 1, (logits, k, factor), timeout=TIMEOUT).results[0]
+    want = route(logits, k, factor)
+    assert torch.equal(torch.as_tensor(experts), want[0]), f"{case}: the chosen experts differ (most probable first)"
+    checks.assert_close(gates, want[1], what=f"{case}: the gates")
+    kept = torch.as_tensor(kept)
+    assert kept.dtype == torch.bool and torch.equal(kept, want[2]), (
+        f"{case}: kept differs: {int(kept.sum())} choices kept, expected {int(want[2].sum())} (capacity "
+        f"{math.ceil(factor * k * tokens / n_experts)}, served choice-major)"
+    )
+    loss, grad = exercise.run(_aux_grad_driver, 1, (logits, want[0]), timeout=TIMEOUT).results[0]
+    ref_logits = logits.clone().requires_grad_()
+    ref = aux(ref_logits, want[0])
+    ref.backward()
+    checks.assert_close(loss, ref.detach(), what=f"{case}: load_balancing_loss")
+    checks.assert_close(
+        grad, ref_logits.grad, what=f"{case}: the gradient of load_balancing_loss with respect to the logits"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 5: the expert-parallel MoE layer
+# --------------------------------------------------------------------------------------
+def _moe_in_rank(d, hidden, n_experts, k, factor, tokens, seed, backward):
+    """The test's driver: your layer built from MoE(..., seed) on this rank's tokens; a barrier, then backward
+    of sum(y * dy) + aux.  Returns the output, the aux loss, and the gradients of x and of its parameters."""
+    g = torch.Generator().manual_seed(1000 * seed + dist.get_rank())
+    x, dy = (
+        torch.randn(tokens, d, generator=g, dtype=torch.float64),
+        torch.randn(tokens, d, generator=g, dtype=torch.float64),
+    )
+    x.requires_grad_()
+    layer = ExpertParallelMoE(MoE(d, hidden, n_experts, k, factor, seed=seed).double())  # noqa: F821  (the notebook's)
+    y, aux = layer(x)
+    if not backward:
+        return None
+    dist.barrier()
+    ((y * dy).sum() + aux).backward()
+    return y.detach(), aux.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
+
+
+def _build_moe(n_experts):
+    """The test's driver: your layer built from a dense MoE with n_experts."""
+    ExpertParallelMoE(MoE(4, 4, n_experts))  # noqa: F821  (the notebook's)
+
+
+def moe_driver(graders: Callable | None = None) -> Callable:
+    """The driver the expert-parallel layer is graded with: the lab's own (your layer on your router) where
+    your top_k_route and load_balancing_loss pass exercise 4's check, else ``graders`` (your layer on the
+    grader's router, defined in the graded cell's hidden tests: None in your notebook).  Decided once per run
+    of the graded cell."""
+    try:
+        check_router_literal()
+        return _moe_in_rank
+    except Exception as e:
+        if graders is None:
+            raise AssertionError(
+                f"ExpertParallelMoE builds on your top_k_route and load_balancing_loss, which do not "
+                f"pass exercise 4's check yet; fix exercise 4 first (the grader grades the layer with "
+                f"its own router).\n{e}"
+            ) from None
+        return graders
+
+
+def _tokens(rank: int, tokens: int, d: int, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return (
+        torch.randn(tokens, d, generator=g, dtype=torch.float64),
+        torch.randn(tokens, d, generator=g, dtype=torch.float64),
+    )
+
+
+def every_token_to_every_expert(dense: nn.Module, x: torch.Tensor) -> tuple:
+    """The reference when k = E and nothing is dropped: y = sum_e p_e * expert_e(x) (no router needed);
+    (y, aux, rows each expert received)."""
+    logits = dense.router(x)
+    p = torch.softmax(logits, -1)
+    y = sum(p[:, e : e + 1] * expert(x) for e, expert in enumerate(dense.experts))
+    load = [x.shape[0]] * len(dense.experts)
+    n = len(dense.experts)
+    return y, n * ((torch.ones(n, dtype=x.dtype) / n) * p.mean(0)).sum(), load
+
+
+def check_moe(
+    driver: Callable,
+    n: int,
+    d: int,
+    hidden: int,
+    n_experts: int,
+    k: int,
+    factor: float,
+    tokens: int,
+    seed: int,
+    *,
+    reference: Callable,
+) -> None:
+    """ExpertParallelMoE of MoE(d, hidden, n_experts, k, factor) on ``n`` ranks, ``tokens`` float64 tokens per
+    rank: each rank's output, load-balancing loss, input gradient and router gradient equal one process on its
+    tokens (``reference(dense, x) -> (y, aux, rows per expert)``); each rank holds its E/N experts, whose
+    gradients come from every rank's tokens; the ranks only call all_to_all_single."""
+    case = (
+        f"ExpertParallelMoE: {n_experts} experts on {n} ranks, k={k}, capacity factor {factor}, "
+        f"{tokens} tokens per rank, d={d}"
+    )
+    run = common.run_or_fail(
+        driver, n, (d, hidden, n_experts, k, factor, tokens, seed, True), case, _DEADLOCK_HINT, timeout=TIMEOUT
+    )
+    dense = _notebook("MoE")(d, hidden, n_experts, k, factor, seed=seed).double()
+    per = n_experts // n
+    for rank, (y, aux, x_grad, grads) in enumerate(run.results):
+        x, dy = _tokens(rank, tokens, d, seed)
+        x.requires_grad_()
+        dense.router.zero_grad()
+        want_y, want_aux, _ = reference(dense, x)
+        ((want_y * dy).sum() + want_aux).backward()
+        checks.assert_close(
+            y,
+            want_y.detach(),
+            what=f"{case}: rank {rank}'s output, against one process on its tokens (dropped choices add 0)",
+        )
+        checks.assert_close(aux, want_aux.detach(), what=f"{case}: rank {rank}'s load-balancing loss")
+        checks.assert_close(x_grad, x.grad, what=f"{case}: rank {rank}'s gradient of its tokens")
+        expected = {"router.weight"} | {
+            f"experts.{i}.{name}" for i in range(per) for name, _ in dense.experts[0].named_parameters()
+        }
+        assert set(grads) == expected, (
+            f"{case}: rank {rank}'s parameters should be {sorted(expected)}, got {sorted(grads)}"
+        )
+        checks.assert_close(
+            grads["router.weight"],
+            dense.router.weight.grad,
+            what=f"{case}: rank {rank}'s router gradient (from its own tokens)",
+        )
+    for rank, (_, _, _, grads) in enumerate(run.results):
+        for i in range(per):
+            for name, p in dense.experts[rank * per + i].named_parameters():
+                got, want = grads[f"experts.{i}.{name}"], p.grad  # an expert nobody chose: no gradient, or zeros
+                got, want = (torch.zeros_like(p) if t is None else t for t in (got, want))
+                checks.assert_close(
+                    got,
+                    want,
+                    what=(
+                        f"{case}: rank {rank}'s experts.{i}.{name} gradient: expert {rank * per + i} gets the tokens "
+                        "of every rank"
+                    ),
+                )
+    for rank in range(n):
+        calls = [e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p") and e.op != "barrier"]
+        other = [e for e in calls if e.op != "all_to_all_single"]
+        assert not other, f"{case}: rank {rank} should only call all_to_all_single; it also made: {describe(other, n)}"
+
+
+def check_moe_bytes(
+    driver: Callable,
+    n: int,
+    d: int,
+    hidden: int,
+    n_experts: int,
+    k: int,
+    factor: float,
+    tokens: int,
+    seed: int,
+    *,
+    reference: Callable,
+) -> None:
+    """ExpertParallelMoE's forward on ``n`` ranks: by the operating system's count, rank s sends rank t its
+    kept choices' rows for t's experts (dispatch, as ``reference`` routes them), t's rows back (combine), and
+    the E/N counts, nothing else."""
+    case = (
+        f"ExpertParallelMoE's forward: {n_experts} experts on {n} ranks, k={k}, capacity factor {factor}, "
+        f"{tokens} tokens per rank, d={d}"
+    )
+    run = common.run_or_fail(
+        driver, n, (d, hidden, n_experts, k, factor, tokens, seed, False), case, _DEADLOCK_HINT, timeout=TIMEOUT
+    )
+    dense, per = _notebook("MoE")(d, hidden, n_experts, k, factor, seed=seed).double(), n_experts // n
+    rows = torch.zeros(n, n, dtype=torch.long)  # rows[src, dst]: kept choices src sends dst
+    for src in range(n):
+        load = reference(dense, _tokens(src, tokens, d, seed)[0])[2]
+        for dst in range(n):
+            rows[src, dst] = sum(load[dst * per : (dst + 1) * per])
+    expected = {(s, t): int(rows[s, t] + rows[t, s]) * d * 8 + per * 8 for s in range(n) for t in range(n) if s != t}
+    checks.assert_traffic(
+        run,
+        expected,
+        f"{case}: rank s sends rank t its kept choices' rows for t's experts (dispatch), "
+        f"t's rows back (combine), and {per} counts",
+    )
+
+
+def check_moe_error(world_size: int, n_experts: int) -> None:
+    """ExpertParallelMoE of a MoE whose ``n_experts`` the ``world_size`` ranks do not divide raises a
+    ValueError saying "divisible"."""
+    case = f"ExpertParallelMoE(MoE(4, 4, n_experts={n_experts})) on {world_size} ranks"
+    _expect_value_error(_build_moe, world_size, n_experts, case=case)

@@ -1,0 +1,194 @@
+"""Lab 10's exercises 6-7: sequence parallelism and Ulysses against the dense block in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ... import checks, memory
+from .. import common
+from .common import _DEADLOCK_HINT, TIMEOUT, _expect_value_error, _forward_phase, _notebook, _qkv, _reference, describe
+
+# --------------------------------------------------------------------------------------
+# Exercise 6: sequence parallelism
+# --------------------------------------------------------------------------------------
+_SP_PARTS = {
+    "query": ("attn.query", 0),
+    "key": ("attn.key", 0),
+    "value": ("attn.value", 0),
+    "fc1": ("mlp.0", 0),
+    "proj": ("attn.proj", 1),
+    "fc2": ("mlp.2", 1),
+}
+
+
+def _sp_in_rank(d, heads, tokens, batch, seed):
+    """The test's driver: your SequenceParallelBlock on this rank's contiguous tokens; SavedActivations over its
+    forward, a barrier, then backward of sum(y * dy).  Returns y, the gradients of x and the parameters, the bytes
+    saved."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(seed + 1)
+    x, dy = (torch.randn(batch, tokens, d, generator=g, dtype=torch.float64) for _ in range(2))
+    mine = slice(rank * tokens // n, (rank + 1) * tokens // n)
+    layer = SequenceParallelBlock(transformer_block(d, heads, seed))  # noqa: F821  (the notebook's)
+    x = x[:, mine].clone().requires_grad_()
+    with dl.memory.SavedActivations(layer) as saved:  # noqa: F821  (the notebook's dl)
+        y = layer(x)
+    dist.barrier()
+    (y * dy[:, mine]).sum().backward()
+    return y.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}, saved.total
+
+
+def _build_sp(heads):
+    """The test's driver: your block from a models.Block with this many heads."""
+    SequenceParallelBlock(transformer_block(12, heads, 0))  # noqa: F821  (the notebook's)
+
+
+def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> None:
+    """SequenceParallelBlock on ``t`` ranks, float64: each rank's output and input gradient equal the block's on
+    its tokens, its linears' gradients are its slices of the block's (a row-parallel bias on rank 0 only), the
+    LayerNorms' gradients summed over the ranks equal the block's; it saves 1/t of the block's activations; it
+    only all-gathers and reduce-scatters (no all-reduce), tensor parallelism's bytes forward and those plus
+    gather_linear's second all-gather of its input backward."""
+    case = f"SequenceParallelBlock on {t} ranks (d={d}, {heads} heads, {tokens} tokens, batch {batch}, float64)"
+    run = common.run_or_fail(_sp_in_rank, t, (d, heads, tokens, batch, seed), case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    block = _notebook("transformer_block")(d, heads, seed)  # the block, in one process (the notebook's given one)
+    g = torch.Generator().manual_seed(seed + 1)
+    x, dy = (torch.randn(batch, tokens, d, generator=g, dtype=torch.float64) for _ in range(2))
+    x.requires_grad_()
+    with memory.SavedActivations(block) as saved:
+        y = block(x)
+    (y * dy).sum().backward()
+    full = dict(block.named_parameters())
+    per = tokens // t
+    for rank, (out, dx, grads, nbytes) in enumerate(run.results):
+        mine = slice(rank * per, (rank + 1) * per)
+        checks.assert_close(
+            out,
+            y.detach()[:, mine],
+            what=f"{case}: rank {rank}'s output (tokens {rank * per}..{(rank + 1) * per - 1}), against the "
+            "single-process block",
+        )
+        checks.assert_close(dx, x.grad[:, mine], what=f"{case}: rank {rank}'s gradient of its tokens")
+        for name, (source, cut) in _SP_PARTS.items():
+            checks.assert_close(
+                grads.get(f"{name}.weight"),
+                full[f"{source}.weight"].grad.chunk(t, dim=cut)[rank],
+                what=f"{case}: rank {rank}'s {name}.weight gradient, its slice of the block's {source}.weight",
+            )
+            bias = full[f"{source}.bias"].grad
+            want = bias.chunk(t)[rank] if cut == 0 else (bias if rank == 0 else None)
+            got = grads.get(f"{name}.bias")
+            if want is None:
+                assert got is None or not got.abs().any(), (
+                    f"{case}: rank {rank}'s {name}.bias: RowParallelLinear keeps the bias on rank 0 only"
+                )
+            else:
+                checks.assert_close(got, want, what=f"{case}: rank {rank}'s {name}.bias gradient")
+        assert nbytes * t == saved.total, (
+            f"{case}: rank {rank} saved {nbytes} B of activations for backward (dl.memory.SavedActivations); "
+            f"1/t of the single-process block's {saved.total} B is {saved.total / t:.0f} B.  gather_linear must save "
+            f"this rank's slice and all-gather it again in backward, not save the gathered input"
+        )
+    for part in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"):
+        checks.assert_close(
+            sum(r[2][part] for r in run.results),
+            full[part].grad,
+            what=f"{case}: {part}'s gradient summed over the ranks (each rank's part is from its tokens)",
+        )
+    tensor = batch * tokens * d * 8
+    for rank in range(t):
+        calls, _ = _forward_phase(run, rank)
+        forward = {id(e) for e in calls}
+        every = [e for e in run.trace.by_rank(rank) if e.kind == "collective" and e.op != "barrier"]
+        wrong = [e for e in every if not e.op.startswith(("all_gather", "reduce_scatter"))]
+        assert not wrong, (
+            f"{case}: rank {rank} may only all-gather and reduce-scatter (no all-reduce); it made {describe(wrong, t)}"
+        )
+        wire = lambda events: sum((t - 1) / t * e.bytes for e in events)  # a ring all-gather / reduce-scatter
+        fwd, bwd = wire(e for e in every if id(e) in forward), wire(e for e in every if id(e) not in forward)
+        tp = 2 * 2 * (t - 1) / t * tensor  # tensor parallelism: two ring all-reduces
+        assert abs(fwd - tp) < 1, (
+            f"{case}: rank {rank}'s forward moved {fwd:.0f} B (ring cost of its collectives); tensor "
+            f"parallelism's two all-reduces of {tensor} B move {tp:.0f} B: two all-gathers and two reduce-scatters"
+        )
+        assert abs(bwd - tp - 2 * (t - 1) / t * tensor) < 1, (
+            f"{case}: rank {rank}'s backward moved {bwd:.0f} B; tensor parallelism's backward moves {tp:.0f} B, and "
+            f"gather_linear's second all-gather of its input adds {2 * (t - 1) / t * tensor:.0f} B (two calls)"
+        )
+
+
+def check_sp_error(world_size: int, heads: int) -> None:
+    """SequenceParallelBlock of a block of width 12 whose ``heads`` the ``world_size`` ranks do not divide
+    raises a ValueError saying "divisible"."""
+    case = f"SequenceParallelBlock of a {heads}-head block of width 12 on {world_size} ranks"
+    _expect_value_error(_build_sp, world_size, heads, case=case)
+
+
+# --------------------------------------------------------------------------------------
+# Exercise 7: Ulysses
+# --------------------------------------------------------------------------------------
+def _ulysses_in_rank(heads, seq_len, dim, seed, positions):
+    """The test's driver: your ulysses_attention on this rank's tokens, then backward of sum(out * dout)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(heads, seq_len, dim, generator=g, dtype=torch.float64) for _ in range(4))
+    mine = [t[:, positions].clone().requires_grad_() for t in (q, k, v)]
+    out = ulysses_attention(*mine)  # noqa: F821  (the notebook's)
+    dist.barrier()
+    out.backward(dout[:, positions])
+    return out.detach(), [t.grad for t in mine]
+
+
+def _ulysses_heads(heads):
+    """The test's driver: your ulysses_attention with a head count the group may not divide."""
+    ulysses_attention(*(torch.zeros(heads, 4, 2) for _ in range(3)))  # noqa: F821  (the notebook's)
+
+
+def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> None:
+    """ulysses_attention of ``seq_len`` contiguous tokens on ``n`` ranks, float64: each rank's output and the
+    gradients of its q, k, v equal torch's causal attention to 1e-9; it only calls all_to_all_single, whose
+    bytes are the cost model's: q, k, v and the output, (N - 1)/N of a block each, forward, the same backward."""
+    case = f"ulysses_attention, {seq_len} tokens on {n} ranks ({heads} heads, d={dim}, float64)"
+    positions = [_reference("positions")(seq_len, n, rank, "naive") for rank in range(n)]
+    inputs = [(heads, seq_len, dim, seed, positions[r]) for r in range(n)]
+    run = common.run_or_fail(_ulysses_in_rank, n, inputs, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.backward(dout)
+    block = (seq_len // n) * heads * dim * 8
+    for rank, (out, grads) in enumerate(run.results):
+        pos = positions[rank]
+        checks.assert_close(
+            out,
+            want.detach()[:, pos],
+            rtol=1e-9,
+            atol=1e-9,
+            what=(
+                f"{case}: rank {rank}'s output (tokens {pos.tolist()}), against "
+                "F.scaled_dot_product_attention(is_causal=True)"
+            ),
+        )
+        for name, got, ref in zip("qkv", grads, (q, k, v)):
+            checks.assert_close(
+                got, ref.grad[:, pos], rtol=1e-9, atol=1e-9, what=f"{case}: rank {rank}'s gradient of {name}"
+            )
+        calls, _ = _forward_phase(run, rank)
+        every = [e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p") and e.op != "barrier"]
+        other = [e for e in every if e.op != "all_to_all_single"]
+        assert not other, f"{case}: rank {rank} may only call all_to_all_single; it also made: {describe(other, n)}"
+        forward = sum((n - 1) / n * e.bytes for e in calls if e.op == "all_to_all_single")
+        total = sum((n - 1) / n * e.bytes for e in every)
+        assert abs(forward - 4 * (n - 1) / n * block) < 1 and abs(total - 8 * (n - 1) / n * block) < 1, (
+            f"{case}: rank {rank}'s all-to-alls moved {forward:.0f} B forward and {total:.0f} B in all; the cost "
+            f"model: q, k, v and the output, (N - 1)/N of a {block} B block each, "
+            f"{4 * (n - 1) / n * block:.0f} B forward, the same again backward"
+        )
+
+
+def check_ulysses_error(world_size: int, heads: int) -> None:
+    """ulysses_attention with ``heads`` heads that the ``world_size`` ranks do not divide raises a ValueError
+    saying "divisible"."""
+    _expect_value_error(
+        _ulysses_heads, world_size, heads, case=f"ulysses_attention with {heads} heads on {world_size} ranks"
+    )
