@@ -19,6 +19,15 @@ def load(path: Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4)
 
 
+def source_of(module) -> str:
+    """The source of ``module``: of every module of it where it is a package (a lab's checks
+    grown into one: ``disttrain_lab/labtests/lab08/``)."""
+    path = Path(module.__file__)
+    if path.name != "__init__.py":
+        return path.read_text()
+    return "\n".join(p.read_text() for p in sorted(path.parent.glob("*.py")))
+
+
 def child_pids(parent: int | None = None) -> list[int]:
     """Live (non-zombie) processes whose parent is ``parent`` (default: this process)."""
     parent = os.getpid() if parent is None else parent

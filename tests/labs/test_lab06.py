@@ -19,7 +19,6 @@ The notebook helpers come from tests/notebooks.py; the autograde round trip live
 from __future__ import annotations
 
 import copy
-import inspect
 
 import nbformat
 import pytest
@@ -28,7 +27,7 @@ import torch
 from disttrain_lab import bench, viz
 from disttrain_lab.exercise import ExerciseError
 from disttrain_lab.labtests import common, lab06
-from tests.helpers import gpu_count, needs_gpus, run_python
+from tests.helpers import gpu_count, needs_gpus, run_python, source_of
 from tests.notebooks import (
     REPO,
     add_wrong_answers,
@@ -96,9 +95,9 @@ def test_hidden_tests_cover_the_issue():
         "bias=False",
     ):
         assert needle in hidden, needle
-    # the tests are the kit's (disttrain_lab/labtests/lab06.py): only the word the exercise asks for
+    # the tests are the kit's (disttrain_lab/labtests/lab06/): only the word the exercise asks for
     # ("divisible") is matched, so that torch's own errors do not pass
-    helpers = inspect.getsource(lab06)
+    helpers = source_of(lab06)
     assert 'common.rank_raised(e, "ValueError", "divisible", loose=True)' in helpers
     said = lambda exc_type, message: common.rank_raised(
         ExerciseError("", exc_type, message), "ValueError", "divisible", loose=True

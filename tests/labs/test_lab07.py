@@ -35,6 +35,7 @@ import nbformat
 import pytest
 
 from disttrain_lab.labtests import lab07
+from tests.helpers import source_of
 from tests.notebooks import (
     REPO,
     add_wrong_answers,
@@ -123,10 +124,8 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     )
     assert nbgrader_meta(cell_by_id(nb, "powersgd_helpers"))["locked"]  # the graded tests use its helpers
     for helper in ("_lab_powersgd_steps", "_torch_powersgd_steps", "_relative_errors"):  # (from the notebook)
-        assert f"def {helper}(" in cell_by_id(nb, "powersgd_helpers").source and f'"{helper}"' in inspect.getsource(
-            lab07
-        )
-    # the tests are the kit's (disttrain_lab/labtests/lab07.py): bytes on the wire are each rank's own piece
+        assert f"def {helper}(" in cell_by_id(nb, "powersgd_helpers").source and f'"{helper}"' in source_of(lab07)
+    # the tests are the kit's (disttrain_lab/labtests/lab07/): bytes on the wire are each rank's own piece
     assert 'e.meta.get("in_bytes", e.bytes)' in inspect.getsource(lab07._bytes_sent)
 
 

@@ -40,6 +40,7 @@ from disttrain_lab import grading
 from disttrain_lab.grading import cell_times
 from disttrain_lab.grading.execute import NOTES_FILE
 from disttrain_lab.labtests import lab08
+from tests.helpers import source_of
 from tests.notebooks import (
     REPO,
     SLOWDOWN,
@@ -116,7 +117,7 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     assert traffic.startswith("def _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)")
     assert "train_3d(" not in traffic
     # the grader's own pieces (solutions of earlier exercises) stay in the hidden tests, never in the kit
-    kit = inspect.getsource(lab08)
+    kit = source_of(lab08)
     assert "def _graders_pieces" not in kit and "def _graders_planner" not in kit
     assert "def grid_groups(" not in kit and "class PipelineStage3D(" not in kit
     assert (

@@ -29,7 +29,7 @@ def _broadcast_in_rank(kind):
     import torch.distributed as dist
 
     import disttrain_lab as dl
-    from disttrain_lab.labtests.lab03 import graded_model
+    from disttrain_lab.labtests.lab03.common import graded_model
 
     model = graded_model(kind, seed=dist.get_rank()).to(dl.device())
     broadcast_parameters(model)  # noqa: F821  (the notebook's)
@@ -51,7 +51,7 @@ def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, g
     import torch.distributed as dist
 
     import disttrain_lab as dl
-    from disttrain_lab.labtests.lab03 import batches, graded_model
+    from disttrain_lab.labtests.lab03.common import batches, graded_model
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     make_ddp = {  # the notebook's classes

@@ -77,7 +77,7 @@ def trained_2d_with(train_2d, mlp_class, sizes, batch, steps, tp_size):
 # --------------------------------------------------------------------------------------
 def _linear_in_rank(d_in, d_out, batch, bias, tp_size):
     """The test's driver: both layers built from one full layer; the row layer gets this rank's slice of the input."""
-    from disttrain_lab.labtests.lab06 import chunk, parameters_of, storage_bytes, tp_group
+    from disttrain_lab.labtests.lab06.ranks import chunk, parameters_of, storage_bytes, tp_group
 
     group = tp_group(tp_size)
     position, size = dist.get_rank(group), dist.get_world_size(group)
@@ -105,7 +105,7 @@ def _build_layer(kind, d_in, d_out):
 
 def _f_g_in_rank(batch, d, tp_size):
     """The test's driver: f then g, forward and backward, with a next_phase() between the phases."""
-    from disttrain_lab.labtests.lab06 import next_phase, tp_group
+    from disttrain_lab.labtests.lab06.ranks import next_phase, tp_group
 
     group, rank = tp_group(tp_size), dist.get_rank()
     same = checks.sample_tensor((batch, d), seed=1).requires_grad_()  # f's input: one X on every rank
@@ -131,7 +131,7 @@ def _f_g_in_rank(batch, d, tp_size):
 def _mlp_in_rank(sizes, batch, tp_size):
     """The test's driver: your TensorParallelMLP built from the dense MLP, one forward and one backward,
     with a next_phase() between the phases."""
-    from disttrain_lab.labtests.lab06 import next_phase, parameters_of, storage_bytes, tp_group
+    from disttrain_lab.labtests.lab06.ranks import next_phase, parameters_of, storage_bytes, tp_group
 
     group = tp_group(tp_size)
     dense = models.MLP(sizes, seed=3)
@@ -151,7 +151,7 @@ def _build_mlp(sizes):
 
 def _train_2d_in_rank(sizes, batch, steps, tp_size):
     """The test's driver: your train_2d on the dense MLP and the batches; the trained slices come back."""
-    from disttrain_lab.labtests.lab06 import batches_2d, parameter_bytes, parameters_of, storage_bytes
+    from disttrain_lab.labtests.lab06.ranks import batches_2d, parameter_bytes, parameters_of, storage_bytes
 
     model = train_2d(models.MLP(sizes, seed=11), batches_2d(sizes, batch, steps), tp_size, lr=0.1)  # noqa: F821
     return parameters_of(model), parameter_bytes(model.parameters()), storage_bytes(model.parameters())

@@ -109,7 +109,7 @@ def _topk_round_trip(flat, density):
 def _feedback_steps(density, grads):
     """Driver (runs in your kernel): one ErrorFeedback(density) compressing each gradient in turn;
     what it sent at each step, and its residual after it."""
-    from disttrain_lab.labtests.lab07 import compress_steps
+    from disttrain_lab.labtests.lab07.ranks import compress_steps
 
     return compress_steps(ErrorFeedback(density), grads)  # noqa: F821  (the notebook's)
 
@@ -129,7 +129,7 @@ def _train_topk(x, y, density, error_feedback, steps, sizes=(16, 64, 64, 4), lr=
     """Driver (runs in your kernel, on every rank): torch DDP on this rank's (x, y) with your topk_hook,
     each of its calls watched: (the future's type, its value's shape and dtype, the bucket's, and at
     density 1 the bucket's gradient and the future's value)."""
-    from disttrain_lab.labtests.lab07 import train_watched
+    from disttrain_lab.labtests.lab07.ranks import train_watched
 
     state = TopKState(density, error_feedback=error_feedback)  # noqa: F821  (the notebook's)
     return train_watched(topk_hook, state, x, y, density, steps, sizes, lr)  # noqa: F821  (the notebook's)

@@ -19,7 +19,7 @@ _PLANNER_GRADERS: list[str] = []  # the planner's pieces plan_parallelism is gra
 # --------------------------------------------------------------------------------------
 def _memory_of(model, cluster, plan, sp=None):
     """Driver: your memory_per_device on the specs given by their fields (``sp``: passed when not None)."""
-    from disttrain_lab.labtests.lab08 import as_plain, specs_of
+    from disttrain_lab.labtests.lab08.common import as_plain, specs_of
 
     specs = specs_of((ModelSpec, ClusterSpec, Plan), model, cluster, plan)  # noqa: F821  (the notebook's)
     return as_plain(memory_per_device(*specs) if sp is None else memory_per_device(*specs, sp=sp))  # noqa: F821
@@ -27,7 +27,7 @@ def _memory_of(model, cluster, plan, sp=None):
 
 def _step_times_of(model, cluster, plans):
     """Driver: your step_time of each plan, the specs given by their fields."""
-    from disttrain_lab.labtests.lab08 import as_plain, specs_of
+    from disttrain_lab.labtests.lab08.common import as_plain, specs_of
 
     model, cluster = specs_of((ModelSpec, ClusterSpec, Plan), model, cluster)  # noqa: F821  (the notebook's)
     return [as_plain(step_time(model, cluster, Plan(**plan))) for plan in plans]  # noqa: F821  (the notebook's)
@@ -38,7 +38,7 @@ def _plans_of(model, cluster, sp=None, graders=()):
     step_time of the plan), or what each is if not a Plan; what it returned if not a list.  ``sp``: passed when
     not None.  ``graders``: your memory_per_device or step_time where it failed its test, replaced by the
     grader's own."""
-    from disttrain_lab.labtests.lab08 import as_plain, in_place, specs_of
+    from disttrain_lab.labtests.lab08.common import as_plain, in_place, specs_of
 
     model, cluster = specs_of((ModelSpec, ClusterSpec, Plan), model, cluster)  # noqa: F821  (the notebook's)
     pieces = _graders_planner(graders) if graders else {}  # noqa: F821  (the grader's, sent with this driver)

@@ -148,7 +148,7 @@ def _grid_in_rank(dp, tp, pp):
 
 def _attention_in_rank(cfg, batch, tp):
     """Driver: your TensorParallelAttention of a dense attention (cfg: a GPTConfig's fields), forward then backward."""
-    from disttrain_lab.labtests.lab08 import parameters_of
+    from disttrain_lab.labtests.lab08.ranks import parameters_of
 
     cfg = models.GPTConfig(**cfg) if isinstance(cfg, dict) else cfg
     group = dist.new_subgroups(tp)[0] if tp != dist.get_world_size() else None
@@ -169,7 +169,8 @@ def _stage_in_rank(cfg, dp, tp, pp, batch, graders=()):
     """Driver: your grid and PipelineStage3D (cfg: a GPTConfig's fields), and one forward through the
     pipeline (the receive and send between stages are this driver's own).  ``graders``: your earlier pieces
     that failed their graded test, replaced by the grader's own (only the grader holds them)."""
-    from disttrain_lab.labtests.lab08 import in_place, parameters_of
+    from disttrain_lab.labtests.lab08.common import in_place
+    from disttrain_lab.labtests.lab08.ranks import parameters_of
 
     cfg = models.GPTConfig(**cfg) if isinstance(cfg, dict) else cfg
     pieces = _graders_pieces(graders) if graders else {}  # noqa: F821  (the grader's, sent with this driver)
@@ -196,7 +197,7 @@ def _stage_in_rank(cfg, dp, tp, pp, batch, graders=()):
 
 def _stage_of(n_layers, dp, tp, pp, graders=()):
     """Driver: your PipelineStage3D of a dense GPT with ``n_layers`` blocks on a dp × tp × pp grid."""
-    from disttrain_lab.labtests.lab08 import in_place
+    from disttrain_lab.labtests.lab08.common import in_place
 
     pieces = _graders_pieces(graders) if graders else {}  # noqa: F821  (the grader's, sent with this driver)
     with in_place(pieces, [PipelineStage3D]):  # noqa: F821  (the notebook's)
@@ -207,7 +208,7 @@ def _stage_of(n_layers, dp, tp, pp, graders=()):
 def _train_3d_in_rank(cfg, batches, dp, tp, pp, micro_batches, lr, graders=()):
     """Driver: your train_3d on this rank (cfg: a GPTConfig's fields), what it returned as plain data.
     ``graders``: your earlier pieces that failed their graded test, replaced by the grader's own."""
-    from disttrain_lab.labtests.lab08 import in_place
+    from disttrain_lab.labtests.lab08.common import in_place
 
     cfg = models.GPTConfig(**cfg) if isinstance(cfg, dict) else cfg
     pieces = _graders_pieces(graders) if graders else {}  # noqa: F821  (the grader's, sent with this driver)

@@ -13,14 +13,14 @@ from ... import exercise
 # --------------------------------------------------------------------------------------
 def _fit_power_law_of(x, y):
     """Driver: your fit_power_law(x, y), as plain data."""
-    from disttrain_lab.labtests.lab08 import as_plain
+    from disttrain_lab.labtests.lab08.common import as_plain
 
     return as_plain(fit_power_law(x, y))  # noqa: F821  (the notebook's)
 
 
 def _compute_optimal_of(*args):
     """Driver: your compute_optimal(*args), as plain data."""
-    from disttrain_lab.labtests.lab08 import as_plain
+    from disttrain_lab.labtests.lab08.common import as_plain
 
     return as_plain(compute_optimal(*args))  # noqa: F821  (the notebook's)
 
