@@ -23,8 +23,8 @@ from tests.helpers import REPO, load  # noqa: F401  (load: the lab tests take it
 # notebook too slow.  DISTTRAIN_TEST_SLOWDOWN=1 checks the budget itself on a quiet machine.
 SLOWDOWN = float(os.environ.get("DISTTRAIN_TEST_SLOWDOWN", "3"))
 # what autograding adds to a notebook's own time while its cells run: each test cell's call from
-# the grader kernel to the student's (the round trip times the cells, first start to last end, not
-# nbgrader's start-up nor the kernels': those 12 s were allowed when it timed the whole step)
+# the grader kernel to the student's (the round trip sums the cells' times as the grader took them,
+# not nbgrader's start-up nor the kernels': those 12 s were allowed when it timed the whole step)
 GRADING_OVERHEAD_S = 6
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -145,7 +144,7 @@ class RoundTrip:
     students: list[str]  # "full", "blank" (and "partial", "crashed": see _grade_round_trip)
     results: dict[str, Step]
     table: dict  # grading.scores
-    full_seconds: float  # the solution's cells as autograding ran them, first start to last end
+    full_seconds: float  # the solution's cells as autograding ran them, each timed by the grader
     kept: dict[str, float]  # the test cells of the one exercise the partial submission did
     lost: dict[str, float]  # the test cells of the last exercise, which the crashed submission kills
     total: dict[str, float]  # every test cell's points
@@ -194,24 +193,17 @@ def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -
     )
 
 
-def cells_seconds(nb) -> float:
-    """From the first cell's start to the last cell's end, as the kernel's messages timed them
-    when ``nb`` was executed (nbclient's ``metadata.execution``)."""
-    stamps = [
-        datetime.fromisoformat(cell.metadata.execution[key].replace("Z", "+00:00"))
-        for cell in nb.cells
-        for key in ("iopub.execute_input", "shell.execute_reply")
-        if key in cell.get("metadata", {}).get("execution", {})
-    ]
-    if not stamps:
-        raise ValueError("no cell of this notebook carries its execution times")
-    return (max(stamps) - min(stamps)).total_seconds()
+def cells_seconds(course: Course, student: str) -> float:
+    """The seconds ``student``'s cells took as the grader timed each on its own clock (the notes
+    ``RobustExecute`` leaves beside the autograded notebook, which ``measure_cell_times`` reads too)."""
+    notes = course.course / "autograded" / student / course.lab / grading.NOTES_FILE
+    return sum(json.loads(notes.read_text())["cell_seconds"].values())
 
 
 def _grade_round_trip(course: Course) -> dict:
     """Release ``course``'s lab, submit the solution and the blank, and autograde them in one
-    nbgrader process (the solution's cells are timed from its autograded notebook; their outputs
-    are what the lab's file checks).  On the launch fixture and the first real lab also a partly
+    nbgrader process (the grader times the solution's cells; their outputs are what the lab's
+    file checks).  On the launch fixture and the first real lab also a partly
     done notebook (the blank with only its first exercise done: exactly that exercise's points)
     and one whose kernel dies in the last exercise (only that exercise's points lost): each is
     a whole grading more, made where it proves the grader's behaviour, not on every lab (a
@@ -236,7 +228,7 @@ def _grade_round_trip(course: Course) -> dict:
         "students": students,
         "results": {s: {"returncode": r.returncode, "output": r.output[-5000:]} for s, r in results.items()},
         "table": grading.scores(lab, course.course),
-        "full_seconds": cells_seconds(course.autograded("full")),
+        "full_seconds": cells_seconds(course, "full"),
         "kept": points_after(sol, first),
         "lost": points_after(sol, last),
         "total": all_points(sol),

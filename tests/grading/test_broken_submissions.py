@@ -12,12 +12,11 @@ import html
 import pytest
 
 from disttrain_lab import grading
+from tests.grading.test_grading import MEAN_OK
 from tests.notebooks import load
 from tests.roundtrip import FIXTURE_LIMITS, FIXTURES, Course, feedback, grade_id, processes_with, submit, with_solution
 
 pytestmark = pytest.mark.timeout(900)
-
-MEAN_OK = "def mean(xs):\n    return sum(xs) / len(xs)\n"
 
 # Replacing the kit's or torch's functions in one's own kernel: from then on the kit refuses to
 # launch there (integrity.verify), so every later test fails, saying what was replaced
