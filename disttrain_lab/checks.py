@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import integrity
+from . import integrity, wire
 from .events import P2P_OPS, Event, Run
 from .integrity import TamperingError
 
@@ -47,6 +47,7 @@ __all__ = [
     "sends",
     "receives",
     "assert_traffic",
+    "assert_messages",
     "WIRE_SLACK",
     "verify_untampered",
     "TamperingError",
@@ -244,6 +245,57 @@ def assert_traffic(run, expected: dict[tuple[int, int], int], case: str) -> None
                     if got < want
                     else "Something moved that the exercise does not need."
                 )
+            )
+
+
+def assert_messages(run, expected: dict[tuple[int, int], tuple[int, ...]], case: str, hint: str = "") -> None:
+    """Fail unless each connection carried exactly the point-to-point messages an algorithm sends,
+    as the operating system counted the bytes (``run.traffic`` of a ``dl.exercise.run``):
+    ``expected[(src, dst)]`` is ``(messages, payload bytes)``, or ``(messages, least, most)`` where
+    uneven chunks leave the payload a range; pairs not named carry nothing.
+
+    Gloo's protocol adds 96 bytes to each message and 48 the other way (``wire.protocol_bytes``),
+    so the count decides both the messages' number and their size: one message more, or the whole
+    tensor where a chunk was due, shows.  The ranks' own trace only helps say what differs.
+
+    >>> assert_messages(run, {(0, 1): (3, 4096), (1, 0): (3, 4096)}, "ping_pong on 2 ranks")
+    """
+    traffic = run.traffic
+    n = traffic.world_size
+    for src in range(n):
+        for dst in range(n):
+            if src == dst:
+                continue
+            count, *payload = expected.get((src, dst), (0, 0))
+            least, most = payload[0], payload[-1]
+            back = expected.get((dst, src), (0, 0))[0]
+            overhead = 2 * wire.GLOO_PREAMBLE * count + wire.GLOO_PREAMBLE * back
+            got = traffic.between(src, dst)
+            if least + overhead <= got <= most + overhead + wire.BARRIER_BYTES:
+                continue
+            size = f"{least:,}" if least == most else f"{least:,}–{most:,}"
+            if count or back:
+                want = (
+                    f"{count} message(s) from rank {src} to rank {dst} with {size} bytes of payload in all, and "
+                    f"{back} the other way, put {least + overhead:,}"
+                    + ("" if least == most else f"–{most + overhead:,}")
+                    + f" bytes there (gloo adds 96 bytes to each message: a 48-byte note when the send is posted "
+                    f"and the message's 48-byte preamble; and 48 for each message rank {dst} sends rank {src}: "
+                    f"the note that the receive is posted), or up to {wire.BARRIER_BYTES} more (the launch's barrier)"
+                )
+            else:
+                want = f"these ranks do not talk in this algorithm (at most the launch's {wire.BARRIER_BYTES} bytes)"
+            trace = getattr(run, "trace", None)
+            said = ""
+            if trace is not None:
+                mine = sends(trace, src, dst)
+                said = (
+                    f" The ranks' own trace says rank {src} sent rank {dst} {len(mine)} message(s) with "
+                    f"{sum(e.bytes for e in mine):,} bytes of payload."
+                )
+            raise AssertionError(
+                f"{case}: {_counted_by(traffic)} {got:,} bytes from rank {src} to rank {dst}; {want}.{said}"
+                + (f" {hint}" if hint else "")
             )
 
 

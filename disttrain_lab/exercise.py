@@ -81,25 +81,38 @@ def _snapshot() -> dict | None:
 
 def _own_evidence(record: Record, before, world_size: int) -> Evidence:
     """The kit's own account in the student's notebook (no grader observes there): the OS's count
-    of the bytes where ``ss`` can make it, else the ranks' traced sends; their sends' times as the
-    timeline.  Each says so in its ``source``."""
-    sends = sorted(
-        (e.start, e.rank, e.peer, e.bytes) for e in record.events if e.kind == "p2p" and e.op in ("send", "isend")
-    )
+    of the bytes where ``ss`` can make it, else the ranks' traced sends; their traced messages as
+    the timeline.  Each says so in its ``source``."""
+    traced = Run(results=[], events=list(record.events), world_size=world_size).messages()
     traffic = None
     if before is not None and record.failure is None:
         try:
             traffic = wire.traffic(before, wire.snapshot(), list(record.pids))
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired):
             traffic = None
-    if traffic is None:
-        traffic = wire.Traffic(matrix=[[0] * world_size for _ in range(world_size)], source="trace")
-        for _, a, b, n in sends:
-            if b is not None and 0 <= b < world_size:
-                traffic.matrix[a][b] += n
-    start = sends[0][0] if sends else 0.0
-    segments = [(t - start, a, b, wire.GLOO_PREAMBLE + n) for t, a, b, n in sends if b is not None]  # (as on the wire)
-    return Evidence(traffic=traffic, timeline=wire.Timeline(segments=segments, source="trace"))
+    if traffic is None:  # the traced messages as gloo's protocol would count them
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for send, recv in traced:
+            if 0 <= send.rank < world_size and 0 <= recv.rank < world_size:
+                sizes.setdefault((send.rank, recv.rank), []).append(send.bytes)
+        traffic = wire.Traffic(matrix=wire.protocol_bytes(sizes, world_size), source="trace")
+    return Evidence(traffic=traffic, timeline=_traced_timeline(traced))
+
+
+def _traced_timeline(traced) -> wire.Timeline:
+    """The ranks' matched sends and receives as gloo would put them on the wire (``wire.Timeline``
+    reads both alike): the sender's note when it posts the send, the receiver's note when it posts
+    the receive, and the data (preamble and payload) once both are posted."""
+    segments = []
+    for send, recv in traced:
+        segments += [
+            (send.start, send.rank, recv.rank, wire.GLOO_PREAMBLE),
+            (recv.start, recv.rank, send.rank, wire.GLOO_PREAMBLE),
+            (max(send.start, recv.start), send.rank, recv.rank, wire.GLOO_PREAMBLE + send.bytes),
+        ]
+    segments.sort()
+    start = segments[0][0] if segments else 0.0
+    return wire.Timeline(segments=[(t - start, a, b, n) for t, a, b, n in segments], source="trace")
 
 
 def _run_here(request: Request) -> tuple[Record, Evidence]:

@@ -13,8 +13,9 @@ owner's process name, which a process sets itself (``prctl(PR_SET_NAME)``: a nam
 bytes, and a line it cannot parse fails the read rather than being skipped.  A launch's
 process group stays up until the next launch, so its sockets can be read right after the
 launch returns; a snapshot before and one after give what the launch
-moved (``traffic``).  Gloo adds a small header to each message (about 150 bytes on torch
-2.13), so a message of S payload bytes counts a little more than S.
+moved (``traffic``).  Gloo's protocol adds its own bytes to each message (96 from the sender,
+48 from the receiver: ``protocol_bytes``), so a message of S payload bytes counts S + 96 one way
+and 48 the other, exactly.
 
     before = wire.snapshot()
     ... launch ...
@@ -35,9 +36,21 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Socket", "Traffic", "Timeline", "Unobserved", "snapshot", "owners", "traffic", "timeline", "available"]
+__all__ = [
+    "Socket",
+    "Traffic",
+    "Timeline",
+    "protocol_bytes",
+    "Unobserved",
+    "snapshot",
+    "owners",
+    "traffic",
+    "timeline",
+    "available",
+]
 
 _RECEIVED = re.compile(r"(?:^|\s)bytes_received:(\d+)(?:\s|$)")
 # a socket's line of `ss -tineH state established`: Recv-Q, Send-Q, local, peer, a timer while one
@@ -111,6 +124,7 @@ class Traffic:
 
 
 GLOO_PREAMBLE = 48  # bytes before every message of gloo's TCP pairs (gloo/transport/tcp/pair.h: Op::Preamble)
+BARRIER_BYTES = 8  # the launch's dist.barrier() before the function runs: gloo's, 8 bytes one way on each connection
 
 
 @dataclass
@@ -156,6 +170,39 @@ class Timeline:
 
     def bytes(self, src: int, dst: int) -> int:
         return sum(n for _, a, b, n in self._all() if (a, b) == (src, dst))
+
+    def crossed(self, src: int, dst: int, by: float) -> int:
+        """Bytes from ``src`` to ``dst`` that had crossed by time ``by`` (that time's segments included)."""
+        return sum(n for t, a, b, n in self._all() if (a, b) == (src, dst) and t <= by)
+
+    def passed(self, src: int, dst: int, position: int) -> float | None:
+        """When the data from ``src`` to ``dst`` first went past its ``position``-th byte (the time of
+        the segment that carried byte ``position + 1``), or None if it never did.  TCP keeps a
+        direction's bytes in order, so a byte's position says which of gloo's operations it belongs
+        to whatever the segments were cut or packed into."""
+        total = 0
+        for t, a, b, n in self._all():
+            if (a, b) == (src, dst):
+                total += n
+                if total > position:
+                    return t
+        return None
+
+
+def protocol_bytes(messages: dict[tuple[int, int], Sequence[int]], world_size: int) -> list[list[int]]:
+    """What the OS counts on each connection when these point-to-point messages cross:
+    ``messages[(a, b)]`` lists the payload bytes of each message rank ``a`` sends rank ``b``.
+
+    Gloo's TCP pairs (``gloo/transport/tcp/pair.cc``, measured on torch 2.13) put, for each message,
+    a note from the sender when the send is posted (its 48-byte preamble alone), a note back from
+    the receiver when the receive is posted (48), and then the message (preamble and payload), so a
+    message of P bytes costs P + 96 from ``a`` to ``b`` and 48 from ``b`` to ``a``.  The launch's
+    own ``dist.barrier()`` adds up to ``BARRIER_BYTES`` on a connection, one way."""
+    matrix = [[0] * world_size for _ in range(world_size)]
+    for (a, b), sizes in messages.items():
+        matrix[a][b] += sum(sizes) + 2 * GLOO_PREAMBLE * len(sizes)
+        matrix[b][a] += GLOO_PREAMBLE * len(sizes)
+    return matrix
 
 
 def _plain(address: str) -> str:

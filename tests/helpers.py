@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -119,3 +120,32 @@ def needs_gpus(n: int = 1):
         )(test)
 
     return mark
+
+
+@contextlib.contextmanager
+def observed_from_outside():
+    """``dl.exercise.run`` in this process with the evidence the grader takes (as grading/remote.py
+    does, without a student's kernel between): the bytes each rank sent from ``ss``, and when the
+    data crossed from a packet capture (root only: ``CAP_NET_RAW``)."""
+    from disttrain_lab import exercise, serving, wire
+    from disttrain_lab.grading.capture import Capture
+    from disttrain_lab.protocol import Evidence, Record
+
+    def runner(request):
+        before = wire.snapshot()
+        with Capture() as capture:
+            record = Record.from_bytes(serving.run(request).to_bytes(), request.world_size)
+        if record.failure is not None:
+            return record, Evidence.unobserved("the run failed")
+        pids = list(record.pids)
+        after, owner = wire.snapshot(), wire.owners(pids)
+        return record, Evidence(
+            traffic=wire.traffic(before, after, pids, owner=owner),
+            timeline=wire.timeline(capture.segments, after, pids, owner),
+        )
+
+    exercise.use_runner(runner)
+    try:
+        yield
+    finally:
+        exercise.use_runner(None)

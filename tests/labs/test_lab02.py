@@ -148,7 +148,7 @@ def ring_all_reduce(x):                       # passes whole tensors around the 
     x.copy_(total)
     return x
 """,
-        "Send one chunk of S/N per step, not the whole tensor",
+        "one chunk of S/N, not the whole tensor",
     ),
     (
         "naive_all_reduce",
@@ -194,7 +194,7 @@ WRONG += [
 def pipelined_ring_all_reduce(x, segments=16):   # the plain ring: one message per step
     return ring_all_reduce(x)
 """,
-        "sends its chunk as segments",
+        "as segments = 4 messages",
     ),
     (
         "pipelined_ring_all_reduce",
@@ -257,6 +257,45 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     )
     found = error_of_last_cell(nb)
     assert message in found, found
+
+
+def _ring_reduce_scatter_with_a_hidden_extra(flat):
+    """A right ring reduce-scatter whose trace hides what else it sends: each step, with the kit's
+    recording switched off, the whole tensor to its right neighbour as well (then the record put back)."""
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = flat.tensor_split(n)
+    for step in range(n - 1):
+        kept, extra = trace.set_recording(False), torch.empty_like(flat)
+        request = dist.isend(flat.clone(), (rank + 1) % n)
+        dist.recv(extra, (rank - 1) % n)
+        request.wait()
+        trace.set_recording(True)
+        trace._REC.events[:0] = kept
+        send, into = (rank - step - 1) % n, (rank - step - 2) % n
+        got = torch.empty_like(chunks[into])
+        request = dist.isend(chunks[send].contiguous(), (rank + 1) % n)
+        dist.recv(got, (rank - 1) % n)
+        request.wait()
+        chunks[into].add_(got)
+    return chunks[rank]
+
+
+def test_what_a_ring_sent_is_the_operating_systems_count_not_its_trace():
+    # the trace shows the ring's N-1 chunks and nothing else; the OS counted the hidden tensors too
+    import __main__
+
+    __main__.ring_reduce_scatter = _ring_reduce_scatter_with_a_hidden_extra
+    try:
+        with pytest.raises(AssertionError) as caught:
+            lab02.check_ring_reduce_scatter(4, 1001)
+    finally:
+        del __main__.ring_reduce_scatter
+    said = str(caught.value)
+    assert "the operating system counted" in said and "3 message(s) with 3,000 bytes of payload" in said, said
 
 
 # ----------------------------------------------------------------------------------------

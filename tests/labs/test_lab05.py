@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import nbformat
 import pytest
 
 import disttrain_lab as dl
 from disttrain_lab import bench
-from tests.helpers import gpu_count, needs_gpus, run_python
+from disttrain_lab.labtests import lab05
+from tests.helpers import gpu_count, needs_gpus, observed_from_outside, run_python, source_of
 from tests.notebooks import (
     REPO,
     add_wrong_answers,
@@ -118,7 +120,7 @@ def test_hidden_tests_cover_the_issue():
         "check_1f1b_bubble(4, [2, 8]",
     ):
         assert needle in hidden, needle
-    checks = (REPO / "disttrain_lab" / "labtests" / "lab05.py").read_text()  # the checks these cases call
+    checks = source_of(lab05)  # the checks these cases call
     assert "BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15" in checks and "common.run_or_fail(driver, p, args" in checks
 
 
@@ -189,8 +191,9 @@ def split_stages(model, num_stages):          # as many blocks per stage, not as
         "test_split",
         "the most balanced split",
     ),
-    ("gpipe", "F, B, F, B", "test_gpipe", "the schedule is F0 F1 F2 F3 B0 B1 B2 B3"),
-    ("gpipe", "activations to the last stage", "test_gpipe", "rank(s) [2]"),
+    # (the order from the data's times on the wire, as the grader reads it; the counted bytes for a stray message)
+    ("gpipe", "F, B, F, B", "test_gpipe", "GPipe runs every forward before any backward"),
+    ("gpipe", "activations to the last stage", "test_gpipe", "from rank 0 to rank 2"),
     ("gpipe", "unscaled", "test_gpipe", "scale each micro-batch's loss by rows / batch"),  # visible: 4 even ones
     ("gpipe", "no requires_grad_", "test_gpipe", "call inputs.requires_grad_() on the received buffer"),
     (
@@ -200,7 +203,7 @@ def one_f_one_b_step(stage, x, y, micro_batches):   # GPipe's order under 1F1B's
     return gpipe_step(stage, x, y, micro_batches)
 """,
         "test_1f1b",
-        "the schedule is F0 F1 B0 F2 B1 F3 B2 B3",
+        "in 1F1B stage 0 holds at most p − s = 2 micro-batches",
     ),
 ]
 
@@ -275,6 +278,28 @@ def test_1f1b_is_graded_on_its_own():
     nb, _ = execute(_notebook_with("gpipe", "unscaled", "test_1f1b"), autograding=True, cwd=LAB.parent)
     assert not [errors(c) for c in nb.cells if errors(c)], [errors(c) for c in nb.cells if errors(c)]
     assert "\N{WHITE HEAVY CHECK MARK}" in text(nb.cells[-1]), text(nb.cells[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, monkeypatch):
+    # as the grader reads a run (the OS's bytes, a packet capture): GPipe run under 1F1B's name fails whatever its
+    # ranks' F/B boxes say (the boxes are not read), and the solution's 1F1B and GPipe pass
+    import __main__
+    from disttrain_lab.labtests import lab05
+
+    gpipe = solution["gpipe_step"]
+    monkeypatch.setattr(lab05.steps, "_schedule", lambda run: pytest.fail("the ranks' F/B boxes were read"))
+    for name in FUNCTIONS:
+        monkeypatch.setattr(__main__, name, solution[name], raising=False)
+    with observed_from_outside():
+        lab05.check_1f1b(3, batch=10, m=4)
+        lab05.check_gpipe(3, batch=10, m=4)
+        monkeypatch.setattr(
+            __main__, "one_f_one_b_step", lambda stage, x, y, micro_batches: gpipe(stage, x, y, micro_batches)
+        )
+        with pytest.raises(AssertionError, match=r"in 1F1B stage \d holds at most p − s = \d micro-batches"):
+            lab05.check_1f1b(3, batch=10, m=4)
 
 
 def _notebook_with(exercise: str, wrong: str, test_id: str) -> nbformat.NotebookNode:

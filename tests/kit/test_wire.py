@@ -1,0 +1,114 @@
+"""What the wire shows of gloo's point-to-point messages: the bytes the operating system counts
+are exactly ``wire.protocol_bytes`` of the messages sent (so the count fixes their number and
+size), a timeline's byte positions say when a direction passed a point, and the student's own
+kernel draws its timeline and count from the trace as gloo would put them on the wire."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import __main__
+import disttrain_lab as dl
+from disttrain_lab import checks, exercise, pool, wire
+
+NOTE = wire.GLOO_PREAMBLE
+
+pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
+
+
+def _ring(flat, posted_early):
+    """A ring reduce-scatter: isend then recv each step, or every receive posted up front."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(flat.tensor_split(n))
+    steps = [((rank - s - 1) % n, (rank - s - 2) % n) for s in range(n - 1)]
+    buffers = [torch.empty_like(chunks[into]) for _, into in steps]
+    early = [dist.irecv(b, (rank - 1) % n) for b in buffers] if posted_early else []
+    for s, (out, into) in enumerate(steps):
+        sending = dist.isend(chunks[out].contiguous(), (rank + 1) % n)
+        early[s].wait() if posted_early else dist.recv(buffers[s], (rank - 1) % n)
+        chunks[into] += buffers[s]
+        sending.wait()
+    return chunks[rank].clone()
+
+
+def _messages(run) -> dict[tuple[int, int], list[int]]:
+    found: dict[tuple[int, int], list[int]] = {}
+    for send, recv in run.messages():
+        found.setdefault((send.rank, recv.rank), []).append(send.bytes)
+    return found
+
+
+@pytest.mark.parametrize("posted_early", [False, True])
+@pytest.mark.parametrize("n, numel", [(2, 7), (4, 1001), (3, 40_000)])
+def test_the_os_counts_exactly_gloos_protocol(n, numel, posted_early):
+    # each message: its payload + 96 bytes one way, 48 the other; the launch's barrier: at most 8 bytes one way
+    dl.launch(_ring, n, torch.ones(numel), posted_early)  # the ranks' connections made before counting
+    before = wire.snapshot()
+    run = dl.launch(_ring, n, torch.ones(numel), posted_early, trace=True)
+    counted = wire.traffic(before, wire.snapshot(), pool.worker_pids()[:n])
+    model = wire.protocol_bytes(_messages(run), n)
+    for a in range(n):
+        for b in range(n):
+            assert 0 <= counted.matrix[a][b] - model[a][b] <= wire.BARRIER_BYTES, (a, b, counted.matrix, model)
+
+
+def test_the_count_fixes_how_many_messages_and_how_big():
+    # a run's bytes against the ring's messages, and against one message more and a whole tensor sent
+    __main__.ring = _ring
+    try:
+        run = exercise.run("ring", 4, [(torch.ones(40), False)] * 4, timeout=30)
+    finally:
+        del __main__.ring
+    ring = {(r, (r + 1) % 4): (3, 3 * 40) for r in range(4)}  # 3 chunks of 10 float32
+    checks.assert_messages(run, ring, "ring")
+    for wrong, words in (
+        ({**ring, (0, 1): (4, 3 * 40)}, "4 message(s) from rank 0 to rank 1"),
+        ({**ring, (0, 1): (3, 3 * 160)}, "with 480 bytes of payload"),
+        ({**ring, (0, 2): (1, 40)}, "from rank 0 to rank 2"),
+    ):
+        with pytest.raises(AssertionError, match=r"(?s)" + words.replace("(", r"\(").replace(")", r"\)")):
+            checks.assert_messages(run, wrong, "ring")
+
+
+def test_positions_on_a_direction():
+    timeline = wire.Timeline(segments=[(0.0, 0, 1, NOTE), (0.1, 1, 0, NOTE), (0.2, 0, 1, 1000), (0.3, 0, 1, 500)])
+    assert timeline.passed(0, 1, 0) == 0.0 and timeline.passed(0, 1, NOTE) == 0.2
+    assert timeline.passed(0, 1, NOTE + 1499) == 0.3 and timeline.passed(0, 1, NOTE + 1500) is None
+    assert [timeline.crossed(0, 1, t) for t in (0.0, 0.25, 9)] == [NOTE, NOTE + 1000, NOTE + 1500]
+    assert timeline.crossed(1, 0, 0.05) == 0
+    with pytest.raises(wire.Unobserved):
+        wire.Timeline.unobserved("no capture").passed(0, 1, 0)
+
+
+def test_the_students_own_kernel_shows_the_trace_as_gloo_sends_it():
+    # no grader there: the count and the timeline come from the traced messages, with gloo's notes and preambles
+    __main__.ring = _ring
+    try:
+        run = exercise.run("ring", 2, [(torch.ones(40), False)] * 2, timeout=30, timeline=True)
+    finally:
+        del __main__.ring
+    assert run.timeline.source == "trace"
+    # rank 0's one message (a note, then the data) and the note of its own receive from rank 1
+    assert run.timeline.bytes(0, 1) == NOTE + (NOTE + 80) + NOTE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_capture_sees_what_the_os_counted():
+    from disttrain_lab.grading.capture import Capture
+
+    dl.launch(_ring, 4, torch.ones(8), True)
+    before = wire.snapshot()
+    with Capture() as capture:
+        dl.launch(_ring, 4, torch.ones(4004), True)
+    pids = pool.worker_pids()[:4]
+    after, owner = wire.snapshot(), wire.owners(pids)
+    timeline, counted = wire.timeline(capture.segments, after, pids, owner), wire.traffic(before, after, pids, owner)
+    for a in range(4):
+        for b in range(4):
+            if a != b:
+                assert timeline.bytes(a, b) == counted.between(a, b), (a, b)
