@@ -283,18 +283,35 @@ def test_1f1b_is_graded_on_its_own():
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, monkeypatch):
-    # as the grader reads a run (the OS's bytes, a packet capture): GPipe run under 1F1B's name fails whatever its
-    # ranks' F/B boxes say (the boxes are not read), and the solution's 1F1B and GPipe pass
+    # as the grader reads a run (the OS's bytes, a packet capture), the ranks' F/B boxes never read: the solution's
+    # 1F1B and GPipe pass, and 1F1B's bubble; GPipe run under 1F1B's name fails the order, one micro-batch at a
+    # time (no pipeline) the bubble
     import __main__
     from disttrain_lab.labtests import lab05
 
     gpipe = solution["gpipe_step"]
-    monkeypatch.setattr(lab05.steps, "_schedule", lambda run: pytest.fail("the ranks' F/B boxes were read"))
+    helpers = gpipe.__globals__  # the solution's forward_microbatch and backward_microbatch
+
+    def one_at_a_time(stage, x, y, micro_batches):  # each micro-batch's F and B before the next one's: no pipeline
+        xs, ys, sends, loss = x.tensor_split(micro_batches), y.tensor_split(micro_batches), [], 0.0
+        for i in range(micro_batches):
+            inputs, outputs = helpers["forward_microbatch"](stage, xs[i], ys[i], i, len(x), sends)
+            loss += helpers["backward_microbatch"](stage, inputs, outputs, i, sends)
+        for request in sends:
+            request.wait()
+        return loss if stage.is_last else None
+
+    for module in (lab05.steps, lab05.bubble):
+        monkeypatch.setattr(module, "_schedule", lambda run: pytest.fail("the ranks' F/B boxes were read"))
     for name in FUNCTIONS:
         monkeypatch.setattr(__main__, name, solution[name], raising=False)
     with observed_from_outside():
         lab05.check_1f1b(3, batch=10, m=4)
         lab05.check_gpipe(3, batch=10, m=4)
+        lab05.check_1f1b_bubble(2, [1, 4])  # the step timed from the launch's barrier to the last gradient
+        monkeypatch.setattr(__main__, "one_f_one_b_step", one_at_a_time)
+        with pytest.raises(AssertionError, match="the stages were idle"):
+            lab05.check_1f1b_bubble(2, [4])
         monkeypatch.setattr(
             __main__, "one_f_one_b_step", lambda stage, x, y, micro_batches: gpipe(stage, x, y, micro_batches)
         )

@@ -5,7 +5,7 @@ the ranks, the messages (one activation to the next stage and one gradient to th
 micro-batch, as the operating system counted their bytes), the schedule's order from when the data
 crossed each link (the grader's packet capture), and the parameters and loss against one process;
 the bubble checks measure the idle fraction of a step on a simulated accelerator against
-(p − 1)/(m + p − 1) (from the regions the ranks timed: not yet observed from outside, #42).
+(p − 1)/(m + p − 1), the step timed on the wire too.
 
 Not here: the grader's own forward_microbatch / backward_microbatch, on which 1F1B is graded when
 the student's GPipe fails (the graded cell's hidden tests hold them and hand them to
