@@ -255,8 +255,9 @@ def assert_messages(run, expected: dict[tuple[int, int], tuple[int, ...]], case:
     uneven chunks leave the payload a range; pairs not named carry nothing.
 
     Gloo's protocol adds 96 bytes to each message and 48 the other way (``wire.protocol_bytes``),
-    so the count decides both the messages' number and their size: one message more, or the whole
-    tensor where a chunk was due, shows.  The ranks' own trace only helps say what differs.
+    so the count pins 144 bytes per message plus the payload: one message more, or the whole tensor
+    where a chunk was due, shows (where the payload is a range, within it).  The ranks' own trace only
+    helps say what differs.
 
     >>> assert_messages(run, {(0, 1): (3, 4096), (1, 0): (3, 4096)}, "ping_pong on 2 ranks")
     """
@@ -271,7 +272,7 @@ def assert_messages(run, expected: dict[tuple[int, int], tuple[int, ...]], case:
             back = expected.get((dst, src), (0, 0))[0]
             overhead = 2 * wire.GLOO_PREAMBLE * count + wire.GLOO_PREAMBLE * back
             got = traffic.between(src, dst)
-            if least + overhead <= got <= most + overhead + wire.BARRIER_BYTES:
+            if least + overhead <= got <= most + overhead + wire.HANDSHAKE_BYTES:
                 continue
             size = f"{least:,}" if least == most else f"{least:,}–{most:,}"
             if count or back:
@@ -281,10 +282,11 @@ def assert_messages(run, expected: dict[tuple[int, int], tuple[int, ...]], case:
                     + ("" if least == most else f"–{most + overhead:,}")
                     + f" bytes there (gloo adds 96 bytes to each message: a 48-byte note when the send is posted "
                     f"and the message's 48-byte preamble; and 48 for each message rank {dst} sends rank {src}: "
-                    f"the note that the receive is posted), or up to {wire.BARRIER_BYTES} more (the launch's barrier)"
+                    f"the note that the receive is posted), or {wire.HANDSHAKE_BYTES} more (gloo's handshake as the "
+                    f"launch opens the connection)"
                 )
             else:
-                want = f"these ranks do not talk in this algorithm (at most the launch's {wire.BARRIER_BYTES} bytes)"
+                want = f"these ranks do not talk here (at most gloo's {wire.HANDSHAKE_BYTES}-byte handshake)"
             trace = getattr(run, "trace", None)
             said = ""
             if trace is not None:

@@ -124,7 +124,8 @@ class Traffic:
 
 
 GLOO_PREAMBLE = 48  # bytes before every message of gloo's TCP pairs (gloo/transport/tcp/pair.h: Op::Preamble)
-BARRIER_BYTES = 8  # the launch's dist.barrier() before the function runs: gloo's, 8 bytes one way on each connection
+HANDSHAKE_BYTES = 8  # gloo opens each connection as a launch's process group is made: 8 bytes one way
+# (gloo/transport/tcp: the initiator sends its sequence number), before the ranks' function runs
 
 
 @dataclass
@@ -197,7 +198,7 @@ def protocol_bytes(messages: dict[tuple[int, int], Sequence[int]], world_size: i
     a note from the sender when the send is posted (its 48-byte preamble alone), a note back from
     the receiver when the receive is posted (48), and then the message (preamble and payload), so a
     message of P bytes costs P + 96 from ``a`` to ``b`` and 48 from ``b`` to ``a``.  The launch's
-    own ``dist.barrier()`` adds up to ``BARRIER_BYTES`` on a connection, one way."""
+    connection handshake adds ``HANDSHAKE_BYTES`` on each connection, one way, as a launch begins."""
     matrix = [[0] * world_size for _ in range(world_size)]
     for (a, b), sizes in messages.items():
         matrix[a][b] += sum(sizes) + 2 * GLOO_PREAMBLE * len(sizes)

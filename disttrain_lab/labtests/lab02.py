@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .. import checks, exercise
+from .. import checks, exercise, wire
 from ..exercise import ExerciseRun
 from . import common
 
@@ -293,18 +293,24 @@ def check_pipelined_ring_all_reduce(
             f"Each of the 2(N-1) steps sends its chunk of S/N to the right neighbour only, as segments = {segments} "
             f"messages.",
         )
-    else:  # empty segments: a rank may send them or not; only the bytes, give or take gloo's headers
+    else:  # empty segments: a rank may send them or not, so the messages' number is a range
         chunks = _chunks(n, numel, dtype)
         least, most = 2 * (sum(chunks) - max(chunks)), 2 * (sum(chunks) - min(chunks))
+        messages = 2 * (n - 1) * segments  # at most: every segment, empty ones too
         for rank in range(n):
-            sent, right = run.traffic.sent(rank), (rank + 1) % n
-            others = {peer: run.traffic.between(rank, peer) for peer in range(n) if peer not in (rank, right)}
-            assert all(nbytes <= checks.WIRE_SLACK for nbytes in others.values()), (
-                f"{case}: in a ring, rank {rank} sends only to its right neighbour {right}; the operating system "
-                f"counted {run.traffic.describe()}"
+            right, left = (rank + 1) % n, (rank - 1) % n
+            others = {peer: run.traffic.between(rank, peer) for peer in range(n) if peer not in (rank, right, left)}
+            notes = run.traffic.between(rank, left) if left != right else 0  # its receives' notes, to its left
+            quiet = all(b <= wire.HANDSHAKE_BYTES for b in others.values())
+            assert quiet and notes <= wire.GLOO_PREAMBLE * messages + wire.HANDSHAKE_BYTES, (
+                f"{case}: in a ring, rank {rank} sends only to its right neighbour {right} (and gloo's 48-byte "
+                f"notes of its receives to its left neighbour {left}); the operating system counted "
+                f"{run.traffic.describe()}"
             )
-            assert least <= sent <= most + checks.WIRE_SLACK, (
-                f"{case}: rank {rank} sent {sent:,} bytes (the operating system counted); a ring sends "
-                f"2·(N-1)/N of the data, {least:,}…{most:,} bytes per rank and gloo's headers. Each step sends one "
-                f"chunk of S/N, in segments"
+            sent = run.traffic.between(rank, right)
+            high = most + 3 * wire.GLOO_PREAMBLE * messages + wire.HANDSHAKE_BYTES
+            assert least <= sent <= high, (
+                f"{case}: rank {rank} sent its right neighbour {sent:,} bytes (the operating system counted); a "
+                f"ring sends 2·(N-1)/N of the data, {least:,}…{most:,} bytes per rank, and gloo's 96 bytes with "
+                f"each of at most {messages} messages. Each step sends one chunk of S/N, in segments"
             )

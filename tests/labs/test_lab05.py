@@ -280,6 +280,18 @@ def test_1f1b_is_graded_on_its_own():
     assert "\N{WHITE HEAVY CHECK MARK}" in text(nb.cells[-1]), text(nb.cells[-1])
 
 
+def test_the_bubble_fails_closed_where_the_wire_was_not_seen(monkeypatch):
+    # under grading, a run whose wire was not captured is never timed from the ranks' boxes
+    from types import SimpleNamespace
+
+    from disttrain_lab import wire
+
+    monkeypatch.setattr(lab05.bubble, "_schedule", lambda run: pytest.fail("the ranks' F/B boxes were read"))
+    unseen = SimpleNamespace(timeline=wire.Timeline.unobserved("no capture"), traffic=wire.Traffic.unobserved("no ss"))
+    with pytest.raises(wire.Unobserved):
+        lab05.bubble._idle(unseen, "gpipe_step on 2 stages", 2, 4, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, monkeypatch):
@@ -308,7 +320,7 @@ def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, mon
     with observed_from_outside():
         lab05.check_1f1b(3, batch=10, m=4)
         lab05.check_gpipe(3, batch=10, m=4)
-        lab05.check_1f1b_bubble(2, [1, 4])  # the step timed from the launch's barrier to the last gradient
+        lab05.check_1f1b_bubble(2, [1, 4])  # the step timed from gloo's handshake to the last gradient
         monkeypatch.setattr(__main__, "one_f_one_b_step", one_at_a_time)
         with pytest.raises(AssertionError, match="the stages were idle"):
             lab05.check_1f1b_bubble(2, [4])

@@ -1,20 +1,23 @@
 """Lab 5's timing checks: a step's idle fraction on the simulated accelerator against the bubble
 (p − 1)/(m + p − 1), in a graded cell of its own per exercise.
 
-Under grading the step's length comes from the wire, not from the ranks' clocks: from the launch's
-barrier (the last of its small messages, just before the step function starts on every rank) to
-the last gradient reaching stage 0, plus stage 0's last backward, which follows it.  Every stage
-computes 3 · BUBBLE_COST per micro-batch (a forward, a backward twice as long: the grader's own
-setting), so the idle fraction is 1 − m · 3 · BUBBLE_COST / that length, the same on every stage.
-A stage that holds its work back past the last gradient only hides its own slowness, and never
-beats the schedule's dependencies.  In a student's own notebook the ranks' F/B boxes give it."""
+Under grading the step's length comes from the wire, not from the ranks' clocks: from gloo's
+handshake as the launch opens the ranks' connections (the only segments under 48 bytes; the ranks
+then set up and call the step function, a few milliseconds that count as idle) to the last
+gradient reaching stage 0, plus stage 0's last backward, which follows it.  The run's bytes must be
+the schedule's messages (``checks.assert_messages``), so no other traffic moves either end.  Every
+stage computes 3 · BUBBLE_COST per micro-batch (a forward, a backward twice as long: the grader's
+own setting), so the idle fraction is 1 − m · 3 · BUBBLE_COST / that length, the same on every
+stage.  A stage that holds its work back past the last gradient only hides its own slowness, and
+never beats the schedule's dependencies.  In a student's own notebook the ranks' F/B boxes give it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ... import viz, wire
+from ... import checks, viz, wire
 from ...exercise import ExerciseRun
+from .order import _payloads
 from .stages import _DRIVERS, _launch, _schedule
 
 BUBBLE_COST = 0.03  # bubble tests: 30 ms of simulated forward per micro-batch (60 ms backward)
@@ -23,20 +26,27 @@ BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15  # measured idle within −0.08 … +0.1
 BUBBLE_TRIES = 3  # a run over the range runs again, 3 runs in all; the least idle counts
 
 
-def _idle(run: ExerciseRun, p: int, m: int) -> list[float]:
-    """Each stage's idle fraction of the step: from the wire under grading, else from the ranks' boxes."""
-    if run.timeline.source != "wire":
+def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]:
+    """Each stage's idle fraction of the step: from the wire under grading (never the ranks' boxes: where
+    the wire was not captured, reading it raises ``wire.Unobserved``), from the boxes in a student's own
+    notebook."""
+    if run.timeline.source == "trace":
         return viz.pipeline_idle(_schedule(run), step=0)
+    messages = {}
+    for s in range(p - 1):
+        acts, grads = _payloads(p, s, rows * m, m, 1)
+        messages[(s, s + 1)], messages[(s + 1, s)] = (m, sum(acts)), (m, sum(grads))
+    checks.assert_messages(run, messages, case, "The timed step sends the same messages as the graded one.")
     segments = run.timeline.segments or []
     data = [t for t, _, _, n in segments if n >= wire.GLOO_PREAMBLE]
-    barrier = [t for t, _, _, n in segments if n < wire.GLOO_PREAMBLE and data and t <= data[0]]
+    handshake = [t for t, _, _, n in segments if n < wire.GLOO_PREAMBLE and data and t <= data[0]]
     back = [t for t, a, b, n in segments if (a, b) == (1, 0) and n > wire.GLOO_PREAMBLE]
-    if not barrier or not back:
+    if not handshake or not back:
         raise wire.Unobserved(
-            "the step's start (the launch's barrier) or its last gradient was not seen on the wire, so its "
-            "idle time cannot be measured from outside the ranks"
+            "the step's start (gloo's handshake as the launch opens the connections) or its last gradient was "
+            "not seen on the wire, so its idle time cannot be measured from outside the ranks"
         )
-    length = back[-1] - barrier[-1] + 2 * BUBBLE_COST
+    length = back[-1] - handshake[-1] + 2 * BUBBLE_COST
     return [1.0 - m * 3 * BUBBLE_COST / length] * p
 
 
@@ -56,7 +66,7 @@ def _check_bubble(
         _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, 0.0)  # (imports, allocations: untimed)
         while len(runs) < BUBBLE_TRIES and (not runs or min(runs)[0] - formula > BUBBLE_ABOVE):
             run = _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, BUBBLE_COST / rows)
-            idle = _idle(run, p, m)
+            idle = _idle(run, case, p, m, rows)
             runs.append((sum(idle) / p, idle))
         mean, idle = min(runs)
         measured.append(mean)

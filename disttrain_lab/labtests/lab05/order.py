@@ -23,10 +23,12 @@ def _payloads(p: int, s: int, batch: int, m: int, steps: int) -> tuple[list[int]
 
 
 def _surely_past(sizes: Sequence[int], k: int, notes: int) -> int:
-    """A byte position on a direction of a link past which message ``k`` (of the ``sizes`` payloads in
-    order) has surely begun: every earlier message with gloo's 96 bytes, its own note and preamble, and
-    as many of the receiver's 48-byte notes (``notes``) and the launch's barrier as could come before."""
-    return sum(sizes[:k]) + 2 * wire.GLOO_PREAMBLE * (k + 1) + wire.GLOO_PREAMBLE * notes + wire.BARRIER_BYTES
+    """The most bytes a sender can have written on a direction of a link before it computes message
+    ``k`` (of the ``sizes`` payloads in order): gloo's handshake, every earlier message with its 96
+    bytes, message k's own note and preamble, and ``notes`` 48-byte notes of its receives (the most it
+    can have posted by then).  A byte past this position was written after message k was computed;
+    which message it belongs to does not matter (a later note may go before k's data)."""
+    return sum(sizes[:k]) + 2 * wire.GLOO_PREAMBLE * (k + 1) + wire.GLOO_PREAMBLE * notes + wire.HANDSHAKE_BYTES
 
 
 def _at_least_to(sizes: Sequence[int], k: int) -> int:
@@ -35,9 +37,9 @@ def _at_least_to(sizes: Sequence[int], k: int) -> int:
 
 
 def _before(timeline, ahead: tuple[int, int], k: int, ahead_sizes, behind_sizes, j: int, notes: int) -> bool:
-    """Whether message ``k`` on ``ahead`` (a direction of a link) surely began before message ``j`` the
-    other way had surely ended: when ``ahead``'s data passed the position where k has surely begun, the
-    other direction had not yet carried the least bytes with which j ends.  TCP keeps each direction in
+    """Whether message ``k`` on ``ahead`` (a direction of a link) was surely computed before message ``j``
+    the other way had surely arrived: when ``ahead``'s data passed the most its sender can write before
+    computing k, the other direction had not yet carried the least bytes with which j ends.  TCP keeps each direction in
     order, so byte positions hold however the segments were cut; the bounds only ever err towards
     "no", so a schedule that keeps the order is never taken for one that breaks it."""
     at = timeline.passed(*ahead, _surely_past(ahead_sizes, k, notes))
