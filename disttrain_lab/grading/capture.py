@@ -12,7 +12,7 @@ a segment sent again (the same connection and sequence number) counts once.  Onl
 are read (IP and TCP, bounds checked); the payload, the student's bytes, is never parsed.
 
 The grader runs it as a program (standard library only, no import of the package):
-``nsenter --net=/proc/P/ns/net python -I capture.py``; it prints ``ready`` once the socket is
+``nsenter --net=/proc/P/ns/net python -I -S capture.py``; it prints ``ready`` once the socket is
 bound, captures until SIGINT, then prints one line per segment, ``t local peer seq bytes``
 (times in seconds, ``time.monotonic``), and a last line ``end DROPPED``: the kernel's count of
 packets it dropped because the socket's queue was full.  ``Capture`` in this module does that
@@ -83,7 +83,7 @@ def _capture() -> None:
     program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, HEADERS))
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HxxxxxxQ", 1, ctypes.addressof(program)))
     sock.bind(("lo", 0))
-    sock.settimeout(0.05)
+    sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
     print("ready", flush=True)
     seen: set[tuple[str, str, int]] = set()
     lines = []
@@ -119,7 +119,7 @@ class Capture:
 
     def start(self) -> Capture:
         """Start the capture; returns once its socket is bound (``stop`` ends it)."""
-        cmd = [sys.executable, "-I", os.path.abspath(__file__)]
+        cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__)]  # (the standard library only: no site)
         if self.netns_pid is not None:
             cmd = ["nsenter", f"--net=/proc/{self.netns_pid}/ns/net", *cmd]
         self._process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -63,7 +63,7 @@ def _check_bubble(
         m = m or 1
         case = f"{name} on {p} stages, {m} micro-batches of {rows} rows"
         formula, runs = (p - 1) / (m + p - 1), []
-        _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, 0.0)  # (imports, allocations: untimed)
+        _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, 0.0, timeline=False)  # warm-up: untimed
         while len(runs) < BUBBLE_TRIES and (not runs or min(runs)[0] - formula > BUBBLE_ABOVE):
             run = _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, BUBBLE_COST / rows)
             idle = _idle(run, case, p, m, rows)
