@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ... import checks, viz, wire
 from ...exercise import ExerciseRun
-from .order import _payloads
+from .order import _messages
 from .stages import _DRIVERS, _launch, _schedule
 
 BUBBLE_COST = 0.03  # bubble tests: 30 ms of simulated forward per micro-batch (60 ms backward)
@@ -32,11 +32,9 @@ def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]
     notebook."""
     if run.timeline.source == "trace":
         return viz.pipeline_idle(_schedule(run), step=0)
-    messages = {}
-    for s in range(p - 1):
-        acts, grads = _payloads(p, s, rows * m, m, 1)
-        messages[(s, s + 1)], messages[(s + 1, s)] = (m, sum(acts)), (m, sum(grads))
-    checks.assert_messages(run, messages, case, "The timed step sends the same messages as the graded one.")
+    checks.assert_messages(
+        run, _messages(p, rows * m, m, 1), case, "The timed step sends the same messages as the graded one."
+    )
     segments = run.timeline.segments or []
     data = [t for t, _, _, n in segments if n >= wire.GLOO_PREAMBLE]
     handshake = [t for t, _, _, n in segments if n < wire.GLOO_PREAMBLE and data and t <= data[0]]

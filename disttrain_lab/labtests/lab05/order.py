@@ -15,11 +15,20 @@ from ...exercise import ExerciseRun
 from .stages import _rows, _sizes
 
 
-def _payloads(p: int, s: int, batch: int, m: int, steps: int) -> tuple[list[int], list[int]]:
-    """Payload bytes of every activation stage s sends stage s + 1, and of every gradient stage s + 1
-    sends back, micro-batch by micro-batch and step by step (float32)."""
-    rows = _rows(batch, m) * steps
-    return [r * _sizes(p)[2 * s + 2] * 4 for r in rows], [r * _sizes(p)[2 * s + 2] * 4 for r in rows]
+def _payloads(p: int, s: int, batch: int, m: int, steps: int) -> list[int]:
+    """Payload bytes of every activation stage s sends stage s + 1, micro-batch by micro-batch and step
+    by step (float32); each gradient stage s + 1 sends back has its activation's shape, so the same."""
+    return [r * _sizes(p)[2 * s + 2] * 4 for r in _rows(batch, m) * steps]
+
+
+def _messages(p: int, batch: int, m: int, steps: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """The schedule's messages for ``checks.assert_messages``: on every link, one activation forward and
+    one gradient back per micro-batch and step."""
+    found = {}
+    for s in range(p - 1):
+        sizes = _payloads(p, s, batch, m, steps)
+        found[(s, s + 1)] = found[(s + 1, s)] = (m * steps, sum(sizes))
+    return found
 
 
 def _surely_past(sizes: Sequence[int], k: int, notes: int) -> int:
@@ -54,7 +63,7 @@ def _check_wire_order(case: str, run: ExerciseRun, p: int, batch: int, m: int, s
     arrived (at most p − s micro-batches in flight, the point of 1F1B)."""
     timeline = run.timeline
     for s in range(p - 1):
-        acts, grads = _payloads(p, s, batch, m, steps)
+        acts = grads = _payloads(p, s, batch, m, steps)
         for t in range(steps):
             if name == "gpipe_step" and s == p - 2 and m > 1:
                 first, last = t * m, t * m + m - 1

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ... import checks, models, viz
 from ...exercise import ExerciseRun
-from .order import _check_wire_order, _payloads
+from .order import _check_wire_order, _messages
 from .stages import (
     _DRIVERS,
     TOLERANCE,
@@ -43,13 +43,9 @@ def _check_pipeline(
     case = f"{name} on {p} stages (batch {batch}, {m} micro-batches, {steps} steps)"
     run = _launch(case, p, driver or _DRIVERS[name], batch, steps, kwargs)
     checks.assert_only_p2p(run.trace, name)
-    messages = {}
-    for s in range(p - 1):
-        acts, grads = _payloads(p, s, batch, m, steps)
-        messages[(s, s + 1)], messages[(s + 1, s)] = (m * steps, sum(acts)), (m * steps, sum(grads))
     checks.assert_messages(
         run,
-        messages,
+        _messages(p, batch, m, steps),
         case,
         "Each micro-batch sends its activations (every row, once) to the next stage only, and its input's gradient "
         "to the previous stage only, one message each.",
