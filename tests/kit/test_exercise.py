@@ -96,6 +96,23 @@ def test_results_come_back_as_data_and_the_os_counts_each_pair():
     checks.assert_close(run.inputs_after[1][0], torch.arange(4096.0), what="rank 1's x after the call")
 
 
+def _numpy_values(scale):
+    import numpy as np
+
+    return [np.float64(scale), np.int64(3), np.arange(3.0) * scale, {"x": (np.float32(0.5), np.array(2.0))}]
+
+
+def test_numpys_numbers_and_arrays_come_back_as_data():
+    """#41: a list of numpy float64 values (a prediction, a measured list) is data, not refused:
+    numbers come back as Python's, arrays as tensors (numpy's own types are not in a record)."""
+    run = exercise.run(_numpy_values, 2, (2.0,), timeout=30)
+    value, count, array, nested = run.results[1]
+    assert (type(value), value, type(count), count) == (float, 2.0, int, 3)
+    checks.assert_close(array, torch.tensor([0.0, 2.0, 4.0], dtype=torch.float64), what="the array")
+    assert type(nested["x"][0]) is float and type(nested["x"][1]) is float
+    assert serving.as_data([("kept", None)]) == [("kept", None)]
+
+
 def test_a_driver_runs_next_to_the_notebooks_code_from_its_source():
     run = exercise.run(_drive_ping_pong, 2, (1024, 2), timeout=30)
     assert run.results == [float(sum(range(1024)))] * 2
