@@ -32,6 +32,8 @@ __all__ = [
     "check_recompute",
     "check_saved_bytes",
     "check_saving",
+    "check_scaler_pattern",
+    "pattern_scales",
 ]
 
 TIMEOUT = 60  # seconds a test's run may take
@@ -49,6 +51,28 @@ def _run(driver: Callable, args: tuple, case: str) -> list:
 # What the drivers import in the ranks (public: code that runs elsewhere uses it, the hidden
 # tests' own drivers too; none of it uses the notebook's names)
 # --------------------------------------------------------------------------------------
+def pattern_scales(scaler, pattern: str) -> list[float]:
+    """The scale after each step of ``pattern`` ("O": a gradient overflows, ".": a good step), with
+    ``scaler`` (a ``DynamicLossScaler`` or a ``torch.amp.GradScaler``) stepping a one-parameter SGD:
+    each step scales a loss, backpropagates it, makes the gradient ``inf`` where the pattern says so,
+    then ``step`` and ``update``."""
+    if set(pattern) - {"O", "."}:
+        raise ValueError(f"a pattern holds 'O' (an overflow) and '.' (a good step) only, got {pattern!r}")
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    scales = []
+    for step in pattern:
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(weight.sum()).backward()
+        if step == "O":
+            with torch.no_grad():
+                weight.grad.fill_(float("inf"))
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return scales
+
+
 def _block_and_input(s, b, h, a, seed=0):
     """One block of a models.GPT of this shape, and an input that requires grad."""
     cfg = models.GPTConfig(vocab=8, seq_len=s, d_model=h, n_heads=a, n_layers=1)
@@ -86,6 +110,13 @@ def _saved_bytes_of(case):
 def _scaler_run(options, steps):
     """Driver (runs in your kernel): train_with_scaler with your DynamicLossScaler."""
     return train_with_scaler(DynamicLossScaler(**options), steps)  # noqa: F821  (the notebook's)
+
+
+def _scaler_pattern(options, pattern):
+    """Driver (runs in your kernel): your DynamicLossScaler through the steps of ``pattern``."""
+    from disttrain_lab.labtests.lab09 import pattern_scales
+
+    return pattern_scales(DynamicLossScaler(**options), pattern)  # noqa: F821  (the notebook's)
 
 
 def _mixed_run(steps, options, dtype):
@@ -173,6 +204,23 @@ def check_loss_scaler(options: dict, steps: int = 12) -> None:
     assert list(scales) == want_scales, f"{case}: scales {list(scales)}, torch.amp.GradScaler's {want_scales}"
     for i, (a, b) in enumerate(zip(master, want_master)):
         checks.assert_close(a, b, rtol=0, atol=0, what=f"{case}: master weight {i} against GradScaler's")
+
+
+def check_scaler_pattern(options: dict, pattern: str) -> None:
+    """Exercise 2: ``DynamicLossScaler(**options)`` through the overflows of ``pattern`` ("O" overflows,
+    "." a good step: ``pattern_scales``) keeps the scales ``torch.amp.GradScaler("cpu", **options)`` keeps:
+    an overflow backs off *and* resets the count of good steps, so growth needs ``growth_interval`` good
+    steps in a row."""
+    case = f"DynamicLossScaler({', '.join(f'{k}={v!r}' for k, v in options.items())}) through {pattern!r}"
+    got = _run(_scaler_pattern, (options, pattern), case)
+    want = pattern_scales(torch.amp.GradScaler("cpu", **options), pattern)
+    if list(got) != want:
+        first = next(i for i, (a, b) in enumerate(zip(list(got) + [None] * len(want), want)) if a != b)
+        raise AssertionError(
+            f"{case}: scales {list(got)}, torch.amp.GradScaler's {want}; they part at step {first} "
+            f"({pattern[: first + 1]!r}): after an overflow, back off and reset the count of good steps; grow "
+            f"only after growth_interval good steps in a row"
+        )
 
 
 def check_mixed_precision(options: dict, steps: int = 12, dtype: str = "float16") -> None:

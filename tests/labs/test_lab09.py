@@ -230,6 +230,19 @@ class DynamicLossScaler(DynamicLossScaler):       # grows after every good step
         "torch.amp.GradScaler's",
     ),
     (
+        "loss_scaler",
+        """
+class DynamicLossScaler(DynamicLossScaler):       # backs off, but keeps its count of good steps (#41)
+    def update(self):
+        if self._found_inf:
+            self._scale *= self.backoff_factor
+            self._found_inf = False
+        else:
+            super().update()
+""",
+        "reset the count of good steps",
+    ),
+    (
         "mixed_precision",
         """
 class MixedPrecisionAdam(MixedPrecisionAdam):     # Adam on the fp16 weights themselves: no master copy
