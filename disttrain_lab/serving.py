@@ -55,10 +55,10 @@ def as_data(value, depth: int = 0):
         if hasattr(value, "shape") and getattr(value, "ndim", 0) > 0:  # an array
             return torch.as_tensor(value.copy())
         return value.item() if hasattr(value, "item") else value  # a scalar (np.float64, np.int64, a 0-d array)
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+    if type(value) in (list, tuple):  # (exactly: a torch.Size or a named tuple stays what it is)
         converted = [as_data(v, depth + 1) for v in value]
-        return converted if isinstance(value, list) else tuple(converted)
-    if isinstance(value, dict):
+        return converted if type(value) is list else tuple(converted)
+    if type(value) is dict:
         return {as_data(k, depth + 1): as_data(v, depth + 1) for k, v in value.items()}
     return value
 

@@ -111,6 +111,7 @@ def test_numpys_numbers_and_arrays_come_back_as_data():
     checks.assert_close(array, torch.tensor([0.0, 2.0, 4.0], dtype=torch.float64), what="the array")
     assert type(nested["x"][0]) is float and type(nested["x"][1]) is float
     assert serving.as_data([("kept", None)]) == [("kept", None)]
+    assert type(serving.as_data([torch.Size([2, 3])])[0]) is torch.Size
 
 
 def test_a_driver_runs_next_to_the_notebooks_code_from_its_source():
