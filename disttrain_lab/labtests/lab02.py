@@ -13,12 +13,16 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from .. import checks, exercise, wire
 from ..exercise import ExerciseRun
 from . import common
 
 __all__ = [
+    "GRADED_PASSED",
+    "direct_all_gather",
+    "direct_reduce_scatter",
     "check_halving_doubling_all_reduce",
     "check_halving_doubling_not_a_power_of_two",
     "check_naive_all_reduce",
@@ -29,6 +33,8 @@ __all__ = [
 ]
 
 _DEADLOCK = "a deadlock, or a rank waiting for a message nobody sends?"
+GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed (ring_all_reduce is built on two of them)
+HALVES = ("ring_reduce_scatter", "ring_all_gather")
 _TWO_ROUNDS = (
     "(Blocking send/recv ordered even/odd turns every step into two rounds under the one-port model: "
     "post the send with isend, then recv.)"
@@ -53,15 +59,21 @@ def _all_reduce_inputs(
 
 
 def _check_all_reduce(
-    name: str, n: int, shape: tuple, dtype: torch.dtype = torch.float32, contiguous: bool = True
+    name: str, n: int, shape: tuple, dtype: torch.dtype = torch.float32, contiguous: bool = True, replace: tuple = ()
 ) -> tuple[str, ExerciseRun | None]:
     """Run the notebook's ``name`` on n ranks and compare with the sum of every rank's data (what
-    dist.all_reduce gives), in place and returned; only point-to-point calls.  Returns (case, the
-    run), or (case, None) if it refused a non-contiguous input with a clear error."""
+    dist.all_reduce gives), in place and returned; only point-to-point calls.  ``replace``: the halves
+    of the ring that the grader's stand-ins replace (``_ring_all_reduce_standing_in``).  Returns (case,
+    the run), or (case, None) if it refused a non-contiguous input with a clear error."""
     case = f"{name} on {n} ranks ({_dtype(dtype)}, shape {shape}" + (")" if contiguous else ", non-contiguous)")
+    if replace:
+        case = case[:-1] + f", with the grader's stand-in for {' and '.join(replace)})"
     data, xs = _all_reduce_inputs(n, shape, dtype, contiguous)
+    target, inputs = (
+        (_ring_all_reduce_standing_in, [(x, list(replace)) for x in xs]) if replace else (name, [(x,) for x in xs])
+    )
     try:
-        run = common.run_or_fail(name, n, [(x,) for x in xs], case, _DEADLOCK, timeout=30)
+        run = common.run_or_fail(target, n, inputs, case, _DEADLOCK, timeout=30)
     except exercise.ExerciseError as e:
         if not contiguous and common.rank_raised(e, "ValueError", "contiguous"):
             return case, None  # the student's own clear error is accepted
@@ -168,6 +180,79 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
         )
 
 
+def direct_reduce_scatter(flat: torch.Tensor) -> torch.Tensor:
+    """The grader's stand-in for ``ring_reduce_scatter`` (public: a driver imports it in the ranks):
+    the same result, chunk ``rank`` of ``flat`` summed over all ranks and returned, but **not a ring**:
+    each rank sends chunk c straight to rank c.  ``ring_all_reduce`` is graded on it where the
+    student's reduce-scatter did not pass its graded test; handed in as ``ring_reduce_scatter`` it
+    fails that test (messages to ranks other than the right neighbour)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = flat.tensor_split(n)
+    incoming = {peer: torch.empty_like(chunks[rank]) for peer in range(n) if peer != rank}
+    if chunks[rank].numel():
+        requests = [dist.irecv(buffer, src=peer) for peer, buffer in incoming.items()]
+    else:
+        requests = []
+    requests += [dist.isend(chunks[peer], dst=peer) for peer in range(n) if peer != rank and chunks[peer].numel()]
+    for request in requests:
+        request.wait()
+    for buffer in incoming.values():
+        chunks[rank].add_(buffer)
+    return chunks[rank]
+
+
+def direct_all_gather(flat: torch.Tensor) -> torch.Tensor:
+    """The grader's stand-in for ``ring_all_gather`` (as ``direct_reduce_scatter``): every rank sends
+    its chunk straight to every other rank; not a ring."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = flat.tensor_split(n)
+    requests = [dist.irecv(chunks[peer], src=peer) for peer in range(n) if peer != rank and chunks[peer].numel()]
+    if chunks[rank].numel():
+        requests += [dist.isend(chunks[rank], dst=peer) for peer in range(n) if peer != rank]
+    for request in requests:
+        request.wait()
+    return flat
+
+
+def _ring_all_reduce_standing_in(x, replace):
+    """Driver (runs in your kernel): your ring_all_reduce, with the grader's stand-ins
+    (``direct_reduce_scatter``, ``direct_all_gather``) in the place of the halves named in ``replace``."""
+    from disttrain_lab.labtests.common import standing_in
+    from disttrain_lab.labtests.lab02 import direct_all_gather, direct_reduce_scatter
+
+    graders = {"ring_reduce_scatter": direct_reduce_scatter, "ring_all_gather": direct_all_gather}
+    with standing_in({name: graders[name] for name in replace}, [ring_all_reduce.__globals__]):  # noqa: F821
+        return ring_all_reduce(x)  # noqa: F821  (the notebook's)
+
+
+def _stand_in_messages(n: int, numel: int, dtype: torch.dtype, replace: tuple) -> dict:
+    """ring_all_reduce's messages where the stand-ins replace the halves in ``replace``: a replaced
+    reduce-scatter sends chunk c from every rank to rank c, a replaced all-gather rank r's chunk to every
+    rank; a half that passed its graded test sends every chunk but one to the right neighbour."""
+    chunks = _chunks(n, numel, dtype)
+    messages: dict[tuple[int, int], list[int]] = {}
+
+    def add(src: int, dst: int, count: int, payload: int) -> None:
+        count0, payload0 = messages.get((src, dst), (0, 0))
+        messages[(src, dst)] = [count0 + count, payload0 + payload]
+
+    for r in range(n):
+        right = (r + 1) % n
+        if "ring_reduce_scatter" in replace:
+            for s in range(n):
+                if s != r:
+                    add(r, s, 1, chunks[s])
+        else:
+            add(r, right, n - 1, sum(chunks) - chunks[r])
+        if "ring_all_gather" in replace:
+            for s in range(n):
+                if s != r:
+                    add(r, s, 1, chunks[r])
+        else:
+            add(r, right, n - 1, sum(chunks) - chunks[right])
+    return {pair: tuple(v) for pair, v in messages.items()}
+
+
 def _ring_all_reduce_messages(n: int, numel: int, dtype: torch.dtype, per_step: int = 1) -> dict:
     """A ring all-reduce's messages: 2(N-1) steps of one chunk each (``per_step`` messages per step), every
     rank to its right neighbour only; which two chunks a rank does not send depends on where the
@@ -181,11 +266,28 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
     """``ring_all_reduce(x)`` (exercise 4): the sum, in place and returned, as ``naive_all_reduce``'s;
     only send/recv; 2(N-1) messages to the right neighbour, one chunk each (2(N-1)/N of the data), and
     nothing to anyone else (the operating system's count, when every chunk has an element), in 2(N-1)
-    steps."""
-    case, run = _check_all_reduce("ring_all_reduce", n, shape, dtype, contiguous)
+    steps.  Where ring_reduce_scatter or ring_all_gather has not passed its graded test (``GRADED_PASSED``),
+    the grader's stand-in replaces it (``direct_reduce_scatter``, ``direct_all_gather``: not rings), and
+    the messages are those the two halves make."""
+    replace = tuple(half for half in HALVES if half not in GRADED_PASSED)
+    if replace:
+        print(
+            f"({' and '.join(replace)} {'has' if len(replace) == 1 else 'have'} not passed its graded test: "
+            "ring_all_reduce is graded on the grader's stand-in, which sends each chunk straight to its rank, "
+            "so that a mistake there does not cost this exercise too)"
+        )
+    case, run = _check_all_reduce("ring_all_reduce", n, shape, dtype, contiguous, replace)
     numel = math.prod(shape)
     if run is None or numel < n:
         return  # empty chunks: steps and bytes are not compared
+    if replace:  # the stand-ins' messages, and those of the half that passed: ring_all_reduce calls both
+        checks.assert_messages(
+            run,
+            _stand_in_messages(n, numel, dtype, replace),
+            case,
+            "ring_all_reduce calls ring_reduce_scatter, then ring_all_gather, on x's data as one flat tensor.",
+        )
+        return
     checks.assert_messages(
         run,
         _ring_all_reduce_messages(n, numel, dtype),

@@ -34,12 +34,15 @@ from tests.notebooks import (
     cell_by_id,
     error_of_a_wrong_prediction,
     error_of_last_cell,
+    errors,
+    execute,
     load,
     output_of,
     pictures,
     prediction_problems,
     run_solution,
     solution_notebook,
+    text,
 )
 
 matplotlib.use("Agg")
@@ -257,6 +260,47 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
     )
     found = error_of_last_cell(nb)
     assert message in found, found
+
+
+@pytest.mark.slow
+def test_a_wrong_reduce_scatter_costs_ring_all_reduce_nothing():
+    """#41: one mistake costs one exercise.  A reduce-scatter that leaves the wrong chunk fails its own
+    graded cell; ring_all_reduce, built on it, is then graded on the grader's stand-in (not a ring: each
+    chunk straight to its rank) and keeps its points, while the all-gather that passed is still yours."""
+    lab = load(LAB)
+    wrong = next(source for exercise, source, _ in WRONG if exercise == "ring_reduce_scatter")
+    scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
+    mine = [cell_by_id(lab, f"ex_{name}") for name in ("ring_all_gather", "ring_all_reduce")]
+    tests = [cell_by_id(lab, f"test_{name}") for name in ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")]
+    nb = nbformat.v4.new_notebook(
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch, *mine)]
+        + [nbformat.v4.new_code_cell(wrong)]
+        + [copy.deepcopy(c) for c in tests]
+    )
+    nb, _ = execute(nb, autograding=True, cwd=LAB.parent)
+    reduce_scatter, all_gather, all_reduce = nb.cells[-3:]
+    assert errors(reduce_scatter) and "the chunk rank 0 returned" in errors(reduce_scatter)[0], errors(reduce_scatter)
+    assert not errors(all_gather), errors(all_gather)
+    assert not errors(all_reduce), errors(all_reduce)
+    assert "ring_reduce_scatter has not passed its graded test" in text(all_reduce), text(all_reduce)
+    assert "ring_all_gather" not in text(all_reduce).split("passed its graded test")[0], text(all_reduce)
+
+
+def test_the_stand_ins_are_not_rings_and_earn_the_halves_nothing():
+    """#42 item 4: the grader's stand-ins reach the student's kernel as source; handed in as the
+    student's own halves they fail those exercises (messages to ranks other than the right neighbour)."""
+    import __main__
+
+    for name, stand_in, check in (
+        ("ring_reduce_scatter", lab02.direct_reduce_scatter, lab02.check_ring_reduce_scatter),
+        ("ring_all_gather", lab02.direct_all_gather, lab02.check_ring_all_gather),
+    ):
+        setattr(__main__, name, stand_in)
+        try:
+            with pytest.raises(AssertionError, match="message"):
+                check(3, 12, torch.float32)
+        finally:
+            delattr(__main__, name)
 
 
 def _ring_reduce_scatter_with_a_hidden_extra(flat):

@@ -13,10 +13,11 @@ solution), so that one mistake costs one exercise's points.  A driver uses only 
 
 from __future__ import annotations
 
+from ..common import standing_in
 from .common import GRADED_PASSED, TIMEOUT, _bytes_sent
 from .hooks import check_hook_exact, check_powersgd, check_training, hook_driver
 from .quantized import check_quantize, check_quantized_all_reduce
-from .ranks import compress_steps, hook_namespaces, standing_in, train_watched
+from .ranks import compress_steps, hook_namespaces, train_watched
 from .sparse import (
     check_density_error,
     check_error_feedback,

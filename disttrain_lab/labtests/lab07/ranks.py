@@ -4,9 +4,6 @@ sent to the student's kernel and defined there among the notebook's names."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,23 +27,6 @@ def compress_steps(ef, grads) -> list:
         residual = ef.residual
         steps.append((values, indices, residual.clone() if isinstance(residual, torch.Tensor) else residual))
     return steps
-
-
-@contextlib.contextmanager
-def standing_in(graders: dict, spaces: list[dict]) -> Iterator[None]:
-    """Within: the grader's functions ``graders`` (name -> function) in the place of the notebook's of
-    those names, in every namespace of ``spaces`` (where the notebook's code looks them up, in this
-    rank); the notebook's put back after."""
-    saved = [{name: space[name] for name in graders if name in space} for space in spaces]
-    for space in spaces:
-        space.update(graders)
-    try:
-        yield
-    finally:
-        for space, old in zip(spaces, saved):
-            for name in graders:
-                space.pop(name, None)
-            space.update(old)
 
 
 def hook_namespaces(topk_hook) -> list[dict]:
