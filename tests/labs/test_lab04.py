@@ -263,6 +263,26 @@ def test_a_failed_zero1_costs_zero2_nothing():
     )
 
 
+PADDED_AT_THE_FRONT = """
+def padded_flat(t, world_size):               # pads at the front: every shard is shifted
+    flat = t.detach().reshape(-1)
+    return F.pad(flat, (world_size * shard_size(flat.numel(), world_size) - flat.numel(), 0))
+"""
+
+
+@pytest.mark.slow
+def test_a_wrong_padded_flat_costs_zero3_nothing():
+    # #41: Zero3Module uses exercise 2's shard_size and padded_flat; with a padded_flat that pads at the front,
+    # the ZeRO-1 test fails and the ZeRO-3 test, run with the grader's two helpers in their place, passes
+    lab = load(LAB)
+    nb = _notebook(lab, ["ex_zero1", "ex_zero2", "ex_zero3"], PADDED_AT_THE_FRONT, ["zero1", "zero3"])
+    nb, _ = execute(nb, autograding=True)
+    zero1, zero3 = nb.cells[-2:]
+    assert errors(zero1) and "values differ" in errors(zero1)[0], errors(zero1)
+    assert not errors(zero3), errors(zero3)
+    assert "Zero3Module is graded with the grader's shard_size and padded_flat" in text(zero3), text(zero3)
+
+
 @needs_gpus(2)
 def test_exercises_and_graded_cells_pass_on_gpus():
     # DEVICE = "cuda": every cell up to the last graded one (solutions, self-checks, graded tests) on 2 GPUs
