@@ -32,6 +32,7 @@ __all__ = [
     "check_ring_reduce_scatter",
 ]
 
+_NOT_PASSED = ("has not passed its graded test", "have not passed their graded tests")
 _DEADLOCK = "a deadlock, or a rank waiting for a message nobody sends?"
 GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed (ring_all_reduce is built on two of them)
 HALVES = ("ring_reduce_scatter", "ring_all_gather")
@@ -272,7 +273,7 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
     replace = tuple(half for half in HALVES if half not in GRADED_PASSED)
     if replace:
         print(
-            f"({' and '.join(replace)} {'has' if len(replace) == 1 else 'have'} not passed its graded test: "
+            f"({' and '.join(replace)} {_NOT_PASSED[len(replace) > 1]}: "
             "ring_all_reduce is graded on the grader's stand-in, which sends each chunk straight to its rank, "
             "so that a mistake there does not cost this exercise too)"
         )

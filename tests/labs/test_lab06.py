@@ -274,6 +274,50 @@ def test_train_2d_is_graded_on_its_own():
     assert "\N{WHITE HEAVY CHECK MARK}" in text(nb.cells[-1]), text(nb.cells[-1])
 
 
+@pytest.mark.slow
+def test_a_wrong_layer_costs_the_tensor_parallel_mlp_nothing():
+    # #41: TensorParallelMLP is built on exercise 1's layers; a RowParallelLinear that adds the bias on every rank
+    # fails exercise 1, and exercise 3, graded with the grader's stand-in layers in their place, keeps its points
+    # (f and g, which passed, are the student's own)
+    lab = load(LAB)
+    wrong = next(source for exercise, source, _ in WRONG if exercise == "parallel_linear")
+    cells = [copy.deepcopy(c) for c in (lab.cells[0], *(cell_by_id(lab, f"ex_{e}") for e in EXERCISES))]
+    cells += [nbformat.v4.new_code_cell(wrong), copy.deepcopy(cell_by_id(lab, "test_helpers"))]
+    cells += [copy.deepcopy(cell_by_id(lab, f"test_{e}")) for e in ("parallel_linear", "f_and_g", "tp_mlp")]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, cwd=LAB.parent)
+    linear, f_and_g, mlp = nb.cells[-3:]
+    assert errors(linear) and "the bias must be added exactly once" in errors(linear)[0], errors(linear)
+    assert not errors(f_and_g), errors(f_and_g)
+    assert not errors(mlp), errors(mlp)
+    said = text(mlp)
+    assert "parallel_linear has not passed its graded test" in said and "CopyToTensorParallel" not in said, said
+
+
+def test_the_stand_ins_earn_exercises_1_and_2_nothing(monkeypatch):
+    """#42 item 4: the grader's stand-ins reach the student's kernel as source; handed in as exercises 1 and 2
+    they fail them (whole weights, not slices; all-gathers, not the all-reduces f and g make)."""
+    from torch import nn
+
+    import __main__
+    import disttrain_lab as dl
+    from disttrain_lab.labtests.lab06 import ranks
+
+    for name, value in {
+        "nn": nn,
+        "dist": torch.distributed,
+        "torch": torch,
+        "models": dl.models,
+        "checks": dl.checks,
+    }.items():
+        monkeypatch.setattr(__main__, name, value, raising=False)
+    for name, stand_in in ranks.STAND_INS.items():
+        monkeypatch.setattr(__main__, name, stand_in, raising=False)
+    with pytest.raises(AssertionError, match="expected shape"):
+        lab06.check_parallel_linear(2, 4, 6)
+    with pytest.raises(AssertionError, match="should make exactly 1 all-reduce"):
+        lab06.check_f_and_g(2, 3, 4)
+
+
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 

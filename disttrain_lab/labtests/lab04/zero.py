@@ -22,6 +22,7 @@ _SAID: set[str] = set()  # the notes already printed in this kernel
 # Exercises 2-4: training with ZeRO on ranks, against one process
 # --------------------------------------------------------------------------------------
 
+
 def _model(kind: str, sizes: Sequence[int]) -> nn.Module:
     """The graded models: an MLP, one with a frozen first layer, a fine-tuned one (its first layer trains only its
     bias, the next linear layer is frozen: at least 3 layers), a tied autoencoder (sizes = [d, hidden, d])."""

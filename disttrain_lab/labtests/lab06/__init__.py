@@ -22,7 +22,7 @@ from .checks import (
     check_tp_mlp,
     train_2d_driver,
 )
-from .common import TIMEOUT
+from .common import GRADED_PASSED, TIMEOUT
 from .ranks import (
     batches_2d,
     chunk,
@@ -35,6 +35,7 @@ from .ranks import (
 )
 
 __all__ = [
+    "GRADED_PASSED",
     "check_2d",
     "check_f_and_g",
     "check_groups_not_divisible",

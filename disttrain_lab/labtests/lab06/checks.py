@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ... import checks, models
-from .common import _F_G_PHASES, _MLP_PHASES
+from .common import _F_G_PHASES, _MLP_PHASES, GRADED_PASSED, STAND_IN_FOR
 from .ranks import (
     _build_layer,
     _build_mlp,
@@ -13,6 +13,7 @@ from .ranks import (
     _f_g_in_rank,
     _linear_in_rank,
     _mlp_in_rank,
+    _mlp_standing_in,
     _train_2d_in_rank,
     batches_2d,
     chunk,
@@ -28,6 +29,9 @@ from .reading import (
     _phases,
     _run,
 )
+
+_NOT_PASSED = ("has not passed its graded test", "have not passed their graded tests")
+_SAID: set[tuple] = set()  # the notes already printed in this kernel
 
 
 # --------------------------------------------------------------------------------------
@@ -175,19 +179,49 @@ def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> Non
         )
 
 
-def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None) -> None:
+def _standing_in(own: bool = False) -> tuple[str, ...]:
+    """The notebook's classes the grader's stand-ins replace in exercise 3's runs: those of exercises 1 and 2
+    that have not passed their graded tests (none with ``own``); says so once per kernel."""
+    if own:
+        return ()
+    missing = [exercise for exercise in STAND_IN_FOR if exercise not in GRADED_PASSED]
+    replace = tuple(name for exercise in missing for name in STAND_IN_FOR[exercise])
+    if replace and replace not in _SAID:
+        _SAID.add(replace)
+        print(
+            f"({' and '.join(missing)} {_NOT_PASSED[len(missing) > 1]}: "
+            f"TensorParallelMLP is graded with the grader's stand-in for {', '.join(replace)}, so that a mistake "
+            "there does not cost this exercise too)"
+        )
+    return replace
+
+
+def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None, own: bool = False) -> None:
     """Exercise 3: ``TensorParallelMLP`` of the dense MLP ``sizes`` on n ranks (in groups of ``tp_size``,
     else all ranks) gives the dense output and input gradient on every rank, with one all-reduce of the
     output forward (g, none between the two layers) and one of the input gradient backward (f), over its
     group; each rank's ``column``/``row`` parameters and gradients are its slices of the dense ones, and
-    it holds nothing more."""
+    it holds nothing more.
+
+    One mistake costs one exercise: where exercise 1 or 2 has not passed its graded test (``GRADED_PASSED``),
+    the grader's stand-ins (``ranks.STAND_INS``) replace those classes, unless ``own``; what they do is
+    then not graded here (the slices and bytes the layers hold; all-reduce rather than the stand-in's
+    all-gather), only what this exercise adds: the output, the input gradient, one communication forward
+    after the two layers and one backward."""
     tp_size = tp_size or n
+    replace = _standing_in(own)
+    layers = "ColumnParallelLinear" not in replace
+    op = "all_reduce" if "CopyToTensorParallel" not in replace else "all_gather"
     case = (
         f"TensorParallelMLP({' -> '.join(map(str, sizes))}) on {n} ranks"
         + (f" in groups of {tp_size}" if tp_size != n else "")
         + f", batch {batch}"
+        + (f", with the grader's {', '.join(replace)}" if replace else "")
     )
-    run = _run(_mlp_in_rank, n, (sizes, batch, tp_size), case)
+    if replace:
+        run = _run(_mlp_standing_in, n, (sizes, batch, tp_size, list(replace)), case)
+    else:
+        run = _run(_mlp_in_rank, n, (sizes, batch, tp_size), case)
     for rank in range(n):
         group = _group_of(rank, tp_size)
         calls = _phases(run, rank, _MLP_PHASES, case)
@@ -196,18 +230,20 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
             calls["forward"],
             rank,
             1,
-            batch * sizes[-1] * 4,
+            batch * sizes[-1] * 4 if op == "all_reduce" else None,
             group,
             f"{case}, forward: one all-reduce, of the output (g), none between the two layers",
+            op,
         )
         _assert_all_reduces(
             run,
             calls["backward"],
             rank,
             1,
-            batch * sizes[0] * 4,
+            batch * sizes[0] * 4 if op == "all_reduce" else None,
             group,
             f"{case}, backward: one all-reduce, of the input gradient (f)",
+            op,
         )
     dense = models.MLP(sizes, seed=3)
     x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
@@ -226,6 +262,8 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
             rtol=1e-4,
             atol=1e-5,
         )
+        if not layers:  # (the stand-in layers keep whole weights: the slices are exercise 1's)
+            continue
         expected = _expected_slices(dense, tp_size, position)
         _compare_parameters(got["params"], expected, what=f"{case}: rank {rank}'s slices")
         should_hold = 4 * sum(v.numel() for v, _ in expected.values())
@@ -237,7 +275,12 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
 
 def check_mlp_not_divisible(n: int, sizes: list) -> None:
     """Exercise 3: a TensorParallelMLP whose hidden width does not divide by the n ranks raises the
-    layers' ValueError saying "divisible"."""
+    layers' ValueError saying "divisible" (graded once exercise 1, whose layers raise it, has passed)."""
+    if "parallel_linear" not in GRADED_PASSED:
+        print(
+            "(the ValueError comes from exercise 1's layers, which have not passed their graded test: not graded here)"
+        )
+        return
     _expect_value_error(
         _build_mlp, n, (sizes,), case=f"TensorParallelMLP(MLP({sizes})) on {n} ranks (hidden {sizes[1]})"
     )
@@ -245,11 +288,17 @@ def check_mlp_not_divisible(n: int, sizes: list) -> None:
 
 def train_2d_driver(graders: Callable | None = None) -> Callable:
     """The driver ``check_2d`` runs train_2d with, decided once per graded cell: one that builds the
-    student's TensorParallelMLP where it passes exercise 3's check (groups of 2 on 4 ranks), else
-    ``graders`` (the grader's own, in the cell's hidden tests), so that train_2d is graded on its own;
-    without ``graders`` (the student's notebook) that failure is raised, saying to fix exercise 3 first."""
+    student's TensorParallelMLP where it and the exercises it builds on passed their graded tests
+    (``GRADED_PASSED``) or, in the student's notebook (no ``graders``), where it passes exercise 3's check on
+    its own pieces (groups of 2 on 4 ranks); else ``graders`` (the grader's own, in the cell's hidden tests),
+    so that train_2d is graded on its own; without ``graders`` that failure is raised, saying to fix
+    exercise 3 first."""
+    if {"parallel_linear", "f_and_g", "tp_mlp"} <= GRADED_PASSED:
+        return _train_2d_in_rank
     try:
-        check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+        if graders is not None:
+            raise AssertionError("exercise 3, or one it builds on, has not passed its graded test")
+        check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2, own=True)
         return _train_2d_in_rank
     except Exception as e:  # an AssertionError, or the student's code raised in a rank
         if graders is None:

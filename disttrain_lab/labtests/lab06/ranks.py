@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ... import checks, models
@@ -51,6 +52,94 @@ def batches_2d(sizes, batch, steps):
     """train_2d's data: ``steps`` batches of ``batch`` rows (the same in the ranks and in the reference)."""
     data = models.regression_data(batch * steps, sizes[0], sizes[-1], seed=7)
     return list(zip(data.x.split(batch), data.y.split(batch)))
+
+
+class WholeColumnLinear(nn.Module):
+    """The grader's stand-in for ``ColumnParallelLinear`` (exercise 3 is graded on it where exercise 1 has
+    not passed): the same output, this rank's rows of ``full``, but it keeps the **whole** weight and
+    slices it at every forward, so it saves nothing; handed in as exercise 1 it fails there (its weight is
+    not the (out/t, in) slice)."""
+
+    def __init__(self, full: nn.Linear, group=None):
+        super().__init__()
+        self.rows = chunk(full.out_features, dist.get_world_size(group), dist.get_rank(group))
+        self.weight = nn.Parameter(full.weight.detach().clone())
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[self.rows], None if self.bias is None else self.bias[self.rows])
+
+
+class WholeRowLinear(nn.Module):
+    """The grader's stand-in for ``RowParallelLinear`` (as ``WholeColumnLinear``): this rank's partial
+    sum, from the whole weight sliced at every forward; the bias on group rank 0."""
+
+    def __init__(self, full: nn.Linear, group=None):
+        super().__init__()
+        position = dist.get_rank(group)
+        self.columns = chunk(full.in_features, dist.get_world_size(group), position)
+        self.weight = nn.Parameter(full.weight.detach().clone())
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None and position == 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[:, self.columns], self.bias)
+
+
+def _gathered_sum(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts).sum(dim=0)
+
+
+class GatheredCopy(torch.autograd.Function):
+    """The grader's stand-in for ``CopyToTensorParallel`` (f): the identity forward; backward, the sum of
+    the group's gradients, made with an all-gather (not the all-reduce exercise 2 asks for: handed in as
+    exercise 2 it fails there)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gathered_sum(grad, ctx.group), None
+
+
+class GatheredReduce(torch.autograd.Function):
+    """The grader's stand-in for ``ReduceFromTensorParallel`` (g): the sum over the group, made with an
+    all-gather; the identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _gathered_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+STAND_INS = {
+    "ColumnParallelLinear": WholeColumnLinear,
+    "RowParallelLinear": WholeRowLinear,
+    "CopyToTensorParallel": GatheredCopy,
+    "ReduceFromTensorParallel": GatheredReduce,
+}
+
+
+def mlp_run(mlp_class, sizes, batch, tp_size) -> dict:
+    """In a rank: ``mlp_class`` (the notebook's TensorParallelMLP) built from the dense MLP, one forward and
+    one backward, with a next_phase() between the phases; the output, the input's gradient, the parameters
+    and their storage's bytes."""
+    group = tp_group(tp_size)
+    dense = models.MLP(sizes, seed=3)
+    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
+    mlp = mlp_class(dense, group)
+    next_phase()  # forward
+    y = mlp(x)
+    next_phase()  # backward
+    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
+    return {"y": y.detach(), "x grad": x.grad, "params": parameters_of(mlp), "bytes": storage_bytes(mlp.parameters())}
 
 
 def next_phase():
@@ -130,18 +219,22 @@ def _f_g_in_rank(batch, d, tp_size):
 
 def _mlp_in_rank(sizes, batch, tp_size):
     """The test's driver: your TensorParallelMLP built from the dense MLP, one forward and one backward,
-    with a next_phase() between the phases."""
-    from disttrain_lab.labtests.lab06.ranks import next_phase, parameters_of, storage_bytes, tp_group
+    with a next_phase() between the phases (``mlp_run``)."""
+    from disttrain_lab.labtests.lab06.ranks import mlp_run
 
-    group = tp_group(tp_size)
-    dense = models.MLP(sizes, seed=3)
-    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
-    mlp = TensorParallelMLP(dense, group)  # noqa: F821  (the notebook's)
-    next_phase()  # forward
-    y = mlp(x)
-    next_phase()  # backward
-    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
-    return {"y": y.detach(), "x grad": x.grad, "params": parameters_of(mlp), "bytes": storage_bytes(mlp.parameters())}
+    return mlp_run(TensorParallelMLP, sizes, batch, tp_size)  # noqa: F821  (the notebook's)
+
+
+def _mlp_standing_in(sizes, batch, tp_size, replace):
+    """The test's driver where exercise 1 or 2 has not passed: your TensorParallelMLP with the grader's
+    stand-ins (``STAND_INS``) in the place of the notebook's classes named in ``replace``, where your code
+    looks them up (in this rank); the notebook's put back after."""
+    from disttrain_lab.labtests.common import standing_in
+    from disttrain_lab.labtests.lab06.ranks import STAND_INS, mlp_run
+
+    names = TensorParallelMLP.__init__.__globals__  # noqa: F821  (the notebook's)
+    with standing_in({name: STAND_INS[name] for name in replace}, [names]):
+        return mlp_run(TensorParallelMLP, sizes, batch, tp_size)  # noqa: F821
 
 
 def _build_mlp(sizes):

@@ -52,14 +52,17 @@ def _phases(run: ExerciseRun, rank: int, names: tuple, case: str) -> dict:
     return {name: calls[bounds[k] + 1 : bounds[k + 1]] for k, name in enumerate(names)}
 
 
-def _assert_all_reduces(run: ExerciseRun, calls: list, rank: int, count: int, nbytes: int, group: tuple, what: str):
-    """``calls`` (``rank``'s, in one phase) are exactly ``count`` all-reduces of ``nbytes`` over ``group``,
-    nothing else."""
+def _assert_all_reduces(
+    run: ExerciseRun, calls: list, rank: int, count: int, nbytes: int | None, group: tuple, what: str, op="all_reduce"
+):
+    """``calls`` (``rank``'s, in one phase) are exactly ``count`` calls of ``op`` (an all-reduce) of ``nbytes``
+    (None: any size) over ``group``, nothing else."""
     ok = len(calls) == count and all(
-        e.op == "all_reduce" and e.bytes == nbytes and (e.group or tuple(range(run.world_size))) == group for e in calls
+        e.op == op and nbytes in (None, e.bytes) and (e.group or tuple(range(run.world_size))) == group for e in calls
     )
+    size = f" of {nbytes} B" if nbytes is not None else ""
     assert ok, (
-        f"{what}: rank {rank} should make exactly {count} all-reduce(s) of {nbytes} B over ranks {group} "
+        f"{what}: rank {rank} should make exactly {count} {op.replace('_', '-')}(s){size} over ranks {group} "
         f"{'(nothing else)' if count else '(no communication at all)'}; it made: "
         f"{_describe(calls, run.world_size)}"
     )
