@@ -120,6 +120,15 @@ def check_ddp(
             )
     model = graded_model(kind, seed=0)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if wrapper == "BucketedDDP":  # exercise 6 extends the class by overriding grad_ready
+        hooks = steps * micro_steps * sum(1 for p in model.parameters() if p.requires_grad)
+        for rank, result in enumerate(ran.results):
+            assert result["routed"] == hooks, (
+                f"{case}: rank {rank}: a subclass that overrides grad_ready (as AccumulatingDDP does in exercise 6) "
+                f"saw {result['routed']} calls where backward made {hooks} gradients ready ({steps} steps of "
+                f"{sum(1 for p in model.parameters() if p.requires_grad)} trainable parameters): register "
+                f"self.grad_ready as every parameter's hook, and route every hook through it"
+            )
     for rank in range(n):
         regions = [e for e in run.by_rank(rank) if e.kind == "region"]
         for step in range(steps):

@@ -60,6 +60,14 @@ def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, g
         "BucketedDDP": lambda: BucketedDDP,  # noqa: F821
         "AccumulatingDDP": lambda: AccumulatingDDP,  # noqa: F821
     }[wrapper]()
+    routed = []  # the parameters exercise 6's override of grad_ready would have seen (BucketedDDP only)
+    if wrapper == "BucketedDDP":  # as AccumulatingDDP extends it: a subclass that overrides grad_ready
+
+        def grad_ready(self, param, _yours=make_ddp.grad_ready):
+            routed.append(1)
+            return _yours(self, param)
+
+        make_ddp = type(make_ddp.__name__, (make_ddp,), {"grad_ready": grad_ready})
     bases, swapped = make_ddp.__bases__, None  # swapped: (names, yours), put back at the end
     if graders is not None:
         replaces, name, source = graders
@@ -113,6 +121,7 @@ def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, g
             swapped[0]["broadcast_parameters"] = swapped[1]
     return {
         "parameters": {name: p.detach().cpu() for name, p in model.named_parameters()},
+        "routed": len(routed),
         "events": dl.trace.set_recording(True),
         "backend": dist.get_backend(),
     }
