@@ -530,6 +530,39 @@ def test_later_exercises_are_graded_on_the_graders_pieces():
         assert "\N{WHITE HEAVY CHECK MARK}" in text(results[passing]), text(results[passing])
 
 
+TOKEN_MAJOR_ROUTER = """
+def top_k_route(logits, k, capacity_factor):      # serves capacity token by token (both choices of token 0 first)
+    tokens, n_experts = logits.shape
+    gates, experts = torch.softmax(logits, -1).topk(k, -1)
+    capacity = math.ceil(capacity_factor * k * tokens / n_experts)
+    load, kept = [0] * n_experts, torch.zeros(tokens, k, dtype=torch.bool)
+    for token in range(tokens):
+        for choice in range(k):
+            e = int(experts[token, choice])
+            if load[e] < capacity:
+                load[e] += 1
+                kept[token, choice] = True
+    return experts, gates, kept
+"""
+
+
+@pytest.mark.slow
+def test_a_router_that_passes_the_visible_case_only_costs_expert_parallelism_nothing():
+    # #41: the gate was exercise 4's visible 5-token case (k = 1); a token-major router passes it, fails the graded
+    # test's k = 2 cases, and used to cost the expert-parallel layer its points on the student's router.  The layer
+    # is now graded on the student's router only once exercise 4's graded test passed, else on the grader's.
+    lab = load(LAB)
+    cells, _ = _base_cells(lab)
+    cells.append(nbformat.v4.new_code_cell(TOKEN_MAJOR_ROUTER))
+    start = len(cells)
+    cells += [copy.deepcopy(cell_by_id(lab, f"test_{g}")) for g in ("router", "expert_parallel")]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    router, layer = nb.cells[start:]
+    assert errors(router), "the token-major router should fail exercise 4's graded test"
+    assert not errors(layer), errors(layer)
+    assert "\N{WHITE HEAVY CHECK MARK}" in text(layer), text(layer)
+
+
 # ----------------------------------------------------------------------------------------
 # disttrain-lab bench sequence
 

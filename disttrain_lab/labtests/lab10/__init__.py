@@ -29,7 +29,7 @@ from .attention import (
     check_ring_traffic,
     ring_driver,
 )
-from .common import TIMEOUT, _expect_value_error, describe, use_references
+from .common import GRADED_PASSED, TIMEOUT, _expect_value_error, describe, use_references
 from .experts import (
     _moe_in_rank,
     check_moe,
@@ -44,6 +44,7 @@ from .mesh import check_5d, check_5d_error, check_expert_grid, check_groups
 from .sequence import check_sp, check_sp_error, check_ulysses, check_ulysses_error
 
 __all__ = [
+    "GRADED_PASSED",
     "check_5d",
     "check_5d_error",
     "check_block",

@@ -11,7 +11,16 @@ import torch.nn.functional as F
 
 from ... import checks, exercise
 from .. import common
-from .common import _DEADLOCK_HINT, TIMEOUT, _expect_value_error, _forward_phase, _qkv, _reference, describe
+from .common import (
+    _DEADLOCK_HINT,
+    GRADED_PASSED,
+    TIMEOUT,
+    _expect_value_error,
+    _forward_phase,
+    _qkv,
+    _reference,
+    describe,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -80,10 +89,15 @@ def _ring_in_rank(heads, seq_len, dim, layout, seed, positions, backward, groups
 
 def ring_driver(graders: Callable | None = None) -> Callable:
     """The driver ring attention is graded with: the lab's own (your ring on your blocks) where your
-    block_attention and merge_attention pass exercise 1's check, else ``graders`` (your ring on the grader's
-    blocks, defined in the graded cell's hidden tests: None in your notebook), so that a mistake in exercise 1
-    does not cost exercise 2's points.  Decided once per run of the graded cell."""
+    block_attention and merge_attention passed exercise 1's graded test (``GRADED_PASSED``: every case of it,
+    not one) or, in your notebook (no ``graders``), pass exercise 1's check; else ``graders`` (your ring on the
+    grader's blocks, defined in the graded cell's hidden tests), so that a mistake in exercise 1 does not cost
+    exercise 2's points.  Decided once per run of the graded cell."""
+    if "online_softmax" in GRADED_PASSED:
+        return _ring_in_rank
     try:
+        if graders is not None:
+            raise AssertionError("exercise 1 has not passed its graded test")
         check_block(2, [0, 1, 6, 7], [2, 3, 4, 5])
         check_merge(2, 8, [3])
         return _ring_in_rank

@@ -18,6 +18,7 @@ _DEADLOCK_HINT = (
     "calls in the same order?"
 )
 _REFERENCES: dict[str, Callable] = {}  # the notebook's references (use_references)
+GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed, for the exercises built on them
 
 
 def use_references(*, attention: Callable, positions: Callable) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ... import checks, exercise
 from .. import common
-from .common import _DEADLOCK_HINT, TIMEOUT, _expect_value_error, _notebook, describe
+from .common import _DEADLOCK_HINT, GRADED_PASSED, TIMEOUT, _expect_value_error, _notebook, describe
 
 
 # --------------------------------------------------------------------------------------
@@ -105,10 +105,14 @@ def _build_moe(n_experts):
 
 def moe_driver(graders: Callable | None = None) -> Callable:
     """The driver the expert-parallel layer is graded with: the lab's own (your layer on your router) where
-    your top_k_route and load_balancing_loss pass exercise 4's check, else ``graders`` (your layer on the
-    grader's router, defined in the graded cell's hidden tests: None in your notebook).  Decided once per run
-    of the graded cell."""
+    your top_k_route and load_balancing_loss passed exercise 4's graded test (``GRADED_PASSED``: every case of
+    it, not one) or, in your notebook (no ``graders``), pass exercise 4's check; else ``graders`` (your layer on
+    the grader's router, defined in the graded cell's hidden tests).  Decided once per run of the graded cell."""
+    if "router" in GRADED_PASSED:
+        return _moe_in_rank
     try:
+        if graders is not None:
+            raise AssertionError("exercise 4 has not passed its graded test")
         check_router_literal()
         return _moe_in_rank
     except Exception as e:
