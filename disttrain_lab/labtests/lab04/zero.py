@@ -162,8 +162,36 @@ def _train_zero3_standing_in(name, stage, kind, sizes, steps, batch, opt):
         return train(Zero3Module, stage, kind, sizes, steps, batch, opt)  # noqa: F821  (the notebook's)
 
 
+_WHAT_THE_TEST_DOES = {
+    stage: (
+        "What the test does, on every rank: build the model (the same on every rank), "
+        + (
+            "wrap it, Zero3Module(model, shared=...), and build the optimizer on its parameters (the shards); "
+            if stage == 3
+            else f"build Zero{stage}Optimizer(model.parameters(), optimizer_class, **defaults); "
+        )
+        + "then per step: zero_grad(), the loss of this rank's slice of the batch (x.tensor_split(N)[rank]), "
+        "backward(), step().  Nothing averages the gradients before "
+        + (
+            "grad_ready: it reduce-scatters each gradient and divides it by N, so each rank's shard of the "
+            "gradient is the mean over ranks, and the optimizer updates the shards."
+            if stage == 3
+            else "step(): step() reduce-scatters each gradient"
+            + (" (ZeRO-2: as soon as backward makes it)" if stage == 2 else "")
+            + ", divides by N, updates this rank's shard and all-gathers the parameters."
+        )
+    )
+    for stage in (1, 2, 3)
+}
+
+
 def _single_process(
-    kind: str, sizes: Sequence[int], batch: int, steps: int, opt: str, lr_scale: float = 1
+    kind: str,
+    sizes: Sequence[int],
+    batch: int,
+    steps: int,
+    opt: str,
+    lr_scale: float = 1,
 ) -> nn.Module:
     """The reference: the same optimizer in one process, on the whole batch (``lr_scale``: a larger learning rate)."""
     model = _model(kind, sizes)
@@ -313,7 +341,7 @@ def _check_zero(
                         f"gradient by N = {n}, so each rank's shard holds the mean over ranks, "
                         f"not the sum"
                     ) from None
-                raise
+                raise AssertionError(f"{e}\n{_WHAT_THE_TEST_DOES[stage]}") from None
     # 3. communication per step and per rank, from the ranks' trace of the call (gloo's own collectives, whose
     #    bytes on the wire are gloo's algorithm's): 2Ψ (stages 1-2) or 3Ψ (stage 3), within padding
     student = run.trace
