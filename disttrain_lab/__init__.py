@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
         "torch is already there."
     ) from exc
 
-from . import checks, exercise, hints, integrity, memory, models, network, predictions, trace, viz, wire  # noqa: E402
+from . import checks, exercise, hints, integrity, memory, models, network, predictions, trace, viz, wire, worktime  # noqa: E402
 from .devices import device, doctor, plan  # noqa: E402
 from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
@@ -55,3 +55,4 @@ __all__ = [
 
 integrity.watch_defaults()
 hints.install()  # in a notebook: a stub's bare NotImplementedError, dist.* outside a launch, explained
+worktime.install()  # in a notebook: when each cell first ran and first passed, for the class's time on task

@@ -2,7 +2,8 @@
 (``diagnose``: timeout, crash, kernel death, cell time limit, flagged) and the summary table
 (per student: score, time, the exercises they lost points on with the first line of each
 message, grading problems; the class's pass rate per exercise), read from the gradebook and
-the autograded notebooks by ``export.results``."""
+the autograded notebooks by ``export.results``; and, where the submissions carry the students'
+record of their work, time on task per exercise (``time_on_task.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from nbgrader.api import Gradebook
 from rich.table import Table
 from rich.text import Text
 
-from .export import ClassResults, StudentResult, results
+from .export import ClassResults, StudentResult, lab_notebook, results
 from .ledger import Outcome
 from .steps import StepResult
 from .submission import scan_submission
+from .time_on_task import class_times, table
 
 
 def diagnose(course: Path, lab: str, student: str, result: StepResult) -> list[str]:
@@ -118,3 +120,6 @@ def summary(lab: str, outcomes: dict[str, Outcome], course: Path, console, found
             exercise, f"{most:g}", f"{passed} / {len(graded)}", f"{passed / len(graded):.0%}" if graded else "-"
         )
     console.print(exercises)
+    times = class_times(course, lab, lab_notebook(lab, None))
+    if any(times.values()):  # (labs done where no front end sends cell ids, Colab: no record at all)
+        console.print(table(times, len(outcomes)))

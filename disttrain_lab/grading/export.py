@@ -82,7 +82,7 @@ def results(lab: str, course: Path | None = None, source: Path | None = None) ->
     db = f"sqlite:///{course / 'gradebook.db'}"
     if not (course / "gradebook.db").is_file():
         raise LookupError(f"no gradebook at {course / 'gradebook.db'} (grade the lab first, or give --course-dir)")
-    names = exercise_names(_lab_notebook(lab, source))
+    names = exercise_names(lab_notebook(lab, source))
     with Gradebook(db) as gb:
         try:
             assignment = gb.find_assignment(lab)
@@ -124,7 +124,7 @@ def results(lab: str, course: Path | None = None, source: Path | None = None) ->
     return ClassResults(lab, exercises, sorted(students, key=lambda s: s.student))
 
 
-def _lab_notebook(lab: str, source: Path | None) -> nbformat.NotebookNode:
+def lab_notebook(lab: str, source: Path | None) -> nbformat.NotebookNode:
     """The lab as the instructor wrote it (for its headings): the source, else the release, else none."""
     for folder in (Path(source or source_dir()), release_dir()):
         try:

@@ -103,7 +103,7 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         'check_saved_bytes(("mlp", (7, 13, 5)))',
         "growth_factor=4.0, backoff_factor=0.25",
         "init_scale=1.0, growth_interval=1",
-        'check_scaler_pattern(dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=2)',
+        "check_scaler_pattern(dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=2)",
         'dtype="bfloat16"',
         "check_checkpoint_args()",
         "check_recompute((24, 2, 48, 6), seed=2)",
