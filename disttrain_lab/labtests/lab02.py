@@ -36,6 +36,7 @@ _NOT_PASSED = ("has not passed its graded test", "have not passed their graded t
 _DEADLOCK = "a deadlock, or a rank waiting for a message nobody sends?"
 GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed (ring_all_reduce is built on two of them)
 HALVES = ("ring_reduce_scatter", "ring_all_gather")
+_SAID: set[tuple] = set()  # the notes already printed in this kernel
 _TWO_ROUNDS = (
     "(Blocking send/recv ordered even/odd turns every step into two rounds under the one-port model: "
     "post the send with isend, then recv.)"
@@ -271,7 +272,8 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
     the grader's stand-in replaces it (``direct_reduce_scatter``, ``direct_all_gather``: not rings), and
     the messages are those the two halves make."""
     replace = tuple(half for half in HALVES if half not in GRADED_PASSED)
-    if replace:
+    if replace and replace not in _SAID:
+        _SAID.add(replace)
         print(
             f"({' and '.join(replace)} {_NOT_PASSED[len(replace) > 1]}: "
             "ring_all_reduce is graded on the grader's stand-in, which sends each chunk straight to its rank, "
