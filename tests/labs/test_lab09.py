@@ -154,10 +154,9 @@ def test_solution_notebook_executes_within_budget():
         ("total", "16.00"),
     ):
         assert re.search(rf"{role} +\d+ B +{per_param} B/param", printed), (role, printed)
-    printed = output_of(nb, "gpt = models.GPT(CFG, seed=0)")
-    found = re.search(r"block 0 saved (\d+) B; .* = (\d+) B", printed)
-    assert found and found[1] == found[2], printed  # fused attention: the adjusted formula, exactly
     printed = output_of(nb, "# Measured: one forward of the GPT with attention as written")
+    found = re.search(r"fused attention: +(\d+) B per block; .* = (\d+) B", printed)  # (after Prediction 1, #41)
+    assert found and found[1] == found[2], printed  # fused attention: the adjusted formula, exactly
     blocks = [int(x) for x in re.search(r"attention as written: \[(\d+), (\d+)\]", printed).groups()]
     s, b, h, a = 64, 4, 64, 4
     formula = 64 * s * b * h + 4 * a * s * s * b
