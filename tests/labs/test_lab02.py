@@ -251,9 +251,13 @@ def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
         wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
     scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
     ring = [cell_by_id(lab, f"ex_{name}") for name in ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")]
+    # a ring_all_reduce is graded on the student's halves once their graded tests passed (else on stand-ins)
+    passed = 'lab_tests.GRADED_PASSED.update({"ring_reduce_scatter", "ring_all_gather"})'
+    before = {"pipelined_ring_all_reduce": ring, "ring_all_reduce": ring[:2]}.get(exercise, [])
     nb = nbformat.v4.new_notebook(
-        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch, *(ring if "pipelined" in exercise else []))]
+        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch, *before)]
         + [
+            nbformat.v4.new_code_cell(passed),
             nbformat.v4.new_code_cell(wrong),
             copy.deepcopy(cell_by_id(lab, f"test_{exercise}")),
         ]
