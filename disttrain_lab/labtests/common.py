@@ -80,3 +80,17 @@ def standing_in(graders: dict, spaces: list[dict]) -> Iterator[None]:
             for name in graders:
                 space.pop(name, None)
             space.update(old)
+
+
+_SAID: set[tuple] = set()  # the stand-in notes already printed in this kernel
+
+
+def say_standing_in(missing: Sequence[str], then: str) -> None:
+    """Print, once per kernel, that the exercises ``missing`` have not passed their graded tests and what the
+    test does instead (``then``: "X is graded with the grader's ..."), so the feedback names why a later
+    exercise ran on the grader's piece."""
+    if not missing or (tuple(missing), then) in _SAID:
+        return
+    _SAID.add((tuple(missing), then))
+    verb = "has not passed its graded test" if len(missing) == 1 else "have not passed their graded tests"
+    print(f"({' and '.join(missing)} {verb}: {then})")

@@ -32,11 +32,9 @@ __all__ = [
     "check_ring_reduce_scatter",
 ]
 
-_NOT_PASSED = ("has not passed its graded test", "have not passed their graded tests")
 _DEADLOCK = "a deadlock, or a rank waiting for a message nobody sends?"
 GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed (ring_all_reduce is built on two of them)
 HALVES = ("ring_reduce_scatter", "ring_all_gather")
-_SAID: set[tuple] = set()  # the notes already printed in this kernel
 _TWO_ROUNDS = (
     "(Blocking send/recv ordered even/odd turns every step into two rounds under the one-port model: "
     "post the send with isend, then recv.)"
@@ -233,25 +231,17 @@ def _stand_in_messages(n: int, numel: int, dtype: torch.dtype, replace: tuple) -
     rank; a half that passed its graded test sends every chunk but one to the right neighbour."""
     chunks = _chunks(n, numel, dtype)
     messages: dict[tuple[int, int], list[int]] = {}
-
-    def add(src: int, dst: int, count: int, payload: int) -> None:
-        count0, payload0 = messages.get((src, dst), (0, 0))
-        messages[(src, dst)] = [count0 + count, payload0 + payload]
-
     for r in range(n):
         right = (r + 1) % n
-        if "ring_reduce_scatter" in replace:
-            for s in range(n):
-                if s != r:
-                    add(r, s, 1, chunks[s])
-        else:
-            add(r, right, n - 1, sum(chunks) - chunks[r])
-        if "ring_all_gather" in replace:
-            for s in range(n):
-                if s != r:
-                    add(r, s, 1, chunks[r])
-        else:
-            add(r, right, n - 1, sum(chunks) - chunks[right])
+        # (half, the chunk the stand-in sends each rank s: None for chunk s itself, the chunk the ring keeps back)
+        for half, sent, kept in (("ring_reduce_scatter", None, r), ("ring_all_gather", r, right)):
+            if half in replace:
+                sends = [(s, 1, chunks[s if sent is None else sent]) for s in range(n) if s != r]
+            else:
+                sends = [(right, n - 1, sum(chunks) - chunks[kept])]
+            for dst, count, payload in sends:
+                total = messages.setdefault((r, dst), [0, 0])
+                total[0], total[1] = total[0] + count, total[1] + payload
     return {pair: tuple(v) for pair, v in messages.items()}
 
 
@@ -272,13 +262,11 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
     the grader's stand-in replaces it (``direct_reduce_scatter``, ``direct_all_gather``: not rings), and
     the messages are those the two halves make."""
     replace = tuple(half for half in HALVES if half not in GRADED_PASSED)
-    if replace and replace not in _SAID:
-        _SAID.add(replace)
-        print(
-            f"({' and '.join(replace)} {_NOT_PASSED[len(replace) > 1]}: "
-            "ring_all_reduce is graded on the grader's stand-in, which sends each chunk straight to its rank, "
-            "so that a mistake there does not cost this exercise too)"
-        )
+    common.say_standing_in(
+        replace,
+        "ring_all_reduce is graded on the grader's stand-in, which sends each chunk straight to its rank, so that "
+        "a mistake there does not cost this exercise too",
+    )
     case, run = _check_all_reduce("ring_all_reduce", n, shape, dtype, contiguous, replace)
     numel = math.prod(shape)
     if run is None or numel < n:

@@ -184,22 +184,8 @@ class OverlappedDDP:                          # right numbers, but not an nn.Mod
 _RightBuckets = BucketedDDP
 class BucketedDDP(_RightBuckets):             # right numbers, but its hooks bypass self.grad_ready (#41)
     def __init__(self, module, bucket_mb=25.0):
-        nn.Module.__init__(self)
-        self.module, self.world_size, self.buckets, self.pending = module, dist.get_world_size(), [], {}
-        for p in module.parameters():
-            dist.broadcast(p.data, src=0)
-        cap, used = bucket_mb * 2**20, 0
-        for p in reversed([p for p in module.parameters() if p.requires_grad]):
-            if not self.buckets or used + p.numel() * p.element_size() > cap:
-                self.buckets.append([])
-                used = 0
-            self.buckets[-1].append(p)
-            used += p.numel() * p.element_size()
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.flat_grads = [torch.empty(sum(p.numel() for p in bucket)) for bucket in self.buckets]
-        self.ready = [0] * len(self.buckets)
-        for p in self.bucket_of:              # a closure that calls the base class's method, not self.grad_ready
-            p.register_post_accumulate_grad_hook(lambda p: _RightBuckets.grad_ready(self, p))
+        self.grad_ready = lambda p: _RightBuckets.grad_ready(self, p)   # what the hooks get: not the method
+        super().__init__(module, bucket_mb)
 """,
         "route every hook through it",
     ),

@@ -15,9 +15,6 @@ from ...exercise import ExerciseRun
 from .. import common
 from .common import GRADED_PASSED, OPTIMIZERS, SLACK_PER_TENSOR, STEPS, TEST_DEVICE, batches, communication_volume
 
-_SAID: set[str] = set()  # the notes already printed in this kernel
-
-
 # --------------------------------------------------------------------------------------
 # Exercises 2-4: training with ZeRO on ranks, against one process
 # --------------------------------------------------------------------------------------
@@ -435,11 +432,9 @@ def check_zero3(n: int, sizes: Sequence[int], *, batch: int = 12, kind: str = "m
     ``padded_flat`` stand in for exercise 2's, so that a mistake there does not cost this exercise too."""
     driver = _train_in_rank
     if "zero1" not in GRADED_PASSED:  # (exercise 2 wrote the helpers Zero3Module uses)
-        if "zero3 standing in" not in _SAID:
-            print(
-                "(Zero1Optimizer, whose exercise wrote shard_size and padded_flat, has not passed its graded test: "
-                "Zero3Module is graded with the grader's shard_size and padded_flat in the place of yours)"
-            )
-            _SAID.add("zero3 standing in")
+        common.say_standing_in(
+            ["Zero1Optimizer, whose exercise wrote shard_size and padded_flat,"],
+            "Zero3Module is graded with the grader's shard_size and padded_flat in the place of yours",
+        )
         driver = _train_zero3_standing_in
     return _check_zero("Zero3Module", 3, n, sizes, batch=batch, kind=kind, opt=opt, driver=driver)

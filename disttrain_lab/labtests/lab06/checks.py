@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ... import checks, models
+from .. import common
 from .common import _F_G_PHASES, _MLP_PHASES, GRADED_PASSED, STAND_IN_FOR
 from .ranks import (
     _build_layer,
@@ -29,9 +30,6 @@ from .reading import (
     _phases,
     _run,
 )
-
-_NOT_PASSED = ("has not passed its graded test", "have not passed their graded tests")
-_SAID: set[tuple] = set()  # the notes already printed in this kernel
 
 
 # --------------------------------------------------------------------------------------
@@ -186,13 +184,11 @@ def _standing_in(own: bool = False) -> tuple[str, ...]:
         return ()
     missing = [exercise for exercise in STAND_IN_FOR if exercise not in GRADED_PASSED]
     replace = tuple(name for exercise in missing for name in STAND_IN_FOR[exercise])
-    if replace and replace not in _SAID:
-        _SAID.add(replace)
-        print(
-            f"({' and '.join(missing)} {_NOT_PASSED[len(missing) > 1]}: "
-            f"TensorParallelMLP is graded with the grader's stand-in for {', '.join(replace)}, so that a mistake "
-            "there does not cost this exercise too)"
-        )
+    common.say_standing_in(
+        missing,
+        f"TensorParallelMLP is graded with the grader's stand-in for {', '.join(replace)}, so that a mistake there "
+        "does not cost this exercise too",
+    )
     return replace
 
 
