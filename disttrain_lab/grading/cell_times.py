@@ -17,8 +17,9 @@ gives a short burst a core quickly: it follows the host's speed more than its lo
 read 0.07 to 0.14 s on this project's 2-core machine at loads of 7 to 14; a host busy with
 other work still needs ``DISTTRAIN_CELL_TIME_SCALE`` or fewer parallel jobs).  A cell is known by its nbgrader
 ``grade_id``, or by its source for a cell without one (text the student did not edit); a
-cell the record does not know (one the student added, a lab never timed) keeps the plain
-cell limit.  (Grading the solution to time it is a course step: ``course.measure_cell_times``.)
+cell the record does not know (one the student added, a lab never timed) gets the plain
+cell limit, stretched by the same host factor (a lab never timed against ``REFERENCE_PROBE``).
+(Grading the solution to time it is a course step: ``course.measure_cell_times``.)
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ FLOOR = 30.0  # seconds: a cold kernel importing torch or starting ranks on a lo
 ENV_VAR = "DISTTRAIN_CELL_TIMES_DIR"  # where the records live, instead of grader/cell_times/
 HOST_MAX = 4.0  # the most a slow or loaded host stretches the limits (what a spinner can cost)
 PROBE_N = 1_000_000  # the probe's work: about 0.1 s of pure Python on a 2-core laptop
+# the probe where the kit's own records were made (0.08-0.11 s): what a lab never timed, or a
+# record from before the probe, is stretched against
+REFERENCE_PROBE = 0.1
 
 
 def times_dir() -> Path:
@@ -78,14 +82,17 @@ def probe() -> float:
 
 def host_factor(lab: str, now: float) -> tuple[float, str]:
     """(how much to stretch ``lab``'s limits on this host: ``now``, its ``probe()``, against the
-    one its record kept, between 1 and ``HOST_MAX``; the figures, for the grader's notes).  1
-    for a record without a probe or a lab never timed."""
+    one its record kept, between 1 and ``HOST_MAX``; the figures, for the grader's notes).  A
+    lab never timed, or a record without a probe, is measured against ``REFERENCE_PROBE``: its
+    plain cell limit stretches the same way (a loaded host took 50 s to import torch in a cell
+    a quiet one runs in 13)."""
     try:
         then = float(json.loads((times_dir() / f"{lab}.json").read_text())["probe"])
+        where = "where the times were recorded"
     except (OSError, ValueError, KeyError, TypeError):
-        return 1.0, "no probe recorded"
+        then, where = REFERENCE_PROBE, "on the kit's reference machine (no probe recorded for this lab)"
     factor = min(HOST_MAX, max(1.0, now / then)) if then > 0 else 1.0
-    return factor, f"probe {now:.3f} s here, {then:.3f} s where the times were recorded"
+    return factor, f"probe {now:.3f} s here, {then:.3f} s {where}"
 
 
 def record(lab: str, seconds: dict[str, float], probe_seconds: float) -> Path:

@@ -97,6 +97,8 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         self._probe = cell_times.probe()  # (this host's speed and load now; the solution's is recorded)
         self._host_factor, host = cell_times.host_factor(lab, self._probe) if lab else (1.0, "")
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale * self._host_factor) if lab else {}
+        # a cell the record does not know: the plain limit, stretched by the host's probe the same way
+        self._plain_limit = int(self.timeout * self._host_factor + 0.5) if self.timeout else None
         self._host = host
         self._lab = lab
         self._prompts = prompt_numbers(nb)
@@ -143,7 +145,7 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
             return self._grade_test(cell, index), self.resources
         key = cell_times.cell_key(cell)
         # the solution's own time for this cell, times a generous factor (cell_times.py), else the cell limit
-        limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
+        limit = int(max(1, min(self._cell_limits.get(key) or self._plain_limit or remaining, remaining)))
         cell_timeout = self.timeout
         self.timeout = limit
         self.error_on_timeout = {

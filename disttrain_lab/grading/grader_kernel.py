@@ -215,7 +215,7 @@ class GraderKernel:
             self._stop_grader()  # (the next test starts a fresh one)
             return cell
         remaining = self._deadline - time.monotonic()
-        limit = int(max(1, min(self._cell_limits.get(key) or self.timeout or remaining, remaining)))
+        limit = int(max(1, min(self._cell_limits.get(key) or self._plain_limit or remaining, remaining)))
         student, cell_timeout, on_timeout = (self.km, self.kc), self.timeout, self.error_on_timeout
         self.km, self.kc = self._grader
         self.timeout = limit

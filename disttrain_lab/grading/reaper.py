@@ -32,6 +32,16 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def ended(pid: int) -> bool:
+    """Whether ``pid`` no longer runs: gone, or a zombie its parent has not reaped yet (a
+    sandboxed kernel's wrapper, whose parent is the nbgrader process, stays one until that
+    process polls it)."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return True
+
+
 def kill(pids) -> None:
     """SIGKILL each of ``pids`` that still runs.  Reaping is the caller's: a child that a
     ``subprocess.Popen`` holds must be reaped by its ``wait()``, or that reads exit status 0

@@ -30,7 +30,10 @@ def test_cell_limits_are_factor_times_the_solution_with_a_floor(tmp_path, monkey
 
 def test_a_slower_or_busier_host_stretches_the_limits_by_its_probe(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTTRAIN_CELL_TIMES_DIR", str(tmp_path))
-    assert cell_times.host_factor("lab", 0.1) == (1.0, "no probe recorded")  # never timed
+    # never timed: against the kit's reference machine
+    assert cell_times.host_factor("lab", cell_times.REFERENCE_PROBE)[0] == 1.0
+    factor, said = cell_times.host_factor("lab", 3 * cell_times.REFERENCE_PROBE)
+    assert factor == pytest.approx(3.0) and "no probe recorded" in said
     here = cell_times.probe()
     assert 0 < here < 10  # (about 0.1 s on a laptop)
     record = cell_times.record("lab", {"quick": 0.5, "slow": 30.0}, here)
@@ -44,7 +47,7 @@ def test_a_slower_or_busier_host_stretches_the_limits_by_its_probe(tmp_path, mon
     assert cell_times.limits_for("lab", factor) == {"quick": 2 * cell_times.FLOOR, "slow": 2 * cell_times.FACTOR * 30}
     # a record from before the probe (no "probe" field): no stretch
     record.write_text(json.dumps({"lab": "lab", "cells": {"quick": 0.5}}))
-    assert cell_times.host_factor("lab", kept * 2) == (1.0, "no probe recorded")
+    assert cell_times.host_factor("lab", cell_times.REFERENCE_PROBE * 2)[0] == pytest.approx(2.0)
 
 
 @pytest.mark.slow
