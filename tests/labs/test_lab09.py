@@ -174,9 +174,9 @@ def test_solution_notebook_executes_within_budget():
     printed = output_of(nb, "# Measured: backward's peak of saved activations for a chain")
     for k in (1, 2, 4, 8, 16, 32, 64):
         assert f"every {k:>2} layers: backward's peak {64 // k + k:5.1f} I" in printed, printed
-    printed = output_of(nb, "# Self-check: the same run as train_with_scaler")
+    printed = output_of(nb, "(lab_tests.check_mixed_precision): an fp16 model")
     assert "(2.00/param), gradients" in printed and "optimizer_state" in printed, printed
-    printed = output_of(nb, "# Self-check: 3 steps each way on the PCIe preset")
+    printed = output_of(nb, "(lab_tests.check_offload): 3 steps each way on the PCIe preset")
     assert "gradients sent during backward per step: [6, 6, 6]" in printed, printed
     assert "gradients sent during backward per step: [0, 0, 0]" in printed, printed
     saved, predicted = map(
