@@ -10,7 +10,9 @@ DDP bench harness works.
   all-reduce, a no_sync() that still communicates) fail the right graded cell with a message that says
   why; so do a wrapper that is not an nn.Module like torch's DDP, buckets filled in forward order, and
   a no_sync() built on a blocking all-reduce; a broken BucketedDDP does not cost AccumulatingDDP its
-  points, nor a broken broadcast_parameters average_gradients.
+  points, nor a broken broadcast_parameters average_gradients; and the grader's stand-ins for those two,
+  captured and handed in (a broadcast_parameters that rebuilds rank 0's model instead of receiving it,
+  a BucketedDDP that knows only 1 KiB and 25 MiB buckets), fail their own graded cells (#42 item 4).
 - bench.bench_ddp / format_ddp_table / `disttrain-lab bench ddp`, on the solution's classes.
 
 The notebook helpers come from tests/notebooks.py; the autograde round trip lives in test_grading.py.
@@ -123,6 +125,20 @@ def shard(x, rank, world_size):               # drops the len(x) % world_size la
         "none dropped",
     ),
     (
+        "broadcast_parameters",
+        """
+def broadcast_parameters(model):              # the grader's stand-in, captured: rank 0's model rebuilt, not received
+    from disttrain_lab.labtests.lab03.common import graded_model
+    shapes = [p.shape for p in model.parameters()]
+    rank0 = next(m for m in (graded_model(k, seed=0) for k in ("mlp", "tied", "frozen"))
+                 if [p.shape for p in m.parameters()] == shapes)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), rank0.parameters()):
+            p.copy_(q)
+""",
+        "is not a broadcast",
+    ),
+    (
         "average_gradients",
         """
 def average_gradients(model):                 # sums, forgets to divide by N
@@ -188,6 +204,47 @@ class BucketedDDP(_RightBuckets):             # right numbers, but its hooks byp
         super().__init__(module, bucket_mb)
 """,
         "route every hook through it",
+    ),
+    (
+        "bucketed_ddp",
+        """
+class BucketedDDP(nn.Module):                 # the grader's stand-in, captured: only 1 KiB and 25 MiB buckets
+    def __init__(self, module, bucket_mb=25.0):
+        super().__init__()
+        self.module, self.world_size, self.buckets, self.pending = module, dist.get_world_size(), [], {}
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        cap, used = (2**10 if bucket_mb < 1 else 25 * 2**20), 0
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            if not self.buckets or used + p.numel() * p.element_size() > cap:
+                self.buckets.append([])
+                used = 0
+            self.buckets[-1].append(p)
+            used += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready = [0] * len(self.buckets)
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def forward(self, x):
+        return self.module(x)
+
+    def grad_ready(self, param):
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+            self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
+
+    def finish_gradient_synchronization(self):
+        for i, (flat, work) in sorted(self.pending.items()):
+            work.wait()
+            for p, g in zip(self.buckets[i], flat.div_(self.world_size).split([p.numel() for p in self.buckets[i]])):
+                p.grad.copy_(g.view_as(p))
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+""",
+        "the bucket rule gives",
     ),
     (
         "no_sync",

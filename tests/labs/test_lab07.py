@@ -226,25 +226,58 @@ class ErrorFeedback:                              # forgets what it did not send
         return topk_compress(grad, self.density)
 """
 
+SPARSE_DENSE = """
+def sparse_all_reduce(values, indices, numel):    # decompress, then a dense all-reduce: no bytes saved
+    dense = topk_decompress(values, indices, numel)
+    dist.all_reduce(dense)
+    return dense
+"""
+
+# The grader's stand-ins (#42 item 4), captured from the ranks and handed in: each fails its own graded test
+STAND_IN_TOPK = """
+def topk_compress(flat, density):                 # the grader's stand-in: any density accepted
+    k = min(flat.numel(), math.ceil(density * flat.numel()))
+    indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    return flat[indices], indices
+"""
+STAND_IN_FEEDBACK = """
+class ErrorFeedback:                              # the grader's stand-in: what it did not send is `kept`
+    def __init__(self, density):
+        self.density, self.kept = density, None
+
+    def compress(self, grad):
+        if self.kept is None or self.kept.shape != grad.shape:
+            self.kept = torch.zeros_like(grad)
+        corrected = grad + self.kept
+        values, indices = topk_compress(corrected, self.density)
+        corrected[indices] = 0
+        self.kept = corrected
+        return values, indices
+"""
+STAND_IN_SPARSE = """
+def sparse_all_reduce(values, indices, numel):    # the grader's stand-in: the pieces added in reverse rank order
+    n = dist.get_world_size()
+    all_values, all_indices = [torch.empty_like(values) for _ in range(n)], [torch.empty_like(indices) for _ in range(n)]
+    dist.all_gather(all_values, values)
+    dist.all_gather(all_indices, indices)
+    total = torch.zeros(numel, dtype=values.dtype)
+    for v, i in zip(reversed(all_values), reversed(all_indices)):
+        total.index_add_(0, i, v)
+    return total
+"""
+
 # Wrong answers: (graded cell, exercise cell it replaces, wrong code, words the failure must contain)
 WRONG = [
+    ("topk", "topk", STAND_IN_TOPK, "density"),
+    ("error_feedback", "error_feedback", STAND_IN_FEEDBACK, "residual"),
+    ("sparse_all_reduce", "sparse_all_reduce", STAND_IN_SPARSE, "add in rank order"),
     (
         "topk",
         "topk",
         TOPK_BY_VALUE,
         "keep the k largest |x|",
     ),
-    (
-        "sparse_all_reduce",
-        "sparse_all_reduce",
-        """
-def sparse_all_reduce(values, indices, numel):    # decompress, then a dense all-reduce: no bytes saved
-    dense = topk_decompress(values, indices, numel)
-    dist.all_reduce(dense)
-    return dense
-""",
-        "the dense gradient 4000 B",
-    ),
+    ("sparse_all_reduce", "sparse_all_reduce", SPARSE_DENSE, "the dense gradient 4000 B"),
     (
         "error_feedback",
         "error_feedback",
@@ -418,7 +451,8 @@ def topk_hook(state, bucket):                     # asynchronous: torch's own to
 def test_a_failed_exercise_costs_only_its_own_points():
     """One kernel, autograding: a broken topk_compress fails its cell, and sparse_all_reduce, ErrorFeedback
     and topk_hook keep their points (graded on the grader's top-k); then a broken ErrorFeedback fails its
-    cell and topk_hook keeps its points; an asynchronous hook returning torch's torch._C.Future passes."""
+    cell and topk_hook keeps its points; so does a dense sparse_all_reduce (topk_hook graded on the grader's
+    stand-in); an asynchronous hook returning torch's torch._C.Future passes."""
     lab = load(LAB)
     solutions = [copy.deepcopy(cell_by_id(lab, f"ex_{e}")) for e in EXERCISES]
     graded = {e: cell_by_id(lab, f"test_{e}") for e in EXERCISES}
@@ -426,6 +460,7 @@ def test_a_failed_exercise_costs_only_its_own_points():
     plan = [
         (TOPK_BY_VALUE, ["topk", "sparse_all_reduce", "error_feedback", "hook"]),
         (FEEDBACK_FORGETS, ["error_feedback", "hook"]),
+        (SPARSE_DENSE, ["sparse_all_reduce", "hook"]),
         (HOOK_TORCH_FUTURE, ["hook"]),
     ]
     at = []
@@ -440,7 +475,7 @@ def test_a_failed_exercise_costs_only_its_own_points():
     for i, cell in enumerate(nb.cells):
         if i not in graded_at:
             assert not errors(cell), (i, errors(cell))
-    topk, feedback, torch_future = at
+    topk, feedback, sparse, torch_future = at
     assert errors(nb.cells[topk["topk"]]) and "keep the k largest |x|" in errors(nb.cells[topk["topk"]])[0]
     for e in ("sparse_all_reduce", "error_feedback", "hook"):
         assert not errors(nb.cells[topk[e]]), (e, errors(nb.cells[topk[e]]))
@@ -449,6 +484,9 @@ def test_a_failed_exercise_costs_only_its_own_points():
     assert errors(nb.cells[feedback["error_feedback"]]), "a forgetful ErrorFeedback passed"
     assert not errors(nb.cells[feedback["hook"]]), errors(nb.cells[feedback["hook"]])
     assert "topk_compress, ErrorFeedback has not passed" in text(nb.cells[feedback["hook"]])
+    # the hook on the grader's sparse_all_reduce (its pieces added in reverse rank order: training does not see it)
+    assert errors(nb.cells[sparse["sparse_all_reduce"]]), "a dense sparse_all_reduce passed"
+    assert not errors(nb.cells[sparse["hook"]]), errors(nb.cells[sparse["hook"]])
     assert not errors(nb.cells[torch_future["hook"]]), errors(nb.cells[torch_future["hook"]])
 
 

@@ -332,6 +332,40 @@ def merge_attention(out_a, lse_a, out_b, lse_b):      # averages the blocks inst
         "the merged output",
     ),
     (
+        "online_softmax",
+        """
+def block_attention(q, k, v, q_pos, k_pos):          # the grader's stand-in, captured: -1e30 where no key is seen
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
+    lse = q.new_full(q.shape[:-1], -1e30)
+    mask = q_pos[:, None] >= k_pos[None, :]
+    rows = mask.any(-1)
+    if rows.any():
+        scores = (q[..., rows, :] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask[rows], float("-inf"))
+        lse[..., rows] = torch.logsumexp(scores, -1)
+        out[..., rows, :] = torch.softmax(scores, -1) @ v
+    return out, lse
+""",
+        "lse must be -inf exactly",
+    ),
+    (
+        "router",
+        """
+def top_k_route(logits, k, capacity_factor):        # the grader's stand-in, captured: float64 whatever comes in
+    tokens, n = logits.shape
+    gates, experts = torch.softmax(logits.double(), -1).topk(k, -1)
+    capacity = math.ceil(capacity_factor * k * tokens / n)
+    load, kept = [0] * n, torch.zeros(tokens, k, dtype=torch.bool)
+    for c in range(k):
+        for t in range(tokens):
+            e = int(experts[t, c])
+            if load[e] < capacity:
+                load[e] += 1
+                kept[t, c] = True
+    return experts, gates, kept
+""",
+        "top_k_route(k=1): the gates",
+    ),
+    (
         "ring_attention",
         """
 def ring_attention_forward(q, k, v, layout="zigzag", group=None):   # waits for the transfer before computing

@@ -48,7 +48,10 @@ def check_shard(n_rows: int, world_size: int) -> None:
 
 def check_broadcast_parameters(kind: str, n: int, device: str | None = None) -> None:
     """``broadcast_parameters(model)`` (exercise 2): on n ranks, each with the model ``kind`` built from
-    its own seed, every rank ends with rank 0's parameters exactly, frozen ones too."""
+    its own seed, every rank ends with rank 0's parameters exactly, frozen ones too, and each rank but 0
+    received at least their bytes over the network, as the operating system counted them (a rank that
+    rebuilds rank 0's model from rank 0's seed has not broadcast it).  In a notebook whose host cannot
+    count (no ``ss``: ``run.traffic.source == "trace"``) only the values are checked."""
     case = f"broadcast_parameters on {n} ranks ({kind} model)"
     run = common.run_or_fail(
         _broadcast_in_rank,
@@ -68,6 +71,16 @@ def check_broadcast_parameters(kind: str, n: int, device: str | None = None) -> 
         rtol=0,
         atol=0,
     )
+    if run.traffic.source == "trace":  # (the student's own machine cannot count: the values say enough there)
+        return
+    nbytes = sum(p.numel() * p.element_size() for p in graded_model(kind, seed=0).parameters())
+    for rank in range(1, n):
+        assert run.traffic.received(rank) >= nbytes, (
+            f"{case}: rank {rank} received {run.traffic.received(rank):,} bytes over the network, as the operating "
+            f"system counted them; rank 0's parameters are {nbytes:,} bytes. Every rank must receive them from "
+            f"rank 0 (dist.broadcast); building rank 0's values some other way is not a broadcast "
+            f"({run.traffic.describe()})"
+        )
 
 
 def check_ddp(
