@@ -61,7 +61,17 @@ TITLE = """# Lab {number} — {title}
 
 What this lab teaches and why a distributed-training engineer needs it; the cost model that
 predicts it (α per message, β per byte); then a picture from a real run.  (This notebook was made
-by `disttrain-lab new-lab`: every section below is a working example to rewrite.)"""
+by `disttrain-lab new-lab`: every section below is a working example to rewrite.)
+
+**Time**, for someone new to the topic (a row per exercise or prediction; the claim is their sum,
+which `tests/labs/test_time_budgets.py` checks):
+
+| | part | time |
+| --- | --- | --- |
+| core | section 1, Exercise 1 `all_sum` | 15–20 min |
+| core | Prediction 1: an all-reduce on a 1 Gbit link, then its measurement | 10–15 min |
+
+**Core path: about 25–35 min.**"""
 
 EXERCISE_TEXT = """## 1. Summing over the ranks
 

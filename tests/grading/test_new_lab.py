@@ -18,6 +18,7 @@ import pytest
 from disttrain_lab import grading
 from tests.grading.test_grading import Course, all_points, submit
 from tests.helpers import REPO
+from tests.labs.test_time_budgets import budget_of, summed
 from tests.notebooks import nbgrader_meta, numbering_problems, prediction_problems
 
 LAB = "99_scaffolded"
@@ -50,6 +51,9 @@ def test_the_new_lab_has_every_section_and_its_own_files_only(project):
     assert ids == ["setup", "ex_all_sum", "test_all_sum", "ex_predict_all_sum", "test_predict_all_sum"]
     assert nb.cells[0].source.count("from disttrain_lab.labtests import lab99 as lab_tests") == 1
     assert numbering_problems(nb) == [] and prediction_problems(nb) == []
+    # its time table has the labs' form, and its claim is the sum of its rows (tests/labs/test_time_budgets.py)
+    budget = budget_of(nb, LAB)
+    assert budget["core"] == summed(budget["rows"], {"core"}) == (25, 35) and budget["total"] is None, budget
     for cell in nb.cells:
         if nbgrader_meta(cell).get("grade"):
             assert cell.source.startswith("checks.verify_untampered()") and "### BEGIN HIDDEN TESTS" in cell.source

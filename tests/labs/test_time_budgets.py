@@ -47,7 +47,11 @@ def span(text: str) -> tuple[int, int]:
 
 def budget(lab: str) -> dict:
     """The lab's time table and its claimed totals: rows [(kind, part, (low, high))], core, total."""
-    nb = load(solution_notebook(lab))
+    return budget_of(load(solution_notebook(lab)), lab)
+
+
+def budget_of(nb, lab: str) -> dict:
+    """``budget`` of the notebook ``nb`` (``lab``: its name, for the messages)."""
     for cell in nb.cells[:4]:
         if cell.cell_type != "markdown":
             continue
