@@ -99,6 +99,13 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
         self._cell_limits = cell_times.limits_for(lab, self.cell_time_scale * self._host_factor) if lab else {}
         # a cell the record does not know: the plain limit, stretched by the host's probe the same way
         self._plain_limit = int(self.timeout * self._host_factor + 0.5) if self.timeout else None
+        # the lab's own cells before the student's first (its setup: a cold kernel importing torch) get at least
+        # cell_times.FLOOR, stretched: no student code has run yet, and a loaded host took 18-50 s there
+        self._setup_cells = set()
+        for i, c in enumerate(nb.cells):
+            if c.cell_type == "code" and c.source.strip() and not is_instructor_cell(c):
+                break
+            self._setup_cells.add(i)
         self._host = host
         self._lab = lab
         self._prompts = prompt_numbers(nb)
@@ -145,7 +152,10 @@ class RobustExecute(GraderKernel, StudentKernel, Execute):
             return self._grade_test(cell, index), self.resources
         key = cell_times.cell_key(cell)
         # the solution's own time for this cell, times a generous factor (cell_times.py), else the cell limit
-        limit = int(max(1, min(self._cell_limits.get(key) or self._plain_limit or remaining, remaining)))
+        limit = self._cell_limits.get(key) or self._plain_limit or remaining
+        if index in self._setup_cells:
+            limit = max(limit, cell_times.FLOOR * self._host_factor)
+        limit = int(max(1, min(limit, remaining)))
         cell_timeout = self.timeout
         self.timeout = limit
         self.error_on_timeout = {
