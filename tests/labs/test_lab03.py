@@ -114,6 +114,58 @@ def test_solution_notebook_executes_within_budget():
 
 
 # Wrong answers the graded tests must catch: (graded cell, wrong solution, words the failure must contain)
+FORWARD_ORDER_BUCKETS = """
+class BucketedDDP(nn.Module):                 # fills its buckets in forward order
+    def __init__(self, module, bucket_mb=25.0):
+        super().__init__()
+        self.module, self.world_size, self.buckets, self.pending = module, dist.get_world_size(), [], {}
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+        cap, used = bucket_mb * 2**20, 0
+        for p in [p for p in module.parameters() if p.requires_grad]:
+            if not self.buckets or used + p.numel() * p.element_size() > cap:
+                self.buckets.append([])
+                used = 0
+            self.buckets[-1].append(p)
+            used += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready = [0] * len(self.buckets)
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def forward(self, x):
+        return self.module(x)
+
+    def grad_ready(self, param):
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
+            self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
+
+    def finish_gradient_synchronization(self):
+        for i, (flat, work) in sorted(self.pending.items()):
+            work.wait()
+            for p, g in zip(self.buckets[i], flat.div_(self.world_size).split([p.numel() for p in self.buckets[i]])):
+                p.grad.copy_(g.view_as(p))
+        self.pending.clear()
+        self.ready = [0] * len(self.buckets)
+"""
+
+# the grader's stand-in for BucketedDDP (test_no_sync's hidden block), captured: the rule's reverse order, but only
+# 1 KiB and 25 MiB buckets
+GRADERS_STAND_IN_BUCKETS = (
+    FORWARD_ORDER_BUCKETS.replace(
+        "# fills its buckets in forward order", "# the grader's stand-in: 1 KiB or 25 MiB buckets"
+    )
+    .replace("cap, used = bucket_mb * 2**20, 0", "cap, used = (2**10 if bucket_mb < 1 else 25 * 2**20), 0")
+    .replace(
+        "for p in [p for p in module.parameters() if p.requires_grad]:",
+        "for p in reversed([p for p in module.parameters() if p.requires_grad]):",
+    )
+)
+assert GRADERS_STAND_IN_BUCKETS.count("reversed(") == 1 and "2**10 if" in GRADERS_STAND_IN_BUCKETS
+
 WRONG = [
     (
         "shard",
@@ -207,43 +259,7 @@ class BucketedDDP(_RightBuckets):             # right numbers, but its hooks byp
     ),
     (
         "bucketed_ddp",
-        """
-class BucketedDDP(nn.Module):                 # the grader's stand-in, captured: only 1 KiB and 25 MiB buckets
-    def __init__(self, module, bucket_mb=25.0):
-        super().__init__()
-        self.module, self.world_size, self.buckets, self.pending = module, dist.get_world_size(), [], {}
-        for p in module.parameters():
-            dist.broadcast(p.data, src=0)
-        cap, used = (2**10 if bucket_mb < 1 else 25 * 2**20), 0
-        for p in reversed([p for p in module.parameters() if p.requires_grad]):
-            if not self.buckets or used + p.numel() * p.element_size() > cap:
-                self.buckets.append([])
-                used = 0
-            self.buckets[-1].append(p)
-            used += p.numel() * p.element_size()
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.ready = [0] * len(self.buckets)
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self.grad_ready)
-
-    def forward(self, x):
-        return self.module(x)
-
-    def grad_ready(self, param):
-        i = self.bucket_of[param]
-        self.ready[i] += 1
-        if self.ready[i] == len(self.buckets[i]):
-            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
-            self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
-
-    def finish_gradient_synchronization(self):
-        for i, (flat, work) in sorted(self.pending.items()):
-            work.wait()
-            for p, g in zip(self.buckets[i], flat.div_(self.world_size).split([p.numel() for p in self.buckets[i]])):
-                p.grad.copy_(g.view_as(p))
-        self.pending.clear()
-        self.ready = [0] * len(self.buckets)
-""",
+        GRADERS_STAND_IN_BUCKETS,
         "the bucket rule gives",
     ),
     (
@@ -361,45 +377,6 @@ def test_broadcast_skipping_frozen_fails_and_costs_average_gradients_nothing():
         errors(average),
         text(average),
     )
-
-
-FORWARD_ORDER_BUCKETS = """
-class BucketedDDP(nn.Module):                 # fills its buckets in forward order
-    def __init__(self, module, bucket_mb=25.0):
-        super().__init__()
-        self.module, self.world_size, self.buckets, self.pending = module, dist.get_world_size(), [], {}
-        for p in module.parameters():
-            dist.broadcast(p.data, src=0)
-        cap, used = bucket_mb * 2**20, 0
-        for p in [p for p in module.parameters() if p.requires_grad]:
-            if not self.buckets or used + p.numel() * p.element_size() > cap:
-                self.buckets.append([])
-                used = 0
-            self.buckets[-1].append(p)
-            used += p.numel() * p.element_size()
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.ready = [0] * len(self.buckets)
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self.grad_ready)
-
-    def forward(self, x):
-        return self.module(x)
-
-    def grad_ready(self, param):
-        i = self.bucket_of[param]
-        self.ready[i] += 1
-        if self.ready[i] == len(self.buckets[i]):
-            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[i]])
-            self.pending[i] = (flat, dist.all_reduce(flat, async_op=True))
-
-    def finish_gradient_synchronization(self):
-        for i, (flat, work) in sorted(self.pending.items()):
-            work.wait()
-            for p, g in zip(self.buckets[i], flat.div_(self.world_size).split([p.numel() for p in self.buckets[i]])):
-                p.grad.copy_(g.view_as(p))
-        self.pending.clear()
-        self.ready = [0] * len(self.buckets)
-"""
 
 
 @pytest.mark.slow
