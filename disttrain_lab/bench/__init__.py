@@ -14,7 +14,20 @@ package holds no solutions (see :func:`functions_from_notebook`).
 
 from __future__ import annotations
 
-from . import allreduce, compression, ddp, launch, memory, pipeline, sequence, three_d, tp, trace_overhead, zero
+from . import (
+    allreduce,
+    compression,
+    ddp,
+    experts,
+    launch,
+    memory,
+    pipeline,
+    sequence,
+    three_d,
+    tp,
+    trace_overhead,
+    zero,
+)
 
 # What notebooks and tests use as ``bench.X``: every benchmark's functions, tables and reference names.
 from .allreduce import (
@@ -41,17 +54,10 @@ from .compression import (
     format_compression_table,
 )
 from .ddp import DDP_MODEL, TORCH_DDP, bench_ddp, format_ddp_table
+from .experts import ALL_GATHER_DISPATCH, ONE_PROCESS_MOE, bench_experts, format_experts_table
 from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
-from .sequence import (
-    ALL_GATHER_DISPATCH,
-    ALL_GATHER_KV,
-    LONG,
-    ONE_PROCESS_MOE,
-    TORCH_CP,
-    bench_sequence,
-    format_sequence_table,
-)
+from .sequence import ALL_GATHER_KV, LONG, TORCH_CP, bench_sequence, format_sequence_table
 from .tp import TORCH_TP, TP_MODEL, bench_tp, format_tp_table
 from .trace_overhead import bench_trace, format_trace_table
 from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, format_zero_table
@@ -70,6 +76,7 @@ BENCHMARKS = (
     three_d,
     memory,
     sequence,
+    experts,
 )
 
 

@@ -1,6 +1,8 @@
 """The timing machinery every benchmark shares: turns, medians, the lab's own functions, ports,
 the command line's common options and the progress bar of a sweep; and the pieces of their
-printed tables (the width of the version column, a ratio cell, an MLP's parameter count)."""
+printed tables (the width of the version column, a ratio cell, an MLP's parameter count).  Labs 10
+and 11's benchmarks (forward and backward of each version, side by side, on the CPU or one GPU
+per rank) share their ``--device``, their rows and tables, and the all-gather baselines' collectives."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+
+from ..devices import device as rank_device
+from ..events import format_bytes
 
 
 def slowest_median(per_rank: list[list[float]]) -> float:
@@ -176,3 +181,138 @@ def version_width(rows: list[dict], least: int) -> int:
 def ratio_cell(row: dict, width: int) -> str:
     """``row["ratio"]`` as "1.23x" right-aligned in ``width`` characters, "-" where there is none."""
     return f"{row['ratio']:>{width - 1}.2f}x" if "ratio" in row else f"{'-':>{width}}"
+
+
+# --------------------------------------------------------------------------------------
+# Labs 10 and 11: each version's forward and backward, side by side, on the CPU or the GPUs
+# --------------------------------------------------------------------------------------
+DEVICES = ("auto", "cpu", "cuda")  # the command line's --device; auto: cuda when every rank has a GPU
+
+
+def add_device_argument(parser, what: str) -> None:
+    """``--device`` (:data:`DEVICES`, default auto; see :func:`pick_device`): where ``what``, e.g.
+    "the MoE layers run"."""
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help=f"where {what}: cpu (gloo), cuda (one GPU per rank, NCCL), auto (cuda when every rank has a GPU; default)",
+    )
+
+
+def pick_device(asked: str, world_size: int) -> tuple[str, str]:
+    """(``"cpu"`` or ``"cuda"``, why) for ``--device asked`` on ``world_size`` ranks."""
+    gpus = torch.cuda.device_count()  # asks NVML: CUDA stays uninitialised for the ranks
+    if asked == "auto":
+        chosen = "cuda" if gpus >= world_size else "cpu"
+        return chosen, f"auto: {gpus} GPU(s) visible for {world_size} ranks"
+    if asked in ("cpu", "cuda"):
+        return asked, "asked"
+    raise ValueError(f"device must be one of {DEVICES}, got {asked!r}")
+
+
+def chosen_device(args) -> str:
+    """The device for ``--device`` on ``--world-size`` ranks (:func:`pick_device`), said on stdout with why."""
+    device, why = pick_device(args.device, args.world_size)
+    print(f"device: {device} ({why})")
+    return device
+
+
+def _gather_rows(x):
+    out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous())  # all_gather_into_tensor, renamed in torch 2.13
+    return out
+
+
+def _scatter_rows(x):
+    out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
+    dist.reduce_scatter_single(out, x.contiguous())
+    return out
+
+
+class GatherRows(torch.autograd.Function):
+    """``GatherRows.apply(x)``: every rank's ``x`` stacked over the first dimension, in rank order
+    (all_gather_single); its backward reduce-scatters the gradient (:class:`ScatterRows`)."""
+
+    forward = staticmethod(lambda ctx, x: _gather_rows(x))
+    backward = staticmethod(lambda ctx, grad: _scatter_rows(grad))
+
+
+class ScatterRows(torch.autograd.Function):
+    """``ScatterRows.apply(x)``: this rank's slice of the first dimension of the sum of every rank's ``x``
+    (reduce_scatter_single); its backward all-gathers the gradient (:class:`GatherRows`)."""
+
+    forward = staticmethod(lambda ctx, x: _scatter_rows(x))
+    backward = staticmethod(lambda ctx, grad: _gather_rows(grad))
+
+
+def _finished(run):
+    """``run``, returning only when the rank's GPU has finished its work (kernels are asynchronous)."""
+    dev = rank_device()
+    if dev.type != "cuda":
+        return run
+
+    def synchronized():
+        run()
+        torch.cuda.synchronize(dev)
+
+    return synchronized
+
+
+def step_times(runners: dict, repeats: int, warmup: int) -> dict:
+    """In each rank: ``{"seconds": name -> seconds per step (see take_turns), "bytes": name -> the
+    rank's collective bytes in one step}`` of ``runners`` (name -> a step), each step ending when the
+    rank's GPU has finished it.  Call it on all ranks."""
+    runners = {name: _finished(run) for name, run in runners.items()}
+    communicated = {}
+    for name, run in runners.items():
+        counter = collective_bytes_counter()
+        with counter:
+            run()
+        communicated[name] = counter.bytes
+    return {"seconds": take_turns(runners, repeats, warmup) if runners else {}, "bytes": communicated}
+
+
+def step_rows(per_rank: list[dict], row: dict, baselines) -> list[dict]:
+    """A row per version in ``per_rank`` (every rank's :func:`step_times`, with ``"unavailable"``:
+    name -> why it did not run, if any): ``row``'s fields and the version, its ``ms`` (median of the
+    slowest rank) and rank 0's ``bytes``, or its ``error``; ``baseline`` and ``ratio`` (the baseline's
+    time / this one's): the first of ``baselines`` that was measured."""
+    first = per_rank[0]
+    unavailable = first.get("unavailable", {})
+    rows = []
+    for name in [*first["bytes"], *unavailable]:  # the runners' order (take_turns' rotates)
+        version = {**row, "version": name, "size": dict(row["size"])}
+        if name in unavailable:
+            version["error"] = unavailable[name]
+        else:
+            version["ms"] = 1e3 * slowest_median([rank["seconds"][name] for rank in per_rank])
+            version["bytes"] = first["bytes"][name]
+        rows.append(version)
+    measured = {r["version"]: r for r in rows if "error" not in r}
+    baseline = next((measured[name] for name in baselines if name in measured), None)
+    for r in measured.values():
+        if baseline is not None:
+            r["baseline"], r["ratio"] = baseline["version"], baseline["ms"] / r["ms"]
+    return rows
+
+
+def step_table(rows: list[dict], width: int) -> list[str]:
+    """The lines of one part's table (``rows``: one part's, as :func:`step_rows` makes them): what ran
+    where, then a line per version: ms per forward+backward, rank 0's bytes, the ratio to the baseline
+    (or why it was not measured); ``width``: the version column's."""
+    first = rows[0]
+    size = ", ".join(f"{key} {value}" for key, value in first["size"].items())
+    base = next((r["baseline"] for r in rows if "baseline" in r), "-")
+    lines = [
+        f"{first['part']} on {first['world_size']} ranks, {first.get('device', 'cpu')} ({size}); forward + backward, "
+        f"median of {first['repeats']}, slowest rank; bytes: rank 0's communication per step; "
+        f"ratio: {base}'s time / this one's",
+        f"  {'version':<{width}} {'ms':>9} {'bytes':>11} {'ratio':>7}",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['version']:<{width}} not measured: {r['error']}")
+        else:
+            lines.append(f"  {r['version']:<{width}} {r['ms']:>9.1f} {format_bytes(r['bytes']):>11} {ratio_cell(r, 7)}")
+    return lines

@@ -1,4 +1,4 @@
-"""The graded tests of the labs, one module per lab (``lab01`` ... ``lab10``), and what they share
+"""The graded tests of the labs, one module per lab (``lab01`` ... ``lab11``), and what they share
 (``common``).
 
 A lab's graded cell is a short call of its module's check for that exercise, on the cases the

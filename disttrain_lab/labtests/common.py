@@ -36,6 +36,34 @@ def rank_raised(error: exercise.ExerciseError, exc_type: str, words: str, *, loo
     return error.exc_type == exc_type and words in said
 
 
+DEADLOCK_HINT = (
+    "does every isend have a matching irecv on the next rank, and do all ranks make the same collective "
+    "calls in the same order?"
+)
+
+
+def expect_divisible_error(target: str | Callable, n: int, *args, case: str, timeout: float = 60.0) -> None:
+    """``target`` on n ranks must stop with the student's ValueError saying "divisible", as the exercise asks."""
+    try:
+        exercise.run(target, n, args, timeout=timeout)
+    except exercise.ExerciseError as e:
+        if rank_raised(e, "ValueError", "divisible", loose=True):
+            return
+        got = f"{e.exc_type}: {e.exc_message}" if e.exc_type is not None else str(e)
+        raise AssertionError(
+            f"{case}: expected your ValueError saying the size is not divisible (the exercise "
+            f'asks for the word "divisible"); got {got}'
+        ) from None
+    raise AssertionError(f"{case}: expected a ValueError (not divisible), but it ran without one")
+
+
+def describe_calls(events: Sequence) -> str:
+    """Calls a rank made, for a message: "isend(peer 1) of 512 B, ..." (or "nothing")."""
+    return (
+        ", ".join(f"{e.op}{'' if e.peer is None else f'(peer {e.peer})'} of {e.bytes} B" for e in events) or "nothing"
+    )
+
+
 def assert_parameters_match(
     per_rank: Sequence[dict[str, torch.Tensor]],
     reference: nn.Module,

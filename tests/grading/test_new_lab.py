@@ -61,7 +61,7 @@ def test_the_new_lab_has_every_section_and_its_own_files_only(project):
     assert "def check_all_sum(" in checks and "all_reduce" not in checks  # a check, not a solution
     readme = (project / "README.md").read_text()
     assert f"| `{LAB}` | {TITLE} | — |" in readme
-    assert readme.index("`10_sequence_experts`") < readme.index(f"`{LAB}`")  # after the last lab's row
+    assert readme.index("`11_expert_parallel`") < readme.index(f"`{LAB}`")  # after the last lab's row
     assert sorted(p.relative_to(project).as_posix() for p in project.rglob("*") if p.is_file()) == [
         "README.md",
         "disttrain_lab/labtests/lab99.py",

@@ -47,7 +47,8 @@ COVERED_ELSEWHERE = {
     "zero": "tests/labs/test_lab04.py::test_cli_bench_zero_uses_the_notebook",
     "pipeline": "tests/labs/test_lab05.py::test_cli_bench_pipeline_uses_the_notebook",
     "tp": "tests/labs/test_lab06.py::test_cli_bench_tp_uses_the_notebook",
-    "sequence": "tests/labs/test_lab10.py::test_cli_bench_sequence_with_tiny_options",
+    "sequence": "tests/labs/test_bench_sequence.py::test_cli_bench_sequence_with_tiny_options",
+    "experts": "tests/labs/test_bench_experts.py::test_cli_bench_experts_with_tiny_options",
 }
 
 # the others, run here: NAME -> (tiny options, what its output must hold)

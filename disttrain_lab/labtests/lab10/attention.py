@@ -11,16 +11,7 @@ import torch.nn.functional as F
 
 from ... import checks, exercise
 from .. import common
-from .common import (
-    _DEADLOCK_HINT,
-    GRADED_PASSED,
-    TIMEOUT,
-    _expect_value_error,
-    _forward_phase,
-    _qkv,
-    _reference,
-    describe,
-)
+from .common import GRADED_PASSED, TIMEOUT, _forward_phase, _qkv, _reference
 
 
 # --------------------------------------------------------------------------------------
@@ -134,7 +125,7 @@ def check_ring(
     )
     positions = [_reference("positions")(seq_len, groups_of, rank % groups_of, layout) for rank in range(n)]
     inputs = [(heads, seq_len, dim, layout, seed, positions[r], True, groups_of) for r in range(n)]
-    run = common.run_or_fail(driver, n, inputs, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    run = common.run_or_fail(driver, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT)
     q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     want.backward(dout)
@@ -173,7 +164,7 @@ def check_ring(
         ]
         assert not other, (
             f"{case}: in forward rank {rank} may only isend to the next rank ({nxt}) and irecv from the previous "
-            f"({prev}); it also made: {describe(other, n)}"
+            f"({prev}); it also made: {common.describe_calls(other)}"
         )
         sent = sum(e.bytes for e in calls if e.op == "isend")
         assert sent == (groups_of - 1) * block_bytes, (
@@ -196,7 +187,7 @@ def check_ring_traffic(driver: Callable, n: int, heads: int, seq_len: int, dim: 
     case = f"ring attention's forward, {layout} layout, {seq_len} tokens on {n} ranks ({heads} heads, d={dim}, float64)"
     positions = [_reference("positions")(seq_len, n, rank, layout) for rank in range(n)]
     inputs = [(heads, seq_len, dim, layout, 0, positions[r], False, n) for r in range(n)]
-    run = common.run_or_fail(driver, n, inputs, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    run = common.run_or_fail(driver, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT)
     block_bytes = 2 * heads * (seq_len // n) * dim * 8
     checks.assert_traffic(
         run,
@@ -209,7 +200,7 @@ def check_positions_error(seq_len: int, world_size: int, rank: int, layout: str)
     """sequence_positions(seq_len, world_size, rank, layout) where the layout's chunks do not divide the
     sequence raises a ValueError saying "divisible"."""
     bad = (seq_len, world_size, rank, layout)
-    _expect_value_error("sequence_positions", 1, *bad, case=f"sequence_positions{bad}")
+    common.expect_divisible_error("sequence_positions", 1, *bad, case=f"sequence_positions{bad}")
 
 
 def check_positions(seq_len: int, world_size: int, rank: int, layout: str) -> None:

@@ -1,22 +1,15 @@
 """What every check of lab 10 shares: the references the notebook hands in, the tensors a case
-runs on, an expected ValueError, what a rank's calls looked like."""
+runs on, the forward pass's calls of a rank."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from ... import exercise
 from ...exercise import ExerciseRun
-from .. import common
 
 TIMEOUT = 60  # seconds a test's run may take
-_DEADLOCK_HINT = (
-    "does every isend have a matching irecv on the next rank, and do all ranks make the same collective "
-    "calls in the same order?"
-)
 _REFERENCES: dict[str, Callable] = {}  # the notebook's references (use_references)
 GRADED_PASSED: set[str] = set()  # the exercises whose graded cell passed, for the exercises built on them
 
@@ -35,37 +28,10 @@ def _reference(name: str) -> Callable:
     return _REFERENCES[name]
 
 
-def _notebook(name: str):
-    """The notebook's given (locked) ``name``: the dense MoE, transformer_block, which the references run."""
-    return vars(sys.modules["__main__"])[name]
-
-
 def _qkv(heads: int, seq_len: int, dim: int, seed: int) -> tuple:
     """q, k, v and the gradient of the output: the same tensors in the ranks and in the reference (float64)."""
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(heads, seq_len, dim, generator=g, dtype=torch.float64) for _ in range(4))
-
-
-def _expect_value_error(target: str | Callable, n: int, *args, case: str) -> None:
-    """``target`` on n ranks must stop with the student's ValueError saying "divisible", as the exercise asks."""
-    try:
-        exercise.run(target, n, args, timeout=TIMEOUT)
-    except exercise.ExerciseError as e:
-        if common.rank_raised(e, "ValueError", "divisible", loose=True):
-            return
-        got = f"{e.exc_type}: {e.exc_message}" if e.exc_type is not None else str(e)
-        raise AssertionError(
-            f"{case}: expected your ValueError saying the size is not divisible (the exercise "
-            f'asks for the word "divisible"); got {got}'
-        ) from None
-    raise AssertionError(f"{case}: expected a ValueError (not divisible), but it ran without one")
-
-
-def describe(events: Sequence, world_size: int) -> str:
-    """Calls a rank made, for a message: "isend(peer 1) of 512 B, ..." (or "nothing")."""
-    return (
-        ", ".join(f"{e.op}{'' if e.peer is None else f'(peer {e.peer})'} of {e.bytes} B" for e in events) or "nothing"
-    )
 
 
 def _forward_phase(run: ExerciseRun, rank: int) -> tuple[list, list]:

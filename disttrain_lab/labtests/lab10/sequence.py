@@ -1,4 +1,4 @@
-"""Lab 10's exercises 6-7: sequence parallelism and Ulysses against the dense block in one process."""
+"""Lab 10's exercises 4-5: sequence parallelism and Ulysses against the dense block in one process."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from ... import checks, memory
 from .. import common
-from .common import _DEADLOCK_HINT, TIMEOUT, _expect_value_error, _forward_phase, _notebook, _qkv, _reference, describe
+from .common import TIMEOUT, _forward_phase, _qkv, _reference
 
 # --------------------------------------------------------------------------------------
-# Exercise 6: sequence parallelism
+# Exercise 4: sequence parallelism
 # --------------------------------------------------------------------------------------
 _SP_PARTS = {
     "query": ("attn.query", 0),
@@ -52,8 +52,10 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
     only all-gathers and reduce-scatters (no all-reduce), tensor parallelism's bytes forward and those plus
     gather_linear's second all-gather of its input backward."""
     case = f"SequenceParallelBlock on {t} ranks (d={d}, {heads} heads, {tokens} tokens, batch {batch}, float64)"
-    run = common.run_or_fail(_sp_in_rank, t, (d, heads, tokens, batch, seed), case, _DEADLOCK_HINT, timeout=TIMEOUT)
-    block = _notebook("transformer_block")(d, heads, seed)  # the block, in one process (the notebook's given one)
+    run = common.run_or_fail(
+        _sp_in_rank, t, (d, heads, tokens, batch, seed), case, common.DEADLOCK_HINT, timeout=TIMEOUT
+    )
+    block = common.given("transformer_block")(d, heads, seed)  # the block, in one process (the notebook's given one)
     g = torch.Generator().manual_seed(seed + 1)
     x, dy = (torch.randn(batch, tokens, d, generator=g, dtype=torch.float64) for _ in range(2))
     x.requires_grad_()
@@ -104,7 +106,8 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
         every = [e for e in run.trace.by_rank(rank) if e.kind == "collective" and e.op != "barrier"]
         wrong = [e for e in every if not e.op.startswith(("all_gather", "reduce_scatter"))]
         assert not wrong, (
-            f"{case}: rank {rank} may only all-gather and reduce-scatter (no all-reduce); it made {describe(wrong, t)}"
+            f"{case}: rank {rank} may only all-gather and reduce-scatter (no all-reduce); "
+            f"it made {common.describe_calls(wrong)}"
         )
         wire = lambda events: sum((t - 1) / t * e.bytes for e in events)  # a ring all-gather / reduce-scatter
         fwd, bwd = wire(e for e in every if id(e) in forward), wire(e for e in every if id(e) not in forward)
@@ -123,11 +126,11 @@ def check_sp_error(world_size: int, heads: int) -> None:
     """SequenceParallelBlock of a block of width 12 whose ``heads`` the ``world_size`` ranks do not divide
     raises a ValueError saying "divisible"."""
     case = f"SequenceParallelBlock of a {heads}-head block of width 12 on {world_size} ranks"
-    _expect_value_error(_build_sp, world_size, heads, case=case)
+    common.expect_divisible_error(_build_sp, world_size, heads, case=case)
 
 
 # --------------------------------------------------------------------------------------
-# Exercise 7: Ulysses
+# Exercise 5: Ulysses
 # --------------------------------------------------------------------------------------
 def _ulysses_in_rank(heads, seq_len, dim, seed, positions):
     """The test's driver: your ulysses_attention on this rank's tokens, then backward of sum(out * dout)."""
@@ -152,7 +155,7 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
     case = f"ulysses_attention, {seq_len} tokens on {n} ranks ({heads} heads, d={dim}, float64)"
     positions = [_reference("positions")(seq_len, n, rank, "naive") for rank in range(n)]
     inputs = [(heads, seq_len, dim, seed, positions[r]) for r in range(n)]
-    run = common.run_or_fail(_ulysses_in_rank, n, inputs, case, _DEADLOCK_HINT, timeout=TIMEOUT)
+    run = common.run_or_fail(_ulysses_in_rank, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT)
     q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     want.backward(dout)
@@ -176,7 +179,9 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
         calls, _ = _forward_phase(run, rank)
         every = [e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p") and e.op != "barrier"]
         other = [e for e in every if e.op != "all_to_all_single"]
-        assert not other, f"{case}: rank {rank} may only call all_to_all_single; it also made: {describe(other, n)}"
+        assert not other, (
+            f"{case}: rank {rank} may only call all_to_all_single; it also made: {common.describe_calls(other)}"
+        )
         forward = sum((n - 1) / n * e.bytes for e in calls if e.op == "all_to_all_single")
         total = sum((n - 1) / n * e.bytes for e in every)
         assert abs(forward - 4 * (n - 1) / n * block) < 1 and abs(total - 8 * (n - 1) / n * block) < 1, (
@@ -189,6 +194,6 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
 def check_ulysses_error(world_size: int, heads: int) -> None:
     """ulysses_attention with ``heads`` heads that the ``world_size`` ranks do not divide raises a ValueError
     saying "divisible"."""
-    _expect_value_error(
+    common.expect_divisible_error(
         _ulysses_heads, world_size, heads, case=f"ulysses_attention with {heads} heads on {world_size} ranks"
     )

@@ -1,5 +1,5 @@
-"""Lab 10's exercises 4-5: the router (one rank) and the expert-parallel MoE layer against the
-dense MoE in one process; its all-to-all's bytes."""
+"""Lab 11's exercises 1 and 3 (and 2 and 4, the predictions, are in their graded cells): the router (one
+rank) and the expert-parallel MoE layer against the dense MoE in one process; its all-to-all's bytes."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from torch import nn
 
 from ... import checks, exercise
 from .. import common
-from .common import _DEADLOCK_HINT, GRADED_PASSED, TIMEOUT, _expect_value_error, _notebook, describe
+from .common import GRADED_PASSED, TIMEOUT
 
 
 # --------------------------------------------------------------------------------------
-# Exercise 4: the router (on one rank)
+# Exercise 1: the router (on one rank)
 # --------------------------------------------------------------------------------------
 def check_router_literal() -> None:
     """top_k_route (k = 1, capacity factor 1) on 5 tokens and 3 experts: each token's most probable expert,
@@ -78,7 +78,7 @@ def check_router(
 
 
 # --------------------------------------------------------------------------------------
-# Exercise 5: the expert-parallel MoE layer
+# Exercise 3: the expert-parallel MoE layer
 # --------------------------------------------------------------------------------------
 def _moe_in_rank(d, hidden, n_experts, k, factor, tokens, seed, backward):
     """The test's driver: your layer built from MoE(..., seed) on this rank's tokens; a barrier, then backward
@@ -105,21 +105,21 @@ def _build_moe(n_experts):
 
 def moe_driver(graders: Callable | None = None) -> Callable:
     """The driver the expert-parallel layer is graded with: the lab's own (your layer on your router) where
-    your top_k_route and load_balancing_loss passed exercise 4's graded test (``GRADED_PASSED``: every case of
-    it, not one) or, in your notebook (no ``graders``), pass exercise 4's check; else ``graders`` (your layer on
+    your top_k_route and load_balancing_loss passed exercise 1's graded test (``GRADED_PASSED``: every case of
+    it, not one) or, in your notebook (no ``graders``), pass exercise 1's check; else ``graders`` (your layer on
     the grader's router, defined in the graded cell's hidden tests).  Decided once per run of the graded cell."""
     if "router" in GRADED_PASSED:
         return _moe_in_rank
     try:
         if graders is not None:
-            raise AssertionError("exercise 4 has not passed its graded test")
+            raise AssertionError("exercise 1 has not passed its graded test")
         check_router_literal()
         return _moe_in_rank
     except Exception as e:
         if graders is None:
             raise AssertionError(
                 f"ExpertParallelMoE builds on your top_k_route and load_balancing_loss, which do not "
-                f"pass exercise 4's check yet; fix exercise 4 first (the grader grades the layer with "
+                f"pass exercise 1's check yet; fix exercise 1 first (the grader grades the layer with "
                 f"its own router).\n{e}"
             ) from None
         return graders
@@ -166,9 +166,9 @@ def check_moe(
         f"{tokens} tokens per rank, d={d}"
     )
     run = common.run_or_fail(
-        driver, n, (d, hidden, n_experts, k, factor, tokens, seed, True), case, _DEADLOCK_HINT, timeout=TIMEOUT
+        driver, n, (d, hidden, n_experts, k, factor, tokens, seed, True), case, common.DEADLOCK_HINT, timeout=TIMEOUT
     )
-    dense = _notebook("MoE")(d, hidden, n_experts, k, factor, seed=seed).double()
+    dense = common.given("MoE")(d, hidden, n_experts, k, factor, seed=seed).double()
     per = n_experts // n
     for rank, (y, aux, x_grad, grads) in enumerate(run.results):
         x, dy = _tokens(rank, tokens, d, seed)
@@ -210,7 +210,9 @@ def check_moe(
     for rank in range(n):
         calls = [e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p") and e.op != "barrier"]
         other = [e for e in calls if e.op != "all_to_all_single"]
-        assert not other, f"{case}: rank {rank} should only call all_to_all_single; it also made: {describe(other, n)}"
+        assert not other, (
+            f"{case}: rank {rank} should only call all_to_all_single; it also made: {common.describe_calls(other)}"
+        )
 
 
 def check_moe_bytes(
@@ -234,9 +236,9 @@ def check_moe_bytes(
         f"{tokens} tokens per rank, d={d}"
     )
     run = common.run_or_fail(
-        driver, n, (d, hidden, n_experts, k, factor, tokens, seed, False), case, _DEADLOCK_HINT, timeout=TIMEOUT
+        driver, n, (d, hidden, n_experts, k, factor, tokens, seed, False), case, common.DEADLOCK_HINT, timeout=TIMEOUT
     )
-    dense, per = _notebook("MoE")(d, hidden, n_experts, k, factor, seed=seed).double(), n_experts // n
+    dense, per = common.given("MoE")(d, hidden, n_experts, k, factor, seed=seed).double(), n_experts // n
     rows = torch.zeros(n, n, dtype=torch.long)  # rows[src, dst]: kept choices src sends dst
     for src in range(n):
         load = reference(dense, _tokens(src, tokens, d, seed)[0])[2]
@@ -255,4 +257,4 @@ def check_moe_error(world_size: int, n_experts: int) -> None:
     """ExpertParallelMoE of a MoE whose ``n_experts`` the ``world_size`` ranks do not divide raises a
     ValueError saying "divisible"."""
     case = f"ExpertParallelMoE(MoE(4, 4, n_experts={n_experts})) on {world_size} ranks"
-    _expect_value_error(_build_moe, world_size, n_experts, case=case)
+    common.expect_divisible_error(_build_moe, world_size, n_experts, case=case)

@@ -1,4 +1,4 @@
-"""Lab 10's exercises 8-9: ``mesh_groups`` and ``memory_per_device_5d`` (one rank), against the
+"""Lab 11's exercises 5-6: ``mesh_groups`` and ``memory_per_device_5d`` (one rank), against the
 references their graded cells hand in."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .common import TIMEOUT
 
 
 # --------------------------------------------------------------------------------------
-# Exercise 8: mesh_groups (on one rank)
+# Exercise 5: mesh_groups (on one rank)
 # --------------------------------------------------------------------------------------
 def check_groups(sizes: dict, dims: str | Sequence[str], *, reference: Callable) -> None:
     """mesh_groups(sizes, dims) equals ``reference(sizes, dims)`` (the graded cell's: the grid torch's
@@ -40,7 +40,7 @@ def check_expert_grid(pp: int, dp: int, cp: int, tp: int, ep: int, *, reference:
 
 
 # --------------------------------------------------------------------------------------
-# Exercise 9: memory_per_device_5d (on one rank)
+# Exercise 6: memory_per_device_5d (on one rank)
 # --------------------------------------------------------------------------------------
 _DEFAULTS = dict(experts=1, dp=1, tp=1, pp=1, cp=1, ep=1, micro_batches=1, zero=0, sp=False)
 
