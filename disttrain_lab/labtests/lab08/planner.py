@@ -90,22 +90,43 @@ def check_memory(model: Spec, cluster: Spec, plan: Spec, sp: bool | None = None,
         )
 
 
+# plans of the worked example on 16 devices (dp, tp, pp, micro-batches, ZeRO): one of each shape the planner ranks
+_ORDER_PLANS = (
+    (16, 1, 1, 4, 1),
+    (2, 8, 1, 4, 0),
+    (1, 16, 1, 4, 0),
+    (4, 2, 2, 8, 3),
+    (1, 2, 8, 16, 0),
+    (8, 1, 2, 16, 3),
+)
+
+
 def choose_planner_graders(model: Spec, cluster: Spec, plan: Spec) -> list[str]:
     """Decide, once per run of plan_parallelism's graded cell, the pieces it is graded on: memory_per_device
-    and step_time where yours fails (its graded test, or ``plan`` of the worked example ``model`` on
-    ``cluster``), replaced by the grader's own when it holds them (``GRADERS["planner"]``): plan_parallelism is
-    graded on its own.  Returns them."""
+    where yours failed its graded test, and step_time where yours does not rank plans as the formula does
+    (``plan`` and the plans of ``_ORDER_PLANS`` of the worked example ``model`` on ``cluster``: their times must
+    be finite, positive and one constant multiple of the grader's, whose order the planner's test reads; the
+    step-time's own graded test comes later), each replaced by the grader's own when it holds them
+    (``GRADERS["planner"]``): plan_parallelism is graded on its own.  Returns them."""
     global _PLANNER_GRADERS
     _PLANNER_GRADERS = []
     if "planner" not in GRADERS:
         return _PLANNER_GRADERS
     graders = ["memory_per_device"] if PASSED.get("planner_memory") is False else []
+    plan_class = _notebook("Plan")
+    plans = [plan, *(plan_class(*fields) for fields in _ORDER_PLANS)]
     try:
-        times = exercise.run(_step_times_of, 1, (_fields(model), _fields(cluster), [_fields(plan)]), timeout=60)
-        [t] = times.results[0]
-        works = isinstance(t, float) and math.isfinite(t) and t > 0
+        run = exercise.run(
+            _step_times_of, 1, (_fields(model), _fields(cluster), [_fields(p) for p in plans]), timeout=60
+        )
+        times = run.results[0]
+        works = all(isinstance(t, float) and math.isfinite(t) and t > 0 for t in times) and len(times) == len(plans)
     except exercise.ExerciseError:
         works = False
+    if works:
+        formula = GRADERS["planner"](["step_time"])["step_time"]
+        ratios = [t / formula(model, cluster, p) for t, p in zip(times, plans)]
+        works = all(math.isclose(r, ratios[0], rel_tol=1e-6) for r in ratios)
     _PLANNER_GRADERS = graders + ([] if works else ["step_time"])
     return _PLANNER_GRADERS
 
