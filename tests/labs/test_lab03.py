@@ -321,6 +321,26 @@ class AccumulatingDDP(BucketedDDP):           # no try/finally: an exception ins
 """,
         "no_sync() left require_sync False",
     ),
+    (
+        "no_sync",
+        """
+class AccumulatingDDP(BucketedDDP):           # restores True, not the previous state: a nested no_sync() ends the outer
+    require_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def grad_ready(self, param):
+        if self.require_sync:
+            super().grad_ready(param)
+""",
+        "a no_sync() opened and closed inside each no_sync()",
+    ),
 ]
 
 

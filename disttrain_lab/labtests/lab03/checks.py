@@ -98,24 +98,27 @@ def check_ddp(
     graders: tuple[str, str, str] | None = None,
     interrupted: bool = False,
     device: str | None = None,
+    nested: bool = False,
 ) -> Run:
     """Train your class ``wrapper`` on n ranks; read the trace (per step: none under no_sync(); with ``overlap``,
     each all-reduce posted with async_op=True during backward and waited for only after it; exactly the trainable
     gradients all-reduced, in ``all_reduces`` calls or, with ``buckets``, in all-reduces of those byte sizes);
     then compare every rank with single-process SGD on the full batch.  ``interrupted``: an exception is raised
-    inside no_sync() first (the steps after it must communicate).  ``graders``: the grader's own version of the
+    inside no_sync() first (the steps after it must communicate); ``nested``: a no_sync() opened and closed inside
+    each micro-step's no_sync() (the outer one must still hold).  ``graders``: the grader's own version of the
     exercise ``wrapper`` is built on, used instead of yours (``broadcast_that_passed``,
     ``bucketed_ddp_that_passed``).  ``device``: where the ranks compute (None: the CPU under the grader, else the
     notebook's DEVICE).  Returns the ranks' trace."""
     case = (
         f"{name} on {n} ranks ({kind} model, batch {batch}, {steps} steps"
         + (f", {micro_steps} micro-steps" if micro_steps > 1 else "")
+        + (", a no_sync() opened and closed inside each no_sync()" if nested else "")
         + (", after an exception inside no_sync())" if interrupted else ")")
     )
     ran = common.run_or_fail(
         _train_in_rank,
         n,
-        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted),
+        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted, nested),
         case,
         _COLLECTIVES_IN_ORDER,
         timeout=60,
@@ -328,11 +331,14 @@ def check_no_sync(
     interrupted: bool = False,
     graders: tuple[str, str, str] | None = None,
     device: str | None = None,
+    nested: bool = False,
 ) -> None:
     """``AccumulatingDDP.no_sync()`` (exercise 6): with ``micro_steps`` micro-batches per step, all but the
     last under no_sync(), no all-reduce inside no_sync(), the last one's buckets as BucketedDDP's, and the
     result of one process on the whole batch; ``interrupted``: after an exception raised (and caught) inside
-    no_sync(), the next steps communicate again.  ``graders``: ``bucketed_ddp_that_passed(...)``."""
+    no_sync(), the next steps communicate again; ``nested``: a no_sync() opened and closed inside each one
+    leaves the outer in force (the previous state restored, not True).  ``graders``:
+    ``bucketed_ddp_that_passed(...)``."""
     buckets = bucket_sizes(graded_model(kind, 0), bucket_mb)
     check_ddp(
         "AccumulatingDDP with no_sync()",
@@ -347,4 +353,5 @@ def check_no_sync(
         graders=graders,
         interrupted=interrupted,
         device=device,
+        nested=nested,
     )

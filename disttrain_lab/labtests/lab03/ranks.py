@@ -36,7 +36,9 @@ def _broadcast_in_rank(kind):
     return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
-def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, graders=None, interrupted=False):
+def _train_in_rank(
+    wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, graders=None, interrupted=False, nested=False
+):
     """A driver: in a rank, wrap a model built from *this rank's* seed (so the wrapper must broadcast rank 0's
     parameters) in your class ``wrapper`` (with ``bucket_mb=`` when given), train it data-parallel for ``steps``
     steps, each of ``micro_steps`` micro-batches (all but the last under ddp.no_sync()), as a torch DDP user
@@ -44,8 +46,9 @@ def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, g
     yours did not pass its test: ("broadcast_parameters", the function's name, its source), or ("BucketedDDP",
     the name of a function that makes the class, its source).  ``interrupted``: before training, an exception is
     raised inside ``with ddp.no_sync():`` and caught, as a training loop that skips a failed micro-batch does.
-    Returns the parameters, and the events of the rank's trace with its dl.region marks (dl.exercise.run's
-    run.trace leaves those out)."""
+    ``nested``: inside each micro-step's no_sync(), before its backward, a second no_sync() is opened and closed
+    (as a helper the loop calls may do): the outer one must still hold.  Returns the parameters, and the events
+    of the rank's trace with its dl.region marks (dl.exercise.run's run.trace leaves those out)."""
     import contextlib
 
     import torch.distributed as dist
@@ -108,6 +111,9 @@ def _train_in_rank(wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, g
             for micro, (xm, ym) in enumerate(zip(x.tensor_split(micro_steps), y.tensor_split(micro_steps))):
                 last = micro == micro_steps - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
+                    if nested and not last:
+                        with ddp.no_sync():  # closing it must leave the outer no_sync() in force
+                            pass
                     loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
                     with dl.region("backward", step=step, micro=micro, last=last):
                         loss.backward()
