@@ -59,7 +59,7 @@ SECONDS = {
     "test_launcher.py": 53,
     "test_submission_data.py": 47,
     "test_cell_times.py": 40,
-    "test_corpus.py": 45,  # the fixture lab released and two variants graded, then graded again  # the fixture timed once and a spinning student graded
+    "test_corpus.py": 100,  # the fixture lab released and two variants graded, then graded again (beside a suite)  # the fixture timed once and a spinning student graded
     "test_lab07.py": 38,
     "test_lab08.py": 36,
     "test_install.py": 105,  # a release into a course folder, then its lab installed in a fresh venv
