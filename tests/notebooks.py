@@ -153,6 +153,14 @@ def error_of_last_cell(nb, cwd: Path | None = None) -> str:
     return found[0]
 
 
+def base_cells(lab, given, exercises) -> tuple[list, list]:
+    """Copies of the lab's setup, its solutions (``ex_<e>`` for each of ``exercises``), its given definitions
+    (grade_ids ``given``) and its test helpers, in the notebook's order; and those of them that are solutions."""
+    wanted = {"setup", "test_helpers", *given, *(f"ex_{e}" for e in exercises)}
+    cells = [copy.deepcopy(c) for c in lab.cells if nbgrader_meta(c).get("grade_id") in wanted]
+    return cells, [c for c in cells if nbgrader_meta(c).get("grade_id", "").startswith("ex_")]
+
+
 def add_wrong_answers(
     lab, cells: list, solutions: list, wrong: list[tuple[str, str]], tests: list[str] | None = None, replace=False
 ) -> list[int]:

@@ -37,6 +37,7 @@ from tests.notebooks import (
     add_wrong_answers,
     assert_prediction_verdicts,
     assert_wrong_answers_caught,
+    base_cells,
     cell_by_id,
     errors,
     execute,
@@ -303,10 +304,7 @@ def mesh_groups(sizes, dims):                          # column-major: the first
 
 
 def _base_cells(lab):
-    """The setup, the solutions, the given definitions and the test helpers, in the notebook's order."""
-    wanted = {"setup", "test_helpers", *GIVEN, *(f"ex_{e}" for e in EXERCISES)}
-    cells = [copy.deepcopy(c) for c in lab.cells if nbgrader_meta(c).get("grade_id") in wanted]
-    return cells, [c for c in cells if nbgrader_meta(c).get("grade_id", "").startswith("ex_")]
+    return base_cells(lab, GIVEN, EXERCISES)
 
 
 @pytest.mark.slow
