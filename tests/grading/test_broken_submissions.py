@@ -42,7 +42,9 @@ FLOOD = "for _ in range(5000):\n    print('x' * 1000)\n" + MEAN_OK
 @pytest.fixture(scope="module")
 def odd_batch(tmp_path_factory):
     """Every case here plus an honest student, autograded in one plain `nbgrader autograde`."""
-    course = Course(tmp_path_factory.mktemp("odd"), "00_basics", FIXTURES, FIXTURE_LIMITS)
+    # no case here hangs: a cell limit of 60 s, not the fixtures' 20, so that a kernel's first launch on a
+    # loaded CI host (three workers on two cores) is not mistaken for a broken exercise
+    course = Course(tmp_path_factory.mktemp("odd"), "00_basics", FIXTURES, dict(FIXTURE_LIMITS, cell_timeout=60))
     course.do_release()
     sol, lab = course.solution, course.lab
     for name, (source, _) in TAMPERED.items():
@@ -68,11 +70,22 @@ def odd_batch(tmp_path_factory):
     return course
 
 
+def errors_of(course, student: str) -> dict[str, list[str]]:
+    """Each graded cell's errors in ``student``'s autograded notebook (what a failed score assertion shows)."""
+    return {
+        grade_id(c): [f"{o.ename}: {o.evalue[:500]}" for o in c.outputs if o.output_type == "error"]
+        for c in course.autograded(student).cells
+        if c.cell_type == "code" and grade_id(c)
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tests_edited", "tests_deleted"])
 def test_an_edited_or_deleted_test_cell_grades_as_the_release_has_it(odd_batch, case):
     assert odd_batch.results[case].returncode == 0, odd_batch.results[case].output[-3000:]
-    assert odd_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 1.0, "total": 2.0}
+    assert odd_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 1.0, "total": 2.0}, errors_of(
+        odd_batch, case
+    )
     assert "mean([1, 2, 3]) should be 2" in html.unescape(feedback(odd_batch.course, case, "00_basics"))
 
 
@@ -80,7 +93,9 @@ def test_an_edited_or_deleted_test_cell_grades_as_the_release_has_it(odd_batch, 
 @pytest.mark.parametrize("case", sorted(TAMPERED))
 def test_replacing_the_kit_in_ones_own_kernel_fails_every_later_test(odd_batch, case):
     assert odd_batch.results[case].returncode == 0, odd_batch.results[case].output[-3000:]
-    assert odd_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 0.0, "total": 1.0}
+    assert odd_batch.table[case] == {"test_add": 1.0, "test_mean": 0.0, "test_scale": 0.0, "total": 1.0}, errors_of(
+        odd_batch, case
+    )
     page = html.unescape(feedback(odd_batch.course, case, "00_basics"))
     assert "TamperingError: grading relies on torch's and disttrain_lab's own functions" in page
     assert TAMPERED[case][1] in page
@@ -92,7 +107,9 @@ def test_replacing_the_kit_in_ones_own_kernel_fails_every_later_test(odd_batch, 
 @pytest.mark.slow
 def test_a_flood_of_output_is_capped_and_the_exercise_graded_on_its_merits(odd_batch):
     assert odd_batch.results["huge_output"].returncode == 0, odd_batch.results["huge_output"].output[-3000:]
-    assert odd_batch.table["huge_output"] == {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}
+    assert odd_batch.table["huge_output"] == {"test_add": 1.0, "test_mean": 2.0, "test_scale": 1.0, "total": 4.0}, (
+        errors_of(odd_batch, "huge_output")
+    )
     path = odd_batch.course / "autograded" / "huge_output" / "00_basics" / "00_basics.ipynb"
     assert path.stat().st_size < 3 * 10**6, path.stat().st_size
     [cell] = [c for c in odd_batch.autograded("huge_output").cells if grade_id(c) == "ex_mean"]
@@ -103,7 +120,7 @@ def test_a_flood_of_output_is_capped_and_the_exercise_graded_on_its_merits(odd_b
         "test_mean": 0.0,
         "test_scale": 1.0,
         "total": 2.0,
-    }
+    }, errors_of(odd_batch, "huge_output_wrong")
     [test] = [c for c in odd_batch.autograded("huge_output_wrong").cells if grade_id(c) == "test_mean"]
     assert [(o.ename, o.evalue) for o in test.outputs if o.output_type == "error"] == [
         ("AssertionError", "mean([1, 2, 3]) should be 2")
