@@ -43,157 +43,77 @@ tests, feedback); this package adds what a course on distributed training needs 
    in parallel, resumable by ``ledger``, in ``shards``, summed up by ``class_summary``).
    ``install_source``: where a lab's setup cell installs the kit from, and the wheel beside
    the labs.
-5. ``config``: where a course lives, and the ``Limits``.  ``configure`` (below) is the wiring
+5. ``config``: where a course lives, and the ``Limits``.  ``wiring.configure`` is the wiring
    that ``grader/nbgrader_config.py`` applies, so plain ``nbgrader autograde`` run from
    ``grader/`` behaves exactly like ``disttrain-lab grade``.
+
+The names below are loaded from their modules when first used (PEP 562), so a process that
+needs one piece imports that piece only: the grader kernel, which imports ``remote`` for every
+student, does not import nbconvert and nbgrader (2.4 s of CPU per student on the 2-core course
+machine), which only the nbgrader process of a step needs.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import importlib
+import importlib.util
 
 from .startup import skip_slow_imports
 
-skip_slow_imports()  # before nbconvert imports jsonschema (startup.py)
-# isort: split
-from nbconvert.preprocessors import ClearMetadataPreprocessor
-from nbgrader.converters import GenerateAssignment, GenerateFeedback
-from nbgrader.preprocessors import (
-    AssignLatePenalties,
-    CheckCellMetadata,
-    ClearOutput,
-    DeduplicateIds,
-    IgnorePattern,
-    LimitOutput,
-    OverwriteKernelspec,
-    SaveAutoGrades,
-)
+skip_slow_imports()  # before anything imports nbconvert, which imports jsonschema (startup.py)
 
-from . import sandbox
-from .config import (
-    GRADER_DIR,
-    LIMITED_ISOLATION,
-    REPO_ROOT,
-    Limits,
-    SandboxRefused,
-    course_dir,
-    isolation_notice,
-    release_dir,
-    release_ignore,
-    source_dir,
-)
-from .course import autograde, cli_release, export_grades, generate_feedback, scores, students_of
-from .execute import NOTES_FILE, RobustExecute
-from .feedback_page import FeedbackPage, configure_exporter
-from .hidden_tests import ScrubHiddenTests
-from .install_source import configured_install_source
-from .releasing import list_labs, normalize_release, release, release_differences
-from .sanitize import SanitizeStudentHTML
-from .steps import StepResult, clean_stale_steps, run_nbgrader, stop_running_steps
-from .submission import (
-    FeedbackWithoutHiddenTests,
-    RestoringOverwriteCells,
-    StampInstallSource,
-    SubmissionExporter,
-    grade_report,
-    scan_submission,
-)
-from .verdict import ScoreByPassing
-
-__all__ = [
-    "GRADER_DIR",
-    "REPO_ROOT",
-    "Limits",
-    "SandboxRefused",
-    "configure",
-    "configured_install_source",
-    "course_dir",
-    "release_dir",
-    "release_ignore",
-    "source_dir",
-    "autograde",
-    "cli_release",
-    "export_grades",
-    "generate_feedback",
-    "list_labs",
-    "normalize_release",
-    "release",
-    "release_differences",
-    "scores",
-    "students_of",
-    "NOTES_FILE",
-    "RobustExecute",
-    "StepResult",
-    "clean_stale_steps",
-    "run_nbgrader",
-    "stop_running_steps",
-    "FeedbackPage",
-    "FeedbackWithoutHiddenTests",
-    "RestoringOverwriteCells",
-    "SanitizeStudentHTML",
-    "ScrubHiddenTests",
-    "StampInstallSource",
-    "SubmissionExporter",
-    "grade_report",
-    "scan_submission",
-    "ScoreByPassing",
-]
+# each public name and the module that defines it
+_HOME = {
+    "GRADER_DIR": "config",
+    "REPO_ROOT": "config",
+    "Limits": "config",
+    "SandboxRefused": "config",
+    "course_dir": "config",
+    "release_dir": "config",
+    "release_ignore": "config",
+    "source_dir": "config",
+    "configure": "wiring",
+    "configured_install_source": "install_source",
+    "autograde": "course",
+    "cli_release": "course",
+    "export_grades": "course",
+    "generate_feedback": "course",
+    "scores": "course",
+    "students_of": "course",
+    "list_labs": "releasing",
+    "normalize_release": "releasing",
+    "release": "releasing",
+    "release_differences": "releasing",
+    "NOTES_FILE": "execute",
+    "RobustExecute": "execute",
+    "StepResult": "steps",
+    "clean_stale_steps": "steps",
+    "run_nbgrader": "steps",
+    "stop_running_steps": "steps",
+    "FeedbackPage": "feedback_page",
+    "FeedbackWithoutHiddenTests": "submission",
+    "RestoringOverwriteCells": "submission",
+    "SanitizeStudentHTML": "sanitize",
+    "ScrubHiddenTests": "hidden_tests",
+    "StampInstallSource": "submission",
+    "SubmissionExporter": "submission",
+    "grade_report": "submission",
+    "scan_submission": "submission",
+    "ScoreByPassing": "verdict",
+}
+__all__ = list(_HOME)
 
 
-def configure(c, limits: Limits | None = None) -> None:
-    """Apply the whole grading setup to an nbgrader config object ``c``."""
-    limits = limits or Limits()
-    course_dir().mkdir(parents=True, exist_ok=True)
-    c.CourseDirectory.root = str(course_dir())
-    # parallel students write to one gradebook: wait for another job's write (sqlite's default is 5 s)
-    c.CourseDirectory.db_url = f"sqlite:///{course_dir() / 'gradebook.db'}?timeout=300"
-    c.CourseDirectory.source_directory = str(source_dir())
-    c.CourseDirectory.release_directory = str(release_dir())
-    c.CourseDirectory.ignore = release_ignore(source_dir())
-    c.Execute.timeout = limits.cell_timeout
-    c.Execute.startup_timeout = 120
-    c.RobustExecute.notebook_timeout = limits.notebook_timeout
-    c.RobustExecute.cell_time_scale = limits.cell_time_scale
-    c.RobustExecute.memory_limit = limits.kernel_memory
-    use_sandbox, why = limits.sandboxed()
-    if not use_sandbox and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
-        print(isolation_notice(why), file=sys.stderr)
-    elif use_sandbox and sandbox.caveat() and not os.environ.get("DISTTRAIN_SANDBOX_WARNED"):
-        print(LIMITED_ISOLATION.format(why=sandbox.caveat()), file=sys.stderr)
-    c.RobustExecute.sandbox = "on" if use_sandbox else ("container" if limits.sandbox == "container" else "off")
-    c.RobustExecute.student_memory = limits.student_memory
-    c.RobustExecute.student_pids = limits.student_pids
-    c.LimitOutput.max_lines = 300
-    c.LimitOutput.max_traceback = 60
-    c.OverwriteCells.add_missing_cells = True
-    c.Autograde.exporter_class = "disttrain_lab.grading.submission.SubmissionExporter"
-    # stamp the install source before the setup cell is locked and checksummed
-    steps = list(GenerateAssignment().preprocessors)
-    c.GenerateAssignment.preprocessors = [StampInstallSource] + [p for p in steps if p is not StampInstallSource]
-    c.Autograde.sanitize_preprocessors = [
-        ClearOutput,
-        DeduplicateIds,
-        OverwriteKernelspec,
-        RestoringOverwriteCells,
-        CheckCellMetadata,
-    ]
-    c.GenerateFeedback.preprocessors = [
-        FeedbackWithoutHiddenTests,
-        *GenerateFeedback().preprocessors,
-        FeedbackPage,  # the index by exercise, MathJax inlined, a prediction's answer withheld till the deadline
-        SanitizeStudentHTML,  # last: the page a student opens runs nothing a submission wrote
-    ]
-    configure_exporter(c)  # the page through templates/disttrain_feedback (feedback_page.py)
-    c.Autograde.autograde_preprocessors = [
-        RobustExecute,
-        ScoreByPassing,  # a test scores by passing, never by an execute_result (verdict.py)
-        IgnorePattern,
-        ClearMetadataPreprocessor,
-        LimitOutput,
-        SaveAutoGrades,
-        ScrubHiddenTests,  # after the grades are saved: scrubbing never changes a score
-        SanitizeStudentHTML,  # likewise: the formgrader shows this notebook in the instructor's browser
-        AssignLatePenalties,
-        CheckCellMetadata,
-    ]
+def __getattr__(name: str):
+    """``grading.NAME``: the public name from its module, or the submodule ``NAME``."""
+    if name in _HOME:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+        globals()[name] = value  # once loaded, a plain attribute
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

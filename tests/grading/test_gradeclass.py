@@ -2,11 +2,15 @@
 parallel students, resume after a kill, shards merged into one grades CSV.  (Per-cell limits from
 the solution's own cell times: tests/grading/test_cell_times.py.)
 
-One small class of lab-1 submissions (alice: the solution, bob: the blank lab, carol: the
-last exercise left blank) is graded twice: serially by the real command line, killed with
-SIGKILL after its first student and run again (the reference single run), and in two shards
-of two "machines" with two students at a time, whose gradebooks merge into one CSV.  The
-names split the class 1 + 2 over two shards, so the second shard grades two students at once.
+One small class of submissions of the fixture lab 00_launch (three exercises on 2 and 3 ranks,
+with hidden tests; alice: the solution, bob: the blank lab, carol: the last exercise left blank)
+is graded twice: serially by the real command line, killed with SIGKILL after its first student
+and run again (the reference single run), and in two shards of two "machines" with two students
+at a time, whose gradebooks merge into one CSV.  The names split the class 1 + 2 over two
+shards, so the second shard grades two students at once.  What is tested is the class's
+bookkeeping, the same for every lab: a fixture's student grades in seconds where a real lab's
+takes a minute or more (seven gradings here; each real lab's grading is its round trip,
+tests/roundtrip.py).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from tests.grading.test_grading import (
     with_solution,
 )
 from tests.helpers import REPO
+from tests.roundtrip import FIXTURES
 
-LAB = "01_point_to_point"
+LAB = "00_launch"
 STUDENTS = ("alice", "bob", "carol")  # shards of 2: alice in 1/2, bob and carol in 2/2
 
 pytestmark = pytest.mark.timeout(1500)
@@ -109,8 +114,8 @@ def test_diagnose_names_what_failed(tmp_path):
 
 @pytest.fixture(scope="module")
 def lab1_class(tmp_path_factory):
-    """The released lab 1 and the class's three submissions (each with the same timestamp.txt)."""
-    course = Course(tmp_path_factory.mktemp("release"), LAB, REPO / "solutions", None)
+    """The released fixture lab and the class's three submissions (each with the same timestamp.txt)."""
+    course = Course(tmp_path_factory.mktemp("release"), LAB, FIXTURES, None)
     course.do_release()
     sol = course.solution
     solution_ids = [grade_id(c) for c in sol.cells if c.get("metadata", {}).get("nbgrader", {}).get("solution")]
@@ -136,7 +141,7 @@ def new_course(lab1_class, root: Path) -> dict:
     return dict(
         os.environ,
         DISTTRAIN_COURSE_DIR=str(course),
-        DISTTRAIN_SOURCE_DIR=str(REPO / "solutions"),
+        DISTTRAIN_SOURCE_DIR=str(FIXTURES),
         DISTTRAIN_RELEASE_DIR=str(lab1_class.release),
         TMPDIR=str(tmp),
         DISTTRAIN_LAB_PROGRESS="0",
@@ -349,12 +354,18 @@ def test_exports_match_the_gradebook(lab1_class, single_run, tmp_path):
     again = tmp_path / "again"
     command = [sys.executable, "-m", "disttrain_lab", "export", LAB, "--course-dir", str(course)]
     proc = subprocess.run(
-        [*command, "--out", str(again), "--canvas-key", "sis"], capture_output=True, text=True, timeout=300
+        [*command, "--out", str(again), "--canvas-key", "sis"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=single_run["env"],  # (the lab's source: the fixtures' folder)
     )
     assert proc.returncode == 0 and f"exported {LAB}, 3 students: {again}" in proc.stdout, proc.stdout + proc.stderr
     for path in out.rglob("*.*"):
         if path.name != f"{LAB}_canvas.csv":
             assert (again / path.relative_to(out)).read_text() == path.read_text(), path
     assert [r[2:4] for r in rows(again / f"{LAB}_canvas.csv")[2:]] == [[s, ""] for s in sorted(graded)]
-    proc = subprocess.run([*command[:4], "01_point_to_pont", *command[5:]], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "did you mean '01_point_to_point'?" in proc.stderr, proc.stdout + proc.stderr
+    proc = subprocess.run(
+        [*command[:4], "00_lanch", *command[5:]], capture_output=True, text=True, timeout=300, env=single_run["env"]
+    )
+    assert proc.returncode == 1 and "did you mean '00_launch'?" in proc.stderr, proc.stdout + proc.stderr
