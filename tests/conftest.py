@@ -39,7 +39,7 @@ SECONDS = {
     # load 5-7 once every fixture test ran in the grader kernel (issue 35: two kernels per student)
     "test_grading.py": 700,  # (its broken runs, 9 students; the other broken submissions, 10, are a unit of their own)
     "test_broken_submissions.py": 450,
-    "test_gradeclass.py": 345,  # (+15 s: the class's exports checked against its gradebook)
+    "test_gradeclass.py": 275,  # a class of the fixture 00_launch (1 Dec: 273 s alone beside one CPU-bound process)
     "test_security.py": 230,  # (+40 s: the refusal and the delegated cgroup of the grading without root)
     "test_gradescope.py": 205,  # measured alone, with other tests beside it: the packed round trip graded twice
     "test_trusted.py": 150,
