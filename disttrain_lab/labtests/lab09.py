@@ -410,14 +410,25 @@ def check_saving(sizes: list, latency: float, bandwidth: float, flops: float, pa
     """Exercise 6: on an emulated device of ``flops`` FLOP/s and a link of ``bandwidth`` B/s (the given
     ``offload_turns``, serial and overlapped steps in turns), overlapping saves per step (from the start of
     backward to the first weight sent up, median of ``pairs``) what the lab's α–β model
-    (``predicted_saving``) predicts, within 25 %."""
+    (``predicted_saving``) predicts, within 25 %.  Where a busy machine makes the first ``pairs`` disagree,
+    twice as many more are timed and the medians of all are compared, as the self-check does: the sleeps
+    that emulate the device and the link then run late, more often in the serial step's chain of them
+    (the hidden case saved 50.9 ms against 39.3 in a suite at load 12-31); a step that overlaps nothing
+    saves nothing however many pairs are timed."""
     case = f"OffloadAdam on MLP {sizes}, an emulated device of {flops:g} FLOP/s, a link of {bandwidth:g} B/s"
-    steps, timeline = _run(_offload_turns, (pairs, sizes, latency, bandwidth, flops), case)
     predicted_saving = common.given("predicted_saving")
-    predicted = float(np.median([predicted_saving(r, b, latency, bandwidth) for r, b in timeline]))
-    saved = float(np.median([w for _, w in steps["serial"]]) - np.median([w for _, w in steps["overlapped"]]))
+    steps, timeline = {"serial": [], "overlapped": []}, []
+    for more in (pairs, 2 * pairs):
+        more_steps, more_timeline = _run(_offload_turns, (more, sizes, latency, bandwidth, flops), case)
+        timeline += more_timeline
+        for mode in steps:
+            steps[mode] += more_steps[mode]
+        predicted = float(np.median([predicted_saving(r, b, latency, bandwidth) for r, b in timeline]))
+        saved = float(np.median([w for _, w in steps["serial"]]) - np.median([w for _, w in steps["overlapped"]]))
+        if abs(saved - predicted) <= 0.25 * predicted:
+            break
     assert abs(saved - predicted) <= 0.25 * predicted, (
         f"{case}: the overlapped steps saved {saved * 1e3:.1f} ms each (from the start of backward to the first weight "
-        f"sent up, median of {pairs}), the α–β model predicts {predicted * 1e3:.1f} ms (within 25 %): start each "
-        f"gradient's copy in its hook and wait for it only in step()"
+        f"sent up, median of {len(steps['serial'])}), the α–β model predicts {predicted * 1e3:.1f} ms (within 25 %): "
+        f"start each gradient's copy in its hook and wait for it only in step()"
     )
