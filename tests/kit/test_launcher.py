@@ -536,7 +536,15 @@ def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
     """)
     )
     proc = run_python(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        # (--log-dir: torchrun's own logs in the test's folder, not a torchelastic_* folder left in /tmp)
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={script.parent / 'elastic'}",
+            str(script),
+        ],
         timeout=120,
         env={"OMP_NUM_THREADS": "1"},
     )
@@ -626,7 +634,15 @@ def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
     )
     start = time.perf_counter()
     proc = run_python(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        # (--log-dir: torchrun's own logs in the test's folder, not a torchelastic_* folder left in /tmp)
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={script.parent / 'elastic'}",
+            str(script),
+        ],
         timeout=120,
         env={"OMP_NUM_THREADS": "1"},
     )

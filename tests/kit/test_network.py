@@ -294,7 +294,15 @@ def test_network_under_torchrun(tmp_path):
     """)
     )
     proc = run_python(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        # (--log-dir: torchrun's own logs in the test's folder, not a torchelastic_* folder left in /tmp)
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={script.parent / 'elastic'}",
+            str(script),
+        ],
         timeout=120,
         env={"OMP_NUM_THREADS": "1"},
     )

@@ -181,6 +181,8 @@ def two_nodes(script, logs) -> list[tuple[int, str]]:
                 rdzv_id,
                 "--max-restarts",
                 "0",
+                "--log-dir",  # torchrun's own logs here, not a torchelastic_* folder left in /tmp
+                str(logs / f"elastic{node}"),
                 # node 0 hosts the rendezvous store (as on a cluster, the endpoint's host does), so
                 # a port someone else took fails at once instead of both agents joining a stranger
                 "--rdzv-conf",
