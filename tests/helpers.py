@@ -77,6 +77,15 @@ def run_python(args: list[str], timeout: float, env: dict | None = None, cwd=Non
     )
 
 
+def run_torchrun(script, nproc: int = 2, timeout: float = 120):
+    """``torchrun --standalone`` of ``script`` on ``nproc`` processes (one thread each); torchrun's own
+    logs go beside the script (``--log-dir``), not to a torchelastic_* folder left in /tmp."""
+    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return run_python(
+        [*args, f"--log-dir={script.parent / 'elastic'}", str(script)], timeout=timeout, env={"OMP_NUM_THREADS": "1"}
+    )
+
+
 def alive(pid: int) -> bool:
     """True if the process runs (a zombie has exited: it only awaits reaping by its parent,
     which may be this test process when grading made it a child subreaper)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import disttrain_lab as dl
 from disttrain_lab import devices, pool
 from disttrain_lab.status import Blocked
-from tests.helpers import REPO, child_pids, gpu_count, needs_gpus, run_python, survivors, tmp_listing
+from tests.helpers import REPO, child_pids, gpu_count, needs_gpus, run_python, run_torchrun, survivors, tmp_listing
 
 # --- what a student writes -------------------------------------------------------------
 
@@ -535,19 +535,7 @@ def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
         os.write(1, line.encode())  # one write: the two ranks share torchrun's stdout
     """)
     )
-    proc = run_python(
-        # (--log-dir: torchrun's own logs in the test's folder, not a torchelastic_* folder left in /tmp)
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            f"--log-dir={script.parent / 'elastic'}",
-            str(script),
-        ],
-        timeout=120,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+    proc = run_torchrun(script)
     assert proc.returncode == 0, proc.stdout[-3000:]
     reports = re.findall(r"<RANK (\d) OUT \[30.0, 30.0\] SAME_PROCESS True>", proc.stdout)
     assert sorted(reports) == ["0", "1"], proc.stdout[-3000:]
@@ -633,19 +621,7 @@ def test_a_deadlock_under_torchrun_ends_with_a_message(tmp_path):
     """)
     )
     start = time.perf_counter()
-    proc = run_python(
-        # (--log-dir: torchrun's own logs in the test's folder, not a torchelastic_* folder left in /tmp)
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            f"--log-dir={script.parent / 'elastic'}",
-            str(script),
-        ],
-        timeout=120,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+    proc = run_torchrun(script)
     assert proc.returncode != 0 and time.perf_counter() - start < 60
     assert "not finished within the timeout of 3 s" in proc.stdout and "recv(src=" in proc.stdout, proc.stdout[-3000:]
 

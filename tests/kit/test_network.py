@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import disttrain_lab as dl
 from disttrain_lab.network import collective_time
-from tests.helpers import run_python
+from tests.helpers import run_torchrun
 
 MiB = 1 << 20
 GBIT = dl.Network(latency=50e-6, bandwidth=1.25e8, name="1 Gbit/s")
@@ -293,19 +293,7 @@ def test_network_under_torchrun(tmp_path):
         os.write(1, f"<RANK {os.environ['RANK']} OK {ok}> {seen}\\n".encode())
     """)
     )
-    proc = run_python(
-        # (--log-dir: torchrun's own logs in the test's folder, not a torchelastic_* folder left in /tmp)
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            f"--log-dir={script.parent / 'elastic'}",
-            str(script),
-        ],
-        timeout=120,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+    proc = run_torchrun(script)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert sorted(re.findall(r"<RANK (\d) OK True>", proc.stdout)) == ["0", "1"], proc.stdout[-3000:]
 
