@@ -48,6 +48,7 @@ __all__ = [
     "receives",
     "assert_traffic",
     "assert_messages",
+    "assert_carried",
     "WIRE_SLACK",
     "verify_untampered",
     "TamperingError",
@@ -245,6 +246,31 @@ def assert_traffic(run, expected: dict[tuple[int, int], int], case: str) -> None
                     if got < want
                     else "Something moved that the exercise does not need."
                 )
+            )
+
+
+def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str) -> None:
+    """Fail unless the data from rank ``src`` to rank ``dst`` carried each tensor of
+    ``expected[(src, dst)]``, whole and in that order (``src`` None: from one rank or another, as in
+    a tree): its bytes as the grader's packet capture saw
+    them cross (``run.timeline`` of a ``dl.exercise.run(..., timeline=True)``).  The bytes counted
+    on a connection say how much crossed; this says *what* did, so data passed some other way
+    (a file, shared memory) with junk of the right size on the wire fails.  In the student's own
+    notebook there is no capture: nothing is checked there (``wire.Timeline.carries``).
+
+    >>> assert_carried(run, {(0, 1): [x], (1, 0): [x]}, "ping_pong on 2 ranks")
+    """
+    for (src, dst), tensors in expected.items():
+        messages = [t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
+        senders = [src] if src is not None else [r for r in range(run.world_size) if r != dst]
+        found = max(run.timeline.carries(a, dst, messages) for a in senders)
+        if found < len(messages):
+            sender = f"rank {src}" if src is not None else "the other ranks"
+            raise AssertionError(
+                f"{case}: the data from {sender} to rank {dst} should carry {len(messages)} message(s) of the "
+                f"tensor's own bytes ({len(messages[0]):,} each), in order; the grader's capture of the wire found "
+                f"{found} of them. What a rank sends must be the data itself: values that arrive some other way, "
+                "with other bytes sent in their place, do not count"
             )
 
 

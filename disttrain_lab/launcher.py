@@ -20,7 +20,9 @@ cell's limit, and functions that hung before) registers itself with :func:`add_h
   which avoids the OpenMP-after-fork hang).  For GPUs they are fresh interpreters
   (``python -c``), because a forked child cannot use CUDA once the parent touched it.
 - The function travels by value with cloudpickle, so functions defined in a notebook
-  cell work; return values (tensors included) come back the same way.
+  cell work; return values (tensors included) come back the same way.  An argument wrapped in
+  :class:`PerRank` (one value per rank) reaches rank k as its k-th value alone: no rank is sent
+  another's.
 - Each call gets a fresh process group on a fresh ``TCPStore`` bound to port 0: the OS
   picks a free port, so classmates on one Hub never clash, and nothing is left in /tmp.
 - Every rank's stdout/stderr is relayed into the cell as ``[rank k] ...``.
@@ -70,7 +72,20 @@ __all__ = [
     "LaunchTimeout",
     "CollectiveMismatch",
     "TamperingError",
+    "PerRank",
 ]
+
+
+class PerRank(tuple):
+    """One value per rank, as a positional argument of :func:`launch`: rank k is called with
+    the k-th value in its place, and only that value is sent to its process (the others never
+    reach it).  ``launch(f, 2, PerRank([a, b]))`` runs ``f(a)`` on rank 0 and ``f(b)`` on rank 1."""
+
+    __slots__ = ()
+
+
+def _own_args(args: tuple, rank: int) -> tuple:
+    return tuple(a[rank] if isinstance(a, PerRank) else a for a in args)
 
 
 # --------------------------------------------------------------------------------------
@@ -195,6 +210,11 @@ def launch(
     """
     __tracebackhide__ = True  # IPython: show the student's frames, not the launcher's
     _validate(fn, world_size, timeout, network)
+    for i, a in enumerate(args):
+        if isinstance(a, PerRank) and len(a) != world_size:
+            raise ValueError(
+                f"argument {i + 1} is a PerRank of {len(a)} values; a launch of {world_size} ranks needs one per rank"
+            )
     device = resolve_device(device, backend)
     if _under_torchrun():
         return _launch_in_process(fn, world_size, args, kwargs, trace, device, timeout, network)
@@ -204,7 +224,11 @@ def launch(
     with ExitStack() as hooks:
         for hook in tuple(_HOOKS):
             hooks.enter_context(hook(pending))
-        payload, where = _pickled(pending.fn, pending.args, pending.kwargs)  # where: each code's real cell
+        if any(isinstance(a, PerRank) for a in pending.args):  # each rank's job holds its own values alone
+            pickled = [_pickled(pending.fn, _own_args(pending.args, r), pending.kwargs) for r in range(world_size)]
+            payload, where = [p for p, _ in pickled], {k: v for _, w in pickled for k, v in w.items()}
+        else:
+            payload, where = _pickled(pending.fn, pending.args, pending.kwargs)  # where: each code's real cell
         try:
             results, events, wall = pool.run(payload, world_size, chosen, pending.timeout, trace, network, where)
         except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
@@ -274,6 +298,7 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
     os.environ["DISTTRAIN_LAB_RANK_DEVICE"] = chosen.device
     integrity.verify()
     rank = dist.get_rank()
+    args = _own_args(args, rank)
     dist.barrier()
     t0 = time.perf_counter()
     tracer.install()

@@ -11,6 +11,13 @@ Ctrl-C stops every rank (SIGKILL) and raises here; the pool is rebuilt on the ne
 
     results, events, wall = pool.run(payload, world_size, chosen_plan, timeout, want_trace, network, where)
     pool.shutdown()
+
+``payload`` is one pickled job for every rank, or a list of one per rank (``launcher.PerRank``: a
+rank receives only its own arguments).  A forked worker holds a copy of the kernel's memory as
+it was when forked; a run whose data other ranks must not see (a graded run: each rank's inputs
+are its own) finds its workers forked *before* the data arrived: ``prepare`` forks them, and
+inside ``prepared_only()`` a run that would have to fork new ones raises ``NotPrepared``
+instead (the grader prepares again and resends: grading/remote.py).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from .ranks import MAX_OUTPUT_LINES
 from .reports import LaunchError, died_error, mismatch_error, rank_doing, rank_error, stack_frames, timeout_error
 from .worker import STARTUP_TIMEOUT
 
-__all__ = ["run", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
+__all__ = ["run", "prepare", "prepared_only", "NotPrepared", "shutdown", "worker_pids", "MAX_OUTPUT_LINES"]
 
 # seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
 # sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
@@ -50,10 +57,16 @@ MISMATCH_AFTER = 1.0
 
 _POOL: _Pool | None = None
 _POOL_LOCK = threading.RLock()
+_FORK_REFUSED = [0]  # > 0 inside prepared_only(): a run may not fork workers
+
+
+class NotPrepared(LaunchError):
+    """A run inside ``prepared_only()`` found no warm workers for it: forking them now would copy
+    the data of the request being served into every rank."""
 
 
 def run(
-    payload: bytes,
+    payload: bytes | list[bytes],
     world_size: int,
     chosen: Plan,
     timeout: float,
@@ -69,6 +82,25 @@ def run(
     __tracebackhide__ = True
     with _POOL_LOCK:
         return _pool_for(world_size, chosen).run(payload, world_size, timeout, want_trace, network, where)
+
+
+def prepare(world_size: int, chosen: Plan) -> None:
+    """Warm workers for a run of ``world_size`` ranks under ``chosen``, forked now if there are none."""
+    with _POOL_LOCK:
+        _pool_for(world_size, chosen)
+
+
+class prepared_only:
+    """Within it, a run uses the warm workers ``prepare`` left, or raises ``NotPrepared``; it never forks."""
+
+    def __enter__(self):
+        with _POOL_LOCK:
+            _FORK_REFUSED[0] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _POOL_LOCK:
+            _FORK_REFUSED[0] -= 1
 
 
 def shutdown() -> None:
@@ -93,6 +125,11 @@ def _pool_for(world_size: int, chosen: Plan) -> _Pool:
         _POOL.close()
         _POOL = None
     if _POOL is None:
+        if _FORK_REFUSED[0]:
+            raise NotPrepared(
+                f"no warm ranks for a run of {world_size} ({chosen.backend}, {chosen.start_method}) were started "
+                "before its request arrived"
+            )
         _POOL = _Pool(world_size, chosen)
     return _POOL
 
@@ -203,7 +240,7 @@ class _Pool:
                     "group_backend": self.plan.group_backend,
                     "port": self.store.port,
                     "prefix": f"{self.secret}/{self.calls}/",
-                    "payload": payload,
+                    "payload": payload[w.rank] if isinstance(payload, list) else payload,
                     "trace": want_trace,
                     "timeout": timeout,
                     "t0": t0,

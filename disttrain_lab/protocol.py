@@ -19,7 +19,11 @@ this involves, each a frozen dataclass checked when it is made:
 The request travels as data over the student kernel's own Jupyter channels: a comm opened on
 the target ``COMM_TARGET`` with the request's bytes as its buffer, answered by one comm message
 with the record's bytes (``serving.py`` is the student's end, ``grading/remote.py`` the grader's).
-No source text is evaluated to carry it.
+No source text is evaluated to carry it.  Before each request the grader opens one comm whose
+data is ``{"prepare": {"world_size": n, "device": d}}`` (``PREPARE``), no buffer: the kernel forks
+the ranks the run will use, answers ``{"prepared": true}`` (or ``false`` and why), and the request
+that follows runs on those ranks without forking (a rank forked after it arrived would hold a
+copy of every rank's inputs); each rank is sent its own inputs only (``launcher.PerRank``).
 """
 
 from __future__ import annotations
@@ -47,13 +51,16 @@ __all__ = [
 ]
 
 COMM_TARGET = "disttrain_lab.exercise"  # the comm target the student's kernel serves requests on
+PREPARE = "prepare"  # a comm's data key: fork the ranks for the next request (no buffer)
 VERSION = 1
 MAX_RECORD_BYTES = 64 * 2**20  # what one run may send back
 MAX_REQUEST_BYTES = 1024 * 2**20  # what a test may send (the grader's own inputs)
 MAX_MESSAGE_CHARS = 20_000
 MAX_NAME_CHARS = 200
 MAX_EVENTS = 200_000
-FAILURES = ("ExerciseError", "ExerciseTimeout")
+# NotPrepared: the kernel had no ranks forked before the request arrived (``pool.prepared_only``):
+# the grader prepares them again and resends, once
+FAILURES = ("ExerciseError", "ExerciseTimeout", "NotPrepared")
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(Event))
 
 

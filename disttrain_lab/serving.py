@@ -7,6 +7,9 @@ function serves the student's own self-checks (``dl.exercise.run`` in the notebo
 grader's requests, which arrive as a Jupyter comm on ``protocol.COMM_TARGET``: importing this
 module in an IPython kernel registers that target (:func:`register`); each comm carries one
 request as its buffer and is answered with one message whose buffer is the record's bytes.
+A comm whose data asks to ``prepare`` forks the ranks first; the request after it may not fork
+(``pool.prepared_only``), and each rank is sent its own inputs alone (``launcher.PerRank``): no
+rank of a graded run holds another rank's inputs.
 
 Under grading the student's functions that hung in an earlier test are not run again
 (``hangs.py``): the grader's list (``Request.timed_out``) and this kernel's own.
@@ -20,13 +23,13 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from . import pool
+from .devices import plan, resolve_device
 from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
-from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankError, launch
+from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, PerRank, RankError, launch
 from .network import Network
-from .protocol import COMM_TARGET, Driver, ProtocolError, Record, Request
+from .protocol import COMM_TARGET, PREPARE, Driver, ProtocolError, Record, Request
 from .trace import region
 
 __all__ = ["register", "run", "as_data"]
@@ -36,10 +39,9 @@ class _NotRunnable(Exception):
     """The request names no function of the notebook (or not a function)."""
 
 
-def _call(fn, inputs: list):
-    """What every rank runs: the student's function on this rank's inputs, marked; its result
-    and the inputs as the call left them (an in-place exercise changes them)."""
-    mine = inputs[dist.get_rank()]
+def _call(fn, mine: tuple):
+    """What every rank runs: the student's function on this rank's inputs (sent to it alone),
+    marked; its result and the inputs as the call left them (an in-place exercise changes them)."""
     with region("student"):
         result = fn(*mine)
     return as_data(result), mine
@@ -111,7 +113,7 @@ def _run(request: Request) -> Record:
             _call,
             request.world_size,
             fn,
-            request.inputs,
+            PerRank(request.inputs),
             trace=True,
             timeout=timeout,
             device=request.device,
@@ -120,6 +122,8 @@ def _run(request: Request) -> Record:
         pids = pool.worker_pids()[: request.world_size]
     except _NotRunnable as exc:
         return Record.failed("ExerciseError", str(exc))
+    except pool.NotPrepared as exc:
+        return Record.failed("NotPrepared", str(exc))
     except CollectiveMismatch as exc:  # seen at once: not a hang (nothing to remember, nothing to skip)
         return Record.failed("ExerciseError", f"{name} failed on the ranks:\n{exc}")
     except LaunchTimeout as exc:
@@ -164,17 +168,35 @@ def _without_meta(e):
 # --------------------------------------------------------------------------------------
 def _answer(comm, msg) -> None:
     """One comm from the grader: its buffer is a request; the reply's buffer the record."""
+    data = (msg.get("content") or {}).get("data") or {}
+    if PREPARE in data:
+        comm.send(_prepare(data[PREPARE]))
+        comm.close()
+        return
     try:
         buffers = msg.get("buffers") or []
         if len(buffers) != 1:
             raise ProtocolError(f"a request comes as one buffer, {len(buffers)} came")
-        data = run(Request.from_bytes(bytes(buffers[0]))).to_bytes()
+        with pool.prepared_only():  # (its ranks were forked before it arrived)
+            data = run(Request.from_bytes(bytes(buffers[0]))).to_bytes()
     except ProtocolError as exc:
         data = Record.failed("ExerciseError", f"the request could not be read: {exc}").to_bytes()
     except BaseException as exc:  # noqa: BLE001  (an interrupt, or a bug here: the grader must hear back)
         data = Record.failed("ExerciseError", f"the run stopped: {type(exc).__name__}: {exc}"[:2000]).to_bytes()
     comm.send({"record": len(data)}, buffers=[data])
     comm.close()
+
+
+def _prepare(fields) -> dict:
+    """Fork (or keep) the warm ranks for a run of ``fields["world_size"]`` ranks on ``fields["device"]``."""
+    try:
+        world_size, device = fields["world_size"], fields.get("device")
+        if type(world_size) is not int or not (device is None or isinstance(device, str)):
+            raise ValueError(f"prepare needs an int world_size and a str device or None, got {fields!r:.100}")
+        pool.prepare(world_size, plan(world_size, resolve_device(device, None)))
+    except Exception as exc:  # noqa: BLE001  (the grader must hear back; its request then fails closed)
+        return {"prepared": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {"prepared": True}
 
 
 def register() -> bool:

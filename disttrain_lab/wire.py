@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "Socket",
@@ -141,6 +141,9 @@ class Timeline:
     segments: list[tuple[float, int, int, int]] | None
     source: str = "wire"
     why: str = ""
+    # what each connection between two ranks carried, in the order it crossed: (sender, receiver) ->
+    # one bytes per connection (the captured payloads; None where they were not kept)
+    data: dict[tuple[int, int], list[bytes]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def unobserved(cls, why: str) -> Timeline:
@@ -171,6 +174,28 @@ class Timeline:
 
     def bytes(self, src: int, dst: int) -> int:
         return sum(n for _, a, b, n in self._all() if (a, b) == (src, dst))
+
+    def carries(self, src: int, dst: int, messages: Sequence[bytes]) -> int:
+        """How many of ``messages`` (each one message's payload as bytes, e.g. a tensor's
+        ``numpy().tobytes()``) the data from ``src`` to ``dst`` carried, in that order: each found
+        whole in a connection's bytes after the one before it.  A rank that passes its data some
+        other way and sends junk of the right size carries none.  In the student's own kernel
+        (``source="trace"``) no wire is seen: every message counts, and only grading checks it."""
+        if self.source == "trace":
+            return len(messages)
+        self._all()
+        if self.data is None:
+            raise Unobserved(f"the grader did not keep what the connections carried ({self.why or 'not captured'})")
+        streams = self.data.get((src, dst), [])
+        at = [0] * len(streams)
+        found = 0
+        for message in messages:
+            for i, stream in enumerate(streams):
+                where = stream.find(message, at[i])
+                if where >= 0:
+                    at[i], found = where + len(message), found + 1
+                    break
+        return found
 
     def crossed(self, src: int, dst: int, by: float) -> int:
         """Bytes from ``src`` to ``dst`` that had crossed by time ``by`` (that time's segments included)."""
@@ -211,19 +236,43 @@ def _plain(address: str) -> str:
     return address[8:].replace("]:", ":", 1) if address.startswith("[::ffff:") and "." in address else address
 
 
-def timeline(segments, after: dict[tuple[str, str], Socket], pids: list[int], owner: dict[int, int]) -> Timeline:
+def timeline(
+    segments, after: dict[tuple[str, str], Socket], pids: list[int], owner: dict[int, int], payloads=None
+) -> Timeline:
     """The segments a capture saw (time, source address, destination address, bytes), kept where
     both ends are ranks' sockets in ``after`` (``snapshot``, by ``owner``: inode -> pid), as a
-    Timeline of ranks."""
+    Timeline of ranks; with ``payloads`` (each segment's (sequence number, data), in the same order), what each
+    connection carried too (``Timeline.data``)."""
     rank_of = {pid: r for r, pid in enumerate(pids)}
     sender = {(_plain(s.local), _plain(s.peer)): rank_of.get(owner.get(s.inode)) for s in after.values()}
-    kept = []
-    for t, src, dst, size in segments:
+    kept, carried = [], {}
+    for i, (t, src, dst, size) in enumerate(segments):
         a, b = sender.get((src, dst)), sender.get((dst, src))
         if a is not None and b is not None and a != b:
             kept.append((t, a, b, size))
+            if payloads is not None:
+                carried.setdefault((a, b), {}).setdefault((src, dst), []).append(payloads[i])
     start = kept[0][0] if kept else 0.0
-    return Timeline(segments=[(round(t - start, 6), a, b, n) for t, a, b, n in kept])
+    data = None
+    if payloads is not None:
+        data = {pair: [_joined(parts) for parts in by_connection.values()] for pair, by_connection in carried.items()}
+    return Timeline(segments=[(round(t - start, 6), a, b, n) for t, a, b, n in kept], data=data)
+
+
+def _joined(parts: list[tuple[int, bytes]]) -> bytes:
+    """A connection's bytes from its segments' (sequence number, payload), each put where its
+    sequence number says (relative to the first segment seen, modulo 2**32): a segment TCP sent
+    again, whole or from its middle (a retransmission after part of it was acknowledged), lands on
+    the bytes it repeats instead of being appended twice."""
+    base, placed = parts[0][0], []
+    for seq, payload in parts:
+        offset = (seq - base) & 0xFFFFFFFF
+        if offset < 1 << 31:  # (at or after the first segment seen: never before it, for a new connection)
+            placed.append((offset, payload))
+    joined = bytearray(max(offset + len(payload) for offset, payload in placed))
+    for offset, payload in placed:
+        joined[offset : offset + len(payload)] = payload
+    return bytes(joined)
 
 
 def available() -> str | None:

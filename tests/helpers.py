@@ -150,7 +150,7 @@ def observed_from_outside():
         after, owner = wire.snapshot(), wire.owners(pids)
         return record, Evidence(
             traffic=wire.traffic(before, after, pids, owner=owner),
-            timeline=wire.timeline(capture.segments, after, pids, owner),
+            timeline=wire.timeline(capture.segments, after, pids, owner, capture.payloads),
         )
 
     exercise.use_runner(runner)

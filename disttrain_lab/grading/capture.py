@@ -8,16 +8,23 @@ a packet socket (``AF_PACKET``, ``CAP_NET_RAW``: the grader, root) on the loopba
 of the network namespace it is started in (the sandbox has no other interface) and writes,
 for every TCP segment that carries data, the host's monotonic time it saw it, the two
 addresses and the payload's length.  Each segment is seen once, leaving (``PACKET_OUTGOING``);
-a segment sent again (the same connection and sequence number) counts once.  Only the headers
+bytes sent again count once: a segment TCP sent again (a retransmission: whole, or from the middle
+of one already seen, which a loaded host makes) is kept only for the bytes past the furthest one
+this connection has carried (by sequence number), else dropped.  Only the headers
 are read (IP and TCP, bounds checked); the payload, the student's bytes, is never parsed.
 
 The grader runs it as a program (standard library only, no import of the package):
 ``nsenter --net=/proc/P/ns/net python -I -S capture.py``; it prints ``ready`` once the socket is
 bound, captures until SIGINT, then prints one line per segment, ``t local peer seq bytes``
-(times in seconds, ``time.monotonic``), and a last line ``end DROPPED``: the kernel's count of
-packets it dropped because the socket's queue was full.  ``Capture`` in this module does that
-and reads the answer; a capture that could not start, or that dropped a packet, is refused
-(``RuntimeError``): a test that needs the timeline then fails, never the ranks' own clocks.
+(times in seconds, ``time.monotonic``), and a last line ``end DROPPED CUT``: the kernel's count
+of packets it dropped because the socket's queue was full, and of segments whose data it could
+not keep.  Given a file's path (``capture.py PATH``,
+the grader's own file) it also keeps each segment's payload, whole, and writes them there, one
+after the other in the order of the lines: what the connection carried (``wire.Timeline.carries``
+looks for a message's bytes in it); the payload is still never parsed, only copied.
+``Capture`` in this module does that and reads the answer; a capture that could not start, or
+that dropped a packet or a payload, is refused (``RuntimeError``): a test that needs the timeline
+then fails, never the ranks' own clocks.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 ETH_P_ALL = 0x0003
@@ -36,7 +44,9 @@ PACKET_OUTGOING = 4
 SOL_PACKET, PACKET_STATISTICS = 263, 6
 SO_RCVBUFFORCE, SO_ATTACH_FILTER = 33, 26  # (linux/asm-generic/socket.h)
 HEADERS = 14 + 60 + 60  # loopback's Ethernet header, the longest IPv4 and TCP headers
+WHOLE = 1 << 18  # a whole loopback frame (its MTU is 64 KiB, a segment's payload below it)
 QUEUE_BYTES = 256 << 20  # what the kernel may queue for this socket before it drops a packet
+MAX_PAYLOAD_BYTES = 256 << 20  # payloads kept at most; past it the capture says so and is refused
 
 
 def _address(family: int, raw: bytes, port: int) -> str:
@@ -51,6 +61,21 @@ def _address(family: int, raw: bytes, port: int) -> str:
 def segment(frame: bytes) -> tuple[str, str, int, int] | None:
     """(source, destination, sequence number, payload bytes) of a loopback frame holding a TCP
     segment with data, else None.  Reads the headers only, each length checked."""
+    found = _segment(frame)
+    return found[:4] if found is not None else None
+
+
+def payload(frame: bytes) -> bytes | None:
+    """The data a loopback frame's TCP segment carries (None: no data, or the frame was cut short)."""
+    found = _segment(frame)
+    if found is None:
+        return None
+    start, size = found[4], found[3]
+    return frame[start : start + size] if len(frame) >= start + size else None
+
+
+def _segment(frame: bytes) -> tuple[str, str, int, int, int] | None:
+    """``segment``'s fields and where in ``frame`` the payload starts."""
     if len(frame) < 14:
         return None
     ethertype, ip = struct.unpack("!H", frame[12:14])[0], frame[14:]
@@ -69,27 +94,49 @@ def segment(frame: bytes) -> tuple[str, str, int, int] | None:
     data = length - (tcp[12] >> 4) * 4
     if data <= 0:
         return None
-    return _address(family, src, sport), _address(family, dst, dport), seq, data
+    start = 14 + payload_start + (tcp[12] >> 4) * 4
+    return _address(family, src, sport), _address(family, dst, dport), seq, data, start
 
 
-def _capture() -> None:
-    """The program: capture on ``lo`` until SIGINT, then print the segments (module docstring)."""
+class Carried:
+    """How far each connection's data has reached, by sequence number: ``new(src, dst, seq, size)``
+    says how many of a segment's first bytes were carried before (a segment sent again from the
+    middle of one already seen), or None where all were (it adds nothing)."""
+
+    def __init__(self):
+        self.first: dict[tuple[str, str], int] = {}  # each connection's first sequence number seen
+        self.furthest: dict[tuple[str, str], int] = {}  # ... and how far past it its data has reached
+
+    def new(self, src: str, dst: str, seq: int, size: int) -> int | None:
+        key = (src, dst)
+        offset = (seq - self.first.setdefault(key, seq)) & 0xFFFFFFFF  # (TCP's numbers wrap at 2**32)
+        reached = self.furthest.get(key, 0)
+        if offset >= 1 << 31 or offset + size <= reached:
+            return None
+        self.furthest[key] = offset + size
+        return max(0, reached - offset)
+
+
+def _capture(payload_path: str | None = None) -> None:
+    """The program: capture on ``lo`` until SIGINT, then print the segments (module docstring);
+    with ``payload_path``, write their payloads there."""
     stop = []
+    keep = HEADERS if payload_path is None else WHOLE
     signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, QUEUE_BYTES)  # (past net.core.rmem_max: root may)
     # a one-instruction socket filter, "accept HEADERS bytes": the kernel queues each packet's
     # headers only (BPF_RET | BPF_K; struct sock_fprog is its length and a pointer to it)
-    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, HEADERS))
+    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, keep))
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HxxxxxxQ", 1, ctypes.addressof(program)))
     sock.bind(("lo", 0))
     sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
     print("ready", flush=True)
-    seen: set[tuple[str, str, int]] = set()
-    lines = []
+    carried = Carried()
+    lines, payloads, kept, cut = [], [], 0, 0
     while True:
         try:
-            frame, address = sock.recvfrom(HEADERS)
+            frame, address = sock.recvfrom(keep)
         except (TimeoutError, InterruptedError):
             if stop:
                 break
@@ -97,35 +144,57 @@ def _capture() -> None:
         if address[2] != PACKET_OUTGOING:
             continue
         found = segment(frame)
-        if found is not None and found[:3] not in seen:
-            seen.add(found[:3])
-            lines.append(f"{time.monotonic():.6f} {found[0]} {found[1]} {found[2]} {found[3]}")
+        if found is None:
+            continue
+        src, dst, seq, size = found
+        skip = carried.new(src, dst, seq, size)
+        if skip is None:
+            continue  # bytes this connection carried already (sent again)
+        lines.append(f"{time.monotonic():.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}")
+        if payload_path is not None:
+            data = payload(frame)
+            if data is None or kept + size - skip > MAX_PAYLOAD_BYTES:
+                cut += 1
+                data = b""
+            payloads.append(data[skip:])
+            kept += len(data) - skip if data else 0
     dropped = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
-    print("\n".join([*lines, f"end {dropped}"]), flush=True)
+    if payload_path is not None:
+        with open(payload_path, "wb") as f:
+            f.write(b"".join(payloads))
+    print("\n".join([*lines, f"end {dropped} {cut}"]), flush=True)
 
 
 class Capture:
     """The grader's side: ``with Capture(netns_pid) as c: ...run...``, then ``c.segments``: a list
-    of (time, source, destination, bytes) in the order seen.  ``netns_pid`` None: this process's
-    own namespace.  Raises RuntimeError where the capture cannot start or lost a packet."""
+    of (time, source, destination, bytes) in the order seen, and ``c.payloads`` each one's TCP
+    sequence number and data, (seq, bytes), in the same order (bytes sent again are kept once:
+    the program's loop).  ``netns_pid`` None: this process's own namespace.  Raises RuntimeError
+    where the capture cannot start, lost a packet or could not keep a payload."""
 
     def __init__(self, netns_pid: int | None = None, timeout: float = 10.0):
         self.netns_pid, self.timeout = netns_pid, timeout
         self.segments: list[tuple[float, str, str, int]] = []
+        self.payloads: list[tuple[int, bytes]] = []
         self._process: subprocess.Popen | None = None
+        self._payload_file: str | None = None
 
     def __enter__(self) -> Capture:
         return self.start()
 
     def start(self) -> Capture:
         """Start the capture; returns once its socket is bound (``stop`` ends it)."""
-        cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__)]  # (the standard library only: no site)
+        fd, self._payload_file = tempfile.mkstemp(prefix="capture-")  # (the grader's, 0600)
+        os.close(fd)
+        # (the standard library only: no site)
+        cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__), self._payload_file]
         if self.netns_pid is not None:
             cmd = ["nsenter", f"--net=/proc/{self.netns_pid}/ns/net", *cmd]
         self._process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         ready = self._process.stdout.readline()
         if ready != b"ready\n":
             self._process.kill()
+            self._forget_file()
             why = self._process.communicate(timeout=self.timeout)[1].decode("ascii", "replace").strip()
             raise RuntimeError(f"the packet capture could not start: {why.splitlines()[-1:] or ['no reason given']}")
         return self
@@ -134,27 +203,52 @@ class Capture:
         self.stop()
 
     def stop(self) -> list[tuple[float, str, str, int]]:
-        """End the capture and read its segments (once)."""
+        """End the capture and read its segments and their payloads (once)."""
         process, self._process = self._process, None
         if process is None:
             return self.segments
-        process.send_signal(signal.SIGINT)
         try:
-            out, err = process.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise RuntimeError("the packet capture did not end when asked") from None
-        lines = out.decode("ascii", "replace").splitlines()
-        if not lines or not lines[-1].startswith("end "):
-            raise RuntimeError(f"the packet capture ended without its count: {err.decode('ascii', 'replace')[-300:]}")
-        if int(lines[-1].split()[1]):
-            raise RuntimeError(f"the packet capture lost {lines[-1].split()[1]} packets (its queue was full)")
+            process.send_signal(signal.SIGINT)
+            try:
+                out, err = process.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                raise RuntimeError("the packet capture did not end when asked") from None
+            lines = out.decode("ascii", "replace").splitlines()
+            end = lines[-1].split() if lines else []
+            if len(end) != 3 or end[0] != "end":
+                why = err.decode("ascii", "replace")[-300:]
+                raise RuntimeError(f"the packet capture ended without its count: {why}")
+            if int(end[1]):
+                raise RuntimeError(f"the packet capture lost {end[1]} packets (its queue was full)")
+            if int(end[2]):
+                raise RuntimeError(
+                    f"the packet capture could not keep the data of {end[2]} segments (cut short, or past "
+                    f"{MAX_PAYLOAD_BYTES >> 20} MiB in all)"
+                )
+            with open(self._payload_file, "rb") as f:
+                data = f.read()
+        finally:
+            self._forget_file()
+        at = 0
         for line in lines[:-1]:
-            t, src, dst, _, size = line.split()
+            t, src, dst, seq, size = line.split()
             self.segments.append((float(t), src, dst, int(size)))
+            self.payloads.append((int(seq), data[at : at + int(size)]))
+            at += int(size)
+        if at != len(data):
+            raise RuntimeError(f"the packet capture's payloads hold {len(data)} bytes, its segments {at}")
         return self.segments
+
+    def _forget_file(self) -> None:
+        if self._payload_file is not None:
+            try:
+                os.unlink(self._payload_file)
+            except FileNotFoundError:
+                pass
+            self._payload_file = None
 
 
 if __name__ == "__main__":
-    _capture()
+    _capture(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -31,6 +31,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from . import cell_times, remote
 from .cells import clamp_partial_credit, error_output, grade_id, is_instructor_cell, is_test_cell, student_functions
 from .config import source_dir
+from .kernels import socket_root
 
 # how a test (or a locked helper cell) reaches the student's code from the grader kernel
 _REACHES_STUDENT_CODE = re.compile(r"\b(?:exercise\.run|predictions\.fetch)\(")
@@ -150,6 +151,12 @@ class GraderKernel:
 
         async def start():
             km = AsyncKernelManager(kernel_name=self.kernel_name or "python3")
+            # ZMQ over unix sockets in a folder of its own (0700): no TCP port to pick, so no race
+            # with the other processes of a busy host for one (a kernel whose port was taken between
+            # its choice and its bind dies while starting), and nothing another uid can connect to
+            sockets = tempfile.mkdtemp(prefix="grader-kernel-", dir=socket_root())
+            self._kernels_made().append(("folder", sockets))
+            km.transport, km.ip = "ipc", os.path.join(sockets, "g")
             folder = tempfile.mkdtemp(prefix="work-", dir=self._grader_dir)
             data = source_dir() / (self._lab or "") / "data"
             if self._lab and data.is_dir():  # the lab's own data files, as the release has them
@@ -188,15 +195,25 @@ class GraderKernel:
         runner): its start-up is not the test's time.  None once it is ready, else why not."""
         if self._grader_ready:
             return None
-        wait = max(1.0, min(GRADER_READY_SECONDS, self._deadline - time.monotonic()))
         student = (self.km, self.kc)
-        self.km, self.kc = self._grader
-        try:
-            reply = self._run_quietly("", timeout=wait)  # answered after everything queued before it
-        except DeadKernelError:
-            return "the grader's own kernel died while it started (the lab's locked cells)"
-        finally:
-            self.km, self.kc = student
+        for attempt in range(self.startup_retries + 1):
+            wait = max(1.0, min(GRADER_READY_SECONDS, self._deadline - time.monotonic()))
+            self.km, self.kc = self._grader
+            try:
+                reply = self._run_quietly("", timeout=wait)  # answered after everything queued before it
+                break
+            except DeadKernelError:
+                provisioner = self._grader[0].provisioner
+                code = run_sync(provisioner.poll)() if provisioner is not None else None
+                died = f"the grader's own kernel died while it started (the lab's locked cells; exit code {code})"
+                self._notes.append(f"{died}; attempt {attempt + 1} of {self.startup_retries + 1}")
+                self.log.warning("%s; attempt %d of %d", died, attempt + 1, self.startup_retries + 1)
+            finally:
+                self.km, self.kc = student
+            if attempt == self.startup_retries:
+                return died
+            self._stop_grader()
+            self._start_grader()
         if reply is None:
             return f"the grader's own kernel was not ready within {wait:.0f} s (it runs the lab's locked cells first)"
         self._grader_ready = True

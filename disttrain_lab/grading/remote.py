@@ -10,7 +10,11 @@ cell here makes a ``protocol.Request`` and:
    outside: ``nsenter`` + ``ss``, no process names parsed);
 2. opens a comm on ``protocol.COMM_TARGET`` in the student's kernel, over its own Jupyter
    channels, with the request's bytes as its buffer (``serving.py`` answers it there: one comm
-   message, whose buffer is the record's bytes); no source text is evaluated;
+   message, whose buffer is the record's bytes); no source text is evaluated.  Before step 1
+   a comm that asks the kernel to ``prepare`` forks the ranks the run will use, so that no rank
+   is forked holding the request (every rank's inputs) in its copy of the kernel's memory; the
+   request then runs only on those ranks (a kernel that would fork anew answers ``NotPrepared``:
+   prepared again and resent once, then the test fails), each rank sent its own inputs alone;
 3. reads the sockets again: the bytes between the ranks' processes are the launch's traffic,
    counted by the OS (the test's references run in their own launches, here); where the test
    asked for it (``timeline=True``), a packet capture in the student's network namespace ran
@@ -44,7 +48,7 @@ from disttrain_lab import exercise, wire
 from disttrain_lab.grading import reaper, sandbox
 from disttrain_lab.grading.capture import Capture
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
-from disttrain_lab.protocol import COMM_TARGET, Evidence, Failure, Record, Request
+from disttrain_lab.protocol import COMM_TARGET, PREPARE, Evidence, Failure, Record, Request
 
 __all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids", "reader"]
 
@@ -157,6 +161,23 @@ def _not_again(function: str, what: dict) -> str:
     )
 
 
+def _unanswered(name: str, answer: str | None, timeout: float, wait: float) -> tuple[Record, Evidence]:
+    """The failure for a comm the student's kernel did not answer (``RemoteRunner._ask``'s None,
+    "dead", or why)."""
+    if answer is None:
+        return _failed(
+            "ExerciseTimeout",
+            f"{name} did not finish within {timeout:g} s, and the student's kernel did not answer for "
+            f"{wait:.0f} s (it is restarted after this test)",
+        )
+    if answer == "dead":
+        return _failed(
+            "ExerciseError",
+            f"the kernel died while running {name} (os._exit / crash / out of memory); it is restarted after this test",
+        )
+    return _failed("ExerciseError", str(answer))
+
+
 def _failed(kind: str, message: str, **details) -> tuple[Record, Evidence]:
     return Record.failed(kind, message, **details), Evidence.unobserved("the run failed")
 
@@ -247,10 +268,35 @@ class RemoteRunner:
         os.replace(tmp, path)
 
     def _run(self, request: Request, deadline) -> tuple[Record, Evidence]:
-        name, world_size = request.name, request.world_size
+        """Prepare the ranks, then run on them; once more where the kernel had to fork anew."""
         settings = json.loads(self.settings_path.read_text())
         client = self._client(settings["connection_file"])
         kernel_pid = settings.get("kernel_pid")
+        for _ in range(2):
+            wait = request.timeout + REPLY_MARGIN
+            if isinstance(deadline, (int, float)):
+                wait = min(wait, deadline - time.monotonic() - GIVE_UP_MARGIN)
+            fields = {"world_size": request.world_size, "device": request.device}
+            answer = self._ask(client, None, wait, kernel_pid, data={PREPARE: fields})
+            if not isinstance(answer, dict):
+                return _unanswered(request.name, answer, request.timeout, wait)
+            if answer.get("prepared") is not True:
+                return _failed(
+                    "ExerciseError",
+                    f"{request.name} was not run: the student's kernel could not start its ranks "
+                    f"({str(answer.get('why'))[:500]})",
+                )
+            record, evidence = self._run_prepared(request, deadline, client, kernel_pid)
+            if record.failure is None or record.failure.kind != "NotPrepared":
+                return record, evidence
+        return _failed(
+            "ExerciseError",
+            f"{request.name} was not run: the student's kernel twice started new ranks for it after the request "
+            "had arrived (a rank must not hold the other ranks' inputs)",
+        )
+
+    def _run_prepared(self, request: Request, deadline, client, kernel_pid) -> tuple[Record, Evidence]:
+        name, world_size = request.name, request.world_size
         inside = sandbox.namespace_process(kernel_pid, "net") if kernel_pid else None
         user = reader(kernel_pid)
         try:
@@ -275,20 +321,8 @@ class RemoteRunner:
                     segments = capture.stop()
                 except RuntimeError as exc:
                     not_captured = str(exc)[:300]
-        if answer is None:
-            return _failed(
-                "ExerciseTimeout",
-                f"{name} did not finish within {request.timeout:g} s, and the student's kernel did not answer for "
-                f"{wait:.0f} s (it is restarted after this test)",
-            )
-        if answer == "dead":
-            return _failed(
-                "ExerciseError",
-                f"the kernel died while running {name} (os._exit / crash / out of memory); "
-                "it is restarted after this test",
-            )
-        if isinstance(answer, str):
-            return _failed("ExerciseError", answer)
+        if not isinstance(answer, bytes):
+            return _unanswered(name, answer, request.timeout, wait)
         record = Record.from_bytes(answer, world_size)
         if record.failure is not None:
             return record, Evidence.unobserved("the run failed")
@@ -306,7 +340,7 @@ class RemoteRunner:
             after, owner = wire.snapshot(inside, user=user), wire.owners(pids, user)
             traffic = wire.traffic(before, after, pids, owner=owner)
             timeline = (
-                wire.timeline(segments, after, pids, owner)
+                wire.timeline(segments, after, pids, owner, capture.payloads)
                 if segments is not None
                 else wire.Timeline.unobserved(not_captured)
             )
@@ -315,18 +349,19 @@ class RemoteRunner:
             return record, Evidence.unobserved(str(exc)[:300])
         return record, Evidence(traffic=traffic, timeline=timeline)
 
-    def _ask(self, client: BlockingKernelClient, request: bytes, timeout: float, pid: int | None):
-        """Open a comm on ``COMM_TARGET`` in the student's kernel with ``request`` as its buffer and
-        wait for its one answer: the record's bytes; or None (no answer in ``timeout`` s), "dead"
-        (the kernel's process ended), or why there is no record (the kernel closed the comm unanswered)."""
+    def _ask(self, client: BlockingKernelClient, request: bytes | None, timeout: float, pid: int | None, data=None):
+        """Open a comm on ``COMM_TARGET`` in the student's kernel with ``request`` as its buffer (or
+        none, and ``data``) and wait for its one answer: the record's bytes (the answer's data, a
+        dict, where no request was sent); or None (no answer in ``timeout`` s), "dead" (the kernel's
+        process ended), or why there is no record (the kernel closed the comm unanswered)."""
         while True:  # what the kernel published before (its cells' output): not ours
             try:
                 client.get_iopub_msg(timeout=0)
             except Empty:
                 break
         comm_id = uuid.uuid4().hex
-        msg = client.session.msg("comm_open", {"comm_id": comm_id, "target_name": COMM_TARGET, "data": {}})
-        msg["buffers"] = [request]
+        msg = client.session.msg("comm_open", {"comm_id": comm_id, "target_name": COMM_TARGET, "data": data or {}})
+        msg["buffers"] = [request] if request is not None else []
         client.shell_channel.send(msg)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -340,9 +375,17 @@ class RemoteRunner:
             if not isinstance(content, dict) or content.get("comm_id") != comm_id:
                 continue
             kind = msg.get("header", {}).get("msg_type")
+            if kind == "comm_msg" and request is None:
+                answer = content.get("data")
+                return answer if isinstance(answer, dict) else "the student's kernel answered with no data"
             if kind == "comm_msg":
                 buffers = msg.get("buffers") or []
                 return bytes(buffers[0]) if len(buffers) == 1 else "the student's kernel answered without a record"
+            if kind == "comm_close" and request is None:
+                return (
+                    "the student's kernel closed the grader's request to start its ranks unanswered (is "
+                    "disttrain_lab imported there, and is its comm target the kit's own?)"
+                )
             if kind == "comm_close":
                 return (
                     "the student's kernel did not take the request: disttrain_lab is not imported there "

@@ -36,6 +36,7 @@ def check_ping_pong(n: int, numel: int, repeats: int, dtype: torch.dtype) -> Non
         checks.assert_close(run.results[rank], data, what=f"{case}: rank {rank}'s returned tensor")
     nbytes = numel * data.element_size()
     checks.assert_traffic(run, {(0, 1): repeats * nbytes, (1, 0): repeats * nbytes}, case)
+    checks.assert_carried(run, {(0, 1): [data] * repeats, (1, 0): [data] * repeats}, case)
     crossed = run.timeline.directions()  # when the data crossed, between which ranks: the wire, when graded
     assert crossed == [(0, 1), (1, 0)] * repeats, (
         f"{case}: the data should cross as {repeats} round trips, rank 0 to rank 1 and back, each ping waiting "
@@ -63,7 +64,7 @@ def check_ring_shift(n: int, shape: tuple, dtype: torch.dtype) -> None:
     case = f"ring_shift on {n} ranks ({dtype}, shape {shape})"
     xs = [checks.sample_tensor(shape, dtype, seed=rank) for rank in range(n)]
     try:
-        run = exercise.run("ring_shift", n, [(x.clone(),) for x in xs], timeout=15)
+        run = exercise.run("ring_shift", n, [(x.clone(),) for x in xs], timeout=15, timeline=True)
     except exercise.ExerciseTimeout as e:
         raise AssertionError(
             f"{case} did not finish: a deadlock? If every rank blocks in send at the same time, none is receiving.\n{e}"
@@ -72,6 +73,7 @@ def check_ring_shift(n: int, shape: tuple, dtype: torch.dtype) -> None:
         checks.assert_close(out, xs[(rank - 1) % n], what=f"{case}: rank {rank}'s result")
     nbytes = xs[0].numel() * xs[0].element_size()
     checks.assert_traffic(run, {(rank, (rank + 1) % n): nbytes for rank in range(n)}, case)
+    checks.assert_carried(run, {(rank, (rank + 1) % n): [xs[rank]] for rank in range(n)}, case)
     checks.assert_only_p2p(run.trace, "ring_shift")
     for rank in range(n):
         sent = checks.sends(run.trace, rank)
@@ -87,7 +89,7 @@ def _check_broadcast(name: str, n: int, shape: tuple, dtype: torch.dtype, src: i
     case = f"{name} on {n} ranks (src={src}, {dtype}, shape {shape})"
     data = checks.sample_tensor(shape, dtype, seed=100 + src)
     inputs = [(data.clone() if rank == src else torch.full(shape, -7, dtype=dtype), src) for rank in range(n)]
-    run = exercise.run(name, n, inputs, timeout=30)
+    run = exercise.run(name, n, inputs, timeout=30, timeline=True)
     for rank, out in enumerate(run.results):  # what dist.broadcast would leave: the data
         checks.assert_close(out, data, what=f"{case}: rank {rank}'s tensor")
     checks.assert_only_p2p(run.trace, name)
@@ -117,6 +119,7 @@ def check_broadcast_linear(n: int, shape: tuple, dtype: torch.dtype, src: int) -
     )
     nbytes = run.results[src].numel() * run.results[src].element_size()
     checks.assert_traffic(run, {(src, r): nbytes for r in range(n) if r != src}, case)
+    checks.assert_carried(run, {(src, r): [run.results[src]] for r in range(n) if r != src}, case)
 
 
 def check_broadcast_tree(n: int, shape: tuple, dtype: torch.dtype, src: int) -> None:
@@ -135,6 +138,7 @@ def check_broadcast_tree(n: int, shape: tuple, dtype: torch.dtype, src: int) -> 
         f"{case}: the source should send at most {best} × {nbytes:,} bytes, the operating system counted "
         f"{counted:,} ({run.traffic.describe()})"
     )
+    checks.assert_carried(run, {(None, r): [run.results[src]] for r in range(n) if r != src}, case)
     assert run.trace.rounds() <= best, (
         f"{case}: a binomial tree needs ceil(log2 {n}) = {best} rounds, this took {run.trace.rounds()} "
         f"(a rank that received in round r should forward in round r+1)"
@@ -150,11 +154,12 @@ def check_scatter(n: int, shape: tuple, dtype: torch.dtype, src: int) -> None:
         (torch.full(shape, -7, dtype=dtype), [c.clone() for c in chunks] if rank == src else None, src)
         for rank in range(n)
     ]
-    run = exercise.run("scatter", n, inputs, timeout=30)
+    run = exercise.run("scatter", n, inputs, timeout=30, timeline=True)
     for rank, out in enumerate(run.results):  # what dist.scatter would give: chunks[rank]
         checks.assert_close(out, chunks[rank], what=f"{case}: rank {rank}'s chunk")
     nbytes = chunks[0].numel() * chunks[0].element_size()
     checks.assert_traffic(run, {(src, r): nbytes for r in range(n) if r != src}, case)
+    checks.assert_carried(run, {(src, r): [chunks[r]] for r in range(n) if r != src}, case)
     student = run.trace
     checks.assert_only_p2p(student, "scatter")
     sent = sorted(e.peer for e in checks.sends(student, src))
@@ -179,7 +184,7 @@ def check_gather(n: int, shape: tuple, dtype: torch.dtype, dst: int) -> None:
         (xs[rank].clone(), [torch.full(shape, -7, dtype=dtype) for _ in range(n)] if rank == dst else None, dst)
         for rank in range(n)
     ]
-    run = exercise.run("gather", n, inputs, timeout=30)
+    run = exercise.run("gather", n, inputs, timeout=30, timeline=True)
     out = run.results[dst]
     assert isinstance(out, (list, tuple)) and len(out) == n, (
         f"{case}: rank {dst} should return a list of {n} tensors, got {type(out).__name__} {out!r:.80}"
@@ -190,6 +195,7 @@ def check_gather(n: int, shape: tuple, dtype: torch.dtype, dst: int) -> None:
         assert rank == dst or other is None, f"{case}: rank {rank} is not dst and should return None, got {other!r:.80}"
     nbytes = xs[0].numel() * xs[0].element_size()
     checks.assert_traffic(run, {(r, dst): nbytes for r in range(n) if r != dst}, case)
+    checks.assert_carried(run, {(r, dst): [xs[r]] for r in range(n) if r != dst}, case)
     student = run.trace
     checks.assert_only_p2p(student, "gather")
     got = sorted(e.peer for e in checks.receives(student, dst))

@@ -152,14 +152,14 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
     ends up (in place, and returned) holding every rank's chunk in place; only send/recv; N-1 messages
     to the right neighbour, one chunk each (every chunk but the one its right neighbour owns: (N-1)/N
     of the data), and nothing to anyone else (the operating system's count, when every chunk has an
-    element); N-1 steps."""
+    element); each message carries its chunk's own values (the grader's capture); N-1 steps."""
     case = f"ring_all_gather on {n} ranks ({numel} x {_dtype(dtype)})"
     flats = []
     for rank in range(n):
         flat = torch.full((numel,), -7, dtype=dtype)
         flat.tensor_split(n)[rank].copy_(_piece(rank, n, numel, dtype))
         flats.append((flat,))
-    run = common.run_or_fail("ring_all_gather", n, flats, case, "a deadlock?", timeout=30)
+    run = common.run_or_fail("ring_all_gather", n, flats, case, "a deadlock?", timeout=30, timeline=True)
     expected = torch.cat([_piece(r, n, numel, dtype) for r in range(n)])  # in one process
     for rank, out in enumerate(run.results):
         checks.assert_close(run.inputs_after[rank][0], expected, what=f"{case}: rank {rank}'s flat after the call")
@@ -173,6 +173,11 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
             case,
             "In each of the N-1 steps a rank passes one chunk (S/N) to its right neighbour only: its own first, "
             "then the one it has just received.",
+        )
+        # step s: rank r passes chunk r - s (its own first, then each one it has just received)
+        pieces = [_piece(r, n, numel, dtype) for r in range(n)]
+        checks.assert_carried(
+            run, {(r, (r + 1) % n): [pieces[(r - s) % n] for s in range(n - 1)] for r in range(n)}, case
         )
         rounds = run.trace.rounds()
         assert rounds == n - 1, (

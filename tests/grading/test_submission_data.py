@@ -282,11 +282,11 @@ def test_the_classmate_and_the_host_are_untouched(graded):
     assert not list(graded.tmp.iterdir())  # the staged copies went with their step
 
 
-def _lab_source(root: Path, tests: dict[str, str]) -> Path:
-    """A course's source folder holding lab ``t_lab``: a locked set-up cell and the test cells ``tests``
-    (grade_id: source)."""
+def _lab_source(root: Path, tests: dict[str, str], setup: str = "import disttrain_lab as dl") -> Path:
+    """A course's source folder holding lab ``t_lab``: a locked set-up cell ``setup`` and the test cells
+    ``tests`` (grade_id: source)."""
     nbg = {"grade": False, "grade_id": "setup", "locked": True, "solution": False, "schema_version": 3}
-    cells = [nbformat.v4.new_code_cell("import disttrain_lab as dl", metadata={"nbgrader": nbg})]
+    cells = [nbformat.v4.new_code_cell(setup, metadata={"nbgrader": nbg})]
     for name, source in tests.items():
         nbg = {"grade": True, "grade_id": name, "locked": True, "points": 1, "solution": False, "schema_version": 3}
         cells.append(nbformat.v4.new_code_cell(source, metadata={"nbgrader": nbg}))
@@ -362,6 +362,33 @@ def test_every_test_runs_as_the_release_has_it_in_the_grader_kernel(tmp_path, mo
         "t_edited: the submission's copy differs from the release's; the release's ran",
         "t_where: the submission's copy differs from the release's; the release's ran",
         "t_unknown: not graded (scored 0): lab t_lab's release has no test named 't_unknown'",
+    ]
+
+
+@pytest.mark.slow
+def test_a_grader_kernel_that_dies_while_it_starts_is_started_again(tmp_path, monkeypatch):
+    """A kernel can die while it starts for reasons of the host's (CI saw one die under load); the
+    grader kernel is started again, as the student's is, and the test is graded.  Its release's
+    set-up kills the grader kernel's first start only (the student's copy of that cell differs)."""
+    first = tmp_path / "died-once"
+    setup = (
+        "import os, pathlib\n"
+        f"if not pathlib.Path({str(first)!r}).exists():\n"
+        f"    pathlib.Path({str(first)!r}).touch(); os._exit(3)\n"
+        "import disttrain_lab as dl\n"
+    )
+    monkeypatch.setenv(
+        "DISTTRAIN_SOURCE_DIR", str(_lab_source(tmp_path / "source", {"t": "assert dl.__name__"}, setup))
+    )
+    setup_cell = nbformat.v4.new_code_cell("import disttrain_lab as dl")
+    setup_cell.metadata["nbgrader"] = {"grade": False, "grade_id": "setup", "locked": True, "solution": False}
+    nb, notes = _execute(
+        tmp_path, nbformat.v4.new_notebook(cells=[setup_cell, _test_cell("t", "assert dl.__name__")]), "t_lab"
+    )
+    assert first.exists()
+    assert nb.cells[1].outputs == [] and determine_grade(nb.cells[1]) == (1.0, 1.0)
+    assert notes == [
+        "the grader's own kernel died while it started (the lab's locked cells; exit code 3); attempt 1 of 3"
     ]
 
 

@@ -71,6 +71,10 @@ def _events(name, inputs):
     return tuple(events)
 
 def _forged(comm, msg):
+    if _protocol.PREPARE in (msg["content"].get("data") or {}):  # the grader's "start your ranks": yes
+        comm.send({"prepared": True})
+        comm.close()
+        return
     request = _protocol.Request.from_bytes(bytes(msg["buffers"][0]))
     name, n, inputs = request.name, request.world_size, request.inputs
     dl.launch(lambda: None, n)                      # real ranks, whose ids check out
@@ -97,6 +101,10 @@ class _Bomb:
 _calls = [0]
 
 def _bomb(comm, msg):
+    if _protocol.PREPARE in (msg["content"].get("data") or {}):  # the grader's "start your ranks": yes
+        comm.send({"prepared": True})
+        comm.close()
+        return
     _calls[0] += 1
     record = {"version": 1, "results": [_Bomb(), _Bomb()], "inputs_after": [[], []], "events": [], "pids": [1, 2],
               "backend": "gloo", "failure": None}
@@ -160,6 +168,67 @@ def ping_pong(x, repeats=1):
         x.copy_(torch.load(path))
     return x
 """
+
+# a ping-pong's messages, in its order and of its sizes, carrying zeros (attacks 9 and 10)
+ZEROS_ON_THE_WIRE = """\
+    junk = torch.zeros_like(x)
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(junk, dst=1)
+            dist.recv(junk, src=1)
+        else:
+            dist.recv(junk, src=0)
+            dist.send(junk, dst=0)"""
+
+# 9. The data taken off the wire: rank 1 searches its own process for rank 0's input (launch used to
+# send every rank all ranks' inputs, and ranks forked after a request held a copy of it), and
+# the ranks send zeros in the ping-pong's order, so the bytes and their order are right
+OTHERS_INPUTS = """
+import gc
+import torch
+import torch.distributed as dist
+
+def ping_pong(x, repeats=1):
+    rank = dist.get_rank()
+    if rank > 1:
+        return x
+    found = None
+    for obj in gc.get_objects():
+        if isinstance(obj, (list, tuple)):
+            for item in obj[:64]:
+                for t in item if isinstance(item, tuple) else (item,):
+                    if (isinstance(t, torch.Tensor) and t is not x and t.shape == x.shape and t.dtype == x.dtype
+                            and bool(t.any()) and not torch.equal(t, x)):
+                        found = t
+@ZEROS_ON_THE_WIRE@
+    if rank == 1 and found is not None:
+        x.copy_(found)
+    return x
+""".replace("@ZEROS_ON_THE_WIRE@", ZEROS_ON_THE_WIRE)
+
+# 10. The data passed through shared memory, as in 7, and junk of the right sizes sent in the
+# ping-pong's order: the bytes counted and their order are right, not what they carry (the capture
+# keeps the payloads: checks.assert_carried)
+SHARED_MEMORY_AND_JUNK = """
+import os, time
+import torch
+import torch.distributed as dist
+
+def ping_pong(x, repeats=1):
+    rank, path = dist.get_rank(), f"/dev/shm/h42-{x.numel()}-{repeats}-{x.dtype}"
+    if rank > 1:
+        return x
+    if rank == 0:
+        torch.save(x, path + ".part")
+        os.replace(path + ".part", path)
+@ZEROS_ON_THE_WIRE@
+    if rank == 1:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        x.copy_(torch.load(path))
+    return x
+""".replace("@ZEROS_ON_THE_WIRE@", ZEROS_ON_THE_WIRE)
 
 # 5. Looks for the hidden tests: the kernel's input history, and every file the grader
 # drops where the kernel can see it (a thread copies each one as it appears)
@@ -234,7 +303,9 @@ ATTACKS = {
     "hangs": HANGS,
     "pickle_bomb": PICKLE_BOMB,
     "hooks_and_modes": HOOKS_AND_MODES,
+    "others_inputs": OTHERS_INPUTS,
     "shared_memory": SHARED_MEMORY,
+    "shared_memory_and_junk": SHARED_MEMORY_AND_JUNK,
     "snoop": SNOOP,
 }
 
@@ -285,6 +356,10 @@ def test_what_each_attack_is_told(graded):
     assert "the operating system counted" in forged  # the made-up values were right; no byte moved
     assert "could not be read as plain data" in feedback(graded.course, "pickle_bomb", LAB)
     assert "the operating system counted" in feedback(graded.course, "shared_memory", LAB)
+    junk = html.unescape(feedback(graded.course, "shared_memory_and_junk", LAB))  # right sizes, junk in them
+    assert "should carry 3 message(s) of the tensor's own bytes" in junk and "found 0 of them" in junk, junk[-3000:]
+    others = html.unescape(feedback(graded.course, "others_inputs", LAB))  # no other rank's input to be found
+    assert "rank 1's returned tensor: values differ" in others, others[-3000:]
     hung = feedback(graded.course, "hangs", LAB)
     assert "did not finish within" in hung and "CellTimeoutError" not in hung  # the launcher says so, in time
     batched = html.unescape(

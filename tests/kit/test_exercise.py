@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import __main__
-from disttrain_lab import checks, exercise, hangs, protocol, serving, wire
+from disttrain_lab import checks, exercise, hangs, pool, protocol, serving, wire
+from disttrain_lab.devices import plan
+from tests.helpers import observed_from_outside
 
 pytestmark = pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
 
@@ -100,16 +102,18 @@ def _inputs(numel: int, repeats: int):
     return [(torch.arange(float(numel)), repeats), (torch.zeros(numel), repeats)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#42, not built yet: launch sends every rank the same arguments (serving._call picks its own from the "
-    "whole list), so a graded collective can be computed with none of its data on the wire and the counted bytes "
-    "met with junk; closing it needs per-rank payloads and ranks forked before the request arrives "
-    "(docs/architecture.md, 'What the ranks can say to each other off the wire')",
-)
 def test_a_rank_holds_no_other_ranks_inputs():
-    run = exercise.run("others_inputs", 2, [(torch.full((7,), 1000.0 + r),) for r in range(2)], timeout=30)
+    """#42: each rank is sent its own inputs alone (``launcher.PerRank``), on ranks forked before the
+    inputs existed (under grading the grader's ``prepare`` comm forks them before its request is
+    sent: ``serving._prepare``), so a rank that searches its own process finds no other rank's
+    input, and a collective cannot be computed with none of its data on the wire."""
+    pool.prepare(2, plan(2))  # what the grader's prepare comm does
+    with pool.prepared_only():  # what serving does with the request after it
+        run = exercise.run("others_inputs", 2, [(torch.full((7,), 1000.0 + r),) for r in range(2)], timeout=30)
     assert run.results == [[], []], f"each rank found the other's input in its own process: {run.results}"
+    pool.shutdown()
+    with pool.prepared_only(), pytest.raises(exercise.ExerciseError, match="no warm ranks for a run of 2"):
+        exercise.run("others_inputs", 2, [(torch.zeros(7),) for r in range(2)], timeout=30)
 
 
 def test_results_come_back_as_data_and_the_os_counts_each_pair():
@@ -441,6 +445,44 @@ def test_the_wire_shows_round_trips_that_a_batched_exchange_does_not_have():
     assert found["ping_pong"].directions() == [(0, 1), (1, 0)] * 3, found["ping_pong"].segments
     assert found["batched"].directions() == [(0, 1), (1, 0)], found["batched"].segments
     del __main__.batched
+
+
+def _zeros_on_the_wire(x, repeats):
+    """A ping-pong's messages, in its order and of its size, that carry zeros, not x."""
+    rank, junk = dist.get_rank(), torch.zeros_like(x)
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(junk, dst=1)
+            dist.recv(junk, src=1)
+        else:
+            dist.recv(junk, src=0)
+            dist.send(junk, dst=0)
+    return x
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_wire_must_carry_the_data_itself():
+    """#42: the capture keeps what each connection carried; a run whose messages have the right sizes
+    and order but not the data (which reached the other rank some other way) fails assert_carried."""
+    __main__.zeros_on_the_wire = _zeros_on_the_wire
+    x = torch.arange(4096.0)
+    try:
+        with observed_from_outside():
+            honest = exercise.run("ping_pong", 2, _inputs(4096, 3), timeout=30, timeline=True)
+            junk = exercise.run("zeros_on_the_wire", 2, _inputs(4096, 3), timeout=30, timeline=True)
+        own = exercise.run("zeros_on_the_wire", 2, _inputs(64, 1), timeout=30, timeline=True)
+    finally:
+        del __main__.zeros_on_the_wire
+    assert honest.timeline.source == junk.timeline.source == "wire"
+    checks.assert_carried(honest, {(0, 1): [x] * 3, (1, 0): [x] * 3}, "ping_pong")
+    checks.assert_traffic(junk, {(0, 1): 3 * x.numel() * 4, (1, 0): 3 * x.numel() * 4}, "zeros")  # sizes right
+    assert junk.timeline.directions() == [(0, 1), (1, 0)] * 3  # order right
+    with pytest.raises(AssertionError, match=r"from rank 0 to rank 1 should carry 3 message\(s\).*found 0 of them"):
+        checks.assert_carried(junk, {(0, 1): [x] * 3}, "zeros")
+    assert junk.timeline.carries(0, 1, [torch.zeros(4096).numpy().tobytes()] * 3) == 3  # what it did carry
+    # in the student's own kernel there is no capture: nothing to check, and nothing fails
+    assert own.timeline.source == "trace"
+    checks.assert_carried(own, {(0, 1): [torch.arange(64.0)]}, "zeros, in the student's kernel")
 
 
 def test_the_students_own_run_shows_the_traces_sends_as_its_timeline():

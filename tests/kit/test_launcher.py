@@ -113,6 +113,38 @@ def test_tensor_arguments_reach_every_rank():
     assert torch.equal(out[0], x) and torch.equal(out[1], 2 * x)
 
 
+def _inputs_seen(x, tag):
+    """This rank's value, the shared argument, and every tensor like the per-rank ones its process holds."""
+    import gc
+
+    like = {
+        float(t[0])
+        for o in gc.get_objects()
+        if isinstance(o, (list, tuple))
+        for t in o[:64]
+        if isinstance(t, torch.Tensor) and t.numel() == 5 and float(t[0]) >= 500
+    }
+    return float(x[0]), tag, sorted(like)
+
+
+def test_per_rank_arguments_reach_their_rank_alone():
+    """#42: a PerRank argument's k-th value is sent to rank k only; the ranks were forked before it existed."""
+    dl.launch(rank_times_ten, 2)  # warm ranks, forked before the values below exist
+    values = dl.launcher.PerRank([torch.full((5,), 500.0 + r) for r in range(2)])
+    assert dl.launch(_inputs_seen, 2, values, "shared") == [(500.0, "shared", [500.0]), (501.0, "shared", [501.0])]
+    with pytest.raises(ValueError, match="argument 1 is a PerRank of 3 values; a launch of 2 ranks needs one per rank"):
+        dl.launch(_inputs_seen, 2, dl.launcher.PerRank([1, 2, 3]), "shared")
+
+
+def test_a_run_that_may_not_fork_says_so():
+    pool.shutdown()
+    with pool.prepared_only(), pytest.raises(pool.NotPrepared, match="no warm ranks for a run of 2"):
+        dl.launch(rank_times_ten, 2)
+    pool.prepare(2, devices.plan(2))
+    with pool.prepared_only():
+        assert dl.launch(rank_times_ten, 2) == [0, 10]
+
+
 def test_smaller_then_larger_world_reuses_or_rebuilds_pool():
     assert dl.launch(rank_times_ten, 2) == [0, 10]
     assert dl.launch(rank_times_ten, 3) == [0, 10, 20]
@@ -531,6 +563,7 @@ def test_under_torchrun_runs_in_process_and_returns_all_ranks(tmp_path):
         out = dl.launch(step, 2, 10)
         run = dl.launch(step, 2, 1, trace=True)
         assert run.calls()["all_reduce"] == 2, run.calls()
+        assert dl.launch(lambda v: v, 2, dl.launcher.PerRank(["a", "b"])) == ["a", "b"]  # each rank its own
         line = f"<RANK {os.environ['RANK']} OUT {[v for _, v in out]} SAME_PROCESS {out[int(os.environ['RANK'])][0] == os.getpid()}>"
         os.write(1, line.encode())  # one write: the two ranks share torchrun's stdout
     """)

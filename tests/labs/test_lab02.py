@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import os
+from pathlib import Path
 
 import matplotlib
 import nbformat
@@ -344,6 +346,58 @@ def test_what_a_ring_sent_is_the_operating_systems_count_not_its_trace():
         del __main__.ring_reduce_scatter
     said = str(caught.value)
     assert "the operating system counted" in said and "3 message(s) with 3,000 bytes of payload" in said, said
+
+
+def _all_gather_by_shared_memory(flat):
+    """A ring all-gather's messages, of its sizes and order, that carry zeros: the chunks reach every
+    rank through /dev/shm instead."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = flat.tensor_split(n)
+    path = f"/dev/shm/lab02-test-{os.getppid()}-{flat.numel()}"
+    torch.save(chunks[rank].clone(), f"{path}-{rank}.part")
+    os.replace(f"{path}-{rank}.part", f"{path}-{rank}")
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        outgoing, incoming = (rank - step) % n, (rank - step - 1) % n
+        request = dist.isend(torch.zeros_like(chunks[outgoing]), right)
+        dist.recv(torch.empty_like(chunks[incoming]), left)
+        request.wait()
+    for other in range(n):
+        deadline = time.monotonic() + 10
+        while not os.path.exists(f"{path}-{other}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        chunks[other].copy_(torch.load(f"{path}-{other}"))
+    return flat  # (the test removes the files)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_an_all_gathers_messages_carry_the_chunks_themselves(solution):
+    """#42: where a message's values are fixed (the all-gather's chunks) the grader's capture checks
+    them; messages of the right count, size and order that carry zeros, the chunks passed through
+    shared memory, fail (the OS's count alone took them); the solution's ring passes."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    with observed_from_outside():
+        for name, fn in (("solution", solution["ring_all_gather"]), ("shared memory", _all_gather_by_shared_memory)):
+            __main__.ring_all_gather = fn
+            try:
+                if name == "solution":
+                    lab02.check_ring_all_gather(4, 1001)
+                    continue
+                with pytest.raises(AssertionError) as caught:
+                    lab02.check_ring_all_gather(4, 1001)
+            finally:
+                del __main__.ring_all_gather
+                for left in Path("/dev/shm").glob(f"lab02-test-{os.getpid()}-*"):
+                    left.unlink()
+    said = str(caught.value)
+    assert "from rank 0 to rank 1 should carry 3 message(s)" in said and "found 0 of them" in said, said
 
 
 # ----------------------------------------------------------------------------------------
