@@ -253,7 +253,7 @@ def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str)
     """Fail unless the data from rank ``src`` to rank ``dst`` carried each tensor of
     ``expected[(src, dst)]``, whole and in that order (``src`` None: from one rank or another, as in
     a tree): its bytes as the grader's packet capture saw
-    them cross (``run.timeline`` of a ``dl.exercise.run(..., timeline=True)``).  The bytes counted
+    them cross (``run.timeline`` of a ``dl.exercise.run(..., content=True)``).  The bytes counted
     on a connection say how much crossed; this says *what* did, so data passed some other way
     (a file, shared memory) with junk of the right size on the wire fails.  In the student's own
     notebook there is no capture: nothing is checked there (``wire.Timeline.carries``).

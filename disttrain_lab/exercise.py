@@ -141,6 +141,7 @@ def run(
     device: str | None = None,
     network: Network | None = None,
     timeline: bool = False,
+    content: bool = False,
 ) -> ExerciseRun:
     """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
     arguments; one tuple for all ranks when ``inputs`` is a tuple).
@@ -155,7 +156,9 @@ def run(
 
     ``device`` and ``network`` are ``dl.launch``'s.  ``timeline``: ``run.timeline`` holds when
     each segment of data crossed between which ranks, captured from the wire under grading
-    (``wire.Timeline``; in the student's own kernel, the ranks' traced sends).
+    (``wire.Timeline``; in the student's own kernel, the ranks' traced sends).  ``content``: it also
+    holds what each connection carried (``Timeline.carries``, ``checks.assert_carried``), captured
+    under grading; the student's own kernel has no capture, and there nothing is checked.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
@@ -177,7 +180,8 @@ def run(
         timeout=float(timeout),
         device=device,
         network=dataclasses.asdict(network) if network is not None else None,
-        timeline=timeline,
+        timeline=timeline or content,
+        content=content,
     )
     record, evidence = _RUNNER(request)
     return from_record(request.name, world_size, record, evidence)

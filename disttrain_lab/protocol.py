@@ -132,6 +132,7 @@ class Request:
     device: str | None = None
     network: dict | None = None  # a dl.Network's fields (dataclasses.asdict)
     timeline: bool = False  # the test reads when the data crossed (the grader captures it)
+    content: bool = False  # ... and what it carried (the grader keeps the captured payloads too)
     why: str | None = None  # why the timeout is what it is (the rest of the test's limit)
     timed_out: dict[str, str] = field(default_factory=dict)  # the student's functions not run again, and why
     student_functions: tuple[str, ...] | None = None  # the functions the submission's solution cells define

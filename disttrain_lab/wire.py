@@ -187,6 +187,11 @@ class Timeline:
         if self.data is None:
             raise Unobserved(f"the grader did not keep what the connections carried ({self.why or 'not captured'})")
         streams = self.data.get((src, dst), [])
+        if streams is None:
+            raise Unobserved(
+                f"the grader's capture could not keep all the data from rank {src} to rank {dst} (past its "
+                "limits), so a test that reads what it carried fails"
+            )
         at = [0] * len(streams)
         found = 0
         for message in messages:
@@ -254,8 +259,13 @@ def timeline(
                 carried.setdefault((a, b), {}).setdefault((src, dst), []).append(payloads[i])
     start = kept[0][0] if kept else 0.0
     data = None
-    if payloads is not None:
-        data = {pair: [_joined(parts) for parts in by_connection.values()] for pair, by_connection in carried.items()}
+    if payloads is not None:  # (a pair one of whose segments' data was not kept: what it carried is unobserved)
+        data = {
+            pair: [_joined(parts) for parts in by_connection.values()]
+            for pair, by_connection in carried.items()
+            if all(p is not None for parts in by_connection.values() for _, p in parts)
+        }
+        data = {**dict.fromkeys(carried), **data}
     return Timeline(segments=[(round(t - start, 6), a, b, n) for t, a, b, n in kept], data=data)
 
 

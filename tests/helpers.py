@@ -142,7 +142,7 @@ def observed_from_outside():
 
     def runner(request):
         before = wire.snapshot()
-        with Capture() as capture:
+        with Capture(payloads=request.content) as capture:
             record = Record.from_bytes(serving.run(request).to_bytes(), request.world_size)
         if record.failure is not None:
             return record, Evidence.unobserved("the run failed")
@@ -150,7 +150,9 @@ def observed_from_outside():
         after, owner = wire.snapshot(), wire.owners(pids)
         return record, Evidence(
             traffic=wire.traffic(before, after, pids, owner=owner),
-            timeline=wire.timeline(capture.segments, after, pids, owner, capture.payloads),
+            timeline=wire.timeline(
+                capture.segments, after, pids, owner, capture.payloads if capture.keep_payloads else None
+            ),
         )
 
     exercise.use_runner(runner)

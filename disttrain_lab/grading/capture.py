@@ -18,12 +18,17 @@ The grader runs it as a program (standard library only, no import of the package
 bound, captures until SIGINT, then prints one line per segment, ``t local peer seq bytes``
 (times in seconds, ``time.monotonic``), and a last line ``end DROPPED CUT``: the kernel's count
 of packets it dropped because the socket's queue was full, and of segments whose data it could
-not keep.  Given a file's path (``capture.py PATH``,
-the grader's own file) it also keeps each segment's payload, whole, and writes them there, one
-after the other in the order of the lines: what the connection carried (``wire.Timeline.carries``
-looks for a message's bytes in it); the payload is still never parsed, only copied.
+not keep.  Given a file's path (``capture.py PATH``, the grader's own file, for a test that reads
+what the data carried) it also keeps each segment's payload, whole, and writes them there, one
+after the other in the order of the lines (``wire.Timeline.carries`` looks for a message's bytes in
+them); the payload is still never parsed, only copied.  Past ``MAX_CONNECTION_BYTES`` on one
+connection or ``MAX_PAYLOAD_BYTES`` in all (the host's own loopback, where the tests capture, carries
+other work's traffic too) a segment's data is not kept and its line ends in ``cut``: what that
+connection carried is then unobserved, and a test that reads it fails.  Keeping payloads costs the
+program time per segment, so its times may lag the wire: a test that times the wire (lab 5's
+bubble) captures without them.
 ``Capture`` in this module does that and reads the answer; a capture that could not start, or
-that dropped a packet or a payload, is refused (``RuntimeError``): a test that needs the timeline
+that dropped a packet, is refused (``RuntimeError``): a test that needs the timeline
 then fails, never the ranks' own clocks.
 """
 
@@ -46,7 +51,8 @@ SO_RCVBUFFORCE, SO_ATTACH_FILTER = 33, 26  # (linux/asm-generic/socket.h)
 HEADERS = 14 + 60 + 60  # loopback's Ethernet header, the longest IPv4 and TCP headers
 WHOLE = 1 << 18  # a whole loopback frame (its MTU is 64 KiB, a segment's payload below it)
 QUEUE_BYTES = 256 << 20  # what the kernel may queue for this socket before it drops a packet
-MAX_PAYLOAD_BYTES = 256 << 20  # payloads kept at most; past it the capture says so and is refused
+MAX_PAYLOAD_BYTES = 512 << 20  # payloads kept at most in all: past it a segment's data is not kept (marked)
+MAX_CONNECTION_BYTES = 64 << 20  # ... and on one connection (the host's own loopback carries other traffic)
 
 
 def _address(family: int, raw: bytes, port: int) -> str:
@@ -134,6 +140,7 @@ def _capture(payload_path: str | None = None) -> None:
     print("ready", flush=True)
     carried = Carried()
     lines, payloads, kept, cut = [], [], 0, 0
+    per_connection: dict[tuple[str, str], int] = {}
     while True:
         try:
             frame, address = sock.recvfrom(keep)
@@ -150,14 +157,18 @@ def _capture(payload_path: str | None = None) -> None:
         skip = carried.new(src, dst, seq, size)
         if skip is None:
             continue  # bytes this connection carried already (sent again)
-        lines.append(f"{time.monotonic():.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}")
+        line = f"{time.monotonic():.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}"
         if payload_path is not None:
             data = payload(frame)
-            if data is None or kept + size - skip > MAX_PAYLOAD_BYTES:
+            on_connection = per_connection.get((src, dst), 0)
+            if data is None or kept + size > MAX_PAYLOAD_BYTES or on_connection + size > MAX_CONNECTION_BYTES:
                 cut += 1
-                data = b""
-            payloads.append(data[skip:])
-            kept += len(data) - skip if data else 0
+                line += " cut"  # (its data not kept: what this connection carried is then unknown)
+            else:
+                payloads.append(data[skip:])
+                kept += size - skip
+                per_connection[(src, dst)] = on_connection + size - skip
+        lines.append(line)
     dropped = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
     if payload_path is not None:
         with open(payload_path, "wb") as f:
@@ -172,10 +183,11 @@ class Capture:
     the program's loop).  ``netns_pid`` None: this process's own namespace.  Raises RuntimeError
     where the capture cannot start, lost a packet or could not keep a payload."""
 
-    def __init__(self, netns_pid: int | None = None, timeout: float = 10.0):
-        self.netns_pid, self.timeout = netns_pid, timeout
+    def __init__(self, netns_pid: int | None = None, timeout: float = 10.0, payloads: bool = False):
+        self.netns_pid, self.keep_payloads = netns_pid, payloads
+        self.timeout = timeout if not payloads else max(timeout, 60.0)  # (copying payloads may lag behind)
         self.segments: list[tuple[float, str, str, int]] = []
-        self.payloads: list[tuple[int, bytes]] = []
+        self.payloads: list[tuple[int, bytes | None]] = []  # (seq, data), or (seq, None): not kept ("cut")
         self._process: subprocess.Popen | None = None
         self._payload_file: str | None = None
 
@@ -184,10 +196,11 @@ class Capture:
 
     def start(self) -> Capture:
         """Start the capture; returns once its socket is bound (``stop`` ends it)."""
-        fd, self._payload_file = tempfile.mkstemp(prefix="capture-")  # (the grader's, 0600)
-        os.close(fd)
-        # (the standard library only: no site)
-        cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__), self._payload_file]
+        cmd = [sys.executable, "-I", "-S", os.path.abspath(__file__)]  # (the standard library only: no site)
+        if self.keep_payloads:
+            fd, self._payload_file = tempfile.mkstemp(prefix="capture-")  # (the grader's, 0600)
+            os.close(fd)
+            cmd.append(self._payload_file)
         if self.netns_pid is not None:
             cmd = ["nsenter", f"--net=/proc/{self.netns_pid}/ns/net", *cmd]
         self._process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -222,21 +235,19 @@ class Capture:
                 raise RuntimeError(f"the packet capture ended without its count: {why}")
             if int(end[1]):
                 raise RuntimeError(f"the packet capture lost {end[1]} packets (its queue was full)")
-            if int(end[2]):
-                raise RuntimeError(
-                    f"the packet capture could not keep the data of {end[2]} segments (cut short, or past "
-                    f"{MAX_PAYLOAD_BYTES >> 20} MiB in all)"
-                )
-            with open(self._payload_file, "rb") as f:
-                data = f.read()
+            data = b""
+            if self._payload_file is not None:
+                with open(self._payload_file, "rb") as f:
+                    data = f.read()
         finally:
             self._forget_file()
         at = 0
         for line in lines[:-1]:
-            t, src, dst, seq, size = line.split()
+            t, src, dst, seq, size, *cut = line.split()
             self.segments.append((float(t), src, dst, int(size)))
-            self.payloads.append((int(seq), data[at : at + int(size)]))
-            at += int(size)
+            if self.keep_payloads:
+                self.payloads.append((int(seq), None if cut else data[at : at + int(size)]))
+                at += 0 if cut else int(size)
         if at != len(data):
             raise RuntimeError(f"the packet capture's payloads hold {len(data)} bytes, its segments {at}")
         return self.segments

@@ -306,7 +306,7 @@ class RemoteRunner:
         capture, not_captured = None, NOT_ASKED
         if request.timeline:  # the data's times from the wire, for a test that asked for them
             try:
-                capture = Capture(inside).start()
+                capture = Capture(inside, payloads=request.content).start()
             except (RuntimeError, OSError) as exc:
                 not_captured = str(exc)[:300]
         wait = request.timeout + REPLY_MARGIN
@@ -340,7 +340,7 @@ class RemoteRunner:
             after, owner = wire.snapshot(inside, user=user), wire.owners(pids, user)
             traffic = wire.traffic(before, after, pids, owner=owner)
             timeline = (
-                wire.timeline(segments, after, pids, owner, capture.payloads)
+                wire.timeline(segments, after, pids, owner, capture.payloads if capture.keep_payloads else None)
                 if segments is not None
                 else wire.Timeline.unobserved(not_captured)
             )

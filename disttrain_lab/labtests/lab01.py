@@ -31,7 +31,7 @@ def check_ping_pong(n: int, numel: int, repeats: int, dtype: torch.dtype) -> Non
     case = f"ping_pong on {n} ranks ({numel} x {dtype}, repeats={repeats})"
     data = checks.sample_tensor(numel, dtype, seed=5)
     inputs = [(data.clone() if rank == 0 else torch.zeros(numel, dtype=dtype), repeats) for rank in range(n)]
-    run = exercise.run("ping_pong", n, inputs, timeout=30, timeline=True)
+    run = exercise.run("ping_pong", n, inputs, timeout=30, timeline=True, content=True)
     for rank in (0, 1):
         checks.assert_close(run.results[rank], data, what=f"{case}: rank {rank}'s returned tensor")
     nbytes = numel * data.element_size()
@@ -64,7 +64,7 @@ def check_ring_shift(n: int, shape: tuple, dtype: torch.dtype) -> None:
     case = f"ring_shift on {n} ranks ({dtype}, shape {shape})"
     xs = [checks.sample_tensor(shape, dtype, seed=rank) for rank in range(n)]
     try:
-        run = exercise.run("ring_shift", n, [(x.clone(),) for x in xs], timeout=15, timeline=True)
+        run = exercise.run("ring_shift", n, [(x.clone(),) for x in xs], timeout=15, content=True)
     except exercise.ExerciseTimeout as e:
         raise AssertionError(
             f"{case} did not finish: a deadlock? If every rank blocks in send at the same time, none is receiving.\n{e}"
@@ -89,7 +89,7 @@ def _check_broadcast(name: str, n: int, shape: tuple, dtype: torch.dtype, src: i
     case = f"{name} on {n} ranks (src={src}, {dtype}, shape {shape})"
     data = checks.sample_tensor(shape, dtype, seed=100 + src)
     inputs = [(data.clone() if rank == src else torch.full(shape, -7, dtype=dtype), src) for rank in range(n)]
-    run = exercise.run(name, n, inputs, timeout=30, timeline=True)
+    run = exercise.run(name, n, inputs, timeout=30, content=True)
     for rank, out in enumerate(run.results):  # what dist.broadcast would leave: the data
         checks.assert_close(out, data, what=f"{case}: rank {rank}'s tensor")
     checks.assert_only_p2p(run.trace, name)
@@ -154,7 +154,7 @@ def check_scatter(n: int, shape: tuple, dtype: torch.dtype, src: int) -> None:
         (torch.full(shape, -7, dtype=dtype), [c.clone() for c in chunks] if rank == src else None, src)
         for rank in range(n)
     ]
-    run = exercise.run("scatter", n, inputs, timeout=30, timeline=True)
+    run = exercise.run("scatter", n, inputs, timeout=30, content=True)
     for rank, out in enumerate(run.results):  # what dist.scatter would give: chunks[rank]
         checks.assert_close(out, chunks[rank], what=f"{case}: rank {rank}'s chunk")
     nbytes = chunks[0].numel() * chunks[0].element_size()
@@ -184,7 +184,7 @@ def check_gather(n: int, shape: tuple, dtype: torch.dtype, dst: int) -> None:
         (xs[rank].clone(), [torch.full(shape, -7, dtype=dtype) for _ in range(n)] if rank == dst else None, dst)
         for rank in range(n)
     ]
-    run = exercise.run("gather", n, inputs, timeout=30, timeline=True)
+    run = exercise.run("gather", n, inputs, timeout=30, content=True)
     out = run.results[dst]
     assert isinstance(out, (list, tuple)) and len(out) == n, (
         f"{case}: rank {dst} should return a list of {n} tensors, got {type(out).__name__} {out!r:.80}"

@@ -159,7 +159,7 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
         flat = torch.full((numel,), -7, dtype=dtype)
         flat.tensor_split(n)[rank].copy_(_piece(rank, n, numel, dtype))
         flats.append((flat,))
-    run = common.run_or_fail("ring_all_gather", n, flats, case, "a deadlock?", timeout=30, timeline=True)
+    run = common.run_or_fail("ring_all_gather", n, flats, case, "a deadlock?", timeout=30, content=True)
     expected = torch.cat([_piece(r, n, numel, dtype) for r in range(n)])  # in one process
     for rank, out in enumerate(run.results):
         checks.assert_close(run.inputs_after[rank][0], expected, what=f"{case}: rank {rank}'s flat after the call")

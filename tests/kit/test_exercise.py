@@ -468,9 +468,9 @@ def test_the_wire_must_carry_the_data_itself():
     x = torch.arange(4096.0)
     try:
         with observed_from_outside():
-            honest = exercise.run("ping_pong", 2, _inputs(4096, 3), timeout=30, timeline=True)
-            junk = exercise.run("zeros_on_the_wire", 2, _inputs(4096, 3), timeout=30, timeline=True)
-        own = exercise.run("zeros_on_the_wire", 2, _inputs(64, 1), timeout=30, timeline=True)
+            honest = exercise.run("ping_pong", 2, _inputs(4096, 3), timeout=30, content=True)
+            junk = exercise.run("zeros_on_the_wire", 2, _inputs(4096, 3), timeout=30, content=True)
+        own = exercise.run("zeros_on_the_wire", 2, _inputs(64, 1), timeout=30, content=True)
     finally:
         del __main__.zeros_on_the_wire
     assert honest.timeline.source == junk.timeline.source == "wire"

@@ -135,4 +135,14 @@ def test_bytes_sent_again_are_kept_once():
     assert timeline.carries(0, 1, [stream[200:], stream[:200]]) == 1  # in order: the second is before the first
     assert timeline.carries(1, 0, [stream[:8]]) == 0
     with pytest.raises(wire.Unobserved):
-        wire.Timeline(segments=[(0.0, 0, 1, 8)]).carries(0, 1, [b"x"])
+        wire.Timeline(segments=[(0.0, 0, 1, 8)]).carries(0, 1, [b"x"])  # payloads not asked for
+    # a segment whose data the capture could not keep (past its limits): that pair is unobserved, not empty
+    after = {
+        ("1.0.0.1:1", "1.0.0.2:2"): wire.Socket(11, "1.0.0.1:1", "1.0.0.2:2", 0),
+        ("1.0.0.2:2", "1.0.0.1:1"): wire.Socket(12, "1.0.0.2:2", "1.0.0.1:1", 0),
+    }
+    segments = [(0.0, "1.0.0.1:1", "1.0.0.2:2", 3), (0.1, "1.0.0.2:2", "1.0.0.1:1", 3)]
+    cut = wire.timeline(segments, after, [100, 200], {11: 100, 12: 200}, [(0, b"abc"), (0, None)])
+    assert cut.carries(0, 1, [b"abc"]) == 1
+    with pytest.raises(wire.Unobserved, match="could not keep all the data from rank 1 to rank 0"):
+        cut.carries(1, 0, [b"abc"])
