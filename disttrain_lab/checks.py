@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import integrity, wire
+from . import gloo_ops, integrity, wire
 from .events import P2P_OPS, Event, Run
 from .integrity import TamperingError
 
@@ -49,6 +49,7 @@ __all__ = [
     "assert_traffic",
     "assert_messages",
     "assert_carried",
+    "assert_sums_carried",
     "WIRE_SLACK",
     "verify_untampered",
     "TamperingError",
@@ -272,6 +273,83 @@ def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str)
                 f"{found} of them. What a rank sends must be the data itself: values that arrive some other way, "
                 "with other bytes sent in their place, do not count"
             )
+
+
+def _piece_of(values: torch.Tensor, total: torch.Tensor, terms: int) -> bool:
+    """Whether ``values`` equal ``total[o:o + len(values)]`` for some offset o, within the dtype's
+    tolerance for a sum of ``terms`` values added in any order (integers exactly)."""
+    length = values.numel()
+    if length == 0:
+        return True
+    if length > total.numel():
+        return False
+    if values.dtype.is_floating_point:
+        rtol, atol = (terms * t for t in _TOLERANCES.get(values.dtype, (1e-6, 1e-6)))
+        a, e = values.double(), total.double()
+    else:
+        rtol = atol = 0.0
+        a, e = values.long(), total.long()
+    windows = e.unfold(0, length, 1)  # (offsets, length): a view, nothing copied
+    head = min(length, 4)
+    near = torch.isclose(windows[:, :head], a[:head].expand(windows.shape[0], head), rtol=rtol, atol=atol)
+    for offset in near.all(dim=1).nonzero().flatten()[:64].tolist():
+        if bool(torch.isclose(windows[offset], a, rtol=rtol, atol=atol).all()):
+            return True
+    return False
+
+
+def _ranks(ranks: frozenset[int]) -> str:
+    return "rank " + str(min(ranks)) if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
+
+
+def assert_sums_carried(
+    run, flats: Sequence[torch.Tensor], expected: dict[tuple[int, int], list[list[frozenset[int]]]], case: str
+) -> None:
+    """Fail unless every message rank ``src`` sent rank ``dst`` held, value for value, a piece (a run
+    of consecutive elements) of a sum of the ranks' ``flats``: message i the sum over one of the
+    sets of ranks ``expected[(src, dst)][i]`` lists, as the grader's packet capture saw it cross
+    (``run.timeline`` of a ``dl.exercise.run(..., content=True)``).  A reduction's messages carry
+    partial sums whose values depend on the algorithm, so ``assert_carried`` cannot look for them
+    whole; this holds each to the sum it must be (floats within the dtype's tolerance for that many
+    terms, added in any order), so junk of the right size, with the data passed some other way,
+    fails.  In the student's own notebook there is no capture: nothing is checked there.
+
+    >>> assert_sums_carried(run, flats, {(0, 1): [[frozenset({0})], [frozenset({0, 2})]]}, "ring on 3 ranks")
+    """
+    flat = [f.detach().cpu().reshape(-1) for f in flats]
+    sums: dict[frozenset[int], torch.Tensor] = {}
+    for (src, dst), allowed in expected.items():
+        try:
+            got = run.timeline.messages(src, dst)
+        except gloo_ops.NotGloo as e:
+            raise AssertionError(
+                f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
+                "talk through torch.distributed alone"
+            ) from None
+        if got is None:
+            continue
+        if len(got) != len(allowed):
+            raise AssertionError(
+                f"{case}: rank {src} should send rank {dst} {len(allowed)} message(s); the grader's capture of the "
+                f"wire found {len(got)}"
+            )
+        for i, (payload, sets) in enumerate(zip(got, allowed)):
+            size = flat[0].element_size()
+            values = None if len(payload) % size else torch.frombuffer(bytearray(payload), dtype=flat[0].dtype)
+            for ranks in sets:
+                if ranks not in sums:
+                    sums[ranks] = torch.stack([flat[r].double() for r in sorted(ranks)]).sum(0).to(flat[0].dtype)
+                if values is not None and _piece_of(values, sums[ranks], len(ranks)):
+                    break
+            else:
+                want = " or ".join(f"{_ranks(r)}" for r in sets)
+                shown = "not a whole number of elements" if values is None else f"{values.numel():,} values"
+                raise AssertionError(
+                    f"{case}: message {i + 1} of {len(allowed)} from rank {src} to rank {dst} should hold a piece of "
+                    f"the sum of {want}'s data (that step's partial sum); the grader's capture of the wire found "
+                    f"{len(payload):,} bytes that are no such piece ({shown}). What a rank sends must be the data "
+                    "itself: values that arrive some other way, with other bytes sent in their place, do not count"
+                )
 
 
 def assert_messages(run, expected: dict[tuple[int, int], tuple[int, ...]], case: str, hint: str = "") -> None:

@@ -39,6 +39,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from . import gloo_ops
+
 __all__ = [
     "Socket",
     "Traffic",
@@ -123,9 +125,8 @@ class Traffic:
         return ", ".join(pairs) or "no bytes between ranks"
 
 
-GLOO_PREAMBLE = 48  # bytes before every message of gloo's TCP pairs (gloo/transport/tcp/pair.h: Op::Preamble)
-HANDSHAKE_BYTES = 8  # gloo opens each connection as a launch's process group is made: 8 bytes one way
-# (gloo/transport/tcp: the initiator sends its sequence number), before the ranks' function runs
+GLOO_PREAMBLE = gloo_ops.PREAMBLE  # bytes before every message of gloo's TCP pairs (gloo_ops)
+HANDSHAKE_BYTES = gloo_ops.HANDSHAKE  # gloo's handshake as a launch's process group is made: 8 bytes one way
 
 
 @dataclass
@@ -183,15 +184,7 @@ class Timeline:
         (``source="trace"``) no wire is seen: every message counts, and only grading checks it."""
         if self.source == "trace":
             return len(messages)
-        self._all()
-        if self.data is None:
-            raise Unobserved(f"the grader did not keep what the connections carried ({self.why or 'not captured'})")
-        streams = self.data.get((src, dst), [])
-        if streams is None:
-            raise Unobserved(
-                f"the grader's capture could not keep all the data from rank {src} to rank {dst} (past its "
-                "limits), so a test that reads what it carried fails"
-            )
+        streams = self._streams(src, dst)
         at = [0] * len(streams)
         found = 0
         for message in messages:
@@ -201,6 +194,27 @@ class Timeline:
                     at[i], found = where + len(message), found + 1
                     break
         return found
+
+    def _streams(self, src: int, dst: int) -> list[bytes]:
+        self._all()
+        if self.data is None:
+            raise Unobserved(f"the grader did not keep what the connections carried ({self.why or 'not captured'})")
+        streams = self.data.get((src, dst), [])
+        if streams is None:
+            raise Unobserved(
+                f"the grader's capture could not keep all the data from rank {src} to rank {dst} (past its "
+                "limits), so a test that reads what it carried fails"
+            )
+        return streams
+
+    def messages(self, src: int, dst: int) -> list[bytes] | None:
+        """The payload of each message ``src`` sent ``dst``, in the order they crossed, read from what
+        the grader's capture kept (gloo's framing: ``gloo_ops.messages``); a connection whose bytes are
+        not gloo's operations raises ``gloo_ops.NotGloo``.  None in the student's own kernel
+        (``source="trace"``), where no wire is seen."""
+        if self.source == "trace":
+            return None
+        return [payload for stream in self._streams(src, dst) for payload in gloo_ops.messages(stream)]
 
     def crossed(self, src: int, dst: int, by: float) -> int:
         """Bytes from ``src`` to ``dst`` that had crossed by time ``by`` (that time's segments included)."""

@@ -2,7 +2,10 @@
 on ranks with ``dl.exercise.run``, compares every rank's tensor with the sum of every rank's data
 computed in one process (what ``dist.all_reduce`` gives), and reads what the algorithm sent from
 the operating system: the bytes on each connection, which under gloo's protocol fix how many
-messages crossed and how big they were (``checks.assert_messages``).  Two rules still read the
+messages crossed and how big they were (``checks.assert_messages``), and what each message held,
+from the grader's capture of the wire: a ring's partial sums, each the sum of the ranks it has
+passed (``checks.assert_sums_carried``), an all-gather's chunks whole (``checks.assert_carried``).
+Two rules still read the
 ranks' own trace: that only send/recv were called (the wire backs it: gloo's collectives put other
 bytes there), and the number of rounds (a rank's call times; the wire cannot tell a rank that
 waited for its data from one that came late to a receive it had posted early, so rounds from the
@@ -58,6 +61,31 @@ def _all_reduce_inputs(
     return data, xs
 
 
+def _ring(rank: int, step: int, n: int) -> frozenset[int]:
+    """The ranks whose data a ring's partial sum holds when ``rank`` sends it at ``step`` of the
+    reduce-scatter: its own and the ``step`` ranks before it (a chunk moves one rank right per step)."""
+    return frozenset((rank - j) % n for j in range(step + 1))
+
+
+def _cosets(rank: int, n: int, partner: int) -> list[frozenset[int]]:
+    """The ranks whose data a halving message to ``partner`` can hold: ``rank``'s group over the distances
+    exchanged before (any order of them), never the partner's."""
+    distances = [d for d in (2**k for k in range(int(math.log2(n)))) if d != rank ^ partner]
+    groups = []
+    for mask in range(2 ** len(distances)):
+        group = {rank}
+        for k, d in enumerate(distances):
+            if mask >> k & 1:
+                group |= {g ^ d for g in group}
+        groups.append(frozenset(group))
+    return groups
+
+
+def _flats(n: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each rank's data as one flat tensor, in x's logical order (``_all_reduce_inputs``)."""
+    return [checks.sample_tensor(shape, dtype, seed=rank).reshape(-1) for rank in range(n)]
+
+
 def _check_all_reduce(
     name: str, n: int, shape: tuple, dtype: torch.dtype = torch.float32, contiguous: bool = True, replace: tuple = ()
 ) -> tuple[str, ExerciseRun | None]:
@@ -73,7 +101,7 @@ def _check_all_reduce(
         (_ring_all_reduce_standing_in, [(x, list(replace)) for x in xs]) if replace else (name, [(x,) for x in xs])
     )
     try:
-        run = common.run_or_fail(target, n, inputs, case, _DEADLOCK, timeout=30)
+        run = common.run_or_fail(target, n, inputs, case, _DEADLOCK, timeout=30, content=True)
     except exercise.ExerciseError as e:
         if not contiguous and common.rank_raised(e, "ValueError", "contiguous"):
             return case, None  # the student's own clear error is accepted
@@ -111,6 +139,10 @@ def check_naive_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.floa
         "Rank 0 receives each other rank's whole tensor once and sends each the sum once; the others talk only "
         "to rank 0.",
     )
+    if contiguous:  # (a non-contiguous x's bytes may cross in its memory's order or in its own)
+        flats, everyone = _flats(n, shape, dtype), frozenset(range(n))
+        checks.assert_carried(run, {(r, 0): [flats[r]] for r in range(1, n)}, case)
+        checks.assert_sums_carried(run, flats, {(0, r): [[everyone]] for r in range(1, n)}, case)
 
 
 def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.float32) -> None:
@@ -120,7 +152,9 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
     when every chunk has an element); N-1 steps."""
     case = f"ring_reduce_scatter on {n} ranks ({numel} x {_dtype(dtype)})"
     flats = [checks.sample_tensor(numel, dtype, seed=rank) for rank in range(n)]
-    run = common.run_or_fail("ring_reduce_scatter", n, [(f.clone(),) for f in flats], case, "a deadlock?", timeout=30)
+    run = common.run_or_fail(
+        "ring_reduce_scatter", n, [(f.clone(),) for f in flats], case, "a deadlock?", timeout=30, content=True
+    )
     total = torch.stack(flats).sum(dim=0).to(dtype)  # what dist.all_reduce gives, in one process
     for rank, out in enumerate(run.results):
         checks.assert_close(
@@ -136,6 +170,9 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
             "In each of the N-1 steps a rank sends one chunk (S/N, not the whole tensor) to its right neighbour "
             "only: every chunk but its own.",
         )
+        # step s: rank r passes on the chunk it has just added its own to, the sum of ranks r-s, ..., r
+        ring = {(r, (r + 1) % n): [[_ring(r, s, n)] for s in range(n - 1)] for r in range(n)}
+        checks.assert_sums_carried(run, flats, ring, case)
         rounds = run.trace.rounds()
         assert rounds == n - 1, (
             f"{case}: reduce-scatter on a ring takes N-1 = {n - 1} steps, this took {rounds} "
@@ -290,6 +327,10 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
         case,
         "Each of the 2(N-1) steps sends one chunk of S/N, not the whole tensor, to the right neighbour only.",
     )
+    if contiguous:  # the reduce-scatter's partial sums (the ranks passed so far), then the all-gather's totals
+        everyone = frozenset(range(n))
+        sums = [[[_ring(r, s, n)] for s in range(n - 1)] + [[everyone]] * (n - 1) for r in range(n)]
+        checks.assert_sums_carried(run, _flats(n, shape, dtype), {(r, (r + 1) % n): sums[r] for r in range(n)}, case)
     rounds = run.trace.rounds()
     assert rounds == 2 * (n - 1), (
         f"{case}: a ring all-reduce takes 2(N-1) = {2 * (n - 1)} steps (N-1 of reduce-scatter, N-1 of "
@@ -321,6 +362,11 @@ def check_halving_doubling_all_reduce(
         "Exchange with the partner rank XOR d, for d = N/2, ..., 1 and back: half of your current part (S/2, "
         "then S/4, ...) while halving, your whole part while doubling, one message each, and nothing else.",
     )
+    if contiguous:  # halving: a sum over the group exchanged with so far; doubling: the total
+        everyone = frozenset(range(n))
+        partners = [(rank, rank ^ d) for rank in range(n) for d in (2**k for k in range(int(math.log2(n))))]
+        sums = {(a, b): [_cosets(a, n, b), [everyone]] for a, b in partners}
+        checks.assert_sums_carried(run, _flats(n, shape, dtype), sums, case)
     best = 2 * int(math.log2(n))
     rounds = run.trace.rounds()
     assert rounds == best, (
@@ -372,6 +418,7 @@ def check_pipelined_ring_all_reduce(
         case,
         "a deadlock, or a receive whose message is never sent (are the segments received in the order they are sent?)",
         timeout=30,
+        content=True,
     )
     expected = torch.stack(data).sum(dim=0).to(dtype)  # what dist.all_reduce gives, in one process
     for rank in range(n):
@@ -391,6 +438,11 @@ def check_pipelined_ring_all_reduce(
             f"Each of the 2(N-1) steps sends its chunk of S/N to the right neighbour only, as segments = {segments} "
             f"messages.",
         )
+        if contiguous:  # each segment a piece of a partial sum of the ranks passed so far, or of the total
+            sums = [[_ring(r, s, n) for s in range(n - 1)] + [frozenset(range(n))] for r in range(n)]
+            per_rank = 2 * (n - 1) * segments  # (a step's segments may cross before the step before has ended)
+            expected = {(r, (r + 1) % n): [sums[r]] * per_rank for r in range(n)}
+            checks.assert_sums_carried(run, _flats(n, shape, dtype), expected, case)
     else:  # empty segments: a rank may send them or not, so the messages' number is a range
         chunks = _chunks(n, numel, dtype)
         least, most = 2 * (sum(chunks) - max(chunks)), 2 * (sum(chunks) - min(chunks))

@@ -164,3 +164,43 @@ def test_within_a_real_traced_launch():
     student = checks.within(run, "student")
     checks.assert_only_p2p(student, "broadcast_linear")
     assert student.rounds() == 1 and len(checks.sends(student, 1, peer=0)) == 1
+
+
+def _sent(*payloads: torch.Tensor) -> bytes:
+    """One direction of a gloo connection carrying these tensors, as the grader's capture joins it."""
+    import struct
+
+    out = struct.pack("<Q", 0)  # the handshake
+    for t in payloads:
+        data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        out += struct.pack("<6Q", 48, 2, 0, 0, len(data), 0) + struct.pack("<6Q", 48 + len(data), 1, 0, 0, len(data), 0)
+        out += data
+    return out
+
+
+def _captured(data: dict) -> object:
+    from types import SimpleNamespace
+
+    from disttrain_lab import wire
+
+    return SimpleNamespace(timeline=wire.Timeline(segments=[(0.0, 0, 1, 1)], data=data), world_size=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_assert_sums_carried_holds_each_message_to_its_partial_sum(dtype):
+    flats = [checks.sample_tensor(12, dtype, seed=r) for r in range(3)]
+    want = {(0, 1): [[frozenset({0})], [frozenset({0, 2})]]}
+    # rank 0 sends its own chunk 2, then chunk 1 summed with rank 2's (added in the ring's order, in the dtype)
+    honest = _captured({(0, 1): [_sent(flats[0][8:], flats[2][4:8] + flats[0][4:8])]})
+    checks.assert_sums_carried(honest, flats, want, "ring")
+    junk = _captured({(0, 1): [_sent(flats[0][8:], torch.zeros(4, dtype=dtype))]})
+    with pytest.raises(AssertionError, match=r"message 2 of 2 from rank 0 to rank 1 .* ranks 0, 2's data"):
+        checks.assert_sums_carried(junk, flats, want, "ring")
+    own = _captured({(0, 1): [_sent(flats[0][8:], flats[0][4:8])]})  # its own data where the sum was due
+    with pytest.raises(AssertionError, match="no such piece"):
+        checks.assert_sums_carried(own, flats, want, "ring")
+    with pytest.raises(AssertionError, match="should send rank 1 2 message"):
+        checks.assert_sums_carried(_captured({(0, 1): [_sent(flats[0][8:])]}), flats, want, "ring")
+    not_gloo = _captured({(0, 1): [b"\0" * 100]})
+    with pytest.raises(AssertionError, match="from rank 0 to rank 1 are not gloo's messages"):
+        checks.assert_sums_carried(not_gloo, flats, want, "ring")

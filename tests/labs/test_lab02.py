@@ -400,6 +400,67 @@ def test_an_all_gathers_messages_carry_the_chunks_themselves(solution):
     assert "from rank 0 to rank 1 should carry 3 message(s)" in said and "found 0 of them" in said, said
 
 
+def _reduce_scatter_by_shared_memory(flat):
+    """A ring reduce-scatter's messages, of its sizes and order, that carry each rank's own chunk
+    instead of the partial sums: the sums are made from every rank's flat, passed through /dev/shm."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    path = f"/dev/shm/lab02-test-{os.getppid()}-{flat.numel()}"
+    torch.save(flat.clone(), f"{path}-{rank}.part")
+    os.replace(f"{path}-{rank}.part", f"{path}-{rank}")
+    chunks = flat.tensor_split(n)
+    for step in range(n - 1):
+        send, into = (rank - step - 1) % n, (rank - step - 2) % n
+        request = dist.isend(chunks[send].clone(), (rank + 1) % n)  # its own data, not the partial sum
+        dist.recv(torch.empty_like(chunks[into]), (rank - 1) % n)
+        request.wait()
+    total = torch.zeros_like(flat)
+    for other in range(n):
+        deadline = time.monotonic() + 10
+        while not os.path.exists(f"{path}-{other}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        total += torch.load(f"{path}-{other}")
+    return total.tensor_split(n)[rank].clone()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_reductions_messages_carry_its_partial_sums(solution):
+    """#42: a reduction's messages hold partial sums, each the sum of the ranks it has passed
+    (``checks.assert_sums_carried``, from the grader's capture): the solution's five all-reduces
+    pass on the graded shapes; a ring reduce-scatter whose messages have the right count, size and
+    order but carry each rank's own chunk, the sums made from data passed through /dev/shm, fails."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    names = ["naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
+    names += ["halving_doubling_all_reduce", "pipelined_ring_all_reduce"]
+    for name in names:
+        setattr(__main__, name, solution[name])
+    lab02.GRADED_PASSED.update(lab02.HALVES)
+    try:
+        with observed_from_outside():
+            lab02.check_naive_all_reduce(3, (5, 7))
+            lab02.check_ring_reduce_scatter(4, 1001, torch.bfloat16)
+            lab02.check_ring_all_reduce(4, (10, 33))
+            lab02.check_halving_doubling_all_reduce(4, (10, 9), torch.float16)
+            lab02.check_pipelined_ring_all_reduce(3, (1001,), 4)
+            __main__.ring_reduce_scatter = _reduce_scatter_by_shared_memory
+            with pytest.raises(AssertionError) as caught:
+                lab02.check_ring_reduce_scatter(4, 1001)
+    finally:
+        lab02.GRADED_PASSED.clear()
+        for name in names:
+            delattr(__main__, name)
+        for left in Path("/dev/shm").glob(f"lab02-test-{os.getpid()}-*"):
+            left.unlink()
+    said = str(caught.value)
+    assert "message 2 of 3 from rank 0 to rank 1 should hold a piece of the sum of ranks 0, 3's data" in said, said
+
+
 # ----------------------------------------------------------------------------------------
 # The bench harness
 

@@ -1,0 +1,79 @@
+"""A connection's bytes read as gloo's operations: which messages of data it carried.
+
+Gloo's TCP pairs (``gloo/transport/tcp/pair.h``, ``Op``) put a 48-byte preamble before every
+operation, six native 64-bit integers::
+
+    nbytes   the operation's size on the wire: the preamble, plus the payload for a send
+    opcode   0 SEND_BUFFER, 1 SEND_UNBOUND_BUFFER (what torch's send/isend use),
+             2 NOTIFY_SEND_READY, 3 NOTIFY_RECV_READY (notes, the preamble alone)
+    slot, offset, length, roffset
+             where the data goes; ``length`` is the payload's size (a note says the size it is about)
+
+and the side that opens a connection first sends its 8-byte sequence number (the handshake).
+A point-to-point message of P bytes is therefore, from its sender, a note (48) and then
+preamble + P, and from its receiver a note (48): ``wire.protocol_bytes``.
+
+The bytes come from the student's processes, so they are read as untrusted data: every size is
+checked against what is left, and a stream that is not gloo's framing, whole, is refused
+(``NotGloo``): the test that reads it fails, it is never read in part.  Nothing here is
+evaluated; a payload is returned as bytes for the grader to compare.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["PREAMBLE", "HANDSHAKE", "NotGloo", "messages"]
+
+PREAMBLE = 48  # bytes before every operation of gloo's TCP pairs (gloo/transport/tcp/pair.h: Op::preamble)
+HANDSHAKE = 8  # gloo opens each connection as a launch's process group is made: 8 bytes one way
+# (gloo/transport/tcp: the initiator sends its sequence number), before the ranks' function runs
+_SENDS = (0, 1)  # SEND_BUFFER, SEND_UNBOUND_BUFFER: a payload follows
+_NOTES = (2, 3)  # NOTIFY_SEND_READY, NOTIFY_RECV_READY: the preamble alone
+_FIELDS = struct.Struct("<6Q")
+
+
+class NotGloo(ValueError):
+    """A connection's bytes are not a whole sequence of gloo's operations."""
+
+
+def _read(stream: bytes, start: int) -> list[bytes]:
+    payloads, at = [], start
+    while at < len(stream):
+        if len(stream) - at < PREAMBLE:
+            raise NotGloo(f"{len(stream) - at} bytes at offset {at} are too few for a {PREAMBLE}-byte preamble")
+        nbytes, opcode, _slot, _offset, length, _roffset = _FIELDS.unpack_from(stream, at)
+        if opcode in _SENDS:
+            if nbytes != PREAMBLE + length or length > len(stream) - at - PREAMBLE:
+                raise NotGloo(
+                    f"a send at offset {at} says {nbytes} bytes with a payload of {length}; "
+                    f"{len(stream) - at} bytes are left"
+                )
+            payloads.append(stream[at + PREAMBLE : at + nbytes])
+            at += nbytes
+        elif opcode in _NOTES and nbytes == PREAMBLE:
+            at += PREAMBLE
+        else:
+            raise NotGloo(f"no gloo operation at offset {at} (opcode {opcode}, {nbytes} bytes)")
+    return payloads
+
+
+def messages(stream: bytes) -> list[bytes]:
+    """The payload of every send in one direction of a connection, in the order they crossed
+    (``stream``: that direction's bytes, whole, as ``wire.Timeline.data`` joins them).  The
+    handshake, where the stream begins with it, and the notes are skipped.  Raises ``NotGloo``
+    if the bytes are not gloo's operations from the first to the last byte.
+
+    >>> note = _FIELDS.pack(48, 2, 0, 0, 4, 0)
+    >>> messages(note + _FIELDS.pack(52, 1, 0, 0, 4, 0) + b"abcd")
+    [b'abcd']
+    """
+    try:
+        return _read(stream, 0)
+    except NotGloo as e:
+        if len(stream) < HANDSHAKE:
+            raise
+        try:
+            return _read(stream, HANDSHAKE)
+        except NotGloo:
+            raise e from None
