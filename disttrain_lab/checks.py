@@ -264,7 +264,13 @@ def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str)
     for (src, dst), tensors in expected.items():
         messages = [t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
         senders = [src] if src is not None else [r for r in range(run.world_size) if r != dst]
-        found = max(run.timeline.carries(a, dst, messages) for a in senders)
+        try:
+            found = max(run.timeline.carries(a, dst, messages) for a in senders)
+        except gloo_ops.NotGloo as e:
+            raise AssertionError(
+                f"{case}: the bytes to rank {dst} are not gloo's messages ({e}); the ranks must talk through "
+                "torch.distributed alone"
+            ) from None
         if found < len(messages):
             sender = f"rank {src}" if src is not None else "the other ranks"
             raise AssertionError(

@@ -179,15 +179,22 @@ class Timeline:
     def carries(self, src: int, dst: int, messages: Sequence[bytes]) -> int:
         """How many of ``messages`` (each one message's payload as bytes, e.g. a tensor's
         ``numpy().tobytes()``) the data from ``src`` to ``dst`` carried, in that order: each found
-        whole in a connection's bytes after the one before it.  A rank that passes its data some
-        other way and sends junk of the right size carries none.  In the student's own kernel
-        (``source="trace"``) no wire is seen: every message counts, and only grading checks it."""
+        whole in a connection's data (its sends' payloads, ``gloo_ops.messages``, joined) after the
+        one before it; bytes that are not gloo's operations raise ``gloo_ops.NotGloo``.  A rank
+        that passes its data some other way and sends junk of the right size carries none.  In the
+        student's own kernel (``source="trace"``) no wire is seen: every message counts, and only
+        grading checks it."""
         if self.source == "trace":
             return len(messages)
-        streams = self._streams(src, dst)
+        # the payloads of each connection's sends, joined: gloo may cut one tensor into several sends
+        # (its all-gather ring sends each piece in two), with its preambles between them
+        streams = [b"".join(gloo_ops.messages(stream)) for stream in self._streams(src, dst)]
         at = [0] * len(streams)
         found = 0
         for message in messages:
+            if not message:  # (an empty tensor: nothing had to cross)
+                found += 1
+                continue
             for i, stream in enumerate(streams):
                 where = stream.find(message, at[i])
                 if where >= 0:

@@ -6,6 +6,7 @@ kernel draws its timeline and count from the trace as gloo would put them on the
 from __future__ import annotations
 
 import os
+import struct
 
 import pytest
 import torch
@@ -114,6 +115,15 @@ def test_the_capture_sees_what_the_os_counted():
                 assert timeline.bytes(a, b) == counted.between(a, b), (a, b)
 
 
+def _framed(payload: bytes) -> bytes:
+    """``payload`` as gloo sends it: a note, then the preamble and the data (``gloo_ops``)."""
+    return (
+        struct.pack("<6Q", 48, 2, 0, 0, len(payload), 0)
+        + struct.pack("<6Q", 48 + len(payload), 1, 0, 0, len(payload), 0)
+        + payload
+    )
+
+
 def test_bytes_sent_again_are_kept_once():
     """A loaded host makes TCP send a segment again, whole or from the middle of one already seen
     (measured: 1 in 20 runs of a 4 MiB ring shift beside two CPU-bound processes); the capture keeps
@@ -127,10 +137,12 @@ def test_bytes_sent_again_are_kept_once():
     assert carried.new(a, b, top + 50, 50) is None  # sent again, whole
     assert carried.new(a, b, 50, 100) == 50  # sent again from the middle of one seen: its last 50 are new
     assert carried.new(b, a, 7, 10) == 0  # the other direction is its own
-    stream = bytes(range(256)) * 4
+    data = bytes(range(256)) * 4  # one message of gloo's, its preamble first
+    stream = _framed(data)
     parts = [(1000, stream[:300]), (1300, stream[300:600]), (1150, stream[150:450]), (1600, stream[600:])]
     assert wire._joined(parts) == stream  # placed by sequence number, not appended
     timeline = wire.Timeline(segments=[(0.0, 0, 1, len(stream))], data={(0, 1): [wire._joined(parts)]})
+    stream = data
     assert timeline.carries(0, 1, [stream[:200], stream[200:]]) == 2
     assert timeline.carries(0, 1, [stream[200:], stream[:200]]) == 1  # in order: the second is before the first
     assert timeline.carries(1, 0, [stream[:8]]) == 0
@@ -142,7 +154,7 @@ def test_bytes_sent_again_are_kept_once():
         ("1.0.0.2:2", "1.0.0.1:1"): wire.Socket(12, "1.0.0.2:2", "1.0.0.1:1", 0),
     }
     segments = [(0.0, "1.0.0.1:1", "1.0.0.2:2", 3), (0.1, "1.0.0.2:2", "1.0.0.1:1", 3)]
-    cut = wire.timeline(segments, after, [100, 200], {11: 100, 12: 200}, [(0, b"abc"), (0, None)])
+    cut = wire.timeline(segments, after, [100, 200], {11: 100, 12: 200}, [(0, _framed(b"abc")), (0, None)])
     assert cut.carries(0, 1, [b"abc"]) == 1
     with pytest.raises(wire.Unobserved, match="could not keep all the data from rank 1 to rank 0"):
         cut.carries(1, 0, [b"abc"])

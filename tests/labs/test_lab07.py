@@ -125,8 +125,10 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     assert nbgrader_meta(cell_by_id(nb, "powersgd_helpers"))["locked"]  # the graded tests use its helpers
     for helper in ("_lab_powersgd_steps", "_torch_powersgd_steps", "_relative_errors"):  # (from the notebook)
         assert f"def {helper}(" in cell_by_id(nb, "powersgd_helpers").source and f'"{helper}"' in source_of(lab07)
-    # the tests are the kit's (disttrain_lab/labtests/lab07/): bytes on the wire are each rank's own piece
+    # the tests are the kit's (disttrain_lab/labtests/lab07/): the hooks' bytes are each rank's own piece
+    # (its trace); the sparse and INT8 all-reduces' are read from the wire under grading
     assert 'e.meta.get("in_bytes", e.bytes)' in inspect.getsource(lab07._bytes_sent)
+    assert "run.timeline.messages(rank, dst)" in inspect.getsource(lab07.common._data_sent)
 
 
 def test_prediction_self_checks_hold_no_answer():
@@ -277,7 +279,7 @@ WRONG = [
         TOPK_BY_VALUE,
         "keep the k largest |x|",
     ),
-    ("sparse_all_reduce", "sparse_all_reduce", SPARSE_DENSE, "the dense gradient 4000 B"),
+    ("sparse_all_reduce", "sparse_all_reduce", SPARSE_DENSE, "The dense gradient is 4000 B"),
     (
         "error_feedback",
         "error_feedback",
@@ -552,3 +554,86 @@ def test_cli_bench_compression_says_where_the_notebook_is_missing(tmp_path):
         cwd=REPO,
     )
     assert out.returncode == 2 and "no notebook to take the compression hooks from" in out.stdout, out.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# The bytes a compressed all-reduce sends: read from the wire (#42)
+
+
+def _sparse_by_shared_memory(values, indices, numel):
+    """An all-gather of the pieces' sizes that carries zeros; the pieces reach every rank through /dev/shm."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    path = f"/dev/shm/lab07-test-{os.getppid()}-{numel}"
+    torch.save((values.clone(), indices.clone()), f"{path}-{rank}.part")
+    os.replace(f"{path}-{rank}.part", f"{path}-{rank}")
+    junk = [torch.zeros_like(values) for _ in range(n)], [torch.zeros_like(indices) for _ in range(n)]
+    dist.all_gather(junk[0], torch.zeros_like(values))
+    dist.all_gather(junk[1], torch.zeros_like(indices))
+    dense = torch.zeros(numel)
+    for other in range(n):
+        deadline = time.monotonic() + 10
+        while not os.path.exists(f"{path}-{other}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        v, i = torch.load(f"{path}-{other}")
+        dense.index_add_(0, i, v)
+    return dense
+
+
+def _quantized_but_dense(flat, chunk_size=1024):
+    """A sum within the bound, from every rank's fp32 gradient all-gathered whole (four times the bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    gathered = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(gathered, flat)
+    total = torch.zeros_like(flat)
+    for g in gathered:  # (the exact sum: within any quantisation's bound)
+        total += g
+    return total
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
+    """The bytes each rank sent are the payloads of its gloo sends as the grader's capture read them (the
+    ranks' trace was the account before): the solution's sparse and INT8 all-reduces pass with and without
+    a capture; pieces passed through /dev/shm with zeros on the wire fail (the values never crossed), and
+    an INT8 all-reduce that all-gathers the fp32 gradient fails on its bytes."""
+    import os
+    from pathlib import Path
+
+    import __main__
+    from disttrain_lab import bench
+    from tests.helpers import observed_from_outside
+
+    names = ["quantize_int8", "dequantize_int8", "sparse_all_reduce", "quantized_all_reduce"]
+    solution = bench.functions_from_notebook(LAB, names)
+    for name in names:
+        setattr(__main__, name, solution[name])
+    try:
+        lab07.check_sparse_all_reduce(3, 1001, 0.05)  # the student's own kernel: the trace's account
+        lab07.check_quantized_all_reduce(3, 1001, 100)
+        with observed_from_outside():
+            lab07.check_sparse_all_reduce(4, 4099, 0.01)
+            lab07.check_quantized_all_reduce(3, 1001, 100)
+            __main__.sparse_all_reduce = _sparse_by_shared_memory
+            with pytest.raises(AssertionError) as shared:
+                lab07.check_sparse_all_reduce(3, 1001, 0.05)
+            __main__.quantized_all_reduce = _quantized_but_dense
+            with pytest.raises(AssertionError) as dense:
+                lab07.check_quantized_all_reduce(3, 1001, 100)
+    finally:
+        for name in names:
+            delattr(__main__, name)
+        for left in Path("/dev/shm").glob(f"lab07-test-{os.getpid()}-*"):
+            left.unlink()
+    said = str(shared.value)
+    assert "rank 0's values: the data from the other ranks to rank 1 should carry 1 message(s)" in said, said
+    said = str(dense.value)
+    assert "put 8008 B of data on the wire" in said and "at most 2090 B" in said, said

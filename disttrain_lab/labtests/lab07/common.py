@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import checks
+from ... import checks, gloo_ops
 from ...exercise import ExerciseRun
 from .. import common
 
@@ -71,6 +71,32 @@ def _bytes_sent(run: ExerciseRun, rank: int) -> int:
     )
 
 
-def _run(target: str | Callable, n: int, inputs, case: str) -> ExerciseRun:
-    """``target`` on n ranks; ranks that do not finish fail the test, saying which case."""
-    return common.run_or_fail(target, n, inputs, case, _HINT, timeout=TIMEOUT)
+def _data_sent(run: ExerciseRun, rank: int) -> int:
+    """Bytes of data this rank put on the wire in the run.  Under grading, the payload of every gloo
+    send it made to any rank, as the grader's capture read them (``wire.Timeline.messages``; gloo's
+    own preambles and notes excluded, the pieces of other ranks an all-gather relays included).  In
+    the student's own notebook, where there is no capture, the trace's account of the same: each
+    collective's own piece, which an all-gather delivers to each of the N-1 others, and its sends."""
+    n = run.world_size
+    if run.timeline.source == "trace":
+        events = run.trace.by_rank(rank)
+        own = sum(e.meta.get("in_bytes", e.bytes) for e in events if e.kind == "collective")
+        return (n - 1) * own + sum(e.bytes for e in events if e.op in checks.SEND_OPS)
+    total = 0
+    for dst in range(n):
+        if dst == rank:
+            continue
+        try:
+            total += sum(len(m) for m in run.timeline.messages(rank, dst) or [])
+        except gloo_ops.NotGloo as e:
+            raise AssertionError(
+                f"the bytes from rank {rank} to rank {dst} are not gloo's messages ({e}); the ranks must talk "
+                "through torch.distributed alone"
+            ) from None
+    return total
+
+
+def _run(target: str | Callable, n: int, inputs, case: str, content: bool = False) -> ExerciseRun:
+    """``target`` on n ranks; ranks that do not finish fail the test, saying which case (``content``: the
+    grader's capture keeps what crossed, for ``_data_sent`` and ``checks.assert_carried``)."""
+    return common.run_or_fail(target, n, inputs, case, _HINT, timeout=TIMEOUT, content=content)
