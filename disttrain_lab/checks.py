@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import gloo_ops, integrity, wire
+from . import integrity, wire
 from .events import P2P_OPS, Event, Run
 from .integrity import TamperingError
 
@@ -31,7 +31,7 @@ RECV_OPS = ("recv", "irecv")
 
 # Default tolerances per dtype (rtol, atol): a sum of a few values in another order
 # differs by a few ulps, which these allow; integers must match exactly.
-_TOLERANCES = {
+TOLERANCES = {
     torch.float16: (1e-3, 1e-3),
     torch.bfloat16: (1.6e-2, 1e-2),
     torch.float32: (1.3e-6, 1e-5),
@@ -39,6 +39,7 @@ _TOLERANCES = {
 }
 
 __all__ = [
+    "TOLERANCES",
     "passed",
     "assert_close",
     "sample_tensor",
@@ -48,8 +49,6 @@ __all__ = [
     "receives",
     "assert_traffic",
     "assert_messages",
-    "assert_carried",
-    "assert_sums_carried",
     "WIRE_SLACK",
     "verify_untampered",
     "TamperingError",
@@ -97,7 +96,7 @@ def assert_close(
         )
     a, e = actual.detach().cpu(), expected.detach().cpu()
     if a.is_floating_point() or a.is_complex():
-        default_rtol, default_atol = _TOLERANCES.get(a.dtype, (1e-6, 1e-6))
+        default_rtol, default_atol = TOLERANCES.get(a.dtype, (1e-6, 1e-6))
         rtol = default_rtol if rtol is None else rtol
         atol = default_atol if atol is None else atol
         bad = ~torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
@@ -248,114 +247,6 @@ def assert_traffic(run, expected: dict[tuple[int, int], int], case: str) -> None
                     else "Something moved that the exercise does not need."
                 )
             )
-
-
-def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str) -> None:
-    """Fail unless the data from rank ``src`` to rank ``dst`` carried each tensor of
-    ``expected[(src, dst)]``, whole and in that order (``src`` None: from one rank or another, as in
-    a tree): its bytes as the grader's packet capture saw
-    them cross (``run.timeline`` of a ``dl.exercise.run(..., content=True)``).  The bytes counted
-    on a connection say how much crossed; this says *what* did, so data passed some other way
-    (a file, shared memory) with junk of the right size on the wire fails.  In the student's own
-    notebook there is no capture: nothing is checked there (``wire.Timeline.carries``).
-
-    >>> assert_carried(run, {(0, 1): [x], (1, 0): [x]}, "ping_pong on 2 ranks")
-    """
-    for (src, dst), tensors in expected.items():
-        messages = [t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
-        senders = [src] if src is not None else [r for r in range(run.world_size) if r != dst]
-        try:
-            found = max(run.timeline.carries(a, dst, messages) for a in senders)
-        except gloo_ops.NotGloo as e:
-            raise AssertionError(
-                f"{case}: the bytes to rank {dst} are not gloo's messages ({e}); the ranks must talk through "
-                "torch.distributed alone"
-            ) from None
-        if found < len(messages):
-            sender = f"rank {src}" if src is not None else "the other ranks"
-            raise AssertionError(
-                f"{case}: the data from {sender} to rank {dst} should carry {len(messages)} message(s) of the "
-                f"tensor's own bytes ({len(messages[0]):,} each), in order; the grader's capture of the wire found "
-                f"{found} of them. What a rank sends must be the data itself: values that arrive some other way, "
-                "with other bytes sent in their place, do not count"
-            )
-
-
-def _piece_of(values: torch.Tensor, total: torch.Tensor, terms: int) -> bool:
-    """Whether ``values`` equal ``total[o:o + len(values)]`` for some offset o, within the dtype's
-    tolerance for a sum of ``terms`` values added in any order (integers exactly)."""
-    length = values.numel()
-    if length == 0:
-        return True
-    if length > total.numel():
-        return False
-    if values.dtype.is_floating_point:
-        rtol, atol = (terms * t for t in _TOLERANCES.get(values.dtype, (1e-6, 1e-6)))
-        a, e = values.double(), total.double()
-    else:
-        rtol = atol = 0.0
-        a, e = values.long(), total.long()
-    windows = e.unfold(0, length, 1)  # (offsets, length): a view, nothing copied
-    head = min(length, 4)
-    near = torch.isclose(windows[:, :head], a[:head].expand(windows.shape[0], head), rtol=rtol, atol=atol)
-    for offset in near.all(dim=1).nonzero().flatten()[:64].tolist():
-        if bool(torch.isclose(windows[offset], a, rtol=rtol, atol=atol).all()):
-            return True
-    return False
-
-
-def _ranks(ranks: frozenset[int]) -> str:
-    return "rank " + str(min(ranks)) if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
-
-
-def assert_sums_carried(
-    run, flats: Sequence[torch.Tensor], expected: dict[tuple[int, int], list[list[frozenset[int]]]], case: str
-) -> None:
-    """Fail unless every message rank ``src`` sent rank ``dst`` held, value for value, a piece (a run
-    of consecutive elements) of a sum of the ranks' ``flats``: message i the sum over one of the
-    sets of ranks ``expected[(src, dst)][i]`` lists, as the grader's packet capture saw it cross
-    (``run.timeline`` of a ``dl.exercise.run(..., content=True)``).  A reduction's messages carry
-    partial sums whose values depend on the algorithm, so ``assert_carried`` cannot look for them
-    whole; this holds each to the sum it must be (floats within the dtype's tolerance for that many
-    terms, added in any order), so junk of the right size, with the data passed some other way,
-    fails.  In the student's own notebook there is no capture: nothing is checked there.
-
-    >>> assert_sums_carried(run, flats, {(0, 1): [[frozenset({0})], [frozenset({0, 2})]]}, "ring on 3 ranks")
-    """
-    flat = [f.detach().cpu().reshape(-1) for f in flats]
-    sums: dict[frozenset[int], torch.Tensor] = {}
-    for (src, dst), allowed in expected.items():
-        try:
-            got = run.timeline.messages(src, dst)
-        except gloo_ops.NotGloo as e:
-            raise AssertionError(
-                f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
-                "talk through torch.distributed alone"
-            ) from None
-        if got is None:
-            continue
-        if len(got) != len(allowed):
-            raise AssertionError(
-                f"{case}: rank {src} should send rank {dst} {len(allowed)} message(s); the grader's capture of the "
-                f"wire found {len(got)}"
-            )
-        for i, (payload, sets) in enumerate(zip(got, allowed)):
-            size = flat[0].element_size()
-            values = None if len(payload) % size else torch.frombuffer(bytearray(payload), dtype=flat[0].dtype)
-            for ranks in sets:
-                if ranks not in sums:
-                    sums[ranks] = torch.stack([flat[r].double() for r in sorted(ranks)]).sum(0).to(flat[0].dtype)
-                if values is not None and _piece_of(values, sums[ranks], len(ranks)):
-                    break
-            else:
-                want = " or ".join(f"{_ranks(r)}" for r in sets)
-                shown = "not a whole number of elements" if values is None else f"{values.numel():,} values"
-                raise AssertionError(
-                    f"{case}: message {i + 1} of {len(allowed)} from rank {src} to rank {dst} should hold a piece of "
-                    f"the sum of {want}'s data (that step's partial sum); the grader's capture of the wire found "
-                    f"{len(payload):,} bytes that are no such piece ({shown}). What a rank sends must be the data "
-                    "itself: values that arrive some other way, with other bytes sent in their place, do not count"
-                )
 
 
 def assert_messages(run, expected: dict[tuple[int, int], tuple[int, ...]], case: str, hint: str = "") -> None:

@@ -157,7 +157,7 @@ def run(
     ``device`` and ``network`` are ``dl.launch``'s.  ``timeline``: ``run.timeline`` holds when
     each segment of data crossed between which ranks, captured from the wire under grading
     (``wire.Timeline``; in the student's own kernel, the ranks' traced sends).  ``content``: it also
-    holds what each connection carried (``Timeline.carries``, ``checks.assert_carried``), captured
+    holds what each connection carried (``Timeline.carries``, ``carried.assert_carried``), captured
     under grading; the student's own kernel has no capture, and there nothing is checked.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .. import checks, exercise
+from .. import carried, checks, exercise
 from ..exercise import ExerciseRun
 
 __all__ = [
@@ -36,7 +36,7 @@ def check_ping_pong(n: int, numel: int, repeats: int, dtype: torch.dtype) -> Non
         checks.assert_close(run.results[rank], data, what=f"{case}: rank {rank}'s returned tensor")
     nbytes = numel * data.element_size()
     checks.assert_traffic(run, {(0, 1): repeats * nbytes, (1, 0): repeats * nbytes}, case)
-    checks.assert_carried(run, {(0, 1): [data] * repeats, (1, 0): [data] * repeats}, case)
+    carried.assert_carried(run, {(0, 1): [data] * repeats, (1, 0): [data] * repeats}, case)
     crossed = run.timeline.directions()  # when the data crossed, between which ranks: the wire, when graded
     assert crossed == [(0, 1), (1, 0)] * repeats, (
         f"{case}: the data should cross as {repeats} round trips, rank 0 to rank 1 and back, each ping waiting "
@@ -73,7 +73,7 @@ def check_ring_shift(n: int, shape: tuple, dtype: torch.dtype) -> None:
         checks.assert_close(out, xs[(rank - 1) % n], what=f"{case}: rank {rank}'s result")
     nbytes = xs[0].numel() * xs[0].element_size()
     checks.assert_traffic(run, {(rank, (rank + 1) % n): nbytes for rank in range(n)}, case)
-    checks.assert_carried(run, {(rank, (rank + 1) % n): [xs[rank]] for rank in range(n)}, case)
+    carried.assert_carried(run, {(rank, (rank + 1) % n): [xs[rank]] for rank in range(n)}, case)
     checks.assert_only_p2p(run.trace, "ring_shift")
     for rank in range(n):
         sent = checks.sends(run.trace, rank)
@@ -119,7 +119,7 @@ def check_broadcast_linear(n: int, shape: tuple, dtype: torch.dtype, src: int) -
     )
     nbytes = run.results[src].numel() * run.results[src].element_size()
     checks.assert_traffic(run, {(src, r): nbytes for r in range(n) if r != src}, case)
-    checks.assert_carried(run, {(src, r): [run.results[src]] for r in range(n) if r != src}, case)
+    carried.assert_carried(run, {(src, r): [run.results[src]] for r in range(n) if r != src}, case)
 
 
 def check_broadcast_tree(n: int, shape: tuple, dtype: torch.dtype, src: int) -> None:
@@ -138,7 +138,7 @@ def check_broadcast_tree(n: int, shape: tuple, dtype: torch.dtype, src: int) -> 
         f"{case}: the source should send at most {best} × {nbytes:,} bytes, the operating system counted "
         f"{counted:,} ({run.traffic.describe()})"
     )
-    checks.assert_carried(run, {(None, r): [run.results[src]] for r in range(n) if r != src}, case)
+    carried.assert_carried(run, {(None, r): [run.results[src]] for r in range(n) if r != src}, case)
     assert run.trace.rounds() <= best, (
         f"{case}: a binomial tree needs ceil(log2 {n}) = {best} rounds, this took {run.trace.rounds()} "
         f"(a rank that received in round r should forward in round r+1)"
@@ -159,7 +159,7 @@ def check_scatter(n: int, shape: tuple, dtype: torch.dtype, src: int) -> None:
         checks.assert_close(out, chunks[rank], what=f"{case}: rank {rank}'s chunk")
     nbytes = chunks[0].numel() * chunks[0].element_size()
     checks.assert_traffic(run, {(src, r): nbytes for r in range(n) if r != src}, case)
-    checks.assert_carried(run, {(src, r): [chunks[r]] for r in range(n) if r != src}, case)
+    carried.assert_carried(run, {(src, r): [chunks[r]] for r in range(n) if r != src}, case)
     student = run.trace
     checks.assert_only_p2p(student, "scatter")
     sent = sorted(e.peer for e in checks.sends(student, src))
@@ -195,7 +195,7 @@ def check_gather(n: int, shape: tuple, dtype: torch.dtype, dst: int) -> None:
         assert rank == dst or other is None, f"{case}: rank {rank} is not dst and should return None, got {other!r:.80}"
     nbytes = xs[0].numel() * xs[0].element_size()
     checks.assert_traffic(run, {(r, dst): nbytes for r in range(n) if r != dst}, case)
-    checks.assert_carried(run, {(r, dst): [xs[r]] for r in range(n) if r != dst}, case)
+    carried.assert_carried(run, {(r, dst): [xs[r]] for r in range(n) if r != dst}, case)
     student = run.trace
     checks.assert_only_p2p(student, "gather")
     got = sorted(e.peer for e in checks.receives(student, dst))

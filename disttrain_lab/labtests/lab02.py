@@ -4,7 +4,7 @@ computed in one process (what ``dist.all_reduce`` gives), and reads what the alg
 the operating system: the bytes on each connection, which under gloo's protocol fix how many
 messages crossed and how big they were (``checks.assert_messages``), and what each message held,
 from the grader's capture of the wire: a ring's partial sums, each the sum of the ranks it has
-passed (``checks.assert_sums_carried``), an all-gather's chunks whole (``checks.assert_carried``).
+passed (``carried.assert_sums_carried``), an all-gather's chunks whole (``carried.assert_carried``).
 Two rules still read the
 ranks' own trace: that only send/recv were called (the wire backs it: gloo's collectives put other
 bytes there), and the number of rounds (a rank's call times; the wire cannot tell a rank that
@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import checks, exercise, wire
+from .. import carried, checks, exercise, wire
 from ..exercise import ExerciseRun
 from . import common
 
@@ -141,8 +141,8 @@ def check_naive_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.floa
     )
     if contiguous:  # (a non-contiguous x's bytes may cross in its memory's order or in its own)
         flats, everyone = _flats(n, shape, dtype), frozenset(range(n))
-        checks.assert_carried(run, {(r, 0): [flats[r]] for r in range(1, n)}, case)
-        checks.assert_sums_carried(run, flats, {(0, r): [[everyone]] for r in range(1, n)}, case)
+        carried.assert_carried(run, {(r, 0): [flats[r]] for r in range(1, n)}, case)
+        carried.assert_sums_carried(run, flats, {(0, r): [[everyone]] for r in range(1, n)}, case)
 
 
 def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.float32) -> None:
@@ -172,7 +172,7 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
         )
         # step s: rank r passes on the chunk it has just added its own to, the sum of ranks r-s, ..., r
         ring = {(r, (r + 1) % n): [[_ring(r, s, n)] for s in range(n - 1)] for r in range(n)}
-        checks.assert_sums_carried(run, flats, ring, case)
+        carried.assert_sums_carried(run, flats, ring, case)
         rounds = run.trace.rounds()
         assert rounds == n - 1, (
             f"{case}: reduce-scatter on a ring takes N-1 = {n - 1} steps, this took {rounds} "
@@ -213,7 +213,7 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
         )
         # step s: rank r passes chunk r - s (its own first, then each one it has just received)
         pieces = [_piece(r, n, numel, dtype) for r in range(n)]
-        checks.assert_carried(
+        carried.assert_carried(
             run, {(r, (r + 1) % n): [pieces[(r - s) % n] for s in range(n - 1)] for r in range(n)}, case
         )
         rounds = run.trace.rounds()
@@ -330,7 +330,7 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
     if contiguous:  # the reduce-scatter's partial sums (the ranks passed so far), then the all-gather's totals
         everyone = frozenset(range(n))
         sums = [[[_ring(r, s, n)] for s in range(n - 1)] + [[everyone]] * (n - 1) for r in range(n)]
-        checks.assert_sums_carried(run, _flats(n, shape, dtype), {(r, (r + 1) % n): sums[r] for r in range(n)}, case)
+        carried.assert_sums_carried(run, _flats(n, shape, dtype), {(r, (r + 1) % n): sums[r] for r in range(n)}, case)
     rounds = run.trace.rounds()
     assert rounds == 2 * (n - 1), (
         f"{case}: a ring all-reduce takes 2(N-1) = {2 * (n - 1)} steps (N-1 of reduce-scatter, N-1 of "
@@ -366,7 +366,7 @@ def check_halving_doubling_all_reduce(
         everyone = frozenset(range(n))
         partners = [(rank, rank ^ d) for rank in range(n) for d in (2**k for k in range(int(math.log2(n))))]
         sums = {(a, b): [_cosets(a, n, b), [everyone]] for a, b in partners}
-        checks.assert_sums_carried(run, _flats(n, shape, dtype), sums, case)
+        carried.assert_sums_carried(run, _flats(n, shape, dtype), sums, case)
     best = 2 * int(math.log2(n))
     rounds = run.trace.rounds()
     assert rounds == best, (
@@ -442,7 +442,7 @@ def check_pipelined_ring_all_reduce(
             sums = [[_ring(r, s, n) for s in range(n - 1)] + [frozenset(range(n))] for r in range(n)]
             per_rank = 2 * (n - 1) * segments  # (a step's segments may cross before the step before has ended)
             expected = {(r, (r + 1) % n): [sums[r]] * per_rank for r in range(n)}
-            checks.assert_sums_carried(run, _flats(n, shape, dtype), expected, case)
+            carried.assert_sums_carried(run, _flats(n, shape, dtype), expected, case)
     else:  # empty segments: a rank may send them or not, so the messages' number is a range
         chunks = _chunks(n, numel, dtype)
         least, most = 2 * (sum(chunks) - max(chunks)), 2 * (sum(chunks) - min(chunks))

@@ -208,7 +208,7 @@ def ping_pong(x, repeats=1):
 
 # 10. The data passed through shared memory, as in 7, and junk of the right sizes sent in the
 # ping-pong's order: the bytes counted and their order are right, not what they carry (the capture
-# keeps the payloads: checks.assert_carried)
+# keeps the payloads: carried.assert_carried)
 SHARED_MEMORY_AND_JUNK = """
 import os, time
 import torch

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import disttrain_lab as dl
-from disttrain_lab import checks
+from disttrain_lab import carried, checks
 from disttrain_lab.trace import Event, Run
 
 # ----------------------------------------------------------------------------------------
@@ -192,15 +192,15 @@ def test_assert_sums_carried_holds_each_message_to_its_partial_sum(dtype):
     want = {(0, 1): [[frozenset({0})], [frozenset({0, 2})]]}
     # rank 0 sends its own chunk 2, then chunk 1 summed with rank 2's (added in the ring's order, in the dtype)
     honest = _captured({(0, 1): [_sent(flats[0][8:], flats[2][4:8] + flats[0][4:8])]})
-    checks.assert_sums_carried(honest, flats, want, "ring")
+    carried.assert_sums_carried(honest, flats, want, "ring")
     junk = _captured({(0, 1): [_sent(flats[0][8:], torch.zeros(4, dtype=dtype))]})
     with pytest.raises(AssertionError, match=r"message 2 of 2 from rank 0 to rank 1 .* ranks 0, 2's data"):
-        checks.assert_sums_carried(junk, flats, want, "ring")
+        carried.assert_sums_carried(junk, flats, want, "ring")
     own = _captured({(0, 1): [_sent(flats[0][8:], flats[0][4:8])]})  # its own data where the sum was due
     with pytest.raises(AssertionError, match="no such piece"):
-        checks.assert_sums_carried(own, flats, want, "ring")
+        carried.assert_sums_carried(own, flats, want, "ring")
     with pytest.raises(AssertionError, match="should send rank 1 2 message"):
-        checks.assert_sums_carried(_captured({(0, 1): [_sent(flats[0][8:])]}), flats, want, "ring")
+        carried.assert_sums_carried(_captured({(0, 1): [_sent(flats[0][8:])]}), flats, want, "ring")
     not_gloo = _captured({(0, 1): [b"\0" * 100]})
     with pytest.raises(AssertionError, match="from rank 0 to rank 1 are not gloo's messages"):
-        checks.assert_sums_carried(not_gloo, flats, want, "ring")
+        carried.assert_sums_carried(not_gloo, flats, want, "ring")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import __main__
-from disttrain_lab import checks, exercise, hangs, pool, protocol, serving, wire
+from disttrain_lab import carried, checks, exercise, hangs, pool, protocol, serving, wire
 from disttrain_lab.devices import plan
 from tests.helpers import observed_from_outside
 
@@ -474,15 +474,15 @@ def test_the_wire_must_carry_the_data_itself():
     finally:
         del __main__.zeros_on_the_wire
     assert honest.timeline.source == junk.timeline.source == "wire"
-    checks.assert_carried(honest, {(0, 1): [x] * 3, (1, 0): [x] * 3}, "ping_pong")
+    carried.assert_carried(honest, {(0, 1): [x] * 3, (1, 0): [x] * 3}, "ping_pong")
     checks.assert_traffic(junk, {(0, 1): 3 * x.numel() * 4, (1, 0): 3 * x.numel() * 4}, "zeros")  # sizes right
     assert junk.timeline.directions() == [(0, 1), (1, 0)] * 3  # order right
     with pytest.raises(AssertionError, match=r"from rank 0 to rank 1 should carry 3 message\(s\).*found 0 of them"):
-        checks.assert_carried(junk, {(0, 1): [x] * 3}, "zeros")
+        carried.assert_carried(junk, {(0, 1): [x] * 3}, "zeros")
     assert junk.timeline.carries(0, 1, [torch.zeros(4096).numpy().tobytes()] * 3) == 3  # what it did carry
     # in the student's own kernel there is no capture: nothing to check, and nothing fails
     assert own.timeline.source == "trace"
-    checks.assert_carried(own, {(0, 1): [torch.arange(64.0)]}, "zeros, in the student's kernel")
+    carried.assert_carried(own, {(0, 1): [torch.arange(64.0)]}, "zeros, in the student's kernel")
 
 
 def test_the_students_own_run_shows_the_traces_sends_as_its_timeline():

@@ -430,7 +430,7 @@ def _reduce_scatter_by_shared_memory(flat):
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_a_reductions_messages_carry_its_partial_sums(solution):
     """#42: a reduction's messages hold partial sums, each the sum of the ranks it has passed
-    (``checks.assert_sums_carried``, from the grader's capture): the solution's five all-reduces
+    (``carried.assert_sums_carried``, from the grader's capture): the solution's five all-reduces
     pass on the graded shapes; a ring reduce-scatter whose messages have the right count, size and
     order but carry each rank's own chunk, the sums made from data passed through /dev/shm, fails."""
     import __main__

@@ -331,6 +331,77 @@ def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, mon
             lab05.check_1f1b(3, batch=10, m=4)
 
 
+def _naive_by_shared_memory(stage, x, y):
+    """The naive schedule's messages, of their sizes and order, that carry zeros: the activation and the
+    gradient reach the other stage through /dev/shm instead."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    step = stage.__dict__.setdefault("calls", 0)
+    stage.calls += 1
+    path = f"/dev/shm/lab05-test-{os.getppid()}-{step}"
+
+    def put(name, t):
+        torch.save(t.detach().clone(), f"{path}-{name}.part")
+        os.replace(f"{path}-{name}.part", f"{path}-{name}")
+
+    def get(name):
+        deadline = time.monotonic() + 10
+        while not os.path.exists(f"{path}-{name}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return torch.load(f"{path}-{name}")
+
+    inputs = x
+    if not stage.is_first:
+        dist.recv(torch.empty(len(x), stage.input_width), src=stage.index - 1)  # junk
+        inputs = get(f"act{stage.index - 1}").requires_grad_()
+    outputs = stage.forward(inputs, 0)
+    loss = None
+    if stage.is_last:
+        loss = F.mse_loss(outputs, y)
+        stage.backward(loss, None, 0)
+    else:
+        put(f"act{stage.index}", outputs)
+        dist.send(torch.zeros_like(outputs), dst=stage.index + 1)
+        dist.recv(torch.empty_like(outputs), src=stage.index + 1)  # junk
+        stage.backward(outputs, get(f"grad{stage.index + 1}"), 0)
+    if not stage.is_first:
+        put(f"grad{stage.index}", inputs.grad)
+        dist.send(torch.zeros_like(inputs.grad), dst=stage.index - 1)
+    return loss.item() if loss is not None else None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_pipelines_messages_carry_its_activations_and_gradients(solution, monkeypatch):
+    """#42: every activation and gradient that crossed a link holds its values as one process computes
+    them (``content.check_wire_content``, from the grader's capture): the solution's naive step and
+    GPipe pass; a naive step whose messages have the right count, size and order but carry zeros, the
+    activations and gradients passed through /dev/shm, trains right and fails."""
+    from pathlib import Path
+
+    import __main__
+    from disttrain_lab.labtests import lab05
+
+    for name in FUNCTIONS:
+        monkeypatch.setattr(__main__, name, solution[name], raising=False)
+    try:
+        with observed_from_outside():
+            lab05.check_naive(3, batch=8, steps=2)
+            lab05.check_gpipe(2, batch=10, m=3)
+            monkeypatch.setattr(__main__, "naive_step", _naive_by_shared_memory)
+            with pytest.raises(AssertionError) as caught:
+                lab05.check_naive(3, batch=8, steps=2)
+    finally:
+        for left in Path("/dev/shm").glob(f"lab05-test-{os.getpid()}-*"):
+            left.unlink()
+    said = str(caught.value)
+    assert "activation or gradient message 1 of 2 from rank 0 to rank 1" in said and "holds none of the values" in said
+
+
 def _notebook_with(exercise: str, wrong: str, test_id: str) -> nbformat.NotebookNode:
     """The setup, Stage, every exercise (one of them changed), the test helpers and one graded cell."""
     lab = load(LAB)

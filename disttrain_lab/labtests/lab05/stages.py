@@ -121,14 +121,16 @@ def one_f_one_b_order(stage: int, p: int, m: int) -> list[str]:
     return order + [f"B{i}" for i in range(m - warmup, m)]
 
 
-def _launch(case: str, p: int, driver: Callable, *args, timeline: bool = True) -> ExerciseRun:
+def _launch(case: str, p: int, driver: Callable, *args, timeline: bool = True, content: bool = False) -> ExerciseRun:
     """``driver(*args)`` on p ranks, where the notebook's code runs; only data comes back (a dl.exercise run),
-    and, with ``timeline``, when the data crossed (the grader's capture, about 0.1 s a run)."""
+    and, with ``timeline``, when the data crossed (the grader's capture, about 0.1 s a run); with ``content``,
+    what it carried too (for ``content.check_wire_content``; not where the wire is timed: copying payloads
+    lags the capture's clock)."""
     hint = (
         "does every recv have a matching send, in the same order on both sides (and sends that cannot block "
         "each other)?"
     )
-    return common.run_or_fail(driver, p, args, case, hint, timeout=60, timeline=timeline)
+    return common.run_or_fail(driver, p, args, case, hint, timeout=60, timeline=timeline, content=content)
 
 
 def _schedule(run: ExerciseRun) -> Run:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ... import checks, models, viz
 from ...exercise import ExerciseRun
+from .content import check_wire_content
 from .order import _check_wire_order, _messages
 from .stages import (
     _DRIVERS,
@@ -41,7 +42,7 @@ def _check_pipeline(
     student's own notebook, also every stage's F/B order as its trace has it (a finer hint; the grade reads
     the wire)."""
     case = f"{name} on {p} stages (batch {batch}, {m} micro-batches, {steps} steps)"
-    run = _launch(case, p, driver or _DRIVERS[name], batch, steps, kwargs)
+    run = _launch(case, p, driver or _DRIVERS[name], batch, steps, kwargs, content=True)
     checks.assert_only_p2p(run.trace, name)
     checks.assert_messages(
         run,
@@ -51,6 +52,7 @@ def _check_pipeline(
         "to the previous stage only, one message each.",
     )
     _check_wire_order(case, run, p, batch, m, steps, name)
+    check_wire_content(case, run, p, batch, m, steps)
     if run.timeline.source == "trace":  # the student's own run: the stages' own F/B order, as a finer hint
         schedule = _schedule(run)
         for rank in range(p):

@@ -4,7 +4,7 @@ kernel and defined there among the notebook's names), and compares what came bac
 computed here: the top-k of the same data, sums in rank order, quantization bounds, DDP training with
 torch's own all-reduce or ``powerSGD_hook``.  The data the sparse and INT8 all-reduces sent is read
 from the wire (``common._data_sent``: the payload of each gloo send, from the grader's capture), and
-each rank's top-k values and indices must reach every other rank (``checks.assert_carried``); the
+each rank's top-k values and indices must reach every other rank (``carried.assert_carried``); the
 hooks' bytes (exercises 5 and 6: DDP's own traffic rides beside them) still come from the ranks' trace.
 
 A later exercise is graded on the student's earlier piece only when that piece passed its graded cell

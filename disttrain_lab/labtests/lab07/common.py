@@ -98,5 +98,5 @@ def _data_sent(run: ExerciseRun, rank: int) -> int:
 
 def _run(target: str | Callable, n: int, inputs, case: str, content: bool = False) -> ExerciseRun:
     """``target`` on n ranks; ranks that do not finish fail the test, saying which case (``content``: the
-    grader's capture keeps what crossed, for ``_data_sent`` and ``checks.assert_carried``)."""
+    grader's capture keeps what crossed, for ``_data_sent`` and ``carried.assert_carried``)."""
     return common.run_or_fail(target, n, inputs, case, _HINT, timeout=TIMEOUT, content=content)

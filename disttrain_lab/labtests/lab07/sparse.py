@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import checks, exercise
+from ... import carried, checks, exercise
 from .common import GRADED_PASSED, TIMEOUT, _check_topk_of, _data_sent, _integers, _run, _spread
 from .ranks import _feedback_steps, _topk_round_trip
 
@@ -134,8 +134,8 @@ def check_sparse_all_reduce(n: int, numel: int, density: float) -> None:
     for rank, (values, indices) in enumerate(pieces):
         for other in range(n):
             if other != rank:
-                checks.assert_carried(run, {(None, other): [values]}, f"{case}: rank {rank}'s values")
-                checks.assert_carried(run, {(None, other): [indices]}, f"{case}: rank {rank}'s indices")
+                carried.assert_carried(run, {(None, other): [values]}, f"{case}: rank {rank}'s values")
+                carried.assert_carried(run, {(None, other): [indices]}, f"{case}: rank {rank}'s indices")
 
 
 # --------------------------------------------------------------------------------------
