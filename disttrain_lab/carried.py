@@ -27,6 +27,24 @@ from . import checks, gloo_ops
 __all__ = ["assert_carried", "assert_sums_carried", "assert_values_carried"]
 
 
+def _sent(run, src: int, dst: int, count: int, case: str, what: str = "message") -> list[bytes] | None:
+    """The payload of each message ``src`` sent ``dst`` as the grader's capture read them (None where there
+    is no capture), failing unless there are ``count`` of them and they are gloo's operations."""
+    try:
+        got = run.timeline.messages(src, dst)
+    except gloo_ops.NotGloo as e:
+        raise AssertionError(
+            f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must talk "
+            "through torch.distributed alone"
+        ) from None
+    if got is not None and len(got) != count:
+        raise AssertionError(
+            f"{case}: rank {src} should send rank {dst} {count} {what}(s); the grader's capture of the wire found "
+            f"{len(got)}"
+        )
+    return got
+
+
 def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str) -> None:
     """Fail unless the data from rank ``src`` to rank ``dst`` carried each tensor of
     ``expected[(src, dst)]``, whole and in that order (``src`` None: from one rank or another, as in
@@ -102,14 +120,9 @@ def assert_sums_carried(
     flat = [f.detach().cpu().reshape(-1) for f in flats]
     sums: dict[frozenset[int], torch.Tensor] = {}
     for (src, dst), allowed in expected.items():
-        got = _messages_of(run, src, dst, case)
+        got = _sent(run, src, dst, len(allowed), case)
         if got is None:
             continue
-        if len(got) != len(allowed):
-            raise AssertionError(
-                f"{case}: rank {src} should send rank {dst} {len(allowed)} message(s); the grader's capture of the "
-                f"wire found {len(got)}"
-            )
         for i, (payload, sets) in enumerate(zip(got, allowed)):
             size = flat[0].element_size()
             values = None if len(payload) % size else torch.frombuffer(bytearray(payload), dtype=flat[0].dtype)
@@ -127,16 +140,6 @@ def assert_sums_carried(
                     f"{len(payload):,} bytes that are no such piece ({shown}). What a rank sends must be the data "
                     "itself: values that arrive some other way, with other bytes sent in their place, do not count"
                 )
-
-
-def _messages_of(run, src: int, dst: int, case: str) -> list[bytes] | None:
-    try:
-        return run.timeline.messages(src, dst)
-    except gloo_ops.NotGloo as e:
-        raise AssertionError(
-            f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must talk "
-            "through torch.distributed alone"
-        ) from None
 
 
 def assert_values_carried(
@@ -158,14 +161,9 @@ def assert_values_carried(
     >>> assert_values_carried(run, {(0, 1): [[a0, a1], [a0, a1]]}, "gpipe", rtol=1e-4, atol=1e-5)
     """
     for (src, dst), allowed in expected.items():
-        got = _messages_of(run, src, dst, case)
+        got = _sent(run, src, dst, len(allowed), case, what)
         if got is None:
             continue
-        if len(got) != len(allowed):
-            raise AssertionError(
-                f"{case}: rank {src} should send rank {dst} {len(allowed)} {what}(s); the grader's capture of the "
-                f"wire found {len(got)}"
-            )
         for i, (payload, candidates) in enumerate(zip(got, allowed)):
             for want in candidates:
                 flat = want.detach().cpu().reshape(-1)

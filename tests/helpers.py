@@ -160,3 +160,37 @@ def observed_from_outside():
         yield
     finally:
         exercise.use_runner(None)
+
+
+# --------------------------------------------------------------------------------------
+# A side channel for the tests' attacks: what ranks could pass each other off the wire
+
+
+def shm_path(test: str, key) -> str:
+    """A /dev/shm name for one run of an attack in ``test`` (the ranks' parent's pid in it, so that two runs
+    apart never meet; ``shm_clear(test)`` removes them after)."""
+    return f"/dev/shm/{test}-{os.getppid()}-{key}"
+
+
+def shm_put(path: str, value) -> None:
+    """Pass ``value`` (tensors) to the other ranks: written whole, then renamed into place."""
+    import torch
+
+    torch.save(value, f"{path}.part")
+    os.replace(f"{path}.part", path)
+
+
+def shm_get(path: str, timeout: float = 10.0):
+    """What another rank passed (``shm_put``), once it is there."""
+    import torch
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return torch.load(path)
+
+
+def shm_clear(test: str) -> None:
+    """Remove what ``test``'s attacks left in /dev/shm (one test runs in one process at a time)."""
+    for left in Path("/dev/shm").glob(f"{test}-*"):
+        left.unlink(missing_ok=True)

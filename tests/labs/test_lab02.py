@@ -20,7 +20,6 @@ import copy
 import inspect
 import math
 import os
-from pathlib import Path
 
 import matplotlib
 import nbformat
@@ -30,7 +29,7 @@ import torch
 import disttrain_lab as dl
 from disttrain_lab import bench
 from disttrain_lab.labtests import common, lab02
-from tests.helpers import run_python
+from tests.helpers import run_python, shm_clear
 from tests.notebooks import (
     REPO,
     cell_by_id,
@@ -351,16 +350,13 @@ def test_what_a_ring_sent_is_the_operating_systems_count_not_its_trace():
 def _all_gather_by_shared_memory(flat):
     """A ring all-gather's messages, of its sizes and order, that carry zeros: the chunks reach every
     rank through /dev/shm instead."""
-    import os
-    import time
-
     import torch.distributed as dist
+
+    from tests.helpers import shm_get, shm_path, shm_put
 
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = flat.tensor_split(n)
-    path = f"/dev/shm/lab02-test-{os.getppid()}-{flat.numel()}"
-    torch.save(chunks[rank].clone(), f"{path}-{rank}.part")
-    os.replace(f"{path}-{rank}.part", f"{path}-{rank}")
+    shm_put(shm_path("lab02-test", f"{flat.numel()}-{rank}"), chunks[rank].clone())
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         outgoing, incoming = (rank - step) % n, (rank - step - 1) % n
@@ -368,10 +364,7 @@ def _all_gather_by_shared_memory(flat):
         dist.recv(torch.empty_like(chunks[incoming]), left)
         request.wait()
     for other in range(n):
-        deadline = time.monotonic() + 10
-        while not os.path.exists(f"{path}-{other}") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        chunks[other].copy_(torch.load(f"{path}-{other}"))
+        chunks[other].copy_(shm_get(shm_path("lab02-test", f"{flat.numel()}-{other}")))
     return flat  # (the test removes the files)
 
 
@@ -394,8 +387,7 @@ def test_an_all_gathers_messages_carry_the_chunks_themselves(solution):
                     lab02.check_ring_all_gather(4, 1001)
             finally:
                 del __main__.ring_all_gather
-                for left in Path("/dev/shm").glob(f"lab02-test-{os.getpid()}-*"):
-                    left.unlink()
+                shm_clear("lab02-test")
     said = str(caught.value)
     assert "from rank 0 to rank 1 should carry 3 message(s)" in said and "found 0 of them" in said, said
 
@@ -403,15 +395,12 @@ def test_an_all_gathers_messages_carry_the_chunks_themselves(solution):
 def _reduce_scatter_by_shared_memory(flat):
     """A ring reduce-scatter's messages, of its sizes and order, that carry each rank's own chunk
     instead of the partial sums: the sums are made from every rank's flat, passed through /dev/shm."""
-    import os
-    import time
-
     import torch.distributed as dist
 
+    from tests.helpers import shm_get, shm_path, shm_put
+
     rank, n = dist.get_rank(), dist.get_world_size()
-    path = f"/dev/shm/lab02-test-{os.getppid()}-{flat.numel()}"
-    torch.save(flat.clone(), f"{path}-{rank}.part")
-    os.replace(f"{path}-{rank}.part", f"{path}-{rank}")
+    shm_put(shm_path("lab02-test", f"{flat.numel()}-{rank}"), flat.clone())
     chunks = flat.tensor_split(n)
     for step in range(n - 1):
         send, into = (rank - step - 1) % n, (rank - step - 2) % n
@@ -420,10 +409,7 @@ def _reduce_scatter_by_shared_memory(flat):
         request.wait()
     total = torch.zeros_like(flat)
     for other in range(n):
-        deadline = time.monotonic() + 10
-        while not os.path.exists(f"{path}-{other}") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        total += torch.load(f"{path}-{other}")
+        total += shm_get(shm_path("lab02-test", f"{flat.numel()}-{other}"))
     return total.tensor_split(n)[rank].clone()
 
 
@@ -455,8 +441,7 @@ def test_a_reductions_messages_carry_its_partial_sums(solution):
         lab02.GRADED_PASSED.clear()
         for name in names:
             delattr(__main__, name)
-        for left in Path("/dev/shm").glob(f"lab02-test-{os.getpid()}-*"):
-            left.unlink()
+        shm_clear("lab02-test")
     said = str(caught.value)
     assert "message 2 of 3 from rank 0 to rank 1 should hold a piece of the sum of ranks 0, 3's data" in said, said
 

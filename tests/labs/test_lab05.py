@@ -29,7 +29,7 @@ import pytest
 import disttrain_lab as dl
 from disttrain_lab import bench
 from disttrain_lab.labtests import lab05
-from tests.helpers import gpu_count, needs_gpus, observed_from_outside, run_python, source_of
+from tests.helpers import gpu_count, needs_gpus, observed_from_outside, run_python, shm_clear, source_of
 from tests.notebooks import (
     REPO,
     add_wrong_answers,
@@ -334,26 +334,20 @@ def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, mon
 def _naive_by_shared_memory(stage, x, y):
     """The naive schedule's messages, of their sizes and order, that carry zeros: the activation and the
     gradient reach the other stage through /dev/shm instead."""
-    import os
-    import time
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from tests.helpers import shm_get, shm_path, shm_put
+
     step = stage.__dict__.setdefault("calls", 0)
     stage.calls += 1
-    path = f"/dev/shm/lab05-test-{os.getppid()}-{step}"
 
     def put(name, t):
-        torch.save(t.detach().clone(), f"{path}-{name}.part")
-        os.replace(f"{path}-{name}.part", f"{path}-{name}")
+        shm_put(shm_path("lab05-test", f"{step}-{name}"), t.detach().clone())
 
     def get(name):
-        deadline = time.monotonic() + 10
-        while not os.path.exists(f"{path}-{name}") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return torch.load(f"{path}-{name}")
+        return shm_get(shm_path("lab05-test", f"{step}-{name}"))
 
     inputs = x
     if not stage.is_first:
@@ -381,7 +375,6 @@ def test_a_pipelines_messages_carry_its_activations_and_gradients(solution, monk
     them (``content.check_wire_content``, from the grader's capture): the solution's naive step and
     GPipe pass; a naive step whose messages have the right count, size and order but carry zeros, the
     activations and gradients passed through /dev/shm, trains right and fails."""
-    from pathlib import Path
 
     import __main__
     from disttrain_lab.labtests import lab05
@@ -396,8 +389,7 @@ def test_a_pipelines_messages_carry_its_activations_and_gradients(solution, monk
             with pytest.raises(AssertionError) as caught:
                 lab05.check_naive(3, batch=8, steps=2)
     finally:
-        for left in Path("/dev/shm").glob(f"lab05-test-{os.getpid()}-*"):
-            left.unlink()
+        shm_clear("lab05-test")
     said = str(caught.value)
     assert "activation or gradient message 1 of 2 from rank 0 to rank 1" in said and "holds none of the values" in said
 

@@ -562,25 +562,19 @@ def test_cli_bench_compression_says_where_the_notebook_is_missing(tmp_path):
 
 def _sparse_by_shared_memory(values, indices, numel):
     """An all-gather of the pieces' sizes that carries zeros; the pieces reach every rank through /dev/shm."""
-    import os
-    import time
-
     import torch
     import torch.distributed as dist
 
+    from tests.helpers import shm_get, shm_path, shm_put
+
     rank, n = dist.get_rank(), dist.get_world_size()
-    path = f"/dev/shm/lab07-test-{os.getppid()}-{numel}"
-    torch.save((values.clone(), indices.clone()), f"{path}-{rank}.part")
-    os.replace(f"{path}-{rank}.part", f"{path}-{rank}")
+    shm_put(shm_path("lab07-test", f"{numel}-{rank}"), (values.clone(), indices.clone()))
     junk = [torch.zeros_like(values) for _ in range(n)], [torch.zeros_like(indices) for _ in range(n)]
     dist.all_gather(junk[0], torch.zeros_like(values))
     dist.all_gather(junk[1], torch.zeros_like(indices))
     dense = torch.zeros(numel)
     for other in range(n):
-        deadline = time.monotonic() + 10
-        while not os.path.exists(f"{path}-{other}") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        v, i = torch.load(f"{path}-{other}")
+        v, i = shm_get(shm_path("lab07-test", f"{numel}-{other}"))
         dense.index_add_(0, i, v)
     return dense
 
@@ -605,12 +599,10 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
     ranks' trace was the account before): the solution's sparse and INT8 all-reduces pass with and without
     a capture; pieces passed through /dev/shm with zeros on the wire fail (the values never crossed), and
     an INT8 all-reduce that all-gathers the fp32 gradient fails on its bytes."""
-    import os
-    from pathlib import Path
 
     import __main__
     from disttrain_lab import bench
-    from tests.helpers import observed_from_outside
+    from tests.helpers import observed_from_outside, shm_clear
 
     names = ["quantize_int8", "dequantize_int8", "sparse_all_reduce", "quantized_all_reduce"]
     solution = bench.functions_from_notebook(LAB, names)
@@ -631,8 +623,7 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
     finally:
         for name in names:
             delattr(__main__, name)
-        for left in Path("/dev/shm").glob(f"lab07-test-{os.getpid()}-*"):
-            left.unlink()
+        shm_clear("lab07-test")
     said = str(shared.value)
     assert "rank 0's values: the data from the other ranks to rank 1 should carry 1 message(s)" in said, said
     said = str(dense.value)

@@ -96,6 +96,18 @@ def _data_sent(run: ExerciseRun, rank: int) -> int:
     return total
 
 
+def _assert_pieces_sent(run: ExerciseRun, rank: int, piece: int, what: str, numel: int, case: str) -> None:
+    """Rank ``rank`` put at most N-1 times its compressed piece (``piece`` bytes of ``what``) on the wire
+    (``_data_sent``): each other rank needs it once, and an all-gather relays the others' pieces, of the
+    same size; never the dense gradient (``numel`` fp32 entries)."""
+    n, sent = run.world_size, _data_sent(run, rank)
+    assert sent <= (n - 1) * piece, (
+        f"{case}: rank {rank} put {sent} B of data on the wire; its {what} are {piece} B, which each of the "
+        f"other {n - 1} ranks needs once: at most {(n - 1) * piece} B (an all-gather relays the others' pieces, "
+        f"of the same size). The dense gradient is {4 * numel} B"
+    )
+
+
 def _run(target: str | Callable, n: int, inputs, case: str, content: bool = False) -> ExerciseRun:
     """``target`` on n ranks; ranks that do not finish fail the test, saying which case (``content``: the
     grader's capture keeps what crossed, for ``_data_sent`` and ``carried.assert_carried``)."""

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ... import checks
-from .common import _data_sent, _run
+from .common import _assert_pieces_sent, _run
 from .ranks import _quantize_case
 
 
@@ -73,10 +73,4 @@ def check_quantized_all_reduce(n: int, numel: int, chunk_size: int) -> None:
             total, run.results[0], what=f"{case}: rank {rank}'s result, against rank 0's (add in rank order)"
         )
         expected_bytes = numel + 4 * math.ceil(numel / chunk_size)
-        sent = _data_sent(run, rank)
-        assert sent <= (n - 1) * expected_bytes, (
-            f"{case}: rank {rank} put {sent} B of data on the wire; its int8 entries + fp32 scales are "
-            f"{expected_bytes} B, which each of the other {n - 1} ranks needs once: at most "
-            f"{(n - 1) * expected_bytes} B (an all-gather relays the others' pieces, of the same size). The dense "
-            f"gradient is {4 * numel} B"
-        )
+        _assert_pieces_sent(run, rank, expected_bytes, "int8 entries + fp32 scales", numel, case)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from ... import carried, checks, exercise
-from .common import GRADED_PASSED, TIMEOUT, _check_topk_of, _data_sent, _integers, _run, _spread
+from .common import GRADED_PASSED, TIMEOUT, _assert_pieces_sent, _check_topk_of, _integers, _run, _spread
 from .ranks import _feedback_steps, _topk_round_trip
 
 
@@ -123,13 +123,7 @@ def check_sparse_all_reduce(n: int, numel: int, density: float) -> None:
         )
         values, indices = pieces[rank]
         compressed = values.numel() * (values.element_size() + indices.element_size())
-        sent = _data_sent(run, rank)
-        assert sent <= (n - 1) * compressed, (
-            f"{case}: rank {rank} put {sent} B of data on the wire; its compressed piece is {compressed} B "
-            f"(k values + k indices), which each of the other {n - 1} ranks needs once: at most "
-            f"{(n - 1) * compressed} B (an all-gather relays the others' pieces, of the same size). The dense "
-            f"gradient is {numel * 4} B"
-        )
+        _assert_pieces_sent(run, rank, compressed, "k values + k indices", numel, case)
     # every rank's values and indices themselves reach every other rank (the grader's capture; none in yours)
     for rank, (values, indices) in enumerate(pieces):
         for other in range(n):
