@@ -413,6 +413,7 @@ def _reduce_scatter_by_shared_memory(flat):
     return total.tensor_split(n)[rank].clone()
 
 
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_a_reductions_messages_carry_its_partial_sums(solution):
     """#42: a reduction's messages hold partial sums, each the sum of the ranks it has passed

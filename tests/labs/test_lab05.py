@@ -369,6 +369,7 @@ def _naive_by_shared_memory(stage, x, y):
     return loss.item() if loss is not None else None
 
 
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_a_pipelines_messages_carry_its_activations_and_gradients(solution, monkeypatch):
     """#42: every activation and gradient that crossed a link holds its values as one process computes

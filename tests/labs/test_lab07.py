@@ -593,6 +593,7 @@ def _quantized_but_dense(flat, chunk_size=1024):
     return total
 
 
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
     """The bytes each rank sent are the payloads of its gloo sends as the grader's capture read them (the
