@@ -39,7 +39,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import gloo_ops
+from . import fd_links, gloo_ops
+from .fd_links import socket_links
 
 __all__ = [
     "Socket",
@@ -374,21 +375,6 @@ def parse(output: bytes | str) -> dict[tuple[str, str], Socket]:
     return found
 
 
-def socket_links(pids: list[int]) -> dict[str, list[str]]:
-    """What each of ``pids``'s open file descriptors links to (``socket:[N]`` for a socket); raises
-    OSError when a process's descriptors cannot be listed.  (Also this file's program, for
-    ``owners`` to run as another user: it imports only the standard library.)"""
-    links: dict[str, list[str]] = {}
-    for pid in pids:
-        links[str(pid)] = []
-        for fd in os.listdir(f"/proc/{pid}/fd"):  # (a rank that cannot be read fails the whole count)
-            try:
-                links[str(pid)].append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except FileNotFoundError:  # closed since the listing: nothing left to count on it
-                pass
-    return links
-
-
 def owners(pids: list[int], user: int | None = None, timeout: float = 10.0) -> dict[int, int]:
     """Socket inode -> pid, for every socket each of ``pids`` holds open (``/proc/<pid>/fd``), read
     as ``user`` where given (as ``snapshot``).  Raises RuntimeError when one cannot be read."""
@@ -397,9 +383,7 @@ def owners(pids: list[int], user: int | None = None, timeout: float = 10.0) -> d
             listed = socket_links(pids)
         else:
             cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", sys.executable, "-I"]
-            done = subprocess.run(
-                [*cmd, os.path.abspath(__file__), *map(str, pids)], capture_output=True, timeout=timeout
-            )
+            done = subprocess.run([*cmd, fd_links.__file__, *map(str, pids)], capture_output=True, timeout=timeout)
             if done.returncode != 0:
                 why = done.stderr.decode("ascii", "replace").strip().splitlines()[-1:] or ["no reason given"]
                 raise OSError(why[0][:300])
@@ -439,7 +423,3 @@ def traffic(
         grown = sock.received - (old.received if old is not None and old.inode == sock.inode else 0)
         matrix[sender][receiver] += max(0, grown)
     return Traffic(matrix=matrix)
-
-
-if __name__ == "__main__":  # `python -I wire.py PID ...`: socket_links, as JSON (owners, as another user)
-    print(json.dumps(socket_links([int(p) for p in sys.argv[1:]])))

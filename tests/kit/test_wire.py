@@ -158,3 +158,27 @@ def test_bytes_sent_again_are_kept_once():
     assert cut.carries(0, 1, [b"abc"]) == 1
     with pytest.raises(wire.Unobserved, match="could not keep all the data from rank 1 to rank 0"):
         cut.carries(1, 0, [b"abc"])
+
+
+def test_the_socket_reader_runs_as_a_file_on_the_standard_library_alone():
+    """``wire.owners(user=...)`` runs ``fd_links.py`` as a file, as another uid (``python -I``): it must import
+    nothing of the package (a relative import there broke reading another uid's sockets in a container)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from disttrain_lab import fd_links
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", fd_links.__file__, str(os.getpid())], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        links = json.loads(done.stdout)[str(os.getpid())]
+        assert f"socket:[{os.fstat(server.fileno()).st_ino}]" in links
+        assert os.fstat(server.fileno()).st_ino in wire.owners([os.getpid()], user=os.geteuid())
+    finally:
+        server.close()

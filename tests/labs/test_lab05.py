@@ -448,9 +448,9 @@ def test_pipeline_idle_and_schedule(solution):
         "B3",
     ]
     idle = dl.viz.pipeline_idle(run, step=1)
-    # (p − 1)/(m + p − 1) = 0.2, plus what a loaded machine adds between the boxes (only ever more idle);
-    # an idle measure that missed the boxes would read 0 or 1
-    assert all(0.12 < i < 0.6 for i in idle), idle
+    # (p − 1)/(m + p − 1) = 0.2, plus what a loaded machine adds between the boxes (only ever more idle: CI's
+    # host, three workers, read 0.62 on one stage); an idle measure that missed the boxes would read 0 or 1
+    assert all(0.12 < i < 0.9 for i in idle), idle
     ax = dl.viz.pipeline_schedule(run, step=1)
     assert "idle" in ax.get_title() and len(ax.get_yticklabels()) == 2
     with pytest.raises(ValueError, match='no region "step" with step=3'):
