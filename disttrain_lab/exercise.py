@@ -29,7 +29,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import serving, wire
+from . import osmemory, serving, wire
 from .network import Network
 from .protocol import Driver, Evidence, Record, Request
 from .trace import Run
@@ -63,6 +63,7 @@ class ExerciseRun:
     inputs_after: list  # rank r's arguments as the call left them (in-place work shows here)
     backend: str = "gloo"  # the process group's backend the ranks ran on
     timeline: wire.Timeline = dataclasses.field(default_factory=lambda: wire.Timeline.unobserved("not asked for"))
+    memory: osmemory.Held = dataclasses.field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
 
     def __repr__(self) -> str:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
@@ -77,6 +78,23 @@ def _snapshot() -> dict | None:
         return wire.snapshot() if wire.available() is None else None
     except (RuntimeError, OSError, subprocess.TimeoutExpired):
         return None
+
+
+def _own_memory(held: osmemory.Held, prepared: list[int], record: Record, before) -> osmemory.Held:
+    """The memory read at the pause of the kernel's own ranks, with the bytes each had sent by then
+    where ``ss`` counted them (else ``extra`` is None)."""
+    if held.bytes is None or record.failure is not None:
+        return held
+    if list(record.pids) != prepared:
+        return osmemory.Held.unobserved("the ranks that ran were not the ones started for the run")
+    sent = None
+    if before is not None and held.extra is not None:
+        try:
+            at_pause = wire.traffic(before, held.extra, prepared)
+            sent = tuple(at_pause.sent(r) for r in range(len(prepared)))
+        except (RuntimeError, OSError, ValueError):
+            sent = None
+    return dataclasses.replace(held, extra=sent, source="os, read by the student's kernel")
 
 
 def _own_evidence(record: Record, before, world_size: int) -> Evidence:
@@ -117,9 +135,20 @@ def _traced_timeline(traced) -> wire.Timeline:
 
 def _run_here(request: Request) -> tuple[Record, Evidence]:
     """One run in this kernel (the notebook's own): the record as the grader would read it."""
-    before = _snapshot()
+    before, watch, prepared = _snapshot(), None, []
+    if request.memory:  # fresh ranks, their memory read at the driver's pause, as the grader does
+        answer = serving.prepare({"world_size": request.world_size, "device": request.device, "fresh": True})
+        if answer.get("prepared"):
+            prepared = answer["pids"]
+            watch = osmemory.Watch(prepared, _snapshot).start()
     record = Record.from_bytes(serving.run(request).to_bytes(), request.world_size)
-    return record, _own_evidence(record, before, request.world_size)
+    held = (
+        watch.stop()
+        if watch is not None
+        else osmemory.Held.unobserved("the ranks could not be started fresh" if request.memory else "not asked for")
+    )
+    evidence = _own_evidence(record, before, request.world_size)
+    return record, dataclasses.replace(evidence, memory=_own_memory(held, prepared, record, before))
 
 
 _RUNNER: Runner = _run_here
@@ -142,6 +171,7 @@ def run(
     network: Network | None = None,
     timeline: bool = False,
     content: bool = False,
+    memory: bool = False,
 ) -> ExerciseRun:
     """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
     arguments; one tuple for all ranks when ``inputs`` is a tuple).
@@ -159,6 +189,9 @@ def run(
     (``wire.Timeline``; in the student's own kernel, the ranks' traced sends).  ``content``: it also
     holds what each connection carried (``Timeline.carries``, ``carried.assert_carried``), captured
     under grading; the student's own kernel has no capture, and there nothing is checked.
+    ``memory``: the run's ranks are forked fresh and ``run.memory`` holds each rank's private
+    memory as the OS counts it while the ranks pause in ``time.sleep`` (the driver pauses them:
+    ``osmemory.py``), and the bytes each had sent by then; the student's kernel reads its own.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
@@ -182,6 +215,7 @@ def run(
         network=dataclasses.asdict(network) if network is not None else None,
         timeline=timeline or content,
         content=content,
+        memory=memory,
     )
     record, evidence = _RUNNER(request)
     return from_record(request.name, world_size, record, evidence)
@@ -215,6 +249,7 @@ def from_record(name: str, world_size: int, record: Record, evidence: Evidence) 
         results=list(record.results),
         traffic=evidence.traffic,
         timeline=evidence.timeline,
+        memory=evidence.memory,
         trace=Run(results=list(record.results), events=events, world_size=world_size, backend=record.backend),
         inputs_after=list(record.inputs_after),
         backend=record.backend,

@@ -39,7 +39,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import codemap, matching, ranks, trace
+from . import codemap, matching, osmemory, ranks, trace
 from .devices import Plan
 from .integrity import TamperingError
 from .network import Network
@@ -84,10 +84,18 @@ def run(
         return _pool_for(world_size, chosen).run(payload, world_size, timeout, want_trace, network, where)
 
 
-def prepare(world_size: int, chosen: Plan) -> None:
-    """Warm workers for a run of ``world_size`` ranks under ``chosen``, forked now if there are none."""
+def prepare(world_size: int, chosen: Plan, fresh: bool = False) -> list[int]:
+    """Warm workers for a run of ``world_size`` ranks under ``chosen``, forked now if there are none
+    (``fresh``: forked now in any case, after ``osmemory.settle()``: ranks whose memory the grader
+    reads); returns their process ids, rank order."""
+    global _POOL
     with _POOL_LOCK:
-        _pool_for(world_size, chosen)
+        if fresh:
+            osmemory.settle()
+            if _POOL is not None:
+                _POOL.close()
+                _POOL = None
+        return [w.pid for w in _pool_for(world_size, chosen).workers[:world_size]]
 
 
 class prepared_only:

@@ -20,8 +20,9 @@ The request travels as data over the student kernel's own Jupyter channels: a co
 the target ``COMM_TARGET`` with the request's bytes as its buffer, answered by one comm message
 with the record's bytes (``serving.py`` is the student's end, ``grading/remote.py`` the grader's).
 No source text is evaluated to carry it.  Before each request the grader opens one comm whose
-data is ``{"prepare": {"world_size": n, "device": d}}`` (``PREPARE``), no buffer: the kernel forks
-the ranks the run will use, answers ``{"prepared": true}`` (or ``false`` and why), and the request
+data is ``{"prepare": {"world_size": n, "device": d, "fresh": f}}`` (``PREPARE``), no buffer: the
+kernel forks the ranks the run will use (``fresh``: new ones, whose memory the grader reads),
+answers ``{"prepared": true, "pids": [...]}`` (or ``false`` and why), and the request
 that follows runs on those ranks without forking (a rank forked after it arrived would hold a
 copy of every rank's inputs); each rank is sent its own inputs only (``launcher.PerRank``).
 """
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from . import wire
+from . import osmemory, wire
 from .events import Event
 
 __all__ = [
@@ -133,6 +134,7 @@ class Request:
     network: dict | None = None  # a dl.Network's fields (dataclasses.asdict)
     timeline: bool = False  # the test reads when the data crossed (the grader captures it)
     content: bool = False  # ... and what it carried (the grader keeps the captured payloads too)
+    memory: bool = False  # the grader reads each rank's memory from the OS at the driver's pause (fresh ranks)
     why: str | None = None  # why the timeout is what it is (the rest of the test's limit)
     timed_out: dict[str, str] = field(default_factory=dict)  # the student's functions not run again, and why
     student_functions: tuple[str, ...] | None = None  # the functions the submission's solution cells define
@@ -347,17 +349,24 @@ class Record:
 @dataclass(frozen=True)
 class Evidence:
     """What was observed from outside the student's processes during one run: the bytes each rank
-    sent each other (``traffic``, the OS's count) and when the data crossed (``timeline``, a
-    packet capture).  Made by the grader and never sent to the student's kernel; either may be
-    *unobserved*, with why (a test that reads it then fails).  In the student's own notebook
-    (no grader) the kit's own count stands in for it, marked by its ``source``."""
+    sent each other (``traffic``, the OS's count), when the data crossed (``timeline``, a
+    packet capture) and, for a run that asks, what each rank held in memory while the ranks
+    paused (``memory``, ``osmemory.Held``: the OS's count).  Made by the grader and never sent
+    to the student's kernel; each may be *unobserved*, with why (a test that reads it then fails).
+    In the student's own notebook (no grader) the kit's own count stands in for it, marked by its
+    ``source``."""
 
     traffic: wire.Traffic
     timeline: wire.Timeline
+    memory: osmemory.Held = field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
 
     @classmethod
     def unobserved(cls, why: str) -> Evidence:
-        return cls(traffic=wire.Traffic.unobserved(why), timeline=wire.Timeline.unobserved(why))
+        return cls(
+            traffic=wire.Traffic.unobserved(why),
+            timeline=wire.Timeline.unobserved(why),
+            memory=osmemory.Held.unobserved(why),
+        )
 
 
 def plain(value: Any) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from . import pool
+from . import osmemory, pool
 from .devices import plan, resolve_device
 from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
 from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, PerRank, RankError, launch
@@ -99,9 +99,13 @@ def run(request: Request) -> Record:
     # (the grader's list; and those that hung in this kernel, of the student's own functions)
     # (before a driver is defined in its copy of the notebook's names: it calls the stand-ins)
     only = request.student_functions
-    with stub_only(only) if only is not None else nullcontext():
-        with stubbed({**hung_before(), **request.timed_out}):
-            return _run(request)
+    try:
+        with stub_only(only) if only is not None else nullcontext():
+            with stubbed({**hung_before(), **request.timed_out}):
+                return _run(request)
+    finally:
+        if request.memory:  # (prepare froze the kernel's collector for the ranks' sake)
+            osmemory.unsettle()
 
 
 def _run(request: Request) -> Record:
@@ -170,7 +174,7 @@ def _answer(comm, msg) -> None:
     """One comm from the grader: its buffer is a request; the reply's buffer the record."""
     data = (msg.get("content") or {}).get("data") or {}
     if PREPARE in data:
-        comm.send(_prepare(data[PREPARE]))
+        comm.send(prepare(data[PREPARE]))
         comm.close()
         return
     try:
@@ -187,16 +191,17 @@ def _answer(comm, msg) -> None:
     comm.close()
 
 
-def _prepare(fields) -> dict:
-    """Fork (or keep) the warm ranks for a run of ``fields["world_size"]`` ranks on ``fields["device"]``."""
+def prepare(fields) -> dict:
+    """Fork (or keep; ``fields["fresh"]``: fork anew) the warm ranks for a run of ``fields["world_size"]``
+    ranks on ``fields["device"]``; the answer names their process ids."""
     try:
-        world_size, device = fields["world_size"], fields.get("device")
-        if type(world_size) is not int or not (device is None or isinstance(device, str)):
-            raise ValueError(f"prepare needs an int world_size and a str device or None, got {fields!r:.100}")
-        pool.prepare(world_size, plan(world_size, resolve_device(device, None)))
+        world_size, device, fresh = fields["world_size"], fields.get("device"), fields.get("fresh", False)
+        if type(world_size) is not int or not (device is None or isinstance(device, str)) or type(fresh) is not bool:
+            raise ValueError(f"prepare needs an int world_size, a device (str or None), a bool fresh: {fields!r:.100}")
+        pids = pool.prepare(world_size, plan(world_size, resolve_device(device, None)), fresh=fresh)
     except Exception as exc:  # noqa: BLE001  (the grader must hear back; its request then fails closed)
         return {"prepared": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
-    return {"prepared": True}
+    return {"prepared": True, "pids": pids}
 
 
 def register() -> bool:

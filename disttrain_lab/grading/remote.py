@@ -34,6 +34,7 @@ by ``RobustExecute`` whenever the student's kernel is (re)started.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,7 +45,7 @@ from queue import Empty
 
 from jupyter_client.blocking import BlockingKernelClient
 
-from disttrain_lab import exercise, wire
+from disttrain_lab import exercise, osmemory, wire
 from disttrain_lab.grading import reaper, sandbox
 from disttrain_lab.grading.capture import Capture
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
@@ -151,6 +152,17 @@ def host_pids(claimed: list, inside: int, user: int | None = None) -> list[int] 
             continue
     mapped = [found.get(p) for p in claimed]
     return None if None in mapped or len(set(mapped)) != len(mapped) else mapped
+
+
+def _memory(held: osmemory.Held, prepared: list[int] | None, ran: list[int], before, owner) -> osmemory.Held:
+    """The memory read at the ranks' pause, with the bytes each rank had sent by then (``extra``), if
+    the ranks that ran were the ones prepared (fresh) and watched."""
+    if held.bytes is None:
+        return held
+    if prepared != ran:
+        return osmemory.Held.unobserved("the ranks that ran were not the ones the student's kernel started for the run")
+    at_pause = wire.traffic(before, held.extra, ran, owner=owner)
+    return dataclasses.replace(held, extra=tuple(at_pause.sent(r) for r in range(len(ran))))
 
 
 def _not_again(function: str, what: dict) -> str:
@@ -276,7 +288,7 @@ class RemoteRunner:
             wait = request.timeout + REPLY_MARGIN
             if isinstance(deadline, (int, float)):
                 wait = min(wait, deadline - time.monotonic() - GIVE_UP_MARGIN)
-            fields = {"world_size": request.world_size, "device": request.device}
+            fields = {"world_size": request.world_size, "device": request.device, "fresh": request.memory}
             answer = self._ask(client, None, wait, kernel_pid, data={PREPARE: fields})
             if not isinstance(answer, dict):
                 return _unanswered(request.name, answer, request.timeout, wait)
@@ -286,7 +298,8 @@ class RemoteRunner:
                     f"{request.name} was not run: the student's kernel could not start its ranks "
                     f"({str(answer.get('why'))[:500]})",
                 )
-            record, evidence = self._run_prepared(request, deadline, client, kernel_pid)
+            prepared = answer.get("pids")
+            record, evidence = self._run_prepared(request, deadline, client, kernel_pid, prepared)
             if record.failure is None or record.failure.kind != "NotPrepared":
                 return record, evidence
         return _failed(
@@ -295,14 +308,20 @@ class RemoteRunner:
             "had arrived (a rank must not hold the other ranks' inputs)",
         )
 
-    def _run_prepared(self, request: Request, deadline, client, kernel_pid) -> tuple[Record, Evidence]:
+    def _run_prepared(self, request: Request, deadline, client, kernel_pid, prepared) -> tuple[Record, Evidence]:
         name, world_size = request.name, request.world_size
         inside = sandbox.namespace_process(kernel_pid, "net") if kernel_pid else None
+        in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         user = reader(kernel_pid)
         try:
             before = wire.snapshot(inside, user=user)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             before, why = None, str(exc)
+        watch, ranks_prepared = None, None
+        if request.memory:  # each rank's memory from the OS, at the driver's pause (osmemory.py)
+            ranks_prepared = host_pids(prepared, in_pid_ns, user) if in_pid_ns is not None else None
+            if ranks_prepared is not None and len(ranks_prepared) == world_size and before is not None:
+                watch = osmemory.Watch(ranks_prepared, lambda: wire.snapshot(inside, user=user)).start()
         capture, not_captured = None, NOT_ASKED
         if request.timeline:  # the data's times from the wire, for a test that asked for them
             try:
@@ -315,6 +334,15 @@ class RemoteRunner:
         try:
             answer = self._ask(client, request.to_bytes(), wait, kernel_pid)
         finally:
+            held = (
+                watch.stop()
+                if watch is not None
+                else osmemory.Held.unobserved(
+                    "the ranks the student's kernel started for the run could not be found"
+                    if request.memory
+                    else "not asked for"
+                )
+            )
             segments = None
             if capture is not None:
                 try:
@@ -326,7 +354,6 @@ class RemoteRunner:
         record = Record.from_bytes(answer, world_size)
         if record.failure is not None:
             return record, Evidence.unobserved("the run failed")
-        in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         pids = host_pids(list(record.pids), in_pid_ns, user) if in_pid_ns is not None else None
         if pids is None or len(pids) != world_size:
             return _failed(
@@ -344,10 +371,11 @@ class RemoteRunner:
                 if segments is not None
                 else wire.Timeline.unobserved(not_captured)
             )
+            memory = _memory(held, ranks_prepared, pids, before, owner)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             # fail closed: a test that reads the bytes fails (wire.Unobserved); never the ranks' own claim
             return record, Evidence.unobserved(str(exc)[:300])
-        return record, Evidence(traffic=traffic, timeline=timeline)
+        return record, Evidence(traffic=traffic, timeline=timeline, memory=memory)
 
     def _ask(self, client: BlockingKernelClient, request: bytes | None, timeout: float, pid: int | None, data=None):
         """Open a comm on ``COMM_TARGET`` in the student's kernel with ``request`` as its buffer (or

@@ -105,7 +105,7 @@ def _inputs(numel: int, repeats: int):
 def test_a_rank_holds_no_other_ranks_inputs():
     """#42: each rank is sent its own inputs alone (``launcher.PerRank``), on ranks forked before the
     inputs existed (under grading the grader's ``prepare`` comm forks them before its request is
-    sent: ``serving._prepare``), so a rank that searches its own process finds no other rank's
+    sent: ``serving.prepare``), so a rank that searches its own process finds no other rank's
     input, and a collective cannot be computed with none of its data on the wire."""
     pool.prepare(2, plan(2))  # what the grader's prepare comm does
     with pool.prepared_only():  # what serving does with the request after it

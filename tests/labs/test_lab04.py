@@ -394,3 +394,52 @@ def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
     else:
         assert zero2 and "PREDICTED_ZERO2_BYTES is not filled in yet" in zero2[0], zero2
         assert volume and "predicted_volume is not filled in yet" in volume[0], volume
+
+
+# Submissions the OS's count of memory catches (#42): the grade on memory rests on each rank's private
+# memory read from outside it at the driver's pause (labtests/lab04/held.py), not on memory.held, which
+# the rank computes and can rewrite (these checks read nothing the ranks report but their parameters' sums).
+NOT_SHARDED_BY_THE_OS = {
+    "zero1_nothing_sharded": (
+        ["ex_zero1"],
+        "class Zero1Optimizer(DataParallelOptimizer):   # the whole state on every rank\n    pass\n",
+        "lab_tests.check_held(1)",
+        "that is no sharding's memory",
+    ),
+    "zero2_keeps_full_gradients": (
+        ["ex_zero1", "ex_zero2"],
+        WRONG["zero2_keeps_full_gradients"][1],
+        "lab_tests.check_held(2)",
+        "that is ZeRO-1's memory; does a rank keep all of the gradients?",
+    ),
+    "zero3_keeps_parameters_whole": (
+        ["ex_zero1", "ex_zero2", "ex_zero3"],
+        "class Zero3Module(Zero3Module):               # a whole copy of every parameter on the side\n"
+        "    def __init__(self, module, shared=()):\n"
+        "        copies = [p.detach().clone() for p in module.parameters()]\n"
+        "        super().__init__(module, shared)\n        self.copies = copies\n",
+        "lab_tests.GRADED_PASSED.add('zero1'); lab_tests.check_held(3)",
+        "that is ZeRO-2's memory; does a rank keep all of the parameters?",
+    ),
+    "pauses_before_training": (
+        ["ex_zero1"],
+        "import time as _time\nclass Zero1Optimizer(DataParallelOptimizer):   # a pause of its own, before any step\n"
+        "    def __init__(self, *args, **kwargs):\n        _time.sleep(1.5)\n        super().__init__(*args, **kwargs)\n",
+        "lab_tests.check_held(1)",
+        "had sent 0 bytes when the ranks paused",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(NOT_SHARDED_BY_THE_OS))
+def test_memory_is_graded_on_the_os_count(case):
+    upto, wrong, check, words = NOT_SHARDED_BY_THE_OS[case]
+    lab = load(LAB)
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    cells = [lab.cells[0], given, *(cell_by_id(lab, i) for i in upto), nbformat.v4.new_code_cell(wrong)]
+    cells += [cell_by_id(lab, "test_helpers"), nbformat.v4.new_code_cell(check)]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True)
+    failure = "\n".join(errors(nb.cells[-1]))
+    assert words in failure, failure
+    assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -13,7 +14,16 @@ from torch import nn
 from ... import checks, devices, exercise, memory, models
 from ...exercise import ExerciseRun
 from .. import common
-from .common import GRADED_PASSED, OPTIMIZERS, SLACK_PER_TENSOR, STEPS, TEST_DEVICE, batches, communication_volume
+from .common import (
+    GRADED_PASSED,
+    OPTIMIZERS,
+    PAUSE_S,
+    SLACK_PER_TENSOR,
+    STEPS,
+    TEST_DEVICE,
+    batches,
+    communication_volume,
+)
 
 # --------------------------------------------------------------------------------------
 # Exercises 2-4: training with ZeRO on ranks, against one process
@@ -93,7 +103,10 @@ def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: i
     and train the model with optimizer ``opt`` for ``steps`` steps, each rank on its slice of the batch.  Returns
     data only: what the rank holds after the last backward, (stage 3) each layer's parameter bytes at every
     layer's forward and backward, and the model's parameters as the rank holds them after the last step (for
-    stage 3, its shards: the test puts them together)."""
+    stage 3, its shards: the test puts them together).  ``kind="paused"``: an MLP of ``sizes`` trained with
+    a pause before the last step, where the grader reads the rank's memory from the OS (``held.py``)."""
+    if kind == "paused":
+        return _train_paused(cls, stage, sizes, steps, batch, opt)
     rank, n = dist.get_rank(), dist.get_world_size()
     model = _model(kind, sizes).to(devices.device())
     full_bytes = {
@@ -116,6 +129,28 @@ def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: i
         "held": held,
         "full_bytes": full_bytes,
         "snapshots": [(s.moment, s.layer, s.bytes_by_layer) for s in watch.snapshots],
+    }
+
+
+def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int, opt: str) -> dict:
+    """``train`` for the memory case: nothing of the kit's in the rank but the model and the pause
+    (``time.sleep(PAUSE_S)`` before the last step, between two steps: what a rank keeps from one step to
+    the next is all it holds); returns each parameter's sum and sum of squares (float64), as this rank
+    holds it after the last step (stage 3: its shard)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = models.MLP(list(sizes), seed=0).to(devices.device())
+    forward, optimizer = _build(cls, stage, model, opt)
+    for step, (x, y) in enumerate(batches(sizes, batch, steps)):
+        if step == steps - 1:
+            time.sleep(PAUSE_S)
+        optimizer.zero_grad()
+        x, y = x.tensor_split(n)[rank].to(devices.device()), y.tensor_split(n)[rank].to(devices.device())
+        F.mse_loss(forward(x), y).backward()
+        optimizer.step()
+    return {
+        "sums": [
+            (float(p.detach().double().sum()), float(p.detach().double().square().sum())) for p in model.parameters()
+        ]
     }
 
 
@@ -430,11 +465,16 @@ def check_zero3(n: int, sizes: Sequence[int], *, batch: int = 12, kind: str = "m
     3Ψ (Ψ forward + Ψ of the layers a gradient reaches + Ψ trainable; a shared weight gathered once).
     Until Zero1Optimizer has passed its graded test (``GRADED_PASSED``), the grader's ``shard_size`` and
     ``padded_flat`` stand in for exercise 2's, so that a mistake there does not cost this exercise too."""
-    driver = _train_in_rank
-    if "zero1" not in GRADED_PASSED:  # (exercise 2 wrote the helpers Zero3Module uses)
-        common.say_standing_in(
-            ["Zero1Optimizer, whose exercise wrote shard_size and padded_flat,"],
-            "Zero3Module is graded with the grader's shard_size and padded_flat in the place of yours",
-        )
-        driver = _train_zero3_standing_in
-    return _check_zero("Zero3Module", 3, n, sizes, batch=batch, kind=kind, opt=opt, driver=driver)
+    return _check_zero("Zero3Module", 3, n, sizes, batch=batch, kind=kind, opt=opt, driver=zero3_driver())
+
+
+def zero3_driver() -> Callable:
+    """The driver Zero3Module is graded with: on the notebook's shard_size and padded_flat once exercise 2
+    passed its graded cell, else on the grader's."""
+    if "zero1" in GRADED_PASSED:  # (exercise 2 wrote the helpers Zero3Module uses)
+        return _train_in_rank
+    common.say_standing_in(
+        ["Zero1Optimizer, whose exercise wrote shard_size and padded_flat,"],
+        "Zero3Module is graded with the grader's shard_size and padded_flat in the place of yours",
+    )
+    return _train_zero3_standing_in

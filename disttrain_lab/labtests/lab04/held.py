@@ -1,0 +1,136 @@
+"""Lab 4: what a ZeRO rank holds, as the OS counts it (the grade's evidence), not as the rank says.
+
+The checks in ``zero.py`` read what each rank reports of its tensors (``memory.held``): good for the
+student's picture and for a message that names the tensor kept whole, but a submission can rewrite
+it.  The grade on memory rests on this check instead: the grader trains a model large enough that
+each stage's saving stands far above the process's own noise, on 4 ranks forked fresh for the run,
+and reads each rank's private memory from ``/proc/<pid>/smaps_rollup`` while the ranks pause between
+two steps (``osmemory.py``; the driver sleeps there).  At that moment a rank holds what it keeps
+from one step to the next, in fp32 with Adam, in bytes per parameter:
+
+=========  ==========  =========  ===============  =====  ======================
+stage      parameters  gradients  optimizer state  total  measured (solution)
+=========  ==========  =========  ===============  =====  ======================
+none (DP)  4           4          8                16     16.44
+ZeRO-1     4           4          8/N = 2          10     10.43
+ZeRO-2     4           4/N = 1    2                7      7.43
+ZeRO-3     1           1          2                4      4.44
+=========  ==========  =========  ===============  =====  ======================
+
+(N = 4; measured with the lab's solution on this project's CI host, 8 layers of 2048 × 2048, Ψ = 33.6 M:
+0.44 bytes per parameter, 15 MB, is the rank's own, from its fork and gloo's buffers.)  A rank may hold
+at most its stage's total + ``SLACK`` (1.5) bytes per parameter; the stage before holds at least 3 more.
+The bytes each rank had sent by the pause, from the wire, must be at least two steps' collectives, so
+a pause before the training does not pass for one after it; the parameters after the last step must be
+those of the same optimizer in one process, so the pause must be in the training the test asked for.
+
+What this does not see: a rank that keeps its state outside itself during the pause, in memory made
+before the run (a file the kernel filled, the kernel's own memory through a pipe) and takes it back
+after; the lab's rules forbid it, the grader cannot yet observe it (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ...exercise import ExerciseRun
+from .. import common
+from .zero import _single_process, _train_in_rank, zero3_driver
+
+__all__ = ["check_held", "per_parameter"]
+
+WORLD_SIZE = 4
+SIZES = [2048] * 9  # 8 layers of 2048 x 2048 (+ biases): Ψ = 33.6 M
+STEPS = 3
+BATCH = 12
+SLACK = 1.5  # bytes per parameter above the stage's total
+NAMES = {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Module"}
+
+
+def per_parameter(stage: int, n: int = WORLD_SIZE) -> dict[str, float]:
+    """What a rank keeps between steps at ``stage``, in bytes per parameter (fp32, Adam)."""
+    return {
+        "parameters": 4 / n if stage >= 3 else 4,
+        "gradients": 4 / n if stage >= 2 else 4,
+        "optimizer state": 8 / n if stage >= 1 else 8,
+    }
+
+
+def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
+    """The stage's class (``Zero1Optimizer``, ``Zero2Optimizer``, ``Zero3Module``) on 4 ranks forked for
+    the run, an MLP of 8 layers of 2048 × 2048, Adam, 3 steps, paused before the last: each rank's
+    private memory at the pause, read from the OS, at most the stage's bytes per parameter + 1.5; the
+    parameters after the last step those of Adam in one process.  ``driver``: Zero2Optimizer's
+    (``zero2_driver``), else the lab's own."""
+    name, n = NAMES[stage], WORLD_SIZE
+    if driver is None:
+        driver = zero3_driver() if stage == 3 else _train_in_rank
+    psi = sum(a * b + b for a, b in zip(SIZES, SIZES[1:]))
+    case = (
+        f"{name} on {n} ranks, an MLP of {len(SIZES) - 1} layers of {SIZES[0]} × {SIZES[0]} "
+        f"(Ψ = {psi / 1e6:.1f} M parameters), Adam, {STEPS} steps"
+    )
+    hint = "do all ranks make the same collective calls, in the same order, with equal-size shards?"
+    run = common.run_or_fail(
+        driver, n, (name, stage, "paused", SIZES, STEPS, BATCH, "adam"), case, hint, timeout=180, memory=True
+    )
+    # (the reference after the run: built before, its pages would sit in the kernel the ranks fork from)
+    _check_training(run, _single_process("mlp", SIZES, BATCH, STEPS, "adam"), stage, case)
+    parts = per_parameter(stage, n)
+    total = sum(parts.values())
+    limit = (total + SLACK) * psi
+    said = ", ".join(f"{what} {b:g}" for what, b in parts.items())
+    sent = run.memory.extra
+    least = 2 * (3 if stage == 3 else 2) * (n - 1) / n * 4 * psi  # two steps' collectives, ring-optimal
+    for rank in range(n):
+        held = run.memory.of(rank)  # (wire.Unobserved where the OS was not read: the test fails)
+        assert held <= limit, (
+            f"{case}: rank {rank} held {held / 2**20:,.0f} MiB ({held / psi:.2f} bytes per parameter) while the "
+            f"ranks paused between steps {STEPS - 1} and {STEPS}, as the OS counts its private memory; ZeRO-{stage} "
+            f"keeps {said} = {total:g} bytes per parameter between steps, and the test allows {total + SLACK:g} "
+            f"({limit / 2**20:,.0f} MiB)" + _what_is_kept_whole(stage, held / psi)
+        )
+        if sent is None and run.memory.source != "os":  # (the student's kernel without ss; never the grader)
+            continue
+        assert sent is not None, f"{case}: the bytes the ranks had sent by the pause were not observed"
+        assert sent[rank] >= least, (
+            f"{case}: rank {rank} had sent {sent[rank]:,} bytes when the ranks paused; two steps of ZeRO-{stage} "
+            f"send at least {least:,.0f} (the pause is before the last of {STEPS} steps)"
+        )
+    if run.memory.source != "os":  # (the student's own kernel: show what it read)
+        print(
+            f"{name}: each rank held {', '.join(f'{run.memory.of(r) / psi:.2f}' for r in range(n))} bytes per "
+            f"parameter at the pause, as the OS counts it (at most {total + SLACK:g})"
+        )
+    return run
+
+
+def _what_is_kept_whole(stage: int, got: float) -> str:
+    """Which stage's memory ``got`` bytes per parameter looks like, when it is a less sharded one's."""
+    for fewer in range(stage - 1, -1, -1):
+        if got >= sum(per_parameter(fewer).values()) - SLACK / 2:
+            kept = [what for what, b in per_parameter(stage).items() if b < per_parameter(fewer)[what]]
+            like = "no sharding" if fewer == 0 else f"ZeRO-{fewer}"
+            return f": that is {like}'s memory; does a rank keep all of the {' and all of the '.join(kept)}?"
+    return ""
+
+
+def _check_training(run: ExerciseRun, reference, stage: int, case: str) -> None:
+    """Each parameter's sum and sum of squares after the last step against the one process's (stage 3: the
+    ranks' shards added up), within what float32's rounding over its elements allows."""
+    if stage == 3:
+        added = [
+            tuple(map(sum, zip(*(out["sums"][i] for out in run.results)))) for i in range(len(run.results[0]["sums"]))
+        ]
+        holders = {"the ranks' shards'": added}
+    else:
+        holders = {f"rank {rank}'s": out["sums"] for rank, out in enumerate(run.results)}
+    for whose, sums in holders.items():
+        for (pname, want), (total, squares) in zip(reference.named_parameters(), sums):
+            w = want.detach().double()
+            close = math.isclose(total, float(w.sum()), abs_tol=1e-5 * float(w.abs().sum()) + 1e-6 * w.numel())
+            assert close and math.isclose(squares, float(w.square().sum()), rel_tol=1e-4), (
+                f"{case}: {whose} {pname} after {STEPS} steps: sum {total:.6g}, sum of squares {squares:.6g}; Adam "
+                f"in one process gives {float(w.sum()):.6g} and {float(w.square().sum()):.6g}"
+            )

@@ -1,0 +1,177 @@
+"""What each rank holds in memory, read from the OS while the ranks pause: evidence, not a claim.
+
+A rank's own account of its memory (``memory.held``, ``memory.ParameterWatch``) is the student's
+process speaking; a submission can rewrite it.  This module reads what the kernel of the OS says
+instead, from outside the ranks:
+
+- **What is read**: each rank's private memory, ``Private_Clean + Private_Dirty + Swap`` of
+  ``/proc/<pid>/smaps_rollup``: the pages mapped by that process alone (what it allocated and
+  wrote, and what it copied of the kernel it was forked from), whatever holds them (tensors,
+  Python objects, a tmpfs file it mapped by itself).  Pages it still shares with the kernel it was
+  forked from (the imported libraries) do not count, so a rank forked fresh for the run starts
+  near zero (measured: 10 MB).
+- **When**: once, while every rank pauses in ``time.sleep`` (the syscall ``clock_nanosleep``,
+  read from ``/proc/<pid>/syscall``), where a test's driver pauses them: between training steps,
+  when what a rank keeps from one step to the next is all it holds (a transient's peak is the
+  allocator's and gloo's as much as the student's).  The reading is kept only if every rank is
+  still paused after it was taken.
+- **What else at that moment**: the caller's ``at_pause`` (the grader reads the bytes the ranks had
+  sent by then from the wire: a pause before any training does not pass for one after it).
+
+Ranks whose memory is read are forked fresh for the run (``pool.prepare(..., fresh=True)``), after
+``settle()`` in the kernel: glibc's allocator set to return freed blocks of 128 KiB and more to
+the OS at once (``settle_allocator``, done as the kit is imported: else its dynamic threshold keeps
+them, and a rank reads as holding what it freed), the kernel's garbage collector frozen for the run,
+and the optimizers' lazy imports done once in the kernel (else every fresh rank makes its own copy
+of them: measured 150 MB, 4.5 bytes per parameter of the lab's 33.6 M-parameter model).
+
+``Watch(pids, at_pause).start()`` polls in a thread; ``stop()`` returns a :class:`Held`.  What
+cannot be read (another user's process without the right to read it, no ``smaps_rollup``, a
+pause never seen) leaves ``Held`` unobserved, with why: a test that reads it fails
+(``Unobserved``), it never falls back on the ranks' account.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .wire import Unobserved
+
+__all__ = ["Held", "Watch", "paused", "private_bytes", "settle", "settle_allocator", "unsettle"]
+
+# clock_nanosleep, what time.sleep calls on Linux (Python >= 3.11)
+PAUSE_SYSCALL = {"x86_64": 230, "aarch64": 115, "arm64": 115}.get(platform.machine())
+POLL_S = 0.005
+PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Swap:")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+RETURNED_FROM = 128 * 1024  # glibc's default mmap threshold, kept fixed
+
+
+def settle_allocator() -> None:
+    """glibc's allocator set to return blocks of 128 KiB and more to the OS when freed, for good: the kit
+    does it as it is imported (``disttrain_lab/__init__``), so that the kernel's ranks inherit it and a
+    kernel's earlier allocations leave nothing a fresh rank's count would take for its own (measured:
+    a 33.6 M-parameter model trained in the kernel before the fork, with glibc's dynamic threshold, added
+    1.4 bytes per parameter to each rank's reading; none with the threshold fixed first)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, RETURNED_FROM)
+        libc.mallopt(M_TRIM_THRESHOLD, RETURNED_FROM)
+    except (OSError, AttributeError):  # not glibc: its allocator is what it is
+        pass
+
+
+def settle() -> None:
+    """In the kernel, before forking ranks whose memory will be read (see the module docstring); the
+    kernel's collector is frozen until ``unsettle()`` (its writes to the objects' pages would copy them
+    into every rank)."""
+    settle_allocator()
+    for optimizer in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        layer = torch.nn.Linear(2, 2)
+        step = optimizer(layer.parameters(), lr=0.1)
+        layer(torch.ones(1, 2)).sum().backward()
+        step.step()
+    gc.collect()
+    gc.freeze()
+
+
+def unsettle() -> None:
+    """After the run whose ranks' memory was read: the kernel's objects collected again as usual."""
+    gc.unfreeze()
+
+
+@dataclass(frozen=True)
+class Held:
+    """Each rank's private memory at the ranks' pause (``bytes``), and what the caller read at the
+    same moment (``extra``); or unobserved, with why."""
+
+    bytes: tuple[int, ...] | None = None
+    extra: object = None
+    why: str | None = None
+    source: str = "os"
+
+    @classmethod
+    def unobserved(cls, why: str) -> Held:
+        return cls(why=why)
+
+    def of(self, rank: int) -> int:
+        """Rank ``rank``'s private memory at the pause, in bytes; ``Unobserved`` where none was read."""
+        if self.bytes is None:
+            raise Unobserved(f"the ranks' memory was not observed from the OS: {self.why}")
+        return self.bytes[rank]
+
+
+def private_bytes(pid: int) -> int:
+    """Process ``pid``'s private memory from ``/proc/<pid>/smaps_rollup`` (read as bytes; every
+    field it needs must be there, in kB)."""
+    with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+        text = f.read(1 << 16)
+    found = {}
+    for line in text.splitlines():
+        for name in PRIVATE_FIELDS:
+            if line.startswith(name):
+                parts = line[len(name) :].split()
+                if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+                    raise ValueError(f"/proc/{pid}/smaps_rollup: {line[:80]!r} is not '<n> kB'")
+                found[name] = int(parts[0]) * 1024
+    missing = [n.decode() for n in PRIVATE_FIELDS if n not in found]
+    if missing:
+        raise ValueError(f"/proc/{pid}/smaps_rollup has no {', '.join(missing)}")
+    return sum(found.values())
+
+
+def paused(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in ``clock_nanosleep`` (``time.sleep``) now."""
+    with open(f"/proc/{pid}/syscall", "rb") as f:
+        first = f.read(64).split(b" ", 1)[0]
+    return first.isdigit() and int(first) == PAUSE_SYSCALL
+
+
+class Watch:
+    """Polls ``pids`` until all pause, then reads their memory once (see the module docstring)."""
+
+    def __init__(self, pids: list[int], at_pause: Callable[[], object] | None = None):
+        self.pids, self.at_pause = list(pids), at_pause
+        self._done = threading.Event()
+        self._held = Held.unobserved("the ranks never all paused in time.sleep where the test's driver pauses them")
+        self._thread = threading.Thread(target=self._poll, name="osmemory-watch", daemon=True)
+
+    def start(self) -> Watch:
+        if PAUSE_SYSCALL is None:
+            self._held = Held.unobserved(f"no pause can be seen on this machine ({platform.machine()})")
+            self._done.set()
+        else:
+            self._thread.start()
+        return self
+
+    def stop(self) -> Held:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        return self._held
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            try:
+                if self.pids and all(paused(p) for p in self.pids):
+                    held = tuple(private_bytes(p) for p in self.pids)
+                    extra = self.at_pause() if self.at_pause is not None else None
+                    if all(paused(p) for p in self.pids):  # (still the same pause: the reading stands)
+                        self._held = Held(bytes=held, extra=extra)
+                        return
+            except (OSError, ValueError, RuntimeError) as exc:
+                self._held = Held.unobserved(f"the ranks' memory could not be read: {exc}"[:300])
+                if not all(os.path.exists(f"/proc/{p}") for p in self.pids):
+                    return  # (a rank ended: the run is over)
+                if isinstance(exc, PermissionError):
+                    return
+            time.sleep(POLL_S)

@@ -1,0 +1,85 @@
+"""osmemory: each rank's private memory read from the OS at a pause, never from the rank.
+
+- ``private_bytes`` reads ``/proc/<pid>/smaps_rollup`` as bytes; a process that allocates and writes
+  100 MiB reads about 100 MiB more; a malformed field is refused, not guessed.
+- ``Watch`` reads once every watched process is in ``time.sleep`` (``clock_nanosleep``), not before;
+  a process that never pauses leaves the reading unobserved, and reading it then raises ``Unobserved``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from disttrain_lab import osmemory
+from disttrain_lab.wire import Unobserved
+
+CHILD = """
+import sys, time
+ballast = bytearray({size})
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+print("ready", flush=True)
+{after}
+"""
+
+
+def _child(size: int, after: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(size=size, after=after)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_private_bytes_counts_what_a_process_wrote():
+    small, large = _child(0, "time.sleep(30)"), _child(100 * 2**20, "time.sleep(30)")
+    try:
+        grew = osmemory.private_bytes(large.pid) - osmemory.private_bytes(small.pid)
+        assert 95 * 2**20 < grew < 110 * 2**20, grew
+    finally:
+        small.kill(), large.kill()
+
+
+def test_a_malformed_field_is_refused(tmp_path, monkeypatch):
+    fake = tmp_path / "smaps_rollup"
+    fake.write_bytes(
+        b"00400000-7fff r--p 00000000 00:00 0 [rollup]\nPrivate_Clean: lots kB\nPrivate_Dirty: 1 kB\nSwap: 0 kB\n"
+    )
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: real_open(fake if "smaps_rollup" in str(path) else path, *a, **k)
+    )
+    with pytest.raises(ValueError, match="is not '<n> kB'"):
+        osmemory.private_bytes(1)
+
+
+def test_the_watch_reads_at_the_pause_and_only_then():
+    proc = _child(50 * 2**20, "x = 0\nfor _ in range(30_000_000): x += 1\ntime.sleep(5)")
+    try:
+        assert not osmemory.paused(proc.pid)  # (counting: not in time.sleep)
+        started = time.monotonic()
+        watch = osmemory.Watch([proc.pid], at_pause=lambda: "read at the pause").start()
+        while not osmemory.paused(proc.pid):
+            time.sleep(0.01)
+        time.sleep(0.5)
+        held = watch.stop()
+        assert held.extra == "read at the pause" and held.of(0) > 50 * 2**20, (held, time.monotonic() - started)
+    finally:
+        proc.kill()
+
+
+def test_no_pause_no_reading():
+    proc = _child(0, "x = 0\nwhile True: x += 1")
+    try:
+        watch = osmemory.Watch([proc.pid]).start()
+        time.sleep(0.5)
+        held = watch.stop()
+        assert held.bytes is None and "never all paused" in held.why
+        with pytest.raises(Unobserved, match="not observed from the OS"):
+            held.of(0)
+    finally:
+        proc.kill()
