@@ -26,9 +26,9 @@ from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, 
 from .network import Network  # noqa: E402
 from .osmemory import settle_allocator  # noqa: E402
 from .pool import shutdown  # noqa: E402
+from .trace import Event, Run, region  # noqa: E402
 
 settle_allocator()  # (what a rank frees goes back to the OS: its memory reads true, osmemory.py)
-from .trace import Event, Run, region  # noqa: E402
 
 __all__ = [
     "launch",

@@ -70,6 +70,7 @@ class ExerciseRun:
 
 
 Runner = Callable[[Request], tuple[Record, Evidence]]
+OWN_MEMORY = "os, read by the student's kernel"  # run.memory's source in the student's own notebook
 
 
 def _snapshot() -> dict | None:
@@ -78,23 +79,6 @@ def _snapshot() -> dict | None:
         return wire.snapshot() if wire.available() is None else None
     except (RuntimeError, OSError, subprocess.TimeoutExpired):
         return None
-
-
-def _own_memory(held: osmemory.Held, prepared: list[int], record: Record, before) -> osmemory.Held:
-    """The memory read at the pause of the kernel's own ranks, with the bytes each had sent by then
-    where ``ss`` counted them (else ``extra`` is None)."""
-    if held.bytes is None or record.failure is not None:
-        return held
-    if list(record.pids) != prepared:
-        return osmemory.Held.unobserved("the ranks that ran were not the ones started for the run")
-    sent = None
-    if before is not None and held.extra is not None:
-        try:
-            at_pause = wire.traffic(before, held.extra, prepared)
-            sent = tuple(at_pause.sent(r) for r in range(len(prepared)))
-        except (RuntimeError, OSError, ValueError):
-            sent = None
-    return dataclasses.replace(held, extra=sent, source="os, read by the student's kernel")
 
 
 def _own_evidence(record: Record, before, world_size: int) -> Evidence:
@@ -148,7 +132,14 @@ def _run_here(request: Request) -> tuple[Record, Evidence]:
         else osmemory.Held.unobserved("the ranks could not be started fresh" if request.memory else "not asked for")
     )
     evidence = _own_evidence(record, before, request.world_size)
-    return record, dataclasses.replace(evidence, memory=_own_memory(held, prepared, record, before))
+    if record.failure is not None:
+        return record, evidence
+    try:
+        at_pause = watch.extra if watch is not None else None
+        memory = osmemory.observed(held, before, at_pause, prepared, list(record.pids), source=OWN_MEMORY)
+    except (RuntimeError, OSError, ValueError):  # (the bytes could not be counted: the memory stands alone)
+        memory = osmemory.observed(held, None, None, prepared, list(record.pids), source=OWN_MEMORY)
+    return record, dataclasses.replace(evidence, memory=memory)
 
 
 _RUNNER: Runner = _run_here

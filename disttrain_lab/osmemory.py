@@ -25,7 +25,8 @@ them, and a rank reads as holding what it freed), the kernel's garbage collector
 and the optimizers' lazy imports done once in the kernel (else every fresh rank makes its own copy
 of them: measured 150 MB, 4.5 bytes per parameter of the lab's 33.6 M-parameter model).
 
-``Watch(pids, at_pause).start()`` polls in a thread; ``stop()`` returns a :class:`Held`.  What
+``Watch(pids, at_pause).start()`` polls in a thread; ``stop()`` returns a :class:`Held` (and
+``watch.extra`` what ``at_pause`` returned); ``observed`` makes it the run's evidence.  What
 cannot be read (another user's process without the right to read it, no ``smaps_rollup``, a
 pause never seen) leaves ``Held`` unobserved, with why: a test that reads it fails
 (``Unobserved``), it never falls back on the ranks' account.
@@ -34,6 +35,7 @@ pause never seen) leaves ``Held`` unobserved, with why: a test that reads it fai
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import os
 import platform
@@ -44,9 +46,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import wire
 from .wire import Unobserved
 
-__all__ = ["Held", "Watch", "paused", "private_bytes", "settle", "settle_allocator", "unsettle"]
+__all__ = ["Held", "Watch", "observed", "paused", "private_bytes", "settle", "settle_allocator", "unsettle"]
 
 # clock_nanosleep, what time.sleep calls on Linux (Python >= 3.11)
 PAUSE_SYSCALL = {"x86_64": 230, "aarch64": 115, "arm64": 115}.get(platform.machine())
@@ -91,11 +94,11 @@ def unsettle() -> None:
 
 @dataclass(frozen=True)
 class Held:
-    """Each rank's private memory at the ranks' pause (``bytes``), and what the caller read at the
-    same moment (``extra``); or unobserved, with why."""
+    """Each rank's private memory at the ranks' pause (``bytes``) and the bytes each had sent the
+    others by then (``sent``, None where they were not counted); or unobserved, with why."""
 
     bytes: tuple[int, ...] | None = None
-    extra: object = None
+    sent: tuple[int, ...] | None = None
     why: str | None = None
     source: str = "os"
 
@@ -108,6 +111,40 @@ class Held:
         if self.bytes is None:
             raise Unobserved(f"the ranks' memory was not observed from the OS: {self.why}")
         return self.bytes[rank]
+
+
+def observed(
+    held: Held,
+    before,
+    at_pause,
+    prepared: list[int] | None,
+    ran: list[int],
+    owner=None,
+    source: str = "os",
+    held_by: dict[int, list[int]] | None = None,
+) -> Held:
+    """``held`` (a ``Watch``'s reading) as evidence of the run whose ranks were ``ran``: kept only if
+    they are the ranks ``prepared`` for it (forked fresh, and watched), with the bytes each had sent
+    by the pause (``wire.traffic`` from the sockets ``before`` the run to those ``at_pause``; None
+    where either is missing).  ``held_by``: at the pause, which of the student's processes held each
+    socket open (``wire.holders``); a connection between two ranks that another process held too
+    makes the reading unobserved (a process named as a rank that shares a real rank's connections
+    would have its memory read for that rank's)."""
+    if held.bytes is None:
+        return held
+    if prepared != ran:
+        return Held.unobserved("the ranks that ran were not the ones started fresh for the run and watched")
+    shared = wire.shared_connections(at_pause, held_by, ran) if at_pause is not None and held_by is not None else []
+    if shared:
+        return Held.unobserved(
+            "a process named as a rank shared its connections with another process at the pause, so its memory "
+            f"is not the rank's: {'; '.join(shared[:4])}"
+        )
+    sent = None
+    if before is not None and at_pause is not None:
+        counted = wire.traffic(before, at_pause, ran, owner=owner)
+        sent = tuple(counted.sent(r) for r in range(len(ran)))
+    return dataclasses.replace(held, sent=sent, source=source)
 
 
 def private_bytes(pid: int) -> int:
@@ -141,6 +178,7 @@ class Watch:
 
     def __init__(self, pids: list[int], at_pause: Callable[[], object] | None = None):
         self.pids, self.at_pause = list(pids), at_pause
+        self.extra = None  # what ``at_pause`` returned, at the reading's moment
         self._done = threading.Event()
         self._held = Held.unobserved("the ranks never all paused in time.sleep where the test's driver pauses them")
         self._thread = threading.Thread(target=self._poll, name="osmemory-watch", daemon=True)
@@ -166,7 +204,7 @@ class Watch:
                     held = tuple(private_bytes(p) for p in self.pids)
                     extra = self.at_pause() if self.at_pause is not None else None
                     if all(paused(p) for p in self.pids):  # (still the same pause: the reading stands)
-                        self._held = Held(bytes=held, extra=extra)
+                        self._held, self.extra = Held(bytes=held), extra
                         return
             except (OSError, ValueError, RuntimeError) as exc:
                 self._held = Held.unobserved(f"the ranks' memory could not be read: {exc}"[:300])

@@ -375,28 +375,58 @@ def parse(output: bytes | str) -> dict[tuple[str, str], Socket]:
     return found
 
 
-def owners(pids: list[int], user: int | None = None, timeout: float = 10.0) -> dict[int, int]:
-    """Socket inode -> pid, for every socket each of ``pids`` holds open (``/proc/<pid>/fd``), read
-    as ``user`` where given (as ``snapshot``).  Raises RuntimeError when one cannot be read."""
+def holders(
+    pids: list[int], user: int | None = None, timeout: float = 10.0, skip_gone: bool = False
+) -> dict[int, list[int]]:
+    """Socket inode -> the pids among ``pids`` that hold it open (``/proc/<pid>/fd``), in ``pids``' order,
+    read as ``user`` where given (as ``snapshot``).  Raises RuntimeError when one cannot be read
+    (``skip_gone``: a process that has ended holds nothing)."""
     try:
         if user is None:
-            listed = socket_links(pids)
+            listed = socket_links(pids, skip_gone=skip_gone)
         else:
             cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", sys.executable, "-I"]
-            done = subprocess.run([*cmd, fd_links.__file__, *map(str, pids)], capture_output=True, timeout=timeout)
+            args = [fd_links.__file__, *(["--skip-gone"] if skip_gone else []), *map(str, pids)]
+            done = subprocess.run([*cmd, *args], capture_output=True, timeout=timeout)
             if done.returncode != 0:
                 why = done.stderr.decode("ascii", "replace").strip().splitlines()[-1:] or ["no reason given"]
                 raise OSError(why[0][:300])
             listed = json.loads(done.stdout)
     except OSError as exc:
         raise RuntimeError(f"the ranks' sockets could not be read from /proc/<pid>/fd: {exc}") from None
-    found: dict[int, int] = {}
-    for pid, links in listed.items():
-        for link in links:
+    found: dict[int, list[int]] = {}
+    for pid in pids:
+        for link in listed.get(str(pid), []):
             socket = _SOCKET_LINK.fullmatch(link)
-            if socket:
-                found[int(socket[1])] = int(pid)
+            if socket and pid not in found.setdefault(int(socket[1]), []):
+                found[int(socket[1])].append(pid)
     return found
+
+
+def owners(pids: list[int], user: int | None = None, timeout: float = 10.0) -> dict[int, int]:
+    """Socket inode -> pid, for every socket each of ``pids`` holds open (the last of them in ``pids``'
+    order where two hold one: ``holders``).  Raises RuntimeError when one cannot be read."""
+    return {inode: held[-1] for inode, held in holders(pids, user, timeout).items()}
+
+
+def shared_connections(
+    sockets: dict[tuple[str, str], Socket], held: dict[int, list[int]], ranks: list[int]
+) -> list[str]:
+    """The connections between two of ``ranks`` (pids) that another process holds open too, said
+    ("rank 0's connection to rank 1, also open in pid 123"): ``held`` is ``holders`` of every process
+    that could (the ranks among them); ``sockets`` a ``snapshot``."""
+    rank_of = {pid: r for r, pid in enumerate(ranks)}
+    said = []
+    for sock in sockets.values():
+        mine = [p for p in held.get(sock.inode, []) if p in rank_of]
+        other = sockets.get((sock.peer, sock.local))
+        theirs = [p for p in held.get(other.inode, []) if p in rank_of] if other is not None else []
+        if len(mine) != 1 or len(theirs) != 1 or mine == theirs:
+            continue
+        extra = [p for p in held[sock.inode] if p != mine[0]]
+        if extra:
+            said.append(f"rank {rank_of[mine[0]]}'s connection to rank {rank_of[theirs[0]]}, also open in pid {extra}")
+    return said
 
 
 def traffic(

@@ -34,7 +34,6 @@ by ``RobustExecute`` whenever the student's kernel is (re)started.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -137,6 +136,14 @@ def host_pids(claimed: list, inside: int, user: int | None = None) -> list[int] 
     if namespace == os.readlink("/proc/self/ns/pid"):  # no pid namespace: ids are the host's
         ok = all(os.path.exists(f"/proc/{p}") and (user is None or _real_uid(p) == user) for p in claimed)
         return claimed if ok else None
+    found = _in_namespace(namespace)
+    mapped = [found.get(p) for p in claimed]
+    return None if None in mapped or len(set(mapped)) != len(mapped) else mapped
+
+
+def _in_namespace(namespace: str) -> dict[int, int]:
+    """Every process in the pid namespace ``namespace`` (``/proc/<pid>/ns/pid``'s link): its id there ->
+    its host id."""
     found: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -150,19 +157,19 @@ def host_pids(claimed: list, inside: int, user: int | None = None) -> list[int] 
                     break
         except (OSError, ValueError):
             continue
-    mapped = [found.get(p) for p in claimed]
-    return None if None in mapped or len(set(mapped)) != len(mapped) else mapped
+    return found
 
 
-def _memory(held: osmemory.Held, prepared: list[int] | None, ran: list[int], before, owner) -> osmemory.Held:
-    """The memory read at the ranks' pause, with the bytes each rank had sent by then (``extra``), if
-    the ranks that ran were the ones prepared (fresh) and watched."""
-    if held.bytes is None:
-        return held
-    if prepared != ran:
-        return osmemory.Held.unobserved("the ranks that ran were not the ones the student's kernel started for the run")
-    at_pause = wire.traffic(before, held.extra, ran, owner=owner)
-    return dataclasses.replace(held, extra=tuple(at_pause.sent(r) for r in range(len(ran))))
+def student_processes(kernel_pid: int, inside: int | None) -> list[int]:
+    """The host ids of every process of the student's: those in the pid namespace of process
+    ``inside`` where it has its own, else the kernel and every process below it."""
+    try:
+        namespace = os.readlink(f"/proc/{inside}/ns/pid") if inside is not None else None
+    except OSError:
+        namespace = None
+    if namespace is not None and namespace != os.readlink("/proc/self/ns/pid"):
+        return sorted(_in_namespace(namespace).values())
+    return [kernel_pid, *reaper.descendants(kernel_pid)]
 
 
 def _not_again(function: str, what: dict) -> str:
@@ -321,7 +328,13 @@ class RemoteRunner:
         if request.memory:  # each rank's memory from the OS, at the driver's pause (osmemory.py)
             ranks_prepared = host_pids(prepared, in_pid_ns, user) if in_pid_ns is not None else None
             if ranks_prepared is not None and len(ranks_prepared) == world_size and before is not None:
-                watch = osmemory.Watch(ranks_prepared, lambda: wire.snapshot(inside, user=user)).start()
+                watch = osmemory.Watch(
+                    ranks_prepared,
+                    lambda: (
+                        wire.snapshot(inside, user=user),
+                        wire.holders(student_processes(kernel_pid, in_pid_ns), user, skip_gone=True),
+                    ),
+                ).start()
         capture, not_captured = None, NOT_ASKED
         if request.timeline:  # the data's times from the wire, for a test that asked for them
             try:
@@ -371,7 +384,8 @@ class RemoteRunner:
                 if segments is not None
                 else wire.Timeline.unobserved(not_captured)
             )
-            memory = _memory(held, ranks_prepared, pids, before, owner)
+            at_pause, held_by = watch.extra if watch is not None and watch.extra is not None else (None, None)
+            memory = osmemory.observed(held, before, at_pause, ranks_prepared, pids, owner, held_by=held_by)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             # fail closed: a test that reads the bytes fails (wire.Unobserved); never the ranks' own claim
             return record, Evidence.unobserved(str(exc)[:300])

@@ -182,3 +182,49 @@ def test_the_socket_reader_runs_as_a_file_on_the_standard_library_alone():
         assert os.fstat(server.fileno()).st_ino in wire.owners([os.getpid()], user=os.geteuid())
     finally:
         server.close()
+
+
+def test_a_connection_open_in_a_third_process_is_found():
+    """``holders`` and ``shared_connections``: a connection between two ranks that a third process holds
+    open too (a child forked after the connection was made inherits it) is said, with that process's id;
+    the same connection held by its two ends alone is not.  (The grader then reads no memory for the
+    ranks: a process named as a rank while a real rank does the work would share its connections.)"""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    # "rank 1" connects to "rank 0" (this process), then forks a child that holds the connection too
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, socket, sys, time\n"
+            f"s = socket.create_connection(('127.0.0.1', {server.getsockname()[1]}))\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+            "print(pid, flush=True)\ntime.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    grandchild = None
+    try:
+        conn, _ = server.accept()
+        grandchild = int(child.stdout.readline())
+        time.sleep(0.2)
+        ranks = [os.getpid(), child.pid]
+        sockets = wire.snapshot()
+        alone = wire.holders(ranks)
+        assert wire.shared_connections(sockets, alone, ranks) == []
+        held = wire.holders([*ranks, grandchild, 2**22 + 12345], skip_gone=True)  # (one that has ended)
+        said = wire.shared_connections(sockets, held, ranks)
+        assert said == [f"rank 1's connection to rank 0, also open in pid [{grandchild}]"], said
+    finally:
+        child.kill()
+        if grandchild is not None:
+            os.kill(grandchild, 9)
+        server.close()

@@ -426,7 +426,17 @@ NOT_SHARDED_BY_THE_OS = {
         "import time as _time\nclass Zero1Optimizer(DataParallelOptimizer):   # a pause of its own, before any step\n"
         "    def __init__(self, *args, **kwargs):\n        _time.sleep(1.5)\n        super().__init__(*args, **kwargs)\n",
         "lab_tests.check_held(1)",
-        "had sent 0 bytes when the ranks paused",
+        "two steps of ZeRO-1 send at least 402,849,792 before the pause",  # (it had sent gloo's handshake, or not)
+    ),
+    "sends_early_then_pauses": (  # bytes enough for two steps and 62 % of the run, sent before any step
+        ["ex_zero1"],
+        "import time as _time\nclass Zero1Optimizer(DataParallelOptimizer):   # all-reduces junk, pauses, no sharding\n"
+        "    def __init__(self, params, *args, **kwargs):\n        params = list(params)\n"
+        "        junk = torch.zeros(sum(p.numel() for p in params))\n"
+        "        for _ in range(5):\n            dist.all_reduce(junk)\n"
+        "        _time.sleep(1.5)\n        super().__init__(params, *args, **kwargs)\n",
+        "lab_tests.check_held(1)",
+        "the test allows 1.6 times that",
     ),
 }
 
