@@ -128,7 +128,7 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     # the tests are the kit's (disttrain_lab/labtests/lab07/): the hooks' bytes are each rank's own piece
     # (its trace); the sparse and INT8 all-reduces' are read from the wire under grading
     assert 'e.meta.get("in_bytes", e.bytes)' in inspect.getsource(lab07._bytes_sent)
-    assert "run.timeline.messages(rank, dst)" in inspect.getsource(lab07.common._data_sent)
+    assert "carried.messages(run, rank, dst, case)" in inspect.getsource(lab07.common._data_sent)  # (the capture)
 
 
 def test_prediction_self_checks_hold_no_answer():

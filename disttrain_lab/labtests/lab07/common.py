@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import checks, gloo_ops
+from ... import carried, checks
 from ...exercise import ExerciseRun
 from .. import common
 
@@ -71,7 +71,7 @@ def _bytes_sent(run: ExerciseRun, rank: int) -> int:
     )
 
 
-def _data_sent(run: ExerciseRun, rank: int) -> int:
+def _data_sent(run: ExerciseRun, rank: int, case: str) -> int:
     """Bytes of data this rank put on the wire in the run.  Under grading, the payload of every gloo
     send it made to any rank, as the grader's capture read them (``wire.Timeline.messages``; gloo's
     own preambles and notes excluded, the pieces of other ranks an all-gather relays included).  In
@@ -82,25 +82,14 @@ def _data_sent(run: ExerciseRun, rank: int) -> int:
         events = run.trace.by_rank(rank)
         own = sum(e.meta.get("in_bytes", e.bytes) for e in events if e.kind == "collective")
         return (n - 1) * own + sum(e.bytes for e in events if e.op in checks.SEND_OPS)
-    total = 0
-    for dst in range(n):
-        if dst == rank:
-            continue
-        try:
-            total += sum(len(m) for m in run.timeline.messages(rank, dst) or [])
-        except gloo_ops.NotGloo as e:
-            raise AssertionError(
-                f"the bytes from rank {rank} to rank {dst} are not gloo's messages ({e}); the ranks must talk "
-                "through torch.distributed alone"
-            ) from None
-    return total
+    return sum(len(m) for dst in range(n) if dst != rank for m in carried.messages(run, rank, dst, case) or [])
 
 
 def _assert_pieces_sent(run: ExerciseRun, rank: int, piece: int, what: str, numel: int, case: str) -> None:
     """Rank ``rank`` put at most N-1 times its compressed piece (``piece`` bytes of ``what``) on the wire
     (``_data_sent``): each other rank needs it once, and an all-gather relays the others' pieces, of the
     same size; never the dense gradient (``numel`` fp32 entries)."""
-    n, sent = run.world_size, _data_sent(run, rank)
+    n, sent = run.world_size, _data_sent(run, rank, case)
     assert sent <= (n - 1) * piece, (
         f"{case}: rank {rank} put {sent} B of data on the wire; its {what} are {piece} B, which each of the "
         f"other {n - 1} ranks needs once: at most {(n - 1) * piece} B (an all-gather relays the others' pieces, "
