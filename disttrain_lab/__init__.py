@@ -24,11 +24,8 @@ from . import checks, exercise, hints, integrity, memory, models, network, predi
 from .devices import device, doctor, plan  # noqa: E402
 from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
-from .osmemory import settle_allocator  # noqa: E402
 from .pool import shutdown  # noqa: E402
 from .trace import Event, Run, region  # noqa: E402
-
-settle_allocator()  # (what a rank frees goes back to the OS: its memory reads true, osmemory.py)
 
 __all__ = [
     "launch",

@@ -20,10 +20,18 @@ instead, from outside the ranks:
 
 Ranks whose memory is read are forked fresh for the run (``pool.prepare(..., fresh=True)``), after
 ``settle()`` in the kernel: glibc's allocator set to return freed blocks of 128 KiB and more to
-the OS at once (``settle_allocator``, done as the kit is imported: else its dynamic threshold keeps
-them, and a rank reads as holding what it freed), the kernel's garbage collector frozen for the run,
-and the optimizers' lazy imports done once in the kernel (else every fresh rank makes its own copy
-of them: measured 150 MB, 4.5 bytes per parameter of the lab's 33.6 M-parameter model).
+the OS at once (else its dynamic threshold keeps them, and a rank reads as holding what it freed),
+the kernel's garbage collector frozen for the run, and the optimizers' lazy imports done once in the
+kernel (else every fresh rank makes its own copy of them: measured 150 MB, 4.5 bytes per parameter
+of the lab's 33.6 M-parameter model); ``unsettle()`` after it.  What the kernel itself allocated
+before (with glibc's dynamic threshold) can still show in a fresh rank's count: a 33.6 M-parameter
+model trained in the kernel just before added 1.4 to 2.3 bytes per parameter, and 9 when the kernel
+had trained it between two such runs; none with the threshold fixed before that training
+(``returning()``, around the references the lab's check computes in the kernel).  The grader's
+kernel for the student runs the notebook's cells alone, which allocate little in the kernel; fixing
+the threshold for good as the kit is imported would remove it all, at the cost of every launch's
+speed (page faults at every allocation of 128 KiB and more: 1.2-1.5 times slower training of 256-
+and 1024-wide layers, side by side), so the kit does not.
 
 ``Watch(pids, at_pause).start()`` polls in a thread; ``stop()`` returns a :class:`Held` (and
 ``watch.extra`` what ``at_pause`` returned); ``observed`` makes it the run's evidence.  What
@@ -34,6 +42,7 @@ pause never seen) leaves ``Held`` unobserved, with why: a test that reads it fai
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -49,35 +58,34 @@ import torch
 from . import wire
 from .wire import Unobserved
 
-__all__ = ["Held", "Watch", "observed", "paused", "private_bytes", "settle", "settle_allocator", "unsettle"]
+__all__ = ["Held", "Watch", "observed", "paused", "private_bytes", "returning", "settle", "unsettle"]
 
 # clock_nanosleep, what time.sleep calls on Linux (Python >= 3.11)
 PAUSE_SYSCALL = {"x86_64": 230, "aarch64": 115, "arm64": 115}.get(platform.machine())
 POLL_S = 0.005
 PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Swap:")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-RETURNED_FROM = 128 * 1024  # glibc's default mmap threshold, kept fixed
+RETURNED_FROM = 128 * 1024  # glibc's default mmap threshold, kept fixed for a run whose memory is read
+KEPT_BELOW = 32 * 2**20  # where glibc's dynamic mmap threshold stops growing (64-bit): after such a run
 
 
-def settle_allocator() -> None:
-    """glibc's allocator set to return blocks of 128 KiB and more to the OS when freed, for good: the kit
-    does it as it is imported (``disttrain_lab/__init__``), so that the kernel's ranks inherit it and a
-    kernel's earlier allocations leave nothing a fresh rank's count would take for its own (measured:
-    a 33.6 M-parameter model trained in the kernel before the fork, with glibc's dynamic threshold, added
-    1.4 bytes per parameter to each rank's reading; none with the threshold fixed first)."""
+def _allocator(mmap_threshold: int) -> None:
+    """glibc's mmap threshold fixed at ``mmap_threshold`` (blocks from that size up are mapped alone and
+    returned to the OS when freed), its trim threshold at twice it, as its dynamic threshold sets them."""
     try:
         libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, RETURNED_FROM)
-        libc.mallopt(M_TRIM_THRESHOLD, RETURNED_FROM)
+        libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)
     except (OSError, AttributeError):  # not glibc: its allocator is what it is
         pass
 
 
 def settle() -> None:
-    """In the kernel, before forking ranks whose memory will be read (see the module docstring); the
-    kernel's collector is frozen until ``unsettle()`` (its writes to the objects' pages would copy them
-    into every rank)."""
-    settle_allocator()
+    """In the kernel, before forking ranks whose memory will be read (see the module docstring), until
+    ``unsettle()``: the allocator returns blocks of 128 KiB and more, the optimizers' lazy imports are
+    done, the kernel's collector is frozen (its writes to the objects' pages would copy them into every
+    rank)."""
+    _allocator(RETURNED_FROM)
     for optimizer in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         layer = torch.nn.Linear(2, 2)
         step = optimizer(layer.parameters(), lr=0.1)
@@ -87,9 +95,25 @@ def settle() -> None:
     gc.freeze()
 
 
+@contextlib.contextmanager
+def returning():
+    """Within it, the kernel's freed blocks of 128 KiB and more go back to the OS (then glibc's thresholds
+    are set where its dynamic threshold ends): for large work in a kernel that will fork ranks whose memory
+    is read (a reference computed there), which would otherwise leave freed memory those ranks count."""
+    _allocator(RETURNED_FROM)
+    try:
+        yield
+    finally:
+        _allocator(KEPT_BELOW)
+
+
 def unsettle() -> None:
-    """After the run whose ranks' memory was read: the kernel's objects collected again as usual."""
+    """After the run whose ranks' memory was read: the kernel's objects collected again as usual, and
+    glibc's thresholds where its dynamic threshold ends (32 MiB: freed blocks below it are kept for
+    reuse).  Mapping every block of 128 KiB and more anew costs page faults at every allocation: the
+    layers 256 and 1024 wide trained 1.2-1.5 times slower with it, side by side."""
     gc.unfreeze()
+    _allocator(KEPT_BELOW)
 
 
 @dataclass(frozen=True)

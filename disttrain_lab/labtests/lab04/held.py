@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from ... import osmemory
 from ...exercise import ExerciseRun
 from .. import common
 from .zero import _single_process, _train_in_rank, zero3_driver
@@ -80,8 +81,10 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
     run = common.run_or_fail(
         driver, n, (name, stage, "paused", SIZES, STEPS, BATCH, "adam"), case, hint, timeout=180, memory=True
     )
-    # (the reference after the run: built before, its pages would sit in the kernel the ranks fork from)
-    _check_training(run, _single_process("mlp", SIZES, BATCH, STEPS, "adam"), stage, case)
+    # (the reference after the run, its memory returned to the OS: in the student's own kernel, what it freed
+    # would show in the next fresh ranks' count, osmemory.py)
+    with osmemory.returning():
+        _check_training(run, _single_process("mlp", SIZES, BATCH, STEPS, "adam"), stage, case)
     parts = per_parameter(stage, n)
     total = sum(parts.values())
     limit = (total + SLACK) * psi
