@@ -14,7 +14,12 @@ instead, from outside the ranks:
   read from ``/proc/<pid>/syscall``), where a test's driver pauses them: between training steps,
   when what a rank keeps from one step to the next is all it holds (a transient's peak is the
   allocator's and gloo's as much as the student's).  The reading is kept only if every rank is
-  still paused after it was taken.
+  still in the same pause after it was taken (its main thread's count of voluntary context
+  switches unchanged, ``/proc/<pid>/status``).  Then the watch ends the pause: it sends each rank
+  ``WAKE_SIGNAL``, which the driver's ``pause(longest)`` turns into the end of its sleep (and which a
+  rank ignores at any other moment, ``worker.py``), so a pause lasts as long as the reading needs,
+  up to ``longest``: on a loaded host a fixed second was once too short for the last rank to arrive
+  and the reading (a run of ``ss``) to be done.
 - **What else at that moment**: the caller's ``at_pause`` (the grader reads the bytes the ranks had
   sent by then from the wire: a pause before any training does not pass for one after it).
 
@@ -46,8 +51,11 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
-import os
+import json
 import platform
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -55,15 +63,22 @@ from dataclasses import dataclass
 
 import torch
 
-from . import wire
+from . import pauses, wire
+from .pauses import PAUSE_SYSCALL, WAKE_SIGNAL, paused, private_bytes
 from .wire import Unobserved
 
-__all__ = ["Held", "Watch", "observed", "paused", "private_bytes", "returning", "settle", "unsettle"]
+__all__ = [
+    "Held",
+    "Watch",
+    "observed",
+    "pause",
+    "paused",
+    "private_bytes",
+    "returning",
+    "settle",
+    "unsettle",
+]
 
-# clock_nanosleep, what time.sleep calls on Linux (Python >= 3.11)
-PAUSE_SYSCALL = {"x86_64": 230, "aarch64": 115, "arm64": 115}.get(platform.machine())
-POLL_S = 0.005
-PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Swap:")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 RETURNED_FROM = 128 * 1024  # glibc's default mmap threshold, kept fixed for a run whose memory is read
 KEPT_BELOW = 32 * 2**20  # where glibc's dynamic mmap threshold stops growing (64-bit): after such a run
@@ -171,69 +186,123 @@ def observed(
     return dataclasses.replace(held, sent=sent, source=source)
 
 
-def private_bytes(pid: int) -> int:
-    """Process ``pid``'s private memory from ``/proc/<pid>/smaps_rollup`` (read as bytes; every
-    field it needs must be there, in kB)."""
-    with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-        text = f.read(1 << 16)
-    found = {}
-    for line in text.splitlines():
-        for name in PRIVATE_FIELDS:
-            if line.startswith(name):
-                parts = line[len(name) :].split()
-                if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
-                    raise ValueError(f"/proc/{pid}/smaps_rollup: {line[:80]!r} is not '<n> kB'")
-                found[name] = int(parts[0]) * 1024
-    missing = [n.decode() for n in PRIVATE_FIELDS if n not in found]
-    if missing:
-        raise ValueError(f"/proc/{pid}/smaps_rollup has no {', '.join(missing)}")
-    return sum(found.values())
+class _Woken(Exception):
+    """Raised in a pausing rank by ``WAKE_SIGNAL``: the watch has read it."""
 
 
-def paused(pid: int) -> bool:
-    """Whether process ``pid`` is blocked in ``clock_nanosleep`` (``time.sleep``) now."""
-    with open(f"/proc/{pid}/syscall", "rb") as f:
-        first = f.read(64).split(b" ", 1)[0]
-    return first.isdigit() and int(first) == PAUSE_SYSCALL
+def _woken(signum, frame):
+    raise _Woken
+
+
+def pause(longest: float) -> float:
+    """In a rank (a test's driver): sleep in ``time.sleep`` until the watch, having read this rank's memory,
+    wakes it with ``WAKE_SIGNAL``, or ``longest`` seconds have passed (nobody watching, or a reading that
+    failed).  Returns the seconds paused.  After it ``WAKE_SIGNAL`` is ignored, as a rank starts (``worker.py``):
+    a late one ends nothing."""
+    started = time.monotonic()
+    try:
+        signal.signal(WAKE_SIGNAL, _woken)
+    except ValueError:  # not the main thread: the whole pause
+        time.sleep(longest)
+        return time.monotonic() - started
+    try:
+        time.sleep(longest)
+    except _Woken:
+        pass
+    finally:
+        signal.signal(WAKE_SIGNAL, signal.SIG_IGN)
+    return time.monotonic() - started
 
 
 class Watch:
-    """Polls ``pids`` until all pause, then reads their memory once (see the module docstring)."""
+    """Watches ``pids`` until all pause, then reads their memory once (see the module docstring), through
+    ``pauses.py`` run as its own process: as ``user`` where given (``setpriv``, the effective ids only, as
+    ``wire.snapshot``), for a grader that may not read that uid's ``/proc/<pid>/smaps_rollup`` itself."""
 
-    def __init__(self, pids: list[int], at_pause: Callable[[], object] | None = None):
-        self.pids, self.at_pause = list(pids), at_pause
+    def __init__(
+        self,
+        pids: list[int],
+        at_pause: Callable[[], object] | None = None,
+        user: int | None = None,
+    ):
+        self.pids, self.at_pause, self.user = list(pids), at_pause, user
         self.extra = None  # what ``at_pause`` returned, at the reading's moment
-        self._done = threading.Event()
         self._held = Held.unobserved("the ranks never all paused in time.sleep where the test's driver pauses them")
-        self._thread = threading.Thread(target=self._poll, name="osmemory-watch", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="osmemory-watch", daemon=True)
+        self._proc: subprocess.Popen | None = None
+        self._stopped = False
 
     def start(self) -> Watch:
         if PAUSE_SYSCALL is None:
             self._held = Held.unobserved(f"no pause can be seen on this machine ({platform.machine()})")
-            self._done.set()
-        else:
-            self._thread.start()
+            return self
+        cmd = [sys.executable, "-I", pauses.__file__, *map(str, self.pids)]
+        if self.user is not None:
+            cmd = ["setpriv", f"--euid={self.user}", f"--egid={self.user}", "--clear-groups", "--", *cmd]
+        try:
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        except OSError as exc:
+            self._held = Held.unobserved(f"the ranks' memory could not be watched: {exc}"[:300])
+            return self
+        self._thread.start()
         return self
 
     def stop(self) -> Held:
-        self._done.set()
+        self._stopped = True
+        if self._proc is not None:
+            self._proc.kill()  # (its stdout ends: the thread's wait for a line with it)
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        if self._proc is not None:
+            self._proc.wait()
         return self._held
 
-    def _poll(self) -> None:
-        while not self._done.is_set():
+    def _watch(self) -> None:
+        proc = self._proc
+        while True:
+            said = self._said()
+            if said is None and not self._stopped:  # (it ended by itself: say why)
+                lines = proc.stderr.read(1 << 16).strip().splitlines()
+                said = {"error": f"the watch ended: {lines[-1] if lines else 'no reason given'}"}
+            if said is None or "error" in said:
+                if said is not None:
+                    self._held = Held.unobserved(f"the ranks' memory could not be read: {said['error']}"[:300])
+                return
+            held = said.get("held")
+            if not (isinstance(held, list) and len(held) == len(self.pids) and all(type(b) is int for b in held)):
+                self._held = Held.unobserved(f"the watch said {str(said)[:200]}, not each rank's memory")
+                return
+            started = time.monotonic()
             try:
-                if self.pids and all(paused(p) for p in self.pids):
-                    held = tuple(private_bytes(p) for p in self.pids)
-                    extra = self.at_pause() if self.at_pause is not None else None
-                    if all(paused(p) for p in self.pids):  # (still the same pause: the reading stands)
-                        self._held, self.extra = Held(bytes=held), extra
-                        return
-            except (OSError, ValueError, RuntimeError) as exc:
-                self._held = Held.unobserved(f"the ranks' memory could not be read: {exc}"[:300])
-                if not all(os.path.exists(f"/proc/{p}") for p in self.pids):
-                    return  # (a rank ended: the run is over)
-                if isinstance(exc, PermissionError):
-                    return
-            time.sleep(POLL_S)
+                extra, why = (self.at_pause() if self.at_pause is not None else None), None
+            except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+                extra, why = None, f"what else is read at the pause could not be: {exc}"[:300]
+            try:
+                proc.stdin.write("read\n")
+                proc.stdin.flush()
+            except OSError:
+                return
+            said = self._said()
+            if said == {"kept": True} and why is None:
+                self._held, self.extra = Held(bytes=tuple(held)), extra
+                return
+            if why is not None or said != {"kept": False}:
+                self._held = Held.unobserved(why or f"the watch said {str(said)[:200]} after the reading")
+                return
+            self._held = Held.unobserved(
+                "the ranks all paused, but a rank had woken before the reading was done "
+                f"({time.monotonic() - started:.2f} s)"
+            )
+
+    def _said(self) -> dict | None:
+        """The watch's next line, as JSON (None where it has ended, or was stopped)."""
+        line = self._proc.stdout.readline()
+        if not line or self._stopped:
+            return None
+        try:
+            said = json.loads(line)
+        except ValueError:
+            return {"error": f"it printed {line[:100]!r}"}
+        return said if isinstance(said, dict) else {"error": f"it printed {line[:100]!r}"}

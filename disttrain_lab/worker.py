@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 from . import codemap, emulation, integrity, trace
+from .pauses import WAKE_SIGNAL
 
 STARTUP_TIMEOUT = 180.0  # seconds: a fresh interpreter importing torch on a busy machine
 STACK_SIGNAL = signal.SIGUSR1  # the launcher asks a stuck rank for its Python stack (faulthandler)
@@ -54,6 +55,8 @@ _MAX_RETIRED = 32
 
 def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int, stack_fd: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the launcher, which stops us
+    # (ignored but inside osmemory.pause: a watch that reads the ranks in another sleep ends neither it nor the rank)
+    signal.signal(WAKE_SIGNAL, signal.SIG_IGN)
     _set_parent_death_signal(parent)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)

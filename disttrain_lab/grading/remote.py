@@ -334,6 +334,7 @@ class RemoteRunner:
                         wire.snapshot(inside, user=user),
                         wire.holders(student_processes(kernel_pid, in_pid_ns), user, skip_gone=True),
                     ),
+                    user=user,  # (in a container, read as the student's uid: as the wire is)
                 ).start()
         capture, not_captured = None, NOT_ASKED
         if request.timeline:  # the data's times from the wire, for a test that asked for them

@@ -421,6 +421,66 @@ def test_the_grader_reads_another_uids_sockets_as_that_uid_in_a_container():
     assert found == {"reader": uid, "as None": "unread", f"as {uid}": [pid], "pids": True, "pids of another uid": None}
 
 
+# in the container: a student's rank (another uid) holding 50 MiB, paused as lab 4's driver pauses (osmemory.pause)
+STUDENT_PAUSES = r"""
+import os, signal, time
+ballast = bytearray(50 * 2**20)
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+class Woken(Exception):
+    pass
+def woken(*_):
+    raise Woken
+signal.signal(signal.SIGUSR2, woken)
+print(os.getpid(), flush=True)
+started = time.monotonic()
+try:
+    time.sleep(60)
+except Woken:
+    pass
+print(round(time.monotonic() - started, 2), flush=True)
+"""
+
+PROBE_MEMORY = r"""
+import json, os, subprocess, sys, time
+from disttrain_lab import osmemory
+uid, student_code = int(sys.argv[1]), sys.argv[2]
+
+def become():
+    os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+
+student = subprocess.Popen([sys.executable, "-I", "-c", student_code], preexec_fn=become, stdout=subprocess.PIPE, text=True)
+try:
+    pid = int(student.stdout.readline())
+    found = {}
+    held = osmemory.Watch([pid]).start()
+    time.sleep(1)
+    held = held.stop()
+    found["as None"] = held.why if held.bytes is None else held.bytes
+    watch = osmemory.Watch([pid], user=uid).start()
+    slept = float(student.stdout.readline())
+    held = watch.stop()
+    found[f"as {uid}"] = held.bytes is not None and held.bytes[0] > 50 * 2**20
+    found["woken"] = slept < 30
+finally:
+    student.kill()
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
+@needs_container
+def test_the_grader_reads_another_uids_memory_as_that_uid_in_a_container():
+    """Lab 4's memory from the OS in Gradescope's container: root without CAP_SYS_PTRACE cannot read another
+    uid's /proc/<pid>/smaps_rollup nor see it pause; the watch run as that uid (osmemory.Watch(user=...),
+    pauses.py) reads it and ends its pause."""
+    uid = run_container.UID_FIRST + 12346
+    done = in_container([sys.executable, "-c", PROBE_MEMORY, str(uid), STUDENT_PAUSES], dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "could not be read" in found.pop("as None") and found == {f"as {uid}": True, "woken": True}, found
+
+
 def test_a_failed_predictions_expected_value_is_withheld_until_the_due_date(tmp_path, monkeypatch):
     # Gradescope shows results while a student may still resubmit: the value shows only after the
     # due date it writes into submission_metadata.json, as the feedback page does (config.show_expected)

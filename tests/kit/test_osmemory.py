@@ -3,7 +3,8 @@
 - ``private_bytes`` reads ``/proc/<pid>/smaps_rollup`` as bytes; a process that allocates and writes
   100 MiB reads about 100 MiB more; a malformed field is refused, not guessed.
 - ``Watch`` reads once every watched process is in ``time.sleep`` (``clock_nanosleep``), not before;
-  a process that never pauses leaves the reading unobserved, and reading it then raises ``Unobserved``.
+  a process that never pauses leaves the reading unobserved, and reading it then raises ``Unobserved``;
+  having read, it ends the driver's ``pause`` (and no other sleep).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from disttrain_lab import osmemory
 from disttrain_lab.wire import Unobserved
 
 CHILD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # (as a rank does, worker.py: the watch's signal ends no other sleep)
 ballast = bytearray({size})
 for i in range(0, len(ballast), 4096):
     ballast[i] = 1
@@ -64,6 +66,7 @@ def test_the_watch_reads_at_the_pause_and_only_then():
         started = time.monotonic()
         watch = osmemory.Watch([proc.pid], at_pause=lambda: "read at the pause").start()
         while not osmemory.paused(proc.pid):
+            assert proc.poll() is None and time.monotonic() < started + 60, "the child never paused"
             time.sleep(0.01)
         time.sleep(0.5)
         held = watch.stop()
@@ -81,5 +84,30 @@ def test_no_pause_no_reading():
         assert held.bytes is None and "never all paused" in held.why
         with pytest.raises(Unobserved, match="not observed from the OS"):
             held.of(0)
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow  # (the child imports torch: 4-5 s)
+def test_the_watch_ends_the_pause_it_has_read_and_no_other_sleep():
+    # osmemory.pause sleeps until the watch, having read the process, wakes it (WAKE_SIGNAL); another sleep,
+    # where the signal is ignored as in a rank (CHILD), is not ended by it, and the signal does not end the process either
+    code = (
+        "import os\nfrom disttrain_lab import osmemory\n"
+        "took = osmemory.pause(30)\n"
+        "print(f'paused {took:.2f}', flush=True)\n"
+        "import threading\n"
+        "threading.Timer(0.2, os.kill, (os.getpid(), osmemory.WAKE_SIGNAL)).start()  # (during the next sleep)\n"
+        "started = time.monotonic(); time.sleep(0.6)\n"
+        "print(f'slept {time.monotonic() - started:.2f}', flush=True)\n"
+    )
+    proc = _child(10 * 2**20, code)
+    try:
+        watch = osmemory.Watch([proc.pid]).start()
+        out, _ = proc.communicate(timeout=25)
+        held = watch.stop()
+        assert proc.returncode == 0 and held.of(0) > 10 * 2**20, (proc.returncode, out, held)
+        paused, slept = (float(line.split()[1]) for line in out.split("\n")[:2])
+        assert paused < 10 and slept >= 0.6, out
     finally:
         proc.kill()

@@ -35,6 +35,7 @@ lab's rules forbid both, the grader cannot yet observe them (docs/architecture.m
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -81,10 +82,7 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
     run = common.run_or_fail(
         driver, n, (name, stage, "paused", SIZES, STEPS, BATCH, "adam"), case, hint, timeout=180, memory=True
     )
-    # (the reference after the run, its memory returned to the OS: in the student's own kernel, what it freed
-    # would show in the next fresh ranks' count, osmemory.py)
-    with osmemory.returning():
-        _check_training(run, _single_process("mlp", SIZES, BATCH, STEPS, "adam"), stage, case)
+    _check_training(run, _reference(), stage, case)
     parts = per_parameter(stage, n)
     total = sum(parts.values())
     limit = (total + SLACK) * psi
@@ -142,6 +140,22 @@ def _what_is_kept_whole(stage: int, got: float) -> str:
     return ""
 
 
+@functools.cache
+def _reference() -> tuple[tuple[str, float, float, float, int], ...]:
+    """Adam in one process on the same model and data, the same for every stage (computed once per kernel,
+    after the first run): each parameter's name, sum, sum of magnitudes, sum of squares (float64) and size.
+    Its memory is returned to the OS: in the student's own kernel, what it freed would show in the next
+    fresh ranks' count (``osmemory.py``)."""
+    with osmemory.returning():
+        model = _single_process("mlp", SIZES, BATCH, STEPS, "adam")
+        sums = []
+        for name, p in model.named_parameters():
+            w = p.detach().double()
+            sums.append((name, float(w.sum()), float(w.abs().sum()), float(w.square().sum()), w.numel()))
+        del model, p, w
+    return tuple(sums)
+
+
 def _check_training(run: ExerciseRun, reference, stage: int, case: str) -> None:
     """Each parameter's sum and sum of squares after the last step against the one process's (stage 3: the
     ranks' shards added up), within what float32's rounding over its elements allows."""
@@ -153,10 +167,9 @@ def _check_training(run: ExerciseRun, reference, stage: int, case: str) -> None:
     else:
         holders = {f"rank {rank}'s": out["sums"] for rank, out in enumerate(run.results)}
     for whose, sums in holders.items():
-        for (pname, want), (total, squares) in zip(reference.named_parameters(), sums):
-            w = want.detach().double()
-            close = math.isclose(total, float(w.sum()), abs_tol=1e-5 * float(w.abs().sum()) + 1e-6 * w.numel())
-            assert close and math.isclose(squares, float(w.square().sum()), rel_tol=1e-4), (
+        for (pname, want, magnitude, want_squares, numel), (total, squares) in zip(reference, sums):
+            close = math.isclose(total, want, abs_tol=1e-5 * magnitude + 1e-6 * numel)
+            assert close and math.isclose(squares, want_squares, rel_tol=1e-4), (
                 f"{case}: {whose} {pname} after {STEPS} steps: sum {total:.6g}, sum of squares {squares:.6g}; Adam "
-                f"in one process gives {float(w.sum()):.6g} and {float(w.square().sum()):.6g}"
+                f"in one process gives {want:.6g} and {want_squares:.6g}"
             )

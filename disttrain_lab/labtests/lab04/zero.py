@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ... import checks, devices, exercise, memory, models
+from ... import checks, devices, exercise, memory, models, osmemory
 from ...exercise import ExerciseRun
 from .. import common
 from .common import (
@@ -134,15 +133,15 @@ def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: i
 
 def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int, opt: str) -> dict:
     """``train`` for the memory case: nothing of the kit's in the rank but the model and the pause
-    (``time.sleep(PAUSE_S)`` before the last step, between two steps: what a rank keeps from one step to
-    the next is all it holds); returns each parameter's sum and sum of squares (float64), as this rank
-    holds it after the last step (stage 3: its shard)."""
+    (``osmemory.pause``, a ``time.sleep`` the grader ends once it has read the ranks) before the last step,
+    between two steps: what a rank keeps from one step to the next is all it holds.  Returns each parameter's
+    sum and sum of squares (float64), as this rank holds it after the last step (stage 3: its shard)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model = models.MLP(list(sizes), seed=0).to(devices.device())
     forward, optimizer = _build(cls, stage, model, opt)
     for step, (x, y) in enumerate(batches(sizes, batch, steps)):
         if step == steps - 1:
-            time.sleep(PAUSE_S)
+            osmemory.pause(PAUSE_S)
         optimizer.zero_grad()
         x, y = x.tensor_split(n)[rank].to(devices.device()), y.tensor_split(n)[rank].to(devices.device())
         F.mse_loss(forward(x), y).backward()

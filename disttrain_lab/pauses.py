@@ -1,0 +1,110 @@
+"""Whether a process is paused in ``time.sleep``, and the private memory it holds, read from ``/proc``;
+and the watch that reads every rank once all pause (``osmemory.Watch`` runs it).
+
+Run as a file, ``python -I pauses.py PID ...``, by ``osmemory.Watch``: as the student's uid where the
+grader may not read another uid's ``/proc/<pid>/smaps_rollup`` (a root without CAP_SYS_PTRACE, in a
+container; ``setpriv``, the effective ids only, so that the student's processes can neither signal nor
+trace it), else as the grader.  So it imports nothing but the standard library.  It speaks one JSON
+line at a time on stdout, and waits for one line on stdin after a reading:
+
+- once every process is paused: ``{"held": [bytes, ...]}``; then it waits for the caller to read what
+  else it needs at that moment (the wire) and to say so (a line on stdin);
+- then ``{"kept": true}`` if every process is still in the same pause (it has ended the pause: the
+  ``WAKE_SIGNAL`` that ``osmemory.pause`` waits for), and it exits; else ``{"kept": false}`` and it
+  waits for the next pause;
+- ``{"error": why}`` where a process cannot be read (or has ended), and it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import sys
+import time
+
+__all__ = ["PAUSE_SYSCALL", "WAKE_SIGNAL", "pause_of", "paused", "private_bytes", "watch"]
+
+# clock_nanosleep, what time.sleep calls on Linux (Python >= 3.11)
+PAUSE_SYSCALL = {"x86_64": 230, "aarch64": 115, "arm64": 115}.get(platform.machine())
+WAKE_SIGNAL = signal.SIGUSR2  # ends the driver's pause once the ranks are read (worker.py ignores it elsewhere)
+POLL_S = 0.005
+PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Swap:")
+
+
+def private_bytes(pid: int) -> int:
+    """Process ``pid``'s private memory from ``/proc/<pid>/smaps_rollup`` (read as bytes; every
+    field it needs must be there, in kB)."""
+    with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+        text = f.read(1 << 16)
+    found = {}
+    for line in text.splitlines():
+        for name in PRIVATE_FIELDS:
+            if line.startswith(name):
+                parts = line[len(name) :].split()
+                if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+                    raise ValueError(f"/proc/{pid}/smaps_rollup: {line[:80]!r} is not '<n> kB'")
+                found[name] = int(parts[0]) * 1024
+    missing = [n.decode() for n in PRIVATE_FIELDS if n not in found]
+    if missing:
+        raise ValueError(f"/proc/{pid}/smaps_rollup has no {', '.join(missing)}")
+    return sum(found.values())
+
+
+def pause_of(pid: int) -> int | None:
+    """Which pause process ``pid`` is in: the count of times it has slept (its main thread's voluntary context
+    switches, which one uninterrupted ``clock_nanosleep`` does not change), or None where it is not in one."""
+    with open(f"/proc/{pid}/syscall", "rb") as f:
+        first = f.read(64).split(b" ", 1)[0]
+    if not (first.isdigit() and int(first) == PAUSE_SYSCALL):
+        return None
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f.read(1 << 14).splitlines():
+            if line.startswith(b"voluntary_ctxt_switches:"):
+                count = line.split(b":", 1)[1].strip()
+                if count.isdigit():
+                    return int(count)
+    raise ValueError(f"/proc/{pid}/status has no voluntary_ctxt_switches")
+
+
+def paused(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in ``clock_nanosleep`` (``time.sleep``) now."""
+    return pause_of(pid) is not None
+
+
+def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
+    """The protocol of the module's docstring, until a reading is kept, a process cannot be read, or
+    ``told`` ends."""
+
+    def say(**what) -> None:
+        said.write(json.dumps(what) + "\n")
+        said.flush()
+
+    try:
+        while True:
+            pauses = [pause_of(p) for p in pids]
+            if None in pauses:
+                time.sleep(POLL_S)
+                continue
+            say(held=[private_bytes(p) for p in pids])
+            if not told.readline():
+                return
+            if [pause_of(p) for p in pids] == pauses:  # (still the same pause: the reading stands)
+                for pid in pids:
+                    try:
+                        os.kill(pid, WAKE_SIGNAL)
+                    except OSError:  # (ended since, or not ours to signal: its pause ends by itself)
+                        pass
+                say(kept=True)
+                return
+            say(kept=False)
+            while [pause_of(p) for p in pids] == pauses:
+                time.sleep(POLL_S)  # (not the same pause read twice)
+    except (OSError, ValueError) as exc:
+        gone = [p for p in pids if not os.path.exists(f"/proc/{p}")]
+        say(error=f"process {gone[0]} has ended" if gone else f"{type(exc).__name__}: {exc}"[:300])
+
+
+if __name__ == "__main__":  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)
+    watch([int(p) for p in sys.argv[1:]])
