@@ -135,10 +135,11 @@ def _run_here(request: Request) -> tuple[Record, Evidence]:
     if record.failure is not None:
         return record, evidence
     try:
-        at_pause = watch.extra if watch is not None else None
-        memory = osmemory.observed(held, before, at_pause, prepared, list(record.pids), source=OWN_MEMORY)
+        at_pauses = [(snapshot, None) for snapshot in watch.extras] if watch is not None else []
+        memory = osmemory.observed(held, before, at_pauses, prepared, list(record.pids), source=OWN_MEMORY)
     except (RuntimeError, OSError, ValueError):  # (the bytes could not be counted: the memory stands alone)
-        memory = osmemory.observed(held, None, None, prepared, list(record.pids), source=OWN_MEMORY)
+        at_pauses = [(None, None)] * len(watch.extras) if watch is not None else []
+        memory = osmemory.observed(held, None, at_pauses, prepared, list(record.pids), source=OWN_MEMORY)
     return record, dataclasses.replace(evidence, memory=memory)
 
 

@@ -39,7 +39,7 @@ speed (page faults at every allocation of 128 KiB and more: 1.2-1.5 times slower
 and 1024-wide layers, side by side), so the kit does not.
 
 ``Watch(pids, at_pause).start()`` polls in a thread; ``stop()`` returns a :class:`Held` (and
-``watch.extra`` what ``at_pause`` returned); ``observed`` makes it the run's evidence.  What
+``watch.extras`` what ``at_pause`` returned at each reading); ``observed`` makes it the run's evidence.  What
 cannot be read (another user's process without the right to read it, no ``smaps_rollup``, a
 pause never seen) leaves ``Held`` unobserved, with why: a test that reads it fails
 (``Unobserved``), it never falls back on the ranks' account.
@@ -134,12 +134,14 @@ def unsettle() -> None:
 @dataclass(frozen=True)
 class Held:
     """Each rank's private memory at the ranks' pause (``bytes``) and the bytes each had sent the
-    others by then (``sent``, None where they were not counted); or unobserved, with why."""
+    others by then (``sent``, None where they were not counted); or unobserved, with why.  ``later``:
+    the same at each pause after the first, in order (a driver that pauses the ranks more than once)."""
 
     bytes: tuple[int, ...] | None = None
     sent: tuple[int, ...] | None = None
     why: str | None = None
     source: str = "os"
+    later: tuple[Held, ...] = ()
 
     @classmethod
     def unobserved(cls, why: str) -> Held:
@@ -155,35 +157,40 @@ class Held:
 def observed(
     held: Held,
     before,
-    at_pause,
+    at_pauses: list[tuple[dict | None, dict[int, list[int]] | None]],
     prepared: list[int] | None,
     ran: list[int],
     owner=None,
     source: str = "os",
-    held_by: dict[int, list[int]] | None = None,
 ) -> Held:
-    """``held`` (a ``Watch``'s reading) as evidence of the run whose ranks were ``ran``: kept only if
+    """``held`` (a ``Watch``'s readings) as evidence of the run whose ranks were ``ran``: kept only if
     they are the ranks ``prepared`` for it (forked fresh, and watched), with the bytes each had sent
-    by the pause (``wire.traffic`` from the sockets ``before`` the run to those ``at_pause``; None
-    where either is missing).  ``held_by``: at the pause, which of the student's processes held each
-    socket open (``wire.holders``); a connection between two ranks that another process held too
-    makes the reading unobserved (a process named as a rank that shares a real rank's connections
-    would have its memory read for that rank's)."""
+    by each pause (``wire.traffic`` from the sockets ``before`` the run to those at the pause; None
+    where either is missing).  ``at_pauses``: for each reading, the sockets then (``wire.snapshot``)
+    and which of the student's processes held each open (``wire.holders``, or None); a connection
+    between two ranks that another process held too makes the whole reading unobserved (a process
+    named as a rank that shares a real rank's connections would have its memory read for that rank's)."""
     if held.bytes is None:
         return held
     if prepared != ran:
         return Held.unobserved("the ranks that ran were not the ones started fresh for the run and watched")
-    shared = wire.shared_connections(at_pause, held_by, ran) if at_pause is not None and held_by is not None else []
-    if shared:
-        return Held.unobserved(
-            "a process named as a rank shared its connections with another process at the pause, so its memory "
-            f"is not the rank's: {'; '.join(shared[:4])}"
-        )
-    sent = None
-    if before is not None and at_pause is not None:
-        counted = wire.traffic(before, at_pause, ran, owner=owner)
-        sent = tuple(counted.sent(r) for r in range(len(ran)))
-    return dataclasses.replace(held, sent=sent, source=source)
+    readings = [held, *held.later]
+    if len(at_pauses) != len(readings):
+        return Held.unobserved(f"{len(readings)} readings of memory, but the wire was read at {len(at_pauses)}")
+    made = []
+    for reading, (at_pause, held_by) in zip(readings, at_pauses):
+        shared = wire.shared_connections(at_pause, held_by, ran) if at_pause is not None and held_by else []
+        if shared:
+            return Held.unobserved(
+                "a process named as a rank shared its connections with another process at the pause, so its "
+                f"memory is not the rank's: {'; '.join(shared[:4])}"
+            )
+        sent = None
+        if before is not None and at_pause is not None:
+            counted = wire.traffic(before, at_pause, ran, owner=owner)
+            sent = tuple(counted.sent(r) for r in range(len(ran)))
+        made.append(dataclasses.replace(reading, sent=sent, source=source, later=()))
+    return dataclasses.replace(made[0], later=tuple(made[1:]))
 
 
 class _Woken(Exception):
@@ -226,7 +233,7 @@ class Watch:
         user: int | None = None,
     ):
         self.pids, self.at_pause, self.user = list(pids), at_pause, user
-        self.extra = None  # what ``at_pause`` returned, at the reading's moment
+        self.extras: list = []  # what ``at_pause`` returned at each reading kept, in order
         self._held = Held.unobserved("the ranks never all paused in time.sleep where the test's driver pauses them")
         self._thread = threading.Thread(target=self._watch, name="osmemory-watch", daemon=True)
         self._proc: subprocess.Popen | None = None
@@ -260,15 +267,16 @@ class Watch:
         return self._held
 
     def _watch(self) -> None:
-        proc = self._proc
+        proc, readings = self._proc, []
         while True:
             said = self._said()
             if said is None and not self._stopped:  # (it ended by itself: say why)
                 lines = proc.stderr.read(1 << 16).strip().splitlines()
                 said = {"error": f"the watch ended: {lines[-1] if lines else 'no reason given'}"}
-            if said is None or "error" in said:
-                if said is not None:
-                    self._held = Held.unobserved(f"the ranks' memory could not be read: {said['error']}"[:300])
+            if said is None or "ended" in said:  # (the run is over)
+                break
+            if "error" in said:
+                self._held = Held.unobserved(f"the ranks' memory could not be read: {said['error']}"[:300])
                 return
             held = said.get("held")
             if not (isinstance(held, list) and len(held) == len(self.pids) and all(type(b) is int for b in held)):
@@ -283,23 +291,26 @@ class Watch:
                 proc.stdin.write("read\n")
                 proc.stdin.flush()
             except OSError:
-                return
+                break
             said = self._said()
-            if said == {"kept": True} and why is None:
-                self._held, self.extra = Held(bytes=tuple(held)), extra
-                return
-            if why is not None or said != {"kept": False}:
+            if said not in ({"kept": True}, {"kept": False}) or why is not None:
                 self._held = Held.unobserved(why or f"the watch said {str(said)[:200]} after the reading")
                 return
-            self._held = Held.unobserved(
-                "the ranks all paused, but a rank had woken before the reading was done "
-                f"({time.monotonic() - started:.2f} s)"
-            )
+            if said == {"kept": True}:
+                readings.append(Held(bytes=tuple(held)))
+                self.extras.append(extra)
+            elif not readings:
+                self._held = Held.unobserved(
+                    "the ranks all paused, but a rank had woken before the reading was done "
+                    f"({time.monotonic() - started:.2f} s)"
+                )
+        if readings:
+            self._held = dataclasses.replace(readings[0], later=tuple(readings[1:]))
 
     def _said(self) -> dict | None:
-        """The watch's next line, as JSON (None where it has ended, or was stopped)."""
+        """The watch's next line, as JSON (None where it has ended: what it said before it was stopped is read)."""
         line = self._proc.stdout.readline()
-        if not line or self._stopped:
+        if not line:
             return None
         try:
             said = json.loads(line)

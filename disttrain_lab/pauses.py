@@ -10,9 +10,10 @@ line at a time on stdout, and waits for one line on stdin after a reading:
 - once every process is paused: ``{"held": [bytes, ...]}``; then it waits for the caller to read what
   else it needs at that moment (the wire) and to say so (a line on stdin);
 - then ``{"kept": true}`` if every process is still in the same pause (it has ended the pause: the
-  ``WAKE_SIGNAL`` that ``osmemory.pause`` waits for), and it exits; else ``{"kept": false}`` and it
-  waits for the next pause;
-- ``{"error": why}`` where a process cannot be read (or has ended), and it exits.
+  ``WAKE_SIGNAL`` that ``osmemory.pause`` waits for), else ``{"kept": false}``; and it waits for the
+  next pause (a driver may pause the ranks more than once);
+- ``{"ended": pid}`` once a process has ended (the run is over), ``{"error": why}`` where one cannot be
+  read; and it exits.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def paused(pid: int) -> bool:
 
 
 def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
-    """The protocol of the module's docstring, until a reading is kept, a process cannot be read, or
-    ``told`` ends."""
+    """The protocol of the module's docstring, for every pause of ``pids``, until ``told`` ends or a process
+    ends (``{"ended": pid}``) or cannot be read (``{"error": why}``)."""
 
     def say(**what) -> None:
         said.write(json.dumps(what) + "\n")
@@ -90,20 +91,22 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
             say(held=[private_bytes(p) for p in pids])
             if not told.readline():
                 return
-            if [pause_of(p) for p in pids] == pauses:  # (still the same pause: the reading stands)
+            kept = [pause_of(p) for p in pids] == pauses  # (still the same pause: the reading stands)
+            if kept:
                 for pid in pids:
                     try:
                         os.kill(pid, WAKE_SIGNAL)
                     except OSError:  # (ended since, or not ours to signal: its pause ends by itself)
                         pass
-                say(kept=True)
-                return
-            say(kept=False)
-            while [pause_of(p) for p in pids] == pauses:
-                time.sleep(POLL_S)  # (not the same pause read twice)
+            say(kept=kept)
+            while any(pause_of(p) == was for p, was in zip(pids, pauses)):
+                time.sleep(POLL_S)  # (each has left this pause: none read twice in it)
     except (OSError, ValueError) as exc:
         gone = [p for p in pids if not os.path.exists(f"/proc/{p}")]
-        say(error=f"process {gone[0]} has ended" if gone else f"{type(exc).__name__}: {exc}"[:300])
+        if gone:
+            say(ended=gone[0])
+        else:
+            say(error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 if __name__ == "__main__":  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)

@@ -385,8 +385,7 @@ class RemoteRunner:
                 if segments is not None
                 else wire.Timeline.unobserved(not_captured)
             )
-            at_pause, held_by = watch.extra if watch is not None and watch.extra is not None else (None, None)
-            memory = osmemory.observed(held, before, at_pause, ranks_prepared, pids, owner, held_by=held_by)
+            memory = osmemory.observed(held, before, watch.extras if watch else [], ranks_prepared, pids, owner)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             # fail closed: a test that reads the bytes fails (wire.Unobserved); never the ranks' own claim
             return record, Evidence.unobserved(str(exc)[:300])

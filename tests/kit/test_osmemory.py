@@ -70,7 +70,7 @@ def test_the_watch_reads_at_the_pause_and_only_then():
             time.sleep(0.01)
         time.sleep(0.5)
         held = watch.stop()
-        assert watch.extra == "read at the pause" and held.of(0) > 50 * 2**20, (held, time.monotonic() - started)
+        assert watch.extras == ["read at the pause"] and held.of(0) > 50 * 2**20, (held, time.monotonic() - started)
     finally:
         proc.kill()
 

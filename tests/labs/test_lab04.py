@@ -421,6 +421,24 @@ NOT_SHARDED_BY_THE_OS = {
         "lab_tests.GRADED_PASSED.add('zero1'); lab_tests.check_held(3)",
         "that is ZeRO-2's memory; does a rank keep all of the parameters?",
     ),
+    "zero3_frees_only_the_data": (  # p.data back to the shard; the gathered weight lives on in autograd's saved view
+        ["ex_zero1", "ex_zero2", "ex_zero3"],
+        "class Zero3Module(Zero3Module):               # a new buffer per gather, its storage never freed\n"
+        "    def gather(self, layer):\n"
+        "        for p in self.units[layer]:\n"
+        "            if p not in self.gathered:\n"
+        "                full = torch.empty(self.world_size * p.numel(), dtype=p.dtype, device=p.device)\n"
+        "                all_gather(full, p.data)\n"
+        "                p.data = full[:math.prod(self.shapes[p])].view(self.shapes[p])\n"
+        "                self.gathered.add(p)\n\n"
+        "    def free(self, p):\n"
+        "        if p in self.gathered:\n"
+        "            c = shard_size(p.numel(), self.world_size)\n"
+        "            p.data = padded_flat(p, self.world_size)[self.rank * c:(self.rank + 1) * c].clone()\n"
+        "            self.gathered.discard(p)\n",
+        "lab_tests.GRADED_PASSED.add('zero1'); lab_tests.check_held(3)",
+        "gathered parameters freed for real?",
+    ),
     "pauses_before_training": (
         ["ex_zero1"],
         "import time as _time\nclass Zero1Optimizer(DataParallelOptimizer):   # a pause of its own, before any step\n"

@@ -25,6 +25,13 @@ The bytes each rank had sent by the pause, from the wire, must be at least two s
 before the training, after bytes sent to look like it, does not pass for one between steps 2 and 3.
 The parameters after the last step must be those of the same optimizer in one process.
 
+ZeRO-3 is read again just before each layer's forward in the last step (the driver's forward pre-hooks,
+after the student's gather): a rank may hold at most two layers in full (2 × 16 MiB) more than between
+steps.  Measured with the solution: 3.94 bytes per parameter before every layer (4.56 between steps, the
+gradients' shards since dropped by ``zero_grad``).  A ``free`` that only points ``p.data`` back at the shard
+leaves the gathered weight alive in what autograd saved for backward: 3.94 before layers 0 and 1, then
+0.5 more per layer, 6.94 before layer 7 (+2.4 over between steps, where 2 layers are 1.0).
+
 The processes read are the ones the kernel names as its ranks; one named in a real rank's place that
 shares its connections is found (``osmemory.observed``: the connections between ranks must be open in
 their two ranks alone at the pause).  What this does not see: a rank that keeps its state outside itself
@@ -52,6 +59,7 @@ STEPS = 3
 BATCH = 12
 SLACK = 1.5  # bytes per parameter above the stage's total
 BY_PAUSE, AT_MOST = 0.62, 1.6  # where the pause falls in the run's bytes, and the run's bytes (_check_pause_placed)
+LAYERS_WHOLE = 2  # ZeRO-3: layers in full at a pause before a layer's forward, above what a rank held between steps
 NAMES = {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Module"}
 
 
@@ -67,7 +75,8 @@ def per_parameter(stage: int, n: int = WORLD_SIZE) -> dict[str, float]:
 def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
     """The stage's class (``Zero1Optimizer``, ``Zero2Optimizer``, ``Zero3Module``) on 4 ranks forked for
     the run, an MLP of 8 layers of 2048 × 2048, Adam, 3 steps, paused before the last: each rank's
-    private memory at the pause, read from the OS, at most the stage's bytes per parameter + 1.5; the
+    private memory at the pause, read from the OS, at most the stage's bytes per parameter + 1.5 (ZeRO-3:
+    also paused before each layer's forward in the last step, at most 2 layers in full more); the
     parameters after the last step those of Adam in one process.  ``driver``: Zero2Optimizer's
     (``zero2_driver``), else the lab's own."""
     name, n = NAMES[stage], WORLD_SIZE
@@ -101,12 +110,48 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
             continue
         assert sent is not None, f"{case}: the bytes the ranks had sent by the pause were not observed"
         _check_pause_placed(case, stage, rank, sent[rank], run.traffic.sent(rank), step)
+    if stage == 3:
+        _check_each_layer(run, case, psi)
     if run.memory.source != "os":  # (the student's own kernel: show what it read)
         print(
             f"{name}: each rank held {', '.join(f'{run.memory.of(r) / psi:.2f}' for r in range(n))} bytes per "
             f"parameter at the pause, as the OS counts it (at most {total + SLACK:g})"
         )
     return run
+
+
+def _check_each_layer(run: ExerciseRun, case: str, psi: int) -> None:
+    """ZeRO-3 holds one layer in full at a time: at the pauses just before each layer's forward in the last step
+    (the driver's forward pre-hooks, after the student's), each rank at most ``LAYERS_WHOLE`` (2) layers in full
+    more than it held between steps; by the pause before layer k, each rank had sent at least 90 % of k layers'
+    ring-optimal all-gathers since the pause between steps."""
+    n, layers = WORLD_SIZE, len(SIZES) - 1
+    layer_bytes = 4 * (SIZES[0] * SIZES[1] + SIZES[1])
+    later = run.memory.later
+    assert len(later) >= layers, (
+        f"{case}: the ranks paused {len(later)} times in the last step's forward; the test pauses them just before "
+        f"each of the {layers} layers' forward (a forward pre-hook, registered after yours): does each layer's "
+        "forward run through its module, layer(x)?"
+    )
+    for k, reading in enumerate(later):
+        for rank in range(n):
+            held, between = reading.of(rank), run.memory.of(rank)
+            allowed = between + LAYERS_WHOLE * layer_bytes
+            assert held <= allowed, (
+                f"{case}: rank {rank} held {held / 2**20:,.0f} MiB ({held / psi:.2f} bytes per parameter) just before "
+                f"layer {min(k, layers - 1)}'s forward in step {STEPS}, {(held - between) / 2**20:,.0f} MiB more than "
+                f"between steps ({between / psi:.2f}); ZeRO-3 holds one layer in full at a time "
+                f"({layer_bytes / 2**20:,.0f} MiB here) and the test allows {LAYERS_WHOLE}.  Are the earlier layers' "
+                "gathered parameters freed for real?  Autograd keeps what forward saved (nn.Linear saves its weight) "
+                "until that layer's backward: free the gathered storage (untyped_storage().resize_(0)), as FSDP does"
+            )
+            if k < layers and reading.sent is not None and run.memory.sent is not None:
+                since, least = reading.sent[rank] - run.memory.sent[rank], 0.9 * k * (n - 1) / n * layer_bytes
+                assert since >= least, (
+                    f"{case}: by the pause just before layer {k}'s forward in step {STEPS}, rank {rank} had sent "
+                    f"{since:,} bytes since the pause between steps; gathering the {k} layers before it sends at "
+                    f"least {least:,.0f}"
+                )
 
 
 def _check_pause_placed(case: str, stage: int, rank: int, by_pause: int, in_all: int, step: float) -> None:

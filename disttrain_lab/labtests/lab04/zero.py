@@ -132,25 +132,38 @@ def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: i
 
 
 def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int, opt: str) -> dict:
-    """``train`` for the memory case: nothing of the kit's in the rank but the model and the pause
-    (``osmemory.pause``, a ``time.sleep`` the grader ends once it has read the ranks) before the last step,
-    between two steps: what a rank keeps from one step to the next is all it holds.  Returns each parameter's
-    sum and sum of squares (float64), as this rank holds it after the last step (stage 3: its shard)."""
+    """``train`` for the memory case: nothing of the kit's in the rank but the model and the pauses
+    (``osmemory.pause``, a ``time.sleep`` the grader ends once it has read the ranks): before the last step,
+    between two steps, where what a rank keeps from one step to the next is all it holds; and, for stage 3,
+    just before each layer's forward in the last step (a forward pre-hook registered after the student's:
+    their layer gathered, the others not).  Returns each parameter's sum and sum of squares (float64), as
+    this rank holds it after the last step (stage 3: its shard)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model = models.MLP(list(sizes), seed=0).to(devices.device())
     forward, optimizer = _build(cls, stage, model, opt)
+    layers = list(memory.layers_with_parameters(model).values()) if stage == 3 else []
+    hooks: list = []
     for step, (x, y) in enumerate(batches(sizes, batch, steps)):
         if step == steps - 1:
             osmemory.pause(PAUSE_S)
+            hooks = [layer.register_forward_pre_hook(_pause_before_layer) for layer in layers]
         optimizer.zero_grad()
         x, y = x.tensor_split(n)[rank].to(devices.device()), y.tensor_split(n)[rank].to(devices.device())
-        F.mse_loss(forward(x), y).backward()
+        out = forward(x)
+        for hook in hooks:
+            hook.remove()
+        F.mse_loss(out, y).backward()
         optimizer.step()
     return {
         "sums": [
             (float(p.detach().double().sum()), float(p.detach().double().square().sum())) for p in model.parameters()
         ]
     }
+
+
+def _pause_before_layer(module: nn.Module, args) -> None:
+    """A forward pre-hook (the memory case, stage 3): the ranks pause where the grader reads them."""
+    osmemory.pause(PAUSE_S)
 
 
 def _train_in_rank(name, stage, kind, sizes, steps, batch, opt):
