@@ -52,6 +52,7 @@ import ctypes
 import dataclasses
 import gc
 import json
+import os
 import platform
 import signal
 import subprocess
@@ -80,6 +81,8 @@ __all__ = [
 ]
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+# where a pause can be seen and a process's private memory read (Linux's /proc); elsewhere nobody can watch
+WATCHABLE = PAUSE_SYSCALL is not None and os.path.exists("/proc/self/smaps_rollup")
 RETURNED_FROM = 128 * 1024  # glibc's default mmap threshold, kept fixed for a run whose memory is read
 KEPT_BELOW = 32 * 2**20  # where glibc's dynamic mmap threshold stops growing (64-bit): after such a run
 
@@ -207,6 +210,8 @@ def pause(longest: float) -> float:
     failed).  Returns the seconds paused.  After it ``WAKE_SIGNAL`` is ignored, as a rank starts (``worker.py``):
     a late one ends nothing."""
     started = time.monotonic()
+    if not WATCHABLE:  # (no watch can read this machine's ranks: no pause to wait in)
+        return 0.0
     try:
         signal.signal(WAKE_SIGNAL, _woken)
     except ValueError:  # not the main thread: the whole pause
@@ -240,8 +245,10 @@ class Watch:
         self._stopped = False
 
     def start(self) -> Watch:
-        if PAUSE_SYSCALL is None:
-            self._held = Held.unobserved(f"no pause can be seen on this machine ({platform.machine()})")
+        if not WATCHABLE:
+            self._held = Held.unobserved(
+                f"no pause can be seen nor memory read on this machine ({platform.system()}, {platform.machine()})"
+            )
             return self
         cmd = [sys.executable, "-I", pauses.__file__, *map(str, self.pids)]
         if self.user is not None:

@@ -10,12 +10,16 @@ for every TCP segment that carries data, the host's monotonic time it saw it, th
 addresses and the payload's length.  Each segment is seen once, leaving (``PACKET_OUTGOING``);
 bytes sent again count once: a segment TCP sent again (a retransmission: whole, or from the middle
 of one already seen, which a loaded host makes) is kept only for the bytes past the furthest one
-this connection has carried (by sequence number), else dropped.  Only the headers
+this connection has carried (by sequence number), else dropped.  Its socket filter passes the kernel
+only the packets leaving (loopback shows each one leaving and arriving), and it runs at a higher
+priority (nice -10) than the ranks it watches, which may keep every core busy: a starved reader lets
+the kernel's queue fill and drop packets, and a capture that dropped one is refused.  Only the headers
 are read (IP and TCP, bounds checked); the payload, the student's bytes, is never parsed.
 
 The grader runs it as a program (standard library only, no import of the package):
 ``nsenter --net=/proc/P/ns/net python -I -S capture.py``; it prints ``ready`` once the socket is
-bound, captures until SIGINT, then prints one line per segment, ``t local peer seq bytes``
+bound, captures until SIGINT (and what was queued by then: at most ``DRAIN_S`` more where other traffic
+never lets the queue run dry), then prints one line per segment, ``t local peer seq bytes``
 (times in seconds, ``time.monotonic``), and a last line ``end DROPPED CUT``: the kernel's count
 of packets it dropped because the socket's queue was full, and of segments whose data it could
 not keep.  Given a file's path (``capture.py PATH``, the grader's own file, for a test that reads
@@ -51,6 +55,9 @@ SO_RCVBUFFORCE, SO_ATTACH_FILTER = 33, 26  # (linux/asm-generic/socket.h)
 HEADERS = 14 + 60 + 60  # loopback's Ethernet header, the longest IPv4 and TCP headers
 WHOLE = 1 << 18  # a whole loopback frame (its MTU is 64 KiB, a segment's payload below it)
 QUEUE_BYTES = 256 << 20  # what the kernel may queue for this socket before it drops a packet
+SKF_AD_PKTTYPE = 0xFFFFF000 + 4  # SKF_AD_OFF + SKF_AD_PKTTYPE: a filter's load of the packet's type (linux/filter.h)
+DRAIN_S = 2.0  # once asked to stop, how long it reads on while packets keep coming
+PRIORITY = -10  # the capture's nice value: the kernel drops what a starved reader leaves in the queue
 MAX_PAYLOAD_BYTES = 512 << 20  # payloads kept at most in all: past it a segment's data is not kept (marked)
 MAX_CONNECTION_BYTES = 64 << 20  # ... and on one connection (the host's own loopback carries other traffic)
 
@@ -128,13 +135,24 @@ def _capture(payload_path: str | None = None) -> None:
     with ``payload_path``, write their payloads there."""
     stop = []
     keep = HEADERS if payload_path is None else WHOLE
-    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(time.monotonic()))
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, QUEUE_BYTES)  # (past net.core.rmem_max: root may)
-    # a one-instruction socket filter, "accept HEADERS bytes": the kernel queues each packet's
-    # headers only (BPF_RET | BPF_K; struct sock_fprog is its length and a pointer to it)
-    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, keep))
-    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HxxxxxxQ", 1, ctypes.addressof(program)))
+    try:  # ahead of the processes it watches, which may keep every core busy (root may)
+        os.setpriority(os.PRIO_PROCESS, 0, PRIORITY)
+    except OSError:
+        pass
+    # a socket filter: "a packet leaving (its type PACKET_OUTGOING), its first `keep` bytes; else
+    # nothing", so the kernel queues each segment once (loopback shows it leaving and arriving), and
+    # headers only where no payload is kept (struct sock_filter's code, jt, jf, k; struct sock_fprog
+    # is their count and a pointer to them)
+    program = ctypes.create_string_buffer(
+        struct.pack("HBBI", 0x30, 0, 0, SKF_AD_PKTTYPE)  # BPF_LD | BPF_B | BPF_ABS: the packet's type
+        + struct.pack("HBBI", 0x15, 0, 1, PACKET_OUTGOING)  # BPF_JMP | BPF_JEQ | BPF_K
+        + struct.pack("HBBI", 0x06, 0, 0, keep)  # BPF_RET | BPF_K: accept `keep` bytes
+        + struct.pack("HBBI", 0x06, 0, 0, 0)  # ... or none
+    )
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HxxxxxxQ", 4, ctypes.addressof(program)))
     sock.bind(("lo", 0))
     sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
     print("ready", flush=True)
@@ -142,11 +160,13 @@ def _capture(payload_path: str | None = None) -> None:
     lines, payloads, kept, cut = [], [], 0, 0
     per_connection: dict[tuple[str, str], int] = {}
     while True:
+        if stop and time.monotonic() > stop[0] + DRAIN_S:
+            break  # (asked to stop, and other traffic keeps the queue from running dry)
         try:
             frame, address = sock.recvfrom(keep)
         except (TimeoutError, InterruptedError):
             if stop:
-                break
+                break  # (what was queued before the stop is read)
             continue
         if address[2] != PACKET_OUTGOING:
             continue

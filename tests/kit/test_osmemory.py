@@ -111,3 +111,12 @@ def test_the_watch_ends_the_pause_it_has_read_and_no_other_sleep():
         assert paused < 10 and slept >= 0.6, out
     finally:
         proc.kill()
+
+
+def test_where_nobody_can_watch_nothing_pauses_and_nothing_is_read(monkeypatch):
+    # (a laptop without Linux's /proc: the driver's pauses would only cost time, the reading fails closed)
+    monkeypatch.setattr(osmemory, "WATCHABLE", False)
+    started = time.monotonic()
+    assert osmemory.pause(30) == 0.0 and time.monotonic() - started < 1
+    held = osmemory.Watch([1]).start().stop()
+    assert held.bytes is None and "no pause can be seen nor memory read" in held.why
