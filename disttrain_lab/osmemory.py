@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from . import pauses, wire
-from .pauses import PAUSE_SYSCALL, WAKE_SIGNAL, paused, private_bytes
+from .pauses import PAUSE_SYSCALL, WAKE_SIGNAL
 from .wire import Unobserved
 
 __all__ = [
@@ -73,8 +73,6 @@ __all__ = [
     "Watch",
     "observed",
     "pause",
-    "paused",
-    "private_bytes",
     "returning",
     "settle",
     "unsettle",
@@ -227,9 +225,9 @@ def pause(longest: float) -> float:
 
 
 class Watch:
-    """Watches ``pids`` until all pause, then reads their memory once (see the module docstring), through
-    ``pauses.py`` run as its own process: as ``user`` where given (``setpriv``, the effective ids only, as
-    ``wire.snapshot``), for a grader that may not read that uid's ``/proc/<pid>/smaps_rollup`` itself."""
+    """Watches ``pids`` and reads their memory at each pause of them all (see the module docstring), through
+    ``pauses.py`` run as its own process: as ``user`` where given (``wire.as_user``), for a grader that may
+    not read that uid's ``/proc/<pid>/smaps_rollup`` itself."""
 
     def __init__(
         self,
@@ -252,7 +250,7 @@ class Watch:
             return self
         cmd = [sys.executable, "-I", pauses.__file__, *map(str, self.pids)]
         if self.user is not None:
-            cmd = ["setpriv", f"--euid={self.user}", f"--egid={self.user}", "--clear-groups", "--", *cmd]
+            cmd = wire.as_user(self.user, cmd)
         try:
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -49,6 +49,7 @@ __all__ = [
     "protocol_bytes",
     "Unobserved",
     "snapshot",
+    "as_user",
     "owners",
     "traffic",
     "timeline",
@@ -321,6 +322,13 @@ def _same_netns(pid: int) -> bool:
         return False
 
 
+def as_user(user: int, cmd: list[str]) -> list[str]:
+    """``cmd`` run as uid ``user`` (``setpriv``, the effective ids only: the real ones stay the caller's, so
+    that user's processes can neither signal, trace nor change it), where only that uid may read its
+    processes' ``/proc`` (a root without CAP_SYS_PTRACE, in a container)."""
+    return ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", *cmd]
+
+
 def snapshot(
     netns_pid: int | None = None, timeout: float = 10.0, user: int | None = None
 ) -> dict[tuple[str, str], Socket]:
@@ -338,7 +346,7 @@ def snapshot(
     if netns_pid is not None and not _same_netns(netns_pid):
         cmd = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", *cmd]
     if user is not None:
-        cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", *cmd]
+        cmd = as_user(user, cmd)
     for attempt in range(3):  # (a connection closing while ss reads may print half of it: read again)
         done = subprocess.run(cmd, capture_output=True, timeout=timeout)
         if done.returncode != 0:
@@ -385,9 +393,8 @@ def holders(
         if user is None:
             listed = socket_links(pids, skip_gone=skip_gone)
         else:
-            cmd = ["setpriv", f"--euid={user}", f"--egid={user}", "--clear-groups", "--", sys.executable, "-I"]
             args = [fd_links.__file__, *(["--skip-gone"] if skip_gone else []), *map(str, pids)]
-            done = subprocess.run([*cmd, *args], capture_output=True, timeout=timeout)
+            done = subprocess.run(as_user(user, [sys.executable, "-I", *args]), capture_output=True, timeout=timeout)
             if done.returncode != 0:
                 why = done.stderr.decode("ascii", "replace").strip().splitlines()[-1:] or ["no reason given"]
                 raise OSError(why[0][:300])

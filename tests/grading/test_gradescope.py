@@ -379,17 +379,22 @@ print(os.getpid(), flush=True)
 time.sleep(60)
 """
 
-# in the container: a student's process (another uid) holding a TCP connection, and what the grader sees of it
-PROBE = r"""
-import json, os, subprocess, sys
-from disttrain_lab import wire
-from disttrain_lab.grading import remote
+# in the container, as the grader: the student's code (argv[2]) started as another uid (argv[1]); a probe goes on
+# from here, in a `try:` whose `finally:` kills the student
+AS_STUDENT = r"""
+import json, os, subprocess, sys, time
 uid, student_code = int(sys.argv[1]), sys.argv[2]
 
 def become():
     os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
 
 student = subprocess.Popen([sys.executable, "-I", "-c", student_code], preexec_fn=become, stdout=subprocess.PIPE, text=True)
+"""
+
+# a student's process holding a TCP connection, and what the grader sees of it
+PROBE = AS_STUDENT + r"""
+from disttrain_lab import wire
+from disttrain_lab.grading import remote
 try:
     pid = int(student.stdout.readline())
     found = {"pid": pid, "reader": remote.reader(os.getpid())}
@@ -441,15 +446,8 @@ except Woken:
 print(round(time.monotonic() - started, 2), flush=True)
 """
 
-PROBE_MEMORY = r"""
-import json, os, subprocess, sys, time
+PROBE_MEMORY = AS_STUDENT + r"""
 from disttrain_lab import osmemory
-uid, student_code = int(sys.argv[1]), sys.argv[2]
-
-def become():
-    os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-
-student = subprocess.Popen([sys.executable, "-I", "-c", student_code], preexec_fn=become, stdout=subprocess.PIPE, text=True)
 try:
     pid = int(student.stdout.readline())
     found = {}

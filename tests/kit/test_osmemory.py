@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from disttrain_lab import osmemory
+from disttrain_lab import osmemory, pauses
 from disttrain_lab.wire import Unobserved
 
 CHILD = """
@@ -40,7 +40,7 @@ def _child(size: int, after: str) -> subprocess.Popen:
 def test_private_bytes_counts_what_a_process_wrote():
     small, large = _child(0, "time.sleep(30)"), _child(100 * 2**20, "time.sleep(30)")
     try:
-        grew = osmemory.private_bytes(large.pid) - osmemory.private_bytes(small.pid)
+        grew = pauses.private_bytes(large.pid) - pauses.private_bytes(small.pid)
         assert 95 * 2**20 < grew < 110 * 2**20, grew
     finally:
         small.kill(), large.kill()
@@ -56,16 +56,16 @@ def test_a_malformed_field_is_refused(tmp_path, monkeypatch):
         "builtins.open", lambda path, *a, **k: real_open(fake if "smaps_rollup" in str(path) else path, *a, **k)
     )
     with pytest.raises(ValueError, match="is not '<n> kB'"):
-        osmemory.private_bytes(1)
+        pauses.private_bytes(1)
 
 
 def test_the_watch_reads_at_the_pause_and_only_then():
     proc = _child(50 * 2**20, "x = 0\nfor _ in range(30_000_000): x += 1\ntime.sleep(5)")
     try:
-        assert not osmemory.paused(proc.pid)  # (counting: not in time.sleep)
+        assert not pauses.paused(proc.pid)  # (counting: not in time.sleep)
         started = time.monotonic()
         watch = osmemory.Watch([proc.pid], at_pause=lambda: "read at the pause").start()
-        while not osmemory.paused(proc.pid):
+        while not pauses.paused(proc.pid):
             assert proc.poll() is None and time.monotonic() < started + 60, "the child never paused"
             time.sleep(0.01)
         time.sleep(0.5)
