@@ -392,7 +392,9 @@ student = subprocess.Popen([sys.executable, "-I", "-c", student_code], preexec_f
 """
 
 # a student's process holding a TCP connection, and what the grader sees of it
-PROBE = AS_STUDENT + r"""
+PROBE = (
+    AS_STUDENT
+    + r"""
 from disttrain_lab import wire
 from disttrain_lab.grading import remote
 try:
@@ -410,6 +412,7 @@ finally:
     student.kill()
 print(json.dumps(found))
 """
+)
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
@@ -446,7 +449,9 @@ except Woken:
 print(round(time.monotonic() - started, 2), flush=True)
 """
 
-PROBE_MEMORY = AS_STUDENT + r"""
+PROBE_MEMORY = (
+    AS_STUDENT
+    + r"""
 from disttrain_lab import osmemory
 try:
     pid = int(student.stdout.readline())
@@ -464,6 +469,7 @@ finally:
     student.kill()
 print(json.dumps(found))
 """
+)
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
