@@ -390,16 +390,22 @@ def errors_of_graded_predictions(lab: Path, prediction: str, tests: list[str], g
     return [errors(c) for c in done.cells[-len(tests) :]]
 
 
-def error_of_a_wrong_prediction(lab: Path, test: str, cell: str) -> str:
-    """The error the graded prediction test ``test`` of ``lab`` gives a student whose notebook
-    holds only the setup cell and ``cell`` (a wrong prediction); every cell but the test must
-    run cleanly, and the test must fail.  Returns its error, "ename: evalue"."""
-    done = _graded_predictions_run(lab, cell, [test])
-    for earlier in done.cells[:-1]:
-        assert not errors(earlier), errors(earlier)
-    found = errors(done.cells[-1])
-    assert found, "the graded cell passed a wrong answer"
-    return found[0]
+def errors_of_wrong_predictions(lab: Path, cases: list[tuple[str, str]]) -> list[str]:
+    """Many wrong predictions in one kernel (a kernel's start is about 5 s of CPU): the setup cell, then for
+    each ``(graded prediction test, the cell a student wrote)`` that cell and the test, executed as autograding
+    runs them.  Every cell but the tests must run cleanly; returns each test's error, "ename: evalue" ("" where
+    it passed)."""
+    nb = load(lab)
+    cells = [nb.cells[0]]
+    for test, cell in cases:
+        cells += [nbformat.v4.new_code_cell(cell), cell_by_id(nb, test)]
+    done, _ = execute(
+        nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=lab.parent
+    )
+    for i, cell in enumerate(done.cells):
+        if i == 0 or i % 2:  # the setup cell and the students' cells
+            assert not errors(cell), (i, errors(cell))
+    return [(errors(cell) or [""])[0] for cell in done.cells[2::2]]
 
 
 def prediction_cells_problems(nb, predictions) -> list[str]:

@@ -24,7 +24,7 @@ from tests.notebooks import (
     add_wrong_answers,
     assert_wrong_answers_caught,
     cell_by_id,
-    error_of_a_wrong_prediction,
+    errors_of_wrong_predictions,
     execute,
     load,
     output_of,
@@ -177,10 +177,16 @@ WRONG_PREDICTIONS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def wrong_prediction_errors():
+    return errors_of_wrong_predictions(LAB, WRONG_PREDICTIONS)  # (one kernel for them all)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("test, wrong", WRONG_PREDICTIONS, ids=["one_way", "server_in_only", "seconds"])
-def test_graded_prediction_catches_a_wrong_number(test, wrong):
-    found = error_of_a_wrong_prediction(LAB, test, wrong)
+@pytest.mark.parametrize("case", range(len(WRONG_PREDICTIONS)), ids=["one_way", "server_in_only", "seconds"])
+def test_graded_prediction_catches_a_wrong_number(case, wrong_prediction_errors):
+    found = wrong_prediction_errors[case]
+    assert found, f"the graded cell {WRONG_PREDICTIONS[case][0]} passed a wrong prediction"
     assert "does not match the cost model to 3 significant figures" in found, found
 
 

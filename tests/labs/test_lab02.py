@@ -33,9 +33,8 @@ from tests.helpers import run_python, shm_clear
 from tests.notebooks import (
     REPO,
     cell_by_id,
-    error_of_a_wrong_prediction,
-    error_of_last_cell,
     errors,
+    errors_of_wrong_predictions,
     execute,
     load,
     output_of,
@@ -219,10 +218,18 @@ WRONG_PREDICTIONS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def wrong_prediction_errors():
+    return errors_of_wrong_predictions(LAB, WRONG_PREDICTIONS)  # (one kernel for them all)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("test, wrong", WRONG_PREDICTIONS, ids=["naive_both_ways", "ring_one_phase", "ring_whole_S"])
-def test_graded_prediction_catches_a_wrong_number(test, wrong):
-    found = error_of_a_wrong_prediction(LAB, test, wrong)
+@pytest.mark.parametrize(
+    "case", range(len(WRONG_PREDICTIONS)), ids=["naive_both_ways", "ring_one_phase", "ring_whole_S"]
+)
+def test_graded_prediction_catches_a_wrong_number(case, wrong_prediction_errors):
+    found = wrong_prediction_errors[case]
+    assert found, f"the graded cell {WRONG_PREDICTIONS[case][0]} passed a wrong prediction"
     assert "does not match the cost model to 3 significant figures" in found, found
 
 
@@ -232,10 +239,37 @@ def _without_power_of_two_check(source: str) -> str:
     return source[:start] + source[end:]
 
 
+@pytest.fixture(scope="module")
+def wrong_answer_errors():
+    """One kernel for every wrong answer in WRONG (a kernel's start is about 5 s of CPU): the setup cell and the
+    scratch buffer's, then for each the solutions it is built on, the note that the ring's halves passed, the
+    wrong definition and its graded cell.  Each graded cell's error ("" where it passed)."""
+    lab = load(LAB)
+    scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
+    ring = [cell_by_id(lab, f"ex_{name}") for name in ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")]
+    # a ring_all_reduce is graded on the student's halves once their graded tests passed (else on stand-ins)
+    passed = nbformat.v4.new_code_cell('lab_tests.GRADED_PASSED.update({"ring_reduce_scatter", "ring_all_gather"})')
+    cells, graded_at = [lab.cells[0], scratch], []
+    for exercise, wrong, _ in WRONG:
+        if wrong is None:
+            wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
+        before = {"pipelined_ring_all_reduce": ring, "ring_all_reduce": ring[:2]}.get(exercise, [])
+        cells += [*before, passed, nbformat.v4.new_code_cell(wrong)]
+        graded_at.append(len(cells))
+        cells.append(cell_by_id(lab, f"test_{exercise}"))
+    cells = [copy.deepcopy(c) for c in cells]
+    for i, cell in enumerate(cells):
+        cell["id"] = f"cell-{i}"  # (several cells are there more than once)
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, cwd=LAB.parent)
+    for i, cell in enumerate(nb.cells):
+        assert i in graded_at or not errors(cell), (i, errors(cell))
+    return [(errors(nb.cells[at]) or [""])[0] for at in graded_at]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "exercise, wrong, message",
-    WRONG,
+    "case",
+    range(len(WRONG)),
     ids=[
         "ring_calls_all_reduce",
         "ring_sends_whole_tensor",
@@ -246,24 +280,10 @@ def _without_power_of_two_check(source: str) -> str:
         "pipelined_calls_all_reduce",
     ],
 )
-def test_graded_cell_catches_a_wrong_answer(exercise, wrong, message):
-    lab = load(LAB)
-    if wrong is None:
-        wrong = _without_power_of_two_check(cell_by_id(lab, f"ex_{exercise}").source)
-    scratch = next(c for c in lab.cells if "def scratch_buffer(" in c.source)
-    ring = [cell_by_id(lab, f"ex_{name}") for name in ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")]
-    # a ring_all_reduce is graded on the student's halves once their graded tests passed (else on stand-ins)
-    passed = 'lab_tests.GRADED_PASSED.update({"ring_reduce_scatter", "ring_all_gather"})'
-    before = {"pipelined_ring_all_reduce": ring, "ring_all_reduce": ring[:2]}.get(exercise, [])
-    nb = nbformat.v4.new_notebook(
-        cells=[copy.deepcopy(c) for c in (lab.cells[0], scratch, *before)]
-        + [
-            nbformat.v4.new_code_cell(passed),
-            nbformat.v4.new_code_cell(wrong),
-            copy.deepcopy(cell_by_id(lab, f"test_{exercise}")),
-        ]
-    )
-    found = error_of_last_cell(nb)
+def test_graded_cell_catches_a_wrong_answer(case, wrong_answer_errors):
+    exercise, _, message = WRONG[case]
+    found = wrong_answer_errors[case]
+    assert found, f"the graded cell test_{exercise} passed a wrong answer"
     assert message in found, found
 
 
