@@ -276,10 +276,7 @@ class ForkingKernelManager(AsyncKernelManager):
         env = kw.get("env") or dict(os.environ)
         cwd = str(kw.get("cwd") or os.getcwd())
         provisioner = self.provisioner
-        try:
-            provisioner.process = zygote.fork(kernel_cmd, {str(k): str(v) for k, v in env.items()}, cwd)
-        except OSError:  # (a zygote that no longer answers: this kernel starts as jupyter_client starts it)
-            return await super()._async_launch_kernel(kernel_cmd, **kw)
+        provisioner.process = zygote.fork(kernel_cmd, {str(k): str(v) for k, v in env.items()}, cwd)
         provisioner.pid = provisioner.pgid = provisioner.process.pid
         provisioner.cwd = cwd
         self._reconcile_connection_info(provisioner.connection_info)
