@@ -67,7 +67,6 @@ SECONDS = {
     "test_feedback_page.py": 85,  # one grading, a browser with the network cut
     "test_sanitize.py": 25,  # a gradebook made by nbgrader, a browser on the formgrader's and feedback's pages
     "test_syscall_filter.py": 20,
-    "test_kernel_forks.py": 25,  # four kernels and a zygote (1 Dec: 20 s beside a CI rehearsal)
     "test_torchrun_nodes.py": 25,
     "test_network.py": 22,
     "test_bench_sequence.py": 13,  # measured alone at load 1: 12 s, its CLI run 11 s

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
-from disttrain_lab.grading.kernel_forks import ForkingKernelManager
 from tests import roundtrip
 from tests.helpers import REPO, load  # noqa: F401  (load: the lab tests take it from here)
 
@@ -42,11 +42,10 @@ def cell_by_id(nb, grade_id: str):
     return cell
 
 
-class UnixSocketKernelManager(ForkingKernelManager):
+class UnixSocketKernelManager(KernelManager):
     """A kernel whose channels are unix sockets in a folder of its own: TCP ports picked by the
     client and bound later by the kernel can be taken meanwhile by another process of a busy
-    machine ("Address already in use": the kernel dies before replying).  Forked by this worker's
-    zygote, as the grader kernel is (disttrain_lab/grading/kernel_forks.py): torch already imported."""
+    machine ("Address already in use": the kernel dies before replying)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

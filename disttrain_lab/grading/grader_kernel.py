@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
 from . import cell_times, handoff
 from .cells import clamp_partial_credit, error_output, grade_id, is_instructor_cell, is_test_cell, student_functions
 from .config import source_dir
-from .kernel_forks import ForkingKernelManager
 from .kernels import socket_root
 
 # how a test (or a locked helper cell) reaches the student's code from the grader kernel
@@ -150,7 +150,7 @@ class GraderKernel:
         ready while the student's cells run (a test cell's request queues behind them)."""
 
         async def start():
-            km = ForkingKernelManager(kernel_name=self.kernel_name or "python3")  # (forked: kernel_forks.py)
+            km = AsyncKernelManager(kernel_name=self.kernel_name or "python3")
             # ZMQ over unix sockets in a folder of its own (0700): no TCP port to pick, so no race
             # with the other processes of a busy host for one (a kernel whose port was taken between
             # its choice and its bind dies while starting), and nothing another uid can connect to
