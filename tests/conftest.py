@@ -23,7 +23,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  (before the kit, as a lab's setup cell: the kit loads whole at its import)
 
 from disttrain_lab import grading
 from disttrain_lab.grading import cgroups, sandbox

@@ -390,6 +390,15 @@ def errors_of_graded_predictions(lab: Path, prediction: str, tests: list[str], g
     return [errors(c) for c in done.cells[-len(tests) :]]
 
 
+def notebook_of(cells: list) -> nbformat.NotebookNode:
+    """A notebook of copies of ``cells``, each given an id of its own (a cell there twice keeps one id, which
+    nbformat corrects with a warning)."""
+    cells = [copy.deepcopy(c) for c in cells]
+    for i, cell in enumerate(cells):
+        cell["id"] = f"cell-{i}"
+    return nbformat.v4.new_notebook(cells=cells)
+
+
 def errors_of_wrong_predictions(lab: Path, cases: list[tuple[str, str]]) -> list[str]:
     """Many wrong predictions in one kernel (a kernel's start is about 5 s of CPU): the setup cell, then for
     each ``(graded prediction test, the cell a student wrote)`` that cell and the test, executed as autograding
@@ -399,9 +408,7 @@ def errors_of_wrong_predictions(lab: Path, cases: list[tuple[str, str]]) -> list
     cells = [nb.cells[0]]
     for test, cell in cases:
         cells += [nbformat.v4.new_code_cell(cell), cell_by_id(nb, test)]
-    done, _ = execute(
-        nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True, cwd=lab.parent
-    )
+    done, _ = execute(notebook_of(cells), autograding=True, cwd=lab.parent)
     for i, cell in enumerate(done.cells):
         if i == 0 or i % 2:  # the setup cell and the students' cells
             assert not errors(cell), (i, errors(cell))

@@ -37,6 +37,7 @@ from tests.notebooks import (
     errors_of_wrong_predictions,
     execute,
     load,
+    notebook_of,
     output_of,
     pictures,
     prediction_problems,
@@ -257,10 +258,7 @@ def wrong_answer_errors():
         cells += [*before, passed, nbformat.v4.new_code_cell(wrong)]
         graded_at.append(len(cells))
         cells.append(cell_by_id(lab, f"test_{exercise}"))
-    cells = [copy.deepcopy(c) for c in cells]
-    for i, cell in enumerate(cells):
-        cell["id"] = f"cell-{i}"  # (several cells are there more than once)
-    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, cwd=LAB.parent)
+    nb, _ = execute(notebook_of(cells), autograding=True, cwd=LAB.parent)
     for i, cell in enumerate(nb.cells):
         assert i in graded_at or not errors(cell), (i, errors(cell))
     return [(errors(nb.cells[at]) or [""])[0] for at in graded_at]
