@@ -9,9 +9,10 @@ line at a time on stdout, and waits for one line on stdin after a reading:
 
 - once every process is paused: ``{"held": [bytes, ...]}``; then it waits for the caller to read what
   else it needs at that moment (the wire) and to say so (a line on stdin);
-- then ``{"kept": true}`` if every process is still in the same pause (it has ended the pause: the
-  ``WAKE_SIGNAL`` that ``osmemory.pause`` waits for), else ``{"kept": false}``; and it waits for the
-  next pause (a driver may pause the ranks more than once);
+- then ``{"kept": true}`` if every process is still in the same pause, and only then it ends the pause
+  (the ``WAKE_SIGNAL`` that ``osmemory.pause`` waits for: a caller that stops the watch once the ranks
+  have run on has read the line), else ``{"kept": false}``; and it waits for the next pause (a driver
+  may pause the ranks more than once);
 - ``{"ended": pid}`` once a process has ended (the run is over), ``{"error": why}`` where one cannot be
   read; and it exits.
 """
@@ -92,13 +93,13 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
             if not told.readline():
                 return
             kept = [pause_of(p) for p in pids] == pauses  # (still the same pause: the reading stands)
+            say(kept=kept)  # (before the pause ends: a caller that stops the watch once the ranks ran on has it)
             if kept:
                 for pid in pids:
                     try:
                         os.kill(pid, WAKE_SIGNAL)
                     except OSError:  # (ended since, or not ours to signal: its pause ends by itself)
                         pass
-            say(kept=kept)
             while any(pause_of(p) == was for p, was in zip(pids, pauses)):
                 time.sleep(POLL_S)  # (each has left this pause: none read twice in it)
     except (OSError, ValueError) as exc:
