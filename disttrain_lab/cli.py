@@ -9,6 +9,7 @@ import sys
 
 from . import __version__, start
 from .bench import benchmarks
+from .bench.common import add_common_arguments
 from .devices import doctor
 
 # the instructor's commands: each parses its own arguments in the grading wing, imported only when it runs
@@ -102,7 +103,7 @@ def _grading_host() -> str:
 def _add_benchmarks(bench) -> list[str]:
     """``bench NAME``: one subcommand per module in ``bench.BENCHMARKS``, each with its own options."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--repeats", type=int, default=5, help="samples per median (default %(default)s)")
+    add_common_arguments(common)
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
     for name, module in benchmarks().items():
         parser = names.add_parser(

@@ -1,11 +1,13 @@
 """Measurements, always side by side with torch's own in one run and reported as medians.
 
-One module per benchmark (``disttrain-lab bench NAME``), each with ``NAME``, ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``; :data:`BENCHMARKS` lists them, and the
-command line is built from that table.  The timing machinery they share (taking turns, the
-slowest rank's median, reading a lab notebook's functions, free ports, the progress bar) is in
-:mod:`.common`.  The lab benchmarks measure the implementations a lab notebook defines: this
-package holds no solutions (see :func:`functions_from_notebook`).
+One module per benchmark (``disttrain-lab bench NAME``), each with ``NAME``, ``HELP``, ``QUICK`` (its
+tiny settings), ``add_arguments(parser)``, ``measure(args) -> Measured`` (rows, table, pictures) and
+``run(args) -> int``; :data:`registry.MEASUREMENTS` lists them, ``bench all`` (:mod:`.report`) runs
+them all and writes a report, and the command line is built from :data:`BENCHMARKS`.  The timing
+machinery they share (taking turns, the slowest rank's median, reading a lab notebook's functions,
+free ports, the progress bar, the report's rows and pictures) is in :mod:`.common`.  The lab
+benchmarks measure the implementations a lab notebook defines: this package holds no solutions
+(see :func:`functions_from_notebook`).
 
     >>> from disttrain_lab import bench
     >>> rows = bench.bench_allreduce({"ring": ring_all_reduce}, world_size=4, sizes=[1 << 20])
@@ -14,20 +16,7 @@ package holds no solutions (see :func:`functions_from_notebook`).
 
 from __future__ import annotations
 
-from . import (
-    allreduce,
-    compression,
-    ddp,
-    experts,
-    launch,
-    memory,
-    pipeline,
-    sequence,
-    three_d,
-    tp,
-    trace_overhead,
-    zero,
-)
+from . import report  # (registry.py imports every benchmark module: bench.zero, bench.tp, ...)
 
 # What notebooks and tests use as ``bench.X``: every benchmark's functions, tables and reference names.
 from .allreduce import (
@@ -57,27 +46,15 @@ from .ddp import DDP_MODEL, TORCH_DDP, bench_ddp, format_ddp_table
 from .experts import ALL_GATHER_DISPATCH, ONE_PROCESS_MOE, bench_experts, format_experts_table
 from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
+from .registry import MEASUREMENTS
 from .sequence import ALL_GATHER_KV, LONG, TORCH_CP, bench_sequence, format_sequence_table
 from .tp import TORCH_TP, TP_MODEL, bench_tp, format_tp_table
 from .trace_overhead import bench_trace, format_trace_table
 from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, format_zero_table
 
-# disttrain-lab bench NAME: the module (in this package) of each benchmark, in the order of the labs.
-# A new benchmark is one more line here.
-BENCHMARKS = (
-    launch,
-    trace_overhead,
-    allreduce,
-    ddp,
-    zero,
-    pipeline,
-    tp,
-    compression,
-    three_d,
-    memory,
-    sequence,
-    experts,
-)
+# disttrain-lab bench NAME: the module (in this package) of each benchmark, in the order of the labs
+# (registry.py: a new benchmark is one more line there), then `bench all`, which runs them all (report.py)
+BENCHMARKS = (*MEASUREMENTS, report)
 
 
 def benchmarks() -> dict:

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 
-from .common import add_notebook_argument, functions_from_lab, progress, slowest_median
+from .common import (
+    Measured,
+    NotMeasured,
+    add_notebook_argument,
+    chart,
+    functions_from_lab,
+    progress,
+    run_measured,
+    slowest_median,
+)
 
 TORCH_ALL_REDUCE = "dist.all_reduce"
 ALLREDUCE_SIZES = tuple(4 << (2 * k) << 10 for k in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB
@@ -185,21 +193,33 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message")
 
 
-def run(args) -> int:
+QUICK = ["--world-size", "2", "--max-bytes", str(64 << 10)]  # bench all --quick
+
+
+def measure(args) -> Measured:
     functions = functions_from_lab(args, LAB, FUNCTIONS, "all-reduce functions")
-    if functions is None:
-        return 2
     sizes = [s for s in ALLREDUCE_SIZES if args.min_bytes <= s <= args.max_bytes]
     if not sizes:
-        print(
+        raise NotMeasured(
             f"bench allreduce: no size between --min-bytes {args.min_bytes} and --max-bytes {args.max_bytes}; "
-            f"the sizes are {', '.join(str(s) for s in ALLREDUCE_SIZES)}",
-            file=sys.stderr,
+            f"the sizes are {', '.join(str(s) for s in ALLREDUCE_SIZES)}"
         )
-        return 2
-    print(
-        format_allreduce_table(
-            bench_allreduce(functions, world_size=args.world_size, sizes=sizes, repeats=args.repeats)
+    rows = bench_allreduce(functions, world_size=args.world_size, sizes=sizes, repeats=args.repeats)
+    pictures = [
+        chart(
+            rows,
+            f"All-reduce on {args.world_size} ranks",
+            "busbw",
+            "bus bandwidth (GB/s)",
+            x="bytes",
+            series="algorithm",
+            scale=1e-9,
+            xlabel="message (bytes)",
+            log_x=True,
         )
-    )
-    return 0
+    ]
+    return Measured(rows, format_allreduce_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -14,6 +14,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -137,8 +138,79 @@ def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: s
 
 
 # --------------------------------------------------------------------------------------
-# The command line: each benchmark module has NAME, HELP, add_arguments(parser), run(args)
+# The command line: each benchmark module has NAME, HELP, QUICK, add_arguments(parser),
+# measure(args) -> Measured and run(args) (``run_measured``); ``bench all`` (report.py) reads them
 # --------------------------------------------------------------------------------------
+@dataclass
+class Chart:
+    """A picture of a benchmark's rows, for ``bench all --report``: ``series``, label -> points (x, y);
+    bars where the x are names, lines where they are numbers."""
+
+    title: str
+    ylabel: str
+    series: dict[str, list[tuple]]
+    xlabel: str = ""
+    log_x: bool = False
+    log_y: bool = False
+
+
+@dataclass
+class Measured:
+    """What one benchmark measured: its rows (each a dict of plain values), the table ``bench NAME``
+    prints from them, its pictures, and what else a reader needs (the notebook measured, the model)."""
+
+    rows: list[dict]
+    table: str
+    charts: list[Chart] = field(default_factory=list)
+    about: dict = field(default_factory=dict)
+
+
+class NotMeasured(Exception):
+    """A benchmark that could not run: no notebook, or the notebook lacks what it measures (said on stderr)."""
+
+
+def run_measured(measure, args) -> int:
+    """``bench NAME``: ``measure(args)``'s table on stdout, exit 0; 2 where it could not run (why on stderr)."""
+    try:
+        measured = measure(args)
+    except NotMeasured as exc:
+        if str(exc):
+            print(str(exc), file=sys.stderr)
+        return 2
+    print(measured.table)
+    return 0
+
+
+def add_common_arguments(parser) -> None:
+    """The options every benchmark takes (``bench NAME`` and ``bench all``)."""
+    parser.add_argument("--repeats", type=int, default=5, help="samples per median (default %(default)s)")
+
+
+def chart(
+    rows: list[dict],
+    title: str,
+    value: str,
+    ylabel: str,
+    *,
+    x: str = "version",
+    series: str | None = None,
+    named="{}",
+    scale: float = 1.0,
+    **kwargs,
+) -> Chart:
+    """``rows`` measured (no ``error``, ``value`` a number) as points (row[x], row[value] × scale), one series per
+    ``named.format(row[series])`` (or ``named(row[series])``; else one, named ``ylabel``)."""
+    points: dict[str, list[tuple]] = {}
+    for row in rows:
+        got = row.get(value)
+        if "error" in row or isinstance(got, bool) or not isinstance(got, (int, float)) or got != got:
+            continue
+        label = (named(row[series]) if callable(named) else named.format(row[series])) if series else ylabel
+        at = row[x] if isinstance(row[x], (int, float)) and not isinstance(row[x], bool) else str(row[x])
+        points.setdefault(label, []).append((at, got * scale))
+    return Chart(title=title, ylabel=ylabel, series=points, **kwargs)
+
+
 def add_notebook_argument(parser, lab: str) -> None:
     """``--notebook``: the lab notebook whose functions a benchmark measures."""
     parser.add_argument(
@@ -148,20 +220,18 @@ def add_notebook_argument(parser, lab: str) -> None:
     )
 
 
-def functions_from_lab(args, lab: str, names, what: str, given: bool = False) -> dict | None:
+def functions_from_lab(args, lab: str, names, what: str, given: bool = False) -> dict:
     """``names`` as the lab notebook (``--notebook``, else solutions/``lab``, else labs/``lab``) defines them
-    (``given``: also its read-only definitions, see :func:`functions_from_notebook`); ``None`` (having said
-    why on stderr) if there is no notebook."""
+    (``given``: also its read-only definitions, see :func:`functions_from_notebook`); :class:`NotMeasured`
+    (saying why) if there is no notebook."""
     path = args.notebook or next(
         (p for p in (os.path.join("solutions", lab), os.path.join("labs", lab)) if os.path.exists(p)), None
     )
     if path is None or not os.path.exists(path):
-        print(
+        raise NotMeasured(
             f"no notebook to take the {what} from: pass --notebook PATH (looked for "
-            f"{path or 'solutions/' + lab + ' and labs/' + lab})",
-            file=sys.stderr,
+            f"{path or 'solutions/' + lab + ' and labs/' + lab})"
         )
-        return None
     functions = functions_from_notebook(path, names, given=given)
     missing = [name for name in names if name not in functions]
     print(f"{what} from {path}" + (f" (not defined there: {', '.join(missing)})" if missing else ""))

@@ -30,7 +30,16 @@ import statistics
 import time
 
 from ..network import Network
-from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, take_turns
+from .common import (
+    Measured,
+    add_notebook_argument,
+    chart,
+    functions_from_lab,
+    mlp_parameters,
+    run_measured,
+    slowest_median,
+    take_turns,
+)
 
 TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"
@@ -213,10 +222,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
 
 
-def run(args) -> int:
+QUICK: list[str] = []  # bench all --quick (its model as it is: ~10 s on 2 cores)
+
+
+def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, ("TopKState", "topk_hook", "int8_hook"), "compression hooks")
-    if found is None:
-        return 2
     rows = bench_compression(lab_versions(found), world_size=args.world_size, repeats=args.repeats)
-    print(format_compression_table(rows))
-    return 0
+    pictures = [
+        chart(rows, "Compression hooks on an emulated link", "steps_per_s", "steps/s"),
+        chart(rows, "Bytes each rank sends per step", "bytes_per_step", "MiB", scale=1 / 2**20),
+    ]
+    return Measured(rows, format_compression_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -13,7 +13,17 @@ from torch.nn.parallel import DistributedDataParallel
 from ..devices import device as rank_device
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, take_turns, version_width
+from .common import (
+    Measured,
+    add_notebook_argument,
+    chart,
+    functions_from_lab,
+    mlp_parameters,
+    run_measured,
+    slowest_median,
+    take_turns,
+    version_width,
+)
 
 TORCH_DDP = "torch DDP"
 DDP_MODEL = (1024, 2048, 2048, 1024)  # an MLP of 8.4 M parameters: 32 MiB of gradients per step
@@ -133,18 +143,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of BucketedDDP and torch DDP")
 
 
-def run(args) -> int:
+QUICK = ["--bucket-mb", "4"]  # bench all --quick
+
+
+def measure(args) -> Measured:
     classes = functions_from_lab(args, LAB, list(CLASSES.values()), "data-parallel wrappers")
-    if classes is None:
-        return 2
     versions = {name: classes[cls] for name, cls in CLASSES.items() if cls in classes}
     if "bucketed" in versions:
         versions[f"bucketed ({args.bucket_mb:g} MiB)"] = functools.partial(
             versions.pop("bucketed"), bucket_mb=args.bucket_mb
         )
-    print(
-        format_ddp_table(
-            bench_ddp(versions, world_size=args.world_size, repeats=args.repeats, bucket_mb=args.bucket_mb)
-        )
-    )
-    return 0
+    rows = bench_ddp(versions, world_size=args.world_size, repeats=args.repeats, bucket_mb=args.bucket_mb)
+    pictures = [chart(rows, f"Data parallel on {args.world_size} ranks", "steps_per_s", "steps/s")]
+    return Measured(rows, format_ddp_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -19,11 +19,14 @@ from ..devices import device as rank_device
 from ..launcher import launch
 from .common import (
     GatherRows,
+    Measured,
     ScatterRows,
     add_device_argument,
     add_notebook_argument,
+    chart,
     chosen_device,
     functions_from_lab,
+    run_measured,
     step_rows,
     step_table,
     step_times,
@@ -139,11 +142,12 @@ def add_arguments(parser) -> None:
     add_device_argument(parser, "the MoE layers run")
 
 
-def run(args) -> int:
+QUICK = ["--world-size", "2", "--tokens", "16", "--d", "8", "--experts", "2"]  # bench all --quick
+
+
+def measure(args) -> Measured:
     names = ["ExpertParallelMoE", "MoE", "top_k_route"]
     found = functions_from_lab(args, LAB, names, "MoE layers", given=True)  # MoE: given
-    if found is None:
-        return 2
     rows = bench_experts(
         found,
         world_size=args.world_size,
@@ -155,5 +159,9 @@ def run(args) -> int:
         repeats=args.repeats,
         device=chosen_device(args),
     )
-    print(format_experts_table(rows))
-    return 0
+    pictures = [chart(rows, f"Mixture of experts on {args.world_size} ranks", "ms", "ms per forward+backward")]
+    return Measured(rows, format_experts_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..launcher import launch, shutdown
-from .common import free_port, progress
+from .common import Measured, chart, free_port, progress, run_measured
 
 
 def _trivial():
@@ -140,12 +140,30 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+QUICK = ["--world-size", "2", "--slow-repeats", "1"]  # bench all --quick: a look, not a measurement
+
+
+def measure(args) -> Measured:
     world_sizes = (args.world_size,) if args.world_size else (2, 4)
-    print(
-        format_launch_table(bench_launch(world_sizes=world_sizes, repeats=args.repeats, slow_repeats=args.slow_repeats))
-    )
-    return 0
+    rows = bench_launch(world_sizes=world_sizes, repeats=args.repeats, slow_repeats=args.slow_repeats)
+    pictures = [
+        chart(
+            rows,
+            "Starting ranks",
+            "median_s",
+            "median (ms)",
+            x="method",
+            series="world_size",
+            named="{} ranks",
+            scale=1e3,
+            log_y=True,
+        )
+    ]
+    return Measured(rows, format_launch_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)
 
 
 if __name__ == "__main__" and "--torchrun-child" in sys.argv:

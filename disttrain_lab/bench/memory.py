@@ -52,7 +52,17 @@ from ..memory import SavedActivations, held
 from ..models import GPT, MLP, GPTConfig, lm_loss, regression_data
 from ..network import Network
 from ..trace import format_bytes
-from .common import add_notebook_argument, free_port, functions_from_lab, mlp_parameters, take_turns
+from .common import (
+    Measured,
+    NotMeasured,
+    add_notebook_argument,
+    chart,
+    free_port,
+    functions_from_lab,
+    mlp_parameters,
+    run_measured,
+    take_turns,
+)
 
 LAB_MIXED = "MixedPrecisionAdam + DynamicLossScaler (lab)"
 TORCH_MIXED = "GradScaler + Adam on fp32 masters (torch)"
@@ -406,16 +416,21 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+QUICK = ["--steps", "2", "--seq", "32"]  # bench all --quick
+
+
+def measure(args) -> Measured:
     names = ("DynamicLossScaler", "MixedPrecisionAdam", "checkpoint", "OffloadAdam")
     found = functions_from_lab(args, LAB, names, "mixed precision, checkpointing and offload")
-    if found is None:
-        return 2
     missing = [n for n in names if n not in found]
     if missing:
-        return 2
+        raise NotMeasured(f"the notebook does not define {', '.join(missing)}")
     rows = bench_memory(
         found, steps=args.steps, seq=args.seq, repeats=args.repeats, link=(SLOW_LINK[0], args.link_bandwidth)
     )
-    print(format_memory_table(rows))
-    return 0
+    pictures = [chart(rows, "Mixed precision, checkpointing and offload", "per_s", "steps/s", series="part")]
+    return Measured(rows, format_memory_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

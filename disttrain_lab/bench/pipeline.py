@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 
 import torch
@@ -13,7 +12,17 @@ import torch.distributed as dist
 
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import add_notebook_argument, functions_from_lab, slowest_median, take_turns, version_width
+from .common import (
+    Chart,
+    Measured,
+    NotMeasured,
+    add_notebook_argument,
+    functions_from_lab,
+    run_measured,
+    slowest_median,
+    take_turns,
+    version_width,
+)
 
 TORCH_PIPELINE = "torch ScheduleGPipe"
 PIPELINE_MODEL = (64,) * 9  # 8 Linear layers of 64 × 64: two per stage on 4 ranks
@@ -231,24 +240,33 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=4, help="number of stages (default 4)")
 
 
-def run(args) -> int:
+QUICK = ["--world-size", "2"]  # bench all --quick
+
+
+def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, FUNCTIONS, "pipeline functions")
-    if found is None:
-        return 2
     if not {"split_stages", "Stage"} <= found.keys():
-        print("the notebook must define split_stages and Stage", file=sys.stderr)
-        return 2
+        raise NotMeasured("the notebook must define split_stages and Stage")
     versions = {"naive": (found["naive_step"], 1)} if "naive_step" in found else {}
     for m in (1, 2, 4, 8):
         if "gpipe_step" in found:
             versions[f"GPipe m={m}"] = (functools.partial(found["gpipe_step"], micro_batches=m), m)
     if "one_f_one_b_step" in found:
         versions["1F1B m=8"] = (functools.partial(found["one_f_one_b_step"], micro_batches=8), 8)
-    print(
-        format_pipeline_table(
-            bench_pipeline(
-                versions, found["split_stages"], found["Stage"], world_size=args.world_size, repeats=args.repeats
-            )
-        )
+    rows = bench_pipeline(
+        versions, found["split_stages"], found["Stage"], world_size=args.world_size, repeats=args.repeats
     )
-    return 0
+    measured = [r for r in rows if "speedup" in r]
+    picture = Chart(
+        f"Pipeline on {args.world_size} stages: speedup over the naive pipeline against micro-batches",
+        "speedup",
+        {
+            "measured": [(r["version"], r["speedup"]) for r in measured],
+            "ideal, N·m / (m + N − 1)": [(r["version"], r["ideal"]) for r in measured],
+        },
+    )
+    return Measured(rows, format_pipeline_table(rows), [picture])
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -29,11 +29,15 @@ from ..devices import device as rank_device
 from ..launcher import launch
 from ..network import Network
 from .common import (
+    Chart,
     GatherRows,
+    Measured,
     add_device_argument,
     add_notebook_argument,
+    chart,
     chosen_device,
     functions_from_lab,
+    run_measured,
     slowest_median,
     step_rows,
     step_table,
@@ -275,11 +279,12 @@ def add_arguments(parser) -> None:
     add_device_argument(parser, "the attention part runs (torch's context_parallel only on cuda)")
 
 
-def run(args) -> int:
+QUICK = ["--world-size", "2", "--seq-len", "64", "--heads", "2", "--dim", "8", "--seq-lens", "32,64"]  # --quick
+
+
+def measure(args) -> Measured:
     names = ["ring_attention", "ulysses_attention"]
     found = functions_from_lab(args, LAB, names, "ring and Ulysses attention", given=True)  # ring_attention: given
-    if found is None:
-        return 2
     rows = bench_sequence(
         found,
         world_size=args.world_size,
@@ -291,5 +296,27 @@ def run(args) -> int:
         network=Network.preset(args.link),
         device=chosen_device(args),
     )
-    print(format_sequence_table(rows))
-    return 0
+    attention = [r for r in rows if r["part"] == "attention"]
+    pictures = [
+        chart(attention, f"Attention of one sequence on {args.world_size} ranks", "ms", "ms per forward+backward")
+    ]
+    longer: dict[str, list[tuple]] = {}
+    for r in rows:
+        if r["part"] == LONG and "ms" in r:
+            name, length = r["version"].split(", S=")
+            longer.setdefault(name, []).append((int(length), r["ms"]))
+    if longer:
+        pictures.append(
+            Chart(
+                f"Ring against Ulysses on a link ({args.link})",
+                "ms per forward+backward",
+                longer,
+                xlabel="sequence length",
+                log_x=True,
+            )
+        )
+    return Measured(rows, format_sequence_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

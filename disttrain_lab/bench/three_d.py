@@ -30,7 +30,7 @@ import statistics
 import sys
 
 from ..network import Network
-from .common import functions_from_notebook
+from .common import Chart, Measured, NotMeasured, functions_from_notebook, run_measured
 
 NAME = "3d"
 HELP = "Lab 8: train_3d in several DP x TP x PP shapes on a two-tier emulated network, with the planner's predictions"
@@ -279,18 +279,18 @@ def _lab_path(args) -> str | None:
     )
 
 
-def run(args) -> int:
+QUICK = ["--steps", "1", "--warmup", "0", "--no-progress"]  # bench all --quick
+
+
+def measure(args) -> Measured:
     path = _lab_path(args)
     if path is None or not os.path.exists(path):
-        print(
-            f"no notebook to take train_3d from: pass --notebook PATH (looked for solutions/{LAB}, labs/{LAB})",
-            file=sys.stderr,
+        raise NotMeasured(
+            f"no notebook to take train_3d from: pass --notebook PATH (looked for solutions/{LAB}, labs/{LAB})"
         )
-        return 2
     found = lab_functions(path, ["train_3d", "ModelSpec", "ClusterSpec", "Plan", "step_time"])
     if "train_3d" not in found:
-        print(f"{path} does not define train_3d", file=sys.stderr)
-        return 2
+        raise NotMeasured(f"{path} does not define train_3d")
     _with_reference_pieces(found["train_3d"], path)
     planner = found
     record = bench_3d(
@@ -302,10 +302,21 @@ def run(args) -> int:
     )
     record["notebook"] = path
     predicted = predictions(record, planner)
-    print(format_table(record, predicted))
+    table = format_table(record, predicted)
     if args.write:
         with open(args.write, "w") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
-        print(f"wrote {args.write}")
-    return 0
+        table += f"\nwrote {args.write}"
+    rows = [dict(r, predicted_s=p) for r, p in zip(record["runs"], predicted or [None] * len(record["runs"]))]
+    shapes = [_label((r["dp"], r["tp"], r["pp"], r["micro_batches"])) for r in rows]
+    series = {"measured": [(x, r["median_step_s"]) for x, r in zip(shapes, rows)]}
+    if predicted:
+        series["the planner's prediction"] = list(zip(shapes, predicted))
+    picture = Chart("Lab 8: 3D shapes, step time measured and predicted", "s per step", series)
+    about = {k: v for k, v in record.items() if k != "runs"}
+    return Measured(rows, table, [picture], about)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -13,12 +13,15 @@ from ..events import format_bytes
 from ..launcher import launch
 from ..models import MLP, regression_data
 from .common import (
+    Measured,
     add_notebook_argument,
+    chart,
     collective_bytes_counter,
     functions_from_lab,
     mlp_parameters,
     progress,
     ratio_cell,
+    run_measured,
     slowest_median,
     take_turns,
     version_width,
@@ -158,10 +161,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=None, help="only this number of ranks (default: 1, 2, 4)")
 
 
-def run(args) -> int:
+QUICK = ["--world-size", "2"]  # bench all --quick
+
+
+def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, ["TensorParallelMLP"], "tensor-parallel MLP")
-    if found is None:
-        return 2
     world_sizes = (args.world_size,) if args.world_size else (1, 2, 4)
-    print(format_tp_table(bench_tp(found, world_sizes=world_sizes, repeats=args.repeats)))
-    return 0
+    rows = bench_tp(found, world_sizes=world_sizes, repeats=args.repeats)
+    pictures = [chart(rows, "Tensor-parallel MLP", "ms_per_step", "ms per step", series="world_size", named="{} ranks")]
+    return Measured(rows, format_tp_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import trace
 from ..events import format_bytes
 from ..launcher import launch
-from .common import progress
+from .common import Measured, chart, progress, run_measured
 
 
 def _pingpong_modes(trips: int, nbytes: int) -> dict:
@@ -81,6 +81,24 @@ def add_arguments(parser) -> None:
     )
 
 
+QUICK = ["--trips", "100"]  # bench all --quick
+
+
+def measure(args) -> Measured:
+    rows = bench_trace(trips=args.trips, repeats=args.repeats)
+    pictures = [
+        chart(
+            rows,
+            "What tracing costs a ping-pong",
+            "us_per_trip",
+            "µs per round trip",
+            x="mode",
+            series="bytes",
+            named=format_bytes,
+        )
+    ]
+    return Measured(rows, format_trace_table(rows), pictures)
+
+
 def run(args) -> int:
-    print(format_trace_table(bench_trace(trips=args.trips, repeats=args.repeats)))
-    return 0
+    return run_measured(measure, args)

@@ -16,7 +16,17 @@ from ..devices import device as rank_device
 from ..events import format_bytes
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import add_notebook_argument, functions_from_lab, mlp_parameters, slowest_median, version_width
+from .common import (
+    Chart,
+    Measured,
+    add_notebook_argument,
+    chart,
+    functions_from_lab,
+    mlp_parameters,
+    run_measured,
+    slowest_median,
+    version_width,
+)
 
 TORCH_ZERO_REDUNDANCY = "torch DDP + ZeroRedundancyOptimizer"
 TORCH_FSDP = "torch FSDP (fully_shard)"
@@ -197,16 +207,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
 
 
-def run(args) -> int:
+QUICK: list[str] = []  # bench all --quick (its model as it is)
+
+
+def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, [*CLASSES, "zero_memory_per_rank"], "ZeRO classes")
-    if found is None:
-        return 2
     versions = {name: (stage, found[name]) for name, stage in CLASSES.items() if name in found}
-    print(
-        format_zero_table(
-            bench_zero(
-                versions, world_size=args.world_size, repeats=args.repeats, predict=found.get("zero_memory_per_rank")
-            )
-        )
+    rows = bench_zero(
+        versions, world_size=args.world_size, repeats=args.repeats, predict=found.get("zero_memory_per_rank")
     )
-    return 0
+    held = [r for r in rows if isinstance(r.get("held"), dict)]
+    memory = {"held (the worst rank)": [(r["version"], r["held"]["total"] / 2**20) for r in held]}
+    if any("predicted" in r for r in held):
+        memory["the lab's formula"] = [(r["version"], r["predicted"] / 2**20) for r in held if "predicted" in r]
+    pictures = [
+        chart(rows, f"ZeRO on {args.world_size} ranks", "steps_per_s", "steps/s"),
+        Chart("Memory per rank: parameters, gradients and optimizer state", "MiB", memory),
+    ]
+    return Measured(rows, format_zero_table(rows), pictures)
+
+
+def run(args) -> int:
+    return run_measured(measure, args)

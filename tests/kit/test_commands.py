@@ -5,6 +5,12 @@
   its table (header and rows, never its speed).  The others are run by the lab's own test
   (:data:`COVERED_ELSEWHERE`), and a benchmark added with neither fails
   :func:`test_every_benchmark_has_a_smoke_test`.
+- ``disttrain-lab bench all --quick --report DIR``: every benchmark with its tiny settings (its ``QUICK``, parsed
+  by the parser ``bench NAME`` uses) in one run; checked: report.json (strict JSON) holds each one's options,
+  rows, table and pictures, the launch, trace and compression tables say what their own command prints, and
+  report.html shows each table and every picture as a PNG; a benchmark that cannot run is said so in its place,
+  the others still run, exit 1.  ``bench launch`` and ``bench compression`` run there only (their own command
+  line is the same parser and ``measure``; ``bench trace`` runs here too, through ``run``).
 - ``disttrain-lab bench --help`` (and every ``bench NAME --help``), ``grade --help``, ``release --help``,
   ``release --check``; ``disttrain-lab --version`` and ``python -m disttrain_lab`` (the same command);
   a mistyped command or benchmark (``disttrain-lab relase``): argparse's error, exit 2, "did you mean".
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
+import html.parser
 import json
 import os
 import re
@@ -32,8 +40,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from disttrain_lab.bench import benchmarks
+from disttrain_lab.bench.registry import MEASUREMENTS
 from tests.helpers import REPO
 
 SCRIPTS = REPO / "scripts"
@@ -49,23 +59,39 @@ COVERED_ELSEWHERE = {
     "tp": "tests/labs/test_lab06.py::test_cli_bench_tp_uses_the_notebook",
     "sequence": "tests/labs/test_bench_sequence.py::test_cli_bench_sequence_with_tiny_options",
     "experts": "tests/labs/test_bench_experts.py::test_cli_bench_experts_with_tiny_options",
+    "all": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
+    "launch": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
+    "compression": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
+}
+# what the tables of the benchmarks run only by `bench all` print (the words of their own command's table)
+IN_THE_REPORT = {
+    "launch": [
+        "method",
+        "ranks",
+        "median",
+        "vs warm launch",
+        "dl.launch warm",
+        "dl.launch cold",
+        "mp.spawn",
+        "torchrun --standalone",
+    ],
+    "compression": [
+        "compression hooks in torch DDP: MLP 512 -> 1024 -> 1024 -> 512",
+        "2 ranks",
+        "median of 1",
+        "steps/s",
+        "bytes/step/rank",
+        "vs dense",
+        "torch allreduce_hook (dense)",
+        "torch fp16_compress_hook",
+        "torch powerSGD_hook, rank 2",
+        "top-k 1% + error feedback",
+        "INT8",
+    ],
 }
 
 # the others, run here: NAME -> (tiny options, what its output must hold)
 SMOKE = {
-    "launch": (
-        ["--world-size", "2", "--slow-repeats", "1"],
-        [
-            "method",
-            "ranks",
-            "median",
-            "vs warm launch",
-            "dl.launch warm",
-            "dl.launch cold",
-            "mp.spawn",
-            "torchrun --standalone",
-        ],
-    ),
     "trace": (
         ["--trips", "100"],
         [
@@ -78,22 +104,6 @@ SMOKE = {
             "4 B traced",
             "1.0 MiB torch",
             "1.0 MiB traced",
-        ],
-    ),
-    "compression": (
-        [],  # its model as it is: ~10 s on 2 cores
-        [
-            "compression hooks in torch DDP: MLP 512 -> 1024 -> 1024 -> 512",
-            "2 ranks",
-            "median of 1",
-            "steps/s",
-            "bytes/step/rank",
-            "vs dense",
-            "torch allreduce_hook (dense)",
-            "torch fp16_compress_hook",
-            "torch powerSGD_hook, rank 2",
-            "top-k 1% + error feedback",
-            "INT8",
         ],
     ),
     # its rows (every configuration, with the planner's prediction) are checked in test_bench_3d
@@ -156,8 +166,9 @@ def test_every_benchmark_has_a_smoke_test():
             for node in ast.walk(fn)
             if isinstance(node, ast.List)
         ]
-        assert any(words[i : i + 2] == ["bench", name] for words in commands for i in range(len(words) - 1)), (
-            f"{where} does not run bench {name}"
+        runs = "all" if name in IN_THE_REPORT else name  # (bench all runs those)
+        assert any(words[i : i + 2] == ["bench", runs] for words in commands for i in range(len(words) - 1)), (
+            f"{where} does not run bench {runs}"
         )
 
 
@@ -194,6 +205,113 @@ def test_bench_3d(tmp_path):
     assert (written["steps"], written["repeats"], written["warmup"]) == (1, 1, 0)
     assert [(r["dp"], r["tp"], r["pp"], r["micro_batches"]) for r in written["runs"]] == CONFIGS
     assert all(r["median_step_s"] > 0 and len(r["step_s"]) == 1 for r in written["runs"])
+
+
+class _Pictures(html.parser.HTMLParser):
+    """The report page's headings' ids and its pictures' sources."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.sources = [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "h2":
+            self.ids.append(attrs.get("id"))
+        if tag == "img":
+            self.sources.append(attrs.get("src", ""))
+
+
+@pytest.mark.slow
+def test_bench_all_writes_a_report(tmp_path):
+    """``bench all --quick --report DIR``: every benchmark, in the registry's order, with its tiny settings."""
+    out = run(disttrain_lab() + ["bench", "all", "--quick", "--report", str(tmp_path)], timeout=900)
+    assert out.returncode == 0, said(out)
+    assert f"wrote {tmp_path / 'report.json'} and {tmp_path / 'report.html'}" in out.stdout, said(out)
+    report = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert report["quick"] is True and report["torch"] == torch.__version__, report
+    entries = {b["name"]: b for b in report["benchmarks"]}
+    assert list(entries) == [m.NAME for m in MEASUREMENTS], list(entries)
+    pictures = 0
+    for name, entry in entries.items():
+        assert entry["status"] == "measured", (name, entry.get("why"), entry.get("traceback"))
+        assert entry["options"] == [*benchmarks()[name].QUICK, "--repeats", "1"], entry["options"]
+        assert entry["rows"] and entry["table"].strip() and entry["charts"], name
+        for chart in entry["charts"]:  # every picture has points, each a (name or number, number)
+            assert chart["series"] and all(chart["series"].values()), (name, chart)
+            points = [p for series in chart["series"].values() for p in series]
+            assert all(len(p) == 2 and isinstance(p[1], (int, float)) for p in points), (name, chart)
+        pictures += len(entry["charts"])
+    for name, words in IN_THE_REPORT.items():
+        missing = [w for w in words if w not in entries[name]["table"]]
+        assert not missing, f"bench {name}'s table lacks {missing}:\n{entries[name]['table']}"
+    busbw = entries["allreduce"]["charts"][0]["series"]
+    assert "dist.all_reduce" in busbw and all(x > 0 and y > 0 for x, y in busbw["dist.all_reduce"]), busbw
+    assert all(r["predicted_s"] > 0 for r in entries["3d"]["rows"]), entries["3d"]["rows"]  # the planner's
+    page = _Pictures()
+    page.feed((tmp_path / "report.html").read_text())
+    assert page.ids == list(entries), page.ids
+    assert len(page.sources) == pictures, (len(page.sources), pictures)
+    for source in page.sources:
+        assert source.startswith("data:image/png;base64,"), source[:80]
+        assert base64.b64decode(source.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.slow
+def test_bench_all_reports_what_it_could_not_measure(tmp_path):
+    """Where there is no notebook (run from an empty folder), a lab's benchmark is said not measured in its
+    place, the others still run, and the command exits 1; an unknown name in ``--only`` is refused (exit 2)."""
+    command = [*disttrain_lab(), "bench", "all", "--quick", "--only", "ddp,trace", "--report", str(tmp_path / "r")]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 1, said(out)
+    entries = {b["name"]: b for b in json.loads((tmp_path / "r" / "report.json").read_text())["benchmarks"]}
+    assert entries["trace"]["status"] == "measured", entries["trace"]
+    assert entries["ddp"]["status"] == "not measured" and "no notebook to take" in entries["ddp"]["why"], entries
+    assert "bench ddp: not measured: no notebook to take the data-parallel wrappers from" in out.stderr, said(out)
+    assert "not measured: no notebook" in (tmp_path / "r" / "report.html").read_text()
+
+
+def test_bench_all_refuses_an_unknown_benchmark(capsys):
+    from disttrain_lab import cli
+
+    assert cli.main(["bench", "all", "--only", "trace,nope"]) == 2
+    assert "no benchmark named nope" in capsys.readouterr().err
+
+
+def test_the_report_page_escapes_what_it_shows_and_its_json_is_strict():
+    from disttrain_lab.bench import report
+
+    content = {
+        "kit": "0",
+        "torch": "t",
+        "python": "3",
+        "machine": "m",
+        "started": "s",
+        "quick": False,
+        "benchmarks": [
+            {
+                "name": "x",
+                "about": "<b>",
+                "options": [],
+                "seconds": 1.0,
+                "status": "failed",
+                "why": "<script>1</script>",
+            },
+            {
+                "name": "y",
+                "about": "a",
+                "options": [],
+                "seconds": 1.0,
+                "status": "measured",
+                "table": "<img src=x>",
+                "charts": [],
+                "rows": [{"v": float("nan"), "w": (1, float("inf"))}],
+            },
+        ],
+    }
+    page = report.page(report.plain(content))
+    assert "<script>" not in page and "<img src=x>" not in page and "&lt;script&gt;" in page
+    assert report.plain(content)["benchmarks"][1]["rows"] == [{"v": None, "w": [1, None]}]
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
