@@ -23,7 +23,8 @@ from .stages import _DRIVERS, _launch, _schedule
 BUBBLE_COST = 0.03  # bubble tests: 30 ms of simulated forward per micro-batch (60 ms backward)
 BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15  # measured idle within −0.08 … +0.15 of (p − 1)/(m + p − 1):
 # messages and Python between the boxes only add idle time
-BUBBLE_TRIES = 3  # a run over the range runs again, 3 runs in all; the least idle counts
+BUBBLE_TRIES = 5  # a run over the range runs again, 5 runs in all; the least idle counts (3 were too few
+# for the solution once, in a suite beside other test runs at load 10 on 2 cores: a launch's set-up counts as idle)
 
 
 def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]:
