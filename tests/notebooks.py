@@ -168,7 +168,8 @@ def add_wrong_answers(
     the ``solutions`` cells again (the right answers) with the wrong definition after them
     (``replace``: in the place of the exercise's own cell ``ex_<exercise>``, so that the solutions
     below it are built on it, as in a student's notebook), then ``lab``'s graded cell (``tests[i]``,
-    else ``test_<exercise>``).  Returns where those graded cells are (``assert_wrong_answers_caught``)."""
+    else ``test_<exercise>``), each copy with an id of its own (else nbformat corrects the repeated ids with a
+    warning each).  Returns where those graded cells are (``assert_wrong_answers_caught``)."""
     graded_at = []
     for i, (exercise, source) in enumerate(wrong):
         right = [copy.deepcopy(s) for s in solutions]  # the right answers again, then one wrong
@@ -176,9 +177,12 @@ def add_wrong_answers(
         if replace:
             [at] = [j for j, c in enumerate(right) if nbgrader_meta(c).get("grade_id") == f"ex_{exercise}"]
             right[at] = planted
-        cells += right if replace else [*right, planted]
-        graded_at.append(len(cells))
-        cells.append(copy.deepcopy(cell_by_id(lab, tests[i] if tests else f"test_{exercise}")))
+        graded = copy.deepcopy(cell_by_id(lab, tests[i] if tests else f"test_{exercise}"))
+        added = [*(right if replace else [*right, planted]), graded]
+        for k, cell in enumerate(added):
+            cell["id"] = f"wrong-{i}-{k}"
+        cells += added
+        graded_at.append(len(cells) - 1)
     return graded_at
 
 
