@@ -441,12 +441,13 @@ NOT_SHARDED_BY_THE_OS = {
     ),
     "pauses_before_training": (
         ["ex_zero1"],
+        # the ranks meet before it, so that they pause together even on a loaded host (1.5 s of sleep unsynced once
+        # missed: the watch then read them at the driver's pause, unsharded, and they failed on memory, not here)
         "import time as _time\nclass Zero1Optimizer(DataParallelOptimizer):   # a pause of its own, before any step\n"
-        "    def __init__(self, *args, **kwargs):\n        _time.sleep(1.5)\n        super().__init__(*args, **kwargs)\n",
+        "    def __init__(self, *args, **kwargs):\n        dist.barrier()\n        _time.sleep(3)\n"
+        "        super().__init__(*args, **kwargs)\n",
         "lab_tests.check_held(1)",
-        # (it had sent gloo's handshake, or not.  Where the watch started after the ranks' own pause, as on a
-        # loaded host, it reads them at the driver's pause between steps 2 and 3, unsharded: failed on memory)
-        ("two steps of ZeRO-1 send at least 402,849,792 before the pause", "that is no sharding's memory"),
+        "two steps of ZeRO-1 send at least 402,849,792 before the pause",  # (it had sent gloo's handshake, or not)
     ),
     "sends_early_then_pauses": (  # bytes enough for two steps and 62 % of the run, sent before any step
         ["ex_zero1"],
@@ -471,5 +472,5 @@ def test_memory_is_graded_on_the_os_count(case):
     cells += [cell_by_id(lab, "test_helpers"), nbformat.v4.new_code_cell(check)]
     nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True)
     failure = "\n".join(errors(nb.cells[-1]))
-    assert any(w in failure for w in ((words,) if isinstance(words, str) else words)), failure
+    assert words in failure, failure
     assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
