@@ -1,13 +1,13 @@
 """Measurements, always side by side with torch's own in one run and reported as medians.
 
 One module per benchmark (``disttrain-lab bench NAME``), each with ``NAME``, ``HELP``, ``QUICK`` (its
-tiny settings), ``add_arguments(parser)``, ``measure(args) -> Measured`` (rows, table, pictures) and
-``run(args) -> int``; :data:`registry.MEASUREMENTS` lists them, ``bench all`` (:mod:`.report`) runs
-them all and writes a report, and the command line is built from :data:`BENCHMARKS`.  The timing
-machinery they share (taking turns, the slowest rank's median, reading a lab notebook's functions,
-free ports, the progress bar, the report's rows and pictures) is in :mod:`.common`.  The lab
-benchmarks measure the implementations a lab notebook defines: this package holds no solutions
-(see :func:`functions_from_notebook`).
+tiny settings), ``add_arguments(parser)`` and ``measure(args) -> Measured`` (rows, table, pictures),
+whose table ``bench NAME`` prints; :data:`registry.MEASUREMENTS` lists them, ``bench all``
+(:mod:`.report`, with a ``run(args)`` of its own) runs them all and writes a report, and the command
+line is built from :data:`BENCHMARKS`. The timing machinery they share (taking turns, the slowest rank's
+median, reading a lab notebook's functions, free ports, the progress bar, the report's rows and
+pictures) is in :mod:`.common`. The lab benchmarks measure the implementations a lab notebook defines:
+this package holds no solutions (see :func:`functions_from_notebook`).
 
     >>> from disttrain_lab import bench
     >>> rows = bench.bench_allreduce({"ring": ring_all_reduce}, world_size=4, sizes=[1 << 20])

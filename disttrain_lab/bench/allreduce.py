@@ -17,7 +17,6 @@ from .common import (
     chart,
     functions_from_lab,
     progress,
-    run_measured,
     slowest_median,
 )
 
@@ -219,7 +218,3 @@ def measure(args) -> Measured:
         )
     ]
     return Measured(rows, format_allreduce_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

@@ -138,8 +138,8 @@ def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: s
 
 
 # --------------------------------------------------------------------------------------
-# The command line: each benchmark module has NAME, HELP, QUICK, add_arguments(parser),
-# measure(args) -> Measured and run(args) (``run_measured``); ``bench all`` (report.py) reads them
+# The command line: each benchmark module has NAME, HELP, QUICK, add_arguments(parser) and
+# measure(args) -> Measured, which ``bench NAME`` prints (``run_measured``) and ``bench all`` (report.py) reports
 # --------------------------------------------------------------------------------------
 @dataclass
 class Chart:

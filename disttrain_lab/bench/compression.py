@@ -36,7 +36,6 @@ from .common import (
     chart,
     functions_from_lab,
     mlp_parameters,
-    run_measured,
     slowest_median,
     take_turns,
 )
@@ -233,7 +232,3 @@ def measure(args) -> Measured:
         chart(rows, "Bytes each rank sends per step", "bytes_per_step", "MiB", scale=1 / 2**20),
     ]
     return Measured(rows, format_compression_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

@@ -19,7 +19,6 @@ from .common import (
     chart,
     functions_from_lab,
     mlp_parameters,
-    run_measured,
     slowest_median,
     take_turns,
     version_width,
@@ -156,7 +155,3 @@ def measure(args) -> Measured:
     rows = bench_ddp(versions, world_size=args.world_size, repeats=args.repeats, bucket_mb=args.bucket_mb)
     pictures = [chart(rows, f"Data parallel on {args.world_size} ranks", "steps_per_s", "steps/s")]
     return Measured(rows, format_ddp_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

@@ -26,7 +26,6 @@ from .common import (
     chart,
     chosen_device,
     functions_from_lab,
-    run_measured,
     step_rows,
     step_table,
     step_times,
@@ -161,7 +160,3 @@ def measure(args) -> Measured:
     )
     pictures = [chart(rows, f"Mixture of experts on {args.world_size} ranks", "ms", "ms per forward+backward")]
     return Measured(rows, format_experts_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

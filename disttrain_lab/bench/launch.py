@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..launcher import launch, shutdown
-from .common import Measured, chart, free_port, progress, run_measured
+from .common import Measured, chart, free_port, progress
 
 
 def _trivial():
@@ -160,10 +160,6 @@ def measure(args) -> Measured:
         )
     ]
     return Measured(rows, format_launch_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)
 
 
 if __name__ == "__main__" and "--torchrun-child" in sys.argv:

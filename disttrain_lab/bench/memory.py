@@ -60,7 +60,6 @@ from .common import (
     free_port,
     functions_from_lab,
     mlp_parameters,
-    run_measured,
     take_turns,
 )
 
@@ -430,7 +429,3 @@ def measure(args) -> Measured:
     )
     pictures = [chart(rows, "Mixed precision, checkpointing and offload", "per_s", "steps/s", series="part")]
     return Measured(rows, format_memory_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

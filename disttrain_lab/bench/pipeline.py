@@ -18,7 +18,6 @@ from .common import (
     NotMeasured,
     add_notebook_argument,
     functions_from_lab,
-    run_measured,
     slowest_median,
     take_turns,
     version_width,
@@ -266,7 +265,3 @@ def measure(args) -> Measured:
         },
     )
     return Measured(rows, format_pipeline_table(rows), [picture])
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

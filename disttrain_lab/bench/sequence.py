@@ -37,7 +37,6 @@ from .common import (
     chart,
     chosen_device,
     functions_from_lab,
-    run_measured,
     slowest_median,
     step_rows,
     step_table,
@@ -316,7 +315,3 @@ def measure(args) -> Measured:
             )
         )
     return Measured(rows, format_sequence_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

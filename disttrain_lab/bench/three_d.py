@@ -30,7 +30,7 @@ import statistics
 import sys
 
 from ..network import Network
-from .common import Chart, Measured, NotMeasured, functions_from_notebook, run_measured
+from .common import Chart, Measured, NotMeasured, functions_from_notebook
 
 NAME = "3d"
 HELP = "Lab 8: train_3d in several DP x TP x PP shapes on a two-tier emulated network, with the planner's predictions"
@@ -316,7 +316,3 @@ def measure(args) -> Measured:
     picture = Chart("Lab 8: 3D shapes, step time measured and predicted", "s per step", series)
     about = {k: v for k, v in record.items() if k != "runs"}
     return Measured(rows, table, [picture], about)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

@@ -21,7 +21,6 @@ from .common import (
     mlp_parameters,
     progress,
     ratio_cell,
-    run_measured,
     slowest_median,
     take_turns,
     version_width,
@@ -170,7 +169,3 @@ def measure(args) -> Measured:
     rows = bench_tp(found, world_sizes=world_sizes, repeats=args.repeats)
     pictures = [chart(rows, "Tensor-parallel MLP", "ms_per_step", "ms per step", series="world_size", named="{} ranks")]
     return Measured(rows, format_tp_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import trace
 from ..events import format_bytes
 from ..launcher import launch
-from .common import Measured, chart, progress, run_measured
+from .common import Measured, chart, progress
 
 
 def _pingpong_modes(trips: int, nbytes: int) -> dict:
@@ -98,7 +98,3 @@ def measure(args) -> Measured:
         )
     ]
     return Measured(rows, format_trace_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)

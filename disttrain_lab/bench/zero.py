@@ -23,7 +23,6 @@ from .common import (
     chart,
     functions_from_lab,
     mlp_parameters,
-    run_measured,
     slowest_median,
     version_width,
 )
@@ -225,7 +224,3 @@ def measure(args) -> Measured:
         Chart("Memory per rank: parameters, gradients and optimizer state", "MiB", memory),
     ]
     return Measured(rows, format_zero_table(rows), pictures)
-
-
-def run(args) -> int:
-    return run_measured(measure, args)
