@@ -9,7 +9,7 @@ dl.exercise.run("ping_pong", 2, inputs)   # a notebook's function, results and b
 dl.predictions.check("bubble", PREDICTED_BUBBLE)  # a graded prediction's form (never its answer)
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 try:
     import torch  # noqa: F401

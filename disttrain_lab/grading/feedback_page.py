@@ -33,7 +33,7 @@ from nbconvert.exporters import HTMLExporter
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import NbGraderPreprocessor
 
-from .. import predictions
+from .. import withheld
 from .cells import exercise_names, is_test_cell
 from .config import SHOW_EXPECTED, show_expected, source_dir
 
@@ -153,10 +153,10 @@ class FeedbackPage(NbGraderPreprocessor):
 def _withhold(cell, instead: str) -> None:
     for output in cell.get("outputs", []):
         if output.output_type == "error":
-            output.evalue = predictions.withhold_expected(output.evalue, instead)
-            output.traceback = [predictions.withhold_expected(line, instead) for line in output.traceback]
+            output.evalue = withheld.withhold_expected(output.evalue, instead)
+            output.traceback = [withheld.withhold_expected(line, instead) for line in output.traceback]
         elif output.output_type == "stream":
-            output.text = predictions.withhold_expected(output.text, instead)
+            output.text = withheld.withhold_expected(output.text, instead)
 
 
 class FeedbackExporter(HTMLExporter):

@@ -28,7 +28,7 @@ from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.utils import ensure_async, run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-from . import cell_times, remote
+from . import cell_times, handoff
 from .cells import clamp_partial_credit, error_output, grade_id, is_instructor_cell, is_test_cell, student_functions
 from .config import source_dir
 from .kernels import socket_root
@@ -135,7 +135,7 @@ class GraderKernel:
             if self._exchange is None:
                 self._exchange = tempfile.mkdtemp(prefix="exchange-")
             host_dir = kernel_dir = self._exchange
-        remote.write_settings(
+        handoff.write_settings(
             Path(self._grader_dir) / "student-kernel.json",
             connection_file=self.km.connection_file,
             kernel_pid=getattr(getattr(self.km, "provisioner", None), "pid", None),
@@ -237,7 +237,7 @@ class GraderKernel:
         self.km, self.kc = self._grader
         self.timeout = limit
         # the grader kernel's runs end within this limit, each with the launcher's own report of a hang
-        remote.write_cell(Path(self._grader_dir), grade_id(cell), time.monotonic() + limit, student_functions(self.nb))
+        handoff.write_cell(Path(self._grader_dir), grade_id(cell), time.monotonic() + limit, student_functions(self.nb))
         self.error_on_timeout = {  # past its limit the grader kernel is interrupted, the test fails
             "ename": "CellTimeoutError",
             "evalue": "",

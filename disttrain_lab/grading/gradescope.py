@@ -50,7 +50,8 @@ from pathlib import Path
 import nbformat
 from nbgrader.api import Gradebook, MissingEntry
 
-from .. import __version__, predictions
+from .. import withheld
+from .._version import __version__
 from . import cell_times, export, intake, run_container, sandbox
 from .cells import exercise_names, grade_id, is_test_cell
 from .config import (
@@ -262,8 +263,8 @@ def run(root: Path | None = None) -> dict:
             for uid in run_container.student_uids():  # (container mode: nothing of the student outlives its grading)
                 run_container.sweep(uid)
     if isinstance(scores, dict) and not _expected_shown(root):  # (a student may still resubmit)
-        withheld = WITHHELD[show_expected()]
-        scores = {g: (s, m and predictions.withhold_expected(m, withheld)) for g, (s, m) in scores.items()}
+        instead = WITHHELD[show_expected()]
+        scores = {g: (s, m and withheld.withhold_expected(m, instead)) for g, (s, m) in scores.items()}
     results = _results(settings, scores, said, time.monotonic() - started)
     partial = root / "results" / "results.json.partial"
     partial.write_text(json.dumps(results, indent=1))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from traitlets.config.loader import PyFileConfigLoader
 
-from .. import __version__
+from .._version import __version__
 from .config import GRADER_DIR, REPO_ROOT
 
 WHEELS = "wheels"  # beside the labs: <course>/release/wheels/, or the maintainer's labs/wheels/

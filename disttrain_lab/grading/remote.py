@@ -47,56 +47,22 @@ from jupyter_client.blocking import BlockingKernelClient
 from disttrain_lab import exercise, osmemory, wire
 from disttrain_lab.grading import reaper, sandbox
 from disttrain_lab.grading.capture import Capture
+from disttrain_lab.grading.handoff import CELL_FILE, TIMED_OUT_FILE, read_json
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
 from disttrain_lab.protocol import COMM_TARGET, PREPARE, Evidence, Failure, Record, Request
 
-__all__ = ["install", "RemoteRunner", "write_settings", "write_cell", "host_pids", "reader"]
+__all__ = ["install", "RemoteRunner", "host_pids", "reader"]
 
 NOT_ASKED = "not asked for: dl.exercise.run(..., timeline=True) captures it"
 REPLY_MARGIN = 60.0  # seconds past the launch's own timeout before the student's kernel is given up
 # seconds before the cell's limit that waiting for the student's kernel ends, left for the grader to
 # say why (1 s was too little on a loaded host: the cell's own limit interrupted the report)
 GIVE_UP_MARGIN = 2.0
-CELL_FILE = "cell.json"  # the test cell being graded: its grade_id, deadline, the student's function names
-TIMED_OUT_FILE = "timed-out.json"  # the student's functions that timed out, and where (kept across kernels)
 
 
 def install(settings_path: str) -> None:
     """Make ``dl.exercise.run`` in this (the grader's) kernel run in the student's kernel."""
     exercise.use_runner(RemoteRunner(Path(settings_path)))
-
-
-def write_settings(path: Path, *, connection_file: str, kernel_pid: int | None, host_dir: str, kernel_dir: str) -> None:
-    """Tell the grader kernel where the student's kernel is (RobustExecute, at each start)."""
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(
-        json.dumps(
-            {
-                "connection_file": connection_file,
-                "kernel_pid": kernel_pid,
-                "host_dir": host_dir,
-                "kernel_dir": kernel_dir,
-            }
-        )
-    )
-    os.replace(tmp, path)
-
-
-def write_cell(folder: Path, grade_id: str, deadline: float, student_functions: list[str]) -> None:
-    """Tell the grader kernel which test cell it is running and when its limit ends
-    (``time.monotonic()``, one clock for every process of the host), and the names of the
-    functions the student's solution cells define (RobustExecute, before each graded cell)."""
-    tmp = folder / (CELL_FILE + ".partial")
-    tmp.write_text(json.dumps({"grade_id": grade_id, "deadline": deadline, "student_functions": student_functions}))
-    os.replace(tmp, folder / CELL_FILE)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 def _real_uid(pid: int) -> int | None:
@@ -242,8 +208,8 @@ class RemoteRunner:
         blocked in what) before the cell is interrupted; a function of the student's that timed out
         in an earlier test is not run again (its message is given at once)."""
         name = request.name
-        cell = _read_json(self.settings_path.parent / CELL_FILE)
-        timed_out = _read_json(self.settings_path.parent / TIMED_OUT_FILE)
+        cell = read_json(self.settings_path.parent / CELL_FILE)
+        timed_out = read_json(self.settings_path.parent / TIMED_OUT_FILE)
         if isinstance(request.target, str) and name in timed_out:
             return _failed("ExerciseTimeout", _not_again(name, timed_out[name]))
         deadline = cell.get("deadline")

@@ -17,6 +17,13 @@ start-up cost more than the rest of it together:
   5.3 s.  :func:`alembic_head` reads the same revision from the same scripts in this process
   (0.2 s once nbgrader is imported); the nbgrader process a step starts uses it
   (:data:`NBGRADER_PRELUDE`).
+- **torch.**  ``import disttrain_lab`` imports torch (3.5 s of CPU here) and the whole kit, which
+  nbgrader's process never uses: its side of grading (``grading/``: the preprocessors, the files it
+  hands the grader kernel, ``handoff.py``) is torch-free; the graded tests run in the grader kernel,
+  the student's code in the student's kernel, each a process of its own that imports torch.
+  :data:`NBGRADER_PRELUDE` first puts the package in ``sys.modules`` as a bare package (its folder,
+  without running its ``__init__``), so the step imports ``disttrain_lab.grading`` alone
+  (``tests/grading/test_startup.py`` holds it to that).
 
 A student's kernel imports neither nbconvert nor this package.
 """
@@ -47,8 +54,18 @@ def alembic_head() -> str:
     return head
 
 
+# the kit's package as a bare package: its submodules import from its folder, its __init__ (torch and
+# the whole kit) never runs; source text, run before anything imports the kit
+BARE_KIT = (
+    "import importlib.util, sys, types\n"
+    "_spec = importlib.util.find_spec('disttrain_lab')\n"
+    "_kit = types.ModuleType('disttrain_lab', 'the kit without its __init__ (grading/startup.py)')\n"
+    "_kit.__path__, _kit.__file__, _kit.__spec__ = list(_spec.submodule_search_locations), _spec.origin, _spec\n"
+    "sys.modules['disttrain_lab'] = _kit\n"
+)
+
 # run by the nbgrader process of a step before nbgrader itself (steps._NBGRADER_CHILD)
 NBGRADER_PRELUDE = (
-    "from disttrain_lab.grading import startup; import nbgrader.api\n"
+    BARE_KIT + "from disttrain_lab.grading import startup; import nbgrader.api\n"
     "nbgrader.api.get_alembic_version = startup.alembic_head\n"
 )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import __main__
-from disttrain_lab import predictions
+from disttrain_lab import predictions, withheld
 from disttrain_lab.predictions import PredictionError
 from tests.helpers import REPO
 from tests.notebooks import self_check_problems
@@ -134,13 +134,13 @@ def test_a_failed_predictions_message_can_withhold_every_expected_value():
         predictions.assert_prediction("predicted_f", [0.5, -0.25], [3 / 11, -0.2], [(4, 8), (8, 32)])
     message = str(err.value)
     assert "the cost model gives 2.73e-01" in message and "the cost model gives -2.00e-01" in message
-    withheld = predictions.withhold_expected(message, "a different value")
-    assert withheld == (
+    hidden = withheld.withhold_expected(message, "a different value")
+    assert hidden == (
         "the prediction does not match the cost model to 3 significant figures: predicted_f(4, 8): predicted "
         "5.00e-01, the cost model gives a different value; predicted_f(8, 32): predicted -2.50e-01, the cost "
         "model gives a different value"
     )
-    assert predictions.withhold_expected(withheld) == withheld  # nothing left to withhold
+    assert withheld.withhold_expected(hidden) == hidden  # nothing left to withhold
 
 
 @pytest.mark.parametrize("lab", sorted(p.parent.name for p in (REPO / "labs").glob("*/*.ipynb")))
