@@ -103,17 +103,12 @@ def _grading_host() -> str:
 
 def _add_benchmarks(bench) -> list[str]:
     """``bench NAME``: one subcommand per module in ``bench.BENCHMARKS``, each with its own options."""
-    common = argparse.ArgumentParser(add_help=False)
-    add_common_arguments(common)
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
     for name, module in benchmarks().items():
         parser = names.add_parser(
-            name,
-            help=module.HELP,
-            description=module.__doc__,
-            parents=[common],
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            name, help=module.HELP, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
         )
+        add_common_arguments(parser)  # each its own (a parent's actions are shared: `all` changes its default)
         module.add_arguments(parser)
         parser.set_defaults(benchmark=module)
     return list(benchmarks())

@@ -194,7 +194,7 @@ def _set_rng_states(states: dict) -> None:
 
     import torch
 
-    torch.random.set_rng_state(states["torch"])
+    torch.random.set_rng_state(torch.frombuffer(bytearray(states["torch"]), dtype=torch.uint8))
     random.setstate(states["python"])
     if "numpy" in states:
         import numpy

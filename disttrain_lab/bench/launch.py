@@ -3,6 +3,14 @@
 This launcher cold (a fresh pool) and warm, ``torch.multiprocessing.spawn`` and
 ``torchrun --standalone``, each running the same trivial function (join a gloo process
 group, return ``rank * 10``).
+
+Where a warm launch's time goes (the rows ``warm: ...``), read on one clock (``time.perf_counter``
+is the system's monotonic clock, the same in every process): from the call to the last rank's
+function starting (the job to each rank, and the fresh gloo group each launch makes), and from the
+last rank's function ending to the results in the kernel; inside the ranks, what a fresh gloo group
+costs alone (``dist.new_group``) and one barrier.  The fresh group is the launcher's floor: a cell's
+ranks get a group of their own, so nothing a run left unmatched (a send nobody received, one
+collective more on one rank) reaches the next cell's run.
 """
 
 from __future__ import annotations
@@ -23,6 +31,38 @@ from .common import Measured, chart, free_port, progress
 
 def _trivial():
     return dist.get_rank() * 10
+
+
+def _stamped():
+    return time.perf_counter()  # (the system's monotonic clock: comparable with the kernel's)
+
+
+def _group_and_barrier():
+    start = time.perf_counter()
+    group = dist.new_group(backend="gloo")
+    made = time.perf_counter()
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    dist.barrier()
+    before = time.perf_counter()
+    dist.barrier()
+    return made - start, time.perf_counter() - before
+
+
+def time_phases(world_size: int) -> tuple[float, float, float]:
+    """Seconds of one warm launch, and of its phases: to the last rank's function starting, and from it
+    to the results in the kernel."""
+    start = time.perf_counter()
+    starts = launch(_stamped, world_size)
+    back = time.perf_counter()
+    return back - start, max(starts) - start, back - max(starts)
+
+
+def time_group(world_size: int) -> tuple[float, float]:
+    """Seconds, inside the ranks (the slowest), of a fresh gloo group and of one barrier.  (Measured after
+    the launches: the launches after a run that made groups of its own are slower for a while.)"""
+    group, barrier = zip(*launch(_group_and_barrier, world_size))
+    return max(group), max(barrier)
 
 
 def _spawn_target(rank: int, world_size: int, port: int) -> None:
@@ -73,14 +113,20 @@ def time_launch(world_size: int, warm: bool) -> float:
     return elapsed
 
 
+IDLE = 0.6  # seconds: more than a rank waits idle before destroying old groups (worker.py's 0.25 s)
+
+
 def bench_launch(world_sizes=(2, 4), repeats: int = 5, slow_repeats: int = 3) -> list[dict]:
     """Median seconds per call of each way to start ranks; one row per (method, world size)."""
     rows = []
     bar = progress(
-        total=len(world_sizes) * (max(repeats, 20) + repeats + 2 * slow_repeats), desc="bench launch", unit="launch"
+        total=len(world_sizes) * (3 * max(repeats, 20) + repeats + 2 * slow_repeats), desc="bench launch", unit="launch"
     )
 
     def timed(measure, n, times, **kwargs):
+        # idle first, as ranks are between a notebook's cells: a rank destroys the groups of launches
+        # before (~40 ms each) only while idle, or once 32 pile up (worker.py)
+        time.sleep(IDLE)
         out = []
         for _ in range(times):
             out.append(measure(n, **kwargs))
@@ -90,12 +136,19 @@ def bench_launch(world_sizes=(2, 4), repeats: int = 5, slow_repeats: int = 3) ->
     for n in world_sizes:
         launch(_trivial, n)  # warm the pool once
         warm = timed(time_launch, n, max(repeats, 20), warm=True)
+        phases = list(zip(*timed(time_phases, n, max(repeats, 20))))
         cold = timed(time_launch, n, repeats, warm=False)
+        phases += list(zip(*timed(time_group, n, max(repeats, 20))))
         shutdown()
         spawn = timed(time_spawn, n, slow_repeats)
         torchrun = timed(time_torchrun, n, slow_repeats)
         for name, xs in (
             ("dl.launch warm", warm),
+            ("warm, phases timed", phases[0]),
+            ("  to the functions", phases[1]),
+            ("  back to the kernel", phases[2]),
+            ("in ranks: a new group", phases[3]),
+            ("in ranks: a barrier", phases[4]),
             ("dl.launch cold", cold),
             ("mp.spawn", spawn),
             ("torchrun --standalone", torchrun),
@@ -122,6 +175,16 @@ def format_launch_table(rows: list[dict]) -> str:
             f"{row['method']:<22} {row['world_size']:>5} {row['median_s'] * 1e3:>8.1f}ms "
             f"{row['mean_s'] * 1e3:>8.1f}ms {row['repeats']:>3}  {row['median_s'] / warm:>8.1f}x"
         )
+    median = {(r["method"], r["world_size"]): r["median_s"] * 1e3 for r in rows}
+    for n in sorted({r["world_size"] for r in rows}):
+        if ("in ranks: a new group", n) in median:
+            lines.append(
+                f"{n} ranks: of a warm launch's {median['warm, phases timed', n]:.1f} ms, "
+                f"{median['  to the functions', n]:.1f} until the last rank's function starts, of which about "
+                f"{median['in ranks: a new group', n]:.1f} the fresh gloo group each launch makes (so that nothing one "
+                "cell's ranks left unmatched reaches the next cell's run), and "
+                f"{median['  back to the kernel', n]:.1f} from there to the results in the kernel"
+            )
     return "\n".join(lines)
 
 

@@ -71,6 +71,10 @@ IN_THE_REPORT = {
         "median",
         "vs warm launch",
         "dl.launch warm",
+        "  to the functions",
+        "  back to the kernel",
+        "in ranks: a new group",
+        "the fresh gloo group each launch makes",
         "dl.launch cold",
         "mp.spawn",
         "torchrun --standalone",
@@ -339,6 +343,8 @@ def test_each_benchmark_has_help(capsys):
             cli.main(["bench", name, "--help"])
         text = capsys.readouterr().out
         assert stopped.value.code == 0 and f"usage: disttrain-lab bench {name}" in text and "--repeats" in text, text
+        # each its own default (`bench all`'s, each benchmark's own, once reached every one: `bench launch` crashed)
+        assert ("samples per median (default None)" in text) == (name == "all"), text
 
 
 # ----------------------------------------------------------------------------------------
