@@ -10,7 +10,6 @@ to pass, when anything is listed.
 
 from __future__ import annotations
 
-import functools
 import os
 import types
 
@@ -34,12 +33,6 @@ def _where(obj) -> str:
     return name
 
 
-@functools.cache  # (find_tampering runs at every launch: ~800 names)
-def _abspath(filename: str) -> str:
-    return os.path.abspath(filename)
-
-
-@functools.cache
 def _genuine_home(module_name: str) -> str:
     if module_name.startswith("disttrain_lab"):
         return _PACKAGE_DIR
@@ -120,7 +113,7 @@ def find_tampering() -> list[str]:
             problems.append(f"{module_name}.{name} was replaced by {_where(current)}")
             continue
         code = getattr(current, "__code__", None)
-        if code is not None and not _abspath(code.co_filename).startswith(_genuine_home(module_name)):
+        if code is not None and not os.path.abspath(code.co_filename).startswith(_genuine_home(module_name)):
             problems.append(f"the code of {module_name}.{name} was replaced by {_where(current)}")
         elif _code_of(current) != _CODE.get((module_name, name), _code_of(current)):
             problems.append(

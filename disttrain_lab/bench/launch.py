@@ -4,8 +4,9 @@ This launcher cold (a fresh pool) and warm, ``torch.multiprocessing.spawn`` and
 ``torchrun --standalone``, each running the same trivial function (join a gloo process
 group, return ``rank * 10``).
 
-Where a warm launch's time goes (the rows ``warm: ...``), read on one clock (``time.perf_counter``
-is the system's monotonic clock, the same in every process): from the call to the last rank's
+Where a warm launch's time goes (the rows ``warm, phases timed`` and ``in ranks: ...``), read on one
+clock (``time.perf_counter`` is the system's monotonic clock, the same in every process): from the
+call to the last rank's
 function starting (the job to each rank, and the fresh gloo group each launch makes), and from the
 last rank's function ending to the results in the kernel; inside the ranks, what a fresh gloo group
 costs alone (``dist.new_group``) and one barrier.  The fresh group is the launcher's floor: a cell's
