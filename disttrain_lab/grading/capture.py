@@ -28,7 +28,8 @@ after the other in the order of the lines (``wire.Timeline.carries`` looks for a
 them); the payload is still never parsed, only copied.  Past ``MAX_CONNECTION_BYTES`` on one
 connection or ``MAX_PAYLOAD_BYTES`` in all (the host's own loopback, where the tests capture, carries
 other work's traffic too) a segment's data is not kept and its line ends in ``cut``: what that
-connection carried is then unobserved, and a test that reads it fails.  Keeping payloads costs the
+connection carried is then unobserved (the data kept for it is let go, its every line marked ``cut``),
+and a test that reads it fails.  Keeping payloads costs the
 program time per segment, so its times may lag the wire: a test that times the wire (lab 5's
 bubble) captures without them.
 ``Capture`` in this module does that and reads the answer; a capture that could not start, or
@@ -157,8 +158,10 @@ def _capture(payload_path: str | None = None) -> None:
     sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
     print("ready", flush=True)
     carried = Carried()
-    lines, payloads, kept, cut = [], [], 0, 0
+    lines, payloads, kept, cut = [], [], 0, 0  # (payloads: one per line, None where its data is not kept)
     per_connection: dict[tuple[str, str], int] = {}
+    held: dict[tuple[str, str], list[int]] = {}  # each connection's lines whose data is kept
+    given_up: set[tuple[str, str]] = set()  # connections a segment of which was not kept
     while True:
         if stop and time.monotonic() > stop[0] + DRAIN_S:
             break  # (asked to stop, and other traffic keeps the queue from running dry)
@@ -179,20 +182,31 @@ def _capture(payload_path: str | None = None) -> None:
             continue  # bytes this connection carried already (sent again)
         line = f"{time.monotonic():.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}"
         if payload_path is not None:
-            data = payload(frame)
-            on_connection = per_connection.get((src, dst), 0)
-            if data is None or kept + size > MAX_PAYLOAD_BYTES or on_connection + size > MAX_CONNECTION_BYTES:
+            data, connection = payload(frame), (src, dst)
+            on_connection = per_connection.get(connection, 0)
+            if connection not in given_up and (
+                data is None or kept + size > MAX_PAYLOAD_BYTES or on_connection + size > MAX_CONNECTION_BYTES
+            ):
+                # what this connection carried is unknown from now on: the data kept for it is let go (room for
+                # the others': on the host's own loopback, other work's connections would crowd the ranks' out)
+                given_up.add(connection)
+                for i in held.pop(connection, []):
+                    kept -= len(payloads[i])
+                    payloads[i], lines[i], cut = None, lines[i] + " cut", cut + 1
+            if connection in given_up:
                 cut += 1
-                line += " cut"  # (its data not kept: what this connection carried is then unknown)
+                line += " cut"  # (its data not kept)
+                payloads.append(None)
             else:
+                held.setdefault(connection, []).append(len(lines))
                 payloads.append(data[skip:])
                 kept += size - skip
-                per_connection[(src, dst)] = on_connection + size - skip
+                per_connection[connection] = on_connection + size - skip
         lines.append(line)
     dropped = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))[1]
     if payload_path is not None:
         with open(payload_path, "wb") as f:
-            f.write(b"".join(payloads))
+            f.write(b"".join(data for data in payloads if data is not None))
     print("\n".join([*lines, f"end {dropped} {cut}"]), flush=True)
 
 
