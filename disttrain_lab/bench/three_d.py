@@ -6,7 +6,10 @@ parallel (1 x 8 x 1, where the heads divide), and the others that fit — side b
 launch per run, taking turns (as ``bench.take_turns`` does) so a busy moment of the machine hurts
 them alike.
 Per configuration: the median step time of the slowest rank, tokens per second, and the
-planner's prediction (the lab's ``step_time``, when the notebook defines it).
+planner's prediction (the lab's ``step_time``, when the notebook defines it) with its residual.
+The planner's ``F`` is measured here as well (``COMPUTE``): the FLOP/s one rank reaches
+while all 8 train the whole model on their share of the batch at once, as a planner for a real
+cluster takes a device's achieved rate from a profiled run.
 
 The ranks run on a two-tier emulated network (``dl.Network.two_tier``: 2 nodes of 4 ranks)
 whose links are slow on purpose (``BENCH_INTRA``, ``BENCH_INTER``): 8 ranks on a 2-core laptop
@@ -58,14 +61,21 @@ def _label(config) -> str:
     return f"dp={dp} tp={tp} pp={pp} m={m}"
 
 
-def _one_run(train_3d, cfg, batches, config, lr: float) -> list[float]:
+def _one_run(train_3d, cfg, batches, config, lr: float) -> list[float]:  # (in each rank)
     """In each rank: one run of ``train_3d`` in ``config``; this rank's seconds per step."""
     dp, tp, pp, m = config
     return list(train_3d(cfg, batches, dp=dp, tp=tp, pp=pp, micro_batches=m, lr=lr)["step_s"])
 
 
-def single_process_flops(cfg, batch) -> float:
-    """FLOP/s of one process training the bench GPT (6 N per token), best of 6 steps."""
+def planner_params(cfg) -> int:
+    """The bench GPT's parameters as Lab 8's planner counts them (``ModelSpec.params``: 12 L h² + 2 V h, no
+    biases or layer norms), so that its compute term, 6 Ψ per token over ``flops``, is the time measured."""
+    return 12 * cfg.n_layers * cfg.d_model**2 + 2 * cfg.vocab * cfg.d_model
+
+
+def _compute_alone(cfg, x, y, steps: int) -> list[float]:
+    """In each rank: seconds of each of ``steps`` training steps of the whole bench GPT on (x, y), SGD, no
+    communication."""
     import time
 
     import torch
@@ -74,15 +84,34 @@ def single_process_flops(cfg, batch) -> float:
 
     model = models.GPT(cfg, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = batch
-    best = float("inf")
-    for _ in range(6):
+    seconds = []
+    for _ in range(steps):
         start = time.perf_counter()
         optimizer.zero_grad()
         models.lm_loss(model(x), y).backward()
         optimizer.step()
-        best = min(best, time.perf_counter() - start)
-    return 6 * cfg.params() * x.numel() / best
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+# the planner's F, measured among the configurations (one more entry of each round, so the machine's busy
+# moments hurt it as they hurt them): the FLOP/s one rank reaches training the whole bench GPT while all the
+# ranks do the same on their share of the batch (pure data parallelism's compute, without its all-reduce).  A
+# cluster's planner takes a device's achieved rate from a profiled run, not its peak; here the ranks share this
+# machine's cores, as in every configuration (one process alone runs several times faster), and at these small
+# batches a step's fixed cost per operation, not its FLOPs, is most of it
+COMPUTE = "compute alone"
+
+
+def _run_entry(entry, train_3d, cfg, batches, lr: float) -> list[float]:
+    """In each rank: this rank's seconds per step of one run of ``entry``, a configuration or ``COMPUTE``."""
+    if entry == COMPUTE:
+        import torch.distributed as dist
+
+        x, y = batches[0]
+        rows = len(x) // dist.get_world_size()
+        return _compute_alone(cfg, x[:rows], y[:rows], len(batches))
+    return _one_run(train_3d, cfg, batches, entry, lr)
 
 
 def bench_3d(
@@ -123,18 +152,20 @@ def bench_3d(
     ranks = world.pop()
     # taking turns as bench.take_turns does, one launch per run (the warm ranks stay up, and
     # the progress bar can move): round i starts at configuration i, so none always goes first
-    measured = {config: [] for config in configs}  # config -> runs -> ranks -> steps
-    rounds = [list(configs[i % len(configs) :]) + list(configs[: i % len(configs)]) for i in range(warmup + repeats)]
+    entries = [*configs, COMPUTE]
+    measured = {entry: [] for entry in entries}  # entry -> runs -> ranks -> steps
+    rounds = [entries[i % len(entries) :] + entries[: i % len(entries)] for i in range(warmup + repeats)]
     with tqdm(total=sum(map(len, rounds)), desc="bench 3d", unit="run", disable=not progress, file=sys.stderr) as bar:
         for i, order in enumerate(rounds):
-            for config in order:
-                bar.set_postfix_str(_label(config))
-                per_rank = launch(_one_run, ranks, train_3d, cfg, batches, config, lr, network=network, timeout=timeout)
+            for entry in order:
+                bar.set_postfix_str(entry if entry == COMPUTE else _label(entry))
+                net = None if entry == COMPUTE else network
+                per_rank = launch(_run_entry, ranks, entry, train_3d, cfg, batches, lr, network=net, timeout=timeout)
                 if i >= warmup:
-                    measured[config].append(per_rank)
+                    measured[entry].append(per_rank)
                 bar.update()
-    flops_single = single_process_flops(cfg, batches[0])
-    flops = flops_single * min(1.0, (os.cpu_count() or 1) / ranks)
+    compute_s = statistics.median(max(step) for per_rank in measured[COMPUTE] for step in zip(*per_rank))
+    flops = 6 * planner_params(cfg) * (BENCH_BATCH // ranks) * cfg.seq_len / compute_s
     runs = []
     for config in configs:
         dp, tp, pp, m = config
@@ -188,7 +219,10 @@ def bench_3d(
             },
             "memory": 1e9,
             "flops": flops,
-            "flops_note": f"one process's training FLOP/s ({flops_single:.3g}) x min(1, cores / ranks)",
+            "flops_note": f"one rank's training FLOP/s (6 x {planner_params(cfg)} parameters per token) while all "
+            f"{ranks} train the whole model on {BENCH_BATCH // ranks} sequences each at once, without communication "
+            f"(measured as the configurations are, taking turns with them): {compute_s * 1e3:.1f} ms a step, "
+            f"on {os.cpu_count()} cores",
         },
         "runs": runs,
     }
@@ -222,15 +256,19 @@ def format_table(record: dict, predicted: list[float] | None) -> str:
         f"Lab 8 train_3d, GPT of {record['parameters']} parameters, batch {record['model']['batch']} x "
         f"{record['model']['seq']} tokens, {c['devices']} ranks; {net}",
         f"median of {record['repeats']} x {record['steps']} steps, slowest rank",
-        f"{'configuration':<24} {'s/step':>8} {'tokens/s':>9} {'predicted':>10}",
+        f"{'configuration':<24} {'s/step':>8} {'tokens/s':>9} {'predicted':>10} {'residual':>9}",
     ]
     for r in sorted(record["runs"], key=lambda r: r["median_step_s"]):
         j = record["runs"].index(r)
         guess = f"{predicted[j]:9.3f}s" if predicted else "      n/a"
+        off = f"{predicted[j] / r['median_step_s'] - 1:+9.1%}" if predicted else "      n/a"
         lines.append(
             f"{_label((r['dp'], r['tp'], r['pp'], r['micro_batches'])):<24} {r['median_step_s']:8.3f} "
-            f"{r['tokens_per_s']:9.0f} {guess:>10}"
+            f"{r['tokens_per_s']:9.0f} {guess:>10} {off:>9}"
         )
+    if predicted:
+        worst = max(abs(p / r["median_step_s"] - 1) for p, r in zip(predicted, record["runs"]))
+        lines.append(f"the planner's largest residual (predicted / measured - 1): {worst:.1%}")
     return "\n".join(lines)
 
 

@@ -304,7 +304,9 @@ def test_a_step_killed_at_its_time_cap_leaves_nothing(tmp_path, grader_owned, mo
     deep.mkdir()
     monkeypatch.setattr(steps, "_NBGRADER_CHILD", _HANGING_STEP)
     try:
-        result = steps.run_nbgrader([json.dumps(grader_owned), str(STUDENT_UID)], timeout=_STEP_CAP_S, tmp_root=str(deep), env={})
+        result = steps.run_nbgrader(
+            [json.dumps(grader_owned), str(STUDENT_UID)], timeout=_STEP_CAP_S, tmp_root=str(deep), env={}
+        )
         assert result.timed_out, result.output
         assert "socket folder: ok" in result.output and "temp dir: ok" in result.output, result.output
         assert "could not remove" not in result.output, result.output

@@ -203,12 +203,14 @@ def test_bench_3d(tmp_path):
     assert sorted(row[:24].strip() for row in rows) == sorted(
         f"dp={dp} tp={tp} pp={pp} m={m}" for dp, tp, pp, m in CONFIGS
     ), said(out)
-    assert all(row.endswith("s") and "n/a" not in row for row in rows), said(out)  # the planner's predictions
+    assert all(row.endswith("%") and "n/a" not in row for row in rows), said(out)  # predictions and residuals
+    assert "the planner's largest residual" in out.stdout, said(out)
     assert f"wrote {record}" in out.stdout
     written = json.loads(record.read_text())
     assert (written["steps"], written["repeats"], written["warmup"]) == (1, 1, 0)
     assert [(r["dp"], r["tp"], r["pp"], r["micro_batches"]) for r in written["runs"]] == CONFIGS
     assert all(r["median_step_s"] > 0 and len(r["step_s"]) == 1 for r in written["runs"])
+    assert written["cluster"]["flops"] > 0 and "taking turns with them" in written["cluster"]["flops_note"]
 
 
 class _Pictures(html.parser.HTMLParser):

@@ -208,14 +208,14 @@ def check_step_time_ranking(model: Spec, cluster: Spec, plans: list) -> float:
 
 def check_step_time(model: Spec, cluster: Spec, plan: Spec, *, reference: Callable) -> None:
     """step_time(model, cluster, plan) equals ``reference(model, cluster.network, cluster.flops, plan)``, the
-    cost model of the text, held by the graded cell: (m + pp − 1) · (compute + TP + PP) + DP, each group paying
-    the slowest tier it spans."""
+    cost model of the text, held by the graded cell: pp · (t_F + t_B) + 2 · (pp − 1) · (α + σ) + (m − 1) ·
+    (max(t_F, σ) + max(t_B, σ)) + DP, each group paying the slowest tier it spans."""
     want = reference(model, cluster.network, cluster.flops, plan)
     [got] = exercise.run(_step_times_of, 1, (_fields(model), _fields(cluster), [_fields(plan)]), timeout=60).results[0]
     assert math.isclose(got, want, rel_tol=1e-6), (
         f"step_time({plan}) on {cluster.network}: expected {want:.6g} s, got {got}: "
-        f"(m + pp − 1) · (compute + TP + PP) + DP, "
-        f"each group paying the slowest tier it spans"
+        "pp · (t_F + t_B) + 2 · (pp − 1) · (α + σ) + (m − 1) · (max(t_F, σ) + max(t_B, σ)) + DP, "
+        "each group paying the slowest tier it spans"
         + (
             "; ZeRO 3's DP is (1 + 2m)/2 all-reduces (the weights gathered for each micro-batch's forward and backward)"
             if plan.zero == 3
