@@ -27,6 +27,8 @@ from .allreduce import (
     format_allreduce_table,
 )
 from .common import (
+    OPS_SIZES,
+    SENT_ON_THE_WIRE,
     free_port,
     functions_from_lab,
     functions_from_notebook,

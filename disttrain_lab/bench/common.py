@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from .. import wire
 from ..devices import device as rank_device
 from ..events import format_bytes
 
@@ -329,30 +330,61 @@ def _finished(run):
     return synchronized
 
 
+# what a bench's byte column counts: the bytes a rank sent the other ranks, as the OS counted them on its TCP
+# connections (payload and gloo's headers: what crossed the wire; the grader's count, ``wire.traffic``), over
+# gloo; the ops' tensor sizes (``collective_bytes_counter``) where the links are not the OS's (NCCL on GPUs)
+SENT_ON_THE_WIRE = "counted by the OS on its connections: payload and gloo's headers"
+OPS_SIZES = "the sizes of its communication ops' tensors: NCCL's links are not the OS's"
+
+
+def sent_bytes(runners: dict) -> tuple[dict[str, int], str]:
+    """In each rank: (name -> the bytes this rank sends the others in one call of ``runners[name]``, what was
+    counted): over gloo, what the OS counted on the ranks' connections (``wire.snapshot`` before and after
+    each call, a barrier after it, less what that barrier sends alone), ``SENT_ON_THE_WIRE``; else the
+    sizes of the communication ops' tensors, ``OPS_SIZES``.  Call it on all ranks; each call runs once more."""
+    if dist.get_backend() != "gloo" or wire.available() is not None:
+        counted = {}
+        for name, run in runners.items():
+            counter = collective_bytes_counter()
+            with counter:
+                run()
+            counted[name] = counter.bytes
+        return counted, OPS_SIZES
+    pids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    me = dist.get_rank()
+
+    def sent(run) -> int:
+        dist.barrier()
+        before = wire.snapshot()
+        run()
+        dist.barrier()  # (every rank done: what this one sent has arrived)
+        return wire.traffic(before, wire.snapshot(), pids).sent(me)
+
+    alone = min(sent(lambda: None) for _ in range(2))  # a barrier's own bytes
+    return {name: max(0, sent(run) - alone) for name, run in runners.items()}, SENT_ON_THE_WIRE
+
+
 def step_times(runners: dict, repeats: int, warmup: int) -> dict:
     """In each rank: ``{"seconds": name -> seconds per step (see take_turns), "bytes": name -> the
-    rank's collective bytes in one step}`` of ``runners`` (name -> a step), each step ending when the
-    rank's GPU has finished it.  Call it on all ranks."""
+    bytes the rank sends in one step, "counted": what they are}`` (``sent_bytes``) of ``runners``
+    (name -> a step), each step ending when the rank's GPU has finished it.  Call it on all ranks."""
     runners = {name: _finished(run) for name, run in runners.items()}
-    communicated = {}
-    for name, run in runners.items():
-        counter = collective_bytes_counter()
-        with counter:
-            run()
-        communicated[name] = counter.bytes
-    return {"seconds": take_turns(runners, repeats, warmup) if runners else {}, "bytes": communicated}
+    communicated, counted = sent_bytes(runners)
+    seconds = take_turns(runners, repeats, warmup) if runners else {}
+    return {"seconds": seconds, "bytes": communicated, "counted": counted}
 
 
 def step_rows(per_rank: list[dict], row: dict, baselines) -> list[dict]:
     """A row per version in ``per_rank`` (every rank's :func:`step_times`, with ``"unavailable"``:
     name -> why it did not run, if any): ``row``'s fields and the version, its ``ms`` (median of the
-    slowest rank) and rank 0's ``bytes``, or its ``error``; ``baseline`` and ``ratio`` (the baseline's
-    time / this one's): the first of ``baselines`` that was measured."""
+    slowest rank) and rank 0's ``bytes`` (``counted``: what they are), or its ``error``; ``baseline``
+    and ``ratio`` (the baseline's time / this one's): the first of ``baselines`` that was measured."""
     first = per_rank[0]
     unavailable = first.get("unavailable", {})
     rows = []
     for name in [*first["bytes"], *unavailable]:  # the runners' order (take_turns' rotates)
-        version = {**row, "version": name, "size": dict(row["size"])}
+        version = {**row, "version": name, "size": dict(row["size"]), "counted": first["counted"]}
         if name in unavailable:
             version["error"] = unavailable[name]
         else:
@@ -376,7 +408,7 @@ def step_table(rows: list[dict], width: int) -> list[str]:
     base = next((r["baseline"] for r in rows if "baseline" in r), "-")
     lines = [
         f"{first['part']} on {first['world_size']} ranks, {first.get('device', 'cpu')} ({size}); forward + backward, "
-        f"median of {first['repeats']}, slowest rank; bytes: rank 0's communication per step; "
+        f"median of {first['repeats']}, slowest rank; bytes: what rank 0 sent per step ({first['counted']}); "
         f"ratio: {base}'s time / this one's",
         f"  {'version':<{width}} {'ms':>9} {'bytes':>11} {'ratio':>7}",
     ]

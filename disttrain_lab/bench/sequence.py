@@ -29,6 +29,7 @@ from ..devices import device as rank_device
 from ..launcher import launch
 from ..network import Network
 from .common import (
+    OPS_SIZES,
     Chart,
     GatherRows,
     Measured,
@@ -145,10 +146,10 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
 
             runners[f"{name}, S={seq_len}"] = run
         out[seq_len] = times = step_times(runners, repeats, warmup)
-        # an all-to-all keeps 1/N of its tensor: count what it sends, as the ring's isends count theirs
-        times["bytes"] = {
-            name: sent * ((n - 1) / n if name.startswith("ulysses") else 1) for name, sent in times["bytes"].items()
-        }
+        if times["counted"] == OPS_SIZES:  # an all-to-all keeps 1/N of its tensor: what it sends, as the ring's isends
+            times["bytes"] = {
+                name: sent * ((n - 1) / n if name.startswith("ulysses") else 1) for name, sent in times["bytes"].items()
+            }
     return out
 
 
@@ -238,6 +239,7 @@ def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, war
                     "repeats": repeats,
                     "ms": value,
                     "bytes": first["bytes"][name],
+                    "counted": first["counted"],
                     "baseline": "ring_attention",
                     "ratio": ring / value,
                 }

@@ -3,6 +3,7 @@ with ``torch.distributed.tensor.parallel`` (ColwiseParallel / RowwiseParallel on
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,6 +22,7 @@ from .common import (
     mlp_parameters,
     progress,
     ratio_cell,
+    sent_bytes,
     slowest_median,
     take_turns,
     version_width,
@@ -68,12 +70,14 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
         torch.nn.functional.mse_loss(model(x.clone().requires_grad_()), y).backward()
         optimizer.step()
 
-    communicated = {}
+    calls = {}
     for name, (model, optimizer) in runners.items():
         counter = collective_bytes_counter()
         with counter:
             step(model, optimizer)
-        communicated[name] = (counter.bytes, counter.calls)
+        calls[name] = counter.calls
+    sent, counted = sent_bytes({name: functools.partial(step, *parts) for name, parts in runners.items()})
+    communicated = {name: (sent[name], calls[name]) for name in runners}
 
     def steps_of(parts):
         def run():
@@ -83,7 +87,7 @@ def _tp_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, 
         return run
 
     seconds = take_turns({name: steps_of(parts) for name, parts in runners.items()}, repeats, warmup)
-    return {"seconds": seconds, "communicated": communicated, "unavailable": unavailable}
+    return {"seconds": seconds, "communicated": communicated, "counted": counted, "unavailable": unavailable}
 
 
 def bench_tp(
@@ -100,8 +104,9 @@ def bench_tp(
     ``versions`` (name -> ``make(dense)``, see :func:`_tp_step_times`) and of torch's
     ``parallelize_module(ColwiseParallel, RowwiseParallel)``, side by side in one launch per
     world size: same ``MLP(sizes)``, same batch.  A sample is ``steps`` steps on the slowest
-    rank; rows report the median of ``repeats`` samples after ``warmup``, rank 0's collective
-    bytes per step, and ``ratio`` = torch's step time ÷ this one's (above 1: faster than torch).
+    rank; rows report the median of ``repeats`` samples after ``warmup``, the bytes rank 0 sent per
+    step (``common.sent_bytes``: over gloo, as the OS counted them) and its collective calls, and
+    ``ratio`` = torch's step time ÷ this one's (above 1: faster than torch).
 
         >>> print(format_tp_table(bench_tp({"TensorParallelMLP": TensorParallelMLP})))
     """
@@ -114,6 +119,7 @@ def bench_tp(
         first = per_rank[0]
         for name in [*versions, TORCH_TP]:
             row = {"version": name, "world_size": n, "batch": batch, "sizes": tuple(sizes), "repeats": repeats}
+            row["counted"] = first["counted"]
             if name in first["unavailable"]:
                 row["error"] = first["unavailable"][name]
             else:
@@ -135,7 +141,8 @@ def format_tp_table(rows: list[dict]) -> str:
     width = version_width(rows, 20)
     lines = [
         f"training step of an MLP {' -> '.join(map(str, sizes))} ({parameters / 1e6:.1f} M parameters), "
-        f"batch {first['batch']}, median of {first['repeats']}; bytes and calls: rank 0's collectives per step",
+        f"batch {first['batch']}, median of {first['repeats']}; bytes: what rank 0 sent per step ({first['counted']}); "
+        "calls: its collectives per step",
         f"{'N':>2} {'version':<{width}} {'ms/step':>8} {'bytes/step':>11} {'calls':>5} {'vs torch':>9}",
     ]
     for r in rows:

@@ -73,6 +73,7 @@ def test_format_tp_table():
             "ms_per_step": ms,
             "bytes_per_step": 4096,
             "calls_per_step": 2,
+            "counted": bench.SENT_ON_THE_WIRE,
             "ratio": 4.0 / ms,
         }
         for name, ms in (("ours", 5.0), (bench.TORCH_TP, 4.0))
@@ -81,3 +82,4 @@ def test_format_tp_table():
     table = bench.format_tp_table(rows)
     assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
     assert "0.80x" in table and "4.0 KiB" in table and "not measured: nope" in table
+    assert f"bytes: what rank 0 sent per step ({bench.SENT_ON_THE_WIRE})" in table

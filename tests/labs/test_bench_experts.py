@@ -28,6 +28,7 @@ def test_format_experts_table():
         "size": {"tokens": 16, "d": 8, "n_experts": 2, "k": 2, "capacity_factor": 1.25},
         "repeats": 3,
         "baseline": bench.ALL_GATHER_DISPATCH,
+        "counted": bench.SENT_ON_THE_WIRE,
     }
     rows = [
         {**common, "version": "ExpertParallelMoE", "ms": 2.0, "bytes": 2048, "ratio": 2.0},
@@ -38,6 +39,7 @@ def test_format_experts_table():
     lines = table.splitlines()
     assert lines[0].startswith("experts on 2 ranks, cpu (tokens 16, d 8, n_experts 2, k 2, capacity_factor 1.25)")
     assert "median of 3, slowest rank" in lines[0] and "ratio: all-gather dispatch's time / this one's" in lines[0]
+    assert f"bytes: what rank 0 sent per step ({bench.SENT_ON_THE_WIRE})" in lines[0], table
     assert lines[1].split() == ["version", "ms", "bytes", "ratio"], table
     assert len(lines) == 5, table
     assert "ExpertParallelMoE" in lines[2] and "2.0 KiB" in lines[2] and lines[2].endswith("2.00x"), table

@@ -25,6 +25,7 @@ def test_format_sequence_table():
             "world_size": 2,
             "size": size,
             "repeats": 3,
+            "counted": bench.SENT_ON_THE_WIRE,
             "ms": 4.0,
             "bytes": 4096,
             "baseline": bench.ALL_GATHER_KV,
@@ -36,6 +37,7 @@ def test_format_sequence_table():
             "world_size": 2,
             "size": size,
             "repeats": 3,
+            "counted": bench.SENT_ON_THE_WIRE,
             "ms": 2.0,
             "bytes": 8192,
             "baseline": bench.ALL_GATHER_KV,
@@ -47,6 +49,7 @@ def test_format_sequence_table():
             "world_size": 2,
             "size": size,
             "repeats": 3,
+            "counted": bench.SENT_ON_THE_WIRE,
             "error": "NotImplementedError: no CPU",
         },
     ]
@@ -55,6 +58,7 @@ def test_format_sequence_table():
         "world_size": 2,
         "size": {"heads": 2, "dim": 8, "link": "10 Gbit Ethernet"},
         "repeats": 3,
+        "counted": bench.SENT_ON_THE_WIRE,
     }
     rows += [
         {

@@ -24,7 +24,7 @@ import nbformat
 import pytest
 import torch
 
-from disttrain_lab import bench, viz
+from disttrain_lab import bench, viz, wire
 from disttrain_lab.exercise import ExerciseError
 from disttrain_lab.labtests import common, lab06
 from tests.helpers import gpu_count, needs_gpus, run_python, source_of
@@ -349,8 +349,13 @@ def test_bench_tp_measures_side_by_side():
     for row in rows:
         assert "error" not in row, row
         assert row["ms_per_step"] > 0
-    # two all-reduces of a (8, 16) fp32 activation per step on 2 ranks, for both
-    assert [(r["bytes_per_step"], r["calls_per_step"]) for r in rows[2:]] == [(2 * 8 * 16 * 4, 2)] * 2
+    # two all-reduces of a (8, 16) fp32 activation per step on 2 ranks, for both, as the OS counts what rank 0
+    # sends: a ring all-reduce sends 2 (N - 1) / N of the 512 bytes, here as 4 messages of 128 (gloo's ring
+    # chunks them), each with gloo's headers (96 bytes from the sender, 48 from the receiver: wire.protocol_bytes)
+    per_all_reduce = wire.protocol_bytes({(0, 1): [128] * 4, (1, 0): [128] * 4}, 2)[0][1]
+    assert per_all_reduce == 512 + 4 * 96 + 4 * 48
+    assert [(r["bytes_per_step"], r["calls_per_step"]) for r in rows[2:]] == [(2 * per_all_reduce, 2)] * 2
+    assert {r["counted"] for r in rows} == {bench.SENT_ON_THE_WIRE}
     with pytest.raises(ValueError, match="divisible"):
         bench.bench_tp(found, world_sizes=(3,), sizes=(16, 64, 16))
 
