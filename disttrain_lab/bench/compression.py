@@ -4,8 +4,8 @@ The lab's hooks (top-k with error feedback, INT8) and torch's own (``allreduce_h
 baseline; ``fp16_compress_hook``; ``powerSGD_hook``) train the same model on the same data in
 one launch, over the same emulated link (``dl.Network``), taking turns so a busy moment of the
 machine hurts them alike.  Per version: training steps per second (the slowest rank, median),
-the bytes one rank contributes per step (read from the trace: its own piece of every
-collective the hook makes), the CPU time a rank spends per step (all its threads: the hook's
+the bytes rank 0 sends per step (``common.sent_bytes``: as the OS counted them on its connections,
+payload and gloo's headers), the CPU time a rank spends per step (all its threads: the hook's
 compression and decompression, gloo's copies, the model), and the loss after the same number of steps.
 
 Like with like: every hook gets the same DDP buckets (``BUCKET_MB``; torch's PowerSGD hook one
@@ -36,6 +36,7 @@ from .common import (
     chart,
     functions_from_lab,
     mlp_parameters,
+    sent_bytes,
     slowest_median,
     take_turns,
 )
@@ -91,12 +92,11 @@ def _compression_step_times(
     from torch.nn.parallel import DistributedDataParallel
 
     from ..models import MLP, regression_data
-    from ..trace import region
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank], data.y.tensor_split(world_size)[rank]
-    losses, runners, calls, cpu = {}, {}, {}, {}
+    losses, runners, calls, cpu, steps_of = {}, {}, {}, {}, {}
     for name, (make_state, hook) in versions.items():
         # every hook gets the same buckets (bucket_cap_mb given: the first bucket is not capped at
         # 1 MiB), so an asynchronous hook overlaps one bucket's compression with the previous one's
@@ -108,23 +108,27 @@ def _compression_step_times(
         model.register_comm_hook(make_state(), hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
-        def run(name=name, model=model, optimizer=optimizer):
+        def one_step(model=model, optimizer=optimizer):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        steps_of[name] = one_step
+
+        def run(name=name, one_step=one_step):
             calls[name] = calls.get(name, 0) + 1
             started = time.process_time()  # this rank's CPU time, all its threads
-            # the trace says whose collectives these are, and which were warm-up rounds
-            with region(name if calls[name] > warmup else name + " (warm-up)"):
-                for _ in range(steps):
-                    optimizer.zero_grad()
-                    loss = torch.nn.functional.mse_loss(model(x), y)
-                    loss.backward()
-                    optimizer.step()
-                    losses[name] = loss.item()
+            for _ in range(steps):
+                losses[name] = one_step().item()
             if calls[name] > warmup:
                 cpu.setdefault(name, []).append((time.process_time() - started) / steps)
 
         runners[name] = run
     seconds = take_turns(runners, repeats, warmup)
-    return {"seconds": seconds, "loss": losses, "cpu": cpu}
+    sent, counted = sent_bytes(steps_of)  # one more step each, after the timed ones (PowerSGD compresses by then)
+    return {"seconds": seconds, "loss": losses, "cpu": cpu, "bytes": sent, "counted": counted}
 
 
 def bench_compression(
@@ -144,7 +148,6 @@ def bench_compression(
     hook)``) and of torch's allreduce, fp16 and PowerSGD hooks, side by side in one launch over
     ``network`` (default: 1 Gbit Ethernet), DDP buckets of ``bucket_mb`` MiB (torch's PowerSGD:
     one bucket).  ``ratio`` is steps/s ÷ the dense all-reduce's."""
-    from .. import checks
     from ..launcher import launch
 
     if world_size < 2:
@@ -163,23 +166,22 @@ def bench_compression(
         lr,
         bucket_mb,
         timeout=timeout,
-        trace=True,
         network=network,
     )
-    total_steps = (warmup + repeats) * steps  # for the loss; bytes count the timed steps only
+    total_steps = (warmup + repeats) * steps  # for the loss (its bytes: one more step, counted after)
     rows = []
     for name in everything:
-        mine = [e for e in checks.within(run, name).by_rank(0) if e.kind == "collective"]
         rows.append(
             {
                 "version": name,
                 "world_size": world_size,
                 "network": str(network),
                 "repeats": repeats,
-                "steps_per_s": steps / slowest_median([r["seconds"][name] for r in run.results]),
-                "bytes_per_step": sum(e.meta.get("in_bytes", e.bytes) for e in mine) / (repeats * steps),
-                "loss": run.results[0]["loss"][name],
-                "cpu_s_per_step": statistics.mean(statistics.median(r["cpu"][name]) for r in run.results),
+                "steps_per_s": steps / slowest_median([r["seconds"][name] for r in run]),
+                "bytes_per_step": run[0]["bytes"][name],
+                "counted": run[0]["counted"],
+                "loss": run[0]["loss"][name],
+                "cpu_s_per_step": statistics.mean(statistics.median(r["cpu"][name]) for r in run),
                 "steps": total_steps,
                 "parameters": mlp_parameters(sizes),
                 "sizes": tuple(sizes),
@@ -198,7 +200,7 @@ def format_compression_table(rows: list[dict]) -> str:
     lines = [
         f"compression hooks in torch DDP: MLP {' -> '.join(map(str, first['sizes']))} "
         f"({first['parameters'] / 1e6:.1f} M parameters), {first['world_size']} ranks, {first['network']}; "
-        f"median of {first['repeats']}",
+        f"median of {first['repeats']}; bytes: what rank 0 sent per step ({first['counted']})",
         f"{'version':<34} {'steps/s':>8} {'bytes/step/rank':>16} {'CPU ms/step/rank':>17} "
         f"{'loss after ' + str(first['steps']):>15} {'vs dense':>9}",
     ]

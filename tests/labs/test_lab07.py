@@ -513,11 +513,13 @@ def test_format_compression_table():
             "sizes": (16, 64, 64, 4),
             "ratio": sps / 8.0,
             "cpu_s_per_step": cpu,
+            "counted": "counted by the OS",
         }
         for name, sps, nbytes, cpu in (("dense", 8.0, 22032, 0.0191), ("top-k", 4.0, 672, 0.0246))
     ]
     table = format_compression_table(rows)
     assert "MLP 16 -> 64 -> 64 -> 4 (0.0 M parameters), 2 ranks, 1 Gbit/s; median of 5" in table
+    assert "bytes: what rank 0 sent per step (counted by the OS)" in table
     assert "21.5 KiB" in table and "672 B" in table and "0.50x" in table and "loss after 12" in table
     assert "CPU ms/step/rank" in table and " 19.1 " in table and " 24.6 " in table
 
@@ -535,12 +537,21 @@ def test_bench_compression_counts_the_compressed_bytes_side_by_side():
     by_name = {r["version"]: r for r in rows}
     assert list(by_name) == [TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, "top-k 1% + error feedback", "INT8"]
     numel = 5508  # 16·64 + 64 + 64·64 + 64 + 64·4 + 4
-    assert by_name[TORCH_DENSE]["bytes_per_step"] == 4 * numel
-    assert by_name[TORCH_FP16]["bytes_per_step"] == 2 * numel
-    assert by_name["top-k 1% + error feedback"]["bytes_per_step"] == 56 * (4 + 8)  # k = ceil(55.08)
-    assert by_name["INT8"]["bytes_per_step"] == numel + 4 * 6  # 6 chunks of 1024
+    # what rank 0 sent, as the OS counted it: on 2 ranks an all-reduce sends 2 (N - 1) / N of the bucket, an
+    # all-gather the rank's piece, plus gloo's headers, which come in 48-byte notes (wire.protocol_bytes), a few
+    # per message
+    payload = {
+        TORCH_DENSE: 4 * numel,
+        TORCH_FP16: 2 * numel,
+        "top-k 1% + error feedback": 56 * (4 + 8),  # k = ceil(55.08)
+        "INT8": numel + 4 * 6,  # 6 chunks of 1024
+    }
+    for name, nbytes in payload.items():
+        headers = by_name[name]["bytes_per_step"] - nbytes
+        assert 0 < headers <= 40 * 48 and headers % 48 == 0, (name, by_name[name]["bytes_per_step"], nbytes)
     assert 0 < by_name[TORCH_POWERSGD]["bytes_per_step"] < numel
     for row in rows:
+        assert row["counted"] == bench.SENT_ON_THE_WIRE
         assert row["steps_per_s"] > 0 and row["loss"] > 0 and row["steps"] == 4 and row["cpu_s_per_step"] > 0
 
 
