@@ -1,5 +1,5 @@
-"""``disttrain-lab bench zero``: steps per second and bytes held per rank of the lab's ZeRO
-classes, side by side with torch's ZeroRedundancyOptimizer and FSDP (``fully_shard``)."""
+"""``disttrain-lab bench zero``: steps per second, bytes sent per step and bytes held per rank of the
+lab's ZeRO classes, side by side with torch's ZeroRedundancyOptimizer and FSDP (``fully_shard``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .common import (
     chart,
     functions_from_lab,
     mlp_parameters,
+    sent_bytes,
     slowest_median,
     version_width,
 )
@@ -64,8 +65,9 @@ def _lab_zero(stage: int, cls, model, lr: float):
 
 
 def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int, warmup: int, lr: float) -> dict:
-    """In each rank: seconds per ``steps`` Adam steps of every version, interleaved, and the
-    bytes each holds after the last backward (``memory.held``; gradients present)."""
+    """In each rank: seconds per ``steps`` Adam steps of every version, interleaved, the bytes each
+    holds after the last backward (``memory.held``; gradients present), and the bytes this rank sends in
+    one more step of each (``sent_bytes``)."""
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
     data = regression_data(batch * world_size, sizes[0], sizes[-1], seed=1)
     x, y = data.x.tensor_split(world_size)[rank].to(device), data.y.tensor_split(world_size)[rank].to(device)
@@ -91,7 +93,15 @@ def _zero_step_times(versions: dict, sizes, batch: int, steps: int, repeats: int
                 optimizer.step()
             if i >= warmup:
                 seconds.setdefault(name, []).append(time.perf_counter() - start)
-    return {"seconds": seconds, "held": held}
+
+    def one_step(name):
+        model, forward, optimizer = runners[name]
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(forward(x), y).backward()
+        optimizer.step()
+
+    sent, counted = sent_bytes({name: functools.partial(one_step, name) for name in names})  # one more step each
+    return {"seconds": seconds, "held": held, "sent": sent, "counted": counted}
 
 
 def bench_zero(
@@ -155,6 +165,8 @@ def bench_zero(
             "steps_per_s": steps / slowest_median([rank["seconds"][name] for rank in per_rank]),
             "repeats": repeats,
             "held": worst,
+            "sent": per_rank[0]["sent"][name],
+            "counted": per_rank[0]["counted"],
         }
         if predict is not None:
             row["predicted"] = int(
@@ -176,15 +188,17 @@ def format_zero_table(rows: list[dict]) -> str:
     predicted = all("predicted" in r for r in rows)
     lines = [
         f"Adam steps/s and bytes held per rank (the largest rank, after backward) on {first['world_size']} "
-        f"ranks, MLP of {first['parameters'] / 1e6:.1f} M parameters (fp32), median of {first['repeats']}",
-        f"{'version':<{width}} {'stage':>5} {'steps/s':>8} {'vs torch':>9}   {'held':>9} "
+        f"ranks, MLP of {first['parameters'] / 1e6:.1f} M parameters (fp32), median of {first['repeats']}; "
+        f"sent: what rank 0 sent in a step ({first['counted']})",
+        f"{'version':<{width}} {'stage':>5} {'steps/s':>8} {'vs torch':>9} {'sent':>9}   {'held':>9} "
         f"{'params':>9} {'grads':>9} {'optim':>9} {'other':>9}"
         + (f" {'formula':>9} {'held/formula':>12}" if predicted else ""),
     ]
     for r in rows:
         h = r["held"]
         line = (
-            f"{r['version']:<{width}} {r['stage']:>5} {r['steps_per_s']:>8.2f} {r['ratio']:>8.2f}x   "
+            f"{r['version']:<{width}} {r['stage']:>5} {r['steps_per_s']:>8.2f} {r['ratio']:>8.2f}x "
+            f"{format_bytes(r['sent']):>9}   "
             f"{format_bytes(h['total']):>9} {format_bytes(h['parameters']):>9} {format_bytes(h['gradients']):>9} "
             f"{format_bytes(h['optimizer_state']):>9} {format_bytes(h['other']):>9}"
         )

@@ -359,8 +359,13 @@ def test_bench_zero_side_by_side_with_torch(solution):
         slack = 1.15 if name == bench.TORCH_ZERO_REDUNDANCY else 1.01
         assert row["predicted"] <= row["held"]["total"] <= row["predicted"] * slack + 4 * 64, (name, row)
     assert by[bench.TORCH_FSDP]["ratio"] == 1.0 and by[bench.TORCH_ZERO_REDUNDANCY]["ratio"] == 1.0
+    # what rank 0 sent in a step, as the OS counted it: every version at least an all-reduce of the gradients
+    # (4 Ψ bytes on 2 ranks); ZeRO-2 exactly ZeRO-1's, because gloo's reduce-scatter is an all-reduce
+    # (ProcessGroupGloo::reduce_scatter_tensor_coalesced: the whole input all-reduced, the rank's chunk kept)
+    assert all(r["counted"] == bench.SENT_ON_THE_WIRE and r["sent"] >= 4 * psi for r in rows), rows
+    assert by["Zero2Optimizer"]["sent"] == by["Zero1Optimizer"]["sent"], rows
     table = bench.format_zero_table(rows)
-    assert "held/formula" in table and "Zero3Module" in table and "vs torch" in table
+    assert "held/formula" in table and "Zero3Module" in table and "vs torch" in table and " sent " in table
 
 
 @pytest.mark.slow  # runs a benchmark on the solution's functions, as labs 3 and 5-7's do

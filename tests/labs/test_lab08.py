@@ -698,7 +698,11 @@ def test_a_spinning_grid_costs_its_own_points_and_one_cells_limit(spinning):
     # left of the limit), not with the cell's interrupt
     told = "\n".join(errors(waited[0]))
     assert told.startswith("LaunchTimeout") and "KeyboardInterrupt" not in told and "CellTimeoutError" not in told, told
-    assert "running Python code" in told and "→ grid_groups (line" in told and "time limit when graded" in told, told
+    assert "running Python code" in told and "→ grid_groups (line" in told, told
+    # the launch's timeout is capped to what is left of the cell's limit; on a host loaded enough that the
+    # cell's limit (stretched by the host's factor) is longer than the launch's own timeout, that one ends it
+    own = re.search(r"within the timeout of (\d+(?:\.\d+)?) s", told)
+    assert "time limit when graded" in told or (own and limit >= float(own.group(1))), (limit, told)
     later = [c for c in code if "grid_groups is not run again" in "\n".join(errors(c))]
     keys = [cell_times.cell_key(c) for c in later]
     assert "test_grid_groups" in keys and len(later) >= 3, keys  # and the self-checks of Exercises 3 and 4
