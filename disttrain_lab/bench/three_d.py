@@ -61,7 +61,7 @@ def _label(config) -> str:
     return f"dp={dp} tp={tp} pp={pp} m={m}"
 
 
-def _one_run(train_3d, cfg, batches, config, lr: float) -> list[float]:  # (in each rank)
+def _one_run(train_3d, cfg, batches, config, lr: float) -> list[float]:
     """In each rank: one run of ``train_3d`` in ``config``; this rank's seconds per step."""
     dp, tp, pp, m = config
     return list(train_3d(cfg, batches, dp=dp, tp=tp, pp=pp, micro_batches=m, lr=lr)["step_s"])
@@ -114,6 +114,12 @@ def _run_entry(entry, train_3d, cfg, batches, lr: float) -> list[float]:
     return _one_run(train_3d, cfg, batches, entry, lr)
 
 
+def _slowest_steps(runs: list) -> list[float]:
+    """Each step's seconds on its slowest rank (a step ends when its slowest rank does), over ``runs`` (each a
+    launch's ranks' seconds per step)."""
+    return [max(step) for per_rank in runs for step in zip(*per_rank)]
+
+
 def bench_3d(
     train_3d,
     configs=CONFIGS,
@@ -164,13 +170,12 @@ def bench_3d(
                 if i >= warmup:
                     measured[entry].append(per_rank)
                 bar.update()
-    compute_s = statistics.median(max(step) for per_rank in measured[COMPUTE] for step in zip(*per_rank))
+    compute_s = statistics.median(_slowest_steps(measured[COMPUTE]))
     flops = 6 * planner_params(cfg) * (BENCH_BATCH // ranks) * cfg.seq_len / compute_s
     runs = []
     for config in configs:
         dp, tp, pp, m = config
-        # a step ends when its slowest rank does
-        slowest = [max(step) for per_rank in measured[config] for step in zip(*per_rank)]
+        slowest = _slowest_steps(measured[config])
         median = statistics.median(slowest)
         runs.append(
             {
