@@ -6,6 +6,7 @@ threads make).  The implementations come from a lab notebook (this package holds
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -14,8 +15,10 @@ from .common import (
     Measured,
     NotMeasured,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     functions_from_lab,
+    over_world_sizes,
     progress,
     slowest_median,
 )
@@ -132,6 +135,10 @@ def bench_allreduce(
                 "repeats": repeats,
             }
         )
+    torch_busbw = {r["bytes"]: r["busbw"] for r in rows if r["algorithm"] == TORCH_ALL_REDUCE and "busbw" in r}
+    for row in rows:
+        if "busbw" in row and row["bytes"] in torch_busbw:
+            row["ratio"] = row["busbw"] / torch_busbw[row["bytes"]]
     return rows
 
 
@@ -182,7 +189,7 @@ FUNCTIONS = (
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
+    add_world_size_argument(parser, (4,))
     parser.add_argument(
         "--min-bytes",
         type=int,
@@ -197,6 +204,16 @@ QUICK = ["--world-size", "2", "--max-bytes", str(64 << 10)]  # bench all --quick
 
 def measure(args) -> Measured:
     functions = functions_from_lab(args, LAB, FUNCTIONS, "all-reduce functions")
+    return over_world_sizes(args, functools.partial(_measure, functions), keys=("algorithm", "bytes"), scaled=_largest)
+
+
+def _largest(rows: list[dict]) -> list[dict]:
+    """The rows of the two largest messages measured (the bandwidth-bound ones) for the scaling table."""
+    largest = sorted({r["bytes"] for r in rows if "bytes" in r})[-2:]
+    return [r for r in rows if r.get("bytes") in largest]
+
+
+def _measure(functions: dict, args) -> Measured:
     sizes = [s for s in ALLREDUCE_SIZES if args.min_bytes <= s <= args.max_bytes]
     if not sizes:
         raise NotMeasured(

@@ -6,6 +6,7 @@ per rank) share their ``--device``, their rows and tables, and the all-gather ba
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import io
@@ -187,6 +188,104 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="samples per median (default %(default)s)")
 
 
+def world_sizes(text: str) -> tuple[int, ...]:
+    """``--world-size``'s value: one number of ranks ("4") or several, comma-separated ("2,4,8")."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of ranks or several, comma-separated, got {text!r}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"numbers of ranks must be at least 1, got {text!r}")
+    return tuple(dict.fromkeys(sizes))
+
+
+def add_world_size_argument(parser, default: tuple[int, ...] | None, what: str = "ranks") -> None:
+    """``--world-size N`` or ``--world-size 2,4,8`` (:func:`world_sizes`): the benchmark once per number of
+    ``what``, then how each version's ratio to its baseline moves as they grow (:func:`over_world_sizes`)."""
+    shown = ", ".join(map(str, default)) if default else ""
+    parser.add_argument(
+        "--world-size",
+        type=world_sizes,
+        default=default,
+        metavar="N[,N...]",
+        help=f"number of {what}, or several, comma-separated, for how each ratio moves as they grow (default {shown})",
+    )
+
+
+def over_world_sizes(args, measure_one, keys=("version",), value: str = "ratio", scaled=None) -> Measured:
+    """``measure_one(args)`` once per ``args.world_size`` (each call sees one number), as one
+    :class:`Measured`: the rows of all, each run's table, and with two or more numbers of ranks the
+    scaling table (:func:`scaling_table`) and its picture, of the rows ``scaled(rows)`` keeps (all by
+    default).  A number of ranks that cannot be measured is said in its place; if none can, its error
+    is raised."""
+    parts, failed = [], []
+    for n in args.world_size:
+        one = argparse.Namespace(**{**vars(args), "world_size": n})
+        try:
+            parts.append(measure_one(one))
+        except (ValueError, NotMeasured) as exc:
+            if len(args.world_size) == 1:
+                raise
+            failed.append(f"on {n} ranks: not measured: {exc}")
+    if not parts:
+        raise NotMeasured("; ".join(failed))
+    if len(parts) == 1 and not failed:
+        return parts[0]
+    rows = [row for part in parts for row in part.rows]
+    tables = [part.table for part in parts] + ["\n".join(failed)] * bool(failed)
+    charts = [c for part in parts for c in part.charts]
+    sizes = sorted({row["world_size"] for row in rows})
+    if len(sizes) > 1:
+        kept = scaled(rows) if scaled else rows
+        tables.append(scaling_table(kept, keys, value))
+        charts.append(scaling_chart(kept, keys, value))
+    return Measured(rows, "\n\n".join(tables), charts, parts[0].about)
+
+
+def _scaled(rows: list[dict], keys, value: str) -> dict[tuple, dict[int, dict]]:
+    """key -> world size -> row, for the rows that have ``value``."""
+    out: dict[tuple, dict[int, dict]] = {}
+    for row in rows:
+        if isinstance(row.get(value), (int, float)) and "error" not in row:
+            out.setdefault(tuple(row[k] for k in keys), {})[row["world_size"]] = row
+    return out
+
+
+def _key_name(key: tuple) -> str:
+    return ", ".join(format_bytes(k) if isinstance(k, int) and k >= 1024 else str(k) for k in key)
+
+
+def scaling_table(rows: list[dict], keys=("version",), value: str = "ratio") -> str:
+    """How each version's ``value`` (its ratio to its baseline, as in the tables above) moves with the
+    number of ranks: a line per ``keys`` of the rows, a column per world size, and the change from the
+    fewest ranks to the most."""
+    scaled = _scaled(rows, keys, value)
+    sizes = sorted({n for by in scaled.values() for n in by})
+    width = max(12, *(len(_key_name(k)) for k in scaled)) + 2 if scaled else 12
+    lines = [
+        f"scaling: each {value} (as in the tables above) on {', '.join(map(str, sizes))} ranks, and how it "
+        f"moves from {sizes[0]} to {sizes[-1]}"
+        if sizes
+        else f"scaling: no {value} measured",
+        f"{' / '.join(keys):<{width}}" + "".join(f"{f'{n} ranks':>10}" for n in sizes) + f"{'change':>10}",
+    ]
+    for key, by in scaled.items():
+        cells = "".join(f"{by[n][value]:>9.2f}x" if n in by else f"{'-':>10}" for n in sizes)
+        ends = [n for n in sizes if n in by]
+        change = f"{by[ends[-1]][value] - by[ends[0]][value]:>+10.2f}" if len(ends) > 1 else f"{'-':>10}"
+        lines.append(f"{_key_name(key):<{width}}{cells}{change}")
+    return "\n".join(lines)
+
+
+def scaling_chart(rows: list[dict], keys=("version",), value: str = "ratio") -> Chart:
+    """:func:`scaling_table` as lines: ``value`` against the number of ranks, one line per key."""
+    scaled = _scaled(rows, keys, value)
+    series = {_key_name(key): sorted((n, row[value]) for n, row in by.items()) for key, by in scaled.items()}
+    return Chart(f"How each {value} moves with the number of ranks", value, series, xlabel="ranks")
+
+
 def chart(
     rows: list[dict],
     title: str,
@@ -284,7 +383,8 @@ def pick_device(asked: str, world_size: int) -> tuple[str, str]:
 
 def chosen_device(args) -> str:
     """The device for ``--device`` on ``--world-size`` ranks (:func:`pick_device`), said on stdout with why."""
-    device, why = pick_device(args.device, args.world_size)
+    ranks = args.world_size if isinstance(args.world_size, int) else max(args.world_size)
+    device, why = pick_device(args.device, ranks)
     print(f"device: {device} ({why})")
     return device
 

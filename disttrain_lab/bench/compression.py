@@ -25,6 +25,7 @@ so their ratios to fp16 fall as the load rises (compare the CPU column, which th
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -33,9 +34,11 @@ from ..network import Network
 from .common import (
     Measured,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     functions_from_lab,
     mlp_parameters,
+    over_world_sizes,
     sent_bytes,
     slowest_median,
     take_turns,
@@ -220,7 +223,7 @@ LAB = COMPRESSION_LAB = os.path.join("07_compression", "07_compression.ipynb")
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    add_world_size_argument(parser, (2,))
 
 
 QUICK: list[str] = []  # bench all --quick (its model as it is: ~10 s on 2 cores)
@@ -228,9 +231,15 @@ QUICK: list[str] = []  # bench all --quick (its model as it is: ~10 s on 2 cores
 
 def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, ("TopKState", "topk_hook", "int8_hook"), "compression hooks")
+    return over_world_sizes(args, functools.partial(_measure, found))
+
+
+def _measure(found: dict, args) -> Measured:
     rows = bench_compression(lab_versions(found), world_size=args.world_size, repeats=args.repeats)
     pictures = [
-        chart(rows, "Compression hooks on an emulated link", "steps_per_s", "steps/s"),
-        chart(rows, "Bytes each rank sends per step", "bytes_per_step", "MiB", scale=1 / 2**20),
+        chart(rows, f"Compression hooks on an emulated link, {args.world_size} ranks", "steps_per_s", "steps/s"),
+        chart(
+            rows, f"Bytes each rank sends per step, {args.world_size} ranks", "bytes_per_step", "MiB", scale=1 / 2**20
+        ),
     ]
     return Measured(rows, format_compression_table(rows), pictures)

@@ -16,9 +16,11 @@ from ..models import MLP, regression_data
 from .common import (
     Measured,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     functions_from_lab,
     mlp_parameters,
+    over_world_sizes,
     slowest_median,
     take_turns,
     version_width,
@@ -138,7 +140,7 @@ CLASSES = {"naive": "NaiveDDP", "overlapped": "OverlappedDDP", "bucketed": "Buck
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    add_world_size_argument(parser, (2,))
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size of BucketedDDP and torch DDP")
 
 
@@ -147,6 +149,10 @@ QUICK = ["--bucket-mb", "4"]  # bench all --quick
 
 def measure(args) -> Measured:
     classes = functions_from_lab(args, LAB, list(CLASSES.values()), "data-parallel wrappers")
+    return over_world_sizes(args, functools.partial(_measure, classes))
+
+
+def _measure(classes: dict, args) -> Measured:
     versions = {name: classes[cls] for name, cls in CLASSES.items() if cls in classes}
     if "bucketed" in versions:
         versions[f"bucketed ({args.bucket_mb:g} MiB)"] = functools.partial(

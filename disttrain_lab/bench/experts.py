@@ -10,6 +10,7 @@ on the k-th GPU, NCCL).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,9 +24,11 @@ from .common import (
     ScatterRows,
     add_device_argument,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     chosen_device,
     functions_from_lab,
+    over_world_sizes,
     step_rows,
     step_table,
     step_times,
@@ -125,7 +128,7 @@ LAB = os.path.join("11_expert_parallel", "11_expert_parallel.ipynb")
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=4, help="ranks (default %(default)s)")
+    add_world_size_argument(parser, (4,))
     parser.add_argument("--tokens", type=int, default=EXPERTS["tokens"], help="tokens per rank (default %(default)s)")
     parser.add_argument("--d", type=int, default=EXPERTS["d"], help="model width (default %(default)s)")
     parser.add_argument(
@@ -147,6 +150,10 @@ QUICK = ["--world-size", "2", "--tokens", "16", "--d", "8", "--experts", "2"]  #
 def measure(args) -> Measured:
     names = ["ExpertParallelMoE", "MoE", "top_k_route"]
     found = functions_from_lab(args, LAB, names, "MoE layers", given=True)  # MoE: given
+    return over_world_sizes(args, functools.partial(_measure, found))
+
+
+def _measure(found: dict, args) -> Measured:
     rows = bench_experts(
         found,
         world_size=args.world_size,

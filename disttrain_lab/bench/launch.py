@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..launcher import launch, shutdown
-from .common import Measured, chart, free_port, progress
+from .common import Measured, add_world_size_argument, chart, free_port, progress
 
 
 def _trivial():
@@ -194,7 +194,7 @@ HELP = "starting ranks: dl.launch cold and warm, mp.spawn, torchrun"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--world-size", type=int, default=None, help="only this number of ranks (default: 2, 4)")
+    add_world_size_argument(parser, (2, 4))
     parser.add_argument(
         "--slow-repeats",
         type=int,
@@ -208,8 +208,7 @@ QUICK = ["--world-size", "2", "--slow-repeats", "1"]  # bench all --quick: a loo
 
 
 def measure(args) -> Measured:
-    world_sizes = (args.world_size,) if args.world_size else (2, 4)
-    rows = bench_launch(world_sizes=world_sizes, repeats=args.repeats, slow_repeats=args.slow_repeats)
+    rows = bench_launch(world_sizes=args.world_size, repeats=args.repeats, slow_repeats=args.slow_repeats)
     pictures = [
         chart(
             rows,

@@ -17,7 +17,9 @@ from .common import (
     Measured,
     NotMeasured,
     add_notebook_argument,
+    add_world_size_argument,
     functions_from_lab,
+    over_world_sizes,
     slowest_median,
     take_turns,
     version_width,
@@ -202,9 +204,13 @@ def bench_pipeline(
             row["steps_per_s"] = 1 / slowest_median([seconds[name] for seconds, _ in per_rank])
         rows.append(row)
     base = next((r["steps_per_s"] for r in rows if "steps_per_s" in r), 1.0)
+    torch_at = {r["micro_batches"]: r for r in rows if r["version"].startswith(TORCH_PIPELINE) and "steps_per_s" in r}
     for row in rows:
         if "steps_per_s" in row:
             row["speedup"] = row["steps_per_s"] / base
+            peer = torch_at.get(row["micro_batches"])
+            if peer is not None and row["version"].startswith("GPipe"):  # the same schedule, torch's
+                row["reference"], row["ratio"] = peer["version"], row["steps_per_s"] / peer["steps_per_s"]
     return rows
 
 
@@ -236,7 +242,7 @@ FUNCTIONS = ("split_stages", "Stage", "naive_step", "gpipe_step", "one_f_one_b_s
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=4, help="number of stages (default 4)")
+    add_world_size_argument(parser, (4,), what="stages")
 
 
 QUICK = ["--world-size", "2"]  # bench all --quick
@@ -246,6 +252,10 @@ def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, FUNCTIONS, "pipeline functions")
     if not {"split_stages", "Stage"} <= found.keys():
         raise NotMeasured("the notebook must define split_stages and Stage")
+    return over_world_sizes(args, functools.partial(_measure, found))
+
+
+def _measure(found: dict, args) -> Measured:
     versions = {"naive": (found["naive_step"], 1)} if "naive_step" in found else {}
     for m in (1, 2, 4, 8):
         if "gpipe_step" in found:

@@ -27,7 +27,7 @@ import torch
 from matplotlib.figure import Figure
 
 from .. import __version__
-from .common import Chart, NotMeasured, add_common_arguments
+from .common import Chart, NotMeasured, add_common_arguments, world_sizes
 from .registry import MEASUREMENTS
 
 NAME = "all"
@@ -44,22 +44,37 @@ def add_arguments(parser) -> None:
         metavar="NAMES",
         help=f"comma-separated benchmarks to run (default: all of {', '.join(m.NAME for m in MEASUREMENTS)})",
     )
+    parser.add_argument(
+        "--world-size",
+        type=world_sizes,
+        metavar="N[,N...]",
+        help="the numbers of ranks of each benchmark that takes --world-size, e.g. 2,4,8: each reports how its "
+        "ratio to torch moves as ranks grow (default: each benchmark's own)",
+    )
     parser.set_defaults(repeats=None)  # (each benchmark's own default; 1 with --quick)
 
 
-def options_of(module, quick: bool, repeats: int | None) -> tuple[list[str], argparse.Namespace]:
-    """The options ``bench all`` runs ``module`` with, and them parsed as ``bench NAME`` parses them."""
+def options_of(
+    module, quick: bool, repeats: int | None, world_sizes: tuple[int, ...] | None = None
+) -> tuple[list[str], argparse.Namespace]:
+    """The options ``bench all`` runs ``module`` with, and them parsed as ``bench NAME`` parses them
+    (``world_sizes``: its ``--world-size``, where it takes one)."""
     parser = argparse.ArgumentParser(prog=f"disttrain-lab bench {module.NAME}")
     add_common_arguments(parser)
     module.add_arguments(parser)
     argv = list(module.QUICK) if quick else []
     if repeats is not None or quick:
         argv += ["--repeats", str(repeats if repeats is not None else 1)]
+    if world_sizes and "--world-size" in parser._option_string_actions:
+        argv += ["--world-size", ",".join(map(str, world_sizes))]
     return argv, parser.parse_args(argv)
 
 
-def measure_all(modules, quick: bool = False, repeats: int | None = None) -> dict:
-    """Each benchmark of ``modules`` measured in turn: the report's content (what ``report.json`` holds)."""
+def measure_all(
+    modules, quick: bool = False, repeats: int | None = None, world_sizes: tuple[int, ...] | None = None
+) -> dict:
+    """Each benchmark of ``modules`` measured in turn (``world_sizes``: on these numbers of ranks, each that
+    takes ``--world-size``): the report's content (what ``report.json`` holds)."""
     report = {
         "kit": __version__,
         "torch": torch.__version__,
@@ -70,7 +85,7 @@ def measure_all(modules, quick: bool = False, repeats: int | None = None) -> dic
         "benchmarks": [],
     }
     for module in modules:
-        argv, args = options_of(module, quick, repeats)
+        argv, args = options_of(module, quick, repeats, world_sizes)
         entry = {"name": module.NAME, "about": module.HELP, "options": argv}
         print(f"bench {module.NAME} {' '.join(argv)}".rstrip(), flush=True)
         started = time.monotonic()
@@ -194,7 +209,8 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
-    report = measure_all([names[n] for n in chosen], quick=args.quick, repeats=args.repeats)
+    modules = [names[n] for n in chosen]
+    report = measure_all(modules, quick=args.quick, repeats=args.repeats, world_sizes=args.world_size)
     if args.report:
         data, shown = write(report, Path(args.report))
         print(f"wrote {data} and {shown}")

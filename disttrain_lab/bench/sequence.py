@@ -23,6 +23,7 @@ Lab 11's expert-parallel MoE has its own benchmark: ``disttrain-lab bench expert
 
 from __future__ import annotations
 
+import functools
 import os
 
 from ..devices import device as rank_device
@@ -35,9 +36,11 @@ from .common import (
     Measured,
     add_device_argument,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     chosen_device,
     functions_from_lab,
+    over_world_sizes,
     slowest_median,
     step_rows,
     step_table,
@@ -265,7 +268,7 @@ LAB = os.path.join("10_context_parallel", "10_context_parallel.ipynb")
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=4, help="ranks (default %(default)s)")
+    add_world_size_argument(parser, (4,))
     parser.add_argument("--seq-len", type=int, default=ATTENTION["seq_len"], help="tokens in the sequence")
     parser.add_argument("--heads", type=int, default=ATTENTION["heads"], help="attention heads")
     parser.add_argument("--dim", type=int, default=ATTENTION["dim"], help="head dimension")
@@ -286,6 +289,10 @@ QUICK = ["--world-size", "2", "--seq-len", "64", "--heads", "2", "--dim", "8", "
 def measure(args) -> Measured:
     names = ["ring_attention", "ulysses_attention"]
     found = functions_from_lab(args, LAB, names, "ring and Ulysses attention", given=True)  # ring_attention: given
+    return over_world_sizes(args, functools.partial(_measure, found), keys=("part", "version"))
+
+
+def _measure(found: dict, args) -> Measured:
     rows = bench_sequence(
         found,
         world_size=args.world_size,
@@ -309,7 +316,7 @@ def measure(args) -> Measured:
     if longer:
         pictures.append(
             Chart(
-                f"Ring against Ulysses on a link ({args.link})",
+                f"Ring against Ulysses on a link ({args.link}), {args.world_size} ranks",
                 "ms per forward+backward",
                 longer,
                 xlabel="sequence length",

@@ -16,12 +16,15 @@ from ..models import MLP, regression_data
 from .common import (
     Measured,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     collective_bytes_counter,
     functions_from_lab,
     mlp_parameters,
     progress,
     ratio_cell,
+    scaling_chart,
+    scaling_table,
     sent_bytes,
     slowest_median,
     take_turns,
@@ -164,7 +167,7 @@ LAB = os.path.join("06_tensor_parallel", "06_tensor_parallel.ipynb")
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=None, help="only this number of ranks (default: 1, 2, 4)")
+    add_world_size_argument(parser, (1, 2, 4))
 
 
 QUICK = ["--world-size", "2"]  # bench all --quick
@@ -172,7 +175,10 @@ QUICK = ["--world-size", "2"]  # bench all --quick
 
 def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, ["TensorParallelMLP"], "tensor-parallel MLP")
-    world_sizes = (args.world_size,) if args.world_size else (1, 2, 4)
-    rows = bench_tp(found, world_sizes=world_sizes, repeats=args.repeats)
+    rows = bench_tp(found, world_sizes=args.world_size, repeats=args.repeats)
     pictures = [chart(rows, "Tensor-parallel MLP", "ms_per_step", "ms per step", series="world_size", named="{} ranks")]
-    return Measured(rows, format_tp_table(rows), pictures)
+    table = format_tp_table(rows)
+    if len(args.world_size) > 1:
+        table += "\n\n" + scaling_table(rows)
+        pictures.append(scaling_chart(rows))
+    return Measured(rows, table, pictures)

@@ -20,9 +20,11 @@ from .common import (
     Chart,
     Measured,
     add_notebook_argument,
+    add_world_size_argument,
     chart,
     functions_from_lab,
     mlp_parameters,
+    over_world_sizes,
     sent_bytes,
     slowest_median,
     version_width,
@@ -217,7 +219,7 @@ CLASSES = {"Zero1Optimizer": 1, "Zero2Optimizer": 2, "Zero3Module": 3}
 
 def add_arguments(parser) -> None:
     add_notebook_argument(parser, LAB)
-    parser.add_argument("--world-size", type=int, default=2, help="number of ranks (default 2)")
+    add_world_size_argument(parser, (2,))
 
 
 QUICK: list[str] = []  # bench all --quick (its model as it is)
@@ -225,6 +227,10 @@ QUICK: list[str] = []  # bench all --quick (its model as it is)
 
 def measure(args) -> Measured:
     found = functions_from_lab(args, LAB, [*CLASSES, "zero_memory_per_rank"], "ZeRO classes")
+    return over_world_sizes(args, functools.partial(_measure, found))
+
+
+def _measure(found: dict, args) -> Measured:
     versions = {name: (stage, found[name]) for name, stage in CLASSES.items() if name in found}
     rows = bench_zero(
         versions, world_size=args.world_size, repeats=args.repeats, predict=found.get("zero_memory_per_rank")

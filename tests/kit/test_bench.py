@@ -8,6 +8,8 @@ knows what to measure.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from disttrain_lab import bench
@@ -83,3 +85,62 @@ def test_format_tp_table():
     assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
     assert "0.80x" in table and "4.0 KiB" in table and "not measured: nope" in table
     assert f"bytes: what rank 0 sent per step ({bench.SENT_ON_THE_WIRE})" in table
+
+
+def test_world_size_takes_one_number_or_several():
+    from disttrain_lab.bench import common
+
+    assert common.world_sizes("4") == (4,)
+    assert common.world_sizes("2,4,8,4") == (2, 4, 8)  # each once, in the order given
+    for bad in ("", "2,,4", "two", "0", "2,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="number of ranks|at least 1"):
+            common.world_sizes(bad)
+    parser = argparse.ArgumentParser()
+    common.add_world_size_argument(parser, (2,))
+    assert parser.parse_args([]).world_size == (2,)
+    assert parser.parse_args(["--world-size", "2,4,8"]).world_size == (2, 4, 8)
+
+
+def test_over_world_sizes_runs_each_and_shows_how_the_ratio_moves():
+    """One measure per number of ranks, each seeing one number; the rows of all; a scaling table with
+    each version's ratio per number of ranks and its change; a number of ranks that cannot be measured
+    is said in its place."""
+    from disttrain_lab.bench import common
+
+    seen = []
+
+    def measure_one(args):
+        seen.append(args.world_size)
+        if args.world_size == 3:
+            raise ValueError("heads=8 is not divisible by world_size=3")
+        ratio = {2: 1.10, 4: 0.95, 8: 0.80}[args.world_size]
+        rows = [
+            {"version": "mine", "world_size": args.world_size, "ratio": ratio},
+            {"version": "torch", "world_size": args.world_size, "ratio": 1.0},
+            {"version": "broken", "world_size": args.world_size, "error": "nope"},
+        ]
+        return common.Measured(rows, f"table on {args.world_size}", [common.Chart(f"on {args.world_size}", "y", {})])
+
+    args = argparse.Namespace(world_size=(2, 3, 4, 8), repeats=1)
+    measured = common.over_world_sizes(args, measure_one)
+    assert seen == [2, 3, 4, 8] and args.world_size == (2, 3, 4, 8)
+    assert [r["world_size"] for r in measured.rows] == [2, 2, 2, 4, 4, 4, 8, 8, 8]
+    table = measured.table
+    for words in ("table on 2", "table on 4", "table on 8", "on 3 ranks: not measured: heads=8 is not divisible"):
+        assert words in table, table
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("scaling:"))
+    assert "on 2, 4, 8 ranks" in lines[start] and "from 2 to 8" in lines[start], lines[start]
+    assert lines[start + 1].split() == ["version", "2", "ranks", "4", "ranks", "8", "ranks", "change"]
+    assert lines[start + 2].split() == ["mine", "1.10x", "0.95x", "0.80x", "-0.30"]
+    assert lines[start + 3].split() == ["torch", "1.00x", "1.00x", "1.00x", "+0.00"]
+    assert not any("broken" in line for line in lines[start:])
+    scaling = measured.charts[-1]
+    assert scaling.xlabel == "ranks" and scaling.series["mine"] == [(2, 1.10), (4, 0.95), (8, 0.80)]
+    assert [c.title for c in measured.charts[:-1]] == ["on 2", "on 4", "on 8"]
+    # one number: that run as it is; none measurable: its error
+    assert common.over_world_sizes(argparse.Namespace(world_size=(4,)), measure_one).table == "table on 4"
+    with pytest.raises(ValueError, match="world_size=3"):
+        common.over_world_sizes(argparse.Namespace(world_size=(3,)), measure_one)
+    with pytest.raises(common.NotMeasured, match="on 3 ranks"):
+        common.over_world_sizes(argparse.Namespace(world_size=(3, 3)), measure_one)

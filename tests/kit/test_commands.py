@@ -264,6 +264,38 @@ def test_bench_all_writes_a_report(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_all_on_several_numbers_of_ranks_shows_how_each_ratio_moves(tmp_path):
+    """``bench all --world-size 2,4``: each benchmark that takes ``--world-size`` runs on both (lab 2's
+    all-reduces, lab 6's TP MLP; the launch bench, which has no ratio, on both too), with its table per
+    number of ranks and the scaling table of each version's ratio to torch, drawn in the report."""
+    out = run(
+        disttrain_lab()
+        + ["bench", "all", "--quick", "--only", "allreduce,tp,launch,trace", "--world-size", "2,4"]
+        + ["--report", str(tmp_path)],
+        timeout=600,
+    )
+    assert out.returncode == 0, said(out)
+    entries = {b["name"]: b for b in json.loads((tmp_path / "report.json").read_text())["benchmarks"]}
+    assert entries["trace"]["options"] == [*benchmarks()["trace"].QUICK, "--repeats", "1"]  # (it takes none)
+    for name in ("allreduce", "tp", "launch"):
+        entry = entries[name]
+        assert entry["status"] == "measured", (name, entry.get("why"), entry.get("traceback"))
+        assert entry["options"][-2:] == ["--world-size", "2,4"], entry["options"]
+        assert {r["world_size"] for r in entry["rows"]} == {2, 4}, (name, entry["rows"])
+    for name, key in (("allreduce", "algorithm / bytes"), ("tp", "version")):
+        table = entries[name]["table"]
+        assert "scaling: each ratio (as in the tables above) on 2, 4 ranks, and how it moves from 2 to 4" in table
+        header = next(line for line in table.splitlines() if line.startswith(key))
+        assert header.split()[-5:] == ["2", "ranks", "4", "ranks", "change"], header
+        [scaling] = [c for c in entries[name]["charts"] if c["title"].startswith("How each ratio moves")]
+        torch_name = "dist.all_reduce, 64.0 KiB" if name == "allreduce" else "torch Colwise/RowwiseParallel"
+        assert [x for x, _ in scaling["series"][torch_name]] == [2, 4], scaling
+    assert "busbw in GB/s on 2 ranks" in entries["allreduce"]["table"]
+    assert "busbw in GB/s on 4 ranks" in entries["allreduce"]["table"]
+    assert "How each ratio moves" in (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.slow
 def test_bench_all_reports_what_it_could_not_measure(tmp_path):
     """Where there is no notebook (run from an empty folder), a lab's benchmark is said not measured in its
     place, the others still run, and the command exits 1; an unknown name in ``--only`` is refused (exit 2)."""
