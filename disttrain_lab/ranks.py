@@ -6,6 +6,7 @@ The rank's own side is ``worker.py``; the pool decides when to do each of these.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -122,6 +123,7 @@ def start(rank: int, fork: bool, status, status_fd: int | None, slots: int, owne
                 parent_sock.close()
                 os.close(out_r)
                 os.close(stack_r)
+                _blank_inherited(keep=(child_sock.fileno(), out_w, stack_w))
                 worker_main(child_sock.detach(), out_w, status, forked=True, parent=owner_pid, stack_fd=stack_w)
                 code = 0
             finally:
@@ -152,6 +154,27 @@ def start(rank: int, fork: bool, status, status_fd: int | None, slots: int, owne
     os.set_blocking(out_r, False)
     os.set_blocking(stack_r, False)
     return Rank(rank, pid, Connection(parent_sock.detach()), out_r, stack_r, popen)
+
+
+def _blank_inherited(keep) -> None:
+    """In a rank just forked: every descriptor it inherited but ``keep`` (its own channels to the kernel) now
+    refers to /dev/null.  The kernel's descriptors include the ends of the ranks forked before this one (the
+    kernel's end of their control sockets, their output pipes): left open, a rank could write into another
+    rank's control channel or read its output, a way between ranks that no wire shows.  Pointed at /dev/null
+    rather than closed, so that a number an object of the kernel's copy still holds is never reused for
+    something else (its finaliser would close that)."""
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd in keep or fd == null:
+                continue
+            try:
+                fcntl.fcntl(fd, fcntl.F_GETFD)
+            except OSError:  # closed since the listing (the listing's own descriptor)
+                continue
+            os.dup2(null, fd, inheritable=fd <= 2)  # (stdin stays a program's stdin)
+    finally:
+        os.close(null)
 
 
 def stacks(ranks: list[Rank]) -> dict[int, list[tuple[str, int]]]:

@@ -1,4 +1,4 @@
-"""The sandbox's syscall filter (issue 40): every call on the deny list fails with EPERM
+"""The sandbox's syscall filter (issues 40 and 42): every call on the deny list fails with EPERM
 (clone3: ENOSYS) and kills nothing, a call through another ABI kills, and a grading kernel
 still does all it does -- fork, threads, sockets, shared memory, pipes, ZMQ, a 2-rank gloo
 all_reduce, a Jupyter kernel running a cell.  Under ``install()`` (the root back-end) and
@@ -38,6 +38,11 @@ ISSUE_40 = (
     *("finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct"),
     *("quotactl", "syslog", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm"),
     *("lookup_dcookie", "vhangup"),
+)
+# and issue 42's: what two ranks could pass data through besides the wire
+ISSUE_42 = (
+    *("shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd", "msgrcv"),
+    *("msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr"),
 )
 # what a grading kernel does besides (the probe's part "kit")
 KIT = ("fork", "threads", "spawn", "tcp loopback", "unix sockets", "/dev/shm", "memfd", "pipe", "zmq ipc")
@@ -110,6 +115,12 @@ if "calls" in parts:
         "swapon": [0, 0], "swapoff": [0], "acct": [BAD], "quotactl": [0, 0, 0, 0], "syslog": [-1, 0, 0],
         "settimeofday": [BAD, 0], "clock_settime": [-1, BAD], "clock_adjtime": [-1, BAD], "adjtimex": [BAD],
         "iopl": [4], "ioperm": [0, 0, 0], "lookup_dcookie": [0, 0, 0], "vhangup": [],
+        # (arguments that fail harmlessly where the call gets through: no segment, set or queue is made)
+        "shmget": [0, 0, 0], "shmat": [-1, 0, 0], "shmctl": [-1, 0, 0], "semget": [0, -1, 0], "semop": [-1, 0, 0],
+        "semtimedop": [-1, 0, 0, 0], "semctl": [-1, 0, 0, 0], "msgget": [424242, 0], "msgsnd": [-1, 0, 0, 0],
+        "msgrcv": [-1, 0, 0, 0, 0], "msgctl": [-1, 0, 0], "mq_open": [BAD, 0, 0, 0], "mq_unlink": [BAD],
+        "mq_timedsend": [-1, 0, 0, 0, 0], "mq_timedreceive": [-1, 0, 0, 0, 0], "mq_notify": [-1, 0],
+        "mq_getsetattr": [-1, 0, 0],
     }
     calls = {name: in_child(raw(name, *args[name])) for name in sf.numbers(tuple(args))}
     calls["libc unshare(CLONE_NEWUSER)"] = in_child(via_libc(libc.unshare, CLONE_NEWUSER))
@@ -258,8 +269,10 @@ def probe(mode: str, *parts: str, wrapper: list[str] | None = None, pass_fds=())
 
 
 def expected_refusals() -> dict[str, int]:
-    """Each call the probe makes (those of ISSUE_40 this architecture has), with the errno the filter must give it."""
-    want = {name: errno.ENOSYS if name == "clone3" else errno.EPERM for name in syscall_filter.numbers(ISSUE_40)}
+    """Each call the probe makes (those of ISSUE_40 and ISSUE_42 this architecture has), with the errno the filter
+    must give it."""
+    calls = syscall_filter.numbers(ISSUE_40 + ISSUE_42)
+    want = {name: errno.ENOSYS if name == "clone3" else errno.EPERM for name in calls}
     want |= {"libc unshare(CLONE_NEWUSER)": errno.EPERM, "libc setns(net)": errno.EPERM}
     if hasattr(os, "unshare"):
         want |= {"os.unshare(CLONE_NEWUSER)": errno.EPERM, "os.setns(net)": errno.EPERM}
@@ -294,7 +307,7 @@ def test_a_current_libseccomp_knows_every_name_on_the_list():
 @needs_filter
 def test_the_deny_list_is_data_and_compiles_for_this_machine():
     groups = syscall_filter.GROUPS
-    assert sorted(syscall_filter.DENIED) == sorted(ISSUE_40)
+    assert sorted(syscall_filter.DENIED) == sorted(ISSUE_40 + ISSUE_42)
     assert all(g.why and g.names for g in groups) and len(set(syscall_filter.DENIED)) == len(syscall_filter.DENIED)
     assert "personality" not in syscall_filter.DENIED  # (allowed on purpose: the module says why)
     [clone] = [g for g in groups if "clone" in g.names]

@@ -136,6 +136,34 @@ def test_per_rank_arguments_reach_their_rank_alone():
         dl.launch(_inputs_seen, 2, dl.launcher.PerRank([1, 2, 3]), "shared")
 
 
+def _links() -> dict[int, str]:
+    links = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            links[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return links
+
+
+def test_a_rank_holds_no_end_of_another_ranks_channels():
+    """#42: ranks are forked one after the other, so rank k was born holding the kernel's ends of the ranks forked
+    before it (their control sockets, output and stack pipes): a way to write into another rank's control channel
+    or read its output, which no wire shows.  Each rank now holds its own channels alone; the rest is /dev/null."""
+    pool.shutdown()
+    dl.launch(rank_times_ten, 3)  # a pool of 3, forked now
+    workers = pool._POOL.workers
+    kernel_ends = {
+        w.rank: {os.readlink(f"/proc/self/fd/{fd}") for fd in (w.conn.fileno(), w.out_fd, w.stack_fd)} for w in workers
+    }
+    held = dl.launch(_links, 3)
+    for rank, links in enumerate(held):
+        others = set().union(*(ends for r, ends in kernel_ends.items() if r != rank))
+        assert not others & set(links.values()), (rank, sorted(others & set(links.values())))
+        assert links[0] == "/dev/null", links  # the kernel's stdin
+    assert all(kernel_ends.values())
+
+
 def test_a_run_that_may_not_fork_says_so():
     pool.shutdown()
     with pool.prepared_only(), pytest.raises(pool.NotPrepared, match="no warm ranks for a run of 2"):
