@@ -58,6 +58,7 @@ MISMATCH_AFTER = 1.0
 _POOL: _Pool | None = None
 _POOL_LOCK = threading.RLock()
 _FORK_REFUSED = [0]  # > 0 inside prepared_only(): a run may not fork workers
+_CONFINED = [0]  # > 0 inside confined(): a run's workers are confined (confine.py), a pool of their own
 
 
 class NotPrepared(LaunchError):
@@ -84,10 +85,11 @@ def run(
         return _pool_for(world_size, chosen).run(payload, world_size, timeout, want_trace, network, where)
 
 
-def prepare(world_size: int, chosen: Plan, fresh: bool = False) -> list[int]:
+def prepare(world_size: int, chosen: Plan, fresh: bool = False, confined: bool = False) -> list[int]:
     """Warm workers for a run of ``world_size`` ranks under ``chosen``, forked now if there are none
     (``fresh``: forked now in any case, after ``osmemory.settle()``: ranks whose memory the grader
-    reads); returns their process ids, rank order."""
+    reads; ``confined``: workers that confine themselves, for a graded run, see :class:`confined`);
+    returns their process ids, rank order."""
     global _POOL
     with _POOL_LOCK:
         if fresh:
@@ -95,7 +97,7 @@ def prepare(world_size: int, chosen: Plan, fresh: bool = False) -> list[int]:
             if _POOL is not None:
                 _POOL.close()
                 _POOL = None
-        return [w.pid for w in _pool_for(world_size, chosen).workers[:world_size]]
+        return [w.pid for w in _pool_for(world_size, chosen, confined).workers[:world_size]]
 
 
 class prepared_only:
@@ -109,6 +111,23 @@ class prepared_only:
     def __exit__(self, *exc) -> None:
         with _POOL_LOCK:
             _FORK_REFUSED[0] -= 1
+
+
+class confined:
+    """Within it, a run's ranks are confined (``confine.confine``: no file written, no signal or abstract
+    unix socket outside the rank) before the function runs: a graded run's, so that they talk to each
+    other only over the wire the grader observes.  They come from a pool of confined workers, which
+    ``prepare(..., confined=True)`` forks (Landlock lasts a process's life: the student's own runs get
+    unconfined workers again).  On the CPU only (NCCL's ranks share /dev/shm and abstract sockets)."""
+
+    def __enter__(self):
+        with _POOL_LOCK:
+            _CONFINED[0] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _POOL_LOCK:
+            _CONFINED[0] -= 1
 
 
 def shutdown() -> None:
@@ -127,9 +146,11 @@ def worker_pids() -> list[int]:
         return [w.pid for w in _POOL.workers] if _POOL is not None else []
 
 
-def _pool_for(world_size: int, chosen: Plan) -> _Pool:
+def _pool_for(world_size: int, chosen: Plan, confined: bool | None = None) -> _Pool:
     global _POOL
-    if _POOL is not None and not _POOL.usable_for(world_size, chosen):
+    if confined is None:
+        confined = bool(_CONFINED[0])
+    if _POOL is not None and not _POOL.usable_for(world_size, chosen, confined):
         _POOL.close()
         _POOL = None
     if _POOL is None:
@@ -138,15 +159,16 @@ def _pool_for(world_size: int, chosen: Plan) -> _Pool:
                 f"no warm ranks for a run of {world_size} ({chosen.backend}, {chosen.start_method}) were started "
                 "before its request arrived"
             )
-        _POOL = _Pool(world_size, chosen)
+        _POOL = _Pool(world_size, chosen, confined)
     return _POOL
 
 
 class _Pool:
     """``size`` warm workers; a call with world_size <= size uses the first ones."""
 
-    def __init__(self, size: int, chosen: Plan):
+    def __init__(self, size: int, chosen: Plan, confined: bool = False):
         self.size, self.plan = size, chosen
+        self.confined = confined and chosen.start_method == "fork"  # (see ``confined``: the CPU's ranks)
         self.owner_pid = os.getpid()
         self.workers: list[ranks.Rank] = []
         self.calls = 0
@@ -178,9 +200,10 @@ class _Pool:
             self.close()
             raise
 
-    def usable_for(self, world_size: int, chosen: Plan) -> bool:
+    def usable_for(self, world_size: int, chosen: Plan, confined: bool = False) -> bool:
         return (
             not self.broken
+            and self.confined == (confined and chosen.start_method == "fork")
             and self.owner_pid == os.getpid()
             and world_size <= self.size
             and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)
@@ -232,6 +255,11 @@ class _Pool:
         where: dict[str, str],
     ):
         __tracebackhide__ = True
+        if self.confined and network is not None:
+            raise LaunchError(
+                "a graded run's ranks are confined (pool.confined) and cannot share the emulated network's board "
+                "(each opens it through another rank's /proc, which confinement refuses): grade without network="
+            )
         self.calls += 1
         t0 = time.perf_counter()
         workers = self.workers[:world_size]
@@ -254,6 +282,7 @@ class _Pool:
                     "t0": t0,
                     "rng": rng,
                     "network": network,
+                    "confine": self.confined,
                 }
                 w.conn.send_bytes(pickle.dumps(job))
             replies = self._collect(workers, t0 + timeout, timeout, where)

@@ -9,7 +9,8 @@ module in an IPython kernel registers that target (:func:`register`); each comm 
 request as its buffer and is answered with one message whose buffer is the record's bytes.
 A comm whose data asks to ``prepare`` forks the ranks first; the request after it may not fork
 (``pool.prepared_only``), and each rank is sent its own inputs alone (``launcher.PerRank``): no
-rank of a graded run holds another rank's inputs.
+rank of a graded run holds another rank's inputs.  A graded run's ranks confine themselves once set up
+(``pool.confined``, ``confine.py``): no file written, no signal or abstract unix socket outside the rank.
 
 Under grading the student's functions that hung in an earlier test are not run again
 (``hangs.py``): the grader's list (``Request.timed_out``) and this kernel's own.
@@ -181,7 +182,8 @@ def _answer(comm, msg) -> None:
         buffers = msg.get("buffers") or []
         if len(buffers) != 1:
             raise ProtocolError(f"a request comes as one buffer, {len(buffers)} came")
-        with pool.prepared_only():  # (its ranks were forked before it arrived)
+        # (its ranks were forked before it arrived; they confine themselves before running anything of it)
+        with pool.prepared_only(), pool.confined():
             data = run(Request.from_bytes(bytes(buffers[0]))).to_bytes()
     except ProtocolError as exc:
         data = Record.failed("ExerciseError", f"the request could not be read: {exc}").to_bytes()
@@ -198,7 +200,7 @@ def prepare(fields) -> dict:
         world_size, device, fresh = fields["world_size"], fields.get("device"), fields.get("fresh", False)
         if type(world_size) is not int or not (device is None or isinstance(device, str)) or type(fresh) is not bool:
             raise ValueError(f"prepare needs an int world_size, a device (str or None), a bool fresh: {fields!r:.100}")
-        pids = pool.prepare(world_size, plan(world_size, resolve_device(device, None)), fresh=fresh)
+        pids = pool.prepare(world_size, plan(world_size, resolve_device(device, None)), fresh=fresh, confined=True)
     except Exception as exc:  # noqa: BLE001  (the grader must hear back; its request then fails closed)
         return {"prepared": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
     return {"prepared": True, "pids": pids}

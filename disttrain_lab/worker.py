@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from . import codemap, emulation, integrity, trace
+from . import codemap, confine, emulation, integrity, trace
 from .pauses import WAKE_SIGNAL
 
 STARTUP_TIMEOUT = 180.0  # seconds: a fresh interpreter importing torch on a busy machine
@@ -135,6 +135,10 @@ def _run_job(job: dict, status) -> tuple:
     try:
         _retire_group()
         store = _store_client(job["port"])
+        if job.get("confine"):  # a graded run's rank (pool.confined): before gloo's threads start
+            done = confine.confine()
+            if done.failed:
+                raise RuntimeError(f"rank {rank} could not be confined for a graded run: {done.failed}")
         if job["device"] == "cuda":
             # rank k takes the k-th GPU visible to the server (CUDA_VISIBLE_DEVICES is
             # inherited); a device="cpu" launch never gets here, so it opens no CUDA context

@@ -25,7 +25,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from disttrain_lab import checks, grading, wire
+from disttrain_lab import checks, confine, grading, wire
 from disttrain_lab.grading import cells, cgroups, kernels, reaper, sandbox
 from tests.grading.test_grading import (
     FIXTURE_LIMITS,
@@ -503,6 +503,13 @@ def test_doctor_describes_the_grading_host():
         assert ("memory and process caps: yes" in text) == (sandbox.caps_problem() is None)
         assert ("syscall filter: yes" in text) == ("NO syscall filter" not in " ".join(sandbox.missing()))
         assert ("auto REFUSES" in text) == bool(sandbox.missing())
+        ranks_apart = confine.host_problem()
+        said = f"NO: {ranks_apart}" if ranks_apart else f"yes (ABI {confine.abi()[0]})"
+        assert (
+            f"a graded run's ranks confined (Landlock: no files, signals or abstract sockets between them): {said}"
+            in text
+        )
+        assert (ranks_apart or "") in (sandbox.caveat() or "")
 
 
 def test_the_kernel_sees_an_allowlist_of_the_graders_environment():

@@ -1,0 +1,157 @@
+"""#42, no side channel: a graded run's ranks confine themselves (``confine.py``, Landlock) once the kit has
+set them up, so that they can talk to each other only over the wire the grader observes.  Each way round
+the wire is tried by the ranks of a run served as the grader's are (``serving``: ``prepare`` with
+``confined``, the run inside ``pool.confined()``), and by the same ranks unconfined (the control: each way
+works there, so a refusal is confinement's, not the probe's)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from disttrain_lab import confine, exercise, pool
+from disttrain_lab.devices import plan
+
+pytestmark = pytest.mark.skipif(confine.host_problem() is not None, reason=str(confine.host_problem()))
+
+
+def _ways_round_the_wire(tag: str) -> dict:
+    """In each rank: every way to pass data to another rank off the wire, tried; and what must still work.
+    (A test's driver: it runs with the notebook's names, so it imports what it uses.)"""
+    import os
+    import signal
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    def _attempt(action) -> str:
+        try:
+            action()
+        except OSError as exc:
+            return f"refused: {type(exc).__name__}: {exc.strerror}"
+        return "went through"
+
+    rank = dist.get_rank()
+    here = f"dl-confine-{tag}-{rank}"
+    tried = {}
+    for folder in ("/tmp", "/dev/shm"):
+        path = os.path.join(folder, here)
+
+        def write(path=path):
+            with open(path, "wb") as f:
+                f.write(b"x")
+            os.unlink(path)
+
+        tried[f"a file in {folder}"] = _attempt(write)
+    tried["a fifo"] = _attempt(lambda: (os.mkfifo(f"/tmp/{here}.fifo"), os.unlink(f"/tmp/{here}.fifo")))
+
+    def bind_path():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(f"/tmp/{here}.sock")
+        os.unlink(f"/tmp/{here}.sock")
+
+    tried["a unix socket's path"] = _attempt(bind_path)
+    # rank 0 listens on an abstract unix socket, rank 1 connects to it and signals rank 0
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if rank == 0:
+        listener.bind(f"\0dl-confine-{tag}")
+        listener.listen(1)
+    dist.barrier()
+    if rank == 1:
+
+        def connect():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(f"\0dl-confine-{tag}")
+
+        tried["another rank's abstract socket"] = _attempt(connect)
+        tried["a signal to another rank"] = _attempt(lambda: os.kill(pids[0], signal.SIGCONT))
+        tried["a signal to the kernel"] = _attempt(lambda: os.kill(os.getppid(), signal.SIGCONT))
+    dist.barrier()
+    listener.close()
+    # what a rank still does: read files, write /dev/null, make a new group over TCP, a collective
+    with open(torch.__file__, "rb") as f:
+        tried["reading a file"] = "went through" if f.read(1) else "read nothing"
+    tried["writing /dev/null"] = _attempt(lambda: open(os.devnull, "wb").write(b"x"))
+    group = dist.new_group([0, 1])
+    x = torch.ones(3)
+    dist.all_reduce(x, group=group)
+    tried["all_reduce in a new group"] = "went through" if x.tolist() == [2.0, 2.0, 2.0] else f"got {x.tolist()}"
+    return tried
+
+
+OFF_THE_WIRE = (
+    "a file in /tmp",
+    "a file in /dev/shm",
+    "a fifo",
+    "a unix socket's path",
+    "another rank's abstract socket",
+    "a signal to another rank",
+    "a signal to the kernel",
+)
+STILL_WORKS = ("reading a file", "writing /dev/null", "all_reduce in a new group")
+
+
+def test_a_graded_runs_ranks_talk_only_over_the_wire():
+    pool.shutdown()
+    pool.prepare(2, plan(2), confined=True)  # what the grader's prepare comm does (serving.prepare)
+    graded_pids = pool.worker_pids()
+    with pool.prepared_only(), pool.confined():  # what serving does with its request
+        run = exercise.run(_ways_round_the_wire, 2, ("graded",), timeout=60)
+    tried = {**run.results[0], **run.results[1]}
+    assert {way: tried[way].split(":")[0] for way in OFF_THE_WIRE} == dict.fromkeys(OFF_THE_WIRE, "refused"), tried
+    assert "PermissionError" in tried["a file in /dev/shm"], tried
+    assert {way: tried[way] for way in STILL_WORKS} == dict.fromkeys(STILL_WORKS, "went through"), tried
+    assert pool.worker_pids() == graded_pids  # the prepared, confined ranks ran it
+    # the control: the student's own run gets unconfined ranks (forked anew), where every way goes through
+    run = exercise.run(_ways_round_the_wire, 2, ("own",), timeout=60)
+    assert not set(pool.worker_pids()) & set(graded_pids)
+    tried = {**run.results[0], **run.results[1]}
+    assert {way: tried[way] for way in OFF_THE_WIRE + STILL_WORKS} == dict.fromkeys(
+        OFF_THE_WIRE + STILL_WORKS, "went through"
+    ), tried
+    pool.shutdown()
+
+
+def test_a_confined_run_cannot_emulate_a_network():
+    import disttrain_lab as dl
+
+    pool.prepare(2, plan(2), confined=True)
+    with pool.prepared_only(), pool.confined(), pytest.raises(dl.LaunchError, match="grade without network="):
+        dl.launch(dist.get_rank, 2, network=dl.Network.preset("1 Gbit Ethernet"))
+    pool.shutdown()
+
+
+def _confine_beside_a_thread(write_to: str) -> None:
+    """In a forked child: confine() with a second thread running; exit 0 if it refused and the write still works."""
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+    done = confine.confine()
+    ok = done.failed is not None and "2 threads run here" in done.failed and not done.applied
+    with open(write_to, "wb") as f:
+        f.write(b"x")
+    stop.set()
+    os._exit(0 if ok and confine.confine() is done else 1)
+
+
+def test_confining_too_late_applies_nothing_and_says_why(tmp_path):
+    """Landlock binds the calling thread and those it starts later: with a thread already running, confine()
+    applies nothing and says why (the worker then fails the run: ``failed``)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _confine_beside_a_thread(str(tmp_path / "written"))
+        finally:
+            os._exit(2)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert (tmp_path / "written").read_bytes() == b"x"
+
+
+def test_the_host_says_what_confinement_gives():
+    version, why = confine.abi()
+    assert version >= confine.FULL_ABI and why is None
