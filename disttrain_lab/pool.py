@@ -169,6 +169,8 @@ class _Pool:
     def __init__(self, size: int, chosen: Plan, confined: bool = False):
         self.size, self.plan = size, chosen
         self.confined = confined and chosen.start_method == "fork"  # (see ``confined``: the CPU's ranks)
+        if self.confined:
+            _write_before_confining()
         self.owner_pid = os.getpid()
         self.workers: list[ranks.Rank] = []
         self.calls = 0
@@ -451,6 +453,13 @@ class _Pool:
         if self.status_fd is not None:
             os.close(self.status_fd)
             self.status_fd = None
+
+
+def _write_before_confining() -> None:
+    """What torch writes the first time a rank uses it, done in the kernel before confined ranks are forked
+    (they may write nothing): an optimizer's first step imports ``torch._dynamo``, which makes its cache
+    folder (``/tmp/torchinductor_<user>``) as it is imported."""
+    import torch._dynamo  # noqa: F401
 
 
 def _dying(pid: int) -> bool:
