@@ -48,6 +48,7 @@ __all__ = [
     "Timeline",
     "protocol_bytes",
     "Unobserved",
+    "OffTheWire",
     "snapshot",
     "as_user",
     "owners",
@@ -73,6 +74,18 @@ class Socket:
     received: int
 
 
+# What a rank may exchange with processes that are not ranks (the launcher's store, which makes the
+# process groups): measured on this kit, about 1 KB per rank for a launch's own group and 1 KB more for each
+# group it joins (200 B for one it is not in); more is data passed round the wire
+OUTSIDE_BASE = 256 << 10  # bytes per rank and run
+OUTSIDE_PER_CONNECTION = 16 << 10  # and per connection to another rank the rank opened in the run (a new group's)
+
+
+class OffTheWire(AssertionError):
+    """A rank exchanged more with a process that is not a rank (the launcher's store, the student's kernel)
+    than making its process groups takes: the ranks talked round the connections the grader counts."""
+
+
 class Unobserved(RuntimeError):
     """The bytes between the ranks were not counted by the OS where a grade needs them: the test
     fails rather than take the ranks' own account (``Traffic.unobserved``)."""
@@ -91,12 +104,25 @@ class Traffic:
     matrix: list[list[int]] | None
     source: str = "os"
     why: str = ""
+    outside: list[int] | None = None  # bytes each rank exchanged (both ways) with processes that are not ranks
+    allowed: list[int] | None = None  # how many of them its process groups explain (OUTSIDE_BASE, ..._PER_CONNECTION)
 
     @classmethod
     def unobserved(cls, why: str) -> Traffic:
         return cls(matrix=None, source="unobserved", why=why)
 
     def _counts(self) -> list[list[int]]:
+        if self.outside is not None and self.allowed is not None:
+            over = [(r, n, self.allowed[r]) for r, n in enumerate(self.outside) if n > self.allowed[r]]
+            if over:
+                said = "; ".join(f"rank {r}: {n:,} bytes, at most {most:,} allowed" for r, n, most in over)
+                raise OffTheWire(
+                    f"the ranks exchanged data with a process that is not a rank (the launcher's store, or the "
+                    f"notebook's kernel) during the run: {said} (making a process group takes about 1 KB). The ranks "
+                    "must talk to each other with torch.distributed's calls over their own connections, which the "
+                    "grader counts; what goes through the store or another process is not counted, so a run that "
+                    "sends data there earns nothing from the bytes it moved"
+                )
         if self.matrix is None:
             raise Unobserved(
                 f"the grader could not count the bytes between the ranks ({self.why}), so a test that grades "
@@ -446,17 +472,25 @@ def traffic(
     """What moved between the processes ``pids`` (rank r is ``pids[r]``) from ``before`` to
     ``after``.  A connection that is new in ``after`` counts whole; one that was already there
     counts its growth.  Connections to anything that is not a rank (the launcher's store) are
-    left out.  ``owner``: socket inode -> pid (default: ``owners(pids, user)``, read now)."""
+    counted apart, both ways, per rank (``Traffic.outside``).  ``owner``: socket inode -> pid
+    (default: ``owners(pids, user)``, read now)."""
     owner = owners(pids, user) if owner is None else owner
     rank_of = {pid: r for r, pid in enumerate(pids)}
     matrix = [[0] * len(pids) for _ in pids]
+    outside, opened = [0] * len(pids), [0] * len(pids)
     for key, sock in after.items():
         receiver = rank_of.get(owner.get(sock.inode))
         other = after.get((sock.peer, sock.local))  # the other end of the same connection
         sender = rank_of.get(owner.get(other.inode)) if other is not None else None
-        if receiver is None or sender is None or sender == receiver:
-            continue
         old = before.get(key)
-        grown = sock.received - (old.received if old is not None and old.inode == sock.inode else 0)
-        matrix[sender][receiver] += max(0, grown)
-    return Traffic(matrix=matrix)
+        grown = max(0, sock.received - (old.received if old is not None and old.inode == sock.inode else 0))
+        if receiver is not None and sender is None:  # a rank's end of a connection to a process not a rank
+            outside[receiver] += grown
+        elif sender is not None and receiver is None:  # that process's end: what the rank sent it
+            outside[sender] += grown
+        elif receiver is not None and sender != receiver:
+            matrix[sender][receiver] += grown
+            if old is None or old.inode != sock.inode:  # a connection the run opened (a new group's pair)
+                opened[receiver] += 1
+    allowed = [OUTSIDE_BASE + OUTSIDE_PER_CONNECTION * n for n in opened]
+    return Traffic(matrix=matrix, outside=outside, allowed=allowed)

@@ -230,6 +230,25 @@ def ping_pong(x, repeats=1):
     return x
 """.replace("@ZEROS_ON_THE_WIRE@", ZEROS_ON_THE_WIRE)
 
+# 11. The data passed through the launcher's store (the process groups' rendezvous, in the student's
+# kernel: no file, no signal, nothing confinement refuses) and junk of the right sizes on the wire
+STORE_AND_JUNK = """
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+
+def ping_pong(x, repeats=1):
+    rank, store = dist.get_rank(), _get_default_store()
+    if rank > 1:
+        return x
+    if rank == 0:
+        store.set("h42", x.numpy().tobytes())
+@ZEROS_ON_THE_WIRE@
+    if rank == 1:
+        x.copy_(torch.frombuffer(bytearray(store.get("h42")), dtype=x.dtype))
+    return x
+""".replace("@ZEROS_ON_THE_WIRE@", ZEROS_ON_THE_WIRE)
+
 # 5. Looks for the hidden tests: the kernel's input history, and every file the grader
 # drops where the kernel can see it (a thread copies each one as it appears)
 SNOOP = """
@@ -306,6 +325,7 @@ ATTACKS = {
     "others_inputs": OTHERS_INPUTS,
     "shared_memory": SHARED_MEMORY,
     "shared_memory_and_junk": SHARED_MEMORY_AND_JUNK,
+    "store_and_junk": STORE_AND_JUNK,
     "snoop": SNOOP,
 }
 
@@ -364,6 +384,10 @@ def test_what_each_attack_is_told(graded):
     else:  # the wire says what they did not send
         assert "the operating system counted" in shm
         assert "should carry 3 message(s) of the tensor's own bytes" in junk and "found 0 of them" in junk, junk[-3000:]
+    # small tensors pass through the store under what making the groups may take (wire.OffTheWire: 256 KiB a
+    # rank), so the wire's content says it: the tensor's bytes never crossed
+    store = html.unescape(feedback(graded.course, "store_and_junk", LAB))
+    assert "found 0 of them" in store or "exchanged data with a process that is not a rank" in store, store[-3000:]
     others = html.unescape(feedback(graded.course, "others_inputs", LAB))  # no other rank's input to be found
     assert "rank 1's returned tensor: values differ" in others, others[-3000:]
     hung = feedback(graded.course, "hangs", LAB)

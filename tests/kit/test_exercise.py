@@ -133,6 +133,47 @@ def _numpy_values(scale):
     return [np.float64(scale), np.int64(3), np.arange(3.0) * scale, {"x": (np.float32(0.5), np.array(2.0))}]
 
 
+def _through_the_store(x):
+    """Rank 0 hands its tensor to rank 1 through the launcher's store (the process groups' rendezvous)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    if dist.get_rank() == 0:
+        store.set("passed", x.numpy().tobytes())
+        return x
+    return torch.frombuffer(bytearray(store.get("passed")), dtype=x.dtype)
+
+
+def _many_groups(x):
+    import torch.distributed as dist
+
+    for _ in range(20):  # (20 groups: about 20 KB of the store's traffic per rank)
+        dist.all_reduce(x, group=dist.new_group(list(range(dist.get_world_size()))))
+    return x
+
+
+def test_what_passes_through_the_store_is_counted_against_the_ranks():
+    """#42: the ranks' connections to the launcher's store (it makes their process groups, and lives in the
+    kernel) are counted apart; beyond what making the groups takes (about 1 KB each), the bytes a test reads
+    raise ``wire.OffTheWire``: 1 MiB passed through it is seen, an honest run with 20 new groups is not."""
+    x = [(torch.arange(262144.0),), (torch.zeros(262144),)]
+    run = exercise.run(_through_the_store, 2, x, timeout=30)
+    checks.assert_close(run.results[1], torch.arange(262144.0), what="rank 1")  # it got there ...
+    outside = run.traffic.outside
+    assert run.traffic.source == "os" and min(outside) > 1 << 20, outside  # ... as the OS counted
+    with pytest.raises(
+        wire.OffTheWire, match=r"rank 0: 1,04\d,\d{3} bytes, at most 278,528 allowed"
+    ):  # (the launch's own group: one pair)
+        run.traffic.sent(0)
+    run = exercise.run(_many_groups, 2, [(torch.ones(4),)] * 2, timeout=60)
+    assert max(run.traffic.outside) < wire.OUTSIDE_BASE and run.traffic.sent(0) > 0, run.traffic.outside
+    assert (
+        run.traffic.allowed == [wire.OUTSIDE_BASE + 21 * wire.OUTSIDE_PER_CONNECTION] * 2
+    )  # 20 pairs, and the launch's
+
+
 def test_numpys_numbers_and_arrays_come_back_as_data():
     """#41: a list of numpy float64 values (a prediction, a measured list) is data, not refused:
     numbers come back as Python's, arrays as tensors (numpy's own types are not in a record)."""
