@@ -7,7 +7,7 @@ import argparse
 import difflib
 import sys
 
-from . import __version__, start
+from . import __version__, confine, start
 from .bench import benchmarks
 from .bench.common import add_common_arguments, run_measured
 from .devices import doctor
@@ -98,7 +98,12 @@ def _grading_host() -> str:
         from .grading import sandbox
     except ImportError as exc:  # a student's install: no grading wing to describe
         return f"grading sandbox: not described here (the instructor's tools are not installed: {exc.name})"
-    return sandbox.describe()
+    ranks_apart = confine.host_problem()
+    return (
+        sandbox.describe()
+        + "\n  a graded run's ranks confined (Landlock: no files, signals or abstract sockets between them): "
+        + (f"NO: {ranks_apart}" if ranks_apart else f"yes (ABI {confine.abi()[0]})")
+    )
 
 
 def _add_benchmarks(bench) -> list[str]:

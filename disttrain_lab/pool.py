@@ -23,6 +23,7 @@ instead (the grader prepares again and resends: grading/remote.py).
 from __future__ import annotations
 
 import atexit
+import linecache
 import mmap
 import os
 import pickle
@@ -458,8 +459,14 @@ class _Pool:
 def _write_before_confining() -> None:
     """What torch writes the first time a rank uses it, done in the kernel before confined ranks are forked
     (they may write nothing): an optimizer's first step imports ``torch._dynamo``, which makes its cache
-    folder (``/tmp/torchinductor_<user>``) as it is imported."""
+    folder (``/tmp/torchinductor_<user>``) as it is imported.  Imported here once, every confined pool's
+    ranks have it (2 s a rank otherwise, at each pool); the sources it leaves in ``linecache`` (1 MB) are
+    dropped, so that the notebook's kernel holds what it held."""
+    kept = set(linecache.cache)
     import torch._dynamo  # noqa: F401
+
+    for name in set(linecache.cache) - kept:
+        linecache.cache.pop(name, None)
 
 
 def _dying(pid: int) -> bool:

@@ -175,7 +175,7 @@ def _answer(comm, msg) -> None:
     """One comm from the grader: its buffer is a request; the reply's buffer the record."""
     data = (msg.get("content") or {}).get("data") or {}
     if PREPARE in data:
-        comm.send(prepare(data[PREPARE]))
+        comm.send(prepare(data[PREPARE], confined=True))  # (the grader's: its request's ranks confine themselves)
         comm.close()
         return
     try:
@@ -193,14 +193,15 @@ def _answer(comm, msg) -> None:
     comm.close()
 
 
-def prepare(fields) -> dict:
+def prepare(fields, confined: bool = False) -> dict:
     """Fork (or keep; ``fields["fresh"]``: fork anew) the warm ranks for a run of ``fields["world_size"]``
-    ranks on ``fields["device"]``; the answer names their process ids."""
+    ranks on ``fields["device"]`` (``confined``: ranks that confine themselves, for the grader's request);
+    the answer names their process ids."""
     try:
         world_size, device, fresh = fields["world_size"], fields.get("device"), fields.get("fresh", False)
         if type(world_size) is not int or not (device is None or isinstance(device, str)) or type(fresh) is not bool:
             raise ValueError(f"prepare needs an int world_size, a device (str or None), a bool fresh: {fields!r:.100}")
-        pids = pool.prepare(world_size, plan(world_size, resolve_device(device, None)), fresh=fresh, confined=True)
+        pids = pool.prepare(world_size, plan(world_size, resolve_device(device, None)), fresh=fresh, confined=confined)
     except Exception as exc:  # noqa: BLE001  (the grader must hear back; its request then fails closed)
         return {"prepared": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
     return {"prepared": True, "pids": pids}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nbgrader.api import Gradebook, MissingEntry
 
+from .. import confine
 from . import cell_times, intake, readme_labs, sandbox
 from . import install_source as install  # (release() has an argument named install_source)
 from .config import LIMITED_ISOLATION, REPO_ROOT, Limits, course_dir, isolation_notice, source_dir
@@ -79,6 +80,8 @@ def autograde(
         log(isolation_notice(why))
     elif sandbox.caveat():
         log(LIMITED_ISOLATION.format(why=sandbox.caveat()))
+    if isolated and confine.host_problem():  # (the ranks' own confinement, confine.py)
+        log(LIMITED_ISOLATION.format(why=confine.host_problem()))
     _ensure_in_gradebook(lab, course, env, tmp_root)
     students = students or students_of(lab, course)
 

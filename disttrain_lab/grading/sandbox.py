@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 
-from .. import confine
 from . import cgroups, reaper, run_sandbox, syscall_filter
 from .cgroups import Cgroup
 from .kernel_env import kernel_env
@@ -95,8 +94,6 @@ def caveat() -> str | None:
     said += list(missing())
     if not caps_problem() and "cpu" not in cgroups.host()["caps"]:
         said.append(NO_CPU_CAVEAT)
-    if confine.host_problem():  # (the ranks' own confinement, confine.py: a graded run's ranks apart)
-        said.append(confine.host_problem())
     return "; ".join(said) or None
 
 
@@ -120,11 +117,6 @@ def describe() -> str:
             else f"NO: {syscall_filter.problem()}"
         ),
     ]
-    ranks_apart = confine.host_problem()
-    lines.append(
-        "  a graded run's ranks confined (Landlock: no files, signals or abstract sockets between them): "
-        + (f"NO: {ranks_apart}" if ranks_apart else f"yes (ABI {confine.abi()[0]})")
-    )
     lines.append(
         "  DISTTRAIN_SANDBOX=auto grades here"
         if not missing()

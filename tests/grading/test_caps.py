@@ -92,9 +92,15 @@ STUDENTS = {
     ),
     # 5. the running test's source, looked for in every frame above the function as it runs:
     # each frame's file, and every line of it that names mean() or the hidden tests, printed as
-    # it is and as HTML, and kept for the next cell (which prints it encoded)
+    # it is and as HTML, and kept for the next cell (which prints it encoded).  (A graded run's rank may write
+    # no file, confine.py: it hands what it saw to its kernel over TCP, which a confined rank may still do)
     "c5_frames": (
         PROBE + ADD_OK,
+        "import socket as _sk\n"
+        "_C5 = _sk.socket()\n"
+        "_C5.bind(('127.0.0.1', 0))\n"
+        "_C5.listen(16)\n"
+        "_C5_PORT = _C5.getsockname()[1]\n"
         "def mean(xs):\n"
         "    import sys, linecache\n"
         "    from IPython.display import HTML, display\n"
@@ -105,11 +111,23 @@ STUDENTS = {
         "        frame = frame.f_back\n"
         "    print(''.join(seen))\n"
         "    display(HTML('<pre>' + ''.join(seen).replace(' ', '&nbsp;') + '</pre>'))\n"
-        "    with open('/tmp/c5-frames.txt', 'w') as f:\n"
-        "        f.write('\\n'.join(seen))\n"
+        "    import socket\n"
+        "    with socket.create_connection(('127.0.0.1', _C5_PORT), timeout=10) as s:\n"
+        "        s.sendall('\\n'.join(seen).encode())\n"
         "    return sum(xs) / len(xs)\n",
         SCALE_OK + "import base64 as _b64\n"
-        "print('CAPS-FRAMES', _b64.b64encode(open('/tmp/c5-frames.txt', 'rb').read()).decode())\n" + END,
+        "_C5.settimeout(5)\n"
+        "_got = b''\n"
+        "while True:\n"
+        "    try:\n"
+        "        _c, _ = _C5.accept()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    _c.settimeout(5)\n"
+        "    while _chunk := _c.recv(1 << 16):\n"
+        "        _got += _chunk + b'\\n'\n"
+        "    _C5.settimeout(0.5)\n"
+        "print('CAPS-FRAMES', _b64.b64encode(_got).decode())\n" + END,
     ),
     # 5. scripts in outputs (and in a markdown cell of its own, added below)
     "c5_html": (
