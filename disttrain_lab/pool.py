@@ -170,7 +170,7 @@ class _Pool:
     def __init__(self, size: int, chosen: Plan, confined: bool = False):
         self.size, self.plan = size, chosen
         self.confined = confined and chosen.start_method == "fork"  # (see ``confined``: the CPU's ranks)
-        if self.confined:
+        if chosen.start_method == "fork":  # (every pool: the first launch pays it, not a graded test's time)
             _write_before_confining()
         self.owner_pid = os.getpid()
         self.workers: list[ranks.Rank] = []
@@ -459,9 +459,10 @@ class _Pool:
 def _write_before_confining() -> None:
     """What torch writes the first time a rank uses it, done in the kernel before confined ranks are forked
     (they may write nothing): an optimizer's first step imports ``torch._dynamo``, which makes its cache
-    folder (``/tmp/torchinductor_<user>``) as it is imported.  Imported here once, every confined pool's
-    ranks have it (2 s a rank otherwise, at each pool); the sources it leaves in ``linecache`` (1 MB) are
-    dropped, so that the notebook's kernel holds what it held."""
+    folder (``/tmp/torchinductor_<user>``) as it is imported.  Imported here once, as the kernel's first pool
+    is forked, every later pool's ranks have it (2 s a rank otherwise, at each pool; a graded request's
+    pool is forked anew after the student's own launches), and no graded test pays for it; the sources it
+    leaves in ``linecache`` (1 MB) are dropped, so that the notebook's kernel holds what it held."""
     kept = set(linecache.cache)
     import torch._dynamo  # noqa: F401
 
