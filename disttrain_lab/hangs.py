@@ -219,6 +219,8 @@ def around_launch(pending: Pending) -> Iterator[None]:
             pending.fn = stubs.get(pending.fn, pending.fn)
         pending.args = tuple(stubs.get(a, a) if isinstance(a, FunctionType) else a for a in pending.args)
         pending.timeout, pending.timeout_why = capped(pending.timeout)
+        if pending.timeout_why is not None:  # the ranks' start (a cold pool forks) counts against the cell too
+            pending.deadline = time.monotonic() + pending.timeout
         try:
             yield
         except CollectiveMismatch:

@@ -101,6 +101,7 @@ class Pending:
     kwargs: dict
     timeout: float
     timeout_why: str | None = None
+    deadline: float | None = None  # (time.monotonic) when set, the ranks' start counts against the timeout
 
 
 Hook = Callable[[Pending], AbstractContextManager]
@@ -230,7 +231,9 @@ def launch(
         else:
             payload, where = _pickled(pending.fn, pending.args, pending.kwargs)  # where: each code's real cell
         try:
-            results, events, wall = pool.run(payload, world_size, chosen, pending.timeout, trace, network, where)
+            results, events, wall = pool.run(
+                payload, world_size, chosen, pending.timeout, trace, network, where, pending.deadline
+            )
         except LaunchTimeout as exc:  # (not the cell's interrupt: a slow but right function in a heavy cell)
             if pending.timeout_why is None or isinstance(exc, CollectiveMismatch):
                 raise

@@ -53,6 +53,7 @@ __all__ = ["run", "prepare", "prepared_only", "NotPrepared", "shutdown", "worker
 # seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
 # sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
 PROGRESS_WINDOW = 0.25
+STARTED_LATE = 0.5  # seconds a run still gets when starting its pool took all of its deadline
 # a rank inside a collective this long has its call compared with the other ranks' (matching.py)
 MISMATCH_AFTER = 1.0
 
@@ -75,15 +76,21 @@ def run(
     want_trace: bool,
     network: Network | None,
     where: dict[str, str],
+    deadline: float | None = None,
 ) -> tuple[list, list[trace.Event], float]:
     """Run the pickled ``(fn, args, kwargs)`` on the first ``world_size`` ranks of a warm pool
     for ``chosen`` (started, or rebuilt, when none fits); return (results, events, wall seconds).
 
     ``network``: the emulated ``dl.Network`` the ranks run on, or None.  ``where``: each code
-    object's real cell (``codemap.dumps``), so a rank's traceback names the student's line."""
+    object's real cell (``codemap.dumps``), so a rank's traceback names the student's line.
+    ``deadline`` (``time.monotonic``): where set, the run ends by then, the pool's start included
+    (a capped launch under grading, ``hangs.capped``); otherwise ``timeout`` counts from the job's sending."""
     __tracebackhide__ = True
     with _POOL_LOCK:
-        return _pool_for(world_size, chosen).run(payload, world_size, timeout, want_trace, network, where)
+        warm = _pool_for(world_size, chosen)
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), STARTED_LATE))
+        return warm.run(payload, world_size, timeout, want_trace, network, where)
 
 
 def prepare(world_size: int, chosen: Plan, fresh: bool = False, confined: bool = False) -> list[int]:
