@@ -169,11 +169,12 @@ def _differ(a: Call, b: Call) -> str | None:
     return None
 
 
-def find_mismatch(buf, ranks: list[int], stuck: list[int], returned: list[int] = ()) -> Mismatch | None:
+def find_mismatch(slots, ranks: list[int], stuck: list[int], returned: list[int] = ()) -> Mismatch | None:
     """The first mismatch between the collective each rank of ``stuck`` is in (its latest) and
     the same collective (same group, same place in it) of every other rank of ``ranks``; or, for
-    a collective of the whole world, ranks of ``returned`` (those that returned) that never called it."""
-    logs = {r: calls(buf, r) for r in ranks}
+    a collective of the whole world, ranks of ``returned`` (those that returned) that never called it.
+    ``slots[r]``: rank r's status mapping (each rank has its own)."""
+    logs = {r: calls(slots[r], r) for r in ranks}
     for r in stuck:
         if not logs.get(r):
             continue

@@ -183,13 +183,17 @@ class _Pool:
         self.workers: list[ranks.Rank] = []
         self.calls = 0
         self.broken = False
+        # one status mapping per rank, shared with the kernel only (a rank's child unmaps the others'
+        # as it starts): the ranks cannot pass each other data through them (#42's side channels)
+        slot_bytes = trace.SLOT_BYTES * size  # (a rank writes at its own offset of a mapping of its own)
         if chosen.start_method == "spawn":
-            self.status_fd = os.memfd_create("disttrain-lab-status")
-            os.ftruncate(self.status_fd, trace.SLOT_BYTES * size)
-            self.status = mmap.mmap(self.status_fd, trace.SLOT_BYTES * size)
+            self.status_fds = [os.memfd_create(f"disttrain-lab-status-{r}") for r in range(size)]
+            for fd in self.status_fds:
+                os.ftruncate(fd, slot_bytes)
+            self.slots = [mmap.mmap(fd, slot_bytes) for fd in self.status_fds]
         else:
-            self.status_fd = None
-            self.status = mmap.mmap(-1, trace.SLOT_BYTES * size)
+            self.status_fds = []
+            self.slots = [mmap.mmap(-1, slot_bytes) for _ in range(size)]
         self.store = None
         # the store listens on every interface; an unguessable key prefix keeps others on a
         # shared host from writing into this pool's process groups
@@ -197,7 +201,7 @@ class _Pool:
         try:
             for rank in range(size):
                 self.workers.append(
-                    ranks.start(rank, chosen.start_method == "fork", self.status, self.status_fd, size, self.owner_pid)
+                    ranks.start(rank, chosen.start_method == "fork", self.slots, self.status_fds, size, self.owner_pid)
                 )
             self._wait_ready()
             # One store per pool, created after the forks (so no child inherits its socket),
@@ -276,7 +280,7 @@ class _Pool:
         rng = _rng_states()
         for w in workers:
             w.shown = w.hidden = 0
-            trace.write_status(self.status, w.rank, None)
+            trace.write_status(self.slots[w.rank], w.rank, None)
         try:
             for w in workers:
                 job = {
@@ -354,7 +358,7 @@ class _Pool:
             stacks = ranks.stacks(stuck)
             exc.stacks = stacks
             now = time.perf_counter()
-            status = {w.rank: trace.read_status(self.status, w.rank) for w in stuck}
+            status = {w.rank: trace.read_status(self.slots[w.rank], w.rank) for w in stuck}
             exc.blocked = {w.rank: rank_doing(status[w.rank], now, stacks[w.rank]) for w in stuck}
             self.close()
             where = "".join(f"\n  rank {w.rank}: {exc.blocked[w.rank]}" for w in stuck)
@@ -368,7 +372,9 @@ class _Pool:
     # ---- failures ---------------------------------------------------------------------
     def _states(self, workers: list[ranks.Rank], replies: dict) -> dict:
         """What each rank is in: "finished", the call it is blocked in, or None (running Python)."""
-        return {w.rank: "finished" if w.rank in replies else trace.read_status(self.status, w.rank) for w in workers}
+        return {
+            w.rank: "finished" if w.rank in replies else trace.read_status(self.slots[w.rank], w.rank) for w in workers
+        }
 
     def _compare_calls(self, workers: list[ranks.Rank], replies: dict, now: float, dead: tuple = ()) -> None:
         """Stop the launch with the ranks' calls if a rank inside a collective for MISMATCH_AFTER
@@ -385,7 +391,7 @@ class _Pool:
         ]
         if not stuck:
             return
-        found = matching.find_mismatch(self.status, [w.rank for w in workers], stuck, sorted(replies))
+        found = matching.find_mismatch(self.slots, [w.rank for w in workers], stuck, sorted(replies))
         if found is None:
             return
         self._relay_all()
@@ -418,7 +424,7 @@ class _Pool:
         __tracebackhide__ = True
         self._relay_all()
         code = w.reap()
-        blocked = trace.read_status(self.status, w.rank)  # the call it died in, if any
+        blocked = trace.read_status(self.slots[w.rank], w.rank)  # the call it died in, if any
         frames = stack_frames(w.crash_report())  # faulthandler's report of a fatal signal
         if code is not None and code < 0 and signal.Signals(-code).name == "SIGABRT" and blocked is not None:
             # gloo aborts a rank whose collective receives a message of another size than it expects
@@ -434,13 +440,13 @@ class _Pool:
             if w.rank in replies:
                 states[w.rank] = "finished"
             else:
-                states[w.rank] = trace.read_status(self.status, w.rank)
+                states[w.rank] = trace.read_status(self.slots[w.rank], w.rank)
         stuck = [w for w in workers if w.rank not in replies]
         # calls entered while we look: a rank still making them loops, however its last call looked
-        calls = {w.rank: trace.read_calls(self.status, w.rank) for w in stuck}
+        calls = {w.rank: trace.read_calls(self.slots[w.rank], w.rank) for w in stuck}
         stacks = ranks.stacks(stuck)
         time.sleep(max(0.0, now + PROGRESS_WINDOW - time.perf_counter()))
-        calls = {w.rank: trace.read_calls(self.status, w.rank) - calls[w.rank] for w in stuck}
+        calls = {w.rank: trace.read_calls(self.slots[w.rank], w.rank) - calls[w.rank] for w in stuck}
         window = time.perf_counter() - now
         self.close()
         raise timeout_error(states, now, timeout, stacks, calls, window)
@@ -458,9 +464,11 @@ class _Pool:
         ranks.kill(self.workers)
         self.workers = []
         self.store = None
-        if self.status_fd is not None:
-            os.close(self.status_fd)
-            self.status_fd = None
+        for fd in self.status_fds:
+            os.close(fd)
+        self.status_fds = []
+        for slot in self.slots:  # (unmapped: a later pool's ranks, forked from here, must not share them)
+            slot.close()
 
 
 def _write_before_confining() -> None:

@@ -106,10 +106,11 @@ class Rank:
         return None
 
 
-def start(rank: int, fork: bool, status, status_fd: int | None, slots: int, owner_pid: int) -> Rank:
+def start(rank: int, fork: bool, slots: list, status_fds: list[int], size: int, owner_pid: int) -> Rank:
     """Start rank ``rank``'s worker: forked from this process (``fork``: the CPU's way), else a
-    fresh interpreter (GPUs), with the status slots (``status``, or ``status_fd`` for a fresh
-    interpreter, ``slots`` of them) and the owner's pid it dies with."""
+    fresh interpreter (GPUs), with its own status mapping (``slots[rank]``, or ``status_fds[rank]``
+    for a fresh interpreter; each ``SLOT_BYTES * size``) and the owner's pid it dies with.  The
+    other ranks' mappings are not the rank's: a forked child unmaps them before anything else runs."""
     parent_sock, child_sock = socket.socketpair()
     out_r, out_w = os.pipe()
     stack_r, stack_w = os.pipe()
@@ -124,13 +125,16 @@ def start(rank: int, fork: bool, status, status_fd: int | None, slots: int, owne
                 os.close(out_r)
                 os.close(stack_r)
                 _blank_inherited(keep=(child_sock.fileno(), out_w, stack_w))
-                worker_main(child_sock.detach(), out_w, status, forked=True, parent=owner_pid, stack_fd=stack_w)
+                for other, slot in enumerate(slots):
+                    if other != rank:
+                        slot.close()  # (munmap: a rank sees no other rank's status)
+                worker_main(child_sock.detach(), out_w, slots[rank], forked=True, parent=owner_pid, stack_fd=stack_w)
                 code = 0
             finally:
                 os._exit(code)
         popen = None
     else:
-        fds = (child_sock.fileno(), out_w, status_fd, stack_w)
+        fds = (child_sock.fileno(), out_w, status_fds[rank], stack_w)
         popen = subprocess.Popen(
             [
                 sys.executable,
@@ -138,7 +142,7 @@ def start(rank: int, fork: bool, status, status_fd: int | None, slots: int, owne
                 "from disttrain_lab.worker import spawned_main; spawned_main()",
                 *map(str, fds[:3]),
                 str(owner_pid),
-                str(trace.SLOT_BYTES * slots),
+                str(trace.SLOT_BYTES * size),
                 str(stack_w),
             ],
             pass_fds=fds,

@@ -6,6 +6,7 @@ works there, so a refusal is confinement's, not the probe's)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -116,6 +117,50 @@ def test_a_graded_runs_ranks_talk_only_over_the_wire():
         OFF_THE_WIRE + STILL_WORKS, "went through"
     ), tried
     pool.shutdown()
+
+
+def _through_shared_memory(token: bytes) -> dict:
+    """In each rank: rank 0 writes ``token`` at the end of every writable shared mapping it has (``rw-s`` in
+    /proc/self/maps: what the kernel shared with it before the fork), rank 1 then looks for it in its own."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    def shared() -> list[tuple[int, int]]:
+        spans = []
+        with open("/proc/self/maps") as f:
+            for line in f:
+                where, perms = line.split()[:2]
+                if perms.startswith("rw") and perms[3] == "s":
+                    start, end = (int(x, 16) for x in where.split("-"))
+                    spans.append((start, end))
+        return spans
+
+    mine = shared()
+    if dist.get_rank() == 0:
+        for _start, end in mine:
+            ctypes.memmove(end - len(token), token, len(token))
+    dist.barrier()
+    found = [hex(start) for start, end in mine if ctypes.string_at(end - len(token), len(token)) == token]
+    dist.barrier()
+    return {"mappings": len(mine), "found": found}
+
+
+def test_ranks_share_no_writable_memory_with_each_other():
+    # The kernel's status mapping (what each rank is blocked in, for a hang's report) was one mapping for all
+    # the ranks: a channel off the wire, confined or not.  Each rank now has its own; a rank's child unmaps
+    # the others' before any of its code runs.  Rank 0 finds its own token (the probe works); rank 1 does not.
+    import secrets
+
+    pool.shutdown()
+    for confined in (True, False):
+        pool.prepare(2, plan(2), confined=confined)
+        with pool.prepared_only(), pool.confined() if confined else contextlib.nullcontext():
+            run = exercise.run(_through_shared_memory, 2, (secrets.token_bytes(16),), timeout=60)
+        zero, one = run.results
+        assert zero["mappings"] >= 1 and len(zero["found"]) == zero["mappings"], (confined, run.results)
+        assert one["found"] == [], (confined, run.results)
+        pool.shutdown()
 
 
 def test_a_confined_run_cannot_emulate_a_network():

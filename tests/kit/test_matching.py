@@ -160,13 +160,13 @@ def test_a_call_log_is_data_whatever_a_rank_wrote_there():
     for rank in (0, 1):
         for call in matching.calls(buf, rank):
             assert isinstance(call.op, str) and isinstance(call.line, int)
-    matching.find_mismatch(buf, [0, 1], [0, 1], [0, 1])
+    matching.find_mismatch([buf, buf], [0, 1], [0, 1], [0, 1])
     # two clean call logs of one collective that match: no mismatch
     buf = bytearray(status.SLOT_BYTES * 2)
     for rank in (0, 1):
         matching.note(buf, rank, 1, 1, None, "all_reduce", {"tensor": torch.ones(3)}, None)
-    assert matching.find_mismatch(buf, [0, 1], [0, 1]) is None
+    assert matching.find_mismatch([buf, buf], [0, 1], [0, 1]) is None
     matching.note(buf, 1, 2, 2, None, "all_reduce", {"tensor": torch.ones(5)}, None)
     matching.note(buf, 0, 2, 2, None, "all_reduce", {"tensor": torch.ones(3)}, None)
-    found = matching.find_mismatch(buf, [0, 1], [0])
+    found = matching.find_mismatch([buf, buf], [0, 1], [0])
     assert found is not None and found.what == "sizes" and [c.elements for c in found.calls] == [3, 5]
