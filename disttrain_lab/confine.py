@@ -1,14 +1,16 @@
 """Confining a rank of a graded run with Linux's Landlock, so that the ranks can talk to each other only
 over the wire the grader observes (#42): once the kit has set the rank up, and before the student's code
-runs, the rank may write no file anywhere (only ``/dev/null``), may not signal a process outside itself,
-and may not connect to an abstract unix socket made outside itself.  Reads, imports and TCP stay allowed
-(lazy imports; gloo's new connections for ``dist.new_group``).
+runs, the rank may write no file anywhere (only ``/dev/null``), may read nothing of another process's
+``/proc/<pid>`` (its command line, name, environment, which a rank may rewrite), may not signal a process
+outside itself, and may not connect to an abstract unix socket made outside itself.  Other reads, imports
+and TCP stay allowed (lazy imports; gloo's new connections for ``dist.new_group``).
 
     >>> confine.confine()          # in the rank, once, while it has one thread
-    Confinement(abi=7, applied=('no writes', 'no signals out', 'no abstract unix sockets out'), missing=(), failed=None)
+    Confinement(abi=7, applied=('no writes', "no reads of other processes' /proc", 'no signals out',
+    'no abstract unix sockets out'), missing=(), failed=None)
 
 What it does not close: descriptors and shared memory the rank had before (the kit blanks the inherited
-descriptors, ``ranks._blank_inherited``, but the pool's status slots are one shared mapping), TCP to any
+descriptors, ``ranks._blank_inherited``, and gives each rank a status mapping of its own), TCP to any
 process (the kernel's store among them), a pathname unix socket some unconfined process made, and the
 calls the sandbox's syscall filter refuses instead (System V IPC, POSIX message queues, ptrace).  Landlock
 binds the calling thread and the threads it starts later (before ABI 8, not the threads already running),
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -36,8 +39,9 @@ _CREATE_RULESET_VERSION = 1 << 0
 _RULE_PATH_BENEATH = 1
 _PR_SET_NO_NEW_PRIVS = 38
 
-# LANDLOCK_ACCESS_FS_*: every right that writes (reads, READ_DIR and EXECUTE stay unhandled: allowed)
-_WRITE_FILE, _TRUNCATE = 1 << 1, 1 << 14
+# LANDLOCK_ACCESS_FS_*: every right that writes, and reading (EXECUTE stays unhandled: allowed); reading is
+# allowed again everywhere but other processes' /proc/<pid> (``_readable``)
+_WRITE_FILE, _READ_FILE, _READ_DIR, _TRUNCATE = 1 << 1, 1 << 2, 1 << 3, 1 << 14
 _WRITES_ABI1 = (
     _WRITE_FILE
     | 1 << 4  # REMOVE_DIR
@@ -128,7 +132,9 @@ def _confine() -> Confinement:
     threads = len(os.listdir("/proc/self/task"))
     if threads > 1:
         return Confinement(version, failed=f"{threads} threads run here: those already running would stay unconfined")
-    handled = _WRITES_ABI1 | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
+    handled = (
+        _WRITES_ABI1 | _READ_FILE | _READ_DIR | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
+    )
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if version >= FULL_ABI else 0
     old_abi = f"signals and abstract unix sockets: Landlock ABI {version} < {FULL_ABI} (Linux 6.12)"
     missing = () if scoped else (old_abi,)
@@ -139,12 +145,9 @@ def _confine() -> Confinement:
     except OSError as exc:
         return Confinement(version, (), missing, f"landlock_create_ruleset: {exc.strerror}")
     try:
-        null = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
-        try:  # /dev/null stays writable (a file takes the file rights only)
-            rule = _PathBeneath(_WRITE_FILE | (_TRUNCATE if version >= 3 else 0), null)
-            _call(_SYS_ADD_RULE, ruleset, ctypes.c_int(_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
-        finally:
-            os.close(null)
+        _allow(ruleset, os.devnull, _WRITE_FILE | (_TRUNCATE if version >= 3 else 0))  # (file rights only)
+        for path in _readable():
+            _allow(ruleset, path, _READ_FILE | _READ_DIR)
         if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             return Confinement(version, (), missing, f"no_new_privs: {os.strerror(ctypes.get_errno())}")
         _call(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0))
@@ -152,8 +155,38 @@ def _confine() -> Confinement:
         return Confinement(version, (), missing, f"Landlock: {exc.strerror}")
     finally:
         os.close(ruleset)
-    applied = ("no writes", *(("no signals out", "no abstract unix sockets out") if scoped else ()))
+    applied = (
+        "no writes",
+        "no reads of other processes' /proc",
+        *(("no signals out", "no abstract unix sockets out") if scoped else ()),
+    )
     return Confinement(version, applied, missing)
+
+
+def _readable() -> list[str]:
+    """Where a confined rank may read: every entry of ``/`` but ``/proc``, and of ``/proc`` every entry but
+    other processes' (``/proc/<pid>``: what another rank writes into its own command line, name or
+    environment would be read there; ``/proc/self`` leads to this process's own)."""
+    own = str(os.getpid())
+    top = [os.path.join("/", e) for e in os.listdir("/") if e != "proc"]
+    proc = [os.path.join("/proc", e) for e in os.listdir("/proc") if e == own or not e.isdigit()]
+    return top + [p for p in proc if p not in ("/proc/self", "/proc/thread-self")]
+
+
+def _allow(ruleset: int, path: str, rights: int) -> None:
+    """Add the rule: ``rights`` beneath ``path`` (a file takes the file rights only; a path gone meanwhile,
+    or one this process may not open, is left out: nothing beneath it is allowed)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            rights &= ~_READ_DIR
+        rule = _PathBeneath(rights, fd)
+        _call(_SYS_ADD_RULE, ruleset, ctypes.c_int(_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
+    finally:
+        os.close(fd)
 
 
 def host_problem() -> str | None:

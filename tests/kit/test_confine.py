@@ -73,12 +73,20 @@ def _ways_round_the_wire(tag: str) -> dict:
         tried["another rank's abstract socket"] = _attempt(connect)
         tried["a signal to another rank"] = _attempt(lambda: os.kill(pids[0], signal.SIGCONT))
         tried["a signal to the kernel"] = _attempt(lambda: os.kill(os.getppid(), signal.SIGCONT))
+        # what another process shows of itself in /proc (a rank may rewrite its command line or its name)
+        tried["another rank's /proc/<pid>/cmdline"] = _attempt(lambda: open(f"/proc/{pids[0]}/cmdline", "rb").read())
+        tried["another rank's /proc/<pid>/comm"] = _attempt(lambda: open(f"/proc/{pids[0]}/comm", "rb").read())
+        tried["the kernel's /proc/<pid>/environ"] = _attempt(lambda: open(f"/proc/{os.getppid()}/environ", "rb").read())
     dist.barrier()
     listener.close()
     # what a rank still does: read files, write /dev/null, make a new group over TCP, a collective
     with open(torch.__file__, "rb") as f:
         tried["reading a file"] = "went through" if f.read(1) else "read nothing"
     tried["writing /dev/null"] = _attempt(lambda: open(os.devnull, "wb").write(b"x"))
+    tried["reading its own /proc"] = _attempt(
+        lambda: (open("/proc/self/status", "rb").read(), os.listdir("/proc/self/fd"))
+    )
+    tried["reading /proc/meminfo"] = _attempt(lambda: open("/proc/meminfo", "rb").read())
     group = dist.new_group([0, 1])
     x = torch.ones(3)
     dist.all_reduce(x, group=group)
@@ -94,8 +102,17 @@ OFF_THE_WIRE = (
     "another rank's abstract socket",
     "a signal to another rank",
     "a signal to the kernel",
+    "another rank's /proc/<pid>/cmdline",
+    "another rank's /proc/<pid>/comm",
+    "the kernel's /proc/<pid>/environ",
 )
-STILL_WORKS = ("reading a file", "writing /dev/null", "all_reduce in a new group")
+STILL_WORKS = (
+    "reading a file",
+    "writing /dev/null",
+    "reading its own /proc",
+    "reading /proc/meminfo",
+    "all_reduce in a new group",
+)
 
 
 def test_a_graded_runs_ranks_talk_only_over_the_wire():
