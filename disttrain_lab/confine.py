@@ -2,26 +2,28 @@
 over the wire the grader observes (#42): once the kit has set the rank up, and before the student's code
 runs, the rank may write no file anywhere (only ``/dev/null``), may read nothing of another process's
 ``/proc/<pid>`` (its command line, name, environment, which a rank may rewrite), may not signal a process
-outside itself, and may not connect to an abstract unix socket made outside itself.  Other reads, imports
-and TCP stay allowed (lazy imports; gloo's new connections for ``dist.new_group``).
+outside itself, may not connect to an abstract unix socket made outside itself, and may open no socket
+but TCP's (a seccomp filter: no UDP, no unix socket, no netlink but its routing family).  Other reads,
+imports and TCP stay allowed (lazy imports; gloo's new connections for ``dist.new_group``).
 
     >>> confine.confine()          # in the rank, once, while it has one thread
     Confinement(abi=7, applied=('no writes', "no reads of other processes' /proc", 'no signals out',
-    'no abstract unix sockets out'), missing=(), failed=None)
+    'no abstract unix sockets out', 'only TCP sockets'), missing=(), failed=None)
 
 What it does not close: descriptors and shared memory the rank had before (the kit blanks the inherited
 descriptors, ``ranks._blank_inherited``, and gives each rank a status mapping of its own), TCP to any
-process (the kernel's store among them), a pathname unix socket some unconfined process made, and the
-calls the sandbox's syscall filter refuses instead (System V IPC, POSIX message queues, ptrace).  Landlock
-binds the calling thread and the threads it starts later (before ABI 8, not the threads already running),
-so the rank must call it while it has one thread.  Where the kernel has no Landlock, or an older ABI, the
-answer says what could not be applied; the grading host's description says so too
-(``grading/sandbox.py``).  A rank's own kernel is the student's, so a student who rewrites the kit there
-can skip the call: confinement stops the plain ways round the wire, and the grade still rests on what the
-grader observes.
+process (the kernel's store among them; counted by the grader), and the calls the sandbox's syscall filter
+refuses instead (System V IPC, POSIX message queues, ptrace). Landlock binds the calling thread and the
+threads it starts later (before ABI 8, not the threads already running), so the rank must call it while it
+has one thread. Where the kernel has no Landlock, or an older ABI, the answer says what could not be
+applied; the grading host's description says so too (``grading/sandbox.py``). A rank's own kernel is the
+student's, so a student who rewrites the kit there can skip the call: confinement stops the plain ways
+round the wire, and the grade still rests on what the grader observes.
 
 Through ctypes and the three system calls (their numbers are the same on every architecture): the PyPI
-bindings looked at (``landlock``, ``py-landlock``) lack ABI 6's scopes.
+bindings looked at (``landlock``, ``py-landlock``) lack ABI 6's scopes.  The socket filter is a classic BPF
+program of 20 instructions written here: the kit's libseccomp binding (``grading/syscall_filter.py``) is
+the grading wing's, which the student kit never imports, and libseccomp may be missing on a laptop.
 """
 
 from __future__ import annotations
@@ -160,7 +162,79 @@ def _confine() -> Confinement:
         "no reads of other processes' /proc",
         *(("no signals out", "no abstract unix sockets out") if scoped else ()),
     )
-    return Confinement(version, applied, missing)
+    calls = _SOCKET_CALLS.get(os.uname().machine)
+    if calls is None:
+        return Confinement(version, applied, (*missing, _NO_SOCKET_FILTER))
+    failed = _only_tcp_sockets(calls)
+    if failed is not None:
+        return Confinement(version, applied, missing, f"only TCP sockets: seccomp: {failed}")
+    return Confinement(version, (*applied, "only TCP sockets"), missing)
+
+
+# seccomp, classic BPF (linux/filter.h, linux/seccomp.h): what a confined rank may still open a socket for
+_LD_W_ABS, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
+_ALLOW, _EPERM = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO with EPERM
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+# machine: (AUDIT_ARCH_*, socket's number, socketpair's number)
+_SOCKET_CALLS = {"x86_64": (0xC000003E, 41, 53), "aarch64": (0xC00000B7, 198, 199)}
+_NO_SOCKET_FILTER = f"only TCP sockets: the kit has no socket filter for {os.uname().machine} (x86_64, aarch64)"
+_AF_INET, _AF_INET6, _AF_NETLINK, _SOCK_STREAM, _IPPROTO_TCP, _NETLINK_ROUTE = 2, 10, 16, 1, 6, 0
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _socket_program(arch: int, socket_nr: int, socketpair_nr: int) -> list[tuple[int, int, int, int]]:
+    """The filter: ``socket()`` only for TCP over IPv4 or IPv6 (what gloo and the store use) and for netlink's
+    routing family (the C library's address lookups); no ``socketpair()``; a call through another ABI than
+    this machine's (i386's on x86_64, x32's numbers) refused.  As (code, jt, jf, k), jumps resolved."""
+    deny, allow = "deny", "allow"
+    program = [  # (code, k, where to go if true, if false): a label, or None for the next instruction
+        (_LD_W_ABS, 4, None, None),  # seccomp_data.arch
+        (_JEQ, arch, None, deny),
+        (_LD_W_ABS, 0, None, None),  # seccomp_data.nr
+        (_JGE, 0x40000000, deny, None),  # x32's numbers
+        (_JEQ, socketpair_nr, deny, None),
+        (_JEQ, socket_nr, None, allow),
+        (_LD_W_ABS, 16, None, None),  # args[0]: the family
+        (_JEQ, _AF_NETLINK, "netlink", None),
+        (_JEQ, _AF_INET, "inet", None),
+        (_JEQ, _AF_INET6, "inet", deny),  # (AF_UNIX, AF_PACKET, ... refused)
+        ("inet", _LD_W_ABS, 24, None, None),  # args[1]: the type, with SOCK_NONBLOCK and SOCK_CLOEXEC
+        (_AND, 0xF, None, None),
+        (_JEQ, _SOCK_STREAM, None, deny),  # (UDP and raw sockets refused)
+        (_LD_W_ABS, 32, None, None),  # args[2]: the protocol (0: TCP for a stream; not SCTP)
+        (_JEQ, 0, allow, None),
+        (_JEQ, _IPPROTO_TCP, allow, deny),
+        ("netlink", _LD_W_ABS, 32, None, None),
+        (_JEQ, _NETLINK_ROUTE, allow, deny),  # (NETLINK_USERSOCK and the rest refused)
+        ("allow", _RET, _ALLOW, None, None),
+        ("deny", _RET, _EPERM, None, None),
+    ]
+    rows = [r if isinstance(r[0], int) else r[1:] for r in program]
+    where = {r[0]: i for i, r in enumerate(program) if isinstance(r[0], str)}
+
+    def jump(i: int, to) -> int:
+        return 0 if to is None else where[to] - i - 1
+
+    return [(code, jump(i, t), jump(i, f), k) for i, (code, k, t, f) in enumerate(rows)]
+
+
+def _only_tcp_sockets(calls: tuple[int, int, int]) -> str | None:
+    """Load the socket filter (``_socket_program``) into this process (no_new_privs already set): a rank can then
+    reach another only by TCP, which the grader counts; UDP, unix sockets (a path some unconfined process
+    made among them) and netlink's user sockets would go round it.  None, or why it could not be loaded."""
+    rows = _socket_program(*calls)
+    code = (_SockFilter * len(rows))(*(_SockFilter(c, t, f, k) for c, t, f, k in rows))
+    prog = _SockFprog(len(rows), code)
+    if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None
 
 
 def _readable() -> list[str]:
@@ -194,6 +268,8 @@ def host_problem() -> str | None:
     version, why = abi()
     if not version:
         return f"ranks of a graded run are not confined (Landlock: {why}): they can pass data through files"
+    if os.uname().machine not in _SOCKET_CALLS:
+        return f"{_NO_SOCKET_FILTER}: the ranks of a graded run can talk over UDP and unix sockets"
     if version < FULL_ABI:
         return (
             f"Landlock ABI {version} < {FULL_ABI} (Linux 6.12): the ranks of a graded run can signal each other and "

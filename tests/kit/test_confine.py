@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 
 import pytest
@@ -19,8 +20,9 @@ from disttrain_lab.devices import plan
 pytestmark = pytest.mark.skipif(confine.host_problem() is not None, reason=str(confine.host_problem()))
 
 
-def _ways_round_the_wire(tag: str) -> dict:
+def _ways_round_the_wire(tag: str, made: str) -> dict:
     """In each rank: every way to pass data to another rank off the wire, tried; and what must still work.
+    ``made``: a unix socket's path, listening in the test's process (an unconfined one, as the kernel is).
     (A test's driver: it runs with the notebook's names, so it imports what it uses.)"""
     import os
     import signal
@@ -56,13 +58,31 @@ def _ways_round_the_wire(tag: str) -> dict:
         os.unlink(f"/tmp/{here}.sock")
 
     tried["a unix socket's path"] = _attempt(bind_path)
+
+    def connect_made():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(made)
+
+    def udp():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"x", ("127.0.0.1", 9))
+
+    tried["a unix socket the kernel made"] = _attempt(connect_made)
+    tried["a UDP datagram"] = _attempt(udp)
+    tried["a netlink user socket"] = _attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 2).close())
+    tried["a socket pair"] = _attempt(lambda: [s.close() for s in socket.socketpair()])
     # rank 0 listens on an abstract unix socket, rank 1 connects to it and signals rank 0
     pids = [None, None]
     dist.all_gather_object(pids, os.getpid())
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener = []
     if rank == 0:
-        listener.bind(f"\0dl-confine-{tag}")
-        listener.listen(1)
+
+        def listen():
+            listener.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            listener[0].bind(f"\0dl-confine-{tag}")
+            listener[0].listen(1)
+
+        tried["listening on an abstract socket"] = _attempt(listen)
     dist.barrier()
     if rank == 1:
 
@@ -78,7 +98,8 @@ def _ways_round_the_wire(tag: str) -> dict:
         tried["another rank's /proc/<pid>/comm"] = _attempt(lambda: open(f"/proc/{pids[0]}/comm", "rb").read())
         tried["the kernel's /proc/<pid>/environ"] = _attempt(lambda: open(f"/proc/{os.getppid()}/environ", "rb").read())
     dist.barrier()
-    listener.close()
+    for opened in listener:
+        opened.close()
     # what a rank still does: read files, write /dev/null, make a new group over TCP, a collective
     with open(torch.__file__, "rb") as f:
         tried["reading a file"] = "went through" if f.read(1) else "read nothing"
@@ -99,6 +120,11 @@ OFF_THE_WIRE = (
     "a file in /dev/shm",
     "a fifo",
     "a unix socket's path",
+    "a unix socket the kernel made",
+    "a UDP datagram",
+    "a netlink user socket",
+    "a socket pair",
+    "listening on an abstract socket",
     "another rank's abstract socket",
     "a signal to another rank",
     "a signal to the kernel",
@@ -115,25 +141,31 @@ STILL_WORKS = (
 )
 
 
-def test_a_graded_runs_ranks_talk_only_over_the_wire():
+def test_a_graded_runs_ranks_talk_only_over_the_wire(tmp_path):
+    made = str(tmp_path / "kernel.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(made)
+    listener.listen(8)
+    os.chmod(made, 0o777)
     pool.shutdown()
     pool.prepare(2, plan(2), confined=True)  # what the grader's prepare comm does (serving.prepare)
     graded_pids = pool.worker_pids()
     with pool.prepared_only(), pool.confined():  # what serving does with its request
-        run = exercise.run(_ways_round_the_wire, 2, ("graded",), timeout=60)
+        run = exercise.run(_ways_round_the_wire, 2, ("graded", made), timeout=60)
     tried = {**run.results[0], **run.results[1]}
     assert {way: tried[way].split(":")[0] for way in OFF_THE_WIRE} == dict.fromkeys(OFF_THE_WIRE, "refused"), tried
     assert "PermissionError" in tried["a file in /dev/shm"], tried
     assert {way: tried[way] for way in STILL_WORKS} == dict.fromkeys(STILL_WORKS, "went through"), tried
     assert pool.worker_pids() == graded_pids  # the prepared, confined ranks ran it
     # the control: the student's own run gets unconfined ranks (forked anew), where every way goes through
-    run = exercise.run(_ways_round_the_wire, 2, ("own",), timeout=60)
+    run = exercise.run(_ways_round_the_wire, 2, ("own", made), timeout=60)
     assert not set(pool.worker_pids()) & set(graded_pids)
     tried = {**run.results[0], **run.results[1]}
     assert {way: tried[way] for way in OFF_THE_WIRE + STILL_WORKS} == dict.fromkeys(
         OFF_THE_WIRE + STILL_WORKS, "went through"
     ), tried
     pool.shutdown()
+    listener.close()
 
 
 def _through_shared_memory(token: bytes) -> dict:
