@@ -34,7 +34,7 @@ import stat
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Confinement", "abi", "confine", "host_problem", "FULL_ABI"]
+__all__ = ["Confinement", "abi", "confine", "host_problem", "seccomp_filters", "unconfined", "FULL_ABI"]
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1 << 0
@@ -129,39 +129,18 @@ def confine() -> Confinement:
 
 def _confine() -> Confinement:
     version, why = abi()
-    if not version:
-        return Confinement(0, (), (f"Landlock: {why}",))
     threads = len(os.listdir("/proc/self/task"))
     if threads > 1:
         return Confinement(version, failed=f"{threads} threads run here: those already running would stay unconfined")
-    handled = (
-        _WRITES_ABI1 | _READ_FILE | _READ_DIR | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
-    )
-    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if version >= FULL_ABI else 0
-    old_abi = f"signals and abstract unix sockets: Landlock ABI {version} < {FULL_ABI} (Linux 6.12)"
-    missing = () if scoped else (old_abi,)
-    attr = _RulesetAttr(handled, 0, scoped)
-    try:
-        size = ctypes.c_size_t(ctypes.sizeof(attr))
-        ruleset = _call(_SYS_CREATE_RULESET, ctypes.byref(attr), size, ctypes.c_uint32(0))
-    except OSError as exc:
-        return Confinement(version, (), missing, f"landlock_create_ruleset: {exc.strerror}")
-    try:
-        _allow(ruleset, os.devnull, _WRITE_FILE | (_TRUNCATE if version >= 3 else 0))  # (file rights only)
-        for path in _readable():
-            _allow(ruleset, path, _READ_FILE | _READ_DIR)
-        if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            return Confinement(version, (), missing, f"no_new_privs: {os.strerror(ctypes.get_errno())}")
-        _call(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0))
-    except OSError as exc:
-        return Confinement(version, (), missing, f"Landlock: {exc.strerror}")
-    finally:
-        os.close(ruleset)
-    applied = (
-        "no writes",
-        "no reads of other processes' /proc",
-        *(("no signals out", "no abstract unix sockets out") if scoped else ()),
-    )
+    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # (both Landlock and an unprivileged seccomp need it)
+        return Confinement(version, failed=f"no_new_privs: {os.strerror(ctypes.get_errno())}")
+    applied: tuple[str, ...] = ()
+    missing: tuple[str, ...] = (f"Landlock: {why}",)
+    if version:
+        landlock = _landlock(version)
+        if isinstance(landlock, str):
+            return Confinement(version, failed=landlock)
+        applied, missing = landlock
     calls = _SOCKET_CALLS.get(os.uname().machine)
     if calls is None:
         return Confinement(version, applied, (*missing, _NO_SOCKET_FILTER))
@@ -169,6 +148,74 @@ def _confine() -> Confinement:
     if failed is not None:
         return Confinement(version, applied, missing, f"only TCP sockets: seccomp: {failed}")
     return Confinement(version, (*applied, "only TCP sockets"), missing)
+
+
+def _landlock(version: int) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
+    """Restrict this process with Landlock: (what holds now, what this ABI cannot give), or why it failed."""
+    handled = (
+        _WRITES_ABI1 | _READ_FILE | _READ_DIR | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
+    )
+    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if version >= FULL_ABI else 0
+    old_abi = f"signals and abstract unix sockets: Landlock ABI {version} < {FULL_ABI} (Linux 6.12)"
+    attr = _RulesetAttr(handled, 0, scoped)
+    try:
+        size = ctypes.c_size_t(ctypes.sizeof(attr))
+        ruleset = _call(_SYS_CREATE_RULESET, ctypes.byref(attr), size, ctypes.c_uint32(0))
+    except OSError as exc:
+        return f"landlock_create_ruleset: {exc.strerror}"
+    try:
+        _allow(ruleset, os.devnull, _WRITE_FILE | (_TRUNCATE if version >= 3 else 0))  # (file rights only)
+        for path in _readable():
+            _allow(ruleset, path, _READ_FILE | _READ_DIR)
+        _call(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0))
+    except OSError as exc:
+        return f"Landlock: {exc.strerror}"
+    finally:
+        os.close(ruleset)
+    applied = (
+        "no writes",
+        "no reads of other processes' /proc",
+        *(("no signals out", "no abstract unix sockets out") if scoped else ()),
+    )
+    return applied, (() if scoped else (old_abi,))
+
+
+def seccomp_filters(pid: int) -> tuple[bool, int, int] | None:
+    """(no_new_privs, how many seccomp filters, the parent's pid) of process ``pid``, read by anyone from its
+    ``/proc/<pid>/status`` (the kernel's lines, read as bytes: the one a process names itself in is
+    escaped, and skipped); None where this kernel does not say (before Linux 5.9) or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    fields = dict(line.split(b":", 1) for line in lines[1:] if b":" in line)  # (line 0: Name, the process's own)
+    try:
+        return fields[b"NoNewPrivs"].strip() == b"1", int(fields[b"Seccomp_filters"]), int(fields[b"PPid"])
+    except (KeyError, ValueError):
+        return None
+
+
+def unconfined(ranks: list[int]) -> str | None:
+    """Why the ranks ``ranks`` (host pids) of a graded run look unconfined from outside, or None: each must
+    have no_new_privs and more seccomp filters than the process that forked it (the socket filter: a kernel
+    that rewrote the kit to skip ``confine`` shows it).  None too where this host would not confine
+    (``_SOCKET_CALLS``) or its kernel does not say (``seccomp_filters``)."""
+    if os.uname().machine not in _SOCKET_CALLS:
+        return None
+    for rank, pid in enumerate(ranks):
+        mine = seccomp_filters(pid)
+        if mine is None:
+            return None if os.path.exists(f"/proc/{pid}") else f"rank {rank} (pid {pid}) was gone"
+        theirs = seccomp_filters(mine[2])
+        if theirs is None:
+            return f"rank {rank}'s parent (pid {mine[2]}) could not be read"
+        if not mine[0] or mine[1] <= theirs[1]:
+            return (
+                f"rank {rank} was not confined: no_new_privs {int(mine[0])}, {mine[1]} seccomp filter(s) against "
+                f"the {theirs[1]} of the process that forked it (a confined rank adds one: confine.py)"
+            )
+    return None
 
 
 # seccomp, classic BPF (linux/filter.h, linux/seccomp.h): what a confined rank may still open a socket for

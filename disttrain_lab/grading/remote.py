@@ -44,7 +44,7 @@ from queue import Empty
 
 from jupyter_client.blocking import BlockingKernelClient
 
-from disttrain_lab import exercise, osmemory, wire
+from disttrain_lab import confine, exercise, osmemory, wire
 from disttrain_lab.grading import reaper, sandbox
 from disttrain_lab.grading.capture import Capture
 from disttrain_lab.grading.handoff import CELL_FILE, TIMED_OUT_FILE, read_json
@@ -344,6 +344,10 @@ class RemoteRunner:
         try:
             if before is None:
                 raise RuntimeError(why)
+            if request.device in (None, "cpu"):  # (the CPU's ranks confine themselves: confine.py)
+                not_confined = confine.unconfined(pids)
+                if not_confined is not None:  # a way off the wire was left open: the wire is not all they said
+                    raise RuntimeError(not_confined)
             after, owner = wire.snapshot(inside, user=user), wire.owners(pids, user)
             traffic = wire.traffic(before, after, pids, owner=owner)
             timeline = (

@@ -373,7 +373,12 @@ def test_honest_classmates_keep_full_marks_and_nothing_ran_on_the_graders_side(g
 @pytest.mark.slow
 def test_what_each_attack_is_told(graded):
     forged = feedback(graded.course, "forged_serve", LAB)
-    assert "the operating system counted" in forged  # the made-up values were right; no byte moved
+    # the made-up values were right and no byte moved; its kernel answered with ranks of its own launch, which
+    # the grader sees unconfined from outside (confine.unconfined) where it can: then nothing is counted at all
+    if confine.host_problem() is None:
+        assert "rank 0 was not confined: no_new_privs" in forged, forged[-3000:]
+    else:
+        assert "the operating system counted" in forged
     assert "could not be read as plain data" in feedback(graded.course, "pickle_bomb", LAB)
     shm = html.unescape(feedback(graded.course, "shared_memory", LAB))
     junk = html.unescape(feedback(graded.course, "shared_memory_and_junk", LAB))  # right sizes, junk in them

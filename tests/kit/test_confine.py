@@ -249,3 +249,33 @@ def test_confining_too_late_applies_nothing_and_says_why(tmp_path):
 def test_the_host_says_what_confinement_gives():
     version, why = confine.abi()
     assert version >= confine.FULL_ABI and why is None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def test_the_grader_sees_from_outside_whether_the_ranks_were_confined(monkeypatch):
+    # The ranks' parent is the student's kernel, which could rewrite the kit to skip confine(): the grader
+    # (grading/remote.py) reads each rank's /proc/<pid>/status from outside, where a confined rank has
+    # no_new_privs and one seccomp filter more than the process that forked it, and fails closed otherwise.
+    pool.shutdown()
+    pool.prepare(2, plan(2), confined=True)
+    with pool.prepared_only(), pool.confined():
+        exercise.run(_rank, 2, timeout=60)
+    assert confine.unconfined(pool.worker_pids()) is None
+    pool.shutdown()
+    # a kernel that skips the call: the same graded run, its ranks unconfined
+    monkeypatch.setattr(confine, "confine", lambda: confine.Confinement(7, ("no writes", "only TCP sockets")))
+    pool.prepare(2, plan(2), confined=True)
+    with pool.prepared_only(), pool.confined():
+        exercise.run(_rank, 2, timeout=60)
+    said = confine.unconfined(pool.worker_pids())
+    assert said is not None and said.startswith("rank 0 was not confined: no_new_privs 0"), said
+    pool.shutdown()
+    # the student's own runs are not confined, and the check says so too (the grader never asks it of them)
+    exercise.run(_rank, 2, timeout=60)
+    assert "was not confined" in str(confine.unconfined(pool.worker_pids()))
+    pool.shutdown()
