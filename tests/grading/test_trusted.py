@@ -377,8 +377,8 @@ def test_what_each_attack_is_told(graded):
     # the grader sees unconfined from outside (confine.unconfined) where it can: then nothing is counted at all
     if confine.host_problem() is None:
         assert "rank 0 was not confined: no_new_privs" in forged, forged[-3000:]
-    else:
-        assert "the operating system counted" in forged
+    else:  # (an older Landlock: the filter and the check may still hold)
+        assert "the operating system counted" in forged or "rank 0 was not confined" in forged, forged[-3000:]
     assert "could not be read as plain data" in feedback(graded.course, "pickle_bomb", LAB)
     shm = html.unescape(feedback(graded.course, "shared_memory", LAB))
     junk = html.unescape(feedback(graded.course, "shared_memory_and_junk", LAB))  # right sizes, junk in them
