@@ -34,7 +34,7 @@ import stat
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Confinement", "abi", "confine", "host_problem", "seccomp_filters", "unconfined", "FULL_ABI"]
+__all__ = ["Confinement", "abi", "confine", "host_problem", "seccomp_filters", "unconfined", "unmap_shared", "FULL_ABI"]
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1 << 0
@@ -178,6 +178,29 @@ def _landlock(version: int) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
         *(("no signals out", "no abstract unix sockets out") if scoped else ()),
     )
     return applied, (() if scoped else (old_abi,))
+
+
+def unmap_shared(keep) -> list[str]:
+    """Unmap every shared mapping of this process but ``keep`` (a writable buffer: the rank's own status
+    slot): what a rank inherits from the kernel that forked it (a mapping the notebook made, a semaphore of
+    ``multiprocessing``) is shared with every other rank forked from it, a way round the wire.  Call it in a
+    rank of a graded run before :func:`confine`, while nothing else runs.  Gives what was unmapped."""
+    view = ctypes.c_char.from_buffer(keep)
+    own = ctypes.addressof(view)
+    del view  # (the export ends: the slot can still be closed)
+    dropped = []
+    with open("/proc/self/maps", "rb") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) < 5 or len(fields[1]) != 4 or fields[1][3:4] != b"s":
+            continue
+        start, end = (int(x, 16) for x in fields[0].split(b"-"))
+        if start <= own < end:
+            continue
+        if _libc.munmap(ctypes.c_void_p(start), ctypes.c_size_t(end - start)) == 0:
+            dropped.append(line.decode(errors="replace"))
+    return dropped
 
 
 def seccomp_filters(pid: int) -> tuple[bool, int, int] | None:

@@ -136,6 +136,7 @@ def _run_job(job: dict, status) -> tuple:
         _retire_group()
         store = _store_client(job["port"])
         if job.get("confine"):  # a graded run's rank (pool.confined): before gloo's threads start
+            confine.unmap_shared(status)  # (shared with the other ranks, by the kernel: all but its own slot)
             done = confine.confine()
             if done.failed:
                 raise RuntimeError(f"rank {rank} could not be confined for a graded run: {done.failed}")

@@ -168,9 +168,10 @@ def test_a_graded_runs_ranks_talk_only_over_the_wire(tmp_path):
     listener.close()
 
 
-def _through_shared_memory(token: bytes) -> dict:
+def _through_shared_memory(token: bytes, only: int | None) -> dict:
     """In each rank: rank 0 writes ``token`` at the end of every writable shared mapping it has (``rw-s`` in
-    /proc/self/maps: what the kernel shared with it before the fork), rank 1 then looks for it in its own."""
+    /proc/self/maps: what the kernel shared with it before the fork; ``only``: just the one at that address),
+    rank 1 then looks for it in its own."""
     import ctypes
 
     import torch.distributed as dist
@@ -187,29 +188,44 @@ def _through_shared_memory(token: bytes) -> dict:
 
     mine = shared()
     if dist.get_rank() == 0:
-        for _start, end in mine:
-            ctypes.memmove(end - len(token), token, len(token))
+        for start, end in mine:
+            if only is None or start == only:
+                ctypes.memmove(end - len(token), token, len(token))
     dist.barrier()
-    found = [hex(start) for start, end in mine if ctypes.string_at(end - len(token), len(token)) == token]
+    found = [start for start, end in mine if ctypes.string_at(end - len(token), len(token)) == token]
     dist.barrier()
     return {"mappings": len(mine), "found": found}
 
 
 def test_ranks_share_no_writable_memory_with_each_other():
     # The kernel's status mapping (what each rank is blocked in, for a hang's report) was one mapping for all
-    # the ranks: a channel off the wire, confined or not.  Each rank now has its own; a rank's child unmaps
-    # the others' before any of its code runs.  Rank 0 finds its own token (the probe works); rank 1 does not.
+    # the ranks: a channel off the wire, confined or not.  Each rank now has its own, and a rank's child
+    # unmaps the others' before any of its code runs.  And the kernel is the student's: a mapping it made
+    # before the ranks were forked (here, the test's own) is every rank's too, so a confined rank unmaps
+    # every shared mapping but its own slot (confine.unmap_shared).
+    import ctypes
+    import mmap
     import secrets
 
+    kernel_made = mmap.mmap(-1, 4096)  # (MAP_SHARED, anonymous: inherited by every fork)
+    view = ctypes.c_char.from_buffer(kernel_made)
+    address = ctypes.addressof(view)
+    del view
     pool.shutdown()
     for confined in (True, False):
         pool.prepare(2, plan(2), confined=confined)
         with pool.prepared_only(), pool.confined() if confined else contextlib.nullcontext():
-            run = exercise.run(_through_shared_memory, 2, (secrets.token_bytes(16),), timeout=60)
+            token = secrets.token_bytes(16)
+            run = exercise.run(_through_shared_memory, 2, (token, None if confined else address), timeout=60)
         zero, one = run.results
-        assert zero["mappings"] >= 1 and len(zero["found"]) == zero["mappings"], (confined, run.results)
-        assert one["found"] == [], (confined, run.results)
         pool.shutdown()
+        if confined:  # all rank 0 has is its own slot, where it finds its token (the probe works); rank 1 nothing
+            assert zero["mappings"] == 1 and len(zero["found"]) == 1, run.results
+            assert one["found"] == [], run.results
+        else:  # the control: the kernel's mapping is shared, the status slots are not
+            assert zero["found"] == [address] and one["found"] == [address], run.results
+            assert kernel_made[-16:] == token
+    kernel_made.close()
 
 
 def test_a_confined_run_cannot_emulate_a_network():
