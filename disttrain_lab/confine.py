@@ -10,15 +10,16 @@ imports and TCP stay allowed (lazy imports; gloo's new connections for ``dist.ne
     Confinement(abi=7, applied=('no writes', "no reads of other processes' /proc", 'no signals out',
     'no abstract unix sockets out', 'only TCP sockets'), missing=(), failed=None)
 
-What it does not close: descriptors and shared memory the rank had before (the kit blanks the inherited
-descriptors, ``ranks._blank_inherited``, and gives each rank a status mapping of its own), TCP to any
-process (the kernel's store among them; counted by the grader), and the calls the sandbox's syscall filter
-refuses instead (System V IPC, POSIX message queues, ptrace). Landlock binds the calling thread and the
-threads it starts later (before ABI 8, not the threads already running), so the rank must call it while it
-has one thread. Where the kernel has no Landlock, or an older ABI, the answer says what could not be
-applied; the grading host's description says so too (``grading/sandbox.py``). A rank's own kernel is the
-student's, so a student who rewrites the kit there can skip the call: confinement stops the plain ways
-round the wire, and the grade still rests on what the grader observes.
+What it does not close (the kit does, before the call): descriptors and shared memory the rank had before
+(``ranks._blank_inherited`` blanks the inherited descriptors; :func:`unmap_shared` every shared mapping
+but the rank's own status slot), nor TCP to any process (the kernel's store among them; counted by the
+grader), and the calls the sandbox's syscall filter refuses instead (System V IPC, POSIX message queues,
+ptrace). Landlock binds the calling thread and the threads it starts later (before ABI 8, not the threads
+already running), so the rank must call it while it has one thread. Where the kernel has no Landlock, or
+an older ABI, the answer says what could not be applied; the grading host's description says so too
+(``grading/sandbox.py``). A rank's own kernel is the student's, so a student who rewrites the kit there
+can skip the call: confinement stops the plain ways round the wire, and the grade still rests on what the
+grader observes.
 
 Through ctypes and the three system calls (their numbers are the same on every architecture): the PyPI
 bindings looked at (``landlock``, ``py-landlock``) lack ABI 6's scopes.  The socket filter is a classic BPF
@@ -180,15 +181,14 @@ def _landlock(version: int) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
     return applied, (() if scoped else (old_abi,))
 
 
-def unmap_shared(keep) -> list[str]:
+def unmap_shared(keep) -> None:
     """Unmap every shared mapping of this process but ``keep`` (a writable buffer: the rank's own status
     slot): what a rank inherits from the kernel that forked it (a mapping the notebook made, a semaphore of
     ``multiprocessing``) is shared with every other rank forked from it, a way round the wire.  Call it in a
-    rank of a graded run before :func:`confine`, while nothing else runs.  Gives what was unmapped."""
+    rank of a graded run before :func:`confine`, while nothing else runs."""
     view = ctypes.c_char.from_buffer(keep)
     own = ctypes.addressof(view)
     del view  # (the export ends: the slot can still be closed)
-    dropped = []
     with open("/proc/self/maps", "rb") as f:
         lines = f.read().splitlines()
     for line in lines:
@@ -198,9 +198,7 @@ def unmap_shared(keep) -> list[str]:
         start, end = (int(x, 16) for x in fields[0].split(b"-"))
         if start <= own < end:
             continue
-        if _libc.munmap(ctypes.c_void_p(start), ctypes.c_size_t(end - start)) == 0:
-            dropped.append(line.decode(errors="replace"))
-    return dropped
+        _libc.munmap(ctypes.c_void_p(start), ctypes.c_size_t(end - start))
 
 
 def seccomp_filters(pid: int) -> tuple[bool, int, int] | None:
