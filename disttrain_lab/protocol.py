@@ -361,10 +361,12 @@ class Evidence:
     memory: osmemory.Held = field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
 
     @classmethod
-    def unobserved(cls, why: str) -> Evidence:
+    def unobserved(cls, why: str, by_submission: bool = False) -> Evidence:
+        """Nothing observed, with why; ``by_submission``: because of what the submission did (its
+        messages then tell the student so, not the instructor to change the host)."""
         return cls(
-            traffic=wire.Traffic.unobserved(why),
-            timeline=wire.Timeline.unobserved(why),
+            traffic=wire.Traffic.unobserved(why, by_submission),
+            timeline=wire.Timeline.unobserved(why, by_submission),
             memory=osmemory.Held.unobserved(why),
         )
 

@@ -91,6 +91,26 @@ class Unobserved(RuntimeError):
     fails rather than take the ranks' own account (``Traffic.unobserved``)."""
 
 
+# what an Unobserved message tells its reader to do: the instructor where the host could not observe,
+# the student where the submission made the run unobservable (its ranks were not left as the kit starts them)
+HOST_COUNTS = (
+    "For the instructor: grade on a host where `ss` (iproute2) runs and the grader may read the ranks' "
+    "/proc/<pid>/fd (grader/README.md)"
+)
+HOST_CAPTURES = (
+    "For the instructor: grade as root, where a packet socket may be opened in the student's network "
+    "namespace (grader/README.md)"
+)
+SUBMISSION_CHANGED_THE_RANKS = (
+    "This was the submission's doing, not the grading host's: leave the ranks as the kit starts them (no "
+    "code of the notebook's own may start, replace or change them), and the grader observes them"
+)
+
+
+def _next_step(by_submission: bool, for_the_host: str) -> str:
+    return SUBMISSION_CHANGED_THE_RANKS if by_submission else for_the_host
+
+
 @dataclass
 class Traffic:
     """Payload bytes (gloo's message headers included) each rank sent each other rank.
@@ -106,10 +126,11 @@ class Traffic:
     why: str = ""
     outside: list[int] | None = None  # bytes each rank exchanged (both ways) with processes that are not ranks
     allowed: list[int] | None = None  # how many of them its process groups explain (OUTSIDE_BASE, ..._PER_CONNECTION)
+    by_submission: bool = False  # unobserved because of what the submission did, not the host
 
     @classmethod
-    def unobserved(cls, why: str) -> Traffic:
-        return cls(matrix=None, source="unobserved", why=why)
+    def unobserved(cls, why: str, by_submission: bool = False) -> Traffic:
+        return cls(matrix=None, source="unobserved", why=why, by_submission=by_submission)
 
     def _counts(self) -> list[list[int]]:
         if self.outside is not None and self.allowed is not None:
@@ -126,8 +147,7 @@ class Traffic:
         if self.matrix is None:
             raise Unobserved(
                 f"the grader could not count the bytes between the ranks ({self.why}), so a test that grades "
-                "them fails rather than take the ranks' own account. For the instructor: grade on a host where "
-                "`ss` (iproute2) runs and the grader may read the ranks' /proc/<pid>/fd (grader/README.md)"
+                f"them fails rather than take the ranks' own account. {_next_step(self.by_submission, HOST_COUNTS)}"
             )
         return self.matrix
 
@@ -173,17 +193,17 @@ class Timeline:
     # what each connection between two ranks carried, in the order it crossed: (sender, receiver) ->
     # one bytes per connection (the captured payloads; None where they were not kept)
     data: dict[tuple[int, int], list[bytes]] | None = field(default=None, repr=False, compare=False)
+    by_submission: bool = False  # unobserved because of what the submission did, not the host
 
     @classmethod
-    def unobserved(cls, why: str) -> Timeline:
-        return cls(segments=None, source="unobserved", why=why)
+    def unobserved(cls, why: str, by_submission: bool = False) -> Timeline:
+        return cls(segments=None, source="unobserved", why=why, by_submission=by_submission)
 
     def _all(self) -> list[tuple[float, int, int, int]]:
         if self.segments is None:
             raise Unobserved(
                 f"the grader could not capture when the ranks' data crossed ({self.why}), so a test that grades "
-                "it fails rather than take the ranks' own clocks. For the instructor: grade as root, where a "
-                "packet socket may be opened in the student's network namespace (grader/README.md)"
+                f"it fails rather than take the ranks' own clocks. {_next_step(self.by_submission, HOST_CAPTURES)}"
             )
         return self.segments
 

@@ -377,6 +377,8 @@ def test_what_each_attack_is_told(graded):
     # the grader sees unconfined from outside (confine.unconfined) where it can: then nothing is counted at all
     if confine.host_problem() is None:
         assert "rank 0 was not confined: no_new_privs" in forged, forged[-3000:]
+        # and it tells the student that was the notebook's doing, not the instructor to change the host
+        assert wire.SUBMISSION_CHANGED_THE_RANKS in html.unescape(forged) and "For the instructor" not in forged
     else:  # (an older Landlock: the filter and the check may still hold)
         assert "the operating system counted" in forged or "rank 0 was not confined" in forged, forged[-3000:]
     assert "could not be read as plain data" in feedback(graded.course, "pickle_bomb", LAB)

@@ -75,6 +75,25 @@ def test_the_count_fixes_how_many_messages_and_how_big():
             checks.assert_messages(run, wrong, "ring")
 
 
+def test_an_unobserved_count_tells_whom_to_ask():
+    # the host could not observe: the instructor is told what the host needs; the submission changed the
+    # ranks (grading/remote.py's outside check of their confinement): the student is told, not the instructor
+    for unobserved in (
+        lambda: wire.Traffic.unobserved("no ss").total,
+        wire.Timeline.unobserved("no capture").directions,
+    ):
+        with pytest.raises(wire.Unobserved, match="For the instructor"):
+            unobserved()
+    for unobserved in (
+        lambda: wire.Traffic.unobserved("rank 0 was not confined", by_submission=True).total,
+        wire.Timeline.unobserved("rank 0 was not confined", by_submission=True).directions,
+    ):
+        with pytest.raises(wire.Unobserved) as said:
+            unobserved()
+        assert "rank 0 was not confined" in str(said.value) and wire.SUBMISSION_CHANGED_THE_RANKS in str(said.value)
+        assert "For the instructor" not in str(said.value)
+
+
 def test_positions_on_a_direction():
     timeline = wire.Timeline(segments=[(0.0, 0, 1, NOTE), (0.1, 1, 0, NOTE), (0.2, 0, 1, 1000), (0.3, 0, 1, 500)])
     assert timeline.passed(0, 1, 0) == 0.0 and timeline.passed(0, 1, NOTE) == 0.2
