@@ -93,11 +93,11 @@ class Unobserved(RuntimeError):
 
 # what an Unobserved message tells its reader to do: the instructor where the host could not observe,
 # the student where the submission made the run unobservable (its ranks were not left as the kit starts them)
-HOST_COUNTS = (
+_HOST_COUNTS = (
     "For the instructor: grade on a host where `ss` (iproute2) runs and the grader may read the ranks' "
     "/proc/<pid>/fd (grader/README.md)"
 )
-HOST_CAPTURES = (
+_HOST_CAPTURES = (
     "For the instructor: grade as root, where a packet socket may be opened in the student's network "
     "namespace (grader/README.md)"
 )
@@ -105,10 +105,6 @@ SUBMISSION_CHANGED_THE_RANKS = (
     "This was the submission's doing, not the grading host's: leave the ranks as the kit starts them (no "
     "code of the notebook's own may start, replace or change them), and the grader observes them"
 )
-
-
-def _next_step(by_submission: bool, for_the_host: str) -> str:
-    return SUBMISSION_CHANGED_THE_RANKS if by_submission else for_the_host
 
 
 @dataclass
@@ -145,9 +141,10 @@ class Traffic:
                     "sends data there earns nothing from the bytes it moved"
                 )
         if self.matrix is None:
+            to_do = SUBMISSION_CHANGED_THE_RANKS if self.by_submission else _HOST_COUNTS
             raise Unobserved(
                 f"the grader could not count the bytes between the ranks ({self.why}), so a test that grades "
-                f"them fails rather than take the ranks' own account. {_next_step(self.by_submission, HOST_COUNTS)}"
+                f"them fails rather than take the ranks' own account. {to_do}"
             )
         return self.matrix
 
@@ -201,9 +198,10 @@ class Timeline:
 
     def _all(self) -> list[tuple[float, int, int, int]]:
         if self.segments is None:
+            to_do = SUBMISSION_CHANGED_THE_RANKS if self.by_submission else _HOST_CAPTURES
             raise Unobserved(
                 f"the grader could not capture when the ranks' data crossed ({self.why}), so a test that grades "
-                f"it fails rather than take the ranks' own clocks. {_next_step(self.by_submission, HOST_CAPTURES)}"
+                f"it fails rather than take the ranks' own clocks. {to_do}"
             )
         return self.segments
 
