@@ -31,7 +31,8 @@ def setup(device: str = "cpu") -> None:
 def communication_volume(events) -> int:
     """Bytes a rank's collectives moved (section 2's accounting): reduce-scatter or all-gather of S bytes
     count S (the size of the whole input, resp. output), an all-reduce of S bytes 2S (it is a reduce-scatter
-    plus an all-gather)."""
+    plus an all-gather).  The lab's helpers on the CPU count the same: their all-to-all of the S-byte input,
+    their N broadcasts of S/N bytes each."""
     return sum(2 * e.bytes if e.op.startswith("all_reduce") else e.bytes for e in events if e.kind == "collective")
 
 

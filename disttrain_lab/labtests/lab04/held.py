@@ -158,8 +158,9 @@ def _check_pause_placed(case: str, stage: int, rank: int, by_pause: int, in_all:
     """The pause the memory was read at is the one between steps 2 and 3.  ``step``: one step's collectives,
     ring-optimal (2 × (N−1)/N × 4Ψ bytes for ZeRO-1 and -2, 3 × for ZeRO-3).  By the pause a rank had sent at
     least 2 steps' and at least ``BY_PAUSE`` (62 %) of what it sent in the whole run (2 of its 3 equal steps:
-    67 %), and the whole run at most ``AT_MOST`` (1.6) times 3 steps' (the solution on gloo, whose reduce-scatter
-    sends an all-reduce's bytes: 1.5 for ZeRO-1 and -2, 1.33 for ZeRO-3).  A pause made before training, after
+    67 %), and the whole run at most ``AT_MOST`` (1.6) times 3 steps' (the solution, whose helpers move ring-optimal
+    bytes: 1.0; gloo's own ``reduce_scatter_single``, which sends an all-reduce's bytes: 1.5 for ZeRO-1 and -2,
+    1.33 for ZeRO-3).  A pause made before training, after
     bytes sent to look like it, cannot meet all three: to be 62 % of the run those bytes are 1.63 times what the
     3 steps after them send, so the run is 2.63 times the 3 steps' own, and training that is correct sends at
     least an all-reduce of the gradients per step (1 ZeRO-1 step, 2/3 of a ZeRO-3 step): 2.63 × 2/3 > 1.6."""
