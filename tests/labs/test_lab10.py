@@ -14,6 +14,7 @@ answers, and the ring is graded on its own.
   all-to-all in backward) fail the right graded cell with a message that says why; all in one
   kernel, to keep the suite's time down.
 - The ring is graded with the grader's blocks when exercise 1 fails.
+- The given block backward (torch's fused CPU kernel) equals torch's autograd, summed over the blocks.
 
 The benchmark (`disttrain-lab bench sequence`) is tested in test_bench_sequence.py; the blank notebook
 failing every graded cell, and the autograde round trip, in test_grading.py.  Lab 11 (expert
@@ -372,3 +373,44 @@ def test_later_exercises_are_graded_on_the_graders_pieces():
     assert errors(results["online_softmax"])
     assert not errors(results["ring_attention"]), errors(results["ring_attention"])
     assert "\N{WHITE HEAVY CHECK MARK}" in text(results["ring_attention"]), text(results["ring_attention"])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "naive"])
+def test_given_block_backward_is_torchs_on_every_block(layout):
+    """The given ``block_attention_backward`` calls torch's fused CPU FlashAttention backward
+    (``FUSED_BACKWARD``).  On a 3-rank split, summed over the blocks, its dq of each rank's queries and its
+    dk, dv of each rank's keys equal torch's autograd of the whole causal attention (SDPA); and on every
+    block its unfused lines give the same numbers."""
+    import torch
+    import torch.nn.functional as F
+
+    lab = bench.functions_from_notebook(LAB, ["block_attention_backward", "sequence_positions"], given=True)
+    backward, positions = lab["block_attention_backward"], lab["sequence_positions"]
+    names = backward.__globals__
+    heads, seq_len, dim, n = 2, 24, 4, 3
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(heads, seq_len, dim, generator=g, dtype=torch.float64) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(dout)
+    scores = (q @ k.transpose(-1, -2)).detach() * dim**-0.5
+    lse = torch.logsumexp(scores.masked_fill(~torch.ones(seq_len, seq_len).bool().tril(), float("-inf")), -1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rank in range(n):
+        for source in range(n):
+            qp, kp = positions(seq_len, n, rank, layout), positions(seq_len, n, source, layout)
+            args = (q[:, qp], k[:, kp], v[:, kp], qp, kp, out[:, qp], lse[:, qp], dout[:, qp])
+            args = tuple(a.detach() for a in args)
+            fused = backward(*args)
+            names["FUSED_BACKWARD"] = False
+            try:
+                lines = backward(*args)
+            finally:
+                names["FUSED_BACKWARD"] = True
+            for name, a, b in zip(("dq", "dk", "dv"), fused, lines):
+                assert torch.allclose(a, b, atol=1e-12), (layout, rank, source, name)
+            dq[:, qp] += fused[0]
+            dk[:, kp] += fused[1]
+            dv[:, kp] += fused[2]
+    for name, got, want in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", dv, v.grad)):
+        assert torch.allclose(got, want, atol=1e-12), (layout, name, (got - want).abs().max())
