@@ -16,7 +16,10 @@ part runs on the CPU, where the emulated link slows the transfers (it delays CPU
 
 Long sequences (forward and backward on an emulated link, default 10 Gbit Ethernet, at several
 sequence lengths): the lab's ``ring_attention`` (zig-zag) against its ``ulysses_attention``
-(contiguous tokens, an all-to-all to a head split and back), side by side in one launch.
+(contiguous tokens, an all-to-all to a head split and back), side by side in one launch; then one more
+traced step of the ring per length, for what its transfers left exposed: per pass, the time the slowest
+rank spent in its sends, receives and waits, against what the emulated link took for what it sent
+(``exposed_communication``).
 
 Lab 11's expert-parallel MoE has its own benchmark: ``disttrain-lab bench experts`` (experts.py).
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 
+from .. import trace
 from ..devices import device as rank_device
 from ..launcher import launch
 from ..network import Network
@@ -149,11 +153,33 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
 
             runners[f"{name}, S={seq_len}"] = run
         out[seq_len] = times = step_times(runners, repeats, warmup)
+        trace.set_recording(True)  # one more step of the ring, traced: where its transfers were exposed
+        try:
+            runners[f"ring_attention, S={seq_len}"]()
+        finally:
+            times["exposed"] = exposed_communication(trace.set_recording(False))
         if times["counted"] == OPS_SIZES:  # an all-to-all keeps 1/N of its tensor: what it sends, as the ring's isends
             times["bytes"] = {
                 name: sent * ((n - 1) / n if name.startswith("ulysses") else 1) for name, sent in times["bytes"].items()
             }
     return out
+
+
+def exposed_communication(events: list[tuple]) -> dict:
+    """From one rank's raw trace of one ring-attention step (``trace.set_recording``'s events): per pass
+    (``"forward"``, then ``"backward"`` from the end of the forward's last ``block`` region on), the seconds the
+    rank spent in its sends, receives and waits for them (``exposed``: not computing), and the seconds the
+    emulated link gave what it sent (``link``: the network model's, 0 without one)."""
+    backward = max((e[4] for e in events if e[2] == "region" and e[9] == "block"), default=float("inf"))
+    passes = {"forward": {"exposed": 0.0, "link": 0.0}, "backward": {"exposed": 0.0, "link": 0.0}}
+    for _, op, kind, start, end, *_, meta in events:
+        if kind not in ("p2p", "wait"):
+            continue
+        one = passes["backward" if start >= backward else "forward"]
+        one["exposed"] += end - start
+        if kind == "p2p" and op in ("send", "isend"):
+            one["link"] += meta.get("network_s") or 0.0
+    return passes
 
 
 def _attention_times(versions: dict, attention: dict, repeats: int, warmup: int) -> dict:
@@ -247,6 +273,16 @@ def _long_sequence_rows(versions, world_size, seq_lens, heads, dim, repeats, war
                     "ratio": ring / value,
                 }
             )
+            if name.startswith("ring_attention"):  # per pass, the rank that waited least: the slowest, whose
+                # waits lie on the step's critical path (the others' include waiting for it)
+                waits = [rank[seq_len]["exposed"] for rank in per_rank]
+                rows[-1]["exposed_ms"] = {
+                    step: {
+                        what: 1e3 * min(waits, key=lambda w: w[step]["exposed"])[step][what]
+                        for what in ("exposed", "link")
+                    }
+                    for step in ("forward", "backward")
+                }
     return rows
 
 
@@ -258,6 +294,19 @@ def format_sequence_table(rows: list[dict]) -> str:
         mine = [r for r in rows if r["part"] == part]
         if mine:
             lines += step_table(mine, width)
+    exposed = [r for r in rows if "exposed_ms" in r]
+    if exposed:
+        lines.append(
+            "ring_attention's communication in one more traced step, per pass, on the rank that waited least (the "
+            "slowest: its waits lie on the step's critical path): exposed, its time in sends, receives and waits, "
+            "not computing; link, what the emulated link took for what it sent"
+        )
+        for r in exposed:
+            passes = ", ".join(
+                f"{step} {e['exposed']:.1f} ms exposed of {e['link']:.1f} ms on the link"
+                for step, e in r["exposed_ms"].items()
+            )
+            lines.append(f"  {r['version']:<{width}} {passes}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 context_parallel, and against Ulysses on an emulated link).
 
 - bench.format_sequence_table: the attention part (a row torch could not run says why) and the
-  long-sequence rows (ring against Ulysses, the ring's time the ratio's baseline).
+  long-sequence rows (ring against Ulysses, the ring's time the ratio's baseline), and the ring's
+  exposed communication per pass (exposed_communication, from one traced step).
 - ``disttrain-lab bench sequence`` with tiny options, the functions taken from lab 10's solution
   notebook: every version's row, only torch's "not measured" (on the CPU, with torch's own reason).
 - ``--device``: auto, cpu, cuda (common.pick_device, which bench experts shares).
@@ -68,6 +69,7 @@ def test_format_sequence_table():
             "bytes": 2048,
             "baseline": "ring_attention",
             "ratio": 1.0,
+            "exposed_ms": {"forward": {"exposed": 0.5, "link": 3.4}, "backward": {"exposed": 6.4, "link": 10.1}},
         },
         {
             **long,
@@ -86,6 +88,33 @@ def test_format_sequence_table():
     assert "ring_attention" in table and "2.00x" in table and "8.0 KiB" in table
     assert f"{bench.TORCH_CP}" in table and "not measured: NotImplementedError: no CPU" in table
     assert "experts" not in table  # lab 11's: bench experts
+    assert "forward 0.5 ms exposed of 3.4 ms on the link, backward 6.4 ms exposed of 10.1 ms on the link" in table
+
+
+def test_exposed_communication_per_pass():
+    """One rank's raw trace of a ring step (rank, op, kind, start, end, peer, group, bytes, tag, label, meta):
+    its sends, receives and waits count as exposed, in the forward until the last forward block ends, then
+    in the backward (whose first sends come before its first block); the link's time is the model's for
+    what it sent; compute regions count for nothing."""
+    from disttrain_lab.bench.sequence import exposed_communication
+
+    def event(op, kind, start, end, label="", network_s=None):
+        return (0, op, kind, start, end, 1, None, 8, 0, label, {} if network_s is None else {"network_s": network_s})
+
+    events = [
+        event("isend", "p2p", 0.0, 0.001, network_s=0.002),
+        event("irecv", "p2p", 0.001, 0.0015, network_s=0.002),
+        event("region", "region", 0.0015, 0.5, "block"),
+        event("wait", "wait", 0.5, 0.502, "irecv"),
+        event("region", "region", 0.502, 0.8, "block"),
+        event("isend", "p2p", 0.81, 0.814, network_s=0.004),  # the backward's K, V, before its first block
+        event("region", "region", 0.814, 1.2, "block backward"),
+        event("wait", "wait", 1.2, 1.21, "isend"),
+    ]
+    passes = exposed_communication(events)
+    assert passes["forward"] == pytest.approx({"exposed": 0.0035, "link": 0.002})
+    assert passes["backward"] == pytest.approx({"exposed": 0.014, "link": 0.004})
+    assert exposed_communication([]) == {p: {"exposed": 0.0, "link": 0.0} for p in ("forward", "backward")}
 
 
 @pytest.mark.slow
@@ -99,6 +128,9 @@ def test_cli_bench_sequence_with_tiny_options():
     for line in ("ring_attention", bench.ALL_GATHER_KV, "ring_attention, S=32", "ulysses_attention, S=64"):
         assert f"  {line} " in out, out
     assert "ExpertParallelMoE" not in out and "experts on" not in out, out  # lab 11's: bench experts
+    exposed = [line for line in out.splitlines() if "ms exposed of" in line]  # the ring's, one line a length
+    assert [line.split()[1] for line in exposed] == ["S=32", "S=64"], out
+    assert all(" on the link, backward " in line for line in exposed), out
     unmeasured = [line for line in out.splitlines() if "not measured" in line]
     assert all(line.strip().startswith(bench.TORCH_CP) for line in unmeasured), out  # only torch's, where it cannot run
     if "device: cpu" in out:  # --device auto on a machine without a GPU per rank: torch's says why, from torch itself
