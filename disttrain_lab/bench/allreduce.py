@@ -171,13 +171,43 @@ def format_allreduce_table(rows: list[dict]) -> str:
                 ratio = f"({row[key] / torch_row[key]:.2f}x)" if row and torch_row else ""
                 cells.append(f"{row[key] * scale:>{width}{fmt}} {ratio:>7}" if row else f"{'-':>{width + 8}}")
             lines.append(f"{format_bytes(nbytes):>9}" + "".join(cells))
+    lines += _below_gloo(timed, by)
     lines += [f"{r['algorithm']}: not measured: {r['error']}" for r in rows if "error" in r]
     return "\n".join(lines)
+
+
+BANDWIDTH_BOUND = 16 << 20  # from this size on a row is the algorithm's bandwidth, not its latency
+
+
+def _below_gloo(timed: list[dict], by: dict) -> list[str]:
+    """Where a ring-family row of a bandwidth-bound size is below dist.all_reduce: its busbw and CPU ratios
+    side by side, and why they go together on one host."""
+    below = [
+        r
+        for r in timed
+        if r["algorithm"] in RINGS and r["bytes"] >= BANDWIDTH_BOUND and r.get("ratio", 1.0) < 1.0 and "cpu_s" in r
+    ]
+    if not below:
+        return []
+    from ..trace import format_bytes
+
+    lines = [
+        "below dist.all_reduce's busbw (bandwidth-bound sizes), with the CPU time per call against its: on one host "
+        "the link is a CPU core (every byte is copied through the loopback sockets), so where a ring is slower it "
+        "spends more CPU per call; from launch to launch these ratios move by about 15 % (lab 2, section 9)"
+    ]
+    for r in below:
+        cpu = r["cpu_s"] / by[(TORCH_ALL_REDUCE, r["bytes"])]["cpu_s"]
+        lines.append(
+            f"  {r['algorithm']} at {format_bytes(r['bytes'])}: busbw {r['ratio']:.2f}x, CPU per call {cpu:.2f}x"
+        )
+    return lines
 
 
 NAME = "allreduce"
 HELP = "lab 2's all-reduces against dist.all_reduce (busbw per message size)"
 LAB = os.path.join("02_all_reduce", "02_all_reduce.ipynb")
+RINGS = ("ring_all_reduce", "halving_doubling_all_reduce", "pipelined_ring_all_reduce")  # gloo's peers in bytes
 FUNCTIONS = (
     "naive_all_reduce",
     "parallel_all_reduce",

@@ -498,6 +498,36 @@ def test_format_allreduce_table():
     table = bench.format_allreduce_table(rows)
     cpu = table.split("CPU ms per call and rank")[1]
     assert "6.0 (0.75x)" in cpu and "8.0 (1.00x)" in cpu and "(0.50x)" in table.split("CPU ms")[0], table
+    assert "below dist.all_reduce" not in table  # 1 MiB is latency's; "ring" is not one of lab 2's rings
+
+
+def test_allreduce_table_says_where_a_ring_is_below_gloo():
+    """A ring-family row of a bandwidth-bound size (16 MiB on) below dist.all_reduce's busbw is listed with its
+    CPU per call against gloo's, and why they go together; one above it, or of a smaller size, is not."""
+    rows = []
+    for nbytes in (1 << 20, 16 << 20):
+        for name, busbw, cpu_s in (
+            ("ring_all_reduce", 0.87, 0.020),
+            ("pipelined_ring_all_reduce", 1.05, 0.017),
+            ("dist.all_reduce", 1.0, 0.0176),
+        ):
+            rows.append(
+                {
+                    "algorithm": name,
+                    "world_size": 4,
+                    "bytes": nbytes,
+                    "busbw": busbw * 1e9,
+                    "cpu_s": cpu_s,
+                    "repeats": 7,
+                }
+            )
+    for row in rows:
+        row["ratio"] = row["busbw"] / 1e9
+    table = bench.format_allreduce_table(rows)
+    below = table.split("below dist.all_reduce's busbw")[1]
+    assert "the link is a CPU core" in below, table
+    assert "  ring_all_reduce at 16.0 MiB: busbw 0.87x, CPU per call 1.14x" in below, table
+    assert "1.0 MiB:" not in below and "pipelined" not in below, table
 
 
 def test_functions_from_notebook_runs_definitions_not_tests(solution):
