@@ -85,6 +85,9 @@ def test_format_tp_table():
     assert "MLP 8 -> 32 -> 8 (0.0 M parameters), batch 64, median of 5" in table
     assert "0.80x" in table and "4.0 KiB" in table and "not measured: nope" in table
     assert f"bytes: what rank 0 sent per step ({bench.SENT_ON_THE_WIRE})" in table
+    assert "N = 1" not in table  # no one-rank row: nothing to say about it
+    rows[0]["world_size"] = 1
+    assert "(N = 1: both are the MLP's two matrix products on one rank" in bench.format_tp_table(rows)
 
 
 def test_world_size_takes_one_number_or_several():
