@@ -386,6 +386,11 @@ def format_memory_table(rows: list[dict]) -> str:
                 f"{r['version']:<46} {r['per_s']:9.2f} {show(r['bytes']):>{width}} {show(r['formula']):>{width}}"
                 f"{extra} {r['ratio']:8.2f}x"
             )
+        if part == "checkpointing":
+            lines.append(
+                "(the lab's checkpoint and torch.utils.checkpoint keep the same inputs and run each block's forward "
+                "again in backward; their ratio is the machine's noise, 0.97-1.05x in the runs measured)"
+            )
         if part == "mixed precision":
             lines.append(
                 "(the lab's and GradScaler's rows do the same arithmetic: fp16 forward and backward, the loss scaled "

@@ -409,6 +409,8 @@ def test_format_memory_table_says_why_fsdp2_could_not_run():
     mixed = dict(part="mixed precision", sizes=(4, 8), batch=2, seq=8, samples=1, bytes=16.0, formula=16.0)
     rows = [dict(mixed, version="lab", per_s=2.0, ratio=0.98, skipped=[], steps_run=3)]
     assert "the lab's and GradScaler's rows do the same arithmetic" in format_memory_table(rows)
+    rows = [dict(mixed, part="checkpointing", version="checkpoint (lab)", per_s=2.0, ratio=0.97)]
+    assert "run each block's forward again in backward" in format_memory_table(rows)
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
