@@ -389,7 +389,7 @@ def format_memory_table(rows: list[dict]) -> str:
         if part == "checkpointing":
             lines.append(
                 "(the lab's checkpoint and torch.utils.checkpoint keep the same inputs and run each block's forward "
-                "again in backward; their ratio is the machine's noise, 0.97-1.05x in the runs measured)"
+                "again in backward; their ratio is the machine's noise, 0.97-1.07x in the runs measured)"
             )
         if part == "mixed precision":
             lines.append(
