@@ -11,6 +11,7 @@ import os
 import statistics
 import time
 
+from ..events import format_bytes
 from .common import (
     Measured,
     NotMeasured,
@@ -145,8 +146,6 @@ def bench_allreduce(
 def format_allreduce_table(rows: list[dict]) -> str:
     """busbw (GB/s) per message size, one column per algorithm, each / dist.all_reduce's; then,
     where the rows have it, the CPU time per call and rank (ms), each / dist.all_reduce's."""
-    from ..trace import format_bytes
-
     timed = [r for r in rows if "error" not in r]
     names = list(dict.fromkeys(r["algorithm"] for r in timed))
     if not timed:
@@ -189,8 +188,6 @@ def _below_gloo(timed: list[dict], by: dict) -> list[str]:
     ]
     if not below:
         return []
-    from ..trace import format_bytes
-
     lines = [
         "below dist.all_reduce's busbw (bandwidth-bound sizes), with the CPU time per call against its: on one host "
         "the link is a CPU core (every byte is copied through the loopback sockets), so where a ring is slower it "

@@ -31,6 +31,7 @@ import os
 
 from .. import trace
 from ..devices import device as rank_device
+from ..events import Event, to_events
 from ..launcher import launch
 from ..network import Network
 from .common import (
@@ -157,7 +158,7 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
         try:
             runners[f"ring_attention, S={seq_len}"]()
         finally:
-            times["exposed"] = exposed_communication(trace.set_recording(False))
+            times["exposed"] = exposed_communication(to_events(trace.set_recording(False)))
         if times["counted"] == OPS_SIZES:  # an all-to-all keeps 1/N of its tensor: what it sends, as the ring's isends
             times["bytes"] = {
                 name: sent * ((n - 1) / n if name.startswith("ulysses") else 1) for name, sent in times["bytes"].items()
@@ -165,20 +166,20 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
     return out
 
 
-def exposed_communication(events: list[tuple]) -> dict:
-    """From one rank's raw trace of one ring-attention step (``trace.set_recording``'s events): per pass
-    (``"forward"``, then ``"backward"`` from the end of the forward's last ``block`` region on), the seconds the
-    rank spent in its sends, receives and waits for them (``exposed``: not computing), and the seconds the
-    emulated link gave what it sent (``link``: the network model's, 0 without one)."""
-    backward = max((e[4] for e in events if e[2] == "region" and e[9] == "block"), default=float("inf"))
+def exposed_communication(events: list[Event]) -> dict:
+    """From one rank's trace of one ring-attention step: per pass (``"forward"``, then ``"backward"`` from the
+    end of the forward's last ``block`` region on), the seconds the rank spent in its sends, receives and waits
+    for them (``exposed``: not computing), and the seconds the emulated link gave what it sent (``link``: the
+    network model's, 0 without one)."""
+    backward = max((e.end for e in events if e.kind == "region" and e.name == "block"), default=float("inf"))
     passes = {"forward": {"exposed": 0.0, "link": 0.0}, "backward": {"exposed": 0.0, "link": 0.0}}
-    for _, op, kind, start, end, *_, meta in events:
-        if kind not in ("p2p", "wait"):
+    for e in events:
+        if e.kind not in ("p2p", "wait"):
             continue
-        one = passes["backward" if start >= backward else "forward"]
-        one["exposed"] += end - start
-        if kind == "p2p" and op in ("send", "isend"):
-            one["link"] += meta.get("network_s") or 0.0
+        one = passes["backward" if e.start >= backward else "forward"]
+        one["exposed"] += e.duration
+        if e.kind == "p2p" and e.op in ("send", "isend"):
+            one["link"] += e.meta.get("network_s") or 0.0
     return passes
 
 

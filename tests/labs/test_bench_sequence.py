@@ -92,14 +92,15 @@ def test_format_sequence_table():
 
 
 def test_exposed_communication_per_pass():
-    """One rank's raw trace of a ring step (rank, op, kind, start, end, peer, group, bytes, tag, label, meta):
-    its sends, receives and waits count as exposed, in the forward until the last forward block ends, then
+    """One rank's trace of a ring step: its sends, receives and waits count as exposed, in the forward until the last forward block ends, then
     in the backward (whose first sends come before its first block); the link's time is the model's for
     what it sent; compute regions count for nothing."""
     from disttrain_lab.bench.sequence import exposed_communication
+    from disttrain_lab.events import Event
 
-    def event(op, kind, start, end, label="", network_s=None):
-        return (0, op, kind, start, end, 1, None, 8, 0, label, {} if network_s is None else {"network_s": network_s})
+    def event(op, kind, start, end, name="", network_s=None):
+        meta = {} if network_s is None else {"network_s": network_s}
+        return Event(rank=0, op=op, kind=kind, start=start, end=end, peer=1, bytes=8, name=name, meta=meta)
 
     events = [
         event("isend", "p2p", 0.0, 0.001, network_s=0.002),
