@@ -164,9 +164,12 @@ def test_ring_beats_naive_by_the_models_ratio_at_16_mib_on_4_ranks(duplex, ratio
     assert naive_model / ring_model == pytest.approx(ratio, rel=0.01)  # N (full) or N/2 (half)
     results = dl.launch(_race, n, size // 4, 2, network=net, timeout=120)
     assert all(r["naive correct"] and r["ring correct"] for r in results), results
-    # a call ends when its last rank does; every call takes at least the model's time
+    # a call ends when its last rank does; every call takes at least the model's time, less the
+    # barrier's skew: each rank starts its clock as it leaves the barrier, and a rank that leaves it
+    # first starts sending before a later one's clock runs (CI read 2.01294 s against 2.01357)
     naive, ring = ([max(times) for times in zip(*(r[name] for r in results))] for name in ("naive", "ring"))
-    assert min(naive) >= naive_model and min(ring) >= ring_model
+    skew = 0.01
+    assert min(naive) >= naive_model - skew and min(ring) >= ring_model - skew, (naive, ring)
     # real copies and additions come on top of both (more steps for the ring), and a busy
     # moment of the machine can slow one call: the best of two is close to the model's ratio
     assert 0.7 * ratio <= min(naive) / min(ring) <= 1.15 * ratio, (naive, ring)
