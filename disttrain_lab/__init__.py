@@ -25,6 +25,7 @@ from .devices import device, doctor, plan  # noqa: E402
 from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankError, TamperingError, launch  # noqa: E402
 from .network import Network  # noqa: E402
 from .pool import shutdown  # noqa: E402
+from .profiling import merge_traces, profiled  # noqa: E402
 from .trace import Event, Run, region  # noqa: E402
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "shutdown",
     "plan",
     "region",
+    "profiled",
+    "merge_traces",
     "Run",
     "Event",
     "LaunchError",

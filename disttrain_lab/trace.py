@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -134,6 +135,18 @@ def set_recording(on: bool) -> list[tuple]:
     return events
 
 
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Calls made inside are not recorded (the status slot is written as always): the kit's own
+    messages, such as ``dl.profiled``'s clock pings, stay out of the student's ``Run``."""
+    was = _REC.recording
+    _REC.recording = False
+    try:
+        yield
+    finally:
+        _REC.recording = was
+
+
 def payload_bytes(x) -> int:
     """The logical payload of a call's argument: bytes of a tensor or a list of tensors (0 for anything else)."""
     if x is None:
@@ -212,7 +225,8 @@ class TracedWork:
         rec.status(status_text("wait:" + self._op, peer, tag, nbytes, group))
         start = time.perf_counter()
         try:
-            return self._work.wait(*args, **kwargs)
+            with _profiled("dl:wait(" + self._op + ")"):
+                return self._work.wait(*args, **kwargs)
         finally:
             end = time.perf_counter()
             rec.status(None)
@@ -277,7 +291,8 @@ def _wrap(op: str, fn, genuine=None):
         rec.status(status_text(op, peer, tag, nbytes, group))
         start = time.perf_counter()
         try:
-            out = fn(*args, **kwargs)
+            with _profiled("dl:" + op):
+                out = fn(*args, **kwargs)
         finally:
             end = time.perf_counter()
             rec.depth -= 1
@@ -422,13 +437,30 @@ def _install_process_group_methods() -> None:
                 setattr(cls, name, _wrap_method(name, op, vars(cls)[name]))
 
 
+def _profiled(name: str):
+    """``torch.profiler.record_function(name)`` while a profiler runs (``dl.profiled``), else nothing:
+    the kit's calls, the emulated network's time in them, and ``dl.region`` blocks are slices of
+    torch's trace (``dl:send``, ``dl:wait(irecv)``, a region's own name)."""
+    profiler = sys.modules.get("torch.autograd.profiler")  # torch is loaded by then, or no profiler runs
+    if profiler is not None and profiler._is_profiler_enabled:
+        return profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def region(name: str, **meta) -> Iterator[None]:
     """Mark a stretch of compute in the trace, e.g. ``with dl.region("F", microbatch=3):``.
 
     It costs nothing outside a traced launch.  Regions appear in ``Run.events`` with
-    ``kind == "region"`` and in ``dl.viz.timeline`` as labelled boxes.
+    ``kind == "region"`` and in ``dl.viz.timeline`` as labelled boxes; under ``torch.profiler``
+    (``dl.profiled``) they are also ``record_function`` ranges of the same name.
     """
+    with _profiled(name), _recorded_region(name, meta):
+        yield
+
+
+@contextlib.contextmanager
+def _recorded_region(name: str, meta: dict) -> Iterator[None]:
     rec = _REC
     if not rec.recording:
         yield
