@@ -27,11 +27,14 @@ only where its group ranks are the world's (a group of ranks 0..k-1).  The same 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +110,14 @@ def profiled(fn: Callable, folder: str | Path, *, activities: list | None = None
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
         options = {"record_shapes": True, **profile_args}
-        with torch.profiler.profile(activities=acts, **options) as prof:
+        prof = torch.profiler.profile(activities=acts, **options)
+        with _quiet_stderr():
+            prof.start()
+        try:
             result = fn(*args, **kwargs)
+        finally:
+            with _quiet_stderr():
+                prof.stop()
         path = folder / "ranks" / f"rank{rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
@@ -123,6 +132,22 @@ def profiled(fn: Callable, folder: str | Path, *, activities: list | None = None
         return result
 
     return run_profiled
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null while the profiler starts or stops: Kineto writes a line there
+    each time (``USDT: ... profiler_start``) whatever ``KINETO_LOG_LEVEL`` says, which would print as
+    the rank's output in every cell that profiles."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _rank_files(folder: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The graded tests of the labs, one module per lab (``lab01`` ... ``lab11``), and what they share
+"""The graded tests of the labs, one module per lab (``lab01`` ... ``lab12``), and what they share
 (``common``).
 
 A lab's graded cell is a short call of its module's check for that exercise, on the cases the
@@ -10,7 +10,8 @@ grading, in the grader kernel, which holds no student code (it reaches the stude
 only through ``dl.exercise.run`` and ``dl.predictions.fetch``).
 
 Nothing here defines a solution or a graded answer: references come from torch itself or from
-single-process runs, and an answer that must stay hidden (a prediction's cost model, a hidden
+single-process runs (lab 12's traces are built with their answers: each a sum of the lengths it was laid
+out from), and an answer that must stay hidden (a prediction's cost model, a hidden
 reference) stays in the cell's hidden block.
 
 A lab made by ``disttrain-lab new-lab --root DIR`` outside the kit's own checkout has its checks in
