@@ -215,7 +215,8 @@ def test_solution_notebook_executes_within_budget(autograding):
     nb = run_solution(LAB, BUDGET_S, autograding)
     assert pictures(nb) >= 4, "the run without overlap, predicted against measured, the straggler, the overlap"
     stragglers = output_of(nb, "# Self-check: SMALL by hand (rank 1 calls")
-    assert re.search(r"24 collectives; their stragglers: \[2, ", stragglers), stragglers
+    first = re.search(r"the straggler of each step's first all-reduce: \[([\d, ]+)\]", stragglers)
+    assert first and first[1].split(", ").count("2") >= 2, stragglers  # rank 2, 200 ms late each step
     measured = output_of(nb, "# Self-check: the small trace by hand")
     exposed = [float(x) for x in re.search(r"ranks 0-3: \[([\d., ]+)\]", measured)[1].split(",")]
     model = 4 * sum(2 * 3 * (100e-6 + 4 * n / 4 / 1.25e7) for n in (256 * 256, 256)) * 1e3
