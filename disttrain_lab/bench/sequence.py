@@ -19,7 +19,7 @@ sequence lengths): the lab's ``ring_attention`` (zig-zag) against its ``ulysses_
 (contiguous tokens, an all-to-all to a head split and back), side by side in one launch; then one more
 traced step of the ring per length, for what its transfers left exposed: per pass, the time the slowest
 rank spent in its sends, receives and waits, against what the emulated link took for what it sent
-(``exposed_communication``).
+(``exposed_per_pass``).
 
 Lab 11's expert-parallel MoE has its own benchmark: ``disttrain-lab bench experts`` (experts.py).
 """
@@ -158,7 +158,7 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
         try:
             runners[f"ring_attention, S={seq_len}"]()
         finally:
-            times["exposed"] = exposed_communication(to_events(trace.set_recording(False)))
+            times["exposed"] = exposed_per_pass(to_events(trace.set_recording(False)))
         if times["counted"] == OPS_SIZES:  # an all-to-all keeps 1/N of its tensor: what it sends, as the ring's isends
             times["bytes"] = {
                 name: sent * ((n - 1) / n if name.startswith("ulysses") else 1) for name, sent in times["bytes"].items()
@@ -166,7 +166,7 @@ def _long_sequence_times(versions: dict, seq_lens, heads: int, dim: int, repeats
     return out
 
 
-def exposed_communication(events: list[Event]) -> dict:
+def exposed_per_pass(events: list[Event]) -> dict:
     """From one rank's trace of one ring-attention step: per pass (``"forward"``, then ``"backward"`` from the
     end of the forward's last ``block`` region on), the seconds the rank spent in its sends, receives and waits
     for them (``exposed``: not computing), and the seconds the emulated link gave what it sent (``link``: the

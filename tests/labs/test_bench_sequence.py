@@ -3,7 +3,7 @@ context_parallel, and against Ulysses on an emulated link).
 
 - bench.format_sequence_table: the attention part (a row torch could not run says why) and the
   long-sequence rows (ring against Ulysses, the ring's time the ratio's baseline), and the ring's
-  exposed communication per pass (exposed_communication, from one traced step).
+  exposed communication per pass (exposed_per_pass, from one traced step).
 - ``disttrain-lab bench sequence`` with tiny options, the functions taken from lab 10's solution
   notebook: every version's row, only torch's "not measured" (on the CPU, with torch's own reason).
 - ``--device``: auto, cpu, cuda (common.pick_device, which bench experts shares).
@@ -95,7 +95,7 @@ def test_exposed_communication_per_pass():
     """One rank's trace of a ring step: its sends, receives and waits count as exposed, in the forward until the last forward block ends, then
     in the backward (whose first sends come before its first block); the link's time is the model's for
     what it sent; compute regions count for nothing."""
-    from disttrain_lab.bench.sequence import exposed_communication
+    from disttrain_lab.bench.sequence import exposed_per_pass
     from disttrain_lab.events import Event
 
     def event(op, kind, start, end, name="", network_s=None):
@@ -112,10 +112,10 @@ def test_exposed_communication_per_pass():
         event("region", "region", 0.814, 1.2, "block backward"),
         event("wait", "wait", 1.2, 1.21, "isend"),
     ]
-    passes = exposed_communication(events)
+    passes = exposed_per_pass(events)
     assert passes["forward"] == pytest.approx({"exposed": 0.0035, "link": 0.002})
     assert passes["backward"] == pytest.approx({"exposed": 0.014, "link": 0.004})
-    assert exposed_communication([]) == {p: {"exposed": 0.0, "link": 0.0} for p in ("forward", "backward")}
+    assert exposed_per_pass([]) == {p: {"exposed": 0.0, "link": 0.0} for p in ("forward", "backward")}
 
 
 @pytest.mark.slow
