@@ -9,12 +9,20 @@ inside another, other ranks' slices, metadata, flows and instants around them.  
 a sum of segment lengths, or the rank with the latest start, known before any slice is written, and
 not the output of the algorithm an exercise asks for.  The traces have the merged format of
 ``dl.merge_traces`` (times in µs, one ``pid`` per rank).
+
+This module is installed with the kit, so a student's function could call :func:`built_trace` itself
+and look its input up among the traces of many seeds.  The hidden cases therefore pass ``seed=None``:
+the check draws a 64-bit seed in the grader kernel at grading time (``secrets``), which never crosses
+to the student.  A right answer passes every trace; each wrong reading the tests know of fails every
+trace, because every trace holds what catches it (a wait split across two threads, a region named
+``dl loader``, a gloo slice inside another, ranks entering each collective at different times).
 """
 
 from __future__ import annotations
 
 import math
 import random
+import secrets
 
 from .. import exercise
 
@@ -120,10 +128,11 @@ class _Rank:
         self.add(f"rank {self.rank} → rank {peer}", sent, sent, cat="message")  # a zero-length marker, not "dl:"
 
 
-def built_trace(seed: int, world_size: int, collectives: int = 4) -> tuple[dict, dict]:
+def built_trace(seed: int | None, world_size: int, collectives: int = 4) -> tuple[dict, dict]:
     """A merged trace of ``world_size`` ranks and ``collectives`` collective calls, and its answers:
-    ``{"exposed": [µs per rank], "stragglers": [rank per collective], "overlap": [fraction per rank]}``."""
-    rng = random.Random(seed)
+    ``{"exposed": [µs per rank], "stragglers": [rank per collective], "overlap": [fraction per rank]}``.
+    ``seed=None``: a seed drawn now, in this process (a hidden case's)."""
+    rng = random.Random(secrets.randbits(64) if seed is None else seed)
     ops = [rng.choice(COLLECTIVES) for _ in range(collectives)]
     ranks = [_Rank(r, rng, round(rng.uniform(0, 500), 3)) for r in range(world_size)]
     for r in ranks:
@@ -168,7 +177,7 @@ def _describe(trace: dict) -> str:
     return f"{n} ranks, {slices} slices"
 
 
-def check_exposed_communication(seed: int, world_size: int, case: str) -> None:
+def check_exposed_communication(seed: int | None, world_size: int, case: str) -> None:
     """``exposed_communication(trace, rank)`` on the grader's trace is each rank's time inside the
     kit's calls (the union of its ``dl:`` slices, on all its threads), within 1e-6 relative."""
     trace, answers = built_trace(seed, world_size)
@@ -180,7 +189,7 @@ def check_exposed_communication(seed: int, world_size: int, case: str) -> None:
         )
 
 
-def check_stragglers(seed: int, world_size: int, case: str) -> None:
+def check_stragglers(seed: int | None, world_size: int, case: str) -> None:
     """``stragglers(trace)`` names, for each collective in order, the rank that entered it last."""
     trace, answers = built_trace(seed, world_size)
     got = exercise.run(_stragglers_of, 1, (trace,), timeout=60).results[0]
@@ -191,7 +200,7 @@ def check_stragglers(seed: int, world_size: int, case: str) -> None:
     )
 
 
-def check_overlap_fraction(seed: int, world_size: int, case: str) -> None:
+def check_overlap_fraction(seed: int | None, world_size: int, case: str) -> None:
     """``overlap_fraction(trace, rank)``: the share of the union of the rank's ``gloo:`` slices outside
     the union of its ``dl:`` slices, within 1e-6 relative."""
     trace, answers = built_trace(seed, world_size)
