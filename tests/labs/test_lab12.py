@@ -1,30 +1,39 @@
-"""Lab 12 (running a training job; part 1: reading a merged profile): the solution notebook runs, its
-graded tests catch wrong answers, and the traces they grade on are built with their answers.
+"""Lab 12 (running a training job; part 1: reading a merged profile; part 2: checkpoint and reshard): the
+solution notebook runs, its graded tests catch wrong answers, and the traces and checkpoints they grade
+on are built with their answers.
 
-- The notebook's structure: the exercises and the prediction in order, with their points; the hidden
-  tests on traces of 3 and 4 ranks; the rules the hidden tests check stated in the text and exercised
-  by a visible self-check (the union across threads, the exact "dl:" prefix, the point-to-point calls
-  and waits that are not collectives, a gloo slice inside another).
-- The grader's traces: each answer built by construction (``labtests/lab12.built_trace``) equals the
-  one read from the trace by this file's own reading (an interval union, written here, not shipped),
-  for many seeds; the answers differ between ranks and the stragglers between collectives.
-- The prediction: the graded cell passes the α–β model and fails the usual slips.
+- The notebook's structure: the exercises and the predictions in order, with their points; the hidden
+  tests on traces of 3 and 4 ranks and on trainings seeded at grading time; the rules the hidden tests
+  check stated in the text and exercised by a visible self-check (the union across threads, the exact
+  "dl:" prefix, the point-to-point calls and waits that are not collectives, a gloo slice inside
+  another; the checkpoint's form, a resume on other grids).
+- The grader's traces: each answer built by construction (``labtests/lab12/traces.built_trace``) equals
+  the one read from the trace by this file's own reading (an interval union, written here, not
+  shipped), for many seeds; the answers differ between ranks and the stragglers between collectives.
+- The grader's checkpoint reader (``labtests/lab12/checkpoint_files``): it reads DCP's files whole,
+  pieces put together, and refuses, without running it, a ``.metadata`` that asks for anything else.
+- The predictions: the graded cells pass the models and fail the usual slips.
 - The solution notebook executes top to bottom in a real kernel, as the grader runs it and as a
   student runs it, within the budget (BUDGET_S), with its pictures; what it prints is what the text
-  says (the straggler of each step's first all-reduce, exposed communication at or above the model).
+  says (the straggler of each step's first all-reduce, exposed communication at or above the model,
+  checkpoint shards of 12·Ψ/N bytes, an asynchronous save that blocks less than a synchronous one).
 - Wrong answers (a sum of durations with no union, the main thread only, a "dl" prefix without its
   colon, the first rank into a collective, the waits counted as collectives, an overlap that does not
-  take the union of gloo's slices) fail the right graded cell with a message that says why.
+  take the union of gloo's slices; a load of the model alone, without the loader or the step, a save
+  of nothing, without Adam's moments, or of a .metadata that runs code, a load that computes the
+  visible case's answer) fail the right graded cell with a message that says why.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import nbformat
 import pytest
+import torch
 
 from disttrain_lab.labtests import lab12
 from tests.notebooks import (
@@ -44,7 +53,16 @@ from tests.notebooks import (
 
 LAB = solution_notebook("12_running_jobs")
 BUDGET_S = 120  # the whole solution notebook on 2 cores: three profiled 4-rank runs of 3 steps, each merged
-EXERCISES = ["predict_exposed", "exposed", "stragglers", "overlap"]
+EXERCISES = [
+    "predict_exposed",
+    "exposed",
+    "stragglers",
+    "overlap",
+    "predict_checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+GRADED = EXERCISES  # (test_<name> for each)
 
 
 # ----------------------------------------------------------------------------------------
@@ -58,16 +76,29 @@ def test_exercises_points_and_hidden_tests():
     points = {
         nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in nb.cells if nbgrader_meta(c).get("grade")
     }
-    assert points == {"test_predict_exposed": 1, "test_exposed": 2, "test_stragglers": 2, "test_overlap": 2}
+    assert points == {
+        "test_predict_exposed": 1,
+        "test_exposed": 2,
+        "test_stragglers": 2,
+        "test_overlap": 2,
+        "test_predict_checkpoint": 1,
+        "test_save_checkpoint": 1,
+        "test_load_checkpoint": 2,
+    }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
-        for e in EXERCISES
+        for e in GRADED
         for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
     )
     for check in ("check_exposed_communication", "check_stragglers", "check_overlap_fraction"):
-        # the hidden traces are drawn at grading time (seed None): labtests/lab12.py is installed with the kit
+        # the hidden traces are drawn at grading time (seed None): labtests/lab12/ is installed with the kit
         assert f"lab_tests.{check}(None, 3, " in hidden and f"lab_tests.{check}(None, 4, " in hidden, check
-    assert "dl.predictions.assert_prediction(" in hidden
+    assert hidden.count("dl.predictions.assert_prediction(") == 2
+    # saved on 2 ranks by FSDP and by TP; the grader's checkpoint (one piece a tensor) resumed on 4 ranks,
+    # on 2 by tensor parallelism and on 1; each from a training seeded at grading time (seed=None)
+    for case in ('save("fsdp", 2', 'save("tp", 4', 'load("dp2xtp2", 2, 5', 'load("tp", 4, 6', 'load("plain", 1, 3'):
+        assert f"lab_tests.check_{case}, seed=None)" in hidden, case
+    assert hidden.count("seed=None") == 5
     seeds = re.findall(r"lab_tests\.check_\w+\((\d+),", "\n".join(c.source for c in nb.cells if c.cell_type == "code"))
     assert len(seeds) == len(set(seeds)) == 3 and not re.search(r"lab_tests\.check_\w+\(\d+,", hidden), seeds
 
@@ -100,6 +131,25 @@ def test_every_hidden_rule_is_stated_and_exercised_by_a_visible_self_check():
         assert call in visible, call
 
 
+def test_the_checkpoint_rules_are_stated_and_the_self_check_resumes_on_other_grids():
+    nb = load(LAB)
+    text_cells = " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    for rule in (
+        "with one `torch.distributed.checkpoint.save(state, checkpoint_id=path)`, the state in this form",
+        'state = {"model": model_state, "optim": optim_state, "step": step, "loader": generator.get_state()}',
+        "reads the files it wrote itself, running nothing in them",
+        "of a training only the grader ran, from a seed it draws at grading time",
+        "`torch.distributed.checkpoint.load(..., checkpoint_id=path)`",
+        "**returns the step**",
+        "(within 10⁻¹⁰)",
+        "so use `path` as DCP's `checkpoint_id` and nothing else",
+    ):
+        assert rule in text_cells, rule
+    visible = cell_by_id_source(nb, "# Self-check: saved after 3 steps on 4 ranks")
+    assert 'dl.launch(_save_after, 4, "dp2xtp2", 3, CHECKPOINT_DIR' in visible
+    assert '(("fsdp", 2), ("plain", 1))' in visible and "lab_tests.training(layout, seed=7)" in visible
+
+
 def cell_by_id_source(nb, marker: str) -> str:
     [cell] = [c for c in nb.cells if c.cell_type == "code" and marker in c.source]
     return cell.source
@@ -126,6 +176,12 @@ def test_the_prediction_is_graded_on_the_model_and_its_self_check_knows_no_answe
 
     verdict(model)
     for wrong in wrongs:
+        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
+            verdict(wrong)
+    source = cell_by_id(nb, "test_predict_checkpoint").source
+    verdict(3 * 4 * 7e9 / 64 / 1e9)
+    for wrong in (4 * 7e9 / 64 / 1e9, 2 * 4 * 7e9 / 64 / 1e9, 16 * 7e9 / 64 / 1e9, 3 * 4 * 7e9 / 1e9):
+        # the values only, without Adam's two moments, with mixed precision's 16 bytes, on one rank
         with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
             verdict(wrong)
 
@@ -206,6 +262,39 @@ def test_the_graders_traces_vary_and_the_visible_ones_are_not_the_hidden():
 
 
 # ----------------------------------------------------------------------------------------
+# The grader's checkpoints
+
+
+def test_the_graders_reader_reads_a_checkpoint_whole_and_runs_nothing_in_it():
+    files, t = lab12.grader_checkpoint(2, 99)
+    got = lab12.read_checkpoint(files)
+    for name, p in t.model.named_parameters():
+        assert torch.equal(got[f"model.{name}"], p.detach())
+        assert torch.equal(got[f"optim.state.{name}.exp_avg_sq"], t.optimizer.state[p]["exp_avg_sq"])
+    assert got["step"] == 2 and torch.equal(got["loader"], t.generator.get_state())
+    assert got["optim.param_groups.0.lr"] == 0.01
+
+    class Payload:  # what a hostile .metadata holds: a call made as it is unpickled
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('ran')",))
+
+    with pytest.raises(lab12.CheckpointUnreadable, match=r"asks for builtins\.exec"):
+        lab12.read_checkpoint({**files, ".metadata": pickle.dumps(Payload())})
+    # the pieces must be where .metadata says, and cover every element
+    with pytest.raises(lab12.CheckpointUnreadable, match="is missing"):
+        lab12.read_checkpoint({".metadata": files[".metadata"]})
+    with pytest.raises(lab12.CheckpointUnreadable, match="could not be read with torch.load"):
+        lab12.read_checkpoint({**files, "__0_0.distcp": b"x" * len(files["__0_0.distcp"])})
+
+
+def test_the_graders_checkpoint_comes_from_its_seed_and_not_from_the_visible_one():
+    (files, _), (again, _), (visible, _) = (lab12.grader_checkpoint(3, s) for s in (2**61 + 5, 2**61 + 5, 0))
+    w = [lab12.read_checkpoint(f)["model.0.weight"] for f in (files, again, visible)]
+    assert torch.equal(w[0], w[1]) and not torch.allclose(w[0], w[2], atol=1e-3)
+    assert torch.equal(w[2], lab12.reference_parameters(3)["0.weight"])
+
+
+# ----------------------------------------------------------------------------------------
 # Executing it (slow)
 
 
@@ -221,6 +310,12 @@ def test_solution_notebook_executes_within_budget(autograding):
     exposed = [float(x) for x in re.search(r"ranks 0-3: \[([\d., ]+)\]", measured)[1].split(",")]
     model = 4 * sum(2 * 3 * (100e-6 + 4 * n / 4 / 1.25e7) for n in (256 * 256, 256)) * 1e3
     assert min(exposed) >= model * 0.97, (exposed, model)  # the link's time is a floor (the clocks' error aside)
+    saved = output_of(nb, "def _save_times(repeats: int) -> dict:")
+    params = int(re.search(r"Ψ = ([\d,]+) parameters", saved)[1].replace(",", ""))
+    shards = [int(b.replace(",", "")) for b in re.findall(r"__\d_0\.distcp:\s+([\d,]+) bytes", saved)]
+    assert len(shards) == 2 and all(12 * params / 2 <= b <= 1.01 * 12 * params / 2 for b in shards), (params, shards)
+    blocked = re.search(r"dcp.save blocks the step (\d+) ms; dcp.async_save blocks it (\d+) ms", saved)
+    assert int(blocked[2]) < int(blocked[1]), saved  # the asynchronous save blocks the step less
 
 
 def _replaced(grade_id: str, right: str, wrong: str) -> str:
@@ -277,6 +372,73 @@ def exposed_communication(trace, rank):
         "stragglers",  # the waits counted as collectives: the ranks' counts differ, and the student's line says so
         _replaced("ex_stragglers", ' and not e["name"].startswith("dl:wait(")', ""),
         ("IndexError", "in stragglers"),
+    ),
+    (
+        "load_checkpoint",  # the model only: Adam's moments start again from zero
+        """
+def load_checkpoint(path, model, optimizer, generator):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    state = {"model": get_model_state_dict(model), "step": -1, "loader": generator.get_state()}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    generator.set_state(state["loader"])
+    return state["step"]
+""",
+        "Adam's state (its moments and step)",
+    ),
+    (
+        "load_checkpoint",  # the loader's position not restored: the resumed run trains on other batches
+        _replaced("ex_load_checkpoint", '    generator.set_state(state["loader"])\n', ""),
+        "the loader's generator must all come back",
+    ),
+    (
+        "load_checkpoint",  # the step not returned
+        _replaced("ex_load_checkpoint", '    return state["step"]', "    return 0"),
+        "load_checkpoint should return the step saved",
+    ),
+    (
+        "save_checkpoint",  # nothing saved at the path DCP was given
+        """
+SAVED = {}
+
+def save_checkpoint(path, model, optimizer, step, generator):   # kept in the rank's memory, not saved at path
+    SAVED["step"] = step
+""",
+        "save_checkpoint wrote nothing at",
+    ),
+    (
+        "save_checkpoint",  # the moments left out: the parameters and the step only
+        _replaced("ex_save_checkpoint", '"optim": optim_state, "step": step,', '"step": step,'),
+        "the checkpoint holds no 'optim.state.",
+    ),
+    (
+        "save_checkpoint",  # a .metadata that runs code in whoever unpickles it: the grader's reader refuses it
+        """
+import pickle
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("this ran in the process that read the checkpoint",))
+
+def save_checkpoint(path, model, optimizer, step, generator):
+    import fsspec
+    fsspec.filesystem("memory").pipe_file(path.split("://", 1)[1] + "/.metadata", pickle.dumps(_Payload()))
+""",
+        ("asks for builtins.print", "cannot be read"),
+    ),
+    (
+        "load_checkpoint",  # the answer computed from the kit's visible seed, nothing restored: passes the visible case only
+        """
+def load_checkpoint(path, model, optimizer, generator):
+    import inspect
+    from disttrain_lab.labtests import lab12
+    state = {"step": -1}
+    dcp.load(state, checkpoint_id=path)
+    total = inspect.currentframe().f_back.f_locals["total"]
+    lab12.mlp.full_parameters = lambda model: lab12.reference_parameters(total)
+    return state["step"]
+""",
+        "resumed on 4 ranks (dp2xtp2)",
     ),
     (
         "overlap",  # one minus exposed over gloo's time: the kit's calls outside gloo's time counted too

@@ -1,6 +1,6 @@
-"""Lab 12's graded tests (running a training job): part 1, reading a merged profiler trace.
+"""Lab 12's part 1: the merged profiler traces its checks hand the student's functions, and the checks.
 
-The traces the checks hand the student's functions are built here by construction.  Each rank's
+The traces are built here by construction.  Each rank's
 timeline is laid out as consecutive segments (compute, an asynchronous collective's call, compute
 that hides its transfer, its wait, a blocking collective, a message's send and receive), their
 lengths drawn from a seeded generator; the trace's slices are then cut from the segments: torch's
@@ -24,7 +24,7 @@ import math
 import random
 import secrets
 
-from .. import exercise
+from ... import exercise
 
 __all__ = [
     "COLLECTIVES",
