@@ -243,6 +243,18 @@ def test_committed_wheel_is_built_from_these_sources(tmp_path):
     )
 
 
+def test_the_committed_wheel_holds_every_module_of_the_package():
+    # students install the wheel: a module left out of it (a package folder setuptools was not told of)
+    # fails only on a student's machine, never in an editable checkout
+    import zipfile
+
+    [wheel] = sorted((REPO / "labs" / "wheels").glob("disttrain_lab-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n for n in z.namelist() if n.endswith(".py")}
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "disttrain_lab").rglob("*.py")}
+    assert modules - shipped == set(), "modules missing from the wheel: list their package in pyproject.toml"
+
+
 @pytest.mark.slow
 def test_every_lower_bound_is_what_the_lowest_resolution_installs():
     # `DISTTRAIN_RESOLUTION=lowest bash scripts/test.sh` runs the suite on these versions; a bound
