@@ -117,18 +117,19 @@ def _call(*args) -> int:
 _DONE: dict[int, Confinement] = {}  # pid -> what confine() did there (Landlock cannot be undone)
 
 
-def confine() -> Confinement:
-    """Confine this process and the threads it starts from now on: no writes but to /dev/null; with ABI 6,
-    no signals and no abstract unix sockets outside it.  Call it while the process has one thread (a
+def confine(writable: str | None = None) -> Confinement:
+    """Confine this process and the threads it starts from now on: no writes but to /dev/null (and beneath
+    the folder ``writable``, when given: a run whose files must outlive its ranks); with ABI 6, no signals
+    and no abstract unix sockets outside it.  Call it while the process has one thread (a
     thread already running would stay outside: with more than one, nothing is applied and ``failed`` says
     so).  A second call in the same process answers as the first did.  Never raises."""
     pid = os.getpid()
     if pid not in _DONE:
-        _DONE[pid] = _confine()
+        _DONE[pid] = _confine(writable)
     return _DONE[pid]
 
 
-def _confine() -> Confinement:
+def _confine(writable: str | None = None) -> Confinement:
     version, why = abi()
     threads = len(os.listdir("/proc/self/task"))
     if threads > 1:
@@ -138,7 +139,7 @@ def _confine() -> Confinement:
     applied: tuple[str, ...] = ()
     missing: tuple[str, ...] = (f"Landlock: {why}",)
     if version:
-        landlock = _landlock(version)
+        landlock = _landlock(version, writable)
         if isinstance(landlock, str):
             return Confinement(version, failed=landlock)
         applied, missing = landlock
@@ -151,7 +152,7 @@ def _confine() -> Confinement:
     return Confinement(version, (*applied, "only TCP sockets"), missing)
 
 
-def _landlock(version: int) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
+def _landlock(version: int, writable: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
     """Restrict this process with Landlock: (what holds now, what this ABI cannot give), or why it failed."""
     handled = (
         _WRITES_ABI1 | _READ_FILE | _READ_DIR | (_REFER if version >= 2 else 0) | (_TRUNCATE if version >= 3 else 0)
@@ -168,13 +169,15 @@ def _landlock(version: int) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
         _allow(ruleset, os.devnull, _WRITE_FILE | (_TRUNCATE if version >= 3 else 0))  # (file rights only)
         for path in _readable():
             _allow(ruleset, path, _READ_FILE | _READ_DIR)
+        if writable is not None:
+            _allow(ruleset, writable, handled)  # (every right, beneath it only)
         _call(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0))
     except OSError as exc:
         return f"Landlock: {exc.strerror}"
     finally:
         os.close(ruleset)
     applied = (
-        "no writes",
+        "no writes" if writable is None else f"no writes but beneath {writable}",
         "no reads of other processes' /proc",
         *(("no signals out", "no abstract unix sockets out") if scoped else ()),
     )

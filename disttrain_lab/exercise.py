@@ -164,6 +164,7 @@ def run(
     timeline: bool = False,
     content: bool = False,
     memory: bool = False,
+    writable: str | None = None,
 ) -> ExerciseRun:
     """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
     arguments; one tuple for all ranks when ``inputs`` is a tuple).
@@ -184,6 +185,9 @@ def run(
     ``memory``: the run's ranks are forked fresh and ``run.memory`` holds each rank's private
     memory as the OS counts it while the ranks pause in ``time.sleep`` (the driver pauses them:
     ``osmemory.py``), and the bytes each had sent by then; the student's kernel reads its own.
+    ``writable``: a folder name; the ranks may write beneath that folder of the kernel's working
+    directory (made if missing), where a graded run's ranks otherwise write nothing (``confine.py``):
+    files that outlive the run, for the next (lab 12's checkpoints, across a rank the grader kills).
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
@@ -208,6 +212,7 @@ def run(
         timeline=timeline or content,
         content=content,
         memory=memory,
+        writable=writable,
     )
     record, evidence = _RUNNER(request)
     return from_record(request.name, world_size, record, evidence)

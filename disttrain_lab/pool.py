@@ -61,6 +61,7 @@ _POOL: _Pool | None = None
 _POOL_LOCK = threading.RLock()
 _FORK_REFUSED = [0]  # > 0 inside prepared_only(): a run may not fork workers
 _CONFINED = [0]  # > 0 inside confined(): a run's workers are confined (confine.py), a pool of their own
+_WRITABLE: list[str | None] = [None]  # inside writable(path): a run's confined workers may write beneath path
 
 
 class NotPrepared(LaunchError):
@@ -93,10 +94,13 @@ def run(
         return warm.run(payload, world_size, timeout, want_trace, network, where)
 
 
-def prepare(world_size: int, chosen: Plan, fresh: bool = False, confined: bool = False) -> list[int]:
+def prepare(
+    world_size: int, chosen: Plan, fresh: bool = False, confined: bool = False, writable: str | None = None
+) -> list[int]:
     """Warm workers for a run of ``world_size`` ranks under ``chosen``, forked now if there are none
     (``fresh``: forked now in any case, after ``osmemory.settle()``: ranks whose memory the grader
-    reads; ``confined``: workers that confine themselves, for a graded run, see :class:`confined`);
+    reads; ``confined``: workers that confine themselves, for a graded run, see :class:`confined`;
+    ``writable``: confined workers that may write beneath that folder, see :class:`writable`);
     returns their process ids, rank order."""
     global _POOL
     with _POOL_LOCK:
@@ -105,7 +109,7 @@ def prepare(world_size: int, chosen: Plan, fresh: bool = False, confined: bool =
             if _POOL is not None:
                 _POOL.close()
                 _POOL = None
-        return [w.pid for w in _pool_for(world_size, chosen, confined).workers[:world_size]]
+        return [w.pid for w in _pool_for(world_size, chosen, confined, writable).workers[:world_size]]
 
 
 class prepared_only:
@@ -138,6 +142,25 @@ class confined:
             _CONFINED[0] -= 1
 
 
+class writable:
+    """Within it, a confined run's workers may write beneath ``path`` (an absolute folder), and only there: a
+    pool of their own, forked confined that way (Landlock grants no right after it is applied).  For a run
+    that must leave files for the next one (lab 12: checkpoints that outlive a rank the grader kills);
+    every other graded run's ranks write nothing, so that no file carries what the wire should."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def __enter__(self):
+        with _POOL_LOCK:
+            self.before, _WRITABLE[0] = _WRITABLE[0], self.path
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _POOL_LOCK:
+            _WRITABLE[0] = self.before
+
+
 def shutdown() -> None:
     """Stop the warm worker processes (they are also stopped when Python exits)."""
     global _POOL
@@ -154,11 +177,12 @@ def worker_pids() -> list[int]:
         return [w.pid for w in _POOL.workers] if _POOL is not None else []
 
 
-def _pool_for(world_size: int, chosen: Plan, confined: bool | None = None) -> _Pool:
+def _pool_for(world_size: int, chosen: Plan, confined: bool | None = None, writable: str | None = None) -> _Pool:
     global _POOL
     if confined is None:
         confined = bool(_CONFINED[0])
-    if _POOL is not None and not _POOL.usable_for(world_size, chosen, confined):
+    writable = (writable or _WRITABLE[0]) if confined else None
+    if _POOL is not None and not _POOL.usable_for(world_size, chosen, confined, writable):
         _POOL.close()
         _POOL = None
     if _POOL is None:
@@ -167,16 +191,17 @@ def _pool_for(world_size: int, chosen: Plan, confined: bool | None = None) -> _P
                 f"no warm ranks for a run of {world_size} ({chosen.backend}, {chosen.start_method}) were started "
                 "before its request arrived"
             )
-        _POOL = _Pool(world_size, chosen, confined)
+        _POOL = _Pool(world_size, chosen, confined, writable)
     return _POOL
 
 
 class _Pool:
     """``size`` warm workers; a call with world_size <= size uses the first ones."""
 
-    def __init__(self, size: int, chosen: Plan, confined: bool = False):
+    def __init__(self, size: int, chosen: Plan, confined: bool = False, writable: str | None = None):
         self.size, self.plan = size, chosen
         self.confined = confined and chosen.start_method == "fork"  # (see ``confined``: the CPU's ranks)
+        self.writable = writable if self.confined else None  # (see ``writable``)
         if chosen.start_method == "fork":  # (every pool: the first launch pays it, not a graded test's time)
             _write_before_confining()
         self.owner_pid = os.getpid()
@@ -214,10 +239,11 @@ class _Pool:
             self.close()
             raise
 
-    def usable_for(self, world_size: int, chosen: Plan, confined: bool = False) -> bool:
+    def usable_for(self, world_size: int, chosen: Plan, confined: bool = False, writable: str | None = None) -> bool:
         return (
             not self.broken
             and self.confined == (confined and chosen.start_method == "fork")
+            and self.writable == (writable if self.confined else None)
             and self.owner_pid == os.getpid()
             and world_size <= self.size
             and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)
@@ -297,6 +323,7 @@ class _Pool:
                     "rng": rng,
                     "network": network,
                     "confine": self.confined,
+                    "writable": self.writable,
                 }
                 w.conn.send_bytes(pickle.dumps(job))
             replies = self._collect(workers, t0 + timeout, timeout, where)

@@ -20,8 +20,10 @@ The request travels as data over the student kernel's own Jupyter channels: a co
 the target ``COMM_TARGET`` with the request's bytes as its buffer, answered by one comm message
 with the record's bytes (``serving.py`` is the student's end, ``grading/remote.py`` the grader's).
 No source text is evaluated to carry it.  Before each request the grader opens one comm whose
-data is ``{"prepare": {"world_size": n, "device": d, "fresh": f}}`` (``PREPARE``), no buffer: the
-kernel forks the ranks the run will use (``fresh``: new ones, whose memory the grader reads),
+data is ``{"prepare": {"world_size": n, "device": d, "fresh": f, "writable": w}}`` (``PREPARE``), no
+buffer: the kernel forks the ranks the run will use (``fresh``: new ones, whose memory the grader reads;
+``writable``: ranks whose confinement lets them write beneath that folder of the kernel's working
+directory, and nowhere else: a job that must outlive a rank it loses, lab 12's restart),
 answers ``{"prepared": true, "pids": [...]}`` (or ``false`` and why), and the request
 that follows runs on those ranks without forking (a rank forked after it arrived would hold a
 copy of every rank's inputs); each rank is sent its own inputs only (``launcher.PerRank``).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +61,7 @@ MAX_RECORD_BYTES = 64 * 2**20  # what one run may send back
 MAX_REQUEST_BYTES = 1024 * 2**20  # what a test may send (the grader's own inputs)
 MAX_MESSAGE_CHARS = 20_000
 MAX_NAME_CHARS = 200
+WRITABLE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a request's writable folder: one plain name, no path
 MAX_EVENTS = 200_000
 # NotPrepared: the kernel had no ranks forked before the request arrived (``pool.prepared_only``):
 # the grader prepares them again and resends, once
@@ -135,6 +139,7 @@ class Request:
     timeline: bool = False  # the test reads when the data crossed (the grader captures it)
     content: bool = False  # ... and what it carried (the grader keeps the captured payloads too)
     memory: bool = False  # the grader reads each rank's memory from the OS at the driver's pause (fresh ranks)
+    writable: str | None = None  # a folder of the kernel's working directory the ranks may write in (nothing else)
     why: str | None = None  # why the timeout is what it is (the rest of the test's limit)
     timed_out: dict[str, str] = field(default_factory=dict)  # the student's functions not run again, and why
     student_functions: tuple[str, ...] | None = None  # the functions the submission's solution cells define
@@ -154,6 +159,10 @@ class Request:
             raise ProtocolError(f"timeout must be a positive number of seconds, got {self.timeout!r:.40}")
         if self.device is not None and not isinstance(self.device, str):
             raise ProtocolError(f"device must be None or a str, got {self.device!r:.40}")
+        if self.writable is not None and not (
+            isinstance(self.writable, str) and WRITABLE.fullmatch(self.writable) and self.writable not in (".", "..")
+        ):
+            raise ProtocolError(f"writable must be None or a plain folder name, got {self.writable!r:.80}")
         if self.network is not None and not isinstance(self.network, dict):
             raise ProtocolError(f"network must be None or a dl.Network's fields, got {self.network!r:.80}")
         if not isinstance(self.timed_out, dict) or not all(

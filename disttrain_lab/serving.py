@@ -19,6 +19,7 @@ Under grading the student's functions that hung in an earlier test are not run a
 from __future__ import annotations
 
 import linecache
+import os
 import sys
 from contextlib import nullcontext
 from dataclasses import replace
@@ -30,7 +31,7 @@ from .devices import plan, resolve_device
 from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
 from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, PerRank, RankError, launch
 from .network import Network
-from .protocol import COMM_TARGET, PREPARE, Driver, ProtocolError, Record, Request
+from .protocol import COMM_TARGET, PREPARE, WRITABLE, Driver, ProtocolError, Record, Request
 from .trace import region
 
 __all__ = ["register", "run", "as_data"]
@@ -111,6 +112,7 @@ def run(request: Request) -> Record:
 
 def _run(request: Request) -> Record:
     name, timeout = request.name, request.timeout
+    writable_folder(request.writable)  # (the student's own kernel: its ranks are not confined)
     within = f"{timeout:g} s" + (f" ({request.why})" if request.why else "")
     try:
         fn = _student_function(request.target)
@@ -183,14 +185,25 @@ def _answer(comm, msg) -> None:
         if len(buffers) != 1:
             raise ProtocolError(f"a request comes as one buffer, {len(buffers)} came")
         # (its ranks were forked before it arrived; they confine themselves before running anything of it)
-        with pool.prepared_only(), pool.confined():
-            data = run(Request.from_bytes(bytes(buffers[0]))).to_bytes()
+        request = Request.from_bytes(bytes(buffers[0]))
+        with pool.prepared_only(), pool.confined(), pool.writable(writable_folder(request.writable)):
+            data = run(request).to_bytes()
     except ProtocolError as exc:
         data = Record.failed("ExerciseError", f"the request could not be read: {exc}").to_bytes()
     except BaseException as exc:  # noqa: BLE001  (an interrupt, or a bug here: the grader must hear back)
         data = Record.failed("ExerciseError", f"the run stopped: {type(exc).__name__}: {exc}"[:2000]).to_bytes()
     comm.send({"record": len(data)}, buffers=[data])
     comm.close()
+
+
+def writable_folder(name: str | None) -> str | None:
+    """The folder a request's ranks may write in: ``name`` (checked by the protocol: one plain name) in
+    this kernel's working directory, made if missing; None for none."""
+    if name is None:
+        return None
+    path = os.path.abspath(name)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def prepare(fields, confined: bool = False) -> dict:
@@ -201,7 +214,11 @@ def prepare(fields, confined: bool = False) -> dict:
         world_size, device, fresh = fields["world_size"], fields.get("device"), fields.get("fresh", False)
         if type(world_size) is not int or not (device is None or isinstance(device, str)) or type(fresh) is not bool:
             raise ValueError(f"prepare needs an int world_size, a device (str or None), a bool fresh: {fields!r:.100}")
-        pids = pool.prepare(world_size, plan(world_size, resolve_device(device, None)), fresh=fresh, confined=confined)
+        writable = fields.get("writable")
+        if writable is not None and not (isinstance(writable, str) and WRITABLE.fullmatch(writable)):
+            raise ValueError(f"prepare's writable must be None or a plain folder name: {writable!r:.80}")
+        chosen = plan(world_size, resolve_device(device, None))
+        pids = pool.prepare(world_size, chosen, fresh=fresh, confined=confined, writable=writable_folder(writable))
     except Exception as exc:  # noqa: BLE001  (the grader must hear back; its request then fails closed)
         return {"prepared": False, "why": f"{type(exc).__name__}: {exc}"[:2000]}
     return {"prepared": True, "pids": pids}

@@ -137,7 +137,7 @@ def _run_job(job: dict, status) -> tuple:
         store = _store_client(job["port"])
         if job.get("confine"):  # a graded run's rank (pool.confined): before gloo's threads start
             confine.unmap_shared(status)  # (shared with the other ranks, by the kernel: all but its own slot)
-            done = confine.confine()
+            done = confine.confine(writable=job.get("writable"))
             if done.failed:
                 raise RuntimeError(f"rank {rank} could not be confined for a graded run: {done.failed}")
         if job["device"] == "cuda":

@@ -261,7 +261,12 @@ class RemoteRunner:
             wait = request.timeout + REPLY_MARGIN
             if isinstance(deadline, (int, float)):
                 wait = min(wait, deadline - time.monotonic() - GIVE_UP_MARGIN)
-            fields = {"world_size": request.world_size, "device": request.device, "fresh": request.memory}
+            fields = {
+                "world_size": request.world_size,
+                "device": request.device,
+                "fresh": request.memory,
+                "writable": request.writable,
+            }
             answer = self._ask(client, None, wait, kernel_pid, data={PREPARE: fields})
             if not isinstance(answer, dict):
                 return _unanswered(request.name, answer, request.timeout, wait)

@@ -168,6 +168,69 @@ def test_a_graded_runs_ranks_talk_only_over_the_wire(tmp_path):
     listener.close()
 
 
+def _writes(folder: str) -> dict:
+    """In each rank: a file beneath ``folder`` (the run's writable one, in the kernel's working directory)
+    written and read back, a sub-folder made, and a file beside it and in /tmp, each tried."""
+    import os
+
+    import torch.distributed as dist
+
+    def _attempt(action) -> str:
+        try:
+            action()
+        except OSError as exc:
+            return f"refused: {type(exc).__name__}"
+        return "went through"
+
+    rank, inside = dist.get_rank(), os.path.abspath(folder)
+
+    def write(path):
+        with open(path, "wb") as f:
+            f.write(b"x")
+        with open(path, "rb") as f:
+            assert f.read() == b"x"
+
+    return {
+        "beneath it": _attempt(lambda: write(os.path.join(inside, f"rank{rank}"))),
+        "a sub-folder": _attempt(lambda: os.makedirs(os.path.join(inside, f"sub{rank}", "deeper"))),
+        "beside it": _attempt(lambda: write(f"{inside}-beside{rank}")),
+        "in /tmp": _attempt(lambda: write(f"/tmp/dl-writable-{os.getpid()}")),
+    }
+
+
+def test_a_run_given_a_writable_folder_writes_there_and_nowhere_else(tmp_path, monkeypatch):
+    # lab 12's restart: checkpoints that outlive a killed rank; every other graded run's ranks write nothing
+    from disttrain_lab import serving
+
+    monkeypatch.chdir(tmp_path)
+    pool.shutdown()
+    serving.prepare({"world_size": 2, "device": None, "writable": "job"}, confined=True)  # the grader's prepare
+    with pool.prepared_only(), pool.confined(), pool.writable(serving.writable_folder("job")):
+        run = exercise.run(_writes, 2, ("job",), timeout=60, writable="job")
+    for got in run.results:
+        assert got == {
+            "beneath it": "went through",
+            "a sub-folder": "went through",
+            "beside it": "refused: PermissionError",
+            "in /tmp": "refused: PermissionError",
+        }, got
+    assert sorted(os.listdir(tmp_path / "job")) == ["rank0", "rank1", "sub0", "sub1"]
+    # the next graded run without one gets ranks that write nothing (a pool of their own, forked anew)
+    with pool.prepared_only(), pool.confined(), pytest.raises(exercise.ExerciseError, match="no warm ranks"):
+        exercise.run(_writes, 2, ("job",), timeout=60)
+    pool.prepare(2, plan(2), confined=True)
+    with pool.prepared_only(), pool.confined():
+        run = exercise.run(_writes, 2, ("job",), timeout=60)
+    assert {v.split(":")[0] for got in run.results for v in got.values()} == {"refused"}, run.results
+    pool.shutdown()
+    # what crosses the protocol is one plain name: no path, no parent
+    from disttrain_lab.protocol import ProtocolError, Request
+
+    for bad in ("../up", "/tmp/x", "a/b", "..", ""):
+        with pytest.raises(ProtocolError, match="writable must be None or a plain folder name"):
+            Request(target="f", world_size=1, inputs=[()], timeout=1.0, writable=bad)
+
+
 def _through_shared_memory(token: bytes, only: int | None) -> dict:
     """In each rank: rank 0 writes ``token`` at the end of every writable shared mapping it has (``rw-s`` in
     /proc/self/maps: what the kernel shared with it before the fork; ``only``: just the one at that address),
@@ -284,7 +347,9 @@ def test_the_grader_sees_from_outside_whether_the_ranks_were_confined(monkeypatc
     assert confine.unconfined(pool.worker_pids()) is None
     pool.shutdown()
     # a kernel that skips the call: the same graded run, its ranks unconfined
-    monkeypatch.setattr(confine, "confine", lambda: confine.Confinement(7, ("no writes", "only TCP sockets")))
+    monkeypatch.setattr(
+        confine, "confine", lambda writable=None: confine.Confinement(7, ("no writes", "only TCP sockets"))
+    )
     pool.prepare(2, plan(2), confined=True)
     with pool.prepared_only(), pool.confined():
         exercise.run(_rank, 2, timeout=60)

@@ -21,7 +21,9 @@ on are built with their answers.
   colon, the first rank into a collective, the waits counted as collectives, an overlap that does not
   take the union of gloo's slices; a load of the model alone, without the loader or the step, a save
   of nothing, without Adam's moments, or of a .metadata that runs code, a load that computes the
-  visible case's answer) fail the right graded cell with a message that says why.
+  visible case's answer; a restart from the oldest checkpoint, reported as the newest or not, from a
+  save cut short, on a train step of its own, or not at all) fail the right graded cell with a message
+  that says why.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -52,6 +54,7 @@ from tests.notebooks import (
 )
 
 LAB = solution_notebook("12_running_jobs")
+TRACE_CHECKS = "(?:exposed_communication|stragglers|overlap_fraction)"  # part 1's checks: (seed, ranks, case)
 BUDGET_S = 120  # the whole solution notebook on 2 cores: three profiled 4-rank runs of 3 steps, each merged
 EXERCISES = [
     "predict_exposed",
@@ -61,8 +64,9 @@ EXERCISES = [
     "predict_checkpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "train_with_checkpoints",
+    "predict_interval",
 ]
-GRADED = EXERCISES  # (test_<name> for each)
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,23 +88,35 @@ def test_exercises_points_and_hidden_tests():
         "test_predict_checkpoint": 1,
         "test_save_checkpoint": 1,
         "test_load_checkpoint": 2,
+        "test_train_with_checkpoints": 3,
+        "test_predict_interval": 1,
     }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
-        for e in GRADED
+        for e in EXERCISES
         for part in cell_by_id(nb, f"test_{e}").source.split("### BEGIN HIDDEN TESTS")[1:]
     )
     for check in ("check_exposed_communication", "check_stragglers", "check_overlap_fraction"):
         # the hidden traces are drawn at grading time (seed None): labtests/lab12/ is installed with the kit
         assert f"lab_tests.{check}(None, 3, " in hidden and f"lab_tests.{check}(None, 4, " in hidden, check
-    assert hidden.count("dl.predictions.assert_prediction(") == 2
+    assert hidden.count("dl.predictions.assert_prediction(") == 3
     # saved on 2 ranks by FSDP and by TP; the grader's checkpoint (one piece a tensor) resumed on 4 ranks,
     # on 2 by tensor parallelism and on 1; each from a training seeded at grading time (seed=None)
     for case in ('save("fsdp", 2', 'save("tp", 4', 'load("dp2xtp2", 2, 5', 'load("tp", 4, 6', 'load("plain", 1, 3'):
         assert f"lab_tests.check_{case}, seed=None)" in hidden, case
-    assert hidden.count("seed=None") == 5
-    seeds = re.findall(r"lab_tests\.check_\w+\((\d+),", "\n".join(c.source for c in nb.cells if c.cell_type == "code"))
-    assert len(seeds) == len(set(seeds)) == 3 and not re.search(r"lab_tests\.check_\w+\(\d+,", hidden), seeds
+    # the restart: a save at the very step killed after, a start at step 1, a kill before any save
+    for case in ("(13, 3, 9, seed=None", "(14, 3, 7, start=1, seed=None", "(11, 5, 4, start=3, seed=None"):
+        assert f"lab_tests.check_restart{case}, driver=_restart_driver)" in hidden, case
+    assert hidden.count("seed=None") == 8
+    # graded on its own: the grader's own save and load where the student's fail (lab 5's pattern)
+    graded = cell_by_id(nb, "test_train_with_checkpoints").source
+    assert "def _restart_with_graders_checkpoints(" in hidden
+    assert 'lab_tests.driver_for_restart(globals().get("_restart_with_graders_checkpoints"), afresh=True)' in graded
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    seeds = re.findall(rf"lab_tests\.check_{TRACE_CHECKS}\((\d+),", code)
+    assert len(seeds) == len(set(seeds)) == 3 and not re.search(rf"lab_tests\.check_{TRACE_CHECKS}\(\d+,", hidden), (
+        seeds
+    )
 
 
 def test_every_hidden_rule_is_stated_and_exercised_by_a_visible_self_check():
@@ -148,6 +164,20 @@ def test_the_checkpoint_rules_are_stated_and_the_self_check_resumes_on_other_gri
     visible = cell_by_id_source(nb, "# Self-check: saved after 3 steps on 4 ranks")
     assert 'dl.launch(_save_after, 4, "dp2xtp2", 3, CHECKPOINT_DIR' in visible
     assert '(("fsdp", 2), ("plain", 1))' in visible and "lab_tests.training(layout, seed=7)" in visible
+    for rule in (  # Exercise 6
+        "a sub-folder named `step_<n>` (`n` an integer) that holds a `.metadata` file",
+        "with none (or no `folder` yet), starts at step 0",
+        "by calling `train_step(t)` once per step until step `total`",
+        'after each step `n` with `n % every == 0` saves with your `save_checkpoint(f"{folder}/step_{n}"',
+        "**returns the step it resumed from** (0 when it started afresh)",
+        "a `step_<n>` with data files and no `.metadata`",
+        "counted from the bytes each rank sent, as the operating system counted them",
+    ):
+        assert rule in text_cells, rule
+    restart = cell_by_id_source(nb, "# Self-check: a job of 16 steps on 2 ranks")
+    assert "dl.launch(_job, 2, 16, 4, 10, 0, timeout=120)" in restart and "except dl.RankDied" in restart
+    graded = cell_by_id(nb, "test_train_with_checkpoints").source.split("### BEGIN HIDDEN TESTS")
+    assert "lab_tests.check_restart(12, 4, 9, driver=_restart_driver)" in graded[1].split("### END HIDDEN TESTS")[1]
 
 
 def cell_by_id_source(nb, marker: str) -> str:
@@ -182,6 +212,13 @@ def test_the_prediction_is_graded_on_the_model_and_its_self_check_knows_no_answe
     verdict(3 * 4 * 7e9 / 64 / 1e9)
     for wrong in (4 * 7e9 / 64 / 1e9, 2 * 4 * 7e9 / 64 / 1e9, 16 * 7e9 / 64 / 1e9, 3 * 4 * 7e9 / 1e9):
         # the values only, without Adam's two moments, with mixed precision's 16 bytes, on one rank
+        with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
+            verdict(wrong)
+    source = cell_by_id(nb, "test_predict_interval").source
+    young = (2 * 60 * 3 * 3600) ** 0.5
+    verdict(young)
+    for wrong in (young / 2**0.5, young / 60, 2 * 60 * 3 * 3600, (2 * 60 * 3) ** 0.5, young - 60):
+        # the 2 forgotten, minutes, no root, M in hours, Daly's correction (not what the text asks)
         with pytest.raises(PredictionError, match="does not match the cost model to 3 significant figures"):
             verdict(wrong)
 
@@ -253,8 +290,8 @@ def test_the_answers_built_with_a_trace_are_the_ones_read_from_it(world_size):
 def test_the_graders_traces_vary_and_the_visible_ones_are_not_the_hidden():
     nb = load(LAB)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    calls = re.findall(r"lab_tests\.check_(\w+)\((\d+), (\d+),", code)
-    traces = {(int(seed), int(n)): lab12.built_trace(int(seed), int(n)) for _, seed, n in calls}
+    calls = re.findall(rf"lab_tests\.check_{TRACE_CHECKS}\((\d+), (\d+),", code)
+    traces = {(int(seed), int(n)): lab12.built_trace(int(seed), int(n)) for seed, n in calls}
     answers = [tuple(a["exposed"]) for _, a in traces.values()]
     assert len(set(answers)) == len(answers) == 3
     # a hidden case's trace is drawn afresh each time
@@ -302,7 +339,10 @@ def test_the_graders_checkpoint_comes_from_its_seed_and_not_from_the_visible_one
 @pytest.mark.parametrize("autograding", [True, False], ids=["grader", "student"])
 def test_solution_notebook_executes_within_budget(autograding):
     nb = run_solution(LAB, BUDGET_S, autograding)
-    assert pictures(nb) >= 4, "the run without overlap, predicted against measured, the straggler, the overlap"
+    assert pictures(nb) >= 7, (
+        "the run without overlap, predicted against measured, the straggler, the overlap, the saves, the restart, "
+        "the simulated waste"
+    )
     stragglers = output_of(nb, "# Self-check: SMALL by hand (rank 1 calls")
     first = re.search(r"the straggler of each step's first all-reduce: \[([\d, ]+)\]", stragglers)
     assert first and first[1].split(", ").count("2") >= 2, stragglers  # rank 2, 200 ms late each step
@@ -316,6 +356,13 @@ def test_solution_notebook_executes_within_budget(autograding):
     assert len(shards) == 2 and all(12 * params / 2 <= b <= 1.01 * 12 * params / 2 for b in shards), (params, shards)
     blocked = re.search(r"dcp.save blocks the step (\d+) ms; dcp.async_save blocks it (\d+) ms", saved)
     assert int(blocked[2]) < int(blocked[1]), saved  # the asynchronous save blocks the step less
+    restarted = output_of(nb, "# Self-check: a job of 16 steps on 2 ranks")
+    assert "first attempt: rank 1 ended without returning" in restarted and "resumed at step 8" in restarted, restarted
+    simulated = output_of(nb, "def _simulated_waste(")
+    young, best = map(
+        float, re.search(r"Young's τ\* = ([\d.]+) s; the simulation's best of these: ([\d.]+) s", simulated).groups()
+    )
+    assert 0.49 <= best / young <= 2.01, simulated  # the simulated minimum lies near √(2·C·M)
 
 
 def _replaced(grade_id: str, right: str, wrong: str) -> str:
@@ -439,6 +486,39 @@ def load_checkpoint(path, model, optimizer, generator):
     return state["step"]
 """,
         "resumed on 4 ranks (dp2xtp2)",
+    ),
+    (
+        "train_with_checkpoints",  # the first checkpoint, not the newest: right values, but 6 steps run again
+        _replaced("ex_train_with_checkpoints", 'f"step_{max(complete)}"', 'f"step_{min(complete)}"'),
+        ("bytes in the second attempt, as the operating system counted them", "resumed from step 8, it runs 4"),
+    ),
+    (
+        "train_with_checkpoints",  # the same, reporting the newest: the wire counts the steps run again
+        _replaced(
+            "ex_train_with_checkpoints",
+            "    resumed = step\n",
+            "    resumed = max(complete) if complete else 0\n",
+        ).replace('f"step_{max(complete)}"', 'f"step_{min(complete)}"'),
+        ("bytes in the second attempt, as the operating system counted them", "resumed from step 8, it runs 4"),
+    ),
+    (
+        "train_with_checkpoints",  # the newest folder, complete or not: the save cut short has no .metadata
+        _replaced(
+            "ex_train_with_checkpoints",
+            ' and os.path.exists(os.path.join(folder, entry, ".metadata"))',
+            "",
+        ),
+        ".metadata",
+    ),
+    (
+        "train_with_checkpoints",  # its own train step, not the one it was given: the grader's failure never comes
+        _replaced("ex_train_with_checkpoints", "        train_step(t)\n", "        lab_tests.train_step(t)\n"),
+        "the first attempt ran to its end",
+    ),
+    (
+        "train_with_checkpoints",  # never resumed: each attempt starts from the model it was given
+        _replaced("ex_train_with_checkpoints", "    if complete:\n", "    if False:\n"),
+        "differs from one process trained without a break",
     ),
     (
         "overlap",  # one minus exposed over gloo's time: the kit's calls outside gloo's time counted too

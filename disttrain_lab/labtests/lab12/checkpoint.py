@@ -127,10 +127,10 @@ def check_save(layout: str, steps: int, seed: int | None = 0) -> None:
         )
 
 
-def grader_checkpoint(steps: int, seed: int) -> tuple[dict[str, bytes], mlp.Training]:
-    """The grader's own checkpoint of the training of ``seed`` after ``steps`` steps, written in this
-    process in the form the exercise gives, and that training (to continue it)."""
-    t = mlp.reference(steps, seed)
+def grader_checkpoint(steps: int, seed: int, hidden: int = mlp.HIDDEN) -> tuple[dict[str, bytes], mlp.Training]:
+    """The grader's own checkpoint of the training of ``seed`` (``hidden`` wide) after ``steps`` steps, written
+    in this process in the form the exercise gives, and that training (to continue it)."""
+    t = mlp.reference(steps, seed, hidden)
     model_state, optim_state = get_state_dict(t.model, t.optimizer)
     state = {"model": model_state, "optim": optim_state, "step": steps, "loader": t.generator.get_state()}
     return checkpoint_files.write_checkpoint(state, "memory://lab12/grader"), t

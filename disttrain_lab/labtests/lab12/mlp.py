@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "HIDDEN",
     "LAYOUTS",
+    "WIDE",
     "RANKS",
     "Training",
     "full_parameters",
@@ -29,6 +31,7 @@ __all__ = [
 ]
 
 WIDTH, HIDDEN, BATCH, LR = 16, 32, 8, 1e-2
+WIDE = 1024  # part 3's hidden width: a step's 0.4 MB between 2 FSDP ranks outweighs a checkpoint's few KB of plans
 DATA_SEED = 1234
 RANKS = {"dp2xtp2": 4, "fsdp": 2, "tp": 2, "plain": 1}  # the graded cases' ranks for each layout
 LAYOUTS = tuple(RANKS)
@@ -46,17 +49,18 @@ class Training:
     dp_size: int
 
 
-def _model(seed: int) -> nn.Module:
+def _model(seed: int, hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, WIDTH)).double()
+    return nn.Sequential(nn.Linear(WIDTH, hidden), nn.ReLU(), nn.Linear(hidden, WIDTH)).double()
 
 
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed((DATA_SEED + seed) % 2**63)
 
 
-def training(layout: str, seed: int = 0) -> Training:
-    """The MLP (initialised from ``seed``) laid out on this launch's ranks, Adam, and a fresh loader.
+def training(layout: str, seed: int = 0, hidden: int = HIDDEN) -> Training:
+    """The MLP (initialised from ``seed``, ``hidden`` wide) laid out on this launch's ranks, Adam, and a
+    fresh loader.
 
     ``"dp2xtp2"``: 4 ranks, a 2 × 2 mesh, tensor parallel over ``tp`` (the first layer column-wise,
     the second row-wise) and FSDP2 (``fully_shard``) over ``dp``; ``"fsdp"``: FSDP2 over every rank;
@@ -67,7 +71,7 @@ def training(layout: str, seed: int = 0) -> Training:
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    model, world = _model(seed), dist.get_world_size()
+    model, world = _model(seed, hidden), dist.get_world_size()
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     dp_rank, dp_size = 0, 1
     if layout == "dp2xtp2":
@@ -88,10 +92,10 @@ def training(layout: str, seed: int = 0) -> Training:
     return Training(model, optimizer, _generator(seed), dp_rank, dp_size)
 
 
-def reference(steps: int, seed: int = 0) -> Training:
+def reference(steps: int, seed: int = 0, hidden: int = HIDDEN) -> Training:
     """The training of ``seed`` in this process (no process group: the grader's own run) after ``steps``
     steps on whole batches, never interrupted."""
-    model = _model(seed)
+    model = _model(seed, hidden)
     t = Training(model, torch.optim.Adam(model.parameters(), lr=LR), _generator(seed), 0, 1)
     for _ in range(steps):
         train_step(t)
@@ -125,6 +129,6 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         quiet.setLevel(level)
 
 
-def reference_parameters(steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def reference_parameters(steps: int, seed: int = 0, hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
     """The parameters after ``steps`` steps of one process training on whole batches, never interrupted."""
-    return {name: p.detach().clone() for name, p in reference(steps, seed).model.named_parameters()}
+    return {name: p.detach().clone() for name, p in reference(steps, seed, hidden).model.named_parameters()}
