@@ -71,6 +71,7 @@ SECONDS = {
     "test_network.py": 22,
     "test_bench_sequence.py": 13,  # measured alone at load 1: 12 s, its CLI run 11 s
     "test_bench_experts.py": 13,  # measured alone at load 1: 12 s, its CLI run 11 s
+    "test_bench_checkpoint.py": 45,  # measured alone at load 1: 43 s (two torchrun restarts)
 }
 # seconds of a lab's round trip (tests/roundtrip.py), from the same run
 ROUND_TRIP_SECONDS = {

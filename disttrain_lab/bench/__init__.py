@@ -26,6 +26,7 @@ from .allreduce import (
     busbw_factor,
     format_allreduce_table,
 )
+from .checkpoint import bench_recovery, bench_saves, format_checkpoint_table
 from .common import (
     OPS_SIZES,
     SENT_ON_THE_WIRE,

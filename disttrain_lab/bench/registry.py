@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import (
     allreduce,
+    checkpoint,
     compression,
     ddp,
     experts,
@@ -31,4 +32,5 @@ MEASUREMENTS = (
     memory,
     sequence,
     experts,
+    checkpoint,
 )

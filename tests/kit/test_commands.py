@@ -59,6 +59,7 @@ COVERED_ELSEWHERE = {
     "tp": "tests/labs/test_lab06.py::test_cli_bench_tp_uses_the_notebook",
     "sequence": "tests/labs/test_bench_sequence.py::test_cli_bench_sequence_with_tiny_options",
     "experts": "tests/labs/test_bench_experts.py::test_cli_bench_experts_with_tiny_options",
+    "checkpoint": "tests/labs/test_bench_checkpoint.py::test_cli_bench_checkpoint_with_tiny_options",
     "all": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
     "launch": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
     "compression": "tests/kit/test_commands.py::test_bench_all_writes_a_report",

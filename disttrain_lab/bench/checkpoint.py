@@ -1,0 +1,303 @@
+"""``disttrain-lab bench checkpoint``: lab 12's checkpoints, what a save costs and what a failure costs.
+
+**Saving** (FSDP2 on ``world_size`` ranks, a two-layer MLP of ``width`` in fp32 with Adam's state): the
+lab's ``save_checkpoint`` beside torch's own ``dcp.save`` of the same state and ``dcp.async_save`` (its
+own gloo group: on the training's, its background collectives collide with the step's), timed as the
+step is blocked (the asynchronous save also to when its writing ends); the bytes each rank's file
+holds, against 12·Ψ/N.
+
+**Recovering** (the lab's ``train_with_checkpoints``, ``save_checkpoint`` and ``load_checkpoint`` on 2
+ranks of FSDP, the lab's wide MLP, a checkpoint every ``every`` steps, rank 1 killed with ``SIGKILL`` as
+it begins step ``kill_at + 1``): started again by the kit's launcher (``dl.launch`` reports the dead
+rank, the job is launched again), and by torchrun's elastic agent (``--max-restarts 1``, which stops
+the survivor and starts both again), each from the kill to the first step the new attempt finished:
+the failure's report, the restart and the load.  torchrun runs with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch 2.13 a restart's workers otherwise find the old
+workers' addresses in the store the agent shares with them and fail to connect (pytorch#135712); the
+row ``torchrun, shared store`` tries torch's default and says what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import cloudpickle
+
+from ..launcher import RankDied, launch
+from .common import Measured, NotMeasured, add_notebook_argument, add_world_size_argument, chart, functions_from_lab
+
+NAME = "checkpoint"
+HELP = "lab 12's save against dcp.save and dcp.async_save, and a killed rank's recovery by dl.launch and torchrun"
+LAB = os.path.join("12_running_jobs", "12_running_jobs.ipynb")
+NAMES = ("save_checkpoint", "load_checkpoint", "train_with_checkpoints")
+LAB_SAVE, DCP_SAVE, ASYNC_BLOCKED, ASYNC_WRITTEN = (
+    "save_checkpoint (the lab's)",
+    "dcp.save",
+    "dcp.async_save, blocked",
+    "dcp.async_save, written",
+)
+KIT_RESTART, TORCHRUN_RESTART, TORCHRUN_SHARED = (
+    "dl.launch again",
+    "torchrun --max-restarts 1",
+    "torchrun, shared store",
+)
+QUICK = ["--width", "256", "--repeats", "1", "--steps", "6", "--every", "2", "--kill-at", "3"]  # --quick
+
+
+def _save_times(versions: dict, width: int, repeats: int, folder: str) -> dict:
+    """In each rank: seconds the step is blocked by each save (and the asynchronous one's end), and the
+    bytes of this rank's file of the last ``dcp.save``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, width)).sum().backward()
+    optimizer.step()
+    generator = torch.Generator().manual_seed(0)
+    saver = dist.new_group(backend="gloo")  # the asynchronous save's own group
+    rank, seconds, size = dist.get_rank(), {}, 0
+
+    def timed(name, i, save, asynchronous=False):
+        path = os.path.join(folder, f"{name.split()[0].rstrip(',')}-{i}")
+        dist.barrier()
+        start = time.perf_counter()
+        pending = save(path)
+        seconds.setdefault(name, []).append(time.perf_counter() - start)
+        if asynchronous:
+            pending.result()
+            seconds.setdefault(ASYNC_WRITTEN, []).append(time.perf_counter() - start)
+        return path
+
+    dcp.save(
+        dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=os.path.join(folder, "warm")
+    )
+    for i in range(repeats):  # (after a first save, untimed: DCP's first call sets itself up)
+        if "save_checkpoint" in versions:
+            timed(LAB_SAVE, i, lambda p: versions["save_checkpoint"](p, model, optimizer, 1, generator))
+        state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        last = timed(DCP_SAVE, i, lambda p, state=state: dcp.save(state, checkpoint_id=p))
+        size = os.path.getsize(os.path.join(last, f"__{rank}_0.distcp"))
+        timed(
+            ASYNC_BLOCKED,
+            i,
+            lambda p, state=state: dcp.async_save(state, checkpoint_id=p, process_group=saver),
+            asynchronous=True,
+        )
+    dist.barrier()
+    return {"seconds": seconds, "bytes": size, "params": sum(p.numel() for p in model.parameters())}
+
+
+def bench_saves(versions: dict, world_size: int = 2, width: int = 1024, repeats: int = 5) -> list[dict]:
+    """A row per save: ``ms`` (median of the slowest rank) and rank 0's file ``bytes``; ``ratio``: dcp.save's
+    time / this one's.  ``versions``: the notebook's ``save_checkpoint`` (may be missing)."""
+    folder = tempfile.mkdtemp(prefix="disttrain-bench-checkpoint-")
+    try:
+        per_rank = launch(_save_times, world_size, versions, width, repeats, folder, timeout=600)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    first, rows = per_rank[0], []
+    params = first["params"]
+    for name in (LAB_SAVE, DCP_SAVE, ASYNC_BLOCKED, ASYNC_WRITTEN):
+        row = {"part": "save", "version": name, "world_size": world_size, "size": {"width": width, "params": params}}
+        if name not in first["seconds"]:
+            rows.append({**row, "error": "the notebook defines no save_checkpoint"})
+            continue
+        ms = 1e3 * max(statistics.median(rank["seconds"][name]) for rank in per_rank)
+        rows.append({**row, "ms": ms, "repeats": repeats, "bytes": first["bytes"], "rule": 12 * params / world_size})
+    base = next(r for r in rows if r["version"] == DCP_SAVE)
+    for r in rows:
+        if "ms" in r:
+            r["baseline"], r["ratio"] = DCP_SAVE, base["ms"] / r["ms"]
+    return rows
+
+
+def _job(functions: dict, folder: str, total: int, every: int, kill_at: int | None, attempt: int) -> dict:
+    """One attempt of the job (dl.launch's rank, or torchrun's worker): the lab's wide MLP on 2 FSDP ranks,
+    the notebook's train_with_checkpoints; rank 1 notes the time and kills itself as it begins step
+    ``kill_at + 1`` of a job started afresh; rank 0 notes when each step of this ``attempt`` ended."""
+    import torch.distributed as dist
+
+    from disttrain_lab.labtests.lab12 import mlp
+
+    train = functions["train_with_checkpoints"]  # (it finds the notebook's save and load where it was defined)
+    t = mlp.training("fsdp", 0, mlp.WIDE)
+    done = [0]
+
+    def step(training):
+        if kill_at is not None and done[0] == kill_at and dist.get_rank() == 1:
+            with open(os.path.join(folder, "killed"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        mlp.train_step(training)
+        done[0] += 1
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, f"steps{attempt}"), "a") as f:
+                f.write(f"{time.time()!r}\n")
+
+    resumed = train(os.path.join(folder, "checkpoints"), t, total, every, step)
+    return {"resumed": resumed}
+
+
+def _first_step(folder: str, attempt: int) -> float:
+    """When the first step of ``attempt`` ended (rank 0's clock: the machine's, as the kill's)."""
+    with open(os.path.join(folder, f"steps{attempt}")) as f:
+        return min(float(line) for line in f if line.strip())
+
+
+def _kit_restart(functions: dict, total: int, every: int, kill_at: int) -> dict:
+    folder = tempfile.mkdtemp(prefix="disttrain-bench-restart-")
+    try:
+        try:
+            launch(_job, 2, functions, folder, total, every, kill_at, 0, timeout=300)
+            raise NotMeasured("the first attempt was not killed: does train_with_checkpoints call train_step?")
+        except RankDied:
+            reported = time.time()
+        resumed = launch(_job, 2, functions, folder, total, every, None, 1, timeout=300)[0]["resumed"]
+        with open(os.path.join(folder, "killed")) as f:
+            killed = float(f.read())
+        return {
+            "recovered_s": _first_step(folder, 1) - killed,
+            "reported_s": reported - killed,
+            "resumed": resumed,
+        }
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own_store: bool) -> dict:
+    """torchrun's elastic agent with one restart, on this module as its workers' script (``--torchrun-child``),
+    the notebook's functions passed by value (cloudpickle)."""
+    folder = tempfile.mkdtemp(prefix="disttrain-bench-torchrun-")
+    try:
+        with open(os.path.join(folder, "functions.pkl"), "wb") as f:
+            cloudpickle.dump(functions, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        cmd += ["--max-restarts=1", f"--log-dir={os.path.join(folder, 'logs')}", "-m", __name__, "--torchrun-child"]
+        cmd += [folder, str(total), str(every), str(kill_at)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if own_store:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        if done.returncode != 0:
+            said = [line for line in (done.stderr + done.stdout).splitlines() if "RuntimeError:" in line]
+            why = re.sub(r"\[/\S+\] ", "", said[-1].split("RuntimeError:", 1)[1]).strip() if said else "(no error said)"
+            return {"error": f"torchrun exited with {done.returncode}; the restarted workers: {why[:160]}"}
+        with open(os.path.join(folder, "killed")) as f:
+            killed = float(f.read())
+        with open(os.path.join(folder, "resumed")) as f:
+            resumed = int(f.read())
+        return {"recovered_s": _first_step(folder, 1) - killed, "resumed": resumed}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torchrun_child(folder: str, total: int, every: int, kill_at: int) -> None:
+    """A torchrun worker: the job's attempt (the first, ``TORCHELASTIC_RESTART_COUNT`` 0, killed), the
+    process group from torchrun's environment."""
+    import torch.distributed as dist
+
+    with open(os.path.join(folder, "functions.pkl"), "rb") as f:
+        functions = cloudpickle.load(f)
+    dist.init_process_group("gloo")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    got = _job(functions, folder, total, every, None if attempt else kill_at, attempt)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "resumed"), "w") as f:
+            f.write(str(got["resumed"]))
+    dist.destroy_process_group()
+
+
+def bench_recovery(functions: dict, total: int = 16, every: int = 4, kill_at: int = 10) -> list[dict]:
+    """A row per way of starting the job again: ``seconds`` from rank 1's death to the first step the new
+    attempt finished, the step it resumed from, the steps lost (``kill_at`` − that step)."""
+    if not set(NAMES) <= set(functions):
+        missing = ", ".join(sorted(set(NAMES) - set(functions)))
+        return [{"part": "recovery", "version": KIT_RESTART, "error": f"the notebook does not define {missing}"}]
+    size = {"steps": total, "every": every, "killed after": kill_at}
+    rows = []
+    for version, measure in (
+        (KIT_RESTART, lambda: _kit_restart(functions, total, every, kill_at)),
+        (TORCHRUN_RESTART, lambda: _torchrun_restart(functions, total, every, kill_at, own_store=True)),
+        (TORCHRUN_SHARED, lambda: _torchrun_restart(functions, total, every, kill_at, own_store=False)),
+    ):
+        got = measure()
+        row = {"part": "recovery", "version": version, "world_size": 2, "size": dict(size), **got}
+        if "resumed" in got:
+            row["lost_steps"] = kill_at - got["resumed"]
+        rows.append(row)
+    return rows
+
+
+def format_checkpoint_table(rows: list[dict]) -> str:
+    lines = []
+    saves = [r for r in rows if r["part"] == "save"]
+    if saves:
+        first = saves[0]
+        lines += [
+            f"save on {first['world_size']} ranks (FSDP2, a 2-layer MLP of width {first['size']['width']}, "
+            f"{first['size']['params']:,} parameters, fp32 + Adam); ms the step is blocked, slowest rank's median; "
+            "bytes: rank 0's file, against 12·Ψ/N; ratio: dcp.save's time / this one's",
+            f"  {'version':<28} {'ms':>9} {'bytes':>13} {'12·Ψ/N':>13} {'ratio':>7}",
+        ]
+        for r in saves:
+            if "error" in r:
+                lines.append(f"  {r['version']:<28} not measured: {r['error']}")
+            else:
+                lines.append(
+                    f"  {r['version']:<28} {r['ms']:>9.1f} {r['bytes']:>13,} {r['rule']:>13,.0f} {r['ratio']:>6.2f}x"
+                )
+    recovery = [r for r in rows if r["part"] == "recovery"]
+    if recovery:
+        size = recovery[0].get("size", {})
+        lines += [
+            f"recovery on 2 ranks (the lab's wide MLP, FSDP2; {size.get('steps')} steps, a checkpoint every "
+            f"{size.get('every')}, rank 1 killed after step {size.get('killed after')}): seconds from the kill to "
+            "the first step of the new attempt (the failure's report, the restart, the load)",
+            f"  {'version':<28} {'seconds':>9} {'resumed at':>11} {'steps lost':>11}",
+        ]
+        for r in recovery:
+            if "error" in r:
+                lines.append(f"  {r['version']:<28} not measured: {r['error']}")
+            else:
+                lines.append(f"  {r['version']:<28} {r['recovered_s']:>9.2f} {r['resumed']:>11} {r['lost_steps']:>11}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    add_notebook_argument(parser, LAB)
+    add_world_size_argument(parser, (2,), "ranks of the saves")
+    parser.add_argument("--width", type=int, default=1024, help="the saved MLP's width (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=16, help="the recovered job's steps (default %(default)s)")
+    parser.add_argument("--every", type=int, default=4, help="its checkpoint interval, steps (default %(default)s)")
+    parser.add_argument("--kill-at", type=int, default=10, help="rank 1 dies after this step (default %(default)s)")
+
+
+def measure(args) -> Measured:
+    if not 0 < args.kill_at < args.steps:
+        raise NotMeasured(f"--kill-at must lie between 0 and --steps: {args.kill_at} of {args.steps}")
+    found = functions_from_lab(args, LAB, NAMES, "checkpointing functions")
+    rows = []
+    for world_size in args.world_size:
+        rows += bench_saves(found, world_size, args.width, args.repeats)
+    rows += bench_recovery(found, args.steps, args.every, args.kill_at)
+    saves = [r for r in rows if r["part"] == "save" and "ms" in r]
+    return Measured(rows, format_checkpoint_table(rows), [chart(saves, "A checkpoint's save", "ms", "ms blocked")])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--torchrun-child"]:
+    _torchrun_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

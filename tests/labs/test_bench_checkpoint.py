@@ -1,0 +1,63 @@
+"""``disttrain-lab bench checkpoint`` (lab 12: a save's cost beside torch's own dcp calls, and a killed
+rank's recovery by the kit's launcher and by torchrun's elastic agent).
+
+- bench.format_checkpoint_table: each save's line (ms, rank 0's file, 12·Ψ/N, the ratio to dcp.save), each
+  recovery's (seconds, the step resumed from, the steps lost), or why it was not measured.
+- ``disttrain-lab bench checkpoint`` with tiny options, the functions taken from lab 12's solution
+  notebook: every save measured, rank 1 killed and the job recovered by ``dl.launch`` and by
+  ``torchrun --max-restarts 1`` (its own store per attempt, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+  each resuming from the newest complete checkpoint; the row with torch's default shared store says
+  what happened (with torch 2.13 its restarted workers mostly fail to connect, pytorch#135712, as the
+  lab's section 8 says; not always).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain_lab import bench
+from tests.helpers import REPO, run_python
+
+
+def test_format_checkpoint_table():
+    save = {"part": "save", "world_size": 2, "size": {"width": 8, "params": 144}, "repeats": 3, "bytes": 900}
+    rows = [
+        {**save, "version": "save_checkpoint (the lab's)", "ms": 4.0, "rule": 864, "ratio": 0.5},
+        {**save, "version": "dcp.save", "ms": 2.0, "rule": 864, "ratio": 1.0},
+        {"part": "save", "version": "dcp.async_save, blocked", "world_size": 2, "size": save["size"], "error": "why"},
+        {
+            "part": "recovery",
+            "version": "dl.launch again",
+            "size": {"steps": 6, "every": 2, "killed after": 3},
+            "recovered_s": 0.7,
+            "resumed": 2,
+            "lost_steps": 1,
+        },
+        {"part": "recovery", "version": "torchrun, shared store", "error": "torchrun exited with 1"},
+    ]
+    lines = bench.format_checkpoint_table(rows).splitlines()
+    assert lines[0].startswith("save on 2 ranks (FSDP2, a 2-layer MLP of width 8, 144 parameters"), lines
+    assert lines[2].split()[-4:] == ["4.0", "900", "864", "0.50x"] and lines[3].endswith("1.00x"), lines
+    assert lines[4].endswith("not measured: why"), lines
+    assert lines[5].startswith("recovery on 2 ranks") and "6 steps, a checkpoint every 2" in lines[5], lines
+    assert lines[7].split()[-3:] == ["0.70", "2", "1"], lines
+    assert lines[8].endswith("not measured: torchrun exited with 1"), lines
+
+
+@pytest.mark.slow
+def test_cli_bench_checkpoint_with_tiny_options():
+    args = ["--width", "256", "--repeats", "1", "--steps", "6", "--every", "2", "--kill-at", "3"]
+    done = run_python(["-m", "disttrain_lab.cli", "bench", "checkpoint", *args], timeout=400, cwd=REPO)
+    assert done.returncode == 0, done.stdout
+    out = done.stdout
+    assert "checkpointing functions from solutions/12_running_jobs/12_running_jobs.ipynb\n" in out, out
+    lines = {
+        line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "  " in line[2:]
+    }
+    for save in ("save_checkpoint (the lab's)", "dcp.save", "dcp.async_save, blocked", "dcp.async_save, written"):
+        assert lines[save].split()[-1].endswith("x"), out  # measured, with its ratio to dcp.save
+    for restart in ("dl.launch again", "torchrun --max-restarts 1"):  # killed after step 3, saved every 2
+        assert lines[restart].split()[-2:] == ["2", "1"], out
+        assert 0 < float(lines[restart].split()[-3]) < 120, out
+    shared = lines["torchrun, shared store"]
+    assert shared.split()[-2:] == ["2", "1"] or "Gloo connectFullMesh failed" in shared, out
