@@ -116,3 +116,45 @@ def test_merging_says_what_is_wrong_with_a_folder(tmp_path):
     (tmp_path / "ranks" / "rank0.json").write_text(json.dumps({"traceEvents": [], "disttrain_lab": meta}))
     with pytest.raises(ValueError, match=r"ranks \[1\], expected 0..1"):
         dl.merge_traces(tmp_path)
+
+
+def _rank_slices(frame, symbols) -> list[tuple[str, float]]:
+    """A rank's slices as Holistic Trace Analysis read them: (name, duration in µs), in order."""
+    frame = frame.sort_values(["ts", "name"], kind="stable")
+    return [(symbols[i], round(float(d), 3)) for i, d in zip(frame["name"], frame["dur"])]
+
+
+@pytest.mark.slow  # a 4-rank profiled launch and HTA's parse
+def test_a_merged_four_rank_trace_loads_in_holistic_trace_analysis(tmp_path):
+    """Meta's trace reader (HTA 0.5.0, a test dependency) reads the merged file as four processes, each
+    with every slice HTA reads from that rank's own torch trace, and one message's timing on one clock."""
+    from hta.trace_analysis import TraceAnalysis  # optional: the developer's test extra
+
+    folder = tmp_path / "profile"
+    dl.launch(dl.profiled(_ring_step, folder), 4, NUMEL, network=NET)
+    merged_file = dl.merge_traces(folder)
+    merged = TraceAnalysis(trace_files={0: str(merged_file)}, trace_dir=str(folder)).t
+    per_rank = TraceAnalysis(trace_dir=str(folder / "ranks")).t
+    assert sorted(per_rank.traces) == [0, 1, 2, 3]  # HTA found each rank in torch's distributedInfo
+    frame = merged.traces[0]
+    assert sorted(frame["pid"].unique()) == [0, 1, 2, 3]
+    for rank in range(4):
+        mine = _rank_slices(frame[frame["pid"] == rank], merged.symbol_table.sym_table)
+        own = _rank_slices(per_rank.traces[rank], per_rank.symbol_table.sym_table)
+        # nothing lost or changed in the merge (HTA rounds each file's times to whole µs on its own base)
+        assert [n for n, _ in sorted(mine)] == [n for n, _ in sorted(own)], rank
+        assert all(abs(a - b) <= 1.0 for (_, a), (_, b) in zip(sorted(mine), sorted(own))), rank
+        assert {"compute", "dl:isend", "dl:recv", "dl:all_reduce", "gloo:all_reduce"} <= {n for n, _ in mine}
+    # on the merged clock, as HTA reads it: each rank's receive (the kit's dl:recv, which holds the
+    # emulated link's time) ends at least the link's time after its neighbour's send began, less the
+    # clocks' measured error
+    symbols = merged.symbol_table.sym_table
+    errors = json.loads(merged_file.read_text())["disttrain_lab"]["clock_error_ns"]
+    names = frame["name"].map(lambda i: symbols[i])
+    for rank in range(4):
+        sender = (rank - 1) % 4
+        sent = frame[(frame["pid"] == sender) & (names == "c10d::send")]["ts"].min()
+        took = frame[(frame["pid"] == rank) & (names == "dl:recv")]
+        received = float((took["ts"] + took["dur"]).max())
+        slack = (errors[rank] + errors[sender]) / 1e3
+        assert received - float(sent) >= NET.time(4 * NUMEL) * 1e6 - slack, (rank, sent, received)
