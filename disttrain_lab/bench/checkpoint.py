@@ -15,6 +15,15 @@ the failure's report, the restart and the load.  torchrun runs with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch 2.13 a restart's workers otherwise find the old
 workers' addresses in the store the agent shares with them and fail to connect (pytorch#135712); the
 row ``torchrun, shared store`` tries torch's default and says what happened.
+
+**Per-step fault tolerance** (torchft, where it is installed: ``pip install torchft==0.2.0`` installs beside
+torch 2.13 and runs on gloo): the same MLP in two replica groups of one rank each, torchft's
+``DistributedDataParallel`` and ``Manager`` with a lighthouse in this process (a heartbeat timeout of
+``FT_HEARTBEAT_MS``); replica 1 is killed as it begins step ``kill_at + 1`` and started again at once.
+Nothing is saved to disk: the survivor goes on alone once the lighthouse has given up the dead
+replica (row ``torchft, survivor``: from the kill to its next step, no step run again), and the new
+replica takes the survivor's state over the network at the next quorum and joins at that step (row
+``torchft, replacement``: from the kill to its first step); the two must end with equal parameters.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from ..launcher import RankDied, launch
 from .common import Measured, NotMeasured, add_notebook_argument, add_world_size_argument, chart, functions_from_lab
 
 NAME = "checkpoint"
-HELP = "lab 12's save against dcp.save and dcp.async_save, and a killed rank's recovery by dl.launch and torchrun"
+HELP = "lab 12's save against dcp.save and async_save; a killed rank's recovery by dl.launch, torchrun and torchft"
 LAB = os.path.join("12_running_jobs", "12_running_jobs.ipynb")
 NAMES = ("save_checkpoint", "load_checkpoint", "train_with_checkpoints")
 LAB_SAVE, DCP_SAVE, ASYNC_BLOCKED, ASYNC_WRITTEN = (
@@ -44,11 +53,16 @@ LAB_SAVE, DCP_SAVE, ASYNC_BLOCKED, ASYNC_WRITTEN = (
     "dcp.async_save, blocked",
     "dcp.async_save, written",
 )
-KIT_RESTART, TORCHRUN_RESTART, TORCHRUN_SHARED = (
+KIT_RESTART, TORCHRUN_RESTART, TORCHRUN_SHARED, FT_SURVIVOR, FT_REPLACEMENT = (
     "dl.launch again",
     "torchrun --max-restarts 1",
     "torchrun, shared store",
+    "torchft, survivor",
+    "torchft, replacement",
 )
+FT_HEARTBEAT_MS = 2000  # the lighthouse's heartbeat timeout: how long a silent replica is waited for
+FT_PACE_S = 0.05  # a torchft step's pause (the MLP's step takes ms): the survivor still trains when the new one is up
+FT_TOGETHER = 3  # the torchft job ends at --steps or later, once both replicas took part in this many steps in a row
 QUICK = ["--width", "256", "--repeats", "1", "--steps", "6", "--every", "2", "--kill-at", "3"]  # --quick
 
 
@@ -222,6 +236,146 @@ def _torchrun_child(folder: str, total: int, every: int, kill_at: int) -> None:
     dist.destroy_process_group()
 
 
+def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, total: int, kill_at: int) -> None:
+    """One replica group of one rank under torchft: the lab's wide MLP (the same initialisation in every
+    replica), torchft's DDP and optimizer wrapper; each step's batch seeded by the step and the replica.
+    Notes each committed step's end (``ft<replica>``: the step reached, the time); replica 1, when
+    ``kill_at`` > 0, notes the time and kills itself as it begins step ``kill_at + 1``.  Ends at step
+    ``total`` or later, once the two replicas took part in ``FT_TOGETHER`` steps in a row (the
+    replacement has joined), and writes its parameters (``params<replica>``)."""
+    from datetime import timedelta
+
+    import torch
+    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+
+    from disttrain_lab.labtests.lab12 import mlp
+
+    model = mlp._model(0, mlp.WIDE)
+    adam = torch.optim.Adam(model.parameters(), lr=mlp.LR)
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": adam.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        adam.load_state_dict(state["optim"])
+
+    wait = timedelta(seconds=60)
+    manager = Manager(
+        pg=ProcessGroupGloo(),
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica{replica}",
+        store_addr="localhost",
+        store_port=store_port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        timeout=wait,
+        quorum_timeout=wait,
+        connect_timeout=wait,
+    )
+    ddp, optimizer = DistributedDataParallel(manager, model), OptimizerWrapper(manager, adam)
+    if replica == 0 or kill_at:  # the first two (not the replacement) start together: each waits for the other
+        open(os.path.join(folder, f"ready{replica}"), "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(folder, f"ready{1 - replica}")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    together = 0  # steps in a row both replicas took part in (the same count in both: the same quorums)
+    while not (manager.current_step() >= total and together >= FT_TOGETHER):
+        step = manager.current_step()
+        if kill_at and replica == 1 and step == kill_at:
+            with open(os.path.join(folder, "killed"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        generator = torch.Generator().manual_seed(mlp.DATA_SEED + 1000 * step + replica)
+        x = torch.randn(mlp.BATCH, mlp.WIDTH, generator=generator, dtype=torch.float64)
+        y = torch.randn(mlp.BATCH, mlp.WIDTH, generator=generator, dtype=torch.float64)
+        optimizer.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        optimizer.step()
+        together = together + 1 if manager.num_participants() == 2 else 0
+        with open(os.path.join(folder, f"ft{replica}"), "a") as f:
+            f.write(f"{manager.current_step()} {time.time()!r}\n")
+        time.sleep(FT_PACE_S)
+    torch.save([p.detach() for p in model.parameters()], os.path.join(folder, f"params{replica}"))
+    manager.shutdown(wait=False)
+
+
+def _torchft_steps(folder: str, replica: int) -> list[tuple[int, float]]:
+    with open(os.path.join(folder, f"ft{replica}")) as f:
+        return [(int(step), float(at)) for step, at in (line.split() for line in f if line.strip())]
+
+
+def _torchft_recovery(total: int, kill_at: int) -> list[dict]:
+    """Rows ``torchft, survivor`` and ``torchft, replacement`` (see the module's text), or why not."""
+    os.environ.setdefault("RUST_LOG", "error")  # (torchft's lighthouse logs every quorum to stderr otherwise)
+    try:
+        import torch
+        from torch.distributed import TCPStore
+        from torchft.coordination import LighthouseServer
+    except ImportError as e:
+        why = f"torchft is not installed ({e}); pip install torchft==0.2.0"
+        return [{"part": "recovery", "version": v, "error": why} for v in (FT_SURVIVOR, FT_REPLACEMENT)]
+    folder = tempfile.mkdtemp(prefix="disttrain-bench-torchft-")
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=FT_HEARTBEAT_MS
+    )
+    children = []
+    try:
+
+        def start(replica: int, kill: int) -> subprocess.Popen:
+            store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            stores.append(store)  # (kept open while the replica runs)
+            cmd = [sys.executable, "-m", __name__, "--torchft-child", folder, str(replica), lighthouse.address()]
+            cmd += [str(store.port), str(total), str(kill)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+            log = open(os.path.join(folder, f"log{len(children)}"), "w")  # (a pipe unread would fill and block it)
+            child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+            children.append(child)
+            return child
+
+        def said(child: subprocess.Popen) -> str:
+            with open(os.path.join(folder, f"log{children.index(child)}")) as f:
+                return f.read()[-300:]
+
+        stores: list = []
+        survivor, doomed = start(0, 0), start(1, kill_at)
+        doomed.wait(timeout=300)
+        if doomed.returncode != -signal.SIGKILL:
+            raise NotMeasured(f"torchft's replica 1 ended with {doomed.returncode}: {said(doomed)}")
+        replacement = start(1, 0)
+        for child in (survivor, replacement):
+            if child.wait(timeout=300) != 0:
+                raise NotMeasured(f"a torchft replica ended with {child.returncode}: {said(child)}")
+        with open(os.path.join(folder, "killed")) as f:
+            killed = float(f.read())
+        ends = [torch.load(os.path.join(folder, f"params{r}")) for r in (0, 1)]
+        if not all(torch.equal(a, b) for a, b in zip(*ends)):
+            raise NotMeasured("torchft's two replicas ended with different parameters")
+        after = [(step, at) for step, at in _torchft_steps(folder, 0) if at > killed]
+        joined = [(step, at) for step, at in _torchft_steps(folder, 1) if at > killed]  # the replacement's
+        # nothing is run again: the survivor goes on from the kill; the replacement joins where it is
+        survived = {"recovered_s": after[0][1] - killed, "resumed": kill_at, "lost_steps": 0}
+        replaced = {"recovered_s": joined[0][1] - killed, "resumed": joined[0][0] - 1, "lost_steps": 0}
+        return [
+            {"part": "recovery", "version": FT_SURVIVOR, **survived},
+            {"part": "recovery", "version": FT_REPLACEMENT, **replaced},
+        ]
+    except (NotMeasured, OSError, subprocess.TimeoutExpired, IndexError) as e:
+        return [{"part": "recovery", "version": v, "error": str(e)[:200]} for v in (FT_SURVIVOR, FT_REPLACEMENT)]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        lighthouse.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def bench_recovery(functions: dict, total: int = 16, every: int = 4, kill_at: int = 10) -> list[dict]:
     """A row per way of starting the job again: ``seconds`` from rank 1's death to the first step the new
     attempt finished, the step it resumed from, the steps lost (``kill_at`` − that step)."""
@@ -240,6 +394,7 @@ def bench_recovery(functions: dict, total: int = 16, every: int = 4, kill_at: in
         if "resumed" in got:
             row["lost_steps"] = kill_at - got["resumed"]
         rows.append(row)
+    rows += [{**got, "world_size": 2, "size": dict(size)} for got in _torchft_recovery(total, kill_at)]
     return rows
 
 
@@ -275,6 +430,13 @@ def format_checkpoint_table(rows: list[dict]) -> str:
                 lines.append(f"  {r['version']:<28} not measured: {r['error']}")
             else:
                 lines.append(f"  {r['version']:<28} {r['recovered_s']:>9.2f} {r['resumed']:>11} {r['lost_steps']:>11}")
+        if any(r["version"] in (FT_SURVIVOR, FT_REPLACEMENT) and "error" not in r for r in recovery):
+            lines.append(
+                "  torchft: two replica groups of one rank, nothing saved and no step run again: the survivor waits "
+                f"out the lighthouse's heartbeat timeout ({FT_HEARTBEAT_MS / 1000:g} s) and goes on alone; the "
+                "replacement takes the survivor's state over the network and joins at the step shown "
+                "(both end with equal parameters)"
+            )
     return "\n".join(lines)
 
 
@@ -301,3 +463,5 @@ def measure(args) -> Measured:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--torchrun-child"]:
     _torchrun_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+if __name__ == "__main__" and sys.argv[1:2] == ["--torchft-child"]:
+    _torchft_child(sys.argv[2], int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:8]))

@@ -8,7 +8,8 @@ rank's recovery by the kit's launcher and by torchrun's elastic agent).
   ``torchrun --max-restarts 1`` (its own store per attempt, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
   each resuming from the newest complete checkpoint; the row with torch's default shared store says
   what happened (with torch 2.13 its restarted workers mostly fail to connect, pytorch#135712, as the
-  lab's section 8 says; not always).
+  lab's section 8 says; not always); torchft's two rows (a test dependency): the survivor goes on after the
+  lighthouse's heartbeat timeout, the replacement joins later at a later step, nothing run again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def test_format_checkpoint_table():
             "lost_steps": 1,
         },
         {"part": "recovery", "version": "torchrun, shared store", "error": "torchrun exited with 1"},
+        {"part": "recovery", "version": "torchft, survivor", "recovered_s": 2.1, "resumed": 3, "lost_steps": 0},
     ]
     lines = bench.format_checkpoint_table(rows).splitlines()
     assert lines[0].startswith("save on 2 ranks (FSDP2, a 2-layer MLP of width 8, 144 parameters"), lines
@@ -42,6 +44,7 @@ def test_format_checkpoint_table():
     assert lines[5].startswith("recovery on 2 ranks") and "6 steps, a checkpoint every 2" in lines[5], lines
     assert lines[7].split()[-3:] == ["0.70", "2", "1"], lines
     assert lines[8].endswith("not measured: torchrun exited with 1"), lines
+    assert lines[9].split()[-3:] == ["2.10", "3", "0"] and "heartbeat timeout (2 s)" in lines[10], lines
 
 
 @pytest.mark.slow
@@ -61,3 +64,9 @@ def test_cli_bench_checkpoint_with_tiny_options():
         assert 0 < float(lines[restart].split()[-3]) < 120, out
     shared = lines["torchrun, shared store"]
     assert shared.split()[-2:] == ["2", "1"] or "Gloo connectFullMesh failed" in shared, out
+    survivor, replacement = lines["torchft, survivor"].split(), lines["torchft, replacement"].split()
+    heartbeat = bench.checkpoint.FT_HEARTBEAT_MS / 1000
+    assert survivor[-2:] == ["3", "0"] and heartbeat * 0.9 < float(survivor[-3]) < 60, out  # went on from step 3
+    assert int(replacement[-2]) > 3 and replacement[-1] == "0", out  # joined later, from the survivor's state
+    assert float(replacement[-3]) > float(survivor[-3]), out
+    assert "both end with equal parameters" in out, out
