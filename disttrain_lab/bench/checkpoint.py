@@ -251,7 +251,7 @@ def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, 
 
     from disttrain_lab.labtests.lab12 import mlp
 
-    model = mlp._model(0, mlp.WIDE)
+    model = mlp.mlp_model(0, mlp.WIDE)
     adam = torch.optim.Adam(model.parameters(), lr=mlp.LR)
 
     def state_dict() -> dict:

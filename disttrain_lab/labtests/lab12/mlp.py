@@ -24,6 +24,7 @@ __all__ = [
     "RANKS",
     "Training",
     "full_parameters",
+    "mlp_model",
     "reference",
     "reference_parameters",
     "train_step",
@@ -49,7 +50,8 @@ class Training:
     dp_size: int
 
 
-def _model(seed: int, hidden: int = HIDDEN) -> nn.Module:
+def mlp_model(seed: int, hidden: int = HIDDEN) -> nn.Module:
+    """The MLP whole, in float64, initialised from ``seed``: what every layout shards, and torchft's replicas train."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(WIDTH, hidden), nn.ReLU(), nn.Linear(hidden, WIDTH)).double()
 
@@ -71,7 +73,7 @@ def training(layout: str, seed: int = 0, hidden: int = HIDDEN) -> Training:
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    model, world = _model(seed, hidden), dist.get_world_size()
+    model, world = mlp_model(seed, hidden), dist.get_world_size()
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     dp_rank, dp_size = 0, 1
     if layout == "dp2xtp2":
@@ -95,7 +97,7 @@ def training(layout: str, seed: int = 0, hidden: int = HIDDEN) -> Training:
 def reference(steps: int, seed: int = 0, hidden: int = HIDDEN) -> Training:
     """The training of ``seed`` in this process (no process group: the grader's own run) after ``steps``
     steps on whole batches, never interrupted."""
-    model = _model(seed, hidden)
+    model = mlp_model(seed, hidden)
     t = Training(model, torch.optim.Adam(model.parameters(), lr=LR), _generator(seed), 0, 1)
     for _ in range(steps):
         train_step(t)
