@@ -14,7 +14,8 @@ the survivor and starts both again), each from the kill to the first step the ne
 the failure's report, the restart and the load.  torchrun runs with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch 2.13 a restart's workers otherwise find the old
 workers' addresses in the store the agent shares with them and fail to connect (pytorch#135712); the
-row ``torchrun, shared store`` tries torch's default and says what happened.
+row ``torchrun, shared store`` tries torch's default and says what happened (the restarted workers fail to
+connect, or hang: a job not ended in ``TORCHRUN_TIMEOUT_S`` is stopped, the agent and its workers).
 
 **Per-step fault tolerance** (torchft, where it is installed: ``pip install torchft==0.2.0`` installs beside
 torch 2.13 and runs on gloo): the same MLP in two replica groups of one rank each, torchft's
@@ -60,6 +61,7 @@ KIT_RESTART, TORCHRUN_RESTART, TORCHRUN_SHARED, FT_SURVIVOR, FT_REPLACEMENT = (
     "torchft, survivor",
     "torchft, replacement",
 )
+TORCHRUN_TIMEOUT_S = 60  # a torchrun job's limit: its restart takes 6 s here; with the shared store it can hang
 FT_HEARTBEAT_MS = 2000  # the lighthouse's heartbeat timeout: how long a silent replica is waited for
 FT_PACE_S = 0.05  # a torchft step's pause (the MLP's step takes ms): the survivor still trains when the new one is up
 FT_TOGETHER = 3  # the torchft job ends at --steps or later, once both replicas took part in this many steps in a row
@@ -206,11 +208,22 @@ def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if own_store:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        if done.returncode != 0:
-            said = [line for line in (done.stderr + done.stdout).splitlines() if "RuntimeError:" in line]
+        # a session of its own: on a hang the agent and its workers go together (killing the agent alone
+        # leaves its workers running)
+        agent = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        try:
+            out, err = agent.communicate(timeout=TORCHRUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.communicate()
+            stopped = f"torchrun's job did not end in {TORCHRUN_TIMEOUT_S} s and was stopped"
+            return {"error": stopped + " (its restarted workers hung)"}
+        if agent.returncode != 0:
+            said = [line for line in (err + out).splitlines() if "RuntimeError:" in line]
             why = re.sub(r"\[/\S+\] ", "", said[-1].split("RuntimeError:", 1)[1]).strip() if said else "(no error said)"
-            return {"error": f"torchrun exited with {done.returncode}; the restarted workers: {why[:160]}"}
+            return {"error": f"torchrun exited with {agent.returncode}; the restarted workers: {why[:160]}"}
         with open(os.path.join(folder, "killed")) as f:
             killed = float(f.read())
         with open(os.path.join(folder, "resumed")) as f:

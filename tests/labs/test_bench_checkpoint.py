@@ -48,9 +48,10 @@ def test_format_checkpoint_table():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 60-170 s measured; a shared store's hang is stopped at 60 s, not counted in that
 def test_cli_bench_checkpoint_with_tiny_options():
     args = ["--width", "256", "--repeats", "1", "--steps", "6", "--every", "2", "--kill-at", "3"]
-    done = run_python(["-m", "disttrain_lab.cli", "bench", "checkpoint", *args], timeout=400, cwd=REPO)
+    done = run_python(["-m", "disttrain_lab.cli", "bench", "checkpoint", *args], timeout=560, cwd=REPO)
     assert done.returncode == 0, done.stdout
     out = done.stdout
     assert "checkpointing functions from solutions/12_running_jobs/12_running_jobs.ipynb\n" in out, out
@@ -63,7 +64,7 @@ def test_cli_bench_checkpoint_with_tiny_options():
         assert lines[restart].split()[-2:] == ["2", "1"], out
         assert 0 < float(lines[restart].split()[-3]) < 120, out
     shared = lines["torchrun, shared store"]
-    assert shared.split()[-2:] == ["2", "1"] or "Gloo connectFullMesh failed" in shared, out
+    assert shared.split()[-2:] == ["2", "1"] or "Gloo connectFullMesh failed" in shared or "hung" in shared, out
     survivor, replacement = lines["torchft, survivor"].split(), lines["torchft, replacement"].split()
     heartbeat = bench.checkpoint.FT_HEARTBEAT_MS / 1000
     assert survivor[-2:] == ["3", "0"] and heartbeat * 0.9 < float(survivor[-3]) < 60, out  # went on from step 3
