@@ -38,9 +38,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 
 import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import TCPStore
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import fully_shard
 
+from ..labtests.lab12 import mlp
 from ..launcher import RankDied, launch
 from .common import Measured, NotMeasured, add_notebook_argument, add_world_size_argument, chart, functions_from_lab
 
@@ -71,13 +80,6 @@ QUICK = ["--width", "256", "--repeats", "1", "--steps", "6", "--every", "2", "--
 def _save_times(versions: dict, width: int, repeats: int, folder: str) -> dict:
     """In each rank: seconds the step is blocked by each save (and the asynchronous one's end), and the
     bytes of this rank's file of the last ``dcp.save``."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
     fully_shard(model)
@@ -146,10 +148,6 @@ def _job(functions: dict, folder: str, total: int, every: int, kill_at: int | No
     """One attempt of the job (dl.launch's rank, or torchrun's worker): the lab's wide MLP on 2 FSDP ranks,
     the notebook's train_with_checkpoints; rank 1 notes the time and kills itself as it begins step
     ``kill_at + 1`` of a job started afresh; rank 0 notes when each step of this ``attempt`` ended."""
-    import torch.distributed as dist
-
-    from disttrain_lab.labtests.lab12 import mlp
-
     train = functions["train_with_checkpoints"]  # (it finds the notebook's save and load where it was defined)
     t = mlp.training("fsdp", 0, mlp.WIDE)
     done = [0]
@@ -236,8 +234,6 @@ def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own
 def _torchrun_child(folder: str, total: int, every: int, kill_at: int) -> None:
     """A torchrun worker: the job's attempt (the first, ``TORCHELASTIC_RESTART_COUNT`` 0, killed), the
     process group from torchrun's environment."""
-    import torch.distributed as dist
-
     with open(os.path.join(folder, "functions.pkl"), "rb") as f:
         functions = cloudpickle.load(f)
     dist.init_process_group("gloo")
@@ -256,13 +252,8 @@ def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, 
     ``kill_at`` > 0, notes the time and kills itself as it begins step ``kill_at + 1``.  Ends at step
     ``total`` or later, once the two replicas took part in ``FT_TOGETHER`` steps in a row (the
     replacement has joined), and writes its parameters (``params<replica>``)."""
-    from datetime import timedelta
-
-    import torch
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
-
-    from disttrain_lab.labtests.lab12 import mlp
 
     model = mlp.mlp_model(0, mlp.WIDE)
     adam = torch.optim.Adam(model.parameters(), lr=mlp.LR)
@@ -304,11 +295,7 @@ def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, 
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         generator = torch.Generator().manual_seed(mlp.DATA_SEED + 1000 * step + replica)
-        x = torch.randn(mlp.BATCH, mlp.WIDTH, generator=generator, dtype=torch.float64)
-        y = torch.randn(mlp.BATCH, mlp.WIDTH, generator=generator, dtype=torch.float64)
-        optimizer.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        optimizer.step()
+        mlp.train_step(mlp.Training(ddp, optimizer, generator, 0, 1))  # (one rank: the replica's whole batch)
         together = together + 1 if manager.num_participants() == 2 else 0
         with open(os.path.join(folder, f"ft{replica}"), "a") as f:
             f.write(f"{manager.current_step()} {time.time()!r}\n")
@@ -324,24 +311,31 @@ def _torchft_steps(folder: str, replica: int) -> list[tuple[int, float]]:
 
 def _torchft_recovery(total: int, kill_at: int) -> list[dict]:
     """Rows ``torchft, survivor`` and ``torchft, replacement`` (see the module's text), or why not."""
-    os.environ.setdefault("RUST_LOG", "error")  # (torchft's lighthouse logs every quorum to stderr otherwise)
+    # torchft's logger reads RUST_LOG once, as torchft is imported: set for the import only, so that the
+    # lighthouse in this process does not log every quorum to stderr
+    before = os.environ.get("RUST_LOG")
+    os.environ["RUST_LOG"] = "error"
     try:
-        import torch
-        from torch.distributed import TCPStore
         from torchft.coordination import LighthouseServer
     except ImportError as e:
         why = f"torchft is not installed ({e}); pip install torchft==0.2.0"
         return [{"part": "recovery", "version": v, "error": why} for v in (FT_SURVIVOR, FT_REPLACEMENT)]
+    finally:
+        if before is None:
+            del os.environ["RUST_LOG"]
+        else:
+            os.environ["RUST_LOG"] = before
     folder = tempfile.mkdtemp(prefix="disttrain-bench-torchft-")
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=FT_HEARTBEAT_MS
     )
-    children = []
+    children: list[subprocess.Popen] = []
+    stores: list = []  # each replica's store, kept open while it runs
     try:
 
         def start(replica: int, kill: int) -> subprocess.Popen:
             store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            stores.append(store)  # (kept open while the replica runs)
+            stores.append(store)
             cmd = [sys.executable, "-m", __name__, "--torchft-child", folder, str(replica), lighthouse.address()]
             cmd += [str(store.port), str(total), str(kill)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
@@ -355,7 +349,6 @@ def _torchft_recovery(total: int, kill_at: int) -> list[dict]:
             with open(os.path.join(folder, f"log{children.index(child)}")) as f:
                 return f.read()[-300:]
 
-        stores: list = []
         survivor, doomed = start(0, 0), start(1, kill_at)
         doomed.wait(timeout=300)
         if doomed.returncode != -signal.SIGKILL:
