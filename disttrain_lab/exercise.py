@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import osmemory, serving, wire
+from .gate import Seen
 from .network import Network
 from .protocol import Driver, Evidence, Record, Request
 from .trace import Run
@@ -64,12 +65,14 @@ class ExerciseRun:
     backend: str = "gloo"  # the process group's backend the ranks ran on
     timeline: wire.Timeline = dataclasses.field(default_factory=lambda: wire.Timeline.unobserved("not asked for"))
     memory: osmemory.Held = dataclasses.field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
+    gate: Seen = dataclasses.field(default_factory=Seen.none)  # when the grader held the backward (gate.py)
 
     def __repr__(self) -> str:
         return f"ExerciseRun({self.name!r} on {self.world_size} ranks; {self.traffic.describe()})"
 
 
-Runner = Callable[[Request], tuple[Record, Evidence]]
+# a runner: (request, the answers of a gate the grader holds in the ranks' backward, or None) -> what came back
+Runner = Callable[[Request, "Sequence | None"], tuple[Record, Evidence]]
 OWN_MEMORY = "os, read by the student's kernel"  # run.memory's source in the student's own notebook
 
 
@@ -117,8 +120,9 @@ def _traced_timeline(traced) -> wire.Timeline:
     return wire.Timeline(segments=[(t - start, a, b, n) for t, a, b, n in segments], source="trace")
 
 
-def _run_here(request: Request) -> tuple[Record, Evidence]:
-    """One run in this kernel (the notebook's own): the record as the grader would read it."""
+def _run_here(request: Request, gate: Sequence | None = None) -> tuple[Record, Evidence]:
+    """One run in this kernel (the notebook's own): the record as the grader would read it.  No grader
+    holds a ``gate`` here: the ranks run without one (``run.gate.source == "none"``)."""
     before, watch, prepared = _snapshot(), None, []
     if request.memory:  # fresh ranks, their memory read at the driver's pause, as the grader does
         answer = serving.prepare({"world_size": request.world_size, "device": request.device, "fresh": True})
@@ -165,6 +169,7 @@ def run(
     content: bool = False,
     memory: bool = False,
     writable: str | None = None,
+    gate: Sequence | None = None,
 ) -> ExerciseRun:
     """Run ``target`` on ``world_size`` ranks; rank r calls it with ``inputs[r]`` (a tuple of
     arguments; one tuple for all ranks when ``inputs`` is a tuple).
@@ -188,6 +193,9 @@ def run(
     ``writable``: a folder name; the ranks may write beneath that folder of the kernel's working
     directory (made if missing), where a graded run's ranks otherwise write nothing (``confine.py``):
     files that outlive the run, for the next (lab 12's checkpoints, across a rank the grader kills).
+    ``gate``: one float32 tensor per rank; under grading the grader holds a gate in the ranks' backward
+    (``gate.py``: the driver places it) and answers rank r with ``gate[r]``, after it has seen what crossed
+    the wire by then (``run.gate``, with ``content``); in the student's own kernel there is no gate.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""
@@ -209,12 +217,12 @@ def run(
         timeout=float(timeout),
         device=device,
         network=dataclasses.asdict(network) if network is not None else None,
-        timeline=timeline or content,
-        content=content,
+        timeline=timeline or content or gate is not None,
+        content=content or gate is not None,
         memory=memory,
         writable=writable,
     )
-    record, evidence = _RUNNER(request)
+    record, evidence = _RUNNER(request, None if gate is None else list(gate))
     return from_record(request.name, world_size, record, evidence)
 
 
@@ -247,6 +255,7 @@ def from_record(name: str, world_size: int, record: Record, evidence: Evidence) 
         traffic=evidence.traffic,
         timeline=evidence.timeline,
         memory=evidence.memory,
+        gate=evidence.gate,
         trace=Run(results=list(record.results), events=events, world_size=world_size, backend=record.backend),
         inputs_after=list(record.inputs_after),
         backend=record.backend,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["PREAMBLE", "HANDSHAKE", "NotGloo", "messages"]
+__all__ = ["PREAMBLE", "HANDSHAKE", "NotGloo", "messages", "sends"]
 
 PREAMBLE = 48  # bytes before every operation of gloo's TCP pairs (gloo/transport/tcp/pair.h: Op::preamble)
 HANDSHAKE = 8  # gloo opens each connection as a launch's process group is made: 8 bytes one way
@@ -37,7 +37,7 @@ class NotGloo(ValueError):
     """A connection's bytes are not a whole sequence of gloo's operations."""
 
 
-def _read(stream: bytes, start: int) -> list[bytes]:
+def _read(stream: bytes, start: int) -> list[tuple[int, bytes]]:
     payloads, at = [], start
     while at < len(stream):
         if len(stream) - at < PREAMBLE:
@@ -49,7 +49,7 @@ def _read(stream: bytes, start: int) -> list[bytes]:
                     f"a send at offset {at} says {nbytes} bytes with a payload of {length}; "
                     f"{len(stream) - at} bytes are left"
                 )
-            payloads.append(stream[at + PREAMBLE : at + nbytes])
+            payloads.append((at, stream[at + PREAMBLE : at + nbytes]))
             at += nbytes
         elif opcode in _NOTES and nbytes == PREAMBLE:
             at += PREAMBLE
@@ -68,6 +68,13 @@ def messages(stream: bytes) -> list[bytes]:
     >>> messages(note + _FIELDS.pack(52, 1, 0, 0, 4, 0) + b"abcd")
     [b'abcd']
     """
+    return [payload for _, payload in sends(stream)]
+
+
+def sends(stream: bytes) -> list[tuple[int, bytes]]:
+    """``messages``, each with the offset in ``stream`` where its operation (preamble) begins: a
+    test that reads what crossed between two moments keeps the sends whose bytes lie between the
+    stream's positions then (``wire.Timeline.messages_between``)."""
     try:
         return _read(stream, 0)
     except NotGloo as e:

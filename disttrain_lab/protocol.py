@@ -42,6 +42,7 @@ import torch
 
 from . import osmemory, wire
 from .events import Event
+from .gate import Seen
 
 __all__ = [
     "COMM_TARGET",
@@ -140,6 +141,7 @@ class Request:
     content: bool = False  # ... and what it carried (the grader keeps the captured payloads too)
     memory: bool = False  # the grader reads each rank's memory from the OS at the driver's pause (fresh ranks)
     writable: str | None = None  # a folder of the kernel's working directory the ranks may write in (nothing else)
+    gate: int | None = None  # the port of the grader's gate in the ranks' backward (gate.py), set by the grader
     why: str | None = None  # why the timeout is what it is (the rest of the test's limit)
     timed_out: dict[str, str] = field(default_factory=dict)  # the student's functions not run again, and why
     student_functions: tuple[str, ...] | None = None  # the functions the submission's solution cells define
@@ -163,6 +165,8 @@ class Request:
             isinstance(self.writable, str) and WRITABLE.fullmatch(self.writable) and self.writable not in (".", "..")
         ):
             raise ProtocolError(f"writable must be None or a plain folder name, got {self.writable!r:.80}")
+        if self.gate is not None and not (type(self.gate) is int and 0 < self.gate < 65536):
+            raise ProtocolError(f"gate must be None or a port, got {self.gate!r:.40}")
         if self.network is not None and not isinstance(self.network, dict):
             raise ProtocolError(f"network must be None or a dl.Network's fields, got {self.network!r:.80}")
         if not isinstance(self.timed_out, dict) or not all(
@@ -360,7 +364,8 @@ class Evidence:
     """What was observed from outside the student's processes during one run: the bytes each rank
     sent each other (``traffic``, the OS's count), when the data crossed (``timeline``, a
     packet capture) and, for a run that asks, what each rank held in memory while the ranks
-    paused (``memory``, ``osmemory.Held``: the OS's count).  Made by the grader and never sent
+    paused (``memory``, ``osmemory.Held``: the OS's count) and when a graded step's backward was held at
+    the grader's gate (``gate``, ``gate.Seen``: the capture's clock).  Made by the grader and never sent
     to the student's kernel; each may be *unobserved*, with why (a test that reads it then fails).
     In the student's own notebook (no grader) the kit's own count stands in for it, marked by its
     ``source``."""
@@ -368,6 +373,7 @@ class Evidence:
     traffic: wire.Traffic
     timeline: wire.Timeline
     memory: osmemory.Held = field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
+    gate: Seen = field(default_factory=Seen.none)  # when a graded step's backward was held (gate.py)
 
     @classmethod
     def unobserved(cls, why: str, by_submission: bool = False) -> Evidence:
@@ -377,6 +383,7 @@ class Evidence:
             traffic=wire.Traffic.unobserved(why, by_submission),
             timeline=wire.Timeline.unobserved(why, by_submission),
             memory=osmemory.Held.unobserved(why),
+            gate=Seen.unobserved(why),
         )
 
 

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from . import osmemory, pool
+from . import gate, osmemory, pool
 from .devices import plan, resolve_device
 from .hangs import SkippedAfterHang, hung_before, stub_only, stubbed
 from .launcher import CollectiveMismatch, LaunchError, LaunchTimeout, PerRank, RankError, launch
@@ -41,11 +41,16 @@ class _NotRunnable(Exception):
     """The request names no function of the notebook (or not a function)."""
 
 
-def _call(fn, mine: tuple):
+def _call(fn, mine: tuple, gate_port: int | None = None):
     """What every rank runs: the student's function on this rank's inputs (sent to it alone),
-    marked; its result and the inputs as the call left them (an in-place exercise changes them)."""
-    with region("student"):
-        result = fn(*mine)
+    marked; its result and the inputs as the call left them (an in-place exercise changes them).
+    ``gate_port``: the grader's gate for this run (``gate.PORT``, which a test's driver connects to)."""
+    gate.PORT[0] = gate_port
+    try:
+        with region("student"):
+            result = fn(*mine)
+    finally:
+        gate.PORT[0] = None
     return as_data(result), mine
 
 
@@ -121,6 +126,7 @@ def _run(request: Request) -> Record:
             request.world_size,
             fn,
             PerRank(request.inputs),
+            request.gate,
             trace=True,
             timeout=timeout,
             device=request.device,

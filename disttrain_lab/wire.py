@@ -191,6 +191,7 @@ class Timeline:
     # one bytes per connection (the captured payloads; None where they were not kept)
     data: dict[tuple[int, int], list[bytes]] | None = field(default=None, repr=False, compare=False)
     by_submission: bool = False  # unobserved because of what the submission did, not the host
+    origin: float = 0.0  # the capture's clock (time.monotonic) at the first segment: the segments' zero
 
     @classmethod
     def unobserved(cls, why: str, by_submission: bool = False) -> Timeline:
@@ -269,6 +270,28 @@ class Timeline:
             return None
         return [payload for stream in self._streams(src, dst) for payload in gloo_ops.messages(stream)]
 
+    def messages_between(self, src: int, dst: int, start: float, cut: float) -> list[bytes] | None:
+        """The payload of each message ``src`` sent ``dst`` whose bytes all crossed after ``start`` and
+        before ``cut`` (seconds of ``segments``), in order: by position in the connection's bytes, which
+        TCP keeps in order (``crossed``), so a message cut across several segments is one.  None in the
+        student's own kernel (no wire).  A direction of more than one connection cannot be placed
+        (its positions are not one stream's): it raises ``Unobserved``."""
+        if self.source == "trace":
+            return None
+        streams = self._streams(src, dst)
+        if len(streams) > 1:
+            raise Unobserved(
+                f"rank {src} sent rank {dst} data over {len(streams)} connections, so the grader cannot tell which "
+                "of their bytes crossed when"
+            )
+        begin = self.crossed(src, dst, start)
+        end = sum(n for t, a, b, n in self._all() if (a, b) == (src, dst) and t < cut)
+        return [
+            payload
+            for at, payload in (gloo_ops.sends(streams[0]) if streams else [])
+            if at >= begin and at + GLOO_PREAMBLE + len(payload) <= end
+        ]
+
     def crossed(self, src: int, dst: int, by: float) -> int:
         """Bytes from ``src`` to ``dst`` that had crossed by time ``by`` (that time's segments included)."""
         return sum(n for t, a, b, n in self._all() if (a, b) == (src, dst) and t <= by)
@@ -333,7 +356,7 @@ def timeline(
             if all(p is not None for parts in by_connection.values() for _, p in parts)
         }
         data = {**dict.fromkeys(carried), **data}
-    return Timeline(segments=[(round(t - start, 6), a, b, n) for t, a, b, n in kept], data=data)
+    return Timeline(segments=[(round(t - start, 6), a, b, n) for t, a, b, n in kept], data=data, origin=start)
 
 
 def _joined(parts: list[tuple[int, bytes]]) -> bytes:

@@ -143,16 +143,27 @@ def observed_from_outside():
     does, without a student's kernel between): the bytes each rank sent from ``ss``, and when the
     data crossed from a packet capture (root only: ``CAP_NET_RAW``)."""
     from disttrain_lab import exercise, serving, wire
+    from disttrain_lab.gate import Seen
+    from disttrain_lab.grading import gatekeeper
     from disttrain_lab.grading.capture import Capture
     from disttrain_lab.protocol import Evidence, Record
 
-    def runner(request):
+    def runner(request, gate=None):
         for attempt in range(CAPTURE_ATTEMPTS):
             last = attempt == CAPTURE_ATTEMPTS - 1
+            keeper = None
+            if gate is not None:  # the grader's gate in the ranks' backward, on ranks started before it opens
+                answer = serving.prepare({"world_size": request.world_size, "device": request.device})
+                keeper = gatekeeper.for_ranks(None, gate, answer["pids"], None, request.timeout)
+                request = request.replace(gate=keeper.start())
             before = wire.snapshot()
             try:
                 with Capture(payloads=request.content) as capture:
-                    record = Record.from_bytes(serving.run(request).to_bytes(), request.world_size)
+                    try:
+                        record = Record.from_bytes(serving.run(request).to_bytes(), request.world_size)
+                    finally:
+                        if keeper is not None:
+                            keeper.stop()
             except RuntimeError as exc:  # (the grader's capture sees the student's namespace alone)
                 if "packet capture lost" not in str(exc) or last:
                     raise
@@ -164,8 +175,10 @@ def observed_from_outside():
             timeline = wire.timeline(
                 capture.segments, after, pids, owner, capture.payloads if capture.keep_payloads else None
             )
+            seen = keeper.seen(capture.segments, timeline.origin) if keeper is not None else Seen.none()
             if last or timeline.data is None or None not in timeline.data.values():
-                return record, Evidence(traffic=wire.traffic(before, after, pids, owner=owner), timeline=timeline)
+                traffic = wire.traffic(before, after, pids, owner=owner)
+                return record, Evidence(traffic=traffic, timeline=timeline, gate=seen)
             # (else a ranks' connection lost its data to the cap on what a capture keeps, which others filled)
 
     exercise.use_runner(runner)

@@ -45,7 +45,8 @@ from queue import Empty
 from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import confine, exercise, osmemory, wire
-from disttrain_lab.grading import reaper, sandbox
+from disttrain_lab.gate import Seen
+from disttrain_lab.grading import gatekeeper, reaper, sandbox
 from disttrain_lab.grading.capture import Capture
 from disttrain_lab.grading.handoff import CELL_FILE, TIMED_OUT_FILE, read_json
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
@@ -202,7 +203,7 @@ class RemoteRunner:
                 if msg.get("parent_header", {}).get("msg_id") == msg_id:
                     return
 
-    def __call__(self, request: Request) -> tuple[Record, Evidence]:
+    def __call__(self, request: Request, gate: list | None = None) -> tuple[Record, Evidence]:
         """One run in the student's kernel, within what is left of the test cell's limit: the
         launch's timeout is capped so that a hang ends with the launcher's own report (which rank,
         blocked in what) before the cell is interrupted; a function of the student's that timed out
@@ -230,7 +231,7 @@ class RemoteRunner:
             timed_out={n: _not_again(n, what) for n, what in timed_out.items()},
             student_functions=[str(f) for f in cell.get("student_functions") or []],
         )
-        record, evidence = self._run(request, deadline)
+        record, evidence = self._run(request, deadline, gate)
         failure = record.failure
         if failure is not None and failure.kind == "ExerciseTimeout" and not failure.skipped:
             self._remember(name, request.target, failure, cell, timed_out)
@@ -252,7 +253,7 @@ class RemoteRunner:
         tmp.write_text(json.dumps(timed_out))
         os.replace(tmp, path)
 
-    def _run(self, request: Request, deadline) -> tuple[Record, Evidence]:
+    def _run(self, request: Request, deadline, gate: list | None = None) -> tuple[Record, Evidence]:
         """Prepare the ranks, then run on them; once more where the kernel had to fork anew."""
         settings = json.loads(self.settings_path.read_text())
         client = self._client(settings["connection_file"])
@@ -277,7 +278,7 @@ class RemoteRunner:
                     f"({str(answer.get('why'))[:500]})",
                 )
             prepared = answer.get("pids")
-            record, evidence = self._run_prepared(request, deadline, client, kernel_pid, prepared)
+            record, evidence = self._run_prepared(request, deadline, client, kernel_pid, prepared, gate)
             if record.failure is None or record.failure.kind != "NotPrepared":
                 return record, evidence
         return _failed(
@@ -286,11 +287,23 @@ class RemoteRunner:
             "had arrived (a rank must not hold the other ranks' inputs)",
         )
 
-    def _run_prepared(self, request: Request, deadline, client, kernel_pid, prepared) -> tuple[Record, Evidence]:
+    def _run_prepared(
+        self, request: Request, deadline, client, kernel_pid, prepared, gate: list | None = None
+    ) -> tuple[Record, Evidence]:
         name, world_size = request.name, request.world_size
         inside = sandbox.namespace_process(kernel_pid, "net") if kernel_pid else None
         in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         user = reader(kernel_pid)
+        keeper, not_gated = None, "not asked for"
+        if gate is not None:  # the grader's gate in the ranks' backward (gate.py), for a test that holds one
+            ranks = host_pids(prepared, in_pid_ns, user) if in_pid_ns is not None else None
+            try:
+                if ranks is None or len(ranks) != world_size:
+                    raise RuntimeError("the ranks the student's kernel started for the run could not be found")
+                keeper = gatekeeper.for_ranks(inside, gate, ranks, user, request.timeout)
+                request = request.replace(gate=keeper.start())
+            except (RuntimeError, OSError) as exc:
+                keeper, not_gated = None, f"the grader's gate could not be opened: {exc}"[:300]
         try:
             before = wire.snapshot(inside, user=user)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
@@ -328,6 +341,8 @@ class RemoteRunner:
                     else "not asked for"
                 )
             )
+            if keeper is not None:
+                keeper.stop()
             segments = None
             if capture is not None:
                 try:
@@ -362,10 +377,15 @@ class RemoteRunner:
                 else wire.Timeline.unobserved(not_captured)
             )
             memory = osmemory.observed(held, before, watch.extras if watch else [], ranks_prepared, pids, owner)
+            seen = (
+                keeper.seen(segments, timeline.origin)
+                if keeper is not None and segments is not None
+                else Seen.unobserved(not_gated if keeper is None else timeline.why)
+            )
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
             # fail closed: a test that reads the bytes fails (wire.Unobserved); never the ranks' own claim
             return record, Evidence.unobserved(str(exc)[:300])
-        return record, Evidence(traffic=traffic, timeline=timeline, memory=memory)
+        return record, Evidence(traffic=traffic, timeline=timeline, memory=memory, gate=seen)
 
     def _ask(self, client: BlockingKernelClient, request: bytes | None, timeout: float, pid: int | None, data=None):
         """Open a comm on ``COMM_TARGET`` in the student's kernel with ``request`` as its buffer (or

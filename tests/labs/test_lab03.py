@@ -523,3 +523,95 @@ def test_graded_predictions_fail_a_wrong_or_blank_prediction(prediction):
     else:
         assert buckets and "PREDICTED_BUCKETS is not filled in yet" in buckets[0], buckets
         assert ring and "predicted_bytes_sent is not filled in yet" in ring[0], ring
+
+
+# ----------------------------------------------------------------------------------------
+# Overlap from the grader's gate, not the ranks' trace (#42)
+
+_LATE_OVERLAP = """
+class OverlappedDDP(NaiveDDP):  # every all-reduce posted after backward returned: nothing overlaps
+    def __init__(self, module):
+        super().__init__(module)
+
+    def finish_gradient_synchronization(self):
+        works = [(p, dist.all_reduce(p.grad, async_op=True)) for p in self.module.parameters() if p.requires_grad]
+        for p, work in works:
+            work.wait()
+            p.grad.div_(dist.get_world_size())
+"""
+
+_JUNK_DURING_BACKWARD = """
+class OverlappedDDP(NaiveDDP):  # junk of a gradient's size sent from the hooks; the real all-reduces after backward
+    def __init__(self, module):
+        super().__init__(module)
+        self.works = []
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda p: self.works.append(dist.all_reduce(torch.rand_like(p.grad), async_op=True))
+                )
+
+    def finish_gradient_synchronization(self):
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        average_gradients(self.module)
+"""
+
+_NO_WAIT_AT_THE_GATE = """
+class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is held, and runs on without its answer
+    def __init__(self, module):
+        import struct
+
+        import disttrain_lab.gate as gates
+
+        def wait(gate, shape, _theirs=gates.Gate.wait):
+            gates.Gate.wait = _theirs  # (once: the rank serves later runs)
+            gate.sock.sendall(gates.HOLD + struct.pack("<I", shape.numel()))
+            return torch.zeros(shape)
+
+        gates.Gate.wait = wait
+        super().__init__(module)
+"""
+
+
+@pytest.mark.slow
+def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, monkeypatch):
+    """Under the grader's evidence (packet capture, ``ss``, its gate in the backward: tests/helpers.py), the
+    solution's OverlappedDDP, BucketedDDP and AccumulatingDDP pass with the trace's overlap checks switched
+    off (a forged trace would pass them); a wrapper that all-reduces only after backward, one that sends junk
+    from its hooks and the real gradients later, and one that tells the gate it is held and runs on without
+    the grader's answer, each fail."""
+    import __main__
+    from disttrain_lab.labtests import lab03
+    from disttrain_lab.labtests.lab03 import checks as lab03_checks
+    from tests.helpers import observed_from_outside
+
+    for name, value in solution[
+        "shard_loss"
+    ].__globals__.items():  # the notebook's names (torch, nn, dist, its classes)
+        if not name.startswith("__"):
+            monkeypatch.setattr(__main__, name, value, raising=False)
+    real_step = lab03_checks._check_step
+    # the ranks' trace as a forger would write it: every all-reduce async, posted in backward, waited for after
+    monkeypatch.setattr(
+        lab03_checks,
+        "_check_step",
+        lambda case, run, rank, step, regions, trainable, overlap, *rest: real_step(
+            case, run, rank, step, regions, trainable, False, *rest
+        ),
+    )
+    with observed_from_outside():
+        lab03.check_overlapped_ddp("mlp", 2, batch=8)
+        lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
+        lab03.check_no_sync("mlp", 2, 12, 3)
+        for source, said in [
+            (_LATE_OVERLAP, "none holding the gradients"),
+            (_JUNK_DURING_BACKWARD, "none holding the gradients"),
+            (_NO_WAIT_AT_THE_GATE, "the grader's answer at its gate"),
+        ]:
+            space = dict(solution["shard_loss"].__globals__, SolutionsOverlappedDDP=solution["OverlappedDDP"])
+            exec(source, space)
+            monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
+            with pytest.raises(AssertionError, match=said):
+                lab03.check_overlapped_ddp("mlp", 2, batch=8)

@@ -37,7 +37,16 @@ def _broadcast_in_rank(kind):
 
 
 def _train_in_rank(
-    wrapper, kind, batch, steps, micro_steps=1, bucket_mb=None, graders=None, interrupted=False, nested=False
+    wrapper,
+    kind,
+    batch,
+    steps,
+    micro_steps=1,
+    bucket_mb=None,
+    graders=None,
+    interrupted=False,
+    nested=False,
+    gate_at=None,
 ):
     """A driver: in a rank, wrap a model built from *this rank's* seed (so the wrapper must broadcast rank 0's
     parameters) in your class ``wrapper`` (with ``bucket_mb=`` when given), train it data-parallel for ``steps``
@@ -47,13 +56,16 @@ def _train_in_rank(
     the name of a function that makes the class, its source).  ``interrupted``: before training, an exception is
     raised inside ``with ddp.no_sync():`` and caught, as a training loop that skips a failed micro-batch does.
     ``nested``: inside each micro-step's no_sync(), before its backward, a second no_sync() is opened and closed
-    (as a helper the loop calls may do): the outer one must still hold.  Returns the parameters, and the events
+    (as a helper the loop calls may do): the outer one must still hold.  ``gate_at``: under grading, the last
+    step's last micro-batch is held in backward at the input of the model's layer ``gate_at`` by the grader's
+    gate (``disttrain_lab.gate``; none in the student's own notebook).  Returns the parameters, and the events
     of the rank's trace with its dl.region marks (dl.exercise.run's run.trace leaves those out)."""
     import contextlib
 
     import torch.distributed as dist
 
     import disttrain_lab as dl
+    from disttrain_lab import gate as gates
     from disttrain_lab.labtests.lab03.common import batches, graded_model
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -82,8 +94,11 @@ def _train_in_rank(
             names[replaces] = space[name]
         elif bases == (BucketedDDP,):  # noqa: F821  (AccumulatingDDP on the grader's BucketedDDP)
             make_ddp.__bases__ = (space[name](),)
+    gate = gates.connect(rank) if gate_at is not None else None
     try:
         model = graded_model(kind, seed=rank).to(dl.device())
+        if gate is not None:
+            gate.at(model[gate_at])
         ddp = make_ddp(model) if bucket_mb is None else make_ddp(model, bucket_mb=bucket_mb)
         if not isinstance(ddp, nn.Module) or getattr(ddp, "module", None) is not model:
             raise TypeError(
@@ -114,6 +129,8 @@ def _train_in_rank(
                     if nested and not last:
                         with ddp.no_sync():  # closing it must leave the outer no_sync() in force
                             pass
+                    if gate is not None and last and step == steps - 1:
+                        gate.start()  # (every rank's earlier messages are done: the grader's window opens)
                     loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
                     with dl.region("backward", step=step, micro=micro, last=last):
                         loss.backward()
@@ -121,6 +138,8 @@ def _train_in_rank(
                 ddp.finish_gradient_synchronization()
             optimizer.step()
     finally:
+        if gate is not None:
+            gate.close()
         if make_ddp.__bases__ != bases:
             make_ddp.__bases__ = bases
         if swapped is not None:

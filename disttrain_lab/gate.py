@@ -1,0 +1,150 @@
+"""A gate the grader holds inside a graded run's backward pass: evidence that communication overlapped it.
+
+Whether a data-parallel wrapper's all-reduces overlap the backward pass is a matter of *when*: an
+all-reduce posted from a gradient hook crosses the wire while the layers below are still computing.
+The ranks' own trace says so, but the ranks write it (a submission can rewrite its timestamps).  Under
+grading the grader makes the moment observable instead:
+
+- the test's driver puts a *gate* at one layer's input (``Gate.at(module)``): in the graded step's
+  backward, where that input gets its gradient, the rank stops and asks the grader to go on;
+- the grader (``grading/gatekeeper.py``, outside the student's processes) answers only once every
+  rank has asked and it has seen from the OS what the ranks sent each other by then (``ss``, polled
+  until it settles, or a few seconds at most); its answer is needed to finish the backward: a tensor,
+  drawn at grading time, added to the gradient that rank's activations receive there.  So no gradient
+  of a layer below the gate is right before the answer arrives;
+- the grader's packet capture sees the answer leave, among the ranks' own segments (``capture.py``):
+  what crossed between the ranks before it, and after the step began (the grader's first answer,
+  one byte, once every rank reached the step), crossed while the backward was held.  The test reads
+  those messages (``wire.Timeline.messages_between``) and holds them to the gradients of the layers
+  above the gate, which it recomputes.  A wrapper that communicates only after ``backward()``
+  returns has sent nothing there; junk sent in their place is not the gradients.
+
+The rank's end is this module: a TCP connection to the grader's port in the rank's own network
+namespace (a graded rank may open TCP sockets alone; ``confine.py``), given to each rank of a run as
+:data:`PORT` by the kit (``serving._call``).  In the student's own notebook no grader holds a gate:
+``connect()`` returns None, the driver runs without one, and the test reads the ranks' trace instead.
+
+:class:`Seen` is what the grader observed, its evidence (``protocol.Evidence.gate``).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .wire import Unobserved
+
+__all__ = ["PORT", "Gate", "Seen", "connect"]
+
+PORT: list[int | None] = [None]  # the grader's gate in this run (set in each rank by serving._call), or None
+WAIT_S = 120.0  # a rank waits at most this long for the grader's answer (the run's own timeout ends it sooner)
+MAX_ELEMENTS = 1 << 20  # the most a gate's answer may hold (4 MiB of float32)
+HELLO, START, HOLD = b"H", b"S", b"B"  # a rank's three messages: who it is, at the step's start, held in backward
+GO = b"g"  # the grader's answer at the step's start
+
+
+def connect(rank: int) -> Gate | None:
+    """This rank's gate in a run the grader holds one for, else None (the student's own notebook)."""
+    port = PORT[0]
+    return None if port is None else Gate(port, rank)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise ConnectionError(f"the grader's gate closed after {len(data)} of {n} bytes")
+        data += part
+    return bytes(data)
+
+
+class _Held(torch.autograd.Function):
+    """Identity forward; backward waits at the gate and adds the grader's answer to the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: Gate) -> torch.Tensor:
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        added = ctx.gate.wait(grad.shape)
+        return grad + added.to(grad.device, grad.dtype), None
+
+
+class Gate:
+    """One rank's connection to the grader's gate (see the module docstring)."""
+
+    def __init__(self, port: int, rank: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(HELLO + struct.pack("<I", rank))
+        self.armed = False
+
+    def start(self) -> None:
+        """At the graded step's start (every earlier message done): wait until every rank is there."""
+        self.sock.sendall(START)
+        if _exactly(self.sock, 1) != GO:
+            raise ConnectionError("the grader's gate answered the step's start with something else")
+        self.armed = True
+
+    def at(self, module: nn.Module):
+        """Hold the backward where ``module``'s first input gets its gradient, in the first forward after
+        ``start()`` (the graded step's last micro-batch: arm it with ``start()`` just before that forward).
+        Returns the hook's handle."""
+
+        def hold(_module, args):
+            if not self.armed or not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
+                return None
+            self.armed = False
+            return (_Held.apply(args[0], self), *args[1:])
+
+        return module.register_forward_pre_hook(hold)
+
+    def wait(self, shape: torch.Size) -> torch.Tensor:
+        """Ask the grader to go on; its answer, a float32 tensor of ``shape``."""
+        numel = shape.numel()
+        self.sock.sendall(HOLD + struct.pack("<I", numel))
+        data = _exactly(self.sock, 4 * numel)
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the grader observed at a run's gate, on the capture's clock (``wire.Timeline``'s seconds):
+    ``start``, when the last rank was told to begin the graded step; ``cut``, when the first rank was
+    given the answer it needed to finish that step's backward; ``settled``, whether the ranks' bytes had
+    stopped growing (as the OS counted them) before the grader answered, rather than its patience ending.
+    ``source``: ``"wire"``; ``"none"`` where no grader held a gate (the student's own notebook); or
+    ``"unobserved"``, with why (reading it raises ``wire.Unobserved``)."""
+
+    start: float | None = None
+    cut: float | None = None
+    settled: bool = False
+    source: str = "wire"
+    why: str = ""
+
+    @classmethod
+    def unobserved(cls, why: str) -> Seen:
+        return cls(source="unobserved", why=why)
+
+    @classmethod
+    def none(cls) -> Seen:
+        return cls(source="none", why="no grader held a gate (the student's own notebook)")
+
+    def window(self) -> tuple[float, float]:
+        """(start, cut): the graded step's data that crossed while its backward was held."""
+        if self.source != "wire" or self.start is None or self.cut is None:
+            raise Unobserved(
+                f"the grader could not see when the graded step's backward was held ({self.why}), so a test "
+                "that grades what crossed meanwhile fails rather than take the ranks' own clocks"
+            )
+        return self.start, self.cut

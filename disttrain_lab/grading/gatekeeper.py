@@ -1,0 +1,249 @@
+"""The grader's end of a gate in a graded run's backward pass (the rank's end and why: ``gate.py``).
+
+``Gatekeeper(netns_pid, answers, sent).start()`` listens on a port of the loopback in the student's
+network namespace (the socket is made by a thread that joins that namespace with ``setns``, then the
+grader's own threads serve it), and a thread of the grader's serves the run:
+
+1. each rank connects and says which rank it is (its claim: a rank that lies gets another rank's answer,
+   and its backward is then wrong);
+2. when every rank has reached the graded step (``START``), each is told to go on (``GO``, one byte):
+   the capture sees the last of these leave, the window's start; ``sent()`` counts the bytes from here;
+3. when every rank is held in that step's backward (``HOLD``, with the size of the gradient it holds),
+   the grader reads from the OS what each rank has sent the others since step 2 (``sent``: ``ss`` in the
+   namespace, as ``wire.snapshot`` reads it), again and again until every rank has sent at least
+   ``MIN_SENT`` bytes and the counts stopped growing, or ``HOLD_S`` passed; then it gives each rank its
+   answer (``answers[rank]``, drawn by the test at grading time; zeros where a rank asks for another size).
+
+``stop()`` closes everything and returns the connections' addresses (as the capture writes them) and
+whether the counts settled; ``seen(segments, origin)`` finds, among the capture's segments, when the
+``GO`` answers and the first answer left: ``gate.Seen`` on the timeline's clock.  Anything that goes
+wrong (a rank that never connects, a message that is not the protocol's) leaves the gate unobserved,
+with why, and the test that reads it fails.  Nothing a rank sends is evaluated; each read is bounded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from disttrain_lab import wire
+from disttrain_lab.gate import GO, HELLO, HOLD, MAX_ELEMENTS, START, Seen
+
+__all__ = ["Gatekeeper", "for_ranks"]
+
+CLONE_NEWNET = 0x40000000
+HOLD_S = 5.0  # at most this long the grader holds the ranks, waiting for their bytes to settle
+POLL_S = 0.02  # between two reads of the OS's counts while holding
+MIN_SENT = 48 + 4 * 4  # each rank has sent at least one message of 4 floats, with gloo's preamble
+_MESSAGE = {HELLO: 4, START: 0, HOLD: 4}  # each message's bytes after its first
+
+
+def _listening(netns_pid: int | None) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 in the network namespace of process ``netns_pid`` (None:
+    this process's own), made in a thread of its own that joins that namespace first."""
+    made: list = []
+
+    def make():
+        try:
+            if netns_pid is not None:
+                fd = os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY)
+                try:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    if libc.setns(fd, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into process {netns_pid}'s network namespace")
+                finally:
+                    os.close(fd)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(64)
+            made.append(sock)
+        except OSError as exc:
+            made.append(exc)
+
+    thread = threading.Thread(target=make, name="gate-socket")  # (its namespace ends with it)
+    thread.start()
+    thread.join()
+    if isinstance(made[0], OSError):
+        raise made[0]
+    return made[0]
+
+
+def _address(address: tuple) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+class Gatekeeper:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        netns_pid: int | None,
+        answers: list[torch.Tensor],
+        sent: Callable[[object], list[int]],
+        baseline: Callable[[], object],
+        timeout: float,
+    ):
+        self.netns_pid, self.answers, self.sent, self.baseline = netns_pid, answers, sent, baseline
+        self.world_size, self.timeout = len(answers), timeout
+        self.why: str | None = None
+        self.settled = False
+        self.connections: list[tuple[str, str]] = []  # (the gate's address, the rank's), as the capture writes them
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._socks: list[socket.socket] = []
+
+    def start(self) -> int:
+        """Listen and serve in a thread; returns the port the ranks connect to."""
+        self._listener = _listening(self.netns_pid)
+        self._thread = threading.Thread(target=self._serve, name="gatekeeper", daemon=True)
+        self._thread.start()
+        return self._listener.getsockname()[1]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=HOLD_S + 5)
+        for sock in [*self._socks, *([self._listener] if self._listener else [])]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        if self.why is None and len(self.connections) != self.world_size:
+            self.why = "the run ended before every rank reached the gate"
+
+    def seen(self, segments: list[tuple[float, str, str, int]], origin: float) -> Seen:
+        """When the capture saw the gate's answers leave (see the module docstring), on the clock of a
+        timeline whose first segment was at ``origin``."""
+        if self.why is not None:
+            return Seen.unobserved(self.why)
+        starts, cuts = [], []
+        for local, peer in self.connections:
+            times = [t for t, src, dst, n in segments if src == local and dst == peer and n > 0]
+            if len(times) < 2:
+                return Seen.unobserved(f"the capture did not see the gate's two answers to the rank at {peer}")
+            starts.append(times[0])
+            cuts.append(times[1])
+        start, cut = max(starts), min(cuts)
+        if not start < cut:
+            return Seen.unobserved("the capture saw a rank's answer leave before every rank was told to begin")
+        return Seen(start=round(start - origin, 6), cut=round(cut - origin, 6), settled=self.settled)
+
+    # ----------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            self._run()
+        except (OSError, ValueError, TimeoutError) as exc:
+            self.why = f"the gate's protocol failed: {type(exc).__name__}: {exc}"[:300]
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        selector = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        selector.register(self._listener, selectors.EVENT_READ)
+        buffers: dict[socket.socket, bytearray] = {}
+        rank_of: dict[socket.socket, int] = {}
+        started: set[socket.socket] = set()
+        held: dict[socket.socket, int] = {}
+        base = None
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.1):
+                if key.fileobj is self._listener:
+                    sock, _ = self._listener.accept()
+                    if len(self._socks) >= self.world_size:
+                        sock.close()  # (only a run's ranks connect)
+                        continue
+                    sock.setblocking(True)
+                    sock.settimeout(5.0)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._socks.append(sock)
+                    buffers[sock] = bytearray()
+                    selector.register(sock, selectors.EVENT_READ)
+                    continue
+                sock = key.fileobj
+                data = sock.recv(64)
+                if not data:
+                    selector.unregister(sock)
+                    continue
+                buffers[sock] += data
+                for kind, value in self._messages(buffers[sock]):
+                    if kind == HELLO:
+                        rank_of[sock] = value
+                    elif kind == START:
+                        started.add(sock)
+                    else:
+                        held[sock] = value
+            if len(started) == self.world_size and base is None:
+                base = self.baseline()
+                for sock in started:
+                    sock.sendall(GO)
+                self.connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in self._socks]
+            if len(held) == self.world_size:
+                self._hold(base)
+                for sock, numel in held.items():
+                    sock.sendall(self._answer(rank_of.get(sock), numel))
+                return
+        if not self._stop.is_set():
+            raise TimeoutError(f"{len(held)} of {self.world_size} ranks reached the gate in {self.timeout:g} s")
+        self.why = f"the run ended with {len(held)} of {self.world_size} ranks held at the gate"
+
+    @staticmethod
+    def _messages(buffer: bytearray):
+        """Whole messages off the front of ``buffer``: (kind, value)."""
+        while buffer:
+            kind = bytes(buffer[:1])
+            if kind not in _MESSAGE:
+                raise ValueError(f"a rank sent the gate {kind!r}, not one of its messages")
+            size = 1 + _MESSAGE[kind]
+            if len(buffer) < size:
+                return
+            value = struct.unpack("<I", buffer[1:size])[0] if size > 1 else 0
+            del buffer[:size]
+            yield kind, value
+
+    def _hold(self, base) -> None:
+        """Wait until each rank has sent ``MIN_SENT`` bytes since ``base`` and the counts stopped growing."""
+        until, last = time.monotonic() + HOLD_S, None
+        while time.monotonic() < until and not self._stop.is_set():
+            counts = self.sent(base)
+            if all(n >= MIN_SENT for n in counts) and counts == last:
+                self.settled = True
+                return
+            last = counts
+            time.sleep(POLL_S)
+
+    def _answer(self, rank: int | None, numel: int) -> bytes:
+        if numel > MAX_ELEMENTS:
+            raise ValueError(f"a rank asked the gate for {numel:,} values")
+        answer = self.answers[rank] if rank is not None and 0 <= rank < self.world_size else None
+        if answer is None or answer.numel() != numel:
+            answer = torch.zeros(numel)
+        return answer.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+
+def for_ranks(
+    netns_pid: int | None, answers: list[torch.Tensor], pids: list[int], user: int | None, timeout: float
+) -> Gatekeeper:
+    """A gatekeeper for a run on the processes ``pids`` (rank r is ``pids[r]``, the host's ids) in the
+    network namespace of ``netns_pid``, counting what they send each other as ``wire.snapshot`` reads it
+    (as ``user``, where only that uid may see which process owns a socket)."""
+    owner: dict[int, int] = {}
+
+    def baseline():
+        return wire.snapshot(netns_pid, user=user)
+
+    def sent(base) -> list[int]:
+        now = wire.snapshot(netns_pid, user=user)
+        if not owner:  # (the ranks' connections are open by the step's start: read whose they are once)
+            owner.update(wire.owners(pids, user))
+        return [sum(row) for row in wire.traffic(base, now, pids, owner=owner).matrix]
+
+    return Gatekeeper(netns_pid, answers, sent, baseline, timeout)

@@ -1,0 +1,173 @@
+"""Lab 3's overlap, as the grader observes it: what crossed the wire while the backward was held.
+
+Under grading a data-parallel wrapper's overlap is read from the grader's gate (``gate.py``), not from
+the ranks' trace.  The graded step's backward is held at the input of a layer chosen so that a whole
+first bucket (exercise 4: the first parameter) lies above it (``gate_position``); the grader's answer,
+``answers()`` (one tensor per rank, drawn at grading time), is added to the gradient there, so no
+gradient below it is right before the answer came.  The test then holds:
+
+- what each rank sent the others while held (``wire.Timeline.messages_between``, on the grader's
+  capture) to the gradients of the layers above the gate, which it recomputes on each rank's shard:
+  some message must hold, value for value up to one common factor (a wrapper may divide by N first),
+  four consecutive values of one parameter's gradient summed over some of the ranks (a reduction
+  passes partial sums; ``assert_crossed_while_held``);
+- the parameters after training to a single process that adds each rank's answer at its rows
+  (``reference``): a rank that did not wait for its answer, or computed the layers below without it,
+  ends with other parameters.
+
+A model with no layer between its first bucket and the rest (the tied autoencoder; a first bucket that
+takes a parameter of the first layer) has no such place: its overlap is not graded from the wire.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...exercise import ExerciseRun
+from .common import batches, graded_model
+
+__all__ = ["answers", "assert_crossed_while_held", "bucket_names", "gate_position", "reference"]
+
+WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
+# the wide layer's 48 gradients into messages of 6
+ALIGNED = 1 - 1e-6  # cosine of two windows taken for the same values (float32 sums in another order: ~1e-12 off)
+ANSWER_SCALE = 0.01  # the answers' spread, near the size of the gradients at the gate
+
+
+def bucket_names(model: nn.Module, bucket_mb: float | None) -> list[list[str]]:
+    """The bucket rule's buckets of parameter names (trainable ones in reverse order, a new bucket when the next
+    would pass ``bucket_mb`` MiB); ``bucket_mb`` None: one bucket per parameter (exercise 4)."""
+    cap, buckets, used = (bucket_mb or 0) * 2**20, [], 0
+    for name, p in reversed(list(model.named_parameters())):
+        if not p.requires_grad:
+            continue
+        size = p.numel() * p.element_size()
+        if bucket_mb is None or not buckets or used + size > cap:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(name)
+        used += size
+    return buckets
+
+
+def gate_position(kind: str, bucket_mb: float | None) -> int | None:
+    """The index in the model (an ``nn.Sequential``) of the layer at whose input the grader holds the
+    backward: the lowest layer that holds a parameter of the first bucket, where a trainable layer lies below
+    it (else its input gets no gradient: a frozen first layer); None where there is no such layer (see the
+    module docstring)."""
+    model = graded_model(kind, 0)
+    if not isinstance(model, nn.Sequential):
+        return None
+    first = bucket_names(model, bucket_mb)[0]
+    lowest = min(int(name.split(".")[0]) for name in first)
+    below = [p for name, p in model.named_parameters() if int(name.split(".")[0]) < lowest and p.requires_grad]
+    return lowest if below else None  # (no trainable layer below: its input gets no gradient to hold)
+
+
+def _rows(batch: int, n: int, rank: int, micro_steps: int) -> torch.Tensor:
+    """The rows of the whole batch that rank ``rank``'s last micro-batch holds (as the driver splits it)."""
+    return torch.arange(batch).tensor_split(n)[rank].tensor_split(micro_steps)[-1]
+
+
+def answers(kind: str, batch: int, n: int, micro_steps: int, at: int) -> list[torch.Tensor]:
+    """Each rank's answer at the gate: a tensor of its last micro-batch's activations' shape at layer ``at``,
+    from a seed drawn now (nothing the student's kernel receives holds it before the gate opens)."""
+    width = graded_model(kind, 0)[at].in_features
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return [
+        torch.randn(len(_rows(batch, n, r, micro_steps)), width, generator=generator) * ANSWER_SCALE for r in range(n)
+    ]
+
+
+def reference(
+    kind: str, batch: int, steps: int, micro_steps: int, n: int, at: int | None, given: list[torch.Tensor] | None
+) -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
+    """One process training on the whole batch, each rank's answer added (divided by N, as the ranks'
+    gradients are averaged) to the gradient at layer ``at``'s input at that rank's rows in the last step;
+    and, for that step, each rank's own gradients of the parameters above the gate (its shard's loss as
+    ``shard_loss`` scales it, summed over its micro-batches).  ``given`` None: no gate (plain training)."""
+    model = graded_model(kind, 0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    local: list[dict[str, torch.Tensor]] = []
+    for step, (x, y) in enumerate(batches(kind, batch, steps)):
+        gated = given is not None and at is not None and step == steps - 1
+        if gated:
+            local = [_local_gradients(model, x, y, batch, n, r, micro_steps, at) for r in range(n)]
+        optimizer.zero_grad()
+        handle = None
+        if gated:
+            added = torch.zeros(batch, given[0].shape[1])
+            for r in range(n):
+                added[_rows(batch, n, r, micro_steps)] = given[r] / n
+
+            def add(_module, args, added=added):
+                args[0].register_hook(lambda g: g + added)
+
+            handle = model[at].register_forward_pre_hook(add)
+        F.mse_loss(model(x), y).backward()
+        if handle is not None:
+            handle.remove()
+        optimizer.step()
+    return model, local
+
+
+def _local_gradients(model, x, y, batch, n, rank, micro_steps, at) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s gradients of the parameters of layers ``at`` and above, before the step (none is
+    changed by the gate's answer)."""
+    model = copy.deepcopy(model)
+    xs, ys = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
+    for xm, ym in zip(xs.tensor_split(micro_steps), ys.tensor_split(micro_steps)):
+        (F.mse_loss(model(xm), ym) * (len(xm) * n / batch)).backward()
+    return {
+        name: p.grad.detach().reshape(-1).clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and int(name.split(".")[0]) >= at and p.grad is not None
+    }
+
+
+def _windows(values: torch.Tensor) -> torch.Tensor:
+    """Every run of WINDOW consecutive values, each scaled to length 1 (runs of zeros dropped)."""
+    runs = values.double().unfold(0, WINDOW, 1)
+    norms = runs.norm(dim=1, keepdim=True)
+    keep = norms.squeeze(1) > 1e-30
+    return runs[keep] / norms[keep]
+
+
+def assert_crossed_while_held(run: ExerciseRun, case: str, local: list[dict[str, torch.Tensor]], at: int) -> None:
+    """Fail unless every rank sent the others, while its backward was held at the gate, a message that holds
+    the gradients of the layers above it (see the module docstring)."""
+    start, cut = run.gate.window()
+    n = run.world_size
+    candidates = []
+    for size in range(1, n + 1):
+        for ranks in itertools.combinations(range(n), size):
+            for name in local[0]:
+                total = torch.stack([local[r][name].double() for r in ranks]).sum(0)
+                if total.numel() >= WINDOW:
+                    candidates.append(_windows(total))
+    known = torch.cat(candidates) if candidates else torch.zeros(0, WINDOW, dtype=torch.float64)
+    for rank in range(n):
+        sent = [m for dst in range(n) if dst != rank for m in run.timeline.messages_between(rank, dst, start, cut)]
+        carried = False
+        for payload in sent:
+            if len(payload) % 4 or len(payload) < 4 * WINDOW:
+                continue
+            mine = _windows(torch.frombuffer(bytearray(payload), dtype=torch.float32))
+            if len(mine) and len(known) and bool(((mine @ known.T) >= ALIGNED).any()):
+                carried = True
+                break
+        assert carried, (
+            f"{case}: the grader held rank {rank}'s backward at the input of layer {at} of the model (the layers "
+            f"above it had their gradients; those below needed the grader's answer) and watched the wire: while "
+            f"held, rank {rank} sent the other ranks {len(sent)} message(s) "
+            f"({', '.join(f'{len(m):,} B' for m in sent[:8]) or 'none'}), none holding the gradients of the layers "
+            f"above it. Overlap means an all-reduce posted from a gradient hook (async_op=True) crosses the wire "
+            f"while backward goes on below; all-reduces posted only in finish_gradient_synchronization(), after "
+            f"backward, cross after it"
+        )
