@@ -46,16 +46,23 @@ def per_parameter(kind: str) -> int:
     return sum(1 for p in graded_model(kind, 0).parameters() if p.requires_grad)
 
 
-def bucket_sizes(model: nn.Module, bucket_mb: float) -> list[int]:
-    """The bucket rule of exercise 5's text, in bytes per bucket: trainable parameters in reverse order,
-    a new bucket whenever the next one would push the current bucket past the cap (a larger one gets
-    its own)."""
-    cap, sizes = bucket_mb * 2**20, []
-    for p in list(model.parameters())[::-1]:
+def bucket_names(model: nn.Module, bucket_mb: float | None) -> list[list[str]]:
+    """The bucket rule's buckets of parameter names (trainable ones in reverse order, a new bucket when the next
+    would pass ``bucket_mb`` MiB); ``bucket_mb`` None: one bucket per parameter (exercise 4)."""
+    cap, buckets, used = (bucket_mb or 0) * 2**20, [], 0
+    for name, p in reversed(list(model.named_parameters())):
         if not p.requires_grad:
             continue
         size = p.numel() * p.element_size()
-        if not sizes or sizes[-1] + size > cap:
-            sizes.append(0)
-        sizes[-1] += size
-    return sizes
+        if bucket_mb is None or not buckets or used + size > cap:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(name)
+        used += size
+    return buckets
+
+
+def bucket_sizes(model: nn.Module, bucket_mb: float) -> list[int]:
+    """The bucket rule of exercise 5's text, in bytes per bucket (``bucket_names``'s buckets)."""
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    return [sum(sizes[name] for name in bucket) for bucket in bucket_names(model, bucket_mb)]

@@ -30,30 +30,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...exercise import ExerciseRun
-from .common import batches, graded_model
+from .common import batches, bucket_names, graded_model
 
-__all__ = ["answers", "assert_crossed_while_held", "bucket_names", "gate_position", "reference"]
+__all__ = ["answers", "assert_crossed_while_held", "gate_position", "reference"]
 
 WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
 # the wide layer's 48 gradients into messages of 6
 ALIGNED = 1 - 1e-6  # cosine of two windows taken for the same values (float32 sums in another order: ~1e-12 off)
 ANSWER_SCALE = 0.01  # the answers' spread, near the size of the gradients at the gate
-
-
-def bucket_names(model: nn.Module, bucket_mb: float | None) -> list[list[str]]:
-    """The bucket rule's buckets of parameter names (trainable ones in reverse order, a new bucket when the next
-    would pass ``bucket_mb`` MiB); ``bucket_mb`` None: one bucket per parameter (exercise 4)."""
-    cap, buckets, used = (bucket_mb or 0) * 2**20, [], 0
-    for name, p in reversed(list(model.named_parameters())):
-        if not p.requires_grad:
-            continue
-        size = p.numel() * p.element_size()
-        if bucket_mb is None or not buckets or used + size > cap:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(name)
-        used += size
-    return buckets
 
 
 def gate_position(kind: str, bucket_mb: float | None) -> int | None:
