@@ -5,7 +5,8 @@ all-reduce posted from a gradient hook crosses the wire while the layers below a
 The ranks' own trace says so, but the ranks write it (a submission can rewrite its timestamps).  Under
 grading the grader makes the moment observable instead:
 
-- the test's driver puts a *gate* at one layer's input (``Gate.at(module)``): in the graded step's
+- the test's driver puts a *gate* at one layer's input (``Gate.at(module)``), tells the grader when the
+  graded step begins (``start()``) and arms the gate before that step's last forward (``arm()``): in its
   backward, where that input gets its gradient, the rank stops and asks the grader to go on;
 - the grader (``grading/gatekeeper.py``, outside the student's processes) answers only once every
   rank has asked and it has seen from the OS what the ranks sent each other by then (``ss``, polled
@@ -15,7 +16,7 @@ grading the grader makes the moment observable instead:
 - the grader's packet capture sees the answer leave, among the ranks' own segments (``capture.py``):
   what crossed between the ranks before it, and after the step began (the grader's first answer,
   one byte, once every rank reached the step), crossed while the backward was held.  The test reads
-  those messages (``wire.Timeline.messages_between``) and holds them to the gradients of the layers
+  those messages (``wire.Timeline.sends_between``) and holds them to the gradients of the layers
   above the gate, which it recomputes.  A wrapper that communicates only after ``backward()``
   returns has sent nothing there; junk sent in their place is not the gradients.
 
@@ -91,12 +92,14 @@ class Gate:
         self.sock.sendall(START)
         if _exactly(self.sock, 1) != GO:
             raise ConnectionError("the grader's gate answered the step's start with something else")
+
+    def arm(self) -> None:
+        """Hold the next forward's backward (the graded step's last micro-batch: just before its forward)."""
         self.armed = True
 
     def at(self, module: nn.Module):
         """Hold the backward where ``module``'s first input gets its gradient, in the first forward after
-        ``start()`` (the graded step's last micro-batch: arm it with ``start()`` just before that forward).
-        Returns the hook's handle."""
+        ``arm()``.  Returns the hook's handle."""
 
         def hold(_module, args):
             if not self.armed or not args or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:

@@ -37,19 +37,19 @@ class NotGloo(ValueError):
     """A connection's bytes are not a whole sequence of gloo's operations."""
 
 
-def _read(stream: bytes, start: int) -> list[tuple[int, bytes]]:
+def _read(stream: bytes, start: int) -> list[tuple[int, int, bytes]]:
     payloads, at = [], start
     while at < len(stream):
         if len(stream) - at < PREAMBLE:
             raise NotGloo(f"{len(stream) - at} bytes at offset {at} are too few for a {PREAMBLE}-byte preamble")
-        nbytes, opcode, _slot, _offset, length, _roffset = _FIELDS.unpack_from(stream, at)
+        nbytes, opcode, slot, _offset, length, _roffset = _FIELDS.unpack_from(stream, at)
         if opcode in _SENDS:
             if nbytes != PREAMBLE + length or length > len(stream) - at - PREAMBLE:
                 raise NotGloo(
                     f"a send at offset {at} says {nbytes} bytes with a payload of {length}; "
                     f"{len(stream) - at} bytes are left"
                 )
-            payloads.append((at, stream[at + PREAMBLE : at + nbytes]))
+            payloads.append((at, slot, stream[at + PREAMBLE : at + nbytes]))
             at += nbytes
         elif opcode in _NOTES and nbytes == PREAMBLE:
             at += PREAMBLE
@@ -68,13 +68,16 @@ def messages(stream: bytes) -> list[bytes]:
     >>> messages(note + _FIELDS.pack(52, 1, 0, 0, 4, 0) + b"abcd")
     [b'abcd']
     """
-    return [payload for _, payload in sends(stream)]
+    return [payload for _, _, payload in sends(stream)]
 
 
-def sends(stream: bytes) -> list[tuple[int, bytes]]:
-    """``messages``, each with the offset in ``stream`` where its operation (preamble) begins: a
-    test that reads what crossed between two moments keeps the sends whose bytes lie between the
-    stream's positions then (``wire.Timeline.messages_between``)."""
+def sends(stream: bytes) -> list[tuple[int, int, bytes]]:
+    """``messages``, each as (the offset in ``stream`` where its operation's preamble begins, its slot,
+    its payload).  A test that reads what crossed between two moments keeps the sends whose bytes lie
+    between the stream's positions then (``wire.Timeline.sends_between``).  The slot names the
+    operation a message belongs to: torch's gloo process group gives each collective call a tag of its
+    own, and every message of that call carries a slot made from it (measured on torch 2.13: the
+    messages of one all-reduce of B bytes on N ranks carry 2·(N − 1)·B bytes of payload in all)."""
     try:
         return _read(stream, 0)
     except NotGloo as e:

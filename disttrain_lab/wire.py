@@ -31,6 +31,7 @@ read (another user's process, one made non-dumpable) fails the count: ``RuntimeE
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -270,12 +271,12 @@ class Timeline:
             return None
         return [payload for stream in self._streams(src, dst) for payload in gloo_ops.messages(stream)]
 
-    def messages_between(self, src: int, dst: int, start: float, cut: float) -> list[bytes] | None:
-        """The payload of each message ``src`` sent ``dst`` whose bytes all crossed after ``start`` and
-        before ``cut`` (seconds of ``segments``), in order: by position in the connection's bytes, which
-        TCP keeps in order (``crossed``), so a message cut across several segments is one.  None in the
-        student's own kernel (no wire).  A direction of more than one connection cannot be placed
-        (its positions are not one stream's): it raises ``Unobserved``."""
+    def sends_between(self, src: int, dst: int, start: float, cut: float = math.inf) -> list[tuple[int, bytes]] | None:
+        """(slot, payload) of each message ``src`` sent ``dst`` whose bytes all crossed after ``start`` and
+        before ``cut`` (seconds of ``segments``), in order (``gloo_ops.sends``): by position in the
+        connection's bytes, which TCP keeps in order (``crossed``), so a message cut across several segments
+        is one.  None in the student's own kernel (no wire).  A direction of more than one connection cannot
+        be placed (its positions are not one stream's): it raises ``Unobserved``."""
         if self.source == "trace":
             return None
         streams = self._streams(src, dst)
@@ -287,8 +288,8 @@ class Timeline:
         begin = self.crossed(src, dst, start)
         end = sum(n for t, a, b, n in self._all() if (a, b) == (src, dst) and t < cut)
         return [
-            payload
-            for at, payload in (gloo_ops.sends(streams[0]) if streams else [])
+            (slot, payload)
+            for at, slot, payload in (gloo_ops.sends(streams[0]) if streams else [])
             if at >= begin and at + GLOO_PREAMBLE + len(payload) <= end
         ]
 

@@ -558,6 +558,16 @@ class OverlappedDDP(NaiveDDP):  # junk of a gradient's size sent from the hooks;
         average_gradients(self.module)
 """
 
+_TWICE = """
+class OverlappedDDP(SolutionsOverlappedDDP):  # right values, every gradient all-reduced a second time in finish
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        for p in self.module.parameters():
+            if p.requires_grad:
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+"""
+
 _NO_WAIT_AT_THE_GATE = """
 class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is held, and runs on without its answer
     def __init__(self, module):
@@ -580,8 +590,9 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     """Under the grader's evidence (packet capture, ``ss``, its gate in the backward: tests/helpers.py), the
     solution's OverlappedDDP, BucketedDDP and AccumulatingDDP pass with the trace's overlap checks switched
     off (a forged trace would pass them); a wrapper that all-reduces only after backward, one that sends junk
-    from its hooks and the real gradients later, and one that tells the gate it is held and runs on without
-    the grader's answer, each fail."""
+    from its hooks and the real gradients later, one with the right values that all-reduces every gradient a
+    second time, and one that tells the gate it is held and runs on without the grader's answer (what it sends
+    of the layers below is not their gradient), each fail."""
     import __main__
     from disttrain_lab.labtests import lab03
     from disttrain_lab.labtests.lab03 import checks as lab03_checks
@@ -608,7 +619,8 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
         for source, said in [
             (_LATE_OVERLAP, "none holding the gradients"),
             (_JUNK_DURING_BACKWARD, "none holding the gradients"),
-            (_NO_WAIT_AT_THE_GATE, "the grader's answer at its gate"),
+            (_TWICE, r"collective call\(s\) in the last step"),
+            (_NO_WAIT_AT_THE_GATE, "holds none of the ranks' gradients"),  # (the layers below, without the answer)
         ]:
             space = dict(solution["shard_loss"].__globals__, SolutionsOverlappedDDP=solution["OverlappedDDP"])
             exec(source, space)

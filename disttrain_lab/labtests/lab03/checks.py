@@ -20,7 +20,7 @@ from .common import (
     graded_model,
     per_parameter,
 )
-from .overlap import answers, assert_crossed_while_held, gate_position, reference
+from .overlap import answers, assert_crossed_while_held, assert_step_all_reduces, gate_position, reference
 from .ranks import _broadcast_in_rank, _shards, _traced, _train_in_rank
 
 
@@ -133,6 +133,9 @@ def check_ddp(
     if held:
         expected, local = reference(kind, batch, steps, micro_steps, n, at, given)
         assert_crossed_while_held(ran, case, local, at)
+        sizes = buckets or [p.numel() * p.element_size() for p in graded_model(kind, 0).parameters() if p.requires_grad]
+        rule = "the bucket rule's buckets" if buckets else "one per trainable parameter"
+        assert_step_all_reduces(ran, case, local, sizes, rule)
     run = _traced(ran)
     if interrupted:  # the first backward after the exception must post its all-reduces from the hooks again
         for rank in range(n):

@@ -32,7 +32,7 @@ from torch import nn
 from ...exercise import ExerciseRun
 from .common import batches, bucket_names, graded_model
 
-__all__ = ["answers", "assert_crossed_while_held", "gate_position", "reference"]
+__all__ = ["answers", "assert_crossed_while_held", "assert_step_all_reduces", "gate_position", "reference"]
 
 WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
 # the wide layer's 48 gradients into messages of 6
@@ -74,15 +74,16 @@ def reference(
 ) -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
     """One process training on the whole batch, each rank's answer added (divided by N, as the ranks'
     gradients are averaged) to the gradient at layer ``at``'s input at that rank's rows in the last step;
-    and, for that step, each rank's own gradients of the parameters above the gate (its shard's loss as
-    ``shard_loss`` scales it, summed over its micro-batches).  ``given`` None: no gate (plain training)."""
+    and, for that step, each rank's own gradients of every trainable parameter (its shard's loss as
+    ``shard_loss`` scales it, summed over its micro-batches, its answer added at the gate in the last one), what
+    its all-reduces carry.  ``given`` None: no gate (plain training)."""
     model = graded_model(kind, 0)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     local: list[dict[str, torch.Tensor]] = []
     for step, (x, y) in enumerate(batches(kind, batch, steps)):
         gated = given is not None and at is not None and step == steps - 1
         if gated:
-            local = [_local_gradients(model, x, y, batch, n, r, micro_steps, at) for r in range(n)]
+            local = [_local_gradients(model, x, y, batch, n, r, micro_steps, at, given[r]) for r in range(n)]
         optimizer.zero_grad()
         handle = None
         if gated:
@@ -101,18 +102,45 @@ def reference(
     return model, local
 
 
-def _local_gradients(model, x, y, batch, n, rank, micro_steps, at) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s gradients of the parameters of layers ``at`` and above, before the step (none is
-    changed by the gate's answer)."""
+def _local_gradients(model, x, y, batch, n, rank, micro_steps, at, answer) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s gradients of every trainable parameter in the step, from the parameters before it:
+    its micro-batches' losses, ``answer`` added to the gradient at layer ``at``'s input in the last one."""
     model = copy.deepcopy(model)
     xs, ys = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
-    for xm, ym in zip(xs.tensor_split(micro_steps), ys.tensor_split(micro_steps)):
+    pieces = list(zip(xs.tensor_split(micro_steps), ys.tensor_split(micro_steps)))
+    for i, (xm, ym) in enumerate(pieces):
+        handle = None
+        if i == len(pieces) - 1:
+
+            def add(_module, args):
+                args[0].register_hook(lambda g: g + answer)
+
+            handle = model[at].register_forward_pre_hook(add)
         (F.mse_loss(model(xm), ym) * (len(xm) * n / batch)).backward()
-    return {
-        name: p.grad.detach().reshape(-1).clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad and int(name.split(".")[0]) >= at and p.grad is not None
-    }
+        if handle is not None:
+            handle.remove()
+    return {name: p.grad.detach().reshape(-1).clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _known(local: list[dict[str, torch.Tensor]], names: list[str]) -> torch.Tensor:
+    """Every run of WINDOW values of the gradients ``names``, summed over any set of ranks, scaled to length 1."""
+    found = [
+        _windows(torch.stack([local[r][name].double() for r in ranks]).sum(0))
+        for size in range(1, len(local) + 1)
+        for ranks in itertools.combinations(range(len(local)), size)
+        for name in names
+        if local[0][name].numel() >= WINDOW
+    ]
+    return torch.cat(found) if found else torch.zeros(0, WINDOW, dtype=torch.float64)
+
+
+def _holds(payload: bytes, known: torch.Tensor) -> bool | None:
+    """Whether a message holds WINDOW consecutive values of ``known``'s (up to one factor); None for a
+    message too short to tell (or not float32 values)."""
+    if len(payload) % 4 or len(payload) < 4 * WINDOW:
+        return None
+    mine = _windows(torch.frombuffer(bytearray(payload), dtype=torch.float32))
+    return bool(len(mine) and len(known) and ((mine @ known.T) >= ALIGNED).any())
 
 
 def _windows(values: torch.Tensor) -> torch.Tensor:
@@ -128,25 +156,10 @@ def assert_crossed_while_held(run: ExerciseRun, case: str, local: list[dict[str,
     the gradients of the layers above it (see the module docstring)."""
     start, cut = run.gate.window()
     n = run.world_size
-    candidates = []
-    for size in range(1, n + 1):
-        for ranks in itertools.combinations(range(n), size):
-            for name in local[0]:
-                total = torch.stack([local[r][name].double() for r in ranks]).sum(0)
-                if total.numel() >= WINDOW:
-                    candidates.append(_windows(total))
-    known = torch.cat(candidates) if candidates else torch.zeros(0, WINDOW, dtype=torch.float64)
+    known = _known(local, [name for name in local[0] if int(name.split(".")[0]) >= at])
     for rank in range(n):
-        sent = [m for dst in range(n) if dst != rank for m in run.timeline.messages_between(rank, dst, start, cut)]
-        carried = False
-        for payload in sent:
-            if len(payload) % 4 or len(payload) < 4 * WINDOW:
-                continue
-            mine = _windows(torch.frombuffer(bytearray(payload), dtype=torch.float32))
-            if len(mine) and len(known) and bool(((mine @ known.T) >= ALIGNED).any()):
-                carried = True
-                break
-        assert carried, (
+        sent = [m for dst in range(n) if dst != rank for _, m in run.timeline.sends_between(rank, dst, start, cut)]
+        assert any(_holds(m, known) for m in sent), (
             f"{case}: the grader held rank {rank}'s backward at the input of layer {at} of the model (the layers "
             f"above it had their gradients; those below needed the grader's answer) and watched the wire: while "
             f"held, rank {rank} sent the other ranks {len(sent)} message(s) "
@@ -155,3 +168,32 @@ def assert_crossed_while_held(run: ExerciseRun, case: str, local: list[dict[str,
             f"while backward goes on below; all-reduces posted only in finish_gradient_synchronization(), after "
             f"backward, cross after it"
         )
+
+
+def assert_step_all_reduces(
+    run: ExerciseRun, case: str, local: list[dict[str, torch.Tensor]], sizes: list[int], rule: str
+) -> None:
+    """Fail unless the graded step's messages, read from the grader's capture from the step's start on, are
+    all-reduces of the byte ``sizes`` (in any order: one per parameter, or the bucket rule's ``rule``), none
+    under no_sync(), each message holding the ranks' gradients.  Gloo gives each collective call a slot of
+    its own (``gloo_ops.sends``); one all-reduce of B bytes carries 2·(N − 1)·B bytes of payload in all."""
+    start, _ = run.gate.window()
+    n = run.world_size
+    per_call: dict[int, int] = {}
+    known = _known(local, list(local[0]))
+    for src in range(n):
+        for dst in range(n):
+            for slot, payload in run.timeline.sends_between(src, dst, start) if src != dst else []:
+                per_call[slot] = per_call.get(slot, 0) + len(payload)
+                assert _holds(payload, known) is not False, (
+                    f"{case}: in the last step rank {src} sent rank {dst} a message of {len(payload):,} B that holds "
+                    f"none of the ranks' gradients, as the grader's capture of the wire read it. What crosses in a "
+                    f"training step must be the gradients themselves"
+                )
+    got = [total / (2 * (n - 1)) for _, total in sorted(per_call.items())]
+    assert sorted(got) == sorted(sizes), (
+        f"{case}: the grader's capture of the wire saw {len(got)} collective call(s) in the last step, of "
+        f"{[int(g) if g == int(g) else round(g, 1) for g in got]} B each as all-reduces (gloo's messages of one call "
+        f"carry 2·(N − 1) times its bytes); expected {len(sizes)} all-reduce(s) of {sorted(sizes)} B: {rule}, and "
+        f"none while no_sync() is in force"
+    )

@@ -57,8 +57,9 @@ def _train_in_rank(
     raised inside ``with ddp.no_sync():`` and caught, as a training loop that skips a failed micro-batch does.
     ``nested``: inside each micro-step's no_sync(), before its backward, a second no_sync() is opened and closed
     (as a helper the loop calls may do): the outer one must still hold.  ``gate_at``: under grading, the last
-    step's last micro-batch is held in backward at the input of the model's layer ``gate_at`` by the grader's
-    gate (``disttrain_lab.gate``; none in the student's own notebook).  Returns the parameters, and the events
+    step begins at the grader's word and its last micro-batch is held in backward at the input of the model's
+    layer ``gate_at`` by the grader's gate (``disttrain_lab.gate``; none in the student's own notebook).
+    Returns the parameters, and the events
     of the rank's trace with its dl.region marks (dl.exercise.run's run.trace leaves those out)."""
     import contextlib
 
@@ -123,6 +124,8 @@ def _train_in_rank(
         for step, (x, y) in enumerate(batches(kind, batch, steps)):
             x, y = x.tensor_split(world_size)[rank].to(dl.device()), y.tensor_split(world_size)[rank].to(dl.device())
             optimizer.zero_grad()
+            if gate is not None and step == steps - 1:
+                gate.start()  # (every rank's earlier messages are done: the grader's window opens)
             for micro, (xm, ym) in enumerate(zip(x.tensor_split(micro_steps), y.tensor_split(micro_steps))):
                 last = micro == micro_steps - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
@@ -130,7 +133,7 @@ def _train_in_rank(
                         with ddp.no_sync():  # closing it must leave the outer no_sync() in force
                             pass
                     if gate is not None and last and step == steps - 1:
-                        gate.start()  # (every rank's earlier messages are done: the grader's window opens)
+                        gate.arm()
                     loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
                     with dl.region("backward", step=step, micro=micro, last=last):
                         loss.backward()
