@@ -1,4 +1,4 @@
-"""Lab 3's overlap, as the grader observes it: what crossed the wire while the backward was held.
+"""Lab 3's overlap and all-reduces, as the grader observes them: what crossed the wire while the backward was held.
 
 Under grading a data-parallel wrapper's overlap is read from the grader's gate (``gate.py``), not from
 the ranks' trace.  The graded step's backward is held at the input of a layer chosen so that a whole
@@ -11,6 +11,9 @@ gradient below it is right before the answer came.  The test then holds:
   some message must hold, value for value up to one common factor (a wrapper may divide by N first),
   four consecutive values of one parameter's gradient summed over some of the ranks (a reduction
   passes partial sums; ``assert_crossed_while_held``);
+- the step's messages from its start on (``assert_step_all_reduces``): gloo's slot names each collective
+  call, so their number and sizes are read off the wire against the rule (one per parameter, or the
+  bucket rule's; none under no_sync()), and every message must hold the ranks' gradients of the step;
 - the parameters after training to a single process that adds each rank's answer at its rows
   (``reference``): a rank that did not wait for its answer, or computed the layers below without it,
   ends with other parameters.
