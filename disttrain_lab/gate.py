@@ -123,7 +123,7 @@ class Gate:
 @dataclass(frozen=True)
 class Seen:
     """What the grader observed at a run's gate, on the capture's clock (``wire.Timeline``'s seconds):
-    ``start``, when the last rank was told to begin the graded step; ``cut``, when the first rank was
+    ``start``, when the first rank was told to begin the graded step; ``cut``, when the first rank was
     given the answer it needed to finish that step's backward; ``settled``, whether the ranks' bytes had
     stopped growing (as the OS counted them) before the grader answered, rather than its patience ending.
     ``source``: ``"wire"``; ``"none"`` where no grader held a gate (the student's own notebook); or

@@ -7,7 +7,9 @@ grader's own threads serve it), and a thread of the grader's serves the run:
 1. each rank connects and says which rank it is (its claim: a rank that lies gets another rank's answer,
    and its backward is then wrong);
 2. when every rank has reached the graded step (``START``), each is told to go on (``GO``, one byte):
-   the capture sees the last of these leave, the window's start; ``sent()`` counts the bytes from here;
+   the capture sees the first of these leave, the window's start (a rank told first may send before the
+   others are told: every earlier message was done when the last rank said ``START``); ``sent()`` counts
+   the bytes from here;
 3. when every rank is held in that step's backward (``HOLD``, with the size of the gradient it holds),
    the grader reads from the OS what each rank has sent the others since step 2 (``sent``: ``ss`` in the
    namespace, as ``wire.snapshot`` reads it), again and again until every rank has sent at least
@@ -132,9 +134,9 @@ class Gatekeeper:
                 return Seen.unobserved(f"the capture did not see the gate's two answers to the rank at {peer}")
             starts.append(times[0])
             cuts.append(times[1])
-        start, cut = max(starts), min(cuts)
+        start, cut = min(starts), min(cuts)
         if not start < cut:
-            return Seen.unobserved("the capture saw a rank's answer leave before every rank was told to begin")
+            return Seen.unobserved("the capture saw a rank's answer leave before any rank was told to begin")
         return Seen(start=round(start - origin, 6), cut=round(cut - origin, 6), settled=self.settled)
 
     # ----------------------------------------------------------------------------------
