@@ -13,8 +13,9 @@ grader's own threads serve it), and a thread of the grader's serves the run:
 3. when every rank is held in that step's backward (``HOLD``, with the size of the gradient it holds),
    the grader reads from the OS what each rank has sent the others since step 2 (``sent``: ``ss`` in the
    namespace, as ``wire.snapshot`` reads it), again and again until every rank has sent at least
-   ``MIN_SENT`` bytes and the counts stopped growing, or ``HOLD_S`` passed; then it gives each rank its
-   answer (``answers[rank]``, drawn by the test at grading time; zeros where a rank asks for another size).
+   ``MIN_SENT`` bytes and the counts stopped growing with no thread of a rank left to run, or ``HOLD_S``
+   passed; then it gives each rank its answer (``answers[rank]``, drawn by the test at grading time; zeros
+   where a rank asks for another size).
 
 ``stop()`` closes everything and returns the connections' addresses (as the capture writes them) and
 whether the counts settled; ``seen(segments, origin)`` finds, among the capture's segments, when the
@@ -92,8 +93,10 @@ class Gatekeeper:
         sent: Callable[[object], list[int]],
         baseline: Callable[[], object],
         timeout: float,
+        busy: Callable[[], bool] = lambda: False,
     ):
         self.netns_pid, self.answers, self.sent, self.baseline = netns_pid, answers, sent, baseline
+        self.busy = busy
         self.world_size, self.timeout = len(answers), timeout
         self.why: str | None = None
         self.settled = False
@@ -212,11 +215,13 @@ class Gatekeeper:
             yield kind, value
 
     def _hold(self, base) -> None:
-        """Wait until each rank has sent ``MIN_SENT`` bytes since ``base`` and the counts stopped growing."""
+        """Wait until each rank has sent ``MIN_SENT`` bytes since ``base`` and the counts stopped growing while
+        no thread of a rank was left to run (``busy``: on a loaded host a rank's sending thread may wait for a
+        core longer than two reads apart, its bytes unsent)."""
         until, last = time.monotonic() + HOLD_S, None
         while time.monotonic() < until and not self._stop.is_set():
             counts = self.sent(base)
-            if all(n >= MIN_SENT for n in counts) and counts == last:
+            if all(n >= MIN_SENT for n in counts) and counts == last and not self.busy():
                 self.settled = True
                 return
             last = counts
@@ -248,4 +253,22 @@ def for_ranks(
             owner.update(wire.owners(pids, user))
         return [sum(row) for row in wire.traffic(base, now, pids, owner=owner).matrix]
 
-    return Gatekeeper(netns_pid, answers, sent, baseline, timeout)
+    return Gatekeeper(netns_pid, answers, sent, baseline, timeout, busy=lambda: any(map(_runnable, pids)))
+
+
+def _runnable(pid: int) -> bool:
+    """Whether a thread of process ``pid`` is running or waiting for a core (state R in
+    ``/proc/<pid>/task/<tid>/stat``); a process or thread gone, or unreadable, is not."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"R":
+            return True
+    return False
