@@ -20,6 +20,13 @@ grading the grader makes the moment observable instead:
   above the gate, which it recomputes.  A wrapper that communicates only after ``backward()``
   returns has sent nothing there; junk sent in their place is not the gradients.
 
+The same gate also *marks* a run's steps where nothing is held: the driver calls ``start()`` at the start
+of every micro-step, and once more after the last, and the grader answers each round once every rank has
+asked (``Seen.marks``: when each round's first answer left).  A rank's messages of a micro-step are done
+before it asks for the next round, so the capture's segments between two marks are that micro-step's
+(``Seen.windows``): how many all-reduces each step made, of which sizes, and none under ``no_sync()``, read
+off the wire rather than the ranks' trace.
+
 The rank's end is this module: a TCP connection to the grader's port in the rank's own network
 namespace (a graded rank may open TCP sockets alone; ``confine.py``), given to each rank of a run as
 :data:`PORT` by the kit (``serving._call``).  In the student's own notebook no grader holds a gate:
@@ -88,7 +95,7 @@ class Gate:
         self.armed = False
 
     def start(self) -> None:
-        """At the graded step's start (every earlier message done): wait until every rank is there."""
+        """At a (micro-)step's start, every earlier message done: wait until every rank is there (a mark)."""
         self.sock.sendall(START)
         if _exactly(self.sock, 1) != GO:
             raise ConnectionError("the grader's gate answered the step's start with something else")
@@ -123,17 +130,20 @@ class Gate:
 @dataclass(frozen=True)
 class Seen:
     """What the grader observed at a run's gate, on the capture's clock (``wire.Timeline``'s seconds):
-    ``start``, when the first rank was told to begin the graded step; ``cut``, when the first rank was
-    given the answer it needed to finish that step's backward; ``settled``, whether the ranks' bytes had
-    stopped growing (as the OS counted them) before the grader answered, rather than its patience ending.
-    ``source``: ``"wire"``; ``"none"`` where no grader held a gate (the student's own notebook); or
-    ``"unobserved"``, with why (reading it raises ``wire.Unobserved``)."""
+    ``marks``, when the first rank was told to go on in each round of ``Gate.start()`` (one per
+    micro-step, and one after the last); ``start``, the round in which the backward was held; ``cut``, when
+    the first rank was given the answer it needed to finish that step's backward (None where nothing was
+    held); ``settled``, whether the ranks' bytes had stopped growing (as the OS counted them) before the
+    grader answered, rather than its patience ending.  ``source``: ``"wire"``; ``"none"`` where no grader
+    held a gate (the student's own notebook); or ``"unobserved"``, with why (reading it raises
+    ``wire.Unobserved``)."""
 
     start: float | None = None
     cut: float | None = None
     settled: bool = False
     source: str = "wire"
     why: str = ""
+    marks: tuple[float, ...] = ()
 
     @classmethod
     def unobserved(cls, why: str) -> Seen:
@@ -151,3 +161,12 @@ class Seen:
                 "that grades what crossed meanwhile fails rather than take the ranks' own clocks"
             )
         return self.start, self.cut
+
+    def windows(self) -> list[tuple[float, float]]:
+        """(start, end) of each micro-step between two marks, in order: its data crossed in between."""
+        if self.source != "wire" or len(self.marks) < 2:
+            raise Unobserved(
+                f"the grader could not see when the run's steps began ({self.why or 'no marks'}), so a test that "
+                "grades what each step sent fails rather than take the ranks' own clocks"
+            )
+        return list(zip(self.marks, self.marks[1:]))

@@ -6,20 +6,21 @@ grader's own threads serve it), and a thread of the grader's serves the run:
 
 1. each rank connects and says which rank it is (its claim: a rank that lies gets another rank's answer,
    and its backward is then wrong);
-2. when every rank has reached the graded step (``START``), each is told to go on (``GO``, one byte):
-   the capture sees the first of these leave, the window's start (a rank told first may send before the
-   others are told: every earlier message was done when the last rank said ``START``); ``sent()`` counts
-   the bytes from here;
+2. when every rank has reached a (micro-)step (``START``), each is told to go on (``GO``, one byte): the
+   capture sees the first of these leave, a mark (a rank told first may send before the others are told:
+   every earlier message was done when the last rank said ``START``); rounds repeat, one per micro-step
+   and one after the last; ``sent()`` counts the bytes from the latest round;
 3. when every rank is held in that step's backward (``HOLD``, with the size of the gradient it holds),
    the grader reads from the OS what each rank has sent the others since step 2 (``sent``: ``ss`` in the
    namespace, as ``wire.snapshot`` reads it), again and again until every rank has sent at least
    ``MIN_SENT`` bytes and the counts stopped growing with no thread of a rank left to run, or ``HOLD_S``
    passed; then it gives each rank its answer (``answers[rank]``, drawn by the test at grading time; zeros
-   where a rank asks for another size).
+   where a rank asks for another size).  Answers all None: a run that only marks its steps, none held.
 
-``stop()`` closes everything and returns the connections' addresses (as the capture writes them) and
-whether the counts settled; ``seen(segments, origin)`` finds, among the capture's segments, when the
-``GO`` answers and the first answer left: ``gate.Seen`` on the timeline's clock.  Anything that goes
+``stop()`` closes everything; ``seen(segments, origin)`` finds, among the capture's segments, when each
+message the grader sent each rank left (by its first byte's position in the connection: TCP keeps a
+direction's bytes in order): each round's first ``GO`` and the first answer, ``gate.Seen`` on the
+timeline's clock.  Anything that goes
 wrong (a rank that never connects, a message that is not the protocol's) leaves the gate unobserved,
 with why, and the test that reads it fails.  Nothing a rank sends is evaluated; each read is bounded.
 """
@@ -27,6 +28,7 @@ with why, and the test that reads it fails.  Nothing a rank sends is evaluated; 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import selectors
 import socket
@@ -89,7 +91,7 @@ class Gatekeeper:
     def __init__(
         self,
         netns_pid: int | None,
-        answers: list[torch.Tensor],
+        answers: list[torch.Tensor | None],
         sent: Callable[[object], list[int]],
         baseline: Callable[[], object],
         timeout: float,
@@ -101,10 +103,14 @@ class Gatekeeper:
         self.why: str | None = None
         self.settled = False
         self.connections: list[tuple[str, str]] = []  # (the gate's address, the rank's), as the capture writes them
+        self.messages: list[list[tuple[bytes, int]]] = []  # what the grader sent on each connection: (kind, bytes)
+        self.rounds = 0  # rounds of GO sent
+        self.holds = any(a is not None for a in answers)  # (else the run only marks its steps)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
         self._socks: list[socket.socket] = []
+        self._answered, self._held = False, 0
 
     def start(self) -> int:
         """Listen and serve in a thread; returns the port the ranks connect to."""
@@ -124,23 +130,41 @@ class Gatekeeper:
                 pass
         if self.why is None and len(self.connections) != self.world_size:
             self.why = "the run ended before every rank reached the gate"
+        if self.why is None and self.holds and not self._answered:
+            self.why = f"the run ended with {self._held} of {self.world_size} ranks held at the gate"
 
     def seen(self, segments: list[tuple[float, str, str, int]], origin: float) -> Seen:
-        """When the capture saw the gate's answers leave (see the module docstring), on the clock of a
+        """When the capture saw the gate's messages leave (see the module docstring), on the clock of a
         timeline whose first segment was at ``origin``."""
         if self.why is not None:
             return Seen.unobserved(self.why)
-        starts, cuts = [], []
-        for local, peer in self.connections:
-            times = [t for t, src, dst, n in segments if src == local and dst == peer and n > 0]
-            if len(times) < 2:
-                return Seen.unobserved(f"the capture did not see the gate's two answers to the rank at {peer}")
-            starts.append(times[0])
-            cuts.append(times[1])
-        start, cut = min(starts), min(cuts)
-        if not start < cut:
+        marks: list[list[float]] = [[] for _ in range(self.rounds)]
+        cuts: list[float] = []
+        for (local, peer), sent in zip(self.connections, self.messages):
+            left = _first_bytes(
+                [(t, n) for t, src, dst, n in segments if src == local and dst == peer and n > 0],
+                [size for _, size in sent],
+            )
+            if left is None:
+                return Seen.unobserved(f"the capture did not see every message the gate sent the rank at {peer}")
+            go = [t for (kind, _), t in zip(sent, left) if kind == GO]
+            cuts += [t for (kind, _), t in zip(sent, left) if kind != GO][:1]
+            if len(go) != self.rounds:
+                return Seen.unobserved(f"the rank at {peer} was sent {len(go)} of the gate's {self.rounds} rounds")
+            for i, t in enumerate(go):
+                marks[i].append(t)
+        firsts = [min(m) for m in marks if m]
+        cut = min(cuts) if cuts else None
+        start = max((t for t in firsts if cut is None or t < cut), default=None)
+        if self.holds and (cut is None or start is None):
             return Seen.unobserved("the capture saw a rank's answer leave before any rank was told to begin")
-        return Seen(start=round(start - origin, 6), cut=round(cut - origin, 6), settled=self.settled)
+        shift = lambda t: None if t is None else round(t - origin, 6)  # noqa: E731
+        return Seen(
+            start=shift(start),
+            cut=shift(cut),
+            settled=self.settled,
+            marks=tuple(shift(t) for t in firsts),
+        )
 
     # ----------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -158,8 +182,11 @@ class Gatekeeper:
         rank_of: dict[socket.socket, int] = {}
         started: set[socket.socket] = set()
         held: dict[socket.socket, int] = {}
+        sent: dict[socket.socket, list[tuple[bytes, int]]] = {}
         base = None
-        while not self._stop.is_set() and time.monotonic() < deadline:
+        while not self._stop.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the run was still at the gate after {self.timeout:g} s")
             for key, _ in selector.select(timeout=0.1):
                 if key.fileobj is self._listener:
                     sock, _ = self._listener.accept()
@@ -170,7 +197,7 @@ class Gatekeeper:
                     sock.settimeout(5.0)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self._socks.append(sock)
-                    buffers[sock] = bytearray()
+                    buffers[sock], sent[sock] = bytearray(), []
                     selector.register(sock, selectors.EVENT_READ)
                     continue
                 sock = key.fileobj
@@ -184,21 +211,32 @@ class Gatekeeper:
                         rank_of[sock] = value
                     elif kind == START:
                         started.add(sock)
-                    else:
+                    elif not self._answered:
                         held[sock] = value
-            if len(started) == self.world_size and base is None:
-                base = self.baseline()
+                    else:
+                        raise ValueError("a rank asked the gate to hold it twice")
+            if len(started) == self.world_size:  # a round: every rank at the same (micro-)step
+                if self.holds and not self._answered:
+                    base = self.baseline()
                 for sock in started:
-                    sock.sendall(GO)
-                self.connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in self._socks]
-            if len(held) == self.world_size:
+                    self._send(sock, GO, GO, sent)
+                started.clear()
+                self.rounds += 1
+                if not self.connections:
+                    self.connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in self._socks]
+            self._held = len(held)
+            if len(held) == self.world_size and not self._answered:
                 self._hold(base)
                 for sock, numel in held.items():
-                    sock.sendall(self._answer(rank_of.get(sock), numel))
-                return
-        if not self._stop.is_set():
-            raise TimeoutError(f"{len(held)} of {self.world_size} ranks reached the gate in {self.timeout:g} s")
-        self.why = f"the run ended with {len(held)} of {self.world_size} ranks held at the gate"
+                    self._send(sock, self._answer(rank_of.get(sock), numel), HOLD, sent)
+                self._answered = True
+            self.messages = [sent[s] for s in self._socks]
+
+    @staticmethod
+    def _send(sock: socket.socket, data: bytes, kind: bytes, sent: dict) -> None:
+        sock.sendall(data)
+        if data:
+            sent[sock].append((kind, len(data)))
 
     @staticmethod
     def _messages(buffer: bytearray):
@@ -254,6 +292,20 @@ def for_ranks(
         return [sum(row) for row in wire.traffic(base, now, pids, owner=owner).matrix]
 
     return Gatekeeper(netns_pid, answers, sent, baseline, timeout, busy=lambda: any(map(_runnable, pids)))
+
+
+def _first_bytes(segments: list[tuple[float, int]], sizes: list[int]) -> list[float] | None:
+    """When the first byte of each of a connection's messages (``sizes`` bytes each, in order) left: the
+    time of the segment that carried it (``segments``: (time, payload bytes), in order).  None where the
+    segments carry fewer bytes than the messages."""
+    starts = list(itertools.accumulate([0, *sizes[:-1]])) if sizes else []
+    times, total, i = [], 0, 0
+    for t, n in segments:
+        total += n
+        while i < len(starts) and starts[i] < total:
+            times.append(t)
+            i += 1
+    return times if len(times) == len(sizes) else None
 
 
 def _runnable(pid: int) -> bool:

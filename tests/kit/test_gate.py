@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from disttrain_lab import wire
-from disttrain_lab.gate import Seen
+from disttrain_lab.gate import GO, HOLD, Seen
 from disttrain_lab.grading.gatekeeper import Gatekeeper
 
 
-def _keeper(connections):
-    keeper = Gatekeeper(None, [torch.zeros(1)] * len(connections), lambda base: [0], lambda: None, timeout=1.0)
+def _keeper(connections, sent=((GO, 1), (HOLD, 64))):
+    """A gatekeeper that sent each connection ``sent`` (kind, bytes): the rounds of GO, and an answer."""
+    keeper = Gatekeeper(None, [torch.zeros(16)] * len(connections), lambda base: [0], lambda: None, timeout=1.0)
     keeper.connections = connections
+    keeper.messages = [list(sent) for _ in connections]
+    keeper.rounds = sum(1 for kind, _ in sent if kind == GO)
     return keeper
 
 
@@ -31,8 +34,40 @@ def test_the_window_opens_when_the_first_rank_is_told_to_begin():
         (12.1, gate, a, 64),
     ]
     seen = _keeper([(gate, a), (gate, b)]).seen(segments, origin=9.0)
-    assert seen == Seen(start=1.0, cut=3.0, settled=False)
+    assert seen == Seen(start=1.0, cut=3.0, settled=False, marks=(1.0,))
     assert seen.window() == (1.0, 3.0)
+
+
+def test_marks_are_read_by_the_position_of_each_message_the_grader_sent():
+    """Each micro-step begins at a round of "go"s (marks), the held one too; the answer may cross in several
+    segments and the next round's "go" may ride in the same segment as its end: each message is placed by the
+    position of its first byte in the connection, not by counting segments."""
+    gate, a, b = "127.0.0.1:9", "127.0.0.1:100", "127.0.0.1:101"
+    sent = [(GO, 1), (GO, 1), (HOLD, 64), (GO, 1)]
+    segments = [
+        (10.0, gate, a, 1),
+        (10.1, gate, b, 1),
+        (11.0, gate, b, 1),  # the second round: b told first
+        (11.1, gate, a, 1),
+        (12.0, gate, a, 40),  # a's answer, in two segments
+        (12.1, gate, b, 64),
+        (12.2, gate, a, 25),  # the rest of a's answer, and the last round's "go"
+        (13.0, gate, b, 1),
+    ]
+    seen = _keeper([(gate, a), (gate, b)], sent).seen(segments, origin=9.0)
+    assert seen == Seen(start=2.0, cut=3.0, settled=False, marks=(1.0, 2.0, 3.2))
+    assert seen.windows() == [(1.0, 2.0), (2.0, 3.2)]
+    assert seen.window() == (2.0, 3.0)
+
+
+def test_a_gate_that_holds_nothing_marks_the_steps_alone():
+    gate, a = "127.0.0.1:9", "127.0.0.1:100"
+    keeper = Gatekeeper(None, [None], lambda base: [0], lambda: None, timeout=1.0)
+    keeper.connections, keeper.messages, keeper.rounds = [(gate, a)], [[(GO, 1)] * 3], 3
+    seen = keeper.seen([(10.0, gate, a, 1), (10.5, gate, a, 1), (11.0, gate, a, 1)], origin=9.0)
+    assert seen.marks == (1.0, 1.5, 2.0) and seen.windows() == [(1.0, 1.5), (1.5, 2.0)]
+    with pytest.raises(wire.Unobserved, match="held"):
+        seen.window()  # (nothing was held: no window of a held backward to read)
 
 
 def test_a_gate_the_capture_did_not_see_answer_is_unobserved():
@@ -41,6 +76,8 @@ def test_a_gate_the_capture_did_not_see_answer_is_unobserved():
     assert seen.source == "unobserved"
     with pytest.raises(wire.Unobserved, match="held"):
         seen.window()
+    with pytest.raises(wire.Unobserved, match="steps began"):
+        seen.windows()
 
 
 def test_a_rank_that_speaks_out_of_protocol_is_refused():

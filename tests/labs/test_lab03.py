@@ -260,7 +260,7 @@ class BucketedDDP(_RightBuckets):             # right numbers, but its hooks byp
     (
         "bucketed_ddp",
         GRADERS_STAND_IN_BUCKETS,
-        "the bucket rule gives",
+        "B: the bucket rule's: fill buckets",
     ),
     (
         "no_sync",
@@ -570,18 +570,47 @@ class OverlappedDDP(SolutionsOverlappedDDP):  # right values, every gradient all
 
 _NO_WAIT_AT_THE_GATE = """
 class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is held, and runs on without its answer
-    def __init__(self, module):
+    def __init__(self, module):                # (read and dropped at the next mark, so that the run ends)
         import struct
 
         import disttrain_lab.gate as gates
 
-        def wait(gate, shape, _theirs=gates.Gate.wait):
-            gates.Gate.wait = _theirs  # (once: the rank serves later runs)
+        theirs = (gates.Gate.wait, gates.Gate.start)
+
+        def wait(gate, shape):
             gate.sock.sendall(gates.HOLD + struct.pack("<I", shape.numel()))
+            gate.pending = 4 * shape.numel()
             return torch.zeros(shape)
 
-        gates.Gate.wait = wait
+        def start(gate):
+            if getattr(gate, "pending", 0):
+                gates._exactly(gate.sock, gate.pending)
+                gates.Gate.wait, gates.Gate.start = theirs  # (once: the rank serves later runs)
+            return theirs[1](gate)
+
+        gates.Gate.wait, gates.Gate.start = wait, start
         super().__init__(module)
+"""
+
+_ONE_FLAT = """
+class NaiveDDP(SolutionsNaiveDDP):  # right values: every gradient in one flat all-reduce, not one per parameter
+    def finish_gradient_synchronization(self):
+        grads = [p.grad for p in self.module.parameters() if p.requires_grad]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+"""
+
+_SYNC_ALWAYS = """
+import contextlib
+
+
+class AccumulatingDDP(SolutionsAccumulatingDDP):  # no_sync() that switches nothing off: right values, every
+    @contextlib.contextmanager                    # micro-step all-reduced
+    def no_sync(self):
+        yield
 """
 
 
@@ -592,7 +621,10 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     off (a forged trace would pass them); a wrapper that all-reduces only after backward, one that sends junk
     from its hooks and the real gradients later, one with the right values that all-reduces every gradient a
     second time, and one that tells the gate it is held and runs on without the grader's answer (what it sends
-    of the layers below is not their gradient), each fail."""
+    of the layers below is not their gradient), each fail.  Every step's all-reduces are read off the wire
+    between the grader's marks, in the cases with no gate too (the tied model): with the trace's counts unread,
+    one flat all-reduce where one per parameter is asked for, and a no_sync() that switches nothing off (both
+    with the right values), fail."""
     import __main__
     from disttrain_lab.labtests import lab03
     from disttrain_lab.labtests.lab03 import checks as lab03_checks
@@ -614,16 +646,26 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     )
     with observed_from_outside():
         lab03.check_overlapped_ddp("mlp", 2, batch=8)
+        lab03.check_overlapped_ddp("tied", 2, batch=8)  # (no gate: the steps marked alone)
+        lab03.check_average_gradients("mlp", 2, batch=8)
         lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
         lab03.check_no_sync("mlp", 2, 12, 3)
-        for source, said in [
-            (_LATE_OVERLAP, "none holding the gradients"),
-            (_JUNK_DURING_BACKWARD, "none holding the gradients"),
-            (_TWICE, r"collective call\(s\) in the last step"),
-            (_NO_WAIT_AT_THE_GATE, "holds none of the ranks' gradients"),  # (the layers below, without the answer)
+        checks = {
+            "OverlappedDDP": lambda: lab03.check_overlapped_ddp("mlp", 2, batch=8),
+            "NaiveDDP": lambda: lab03.check_average_gradients("mlp", 2, batch=8),
+            "AccumulatingDDP": lambda: lab03.check_no_sync("mlp", 2, 12, 3),
+        }
+        for source, said, name in [
+            (_LATE_OVERLAP, "none holding the gradients", "OverlappedDDP"),
+            (_JUNK_DURING_BACKWARD, "holds none of the ranks' gradients of that step", "OverlappedDDP"),
+            (_TWICE, r"12 collective call\(s\) in step 0", "OverlappedDDP"),
+            (_NO_WAIT_AT_THE_GATE, "holds none of the ranks' gradients", "OverlappedDDP"),  # (the layers below)
+            (_ONE_FLAT, r"1 collective call\(s\) in step 0.*expected 6 all-reduce", "NaiveDDP"),
+            (_SYNC_ALWAYS, r"micro-step 0 \(under no_sync\(\)\)", "AccumulatingDDP"),
         ]:
-            space = dict(solution["shard_loss"].__globals__, SolutionsOverlappedDDP=solution["OverlappedDDP"])
+            space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in checks})
             exec(source, space)
-            monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
+            monkeypatch.setattr(__main__, name, space[name])
             with pytest.raises(AssertionError, match=said):
-                lab03.check_overlapped_ddp("mlp", 2, batch=8)
+                checks[name]()
+            monkeypatch.setattr(__main__, name, solution[name])

@@ -20,13 +20,19 @@ from .common import (
     graded_model,
     per_parameter,
 )
-from .overlap import answers, assert_crossed_while_held, assert_step_all_reduces, gate_position, reference
+from .overlap import answers, assert_crossed_while_held, assert_steps_all_reduce, gate_position, reference
 from .ranks import _broadcast_in_rank, _shards, _traced, _train_in_rank
-
 
 # --------------------------------------------------------------------------------------
 # The checks
 # --------------------------------------------------------------------------------------
+_BUCKET_RULE = (
+    "the bucket rule's: fill buckets with the trainable parameters in *reverse* order of model.parameters() "
+    "(the order backward makes their gradients ready), closing a bucket when the next parameter would push it "
+    "past bucket_mb · 2**20 bytes"
+)
+
+
 def check_shard(n_rows: int, world_size: int) -> None:
     """``shard(x, rank, world_size)`` (exercise 1): rank r's rows are ``x.tensor_split(world_size)[r]``
     (contiguous, the first ``n_rows % world_size`` ranks one row more, none dropped), returned as a
@@ -101,10 +107,13 @@ def check_ddp(
     device: str | None = None,
     nested: bool = False,
 ) -> Run:
-    """Train your class ``wrapper`` on n ranks; read the trace (per step: none under no_sync(); with ``overlap``,
-    each all-reduce posted with async_op=True during backward and waited for only after it; exactly the trainable
-    gradients all-reduced, in ``all_reduces`` calls or, with ``buckets``, in all-reduces of those byte sizes);
-    then compare every rank with single-process SGD on the full batch.  ``interrupted``: an exception is raised
+    """Train your class ``wrapper`` on n ranks; per step: none under no_sync(); exactly the trainable gradients
+    all-reduced, in ``all_reduces`` calls or, with ``buckets``, in all-reduces of those byte sizes (under
+    grading read off the wire between the grader's marks of each micro-step: ``overlap.assert_steps_all_reduce``;
+    in your own notebook, from the trace); with ``overlap``, communication during backward (under grading, where
+    the model allows, from the grader's gate: ``overlap.assert_crossed_while_held``) and each all-reduce posted
+    with async_op=True and waited for only after backward (the trace); then compare every rank with
+    single-process SGD on the full batch.  ``interrupted``: an exception is raised
     inside no_sync() first (the steps after it must communicate); ``nested``: a no_sync() opened and closed inside
     each micro-step's no_sync() (the outer one must still hold).  ``graders``: the grader's own version of the
     exercise ``wrapper`` is built on, used instead of yours (``broadcast_that_passed``,
@@ -117,7 +126,8 @@ def check_ddp(
         + (", after an exception inside no_sync())" if interrupted else ")")
     )
     at = gate_position(kind, bucket_mb) if overlap else None  # where the grader holds the backward, if anywhere
-    given = answers(kind, batch, n, micro_steps, at) if at is not None else None
+    # under grading the driver marks each micro-step at the grader's gate, and holds the backward where ``at``
+    given = answers(kind, batch, n, micro_steps, at) if at is not None else [None] * n
     ran = common.run_or_fail(
         _train_in_rank,
         n,
@@ -128,16 +138,27 @@ def check_ddp(
         device=_device(device),
         gate=given,
     )
-    # the grader held a gate (in the student's own notebook there is none): overlap as the grader observed it
-    held = at is not None and ran.gate.source != "none"
-    if held:
-        expected, local = reference(kind, batch, steps, micro_steps, n, at, given)
-        assert_crossed_while_held(ran, case, local, at)
-        sizes = buckets or [p.numel() * p.element_size() for p in graded_model(kind, 0).parameters() if p.requires_grad]
-        rule = "the bucket rule's buckets" if buckets else "one per trainable parameter"
-        assert_step_all_reduces(ran, case, local, sizes, rule)
+    model = graded_model(kind, seed=0)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    # a grader was there (in the student's own notebook there is none): the steps as the grader observed them
+    observed = ran.gate.source != "none"
+    held = at is not None and observed
+    if observed:
+        expected, local = reference(kind, batch, steps, micro_steps, n, at, given if held else None)
+        per_param = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+        sizes = buckets or (per_param if all_reduces is not None else None)
+        rule = (
+            _BUCKET_RULE
+            if buckets
+            else f"one per trainable parameter, {all_reduces} in all"
+            if all_reduces is not None
+            else ""
+        )
+        assert_steps_all_reduce(ran, case, local, micro_steps, trainable, sizes, rule, interrupted)
+        if held:
+            assert_crossed_while_held(ran, case, local[-1], at)
     run = _traced(ran)
-    if interrupted:  # the first backward after the exception must post its all-reduces from the hooks again
+    if interrupted and not observed:  # the first backward after the exception must post its all-reduces again
         for rank in range(n):
             first = next(e for e in run.by_rank(rank) if e.kind == "region" and e.name == "backward")
             assert [e for e in run.select(op="all_reduce", rank=rank) if e.start < first.end], (
@@ -146,8 +167,6 @@ def check_ddp(
                 f"off.  Restore it in `finally:` (`try: yield` / `finally: ...`): the exception is raised at the "
                 f"yield, and a line after it never runs"
             )
-    model = graded_model(kind, seed=0)
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if wrapper == "BucketedDDP":  # exercise 6 extends the class by overriding grad_ready
         hooks = steps * micro_steps * sum(1 for p in model.parameters() if p.requires_grad)
         for rank, result in enumerate(ran.results):
@@ -160,7 +179,7 @@ def check_ddp(
     for rank in range(n):
         regions = [e for e in run.by_rank(rank) if e.kind == "region"]
         for step in range(steps):
-            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets)
+            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed)
     if not held:
         expected = models.train_single_process(graded_model(kind, seed=0), batches(kind, batch, steps), lr=0.1)
     common.assert_parameters_match(
@@ -192,14 +211,17 @@ def _check_step(
     overlap: bool,
     all_reduces: int | None,
     buckets: list[int] | None,
+    observed: bool,
 ) -> None:
-    """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp)."""
+    """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp): where the
+    grader ``observed`` the steps, only the rule the wire cannot show (each posted with async_op=True during
+    backward, waited for after it)."""
     backward = [e for e in regions if e.name == "backward" and e.meta["step"] == step]
     [finish] = [e for e in regions if e.name == "finish" and e.meta["step"] == step]
     last = next(e for e in backward if e.meta["last"])
     calls = [e for e in run.select(op="all_reduce", rank=rank) if backward[0].start <= e.start <= finish.end]
     early = [e for e in calls if e.start < last.start]
-    assert not early, (
+    assert observed or not early, (
         f"{case}: rank {rank} all-reduced during a micro-step under no_sync() "
         f"({len(early)} calls in step {step}); under no_sync() gradients only accumulate"
     )
@@ -227,6 +249,8 @@ def _check_step(
             f"rest of backward; in step {step} it posted {len(calls)}, waited for {len(waits)}, "
             f"{len(blocked)} of the waits inside backward (no overlap)"
         )
+    if observed:  # (counts, sizes and no_sync() from the wire: overlap.assert_steps_all_reduce)
+        return
     total = sum(e.bytes for e in calls)
     assert total == trainable, (
         f"{case}: in step {step} rank {rank} all-reduced {total} bytes; the trainable gradients are "
@@ -239,10 +263,7 @@ def _check_step(
     if buckets is not None:
         got = [e.bytes for e in calls]
         assert sorted(got) == sorted(buckets), (
-            f"{case}: in step {step} rank {rank}'s all-reduces carried {got} B; the bucket rule gives "
-            f"{buckets} B: fill buckets with the trainable parameters in *reverse* order of "
-            f"model.parameters() (the order backward makes their gradients ready), closing a bucket when "
-            f"the next parameter would push it past bucket_mb · 2**20 bytes"
+            f"{case}: in step {step} rank {rank}'s all-reduces carried {got} B; expected {buckets} B: {_BUCKET_RULE}"
             + (" (forward order gives other buckets)" if len(got) == len(buckets) else "")
         )
 

@@ -6,20 +6,24 @@ first bucket (exercise 4: the first parameter) lies above it (``gate_position``)
 ``answers()`` (one tensor per rank, drawn at grading time), is added to the gradient there, so no
 gradient below it is right before the answer came.  The test then holds:
 
-- what each rank sent the others while held (``wire.Timeline.messages_between``, on the grader's
+- what each rank sent the others while held (``wire.Timeline.sends_between``, on the grader's
   capture) to the gradients of the layers above the gate, which it recomputes on each rank's shard:
   some message must hold, value for value up to one common factor (a wrapper may divide by N first),
   four consecutive values of one parameter's gradient summed over some of the ranks (a reduction
   passes partial sums; ``assert_crossed_while_held``);
-- the step's messages from its start on (``assert_step_all_reduces``): gloo's slot names each collective
-  call, so their number and sizes are read off the wire against the rule (one per parameter, or the
-  bucket rule's; none under no_sync()), and every message must hold the ranks' gradients of the step;
+- every step's messages (``assert_steps_all_reduce``), in every graded case, held or not: the driver marks
+  each micro-step at the grader's gate (``gate.Seen.windows``), gloo's slot names each collective call, so
+  their number and sizes are read off the wire against the rule (one per parameter, or the bucket rule's),
+  a micro-step under no_sync() sends nothing, and every message must hold the ranks' gradients of its
+  step, recomputed on each rank's shard;
 - the parameters after training to a single process that adds each rank's answer at its rows
   (``reference``): a rank that did not wait for its answer, or computed the layers below without it,
   ends with other parameters.
 
 A model with no layer between its first bucket and the rest (the tied autoencoder; a first bucket that
-takes a parameter of the first layer) has no such place: its overlap is not graded from the wire.
+takes a parameter of the first layer) has no such place: its overlap is not graded from the wire (its
+steps' all-reduces are).  Nor is the rule that each all-reduce is posted with ``async_op=True`` (a blocking
+all-reduce in a hook crosses before the gate too): that still reads the ranks' trace.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import nn
 from ...exercise import ExerciseRun
 from .common import batches, bucket_names, graded_model
 
-__all__ = ["answers", "assert_crossed_while_held", "assert_step_all_reduces", "gate_position", "reference"]
+__all__ = ["answers", "assert_crossed_while_held", "assert_steps_all_reduce", "gate_position", "reference"]
 
 WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
 # the wide layer's 48 gradients into messages of 6
@@ -74,19 +78,21 @@ def answers(kind: str, batch: int, n: int, micro_steps: int, at: int) -> list[to
 
 def reference(
     kind: str, batch: int, steps: int, micro_steps: int, n: int, at: int | None, given: list[torch.Tensor] | None
-) -> tuple[nn.Module, list[dict[str, torch.Tensor]]]:
+) -> tuple[nn.Module, list[list[dict[str, torch.Tensor]]]]:
     """One process training on the whole batch, each rank's answer added (divided by N, as the ranks'
     gradients are averaged) to the gradient at layer ``at``'s input at that rank's rows in the last step;
-    and, for that step, each rank's own gradients of every trainable parameter (its shard's loss as
-    ``shard_loss`` scales it, summed over its micro-batches, its answer added at the gate in the last one), what
-    its all-reduces carry.  ``given`` None: no gate (plain training)."""
+    and, for each step, each rank's own gradients of every trainable parameter (its shard's loss as
+    ``shard_loss`` scales it, summed over its micro-batches, its answer added at the gate in the last step's
+    last one), what its all-reduces carry: ``local[step][rank][name]``.  ``given`` None: no gate (plain
+    training)."""
     model = graded_model(kind, 0)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    local: list[dict[str, torch.Tensor]] = []
+    local: list[list[dict[str, torch.Tensor]]] = []
     for step, (x, y) in enumerate(batches(kind, batch, steps)):
         gated = given is not None and at is not None and step == steps - 1
-        if gated:
-            local = [_local_gradients(model, x, y, batch, n, r, micro_steps, at, given[r]) for r in range(n)]
+        local.append(
+            [_local_gradients(model, x, y, batch, n, r, micro_steps, at, given[r] if gated else None) for r in range(n)]
+        )
         optimizer.zero_grad()
         handle = None
         if gated:
@@ -107,13 +113,14 @@ def reference(
 
 def _local_gradients(model, x, y, batch, n, rank, micro_steps, at, answer) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s gradients of every trainable parameter in the step, from the parameters before it:
-    its micro-batches' losses, ``answer`` added to the gradient at layer ``at``'s input in the last one."""
+    its micro-batches' losses, ``answer`` (where not None) added to the gradient at layer ``at``'s input in
+    the last one."""
     model = copy.deepcopy(model)
     xs, ys = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
     pieces = list(zip(xs.tensor_split(micro_steps), ys.tensor_split(micro_steps)))
     for i, (xm, ym) in enumerate(pieces):
         handle = None
-        if i == len(pieces) - 1:
+        if i == len(pieces) - 1 and answer is not None:
 
             def add(_module, args):
                 args[0].register_hook(lambda g: g + answer)
@@ -173,30 +180,66 @@ def assert_crossed_while_held(run: ExerciseRun, case: str, local: list[dict[str,
         )
 
 
-def assert_step_all_reduces(
-    run: ExerciseRun, case: str, local: list[dict[str, torch.Tensor]], sizes: list[int], rule: str
+def assert_steps_all_reduce(
+    run: ExerciseRun,
+    case: str,
+    local: list[list[dict[str, torch.Tensor]]],
+    micro_steps: int,
+    trainable: int,
+    sizes: list[int] | None,
+    rule: str,
+    interrupted: bool = False,
 ) -> None:
-    """Fail unless the graded step's messages, read from the grader's capture from the step's start on, are
-    all-reduces of the byte ``sizes`` (in any order: one per parameter, or the bucket rule's ``rule``), none
-    under no_sync(), each message holding the ranks' gradients.  Gloo gives each collective call a slot of
+    """Fail unless each step's messages, read from the grader's capture between the marks of its micro-steps
+    (``gate.Seen.windows``), are all-reduces of the step's gradients: nothing in a micro-step under no_sync();
+    in the last, calls whose sizes add up to the ``trainable`` bytes and, with ``sizes``, are those (in any
+    order: one per parameter, or the bucket rule's ``rule``); each message holding the ranks' gradients of that
+    step (``local[step]``, summed over some ranks, up to one factor).  Gloo gives each collective call a slot of
     its own (``gloo_ops.sends``); one all-reduce of B bytes carries 2·(N − 1)·B bytes of payload in all."""
-    start, _ = run.gate.window()
-    n = run.world_size
-    per_call: dict[int, int] = {}
-    known = _known(local, list(local[0]))
-    for src in range(n):
-        for dst in range(n):
-            for slot, payload in run.timeline.sends_between(src, dst, start) if src != dst else []:
-                per_call[slot] = per_call.get(slot, 0) + len(payload)
-                assert _holds(payload, known) is not False, (
-                    f"{case}: in the last step rank {src} sent rank {dst} a message of {len(payload):,} B that holds "
-                    f"none of the ranks' gradients, as the grader's capture of the wire read it. What crosses in a "
-                    f"training step must be the gradients themselves"
-                )
-    got = [total / (2 * (n - 1)) for _, total in sorted(per_call.items())]
-    assert sorted(got) == sorted(sizes), (
-        f"{case}: the grader's capture of the wire saw {len(got)} collective call(s) in the last step, of "
-        f"{[int(g) if g == int(g) else round(g, 1) for g in got]} B each as all-reduces (gloo's messages of one call "
-        f"carry 2·(N − 1) times its bytes); expected {len(sizes)} all-reduce(s) of {sorted(sizes)} B: {rule}, and "
-        f"none while no_sync() is in force"
+    windows = run.gate.windows()
+    n, steps = run.world_size, len(local)
+    assert len(windows) == steps * micro_steps, (
+        f"{case}: the grader's gate saw {len(windows)} micro-step(s) where the driver runs {steps * micro_steps}"
     )
+    for step in range(steps):
+        known = _known(local[step], list(local[step][0]))
+        for micro in range(micro_steps):
+            start, end = windows[step * micro_steps + micro]
+            last = micro == micro_steps - 1
+            per_call: dict[int, int] = {}
+            for src in range(n):
+                for dst in range(n):
+                    for slot, payload in run.timeline.sends_between(src, dst, start, end) if src != dst else []:
+                        assert last, (
+                            f"{case}: in step {step}, micro-step {micro} (under no_sync()) rank {src} sent rank {dst} "
+                            f"{len(payload):,} B, as the grader's capture of the wire read it; under no_sync() "
+                            f"gradients only accumulate, and nothing crosses until the last micro-step"
+                        )
+                        per_call[slot] = per_call.get(slot, 0) + len(payload)
+                        assert _holds(payload, known) is not False, (
+                            f"{case}: in step {step} rank {src} sent rank {dst} a message of {len(payload):,} B that "
+                            f"holds none of the ranks' gradients of that step, as the grader's capture of the wire "
+                            f"read it. What crosses in a training step must be the gradients themselves"
+                        )
+            if not last:
+                continue
+            got = [total / (2 * (n - 1)) for _, total in sorted(per_call.items())]
+            shown = [int(g) if g == int(g) else round(g, 1) for g in got]
+            lead = (
+                f"{case}: the grader's capture of the wire saw {len(got)} collective call(s) in step {step}, of "
+                f"{shown} B each as all-reduces (gloo's messages of one call carry 2·(N − 1) times its bytes)"
+            )
+            if not got and interrupted:
+                lead += (
+                    " (an exception raised inside `with ddp.no_sync():` and caught before training left the hooks "
+                    "switched off? restore the state in `finally:`: the exception is raised at the yield, and a "
+                    "line after it never runs)"
+                )
+            assert sum(got) == trainable, (
+                f"{lead}; the trainable gradients are {trainable} B, all-reduced once each step (each parameter "
+                f"once, even when used twice; frozen ones not at all)"
+            )
+            if sizes is not None:
+                assert sorted(got) == sorted(sizes), (
+                    f"{lead}; expected {len(sizes)} all-reduce(s) of {sorted(sizes)} B: {rule}"
+                )

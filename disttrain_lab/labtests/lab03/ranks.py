@@ -56,9 +56,10 @@ def _train_in_rank(
     the name of a function that makes the class, its source).  ``interrupted``: before training, an exception is
     raised inside ``with ddp.no_sync():`` and caught, as a training loop that skips a failed micro-batch does.
     ``nested``: inside each micro-step's no_sync(), before its backward, a second no_sync() is opened and closed
-    (as a helper the loop calls may do): the outer one must still hold.  ``gate_at``: under grading, the last
-    step begins at the grader's word and its last micro-batch is held in backward at the input of the model's
-    layer ``gate_at`` by the grader's gate (``disttrain_lab.gate``; none in the student's own notebook).
+    (as a helper the loop calls may do): the outer one must still hold.  Under grading each micro-step begins at
+    the grader's word, and the run ends with one more (the grader's marks: ``disttrain_lab.gate``; none in the
+    student's own notebook); ``gate_at``: the last step's last micro-batch is held in backward at the input of
+    the model's layer ``gate_at`` by the grader's gate.
     Returns the parameters, and the events
     of the rank's trace with its dl.region marks (dl.exercise.run's run.trace leaves those out)."""
     import contextlib
@@ -95,10 +96,10 @@ def _train_in_rank(
             names[replaces] = space[name]
         elif bases == (BucketedDDP,):  # noqa: F821  (AccumulatingDDP on the grader's BucketedDDP)
             make_ddp.__bases__ = (space[name](),)
-    gate = gates.connect(rank) if gate_at is not None else None
+    gate = gates.connect(rank)
     try:
         model = graded_model(kind, seed=rank).to(dl.device())
-        if gate is not None:
+        if gate is not None and gate_at is not None:
             gate.at(model[gate_at])
         ddp = make_ddp(model) if bucket_mb is None else make_ddp(model, bucket_mb=bucket_mb)
         if not isinstance(ddp, nn.Module) or getattr(ddp, "module", None) is not model:
@@ -124,15 +125,15 @@ def _train_in_rank(
         for step, (x, y) in enumerate(batches(kind, batch, steps)):
             x, y = x.tensor_split(world_size)[rank].to(dl.device()), y.tensor_split(world_size)[rank].to(dl.device())
             optimizer.zero_grad()
-            if gate is not None and step == steps - 1:
-                gate.start()  # (every rank's earlier messages are done: the grader's window opens)
             for micro, (xm, ym) in enumerate(zip(x.tensor_split(micro_steps), y.tensor_split(micro_steps))):
                 last = micro == micro_steps - 1
+                if gate is not None:
+                    gate.start()  # (every rank's earlier messages are done: a micro-step's window opens)
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     if nested and not last:
                         with ddp.no_sync():  # closing it must leave the outer no_sync() in force
                             pass
-                    if gate is not None and last and step == steps - 1:
+                    if gate is not None and gate_at is not None and last and step == steps - 1:
                         gate.arm()
                     loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
                     with dl.region("backward", step=step, micro=micro, last=last):
@@ -140,6 +141,8 @@ def _train_in_rank(
             with dl.region("finish", step=step):
                 ddp.finish_gradient_synchronization()
             optimizer.step()
+        if gate is not None:
+            gate.start()  # (the last step's messages are done: its window closes)
     finally:
         if gate is not None:
             gate.close()
