@@ -15,7 +15,10 @@ grader's own threads serve it), and a thread of the grader's serves the run:
    namespace, as ``wire.snapshot`` reads it), again and again until every rank has sent at least
    ``MIN_SENT`` bytes and the counts stopped growing with no thread of a rank left to run, or ``HOLD_S``
    passed; then it gives each rank its answer (``answers[rank]``, drawn by the test at grading time; zeros
-   where a rank asks for another size).  Answers all None: a run that only marks its steps, none held.
+   where a rank asks for another size).  Answers all None: the grader answers zeros as soon as every rank
+   is held, without reading the OS's counts (lab 10: a rank held before its ring sends anything, the next
+   one at its first block's computation); where some rank is not held ``HELD_WAIT`` seconds after the first,
+   it answers those that are (``Seen.held`` names them), and any later one at once.
 
 ``stop()`` closes everything; ``seen(segments, origin)`` finds, among the capture's segments, when each
 message the grader sent each rank left (by its first byte's position in the connection: TCP keeps a
@@ -48,6 +51,7 @@ CLONE_NEWNET = 0x40000000
 HOLD_S = 5.0  # at most this long the grader holds the ranks, waiting for their bytes to settle
 POLL_S = 0.02  # between two reads of the OS's counts while holding
 MIN_SENT = 48 + 4 * 4  # each rank has sent at least one message of 4 floats, with gloo's preamble
+HELD_WAIT = 10.0  # answers all None: how long after the first rank is held the others may take to be held
 _MESSAGE = {HELLO: 4, START: 0, HOLD: 4}  # each message's bytes after its first
 
 
@@ -105,7 +109,8 @@ class Gatekeeper:
         self.connections: list[tuple[str, str]] = []  # (the gate's address, the rank's), as the capture writes them
         self.messages: list[list[tuple[bytes, int]]] = []  # what the grader sent on each connection: (kind, bytes)
         self.rounds = 0  # rounds of GO sent
-        self.holds = any(a is not None for a in answers)  # (else the run only marks its steps)
+        self.holds = any(a is not None for a in answers)  # (else the run marks its steps, or holds for zeros)
+        self.held_ranks: tuple[int, ...] = ()  # the ranks held when the grader answered (as they said who they are)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -123,6 +128,11 @@ class Gatekeeper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=HOLD_S + 5)
+        if not self.connections:  # (a run that held its ranks without a round of marks)
+            try:
+                self.connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in self._socks]
+            except OSError:
+                pass
         for sock in [*self._socks, *([self._listener] if self._listener else [])]:
             try:
                 sock.close()
@@ -164,6 +174,7 @@ class Gatekeeper:
             cut=shift(cut),
             settled=self.settled,
             marks=tuple(shift(t) for t in firsts),
+            held=self.held_ranks,
         )
 
     # ----------------------------------------------------------------------------------
@@ -183,7 +194,7 @@ class Gatekeeper:
         started: set[socket.socket] = set()
         held: dict[socket.socket, int] = {}
         sent: dict[socket.socket, list[tuple[bytes, int]]] = {}
-        base = None
+        base, first_held = None, None
         while not self._stop.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run was still at the gate after {self.timeout:g} s")
@@ -213,6 +224,9 @@ class Gatekeeper:
                         started.add(sock)
                     elif not self._answered:
                         held[sock] = value
+                        first_held = first_held or time.monotonic()
+                    elif not self.holds and sock not in held:  # (late: answered at once)
+                        self._send(sock, self._answer(None, value), HOLD, sent)
                     else:
                         raise ValueError("a rank asked the gate to hold it twice")
             if len(started) == self.world_size:  # a round: every rank at the same (micro-)step
@@ -225,10 +239,13 @@ class Gatekeeper:
                 if not self.connections:
                     self.connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in self._socks]
             self._held = len(held)
-            if len(held) == self.world_size and not self._answered:
-                self._hold(base)
+            apart = not self.holds and first_held is not None and time.monotonic() - first_held > HELD_WAIT
+            if held and (len(held) == self.world_size or apart) and not self._answered:
+                if self.holds:
+                    self._hold(base)
                 for sock, numel in held.items():
                     self._send(sock, self._answer(rank_of.get(sock), numel), HOLD, sent)
+                self.held_ranks = tuple(sorted(rank_of.get(sock, -1) for sock in held))
                 self._answered = True
             self.messages = [sent[s] for s in self._socks]
 

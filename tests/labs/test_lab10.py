@@ -414,3 +414,31 @@ def test_given_block_backward_is_torchs_on_every_block(layout):
             dv[:, kp] += fused[2]
     for name, got, want in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", dv, v.grad)):
         assert torch.allclose(got, want, atol=1e-12), (layout, name, (got - want).abs().max())
+
+
+@pytest.mark.slow
+def test_ring_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(monkeypatch):
+    """Under the grader's evidence (packet capture, ``ss``, its gate: tests/helpers.py), the ring's overlap
+    is the gate's (``lab10.ring_gate``), the trace's overlap rule unread: the solution passes on 2 ranks
+    and in two rings of 2 on 4, whichever rank the grader holds; the ring that waits for each transfer before
+    it computes (the wrong answer above, whose trace the self-check fails) fails, told which rank did not
+    reach its first block while its neighbour was held."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    names = ["ring_attention_forward", "block_attention", "merge_attention", "sequence_positions", "RingAttention"]
+    space = bench.functions_from_notebook(LAB, names, given=True)["ring_attention_forward"].__globals__
+    for name, value in space.items():  # the notebook's names, as the drivers find them in the student's kernel
+        if not name.startswith("__"):
+            monkeypatch.setattr(__main__, name, value, raising=False)
+    monkeypatch.setitem(
+        lab10.common._REFERENCES, "positions", space["sequence_positions"]
+    )  # (the helper cell's: the layout's positions)
+    [waiting] = [wrong for graded, wrong, said in WRONG if "waits for the transfer before computing" in wrong]
+    with observed_from_outside():
+        lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")
+        lab10.check_ring(lab10._ring_in_rank, 4, 2, 16, 4, "zigzag", seed=5, groups_of=2)
+        exec(waiting, space)  # (the notebook's namespace: RingAttention calls the wrong ring)
+        monkeypatch.setattr(__main__, "ring_attention_forward", space["ring_attention_forward"])
+        with pytest.raises(AssertionError, match=r"did not reach their first block's computation"):
+            lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")

@@ -3,6 +3,7 @@ across ranks, against torch's causal attention in one process; the ring's traffi
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,14 +64,18 @@ def check_merge(heads: int, seq_len: int, cuts: Sequence[int], dim: int = 4, see
 # --------------------------------------------------------------------------------------
 # Exercise 2: ring attention
 # --------------------------------------------------------------------------------------
-def _ring_in_rank(heads, seq_len, dim, layout, seed, positions, backward, groups_of):
+def _ring_in_rank(heads, seq_len, dim, layout, seed, positions, backward, groups_of, held=None):
     """The test's driver: your ring attention on this rank's tokens (the positions the test gives);
-    a barrier, then the given backward.  Returns the output and the gradients of q, k, v."""
+    a barrier, then the given backward.  Returns the output and the gradients of q, k, v.  ``held``: under
+    grading, the rank the grader's gate holds before its ring starts (``lab10.ring_gate``)."""
+    from disttrain_lab.labtests.lab10.ring_gate import gated
+
     group = None if groups_of == dist.get_world_size() else dist.new_subgroups(groups_of)[0]
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(heads, seq_len, dim, generator=g, dtype=torch.float64) for _ in range(4))
     mine = [t[:, positions].clone().requires_grad_() for t in (q, k, v)]
-    out = RingAttention.apply(*mine, layout, group)  # noqa: F821  (the notebook's)
+    with gated(ring_attention_forward.__globals__, held):  # noqa: F821  (the notebook's)
+        out = RingAttention.apply(*mine, layout, group)  # noqa: F821
     if not backward:
         return out.detach(), None
     dist.barrier()
@@ -116,7 +121,9 @@ def check_ring(
     float64: each rank's output and the gradients of its q, k, v (the given backward uses your lse) equal
     torch's causal attention on the whole sequence to 1e-9; in forward it only isends to the next rank and
     irecvs from the previous one, N - 1 key/value blocks, one dl.region("block") per ring step, the next
-    block's isend and irecv posted before a block's computation and waited for after it."""
+    block's isend and irecv posted before a block's computation and waited for after it: under grading, as
+    the grader's gate observes it (``ring_gate``: a rank drawn now is held before its ring starts, and the
+    next one must still reach its first block's computation, with block_attention), else from the trace."""
     groups_of = groups_of or n
     case = (
         f"ring attention, {layout} layout, {seq_len} tokens on {n} ranks"
@@ -124,8 +131,10 @@ def check_ring(
         + f" ({heads} heads, d={dim}, float64)"
     )
     positions = [_reference("positions")(seq_len, groups_of, rank % groups_of, layout) for rank in range(n)]
-    inputs = [(heads, seq_len, dim, layout, seed, positions[r], True, groups_of) for r in range(n)]
-    run = common.run_or_fail(driver, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT)
+    held = secrets.randbelow(n) if groups_of > 1 else None  # the rank the grader holds (drawn now)
+    inputs = [(heads, seq_len, dim, layout, seed, positions[r], True, groups_of, held) for r in range(n)]
+    gate = None if held is None else [None] * n
+    run = common.run_or_fail(driver, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT, gate=gate)
     q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     want.backward(dout)
@@ -171,6 +180,8 @@ def check_ring(
             f"{case}: in forward rank {rank} sent {sent} B; N - 1 = {groups_of - 1} ring steps of one key/value block "
             f"({block_bytes} B) each make {(groups_of - 1) * block_bytes} B"
         )
+        if gate is not None and run.gate.source != "none":
+            continue  # (the overlap as the grader observed it: below)
         for step, block in enumerate(blocks[:-1]):
             posted = [e for e in calls if e.kind == "p2p" and e.start < block.start]
             waited = [e for e in calls if e.kind == "wait" and e.end <= block.start]
@@ -179,6 +190,28 @@ def check_ring(
                 f"block's computation (dl.region('block')) and waited for after it; when the block started, "
                 f"{len(posted)} isend/irecv had been posted and {len(waited)} waited for"
             )
+    if gate is not None and run.gate.source != "none":
+        _assert_reached_while_held(run, case, held, groups_of)
+
+
+def _assert_reached_while_held(run: exercise.ExerciseRun, case: str, held: int, groups_of: int) -> None:
+    """Fail unless every rank was held at the grader's gate at once (``ring_gate``): the rank after ``held``
+    among its ring reached its first block's computation while ``held`` had posted nothing."""
+    n = run.world_size
+    start = held - held % groups_of
+    after = start + (held + 1 - start) % groups_of
+    missing = sorted(set(range(n)) - set(run.gate.ranks_held()))
+    assert not missing, (
+        f"{case}: the grader held rank {held} before its ring started, so it posted nothing, and rank(s) "
+        f"{missing} did not reach their first block's computation (a call of block_attention) meanwhile"
+        + (
+            f": rank {after}'s first transfer waits on rank {held}, so it reached its first block only if it "
+            f"computes before that transfer is done. Post the next block's isend and irecv, compute the block "
+            f"you hold with block_attention, then wait"
+            if after in missing
+            else ""
+        )
+    )
 
 
 def check_ring_traffic(driver: Callable, n: int, heads: int, seq_len: int, dim: int, layout: str) -> None:
