@@ -195,8 +195,10 @@ def run(
     files that outlive the run, for the next (lab 12's checkpoints, across a rank the grader kills).
     ``gate``: one float32 tensor per rank; under grading the grader holds a gate in the ranks' backward
     (``gate.py``: the driver places it) and answers rank r with ``gate[r]``, after it has seen what crossed
-    the wire by then (``run.gate``, with ``content``); one None per rank: the gate only marks the driver's
-    steps (``run.gate.marks``), holding nothing; in the student's own kernel there is no gate.
+    the wire by then (``run.gate``, with ``content``); one None per rank: the grader answers zeros once every
+    rank is held, or after a while those that are (``run.gate.held``), and a driver that holds nothing only
+    marks its steps (``run.gate.marks``); a list of such lists: one per hold, in the order the ranks are
+    held (``grading/gatekeeper.py``); in the student's own kernel there is no gate.
 
     Raises ExerciseError when a rank raised or returned something that is not data, and
     ExerciseTimeout when the ranks did not finish within ``timeout`` seconds."""

@@ -134,10 +134,10 @@ class Seen:
     micro-step, and one after the last); ``start``, the round in which the backward was held; ``cut``, when
     the first rank was given the answer it needed to finish that step's backward (None where nothing was
     held); ``settled``, whether the ranks' bytes had stopped growing (as the OS counted them) before the
-    grader answered, rather than its patience ending; ``held``, the ranks that were held when it answered
-    (all of them, unless some were not held in time).  ``source``: ``"wire"``; ``"none"`` where no grader
-    held a gate (the student's own notebook); or ``"unobserved"``, with why (reading it raises
-    ``wire.Unobserved``)."""
+    grader answered, rather than its patience ending; ``held``, for each hold in turn, the ranks that were
+    held when it answered (all of them, unless some were not held in time).  ``source``: ``"wire"``;
+    ``"none"`` where no grader held a gate (the student's own notebook); or ``"unobserved"``, with why
+    (reading it raises ``wire.Unobserved``)."""
 
     start: float | None = None
     cut: float | None = None
@@ -145,7 +145,7 @@ class Seen:
     source: str = "wire"
     why: str = ""
     marks: tuple[float, ...] = ()
-    held: tuple[int, ...] = ()  # the ranks held when the grader answered (each as it said who it was)
+    held: tuple[tuple[int, ...], ...] = ()  # each hold's ranks held when the grader answered (as each said who)
 
     @classmethod
     def unobserved(cls, why: str) -> Seen:
@@ -173,11 +173,12 @@ class Seen:
             )
         return list(zip(self.marks, self.marks[1:]))
 
-    def ranks_held(self) -> tuple[int, ...]:
-        """The ranks held at the gate when the grader answered (see ``held``)."""
+    def ranks_held(self, hold: int = 0) -> tuple[int, ...]:
+        """The ranks held at the gate when the grader answered its ``hold``-th hold (see ``held``; none where
+        the run ended before it)."""
         if self.source != "wire":
             raise Unobserved(
                 f"the grader could not see which ranks reached its gate ({self.why}), so a test that grades it "
                 "fails rather than take the ranks' own account"
             )
-        return self.held
+        return self.held[hold] if hold < len(self.held) else ()

@@ -18,7 +18,9 @@ grader's own threads serve it), and a thread of the grader's serves the run:
    where a rank asks for another size).  Answers all None: the grader answers zeros as soon as every rank
    is held, without reading the OS's counts (lab 10: a rank held before its ring sends anything, the next
    one at its first block's computation); where some rank is not held ``HELD_WAIT`` seconds after the first,
-   it answers those that are (``Seen.held`` names them), and any later one at once.
+   it answers those that are (``Seen.held`` names them), and any later one at once.  ``answers`` may also
+   be a list of such rounds, one per hold in the order the ranks are held (a rank's k-th ``HOLD`` is round
+   k's): lab 3 holds one rank before its backward, the others after theirs, then all in the last step.
 
 ``stop()`` closes everything; ``seen(segments, origin)`` finds, among the capture's segments, when each
 message the grader sent each rank left (by its first byte's position in the connection: TCP keeps a
@@ -95,27 +97,31 @@ class Gatekeeper:
     def __init__(
         self,
         netns_pid: int | None,
-        answers: list[torch.Tensor | None],
+        answers: list,
         sent: Callable[[object], list[int]],
         baseline: Callable[[], object],
         timeout: float,
         busy: Callable[[], bool] = lambda: False,
     ):
-        self.netns_pid, self.answers, self.sent, self.baseline = netns_pid, answers, sent, baseline
+        self.netns_pid, self.sent, self.baseline = netns_pid, sent, baseline
         self.busy = busy
-        self.world_size, self.timeout = len(answers), timeout
+        rounds = answers if answers and isinstance(answers[0], (list, tuple)) else [answers]
+        self.rounds_of_answers: list[list] = [list(r) for r in rounds]  # each hold round's answers, per rank
+        self.world_size, self.timeout = len(self.rounds_of_answers[0]), timeout
         self.why: str | None = None
         self.settled = False
         self.connections: list[tuple[str, str]] = []  # (the gate's address, the rank's), as the capture writes them
-        self.messages: list[list[tuple[bytes, int]]] = []  # what the grader sent on each connection: (kind, bytes)
+        # what the grader sent on each connection: (kind, bytes, the hold round an answer is of)
+        self.messages: list[list[tuple[bytes, int, int | None]]] = []
         self.rounds = 0  # rounds of GO sent
-        self.holds = any(a is not None for a in answers)  # (else the run marks its steps, or holds for zeros)
-        self.held_ranks: tuple[int, ...] = ()  # the ranks held when the grader answered (as they said who they are)
+        # each hold round's kind: answers to compute with, once the ranks' bytes settled (else zeros, at once)
+        self.settles = [any(a is not None for a in r) for r in self.rounds_of_answers]
+        self.held_ranks: list[tuple[int, ...]] = []  # each round's ranks held when answered (as they said who)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
         self._socks: list[socket.socket] = []
-        self._answered, self._held = False, 0
+        self._round, self._held = 0, 0  # the hold round now, and how many ranks it holds
 
     def start(self) -> int:
         """Listen and serve in a thread; returns the port the ranks connect to."""
@@ -140,7 +146,7 @@ class Gatekeeper:
                 pass
         if self.why is None and len(self.connections) != self.world_size:
             self.why = "the run ended before every rank reached the gate"
-        if self.why is None and self.holds and not self._answered:
+        if self.why is None and any(self.settles[self._round :]):
             self.why = f"the run ended with {self._held} of {self.world_size} ranks held at the gate"
 
     def seen(self, segments: list[tuple[float, str, str, int]], origin: float) -> Seen:
@@ -150,15 +156,16 @@ class Gatekeeper:
             return Seen.unobserved(self.why)
         marks: list[list[float]] = [[] for _ in range(self.rounds)]
         cuts: list[float] = []
+        crossing = self.settles.index(True) if True in self.settles else None  # the round whose answers count
         for (local, peer), sent in zip(self.connections, self.messages):
             left = _first_bytes(
                 [(t, n) for t, src, dst, n in segments if src == local and dst == peer and n > 0],
-                [size for _, size in sent],
+                [size for _, size, _ in sent],
             )
             if left is None:
                 return Seen.unobserved(f"the capture did not see every message the gate sent the rank at {peer}")
-            go = [t for (kind, _), t in zip(sent, left) if kind == GO]
-            cuts += [t for (kind, _), t in zip(sent, left) if kind != GO][:1]
+            go = [t for (kind, _, _), t in zip(sent, left) if kind == GO]
+            cuts += [t for (kind, _, r), t in zip(sent, left) if kind != GO and r == crossing][:1]
             if len(go) != self.rounds:
                 return Seen.unobserved(f"the rank at {peer} was sent {len(go)} of the gate's {self.rounds} rounds")
             for i, t in enumerate(go):
@@ -166,7 +173,7 @@ class Gatekeeper:
         firsts = [min(m) for m in marks if m]
         cut = min(cuts) if cuts else None
         start = max((t for t in firsts if cut is None or t < cut), default=None)
-        if self.holds and (cut is None or start is None):
+        if crossing is not None and (cut is None or start is None):
             return Seen.unobserved("the capture saw a rank's answer leave before any rank was told to begin")
         shift = lambda t: None if t is None else round(t - origin, 6)  # noqa: E731
         return Seen(
@@ -174,7 +181,7 @@ class Gatekeeper:
             cut=shift(cut),
             settled=self.settled,
             marks=tuple(shift(t) for t in firsts),
-            held=self.held_ranks,
+            held=tuple(self.held_ranks),
         )
 
     # ----------------------------------------------------------------------------------
@@ -195,6 +202,7 @@ class Gatekeeper:
         held: dict[socket.socket, int] = {}
         sent: dict[socket.socket, list[tuple[bytes, int]]] = {}
         base, first_held = None, None
+        holds_of: dict[socket.socket, int] = {}  # how many times each rank has been held
         while not self._stop.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run was still at the gate after {self.timeout:g} s")
@@ -222,38 +230,43 @@ class Gatekeeper:
                         rank_of[sock] = value
                     elif kind == START:
                         started.add(sock)
-                    elif not self._answered:
-                        held[sock] = value
-                        first_held = first_held or time.monotonic()
-                    elif not self.holds and sock not in held:  # (late: answered at once)
-                        self._send(sock, self._answer(None, value), HOLD, sent)
                     else:
-                        raise ValueError("a rank asked the gate to hold it twice")
+                        r = holds_of.get(sock, 0)  # (a rank's k-th hold is round k's)
+                        holds_of[sock] = r + 1
+                        if r >= len(self.settles) or r > self._round or (r < self._round and self.settles[r]):
+                            raise ValueError(f"a rank asked the gate to hold it a {r + 1}th time, out of turn")
+                        if r < self._round:  # (late, where the grader answered the others without it: at once)
+                            self._send(sock, self._answer(None, value, r), (HOLD, r), sent)
+                        else:
+                            held[sock] = value
+                            first_held = first_held or time.monotonic()
             if len(started) == self.world_size:  # a round: every rank at the same (micro-)step
-                if self.holds and not self._answered:
+                if any(self.settles[self._round :]):
                     base = self.baseline()
                 for sock in started:
-                    self._send(sock, GO, GO, sent)
+                    self._send(sock, GO, (GO, None), sent)
                 started.clear()
                 self.rounds += 1
                 if not self.connections:
                     self.connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in self._socks]
             self._held = len(held)
-            apart = not self.holds and first_held is not None and time.monotonic() - first_held > HELD_WAIT
-            if held and (len(held) == self.world_size or apart) and not self._answered:
-                if self.holds:
+            settles = self._round < len(self.settles) and self.settles[self._round]
+            apart = not settles and first_held is not None and time.monotonic() - first_held > HELD_WAIT
+            if held and (len(held) == self.world_size or apart):
+                if settles:
                     self._hold(base)
                 for sock, numel in held.items():
-                    self._send(sock, self._answer(rank_of.get(sock), numel), HOLD, sent)
-                self.held_ranks = tuple(sorted(rank_of.get(sock, -1) for sock in held))
-                self._answered = True
+                    self._send(sock, self._answer(rank_of.get(sock), numel, self._round), (HOLD, self._round), sent)
+                self.held_ranks.append(tuple(sorted(rank_of.get(sock, -1) for sock in held)))
+                self._round, held, first_held = self._round + 1, {}, None
             self.messages = [sent[s] for s in self._socks]
 
     @staticmethod
-    def _send(sock: socket.socket, data: bytes, kind: bytes, sent: dict) -> None:
+    def _send(sock: socket.socket, data: bytes, kind: tuple, sent: dict) -> None:
+        """``kind``: (GO, None), or (HOLD, the hold round it answers)."""
         sock.sendall(data)
         if data:
-            sent[sock].append((kind, len(data)))
+            sent[sock].append((kind[0], len(data), kind[1]))
 
     @staticmethod
     def _messages(buffer: bytearray):
@@ -282,10 +295,11 @@ class Gatekeeper:
             last = counts
             time.sleep(POLL_S)
 
-    def _answer(self, rank: int | None, numel: int) -> bytes:
+    def _answer(self, rank: int | None, numel: int, round_: int) -> bytes:
         if numel > MAX_ELEMENTS:
             raise ValueError(f"a rank asked the gate for {numel:,} values")
-        answer = self.answers[rank] if rank is not None and 0 <= rank < self.world_size else None
+        answers = self.rounds_of_answers[round_]
+        answer = answers[rank] if rank is not None and 0 <= rank < self.world_size else None
         if answer is None or answer.numel() != numel:
             answer = torch.zeros(numel)
         return answer.detach().to(torch.float32).contiguous().numpy().tobytes()

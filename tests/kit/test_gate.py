@@ -16,7 +16,7 @@ def _keeper(connections, sent=((GO, 1), (HOLD, 64))):
     """A gatekeeper that sent each connection ``sent`` (kind, bytes): the rounds of GO, and an answer."""
     keeper = Gatekeeper(None, [torch.zeros(16)] * len(connections), lambda base: [0], lambda: None, timeout=1.0)
     keeper.connections = connections
-    keeper.messages = [list(sent) for _ in connections]
+    keeper.messages = [[(kind, size, 0 if kind == HOLD else None) for kind, size in sent] for _ in connections]
     keeper.rounds = sum(1 for kind, _ in sent if kind == GO)
     return keeper
 
@@ -63,7 +63,7 @@ def test_marks_are_read_by_the_position_of_each_message_the_grader_sent():
 def test_a_gate_that_holds_nothing_marks_the_steps_alone():
     gate, a = "127.0.0.1:9", "127.0.0.1:100"
     keeper = Gatekeeper(None, [None], lambda base: [0], lambda: None, timeout=1.0)
-    keeper.connections, keeper.messages, keeper.rounds = [(gate, a)], [[(GO, 1)] * 3], 3
+    keeper.connections, keeper.messages, keeper.rounds = [(gate, a)], [[(GO, 1, None)] * 3], 3
     seen = keeper.seen([(10.0, gate, a, 1), (10.5, gate, a, 1), (11.0, gate, a, 1)], origin=9.0)
     assert seen.marks == (1.0, 1.5, 2.0) and seen.windows() == [(1.0, 1.5), (1.5, 2.0)]
     with pytest.raises(wire.Unobserved, match="held"):

@@ -578,6 +578,8 @@ class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is he
         theirs = (gates.Gate.wait, gates.Gate.start)
 
         def wait(gate, shape):
+            if shape.numel() == 1:  # (the grader's probe around the first backward: waited for)
+                return theirs[0](gate, shape)
             gate.sock.sendall(gates.HOLD + struct.pack("<I", shape.numel()))
             gate.pending = 4 * shape.numel()
             return torch.zeros(shape)
@@ -590,6 +592,20 @@ class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is he
 
         gates.Gate.wait, gates.Gate.start = wait, start
         super().__init__(module)
+"""
+
+_BLOCKING_IN_HOOKS = """
+class OverlappedDDP(NaiveDDP):  # a blocking all-reduce in each hook: right values, backward stops at every hook
+    def __init__(self, module):
+        super().__init__(module)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad))
+
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.grad.div_(dist.get_world_size())
 """
 
 _ONE_FLAT = """
@@ -624,7 +640,8 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     of the layers below is not their gradient), each fail.  Every step's all-reduces are read off the wire
     between the grader's marks, in the cases with no gate too (the tied model): with the trace's counts unread,
     one flat all-reduce where one per parameter is asked for, and a no_sync() that switches nothing off (both
-    with the right values), fail."""
+    with the right values), fail.  With the trace's async_op rule unread, a blocking all-reduce in each hook
+    fails from the grader's probe around the first backward, on the tied model (no gate) too."""
     import __main__
     from disttrain_lab.labtests import lab03
     from disttrain_lab.labtests.lab03 import checks as lab03_checks
@@ -654,6 +671,7 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             "OverlappedDDP": lambda: lab03.check_overlapped_ddp("mlp", 2, batch=8),
             "NaiveDDP": lambda: lab03.check_average_gradients("mlp", 2, batch=8),
             "AccumulatingDDP": lambda: lab03.check_no_sync("mlp", 2, 12, 3),
+            "tied": lambda: lab03.check_overlapped_ddp("tied", 2, batch=8),
         }
         for source, said, name in [
             (_LATE_OVERLAP, "none holding the gradients", "OverlappedDDP"),
@@ -661,11 +679,14 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             (_TWICE, r"12 collective call\(s\) in step 0", "OverlappedDDP"),
             (_NO_WAIT_AT_THE_GATE, "holds none of the ranks' gradients", "OverlappedDDP"),  # (the layers below)
             (_ONE_FLAT, r"1 collective call\(s\) in step 0.*expected 6 all-reduce", "NaiveDDP"),
+            (_BLOCKING_IN_HOOKS, "did not finish their backward meanwhile", "OverlappedDDP"),
+            (_BLOCKING_IN_HOOKS, "did not finish their backward meanwhile", "tied"),  # (no gate: the probe alone)
             (_SYNC_ALWAYS, r"micro-step 0 \(under no_sync\(\)\)", "AccumulatingDDP"),
         ]:
-            space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in checks})
+            wrapper = "OverlappedDDP" if name == "tied" else name
+            space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in CLASSES})
             exec(source, space)
-            monkeypatch.setattr(__main__, name, space[name])
+            monkeypatch.setattr(__main__, wrapper, space[wrapper])
             with pytest.raises(AssertionError, match=said):
                 checks[name]()
-            monkeypatch.setattr(__main__, name, solution[name])
+            monkeypatch.setattr(__main__, wrapper, solution[wrapper])

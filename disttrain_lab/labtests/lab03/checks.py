@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import secrets
 from collections.abc import Callable
 
 import torch
@@ -20,7 +21,14 @@ from .common import (
     graded_model,
     per_parameter,
 )
-from .overlap import answers, assert_crossed_while_held, assert_steps_all_reduce, gate_position, reference
+from .overlap import (
+    answers,
+    assert_backward_ran_on,
+    assert_crossed_while_held,
+    assert_steps_all_reduce,
+    gate_position,
+    reference,
+)
 from .ranks import _broadcast_in_rank, _shards, _traced, _train_in_rank
 
 # --------------------------------------------------------------------------------------
@@ -126,17 +134,20 @@ def check_ddp(
         + (", after an exception inside no_sync())" if interrupted else ")")
     )
     at = gate_position(kind, bucket_mb) if overlap else None  # where the grader holds the backward, if anywhere
-    # under grading the driver marks each micro-step at the grader's gate, and holds the backward where ``at``
-    given = answers(kind, batch, n, micro_steps, at) if at is not None else [None] * n
+    probe = secrets.randbelow(n) if overlap and n > 1 and steps > 1 else None  # held before its first backward
+    # under grading the driver marks each micro-step at the grader's gate, holds the ranks around the first
+    # step's backward (``probe``), and holds the last step's backward where ``at``
+    given = answers(kind, batch, n, micro_steps, at) if at is not None else None
+    holds = ([[None] * n] if probe is not None else []) + ([given] if given is not None else [])
     ran = common.run_or_fail(
         _train_in_rank,
         n,
-        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted, nested, at),
+        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted, nested, at, probe),
         case,
         _COLLECTIVES_IN_ORDER,
         timeout=60,
         device=_device(device),
-        gate=given,
+        gate=holds or [None] * n,
     )
     model = graded_model(kind, seed=0)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -155,6 +166,8 @@ def check_ddp(
             else ""
         )
         assert_steps_all_reduce(ran, case, local, micro_steps, trainable, sizes, rule, interrupted)
+        if probe is not None:
+            assert_backward_ran_on(ran, case, probe)
         if held:
             assert_crossed_while_held(ran, case, local[-1], at)
     run = _traced(ran)
@@ -179,7 +192,7 @@ def check_ddp(
     for rank in range(n):
         regions = [e for e in run.by_rank(rank) if e.kind == "region"]
         for step in range(steps):
-            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed)
+            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed, held)
     if not held:
         expected = models.train_single_process(graded_model(kind, seed=0), batches(kind, batch, steps), lr=0.1)
     common.assert_parameters_match(
@@ -212,10 +225,11 @@ def _check_step(
     all_reduces: int | None,
     buckets: list[int] | None,
     observed: bool,
+    held: bool,
 ) -> None:
     """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp): where the
-    grader ``observed`` the steps, only the rule the wire cannot show (each posted with async_op=True during
-    backward, waited for after it)."""
+    grader ``observed`` the steps, only what it could not: that communication began during backward, where
+    the grader ``held`` no gate in it (a model with no layer between its first bucket and the rest)."""
     backward = [e for e in regions if e.name == "backward" and e.meta["step"] == step]
     [finish] = [e for e in regions if e.name == "finish" and e.meta["step"] == step]
     last = next(e for e in backward if e.meta["last"])
@@ -225,11 +239,12 @@ def _check_step(
         f"{case}: rank {rank} all-reduced during a micro-step under no_sync() "
         f"({len(early)} calls in step {step}); under no_sync() gradients only accumulate"
     )
-    if overlap:
+    if overlap and not held:
         assert calls and calls[0].start < last.end, (
             f"{case}: rank {rank}'s first all-reduce of step {step} started after backward ended: "
             f"post it from a gradient hook, during backward"
         )
+    if overlap and not observed:  # (under grading: the grader's probe, overlap.assert_backward_ran_on)
         blocking = [e for e in calls if "request" not in e.meta]  # a call without async_op=True
         assert not blocking, (
             f"{case}: rank {rank} made {len(blocking)} blocking all-reduce call(s) in step {step} "

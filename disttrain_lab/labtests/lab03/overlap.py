@@ -20,10 +20,17 @@ gradient below it is right before the answer came.  The test then holds:
   (``reference``): a rank that did not wait for its answer, or computed the layers below without it,
   ends with other parameters.
 
+- that backward does not stop at a hook until the network is done (``assert_backward_ran_on``): in the
+  first step the grader holds one rank, drawn at grading time, before its backward, so its gradients join
+  no all-reduce, and every other rank once its backward returned.  Each reaches that point only if its hooks
+  posted their all-reduces with ``async_op=True`` and waited for none of them (the waits belong in
+  ``finish_gradient_synchronization()``): a blocking all-reduce, or a wait, in a hook stops its backward
+  until the held rank joins.  The grader answers once every rank is held, or after ``gatekeeper.HELD_WAIT``
+  seconds those that are.
+
 A model with no layer between its first bucket and the rest (the tied autoencoder; a first bucket that
-takes a parameter of the first layer) has no such place: its overlap is not graded from the wire (its
-steps' all-reduces are).  Nor is the rule that each all-reduce is posted with ``async_op=True`` (a blocking
-all-reduce in a hook crosses before the gate too): that still reads the ranks' trace.
+takes a parameter of the first layer) has no place for the held window: that its communication begins
+during backward is still read from the ranks' trace (its steps' all-reduces, and the probe, are the wire's).
 """
 
 from __future__ import annotations
@@ -39,7 +46,14 @@ from torch import nn
 from ...exercise import ExerciseRun
 from .common import batches, bucket_names, graded_model
 
-__all__ = ["answers", "assert_crossed_while_held", "assert_steps_all_reduce", "gate_position", "reference"]
+__all__ = [
+    "answers",
+    "assert_backward_ran_on",
+    "assert_crossed_while_held",
+    "assert_steps_all_reduce",
+    "gate_position",
+    "reference",
+]
 
 WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
 # the wide layer's 48 gradients into messages of 6
@@ -243,3 +257,16 @@ def assert_steps_all_reduce(
                 assert sorted(got) == sorted(sizes), (
                     f"{lead}; expected {len(sizes)} all-reduce(s) of {sorted(sizes)} B: {rule}"
                 )
+
+
+def assert_backward_ran_on(run: ExerciseRun, case: str, probe: int) -> None:
+    """Fail unless every rank was held together at the grader's probe (see the module docstring): rank
+    ``probe`` before its first backward, the others after theirs."""
+    missing = sorted(set(range(run.world_size)) - set(run.gate.ranks_held(0)))
+    assert not missing, (
+        f"{case}: in the first step the grader held rank {probe} before its backward (so its gradients joined no "
+        f"all-reduce), and rank(s) {missing} did not finish their backward meanwhile: a hook that waits for its "
+        f"all-reduce (a blocking dist.all_reduce, or a work's wait()) stops backward until every rank has joined. "
+        f"Post each all-reduce with async_op=True from the hook and wait for the works in "
+        f"finish_gradient_synchronization(), after backward"
+    )
