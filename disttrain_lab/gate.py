@@ -146,6 +146,7 @@ class Seen:
     why: str = ""
     marks: tuple[float, ...] = ()
     held: tuple[tuple[int, ...], ...] = ()  # each hold's ranks held when the grader answered (as each said who)
+    cuts: tuple[float | None, ...] = ()  # each hold's first answer on the capture
 
     @classmethod
     def unobserved(cls, why: str) -> Seen:
@@ -172,6 +173,17 @@ class Seen:
                 "grades what each step sent fails rather than take the ranks' own clocks"
             )
         return list(zip(self.marks, self.marks[1:]))
+
+    def hold_window(self, hold: int) -> tuple[float, float]:
+        """(the last mark before the ``hold``-th hold's first answer, that answer): what crossed while it held."""
+        cut = self.cuts[hold] if self.source == "wire" and hold < len(self.cuts) else None
+        start = max((t for t in self.marks if cut is not None and t < cut), default=None)
+        if cut is None or start is None:
+            raise Unobserved(
+                f"the grader could not see when it held the ranks ({self.why or 'no answer seen'}), so a test that "
+                "grades what crossed meanwhile fails rather than take the ranks' own clocks"
+            )
+        return start, cut
 
     def ranks_held(self, hold: int = 0) -> tuple[int, ...]:
         """The ranks held at the gate when the grader answered its ``hold``-th hold (see ``held``; none where

@@ -18,7 +18,9 @@ grader's own threads serve it), and a thread of the grader's serves the run:
    where a rank asks for another size).  Answers all None: the grader answers zeros as soon as every rank
    is held, without reading the OS's counts (lab 10: a rank held before its ring sends anything, the next
    one at its first block's computation); where some rank is not held ``HELD_WAIT`` seconds after the first,
-   it answers those that are (``Seen.held`` names them), and any later one at once.  ``answers`` may also
+   it answers those that are (``Seen.held`` names them), and any later one at once; every rank held, it
+   first waits for the counts to stop growing (no minimum), so that what the ranks sent each other while
+   held has crossed.  ``answers`` may also
    be a list of such rounds, one per hold in the order the ranks are held (a rank's k-th ``HOLD`` is round
    k's): lab 3 holds one rank before its backward, the others after theirs, then all in the last step.
 
@@ -155,7 +157,7 @@ class Gatekeeper:
         if self.why is not None:
             return Seen.unobserved(self.why)
         marks: list[list[float]] = [[] for _ in range(self.rounds)]
-        cuts: list[float] = []
+        answered: dict[int, list[float]] = {}  # each hold round's answers: when each left
         crossing = self.settles.index(True) if True in self.settles else None  # the round whose answers count
         for (local, peer), sent in zip(self.connections, self.messages):
             left = _first_bytes(
@@ -165,13 +167,16 @@ class Gatekeeper:
             if left is None:
                 return Seen.unobserved(f"the capture did not see every message the gate sent the rank at {peer}")
             go = [t for (kind, _, _), t in zip(sent, left) if kind == GO]
-            cuts += [t for (kind, _, r), t in zip(sent, left) if kind != GO and r == crossing][:1]
+            for (kind, _, r), t in zip(sent, left):
+                if kind != GO:
+                    answered.setdefault(r, []).append(t)
             if len(go) != self.rounds:
                 return Seen.unobserved(f"the rank at {peer} was sent {len(go)} of the gate's {self.rounds} rounds")
             for i, t in enumerate(go):
                 marks[i].append(t)
         firsts = [min(m) for m in marks if m]
-        cut = min(cuts) if cuts else None
+        cuts = [min(answered[r]) if r in answered else None for r in range(len(self.settles))]
+        cut = cuts[crossing] if crossing is not None and crossing < len(cuts) else None
         start = max((t for t in firsts if cut is None or t < cut), default=None)
         if crossing is not None and (cut is None or start is None):
             return Seen.unobserved("the capture saw a rank's answer leave before any rank was told to begin")
@@ -182,6 +187,7 @@ class Gatekeeper:
             settled=self.settled,
             marks=tuple(shift(t) for t in firsts),
             held=tuple(self.held_ranks),
+            cuts=tuple(shift(t) for t in cuts),
         )
 
     # ----------------------------------------------------------------------------------
@@ -254,7 +260,9 @@ class Gatekeeper:
             apart = not settles and first_held is not None and time.monotonic() - first_held > HELD_WAIT
             if held and (len(held) == self.world_size or apart):
                 if settles:
-                    self._hold(base)
+                    self.settled = self._hold(base, MIN_SENT)
+                elif not apart:  # (what the ranks already sent each other crosses before the answers)
+                    self._hold(self.baseline(), 0)
                 for sock, numel in held.items():
                     self._send(sock, self._answer(rank_of.get(sock), numel, self._round), (HOLD, self._round), sent)
                 self.held_ranks.append(tuple(sorted(rank_of.get(sock, -1) for sock in held)))
@@ -282,18 +290,18 @@ class Gatekeeper:
             del buffer[:size]
             yield kind, value
 
-    def _hold(self, base) -> None:
-        """Wait until each rank has sent ``MIN_SENT`` bytes since ``base`` and the counts stopped growing while
+    def _hold(self, base, minimum: int) -> bool:
+        """Wait until each rank has sent ``minimum`` bytes since ``base`` and the counts stopped growing while
         no thread of a rank was left to run (``busy``: on a loaded host a rank's sending thread may wait for a
-        core longer than two reads apart, its bytes unsent)."""
+        core longer than two reads apart, its bytes unsent); whether they did within ``HOLD_S``."""
         until, last = time.monotonic() + HOLD_S, None
         while time.monotonic() < until and not self._stop.is_set():
             counts = self.sent(base)
-            if all(n >= MIN_SENT for n in counts) and counts == last and not self.busy():
-                self.settled = True
-                return
+            if all(n >= minimum for n in counts) and counts == last and not self.busy():
+                return True
             last = counts
             time.sleep(POLL_S)
+        return False
 
     def _answer(self, rank: int | None, numel: int, round_: int) -> bytes:
         if numel > MAX_ELEMENTS:

@@ -34,7 +34,7 @@ def test_the_window_opens_when_the_first_rank_is_told_to_begin():
         (12.1, gate, a, 64),
     ]
     seen = _keeper([(gate, a), (gate, b)]).seen(segments, origin=9.0)
-    assert seen == Seen(start=1.0, cut=3.0, settled=False, marks=(1.0,))
+    assert seen == Seen(start=1.0, cut=3.0, settled=False, marks=(1.0,), cuts=(3.0,))
     assert seen.window() == (1.0, 3.0)
 
 
@@ -55,7 +55,8 @@ def test_marks_are_read_by_the_position_of_each_message_the_grader_sent():
         (13.0, gate, b, 1),
     ]
     seen = _keeper([(gate, a), (gate, b)], sent).seen(segments, origin=9.0)
-    assert seen == Seen(start=2.0, cut=3.0, settled=False, marks=(1.0, 2.0, 3.2))
+    assert seen == Seen(start=2.0, cut=3.0, settled=False, marks=(1.0, 2.0, 3.2), cuts=(3.0,))
+    assert seen.hold_window(0) == (2.0, 3.0)
     assert seen.windows() == [(1.0, 2.0), (2.0, 3.2)]
     assert seen.window() == (2.0, 3.0)
 
@@ -86,3 +87,18 @@ def test_a_rank_that_speaks_out_of_protocol_is_refused():
     buffer = bytearray(b"H\x01\x00\x00\x00SB\x10\x00")
     assert list(Gatekeeper._messages(buffer)) == [(b"H", 1), (b"S", 0)]
     assert buffer == bytearray(b"B\x10\x00")  # (a message not whole yet waits for its bytes)
+
+
+def test_each_hold_has_its_own_answers_and_the_window_is_the_one_that_answers_with_tensors():
+    """Lab 3 holds twice: its probe in the first step (zeros, at once) and the held window in the last (the
+    test's tensors, once the bytes settled); ``window()`` is the second's, ``hold_window(0)`` the first's."""
+    gate, a = "127.0.0.1:9", "127.0.0.1:100"
+    keeper = Gatekeeper(None, [[None], [torch.zeros(16)]], lambda base: [0], lambda: None, timeout=1.0)
+    keeper.connections, keeper.rounds = [(gate, a)], 2
+    keeper.messages = [[(GO, 1, None), (HOLD, 4, 0), (GO, 1, None), (HOLD, 64, 1)]]
+    segments = [(10.0, gate, a, 1), (10.5, gate, a, 4), (11.0, gate, a, 1), (12.0, gate, a, 64)]
+    seen = keeper.seen(segments, origin=9.0)
+    assert seen.cuts == (1.5, 3.0) and seen.marks == (1.0, 2.0)
+    assert seen.hold_window(0) == (1.0, 1.5) and seen.window() == (2.0, 3.0)
+    with pytest.raises(wire.Unobserved):
+        seen.hold_window(2)

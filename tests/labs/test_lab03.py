@@ -641,7 +641,8 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     between the grader's marks, in the cases with no gate too (the tied model): with the trace's counts unread,
     one flat all-reduce where one per parameter is asked for, and a no_sync() that switches nothing off (both
     with the right values), fail.  With the trace's async_op rule unread, a blocking all-reduce in each hook
-    fails from the grader's probe around the first backward, on the tied model (no gate) too."""
+    fails from the grader's probe around the first backward, on the tied model (no gate) too; there, on 3 ranks,
+    all-reduces posted after backward fail from what crossed (nothing) while the probe held."""
     import __main__
     from disttrain_lab.labtests import lab03
     from disttrain_lab.labtests.lab03 import checks as lab03_checks
@@ -664,6 +665,7 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     with observed_from_outside():
         lab03.check_overlapped_ddp("mlp", 2, batch=8)
         lab03.check_overlapped_ddp("tied", 2, batch=8)  # (no gate: the steps marked alone)
+        lab03.check_overlapped_ddp("tied", 3, batch=9)  # (no gate: overlap from the probe's window)
         lab03.check_average_gradients("mlp", 2, batch=8)
         lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
         lab03.check_no_sync("mlp", 2, 12, 3)
@@ -672,6 +674,7 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             "NaiveDDP": lambda: lab03.check_average_gradients("mlp", 2, batch=8),
             "AccumulatingDDP": lambda: lab03.check_no_sync("mlp", 2, 12, 3),
             "tied": lambda: lab03.check_overlapped_ddp("tied", 2, batch=8),
+            "tied on 3": lambda: lab03.check_overlapped_ddp("tied", 3, batch=9),
         }
         for source, said, name in [
             (_LATE_OVERLAP, "none holding the gradients", "OverlappedDDP"),
@@ -681,9 +684,10 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             (_ONE_FLAT, r"1 collective call\(s\) in step 0.*expected 6 all-reduce", "NaiveDDP"),
             (_BLOCKING_IN_HOOKS, "did not finish their backward meanwhile", "OverlappedDDP"),
             (_BLOCKING_IN_HOOKS, "did not finish their backward meanwhile", "tied"),  # (no gate: the probe alone)
+            (_LATE_OVERLAP, "nothing crossed between the others meanwhile", "tied on 3"),
             (_SYNC_ALWAYS, r"micro-step 0 \(under no_sync\(\)\)", "AccumulatingDDP"),
         ]:
-            wrapper = "OverlappedDDP" if name == "tied" else name
+            wrapper = "OverlappedDDP" if name.startswith("tied") else name
             space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in CLASSES})
             exec(source, space)
             monkeypatch.setattr(__main__, wrapper, space[wrapper])

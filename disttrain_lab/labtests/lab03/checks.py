@@ -25,6 +25,7 @@ from .overlap import (
     answers,
     assert_backward_ran_on,
     assert_crossed_while_held,
+    assert_sent_while_probed,
     assert_steps_all_reduce,
     gate_position,
     reference,
@@ -168,6 +169,8 @@ def check_ddp(
         assert_steps_all_reduce(ran, case, local, micro_steps, trainable, sizes, rule, interrupted)
         if probe is not None:
             assert_backward_ran_on(ran, case, probe)
+            if not held and n >= 3:
+                assert_sent_while_probed(ran, case, probe)
         if held:
             assert_crossed_while_held(ran, case, local[-1], at)
     run = _traced(ran)
@@ -192,7 +195,8 @@ def check_ddp(
     for rank in range(n):
         regions = [e for e in run.by_rank(rank) if e.kind == "region"]
         for step in range(steps):
-            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed, held)
+            began_seen = held or (observed and probe is not None and n >= 3)  # (else: the trace's)
+            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed, began_seen)
     if not held:
         expected = models.train_single_process(graded_model(kind, seed=0), batches(kind, batch, steps), lr=0.1)
     common.assert_parameters_match(
@@ -225,11 +229,11 @@ def _check_step(
     all_reduces: int | None,
     buckets: list[int] | None,
     observed: bool,
-    held: bool,
+    began_seen: bool,
 ) -> None:
     """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp): where the
-    grader ``observed`` the steps, only what it could not: that communication began during backward, where
-    the grader ``held`` no gate in it (a model with no layer between its first bucket and the rest)."""
+    grader ``observed`` the steps, only what it could not: that communication began during backward, unless
+    it saw that (``began_seen``: the held window, or the probe on 3 ranks or more)."""
     backward = [e for e in regions if e.name == "backward" and e.meta["step"] == step]
     [finish] = [e for e in regions if e.name == "finish" and e.meta["step"] == step]
     last = next(e for e in backward if e.meta["last"])
@@ -239,7 +243,7 @@ def _check_step(
         f"{case}: rank {rank} all-reduced during a micro-step under no_sync() "
         f"({len(early)} calls in step {step}); under no_sync() gradients only accumulate"
     )
-    if overlap and not held:
+    if overlap and not began_seen:
         assert calls and calls[0].start < last.end, (
             f"{case}: rank {rank}'s first all-reduce of step {step} started after backward ended: "
             f"post it from a gradient hook, during backward"

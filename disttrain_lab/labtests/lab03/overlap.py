@@ -29,8 +29,11 @@ gradient below it is right before the answer came.  The test then holds:
   seconds those that are.
 
 A model with no layer between its first bucket and the rest (the tied autoencoder; a first bucket that
-takes a parameter of the first layer) has no place for the held window: that its communication begins
-during backward is still read from the ranks' trace (its steps' all-reduces, and the probe, are the wire's).
+takes a parameter of the first layer) has no place for the held window.  That its communication begins
+during backward is read from the probe instead, on 3 ranks or more (``assert_sent_while_probed``): the
+ranks held after their backward have posted their all-reduces, and the parts that do not wait on the rank
+held before its backward cross between them meanwhile; an all-reduce posted only after backward has not
+begun.  On 2 ranks the only other rank waits on the held one, and the ranks' trace says it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "answers",
     "assert_backward_ran_on",
     "assert_crossed_while_held",
+    "assert_sent_while_probed",
     "assert_steps_all_reduce",
     "gate_position",
     "reference",
@@ -269,4 +273,20 @@ def assert_backward_ran_on(run: ExerciseRun, case: str, probe: int) -> None:
         f"all-reduce (a blocking dist.all_reduce, or a work's wait()) stops backward until every rank has joined. "
         f"Post each all-reduce with async_op=True from the hook and wait for the works in "
         f"finish_gradient_synchronization(), after backward"
+    )
+
+
+def assert_sent_while_probed(run: ExerciseRun, case: str, probe: int) -> None:
+    """Fail unless, while the grader's probe held rank ``probe`` before its first backward and the others after
+    theirs, gloo's messages crossed between two of the others: their all-reduces were posted during backward
+    (see the module docstring; 3 ranks or more)."""
+    start, cut = run.gate.hold_window(0)
+    others = [r for r in range(run.world_size) if r != probe]
+    crossed = sum(len(run.timeline.sends_between(a, b, start, cut)) for a in others for b in others if a != b)
+    assert crossed, (
+        f"{case}: in the first step the grader held rank {probe} before its backward and the other ranks after "
+        f"theirs, and watched the wire: nothing crossed between the others meanwhile, so none of their all-reduces "
+        f"had begun when their backward returned. Overlap means posting each all-reduce from a gradient hook "
+        f"(async_op=True), during backward; posted in finish_gradient_synchronization(), after backward, they "
+        f"cannot overlap it"
     )
