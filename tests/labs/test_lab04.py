@@ -481,3 +481,29 @@ def test_memory_is_graded_on_the_os_count(case):
     failure = "\n".join(errors(nb.cells[-1]))
     assert words in failure, failure
     assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
+
+
+@pytest.mark.slow
+def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_trace(solution, monkeypatch):
+    """Under the grader's evidence (packet capture, ``ss``: tests/helpers.py), each stage's volume per step is
+    read off the wire (``zero._wire_volume``: gloo's payloads between the ranks, over N − 1), the trace's calls
+    unread: the solution's three stages pass on 2, 3 and 4 ranks (tensors smaller than N, a tied weight), and a
+    ZeRO-1 that all-reduces each whole gradient (right values; the grader's stand-in, captured) fails."""
+    import __main__
+    from disttrain_lab.labtests import lab04
+    from tests.helpers import observed_from_outside
+
+    space = solution["Zero1Optimizer"].__init__.__globals__  # the notebook's names, as the drivers find them
+    for name, value in space.items():
+        if not name.startswith("__"):
+            monkeypatch.setattr(__main__, name, value, raising=False)
+    with observed_from_outside():
+        lab04.check_zero1(2, [5, 7, 3], opt="sgd")
+        lab04.check_zero2(4, [2, 1, 3], batch=8)
+        lab04.check_zero3(3, [6, 4, 6], kind="tied", opt="sgd")
+        lab04.check_zero3(4, [6, 10, 10, 4], opt="adamw")
+        wrong = dict(space)
+        exec(WRONG["zero1_graders_stand_in"][1], wrong)
+        monkeypatch.setattr(__main__, "Zero1Optimizer", wrong["Zero1Optimizer"])
+        with pytest.raises(AssertionError, match=r"by the grader's capture of the wire.*ZeRO-1 moves 2Ψ"):
+            lab04.check_zero1(3, [5, 7, 3], opt="sgd")
