@@ -43,13 +43,13 @@ def gated(names: dict, held: int | None) -> Iterator[None]:
         else:
             first = [True]
 
-            def block_attention(*args, **kwargs):
+            def held_at_first(*args, **kwargs):  # (the student's block_attention, held before its first call)
                 if first[0]:
                     first[0] = False
                     gate.wait(torch.Size([1]))
                 return theirs(*args, **kwargs)
 
-            names["block_attention"] = block_attention
+            names["block_attention"] = held_at_first
         yield
     finally:
         names["block_attention"] = theirs
