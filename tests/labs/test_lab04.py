@@ -483,12 +483,22 @@ def test_memory_is_graded_on_the_os_count(case):
     assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
 
 
+_EXTRA_ALL_REDUCE = """
+class Zero1Optimizer(Zero1Optimizer):  # right values; a copy of every gradient all-reduced as well
+    def step(self, closure=None):
+        for p in self.params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad.detach().clone())
+        return super().step(closure)
+"""
+
+
 @pytest.mark.slow
 def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_trace(solution, monkeypatch):
     """Under the grader's evidence (packet capture, ``ss``: tests/helpers.py), each stage's volume per step is
-    read off the wire (``zero._wire_volume``: gloo's payloads between the ranks, over N − 1), the trace's calls
-    unread: the solution's three stages pass on 2, 3 and 4 ranks (tensors smaller than N, a tied weight), and a
-    ZeRO-1 that all-reduces each whole gradient (right values; the grader's stand-in, captured) fails."""
+    read off the wire (``zero._wire_volume``: gloo's payloads between the ranks, over N − 1): the solution's three
+    stages pass on 2, 3 and 4 ranks (tensors smaller than N, a tied weight), and a ZeRO-1 that also all-reduces a
+    copy of every gradient (right values) fails on the grader's count, which is read before the ranks' trace."""
     import __main__
     from disttrain_lab.labtests import lab04
     from tests.helpers import observed_from_outside
@@ -503,7 +513,7 @@ def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_tr
         lab04.check_zero3(3, [6, 4, 6], kind="tied", opt="sgd")
         lab04.check_zero3(4, [6, 10, 10, 4], opt="adamw")
         wrong = dict(space)
-        exec(WRONG["zero1_graders_stand_in"][1], wrong)
+        exec(_EXTRA_ALL_REDUCE, wrong)
         monkeypatch.setattr(__main__, "Zero1Optimizer", wrong["Zero1Optimizer"])
         with pytest.raises(AssertionError, match=r"by the grader's capture of the wire.*ZeRO-1 moves 2Ψ"):
             lab04.check_zero1(3, [5, 7, 3], opt="sgd")
