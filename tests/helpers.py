@@ -137,6 +137,16 @@ def needs_gpus(n: int = 1):
 CAPTURE_ATTEMPTS = 3
 
 
+def notebook_names(monkeypatch, space: dict) -> None:
+    """The names of a notebook's namespace (``bench.functions_from_notebook``'s functions' globals) in
+    ``__main__``, where a test's drivers find them in the student's kernel, for this test only."""
+    import __main__
+
+    for name, value in space.items():
+        if not name.startswith("__"):
+            monkeypatch.setattr(__main__, name, value, raising=False)
+
+
 @contextlib.contextmanager
 def observed_from_outside():
     """``dl.exercise.run`` in this process with the evidence the grader takes (as grading/remote.py

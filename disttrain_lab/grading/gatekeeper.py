@@ -15,14 +15,13 @@ grader's own threads serve it), and a thread of the grader's serves the run:
    namespace, as ``wire.snapshot`` reads it), again and again until every rank has sent at least
    ``MIN_SENT`` bytes and the counts stopped growing with no thread of a rank left to run, or ``HOLD_S``
    passed; then it gives each rank its answer (``answers[rank]``, drawn by the test at grading time; zeros
-   where a rank asks for another size).  Answers all None: the grader answers zeros as soon as every rank
-   is held, without reading the OS's counts (lab 10: a rank held before its ring sends anything, the next
-   one at its first block's computation); where some rank is not held ``HELD_WAIT`` seconds after the first,
-   it answers those that are (``Seen.held`` names them), and any later one at once; every rank held, it
-   first waits for the counts to stop growing (no minimum), so that what the ranks sent each other while
-   held has crossed.  ``answers`` may also
-   be a list of such rounds, one per hold in the order the ranks are held (a rank's k-th ``HOLD`` is round
-   k's): lab 3 holds one rank before its backward, the others after theirs, then all in the last step.
+   where a rank asks for another size).  Answers all None: the grader answers zeros, once every rank is
+   held and the counts stopped growing (no minimum: what the ranks sent each other while held has crossed;
+   lab 10 holds a rank before its ring sends anything, the next one at its first block's computation);
+   where some rank is not held ``HELD_WAIT`` seconds after the first, it answers those that are
+   (``Seen.held`` names them), and any later one at once.  ``answers`` may also be a list of such rounds,
+   one per hold in the order the ranks are held (a rank's k-th ``HOLD`` is round k's): lab 3 holds one
+   rank before its backward and the others after theirs, then all in the last step.
 
 ``stop()`` closes everything; ``seen(segments, origin)`` finds, among the capture's segments, when each
 message the grader sent each rank left (by its first byte's position in the connection: TCP keeps a

@@ -653,13 +653,9 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     import __main__
     from disttrain_lab.labtests import lab03
     from disttrain_lab.labtests.lab03 import checks as lab03_checks
-    from tests.helpers import observed_from_outside
+    from tests.helpers import notebook_names, observed_from_outside
 
-    for name, value in solution[
-        "shard_loss"
-    ].__globals__.items():  # the notebook's names (torch, nn, dist, its classes)
-        if not name.startswith("__"):
-            monkeypatch.setattr(__main__, name, value, raising=False)
+    notebook_names(monkeypatch, solution["shard_loss"].__globals__)  # (torch, nn, dist, its classes)
     real_step = lab03_checks._check_step
     # the ranks' trace as a forger would write it: every all-reduce async, posted in backward, waited for after
     monkeypatch.setattr(

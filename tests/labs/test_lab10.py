@@ -424,13 +424,11 @@ def test_ring_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(monkeyp
     it computes (the wrong answer above, whose trace the self-check fails) fails, told which rank did not
     reach its first block while its neighbour was held."""
     import __main__
-    from tests.helpers import observed_from_outside
+    from tests.helpers import notebook_names, observed_from_outside
 
     names = ["ring_attention_forward", "block_attention", "merge_attention", "sequence_positions", "RingAttention"]
     space = bench.functions_from_notebook(LAB, names, given=True)["ring_attention_forward"].__globals__
-    for name, value in space.items():  # the notebook's names, as the drivers find them in the student's kernel
-        if not name.startswith("__"):
-            monkeypatch.setattr(__main__, name, value, raising=False)
+    notebook_names(monkeypatch, space)
     monkeypatch.setitem(
         lab10.common._REFERENCES, "positions", space["sequence_positions"]
     )  # (the helper cell's: the layout's positions)

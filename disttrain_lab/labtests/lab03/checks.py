@@ -119,9 +119,10 @@ def check_ddp(
     """Train your class ``wrapper`` on n ranks; per step: none under no_sync(); exactly the trainable gradients
     all-reduced, in ``all_reduces`` calls or, with ``buckets``, in all-reduces of those byte sizes (under
     grading read off the wire between the grader's marks of each micro-step: ``overlap.assert_steps_all_reduce``;
-    in your own notebook, from the trace); with ``overlap``, communication during backward (under grading, where
-    the model allows, from the grader's gate: ``overlap.assert_crossed_while_held``) and each all-reduce posted
-    with async_op=True and waited for only after backward (the trace); then compare every rank with
+    in your own notebook, from the trace); with ``overlap``, communication during backward (under grading from
+    the grader's gate: ``overlap.assert_crossed_while_held``, or ``overlap.assert_sent_while_probed`` where no
+    layer lies below the first bucket) and each all-reduce posted with async_op=True and waited for only after
+    backward (under grading from its probe: ``overlap.assert_backward_ran_on``); then compare every rank with
     single-process SGD on the full batch.  ``interrupted``: an exception is raised
     inside no_sync() first (the steps after it must communicate); ``nested``: a no_sync() opened and closed inside
     each micro-step's no_sync() (the outer one must still hold).  ``graders``: the grader's own version of the
@@ -155,6 +156,7 @@ def check_ddp(
     # a grader was there (in the student's own notebook there is none): the steps as the grader observed them
     observed = ran.gate.source != "none"
     held = at is not None and observed
+    expected = None
     if observed:
         expected, local = reference(kind, batch, steps, micro_steps, n, at, given if held else None)
         per_param = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
@@ -197,7 +199,7 @@ def check_ddp(
         for step in range(steps):
             began_seen = held or (observed and probe is not None and n >= 3)  # (else: the trace's)
             _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed, began_seen)
-    if not held:
+    if expected is None:  # (the student's own notebook)
         expected = models.train_single_process(graded_model(kind, seed=0), batches(kind, batch, steps), lr=0.1)
     common.assert_parameters_match(
         run.results,
