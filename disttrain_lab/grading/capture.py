@@ -6,8 +6,10 @@ messages (who sends before receiving, a pipeline schedule's order, a collective'
 needs their times too.  A rank's trace has them, but the rank writes it.  This program opens
 a packet socket (``AF_PACKET``, ``CAP_NET_RAW``: the grader, root) on the loopback interface
 of the network namespace it is started in (the sandbox has no other interface) and writes,
-for every TCP segment that carries data, the host's monotonic time it saw it, the two
-addresses and the payload's length.  Each segment is seen once, leaving (``PACKET_OUTGOING``);
+for every TCP segment that carries data, the time the kernel saw it leave (its own stamp,
+``SO_TIMESTAMPNS``, put on ``time.monotonic``'s clock: a reader the scheduler kept waiting reads a
+packet late but never times it late), the two addresses and the payload's length.  Each segment is
+seen once, leaving (``PACKET_OUTGOING``);
 bytes sent again count once: a segment TCP sent again (a retransmission: whole, or from the middle
 of one already seen, which a loaded host makes) is kept only for the bytes past the furthest one
 this connection has carried (by sequence number), else dropped.  Its socket filter passes the kernel
@@ -30,8 +32,7 @@ connection or ``MAX_PAYLOAD_BYTES`` in all (the host's own loopback, where the t
 other work's traffic too) a segment's data is not kept and its line ends in ``cut``: what that
 connection carried is then unobserved (the data kept for it is let go, its every line marked ``cut``),
 and a test that reads it fails.  Keeping payloads costs the
-program time per segment, so its times may lag the wire: a test that times the wire (lab 5's
-bubble) captures without them.
+program time per segment; its times are the kernel's all the same.
 ``Capture`` in this module does that and reads the answer; a capture that could not start, or
 that dropped a packet, is refused (``RuntimeError``): a test that needs the timeline
 then fails, never the ranks' own clocks.
@@ -53,6 +54,8 @@ ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
 SOL_PACKET, PACKET_STATISTICS = 263, 6
 SO_RCVBUFFORCE, SO_ATTACH_FILTER = 33, 26  # (linux/asm-generic/socket.h)
+SO_TIMESTAMPNS = 35  # ... and SCM_TIMESTAMPNS: each packet's time as the kernel saw it, a struct timespec
+STAMP = struct.Struct("qq")  # struct timespec: seconds, nanoseconds (64-bit Linux)
 HEADERS = 14 + 60 + 60  # loopback's Ethernet header, the longest IPv4 and TCP headers
 WHOLE = 1 << 18  # a whole loopback frame (its MTU is 64 KiB, a segment's payload below it)
 QUEUE_BYTES = 256 << 20  # what the kernel may queue for this socket before it drops a packet
@@ -131,6 +134,18 @@ class Carried:
         return max(0, reached - offset)
 
 
+def _monotonic(notes: list[tuple[int, int, bytes]]) -> float:
+    """When the kernel saw a packet (``SCM_TIMESTAMPNS``, taken as it left: ``dev_queue_xmit_nit``), on
+    ``time.monotonic``'s clock: a reader the scheduler kept waiting reads the packet late, never stamps it
+    late.  The kernel's stamp is on the wall clock; the offset between the two clocks is read now (a step of the
+    wall clock between the packet and its reading would move it, an adjustment far slower than a run)."""
+    for level, kind, data in notes:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= STAMP.size:
+            seconds, nanoseconds = STAMP.unpack_from(data)
+            return seconds + nanoseconds / 1e9 - (time.time() - time.monotonic())
+    raise RuntimeError("the kernel gave a packet no time (SO_TIMESTAMPNS)")
+
+
 def _capture(payload_path: str | None = None) -> None:
     """The program: capture on ``lo`` until SIGINT, then print the segments (module docstring);
     with ``payload_path``, write their payloads there."""
@@ -154,6 +169,7 @@ def _capture(payload_path: str | None = None) -> None:
         + struct.pack("HBBI", 0x06, 0, 0, 0)  # ... or none
     )
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HxxxxxxQ", 4, ctypes.addressof(program)))
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # the kernel's time of each packet, not this reader's
     sock.bind(("lo", 0))
     sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
     print("ready", flush=True)
@@ -166,10 +182,12 @@ def _capture(payload_path: str | None = None) -> None:
         if stop and time.monotonic() > stop[0] + DRAIN_S:
             break  # (asked to stop, and other traffic keeps the queue from running dry)
         try:
-            frame, address = sock.recvfrom(keep)
+            frame, notes, _, address = sock.recvmsg(keep, socket.CMSG_SPACE(STAMP.size))
+        except BlockingIOError:
+            break  # (asked to stop, and what was queued is read)
         except (TimeoutError, InterruptedError):
-            if stop:
-                break  # (what was queued before the stop is read)
+            if stop:  # what is queued is read without waiting, then it ends (a timeout here can be a reader the
+                sock.setblocking(False)  # scheduler kept waiting past it with packets queued: its wait, not theirs)
             continue
         if address[2] != PACKET_OUTGOING:
             continue
@@ -180,7 +198,7 @@ def _capture(payload_path: str | None = None) -> None:
         skip = carried.new(src, dst, seq, size)
         if skip is None:
             continue  # bytes this connection carried already (sent again)
-        line = f"{time.monotonic():.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}"
+        line = f"{_monotonic(notes):.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}"
         if payload_path is not None:
             data, connection = payload(frame), (src, dst)
             on_connection = per_connection.get(connection, 0)
@@ -284,6 +302,11 @@ class Capture:
                 at += 0 if cut else int(size)
         if at != len(data):
             raise RuntimeError(f"the packet capture's payloads hold {len(data)} bytes, its segments {at}")
+        # in the order they left: the kernel's stamps, taken on whichever core sent each, may be read a little
+        # out of it (stable: a connection's own segments keep theirs)
+        order = sorted(range(len(self.segments)), key=lambda i: self.segments[i][0])
+        self.segments = [self.segments[i] for i in order]
+        self.payloads = [self.payloads[i] for i in order] if self.keep_payloads else self.payloads
         return self.segments
 
     def _forget_file(self) -> None:

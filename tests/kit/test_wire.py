@@ -134,6 +134,46 @@ def test_the_capture_sees_what_the_os_counted():
                 assert timeline.bytes(a, b) == counted.between(a, b), (a, b)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_capture_times_a_segment_when_it_left_not_when_it_was_read():
+    """A capture the scheduler keeps waiting (a loaded host: here, stopped outright) reads the segments late;
+    their times are still the kernel's, when each one left (lab 5's bubble is timed from them: a late
+    reading of gloo's handshake once made a step look 48 ms shorter than it was).  Asked to stop as soon as it runs
+    again, it still reads what was queued (its wait had timed out while it was stopped: it read nothing, once)."""
+    import signal
+    import socket
+    import time
+
+    from disttrain_lab.grading.capture import Capture
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        with Capture() as capture:
+            capture._process.send_signal(signal.SIGSTOP)
+            try:
+                sent = [time.monotonic()]
+                client.sendall(b"a" * 100)
+                time.sleep(0.3)
+                sent.append(time.monotonic())
+                client.sendall(b"b" * 100)
+                time.sleep(0.2)  # (both in the queue, unread, for 0.2 s more)
+            finally:
+                capture._process.send_signal(signal.SIGCONT)
+        mine = f"127.0.0.1:{client.getsockname()[1]}"
+        times = [t for t, src, _, n in capture.segments if src == mine and n == 100]
+        assert len(times) == 2, capture.segments
+        assert times[0] == pytest.approx(sent[0], abs=0.05) and times[1] == pytest.approx(sent[1], abs=0.05)
+        assert times[1] - times[0] == pytest.approx(0.3, abs=0.05)
+    finally:
+        client.close()
+        peer.close()
+        server.close()
+
+
 def _framed(payload: bytes) -> bytes:
     """``payload`` as gloo sends it: a note, then the preamble and the data (``gloo_ops``)."""
     return (
