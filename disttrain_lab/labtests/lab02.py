@@ -5,11 +5,11 @@ the operating system: the bytes on each connection, which under gloo's protocol 
 messages crossed and how big they were (``checks.assert_messages``), and what each message held,
 from the grader's capture of the wire: a ring's partial sums, each the sum of the ranks it has
 passed (``carried.assert_sums_carried``), an all-gather's chunks whole (``carried.assert_carried``).
-Two rules still read the
-ranks' own trace: that only send/recv were called (the wire backs it: gloo's collectives put other
-bytes there), and the number of rounds (a rank's call times; the wire cannot tell a rank that
-waited for its data from one that came late to a receive it had posted early, so rounds from the
-wire would fail honest rings).  The predictions' cost model stays in the notebook's hidden tests."""
+The number of
+steps comes from the grader's gate (``rounds_gate``): every rank held at each of its receives, each
+step's message must have crossed by then.  One rule still reads the ranks' own trace: that only
+send/recv were called (the wire backs it: gloo's collectives put other bytes there).  The
+predictions' cost model stays in the notebook's hidden tests."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import carried, checks, exercise, wire
 from ..exercise import ExerciseRun
-from . import common
+from . import common, rounds_gate
 
 __all__ = [
     "GRADED_PASSED",
@@ -87,12 +87,19 @@ def _flats(n: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _check_all_reduce(
-    name: str, n: int, shape: tuple, dtype: torch.dtype = torch.float32, contiguous: bool = True, replace: tuple = ()
+    name: str,
+    n: int,
+    shape: tuple,
+    dtype: torch.dtype = torch.float32,
+    contiguous: bool = True,
+    replace: tuple = (),
+    rounds: int = 0,
 ) -> tuple[str, ExerciseRun | None]:
     """Run the notebook's ``name`` on n ranks and compare with the sum of every rank's data (what
     dist.all_reduce gives), in place and returned; only point-to-point calls.  ``replace``: the halves
-    of the ring that the grader's stand-ins replace (``_ring_all_reduce_standing_in``).  Returns (case,
-    the run), or (case, None) if it refused a non-contiguous input with a clear error."""
+    of the ring that the grader's stand-ins replace (``_ring_all_reduce_standing_in``).  ``rounds``: under
+    grading, the grader holds every rank at each of its first ``rounds`` receives (``rounds_gate``).
+    Returns (case, the run), or (case, None) if it refused a non-contiguous input with a clear error."""
     case = f"{name} on {n} ranks ({_dtype(dtype)}, shape {shape}" + (")" if contiguous else ", non-contiguous)")
     if replace:
         case = case[:-1] + f", with the grader's stand-in for {' and '.join(replace)})"
@@ -100,8 +107,11 @@ def _check_all_reduce(
     target, inputs = (
         (_ring_all_reduce_standing_in, [(x, list(replace)) for x in xs]) if replace else (name, [(x,) for x in xs])
     )
+    if rounds and not replace:
+        target, inputs = _held_at_receives, [(x, name, rounds) for x in xs]
+    gate = [[None] * n for _ in range(rounds)] if rounds and not replace else None
     try:
-        run = common.run_or_fail(target, n, inputs, case, _DEADLOCK, timeout=30, content=True)
+        run = common.run_or_fail(target, n, inputs, case, _DEADLOCK, timeout=30, content=True, gate=gate)
     except exercise.ExerciseError as e:
         if not contiguous and common.rank_raised(e, "ValueError", "contiguous"):
             return case, None  # the student's own clear error is accepted
@@ -116,6 +126,33 @@ def _check_all_reduce(
         checks.assert_close(run.results[rank], expected, what=f"{case}: the tensor rank {rank} returned")
     checks.assert_only_p2p(run.trace, name)
     return case, run
+
+
+def _held_at_receives(x, name, rounds, *rest):
+    """Driver (runs in your kernel): your ``name(x, *rest)`` on this rank; under grading the grader holds
+    it at each of its first ``rounds`` receives (``rounds_gate``), and in your own notebook nothing changes."""
+    from disttrain_lab.labtests.rounds_gate import held_at_receives
+
+    # (each named where it is called: the ranks get the names a driver's code mentions, not the whole notebook)
+    if name == "ring_reduce_scatter":
+        fn = ring_reduce_scatter  # noqa: F821  (the notebook's)
+    elif name == "ring_all_gather":
+        fn = ring_all_gather  # noqa: F821
+    elif name == "ring_all_reduce":
+        fn = ring_all_reduce  # noqa: F821
+    else:
+        fn = halving_doubling_all_reduce  # noqa: F821
+    with held_at_receives(fn.__globals__, rounds):
+        return fn(x, *rest)
+
+
+def _steps(run: ExerciseRun, case: str, rounds: int, why: str) -> None:
+    """The algorithm's steps: from the grader's gate under grading (``rounds_gate.assert_rounds``), from the
+    ranks' trace in the student's own notebook (where it counts them from the calls' times)."""
+    if rounds_gate.assert_rounds(run, case, rounds, why):
+        return
+    took = run.trace.rounds()
+    assert took == rounds, f"{case}: {why} takes {rounds} steps, this took {took}.  {_TWO_ROUNDS}"
 
 
 def _chunks(n: int, numel: int, dtype: torch.dtype) -> list[int]:
@@ -152,8 +189,16 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
     when every chunk has an element); N-1 steps."""
     case = f"ring_reduce_scatter on {n} ranks ({numel} x {_dtype(dtype)})"
     flats = [checks.sample_tensor(numel, dtype, seed=rank) for rank in range(n)]
+    rounds = n - 1 if numel >= n else 0  # (empty chunks: a rank may skip their messages)
     run = common.run_or_fail(
-        "ring_reduce_scatter", n, [(f.clone(),) for f in flats], case, "a deadlock?", timeout=30, content=True
+        _held_at_receives if rounds else "ring_reduce_scatter",
+        n,
+        [(f.clone(), "ring_reduce_scatter", rounds) if rounds else (f.clone(),) for f in flats],
+        case,
+        "a deadlock?",
+        timeout=30,
+        content=True,
+        gate=[[None] * n for _ in range(rounds)] if rounds else None,
     )
     total = torch.stack(flats).sum(dim=0).to(dtype)  # what dist.all_reduce gives, in one process
     for rank, out in enumerate(run.results):
@@ -173,10 +218,11 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
         # step s: rank r passes on the chunk it has just added its own to, the sum of ranks r-s, ..., r
         ring = {(r, (r + 1) % n): [[_ring(r, s, n)] for s in range(n - 1)] for r in range(n)}
         carried.assert_sums_carried(run, flats, ring, case)
-        rounds = run.trace.rounds()
-        assert rounds == n - 1, (
-            f"{case}: reduce-scatter on a ring takes N-1 = {n - 1} steps, this took {rounds} "
-            f"(one chunk out and one in per step, on every rank at once).  {_TWO_ROUNDS}"
+        _steps(
+            run,
+            case,
+            n - 1,
+            "reduce-scatter on a ring: N-1 steps, one chunk out and one in per step, on every rank at once",
         )
 
 
@@ -196,7 +242,17 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
         flat = torch.full((numel,), -7, dtype=dtype)
         flat.tensor_split(n)[rank].copy_(_piece(rank, n, numel, dtype))
         flats.append((flat,))
-    run = common.run_or_fail("ring_all_gather", n, flats, case, "a deadlock?", timeout=30, content=True)
+    rounds = n - 1 if numel >= n else 0  # (empty chunks: a rank may skip their messages)
+    run = common.run_or_fail(
+        _held_at_receives if rounds else "ring_all_gather",
+        n,
+        [(*f, "ring_all_gather", rounds) if rounds else f for f in flats],
+        case,
+        "a deadlock?",
+        timeout=30,
+        content=True,
+        gate=[[None] * n for _ in range(rounds)] if rounds else None,
+    )
     expected = torch.cat([_piece(r, n, numel, dtype) for r in range(n)])  # in one process
     for rank, out in enumerate(run.results):
         checks.assert_close(run.inputs_after[rank][0], expected, what=f"{case}: rank {rank}'s flat after the call")
@@ -216,10 +272,7 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
         carried.assert_carried(
             run, {(r, (r + 1) % n): [pieces[(r - s) % n] for s in range(n - 1)] for r in range(n)}, case
         )
-        rounds = run.trace.rounds()
-        assert rounds == n - 1, (
-            f"{case}: all-gather on a ring takes N-1 = {n - 1} steps, this took {rounds}.  {_TWO_ROUNDS}"
-        )
+        _steps(run, case, n - 1, "all-gather on a ring: N-1 steps, one chunk out and one in per step")
 
 
 def direct_reduce_scatter(flat: torch.Tensor) -> torch.Tensor:
@@ -309,8 +362,10 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
         "ring_all_reduce is graded on the grader's stand-in, which sends each chunk straight to its rank, so that "
         "a mistake there does not cost this exercise too",
     )
-    case, run = _check_all_reduce("ring_all_reduce", n, shape, dtype, contiguous, replace)
     numel = math.prod(shape)
+    case, run = _check_all_reduce(
+        "ring_all_reduce", n, shape, dtype, contiguous, replace, rounds=2 * (n - 1) if numel >= n else 0
+    )
     if run is None or numel < n:
         return  # empty chunks: steps and bytes are not compared
     if replace:  # the stand-ins' messages, and those of the half that passed: ring_all_reduce calls both
@@ -331,11 +386,7 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
         everyone = frozenset(range(n))
         sums = [[[_ring(r, s, n)] for s in range(n - 1)] + [[everyone]] * (n - 1) for r in range(n)]
         carried.assert_sums_carried(run, _flats(n, shape, dtype), {(r, (r + 1) % n): sums[r] for r in range(n)}, case)
-    rounds = run.trace.rounds()
-    assert rounds == 2 * (n - 1), (
-        f"{case}: a ring all-reduce takes 2(N-1) = {2 * (n - 1)} steps (N-1 of reduce-scatter, N-1 of "
-        f"all-gather), this took {rounds}.  {_TWO_ROUNDS}"
-    )
+    _steps(run, case, 2 * (n - 1), "a ring all-reduce: 2(N-1) steps, N-1 of reduce-scatter, N-1 of all-gather")
 
 
 def check_halving_doubling_all_reduce(
@@ -346,8 +397,11 @@ def check_halving_doubling_all_reduce(
     exchange of one message with the partner whose rank differs in one bit (rank XOR distance): with
     the partner at distance d, one message of d chunks while halving and one while doubling, and
     nothing with anyone else (the operating system's count, when every chunk has an element)."""
-    case, run = _check_all_reduce("halving_doubling_all_reduce", n, shape, dtype, contiguous)
     numel = math.prod(shape)
+    best = 2 * int(math.log2(n))
+    case, run = _check_all_reduce(
+        "halving_doubling_all_reduce", n, shape, dtype, contiguous, rounds=best if numel >= n else 0
+    )
     if run is None or numel < n:
         return
     chunks = _chunks(n, numel, dtype)
@@ -367,11 +421,12 @@ def check_halving_doubling_all_reduce(
         partners = [(rank, rank ^ d) for rank in range(n) for d in (2**k for k in range(int(math.log2(n))))]
         sums = {(a, b): [_cosets(a, n, b), [everyone]] for a, b in partners}
         carried.assert_sums_carried(run, _flats(n, shape, dtype), sums, case)
-    best = 2 * int(math.log2(n))
-    rounds = run.trace.rounds()
-    assert rounds == best, (
-        f"{case}: recursive halving then doubling takes 2·log2({n}) = {best} rounds, this took {rounds}"
-        f" (one exchange with one partner per round: distances N/2, ..., 1, then 1, ..., N/2)"
+    _steps(
+        run,
+        case,
+        best,
+        f"recursive halving then doubling: 2·log2({n}) = {best} rounds, one exchange with one partner per round "
+        f"(distances N/2, ..., 1, then 1, ..., N/2)",
     )
 
 

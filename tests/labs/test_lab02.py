@@ -465,6 +465,129 @@ def test_a_reductions_messages_carry_its_partial_sums(solution):
     assert "message 2 of 3 from rank 0 to rank 1 should hold a piece of the sum of ranks 0, 3's data" in said, said
 
 
+def _ring_untraced(flat, variant="isend"):
+    """A ring reduce-scatter whose messages are the ring's, with its trace switched off (no call recorded: the
+    trace counts no step).  ``variant``: "isend" (each step's send posted, then its receive), "early" (every
+    receive posted before the first send: honest too), "even_odd" (blocking send/recv ordered by the rank's
+    parity: each step two rounds)."""
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = list(flat.tensor_split(n))
+    steps = [((rank - s - 1) % n, (rank - s - 2) % n) for s in range(n - 1)]
+    buffers = [torch.empty_like(chunks[into]) for _, into in steps]
+    with trace.unrecorded():
+        early = [dist.irecv(b, left) for b in buffers] if variant == "early" else []
+        for s, (send, into) in enumerate(steps):
+            if variant == "even_odd":
+                first, second = (dist.recv, dist.send) if rank % 2 else (dist.send, dist.recv)
+                first(*((buffers[s], left) if first is dist.recv else (chunks[send].clone(), right)))
+                second(*((buffers[s], left) if second is dist.recv else (chunks[send].clone(), right)))
+            else:
+                request = dist.isend(chunks[send].clone(), right)
+                early[s].wait() if early else dist.recv(buffers[s], left)
+                request.wait()
+            chunks[into] += buffers[s]
+    return chunks[rank].clone()
+
+
+def _early(flat):
+    return _ring_untraced(flat, "early")
+
+
+def _even_odd(flat):
+    return _ring_untraced(flat, "even_odd")
+
+
+def _halving_doubling_in_turns(x):
+    """Recursive halving then doubling with the messages of the solution's, each exchange made in turns: the
+    lower rank sends, then receives; the higher receives, then sends (no deadlock, but two rounds an exchange)."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat = x.reshape(-1)
+    lo, hi, d = 0, n, n // 2
+    parts = list(flat.tensor_split(n))
+    path = []
+    while d >= 1:  # halving: keep the half of [lo, hi) on this rank's side, send the other half
+        partner, mid = rank ^ d, (lo + hi) // 2
+        mine, theirs = ((lo, mid), (mid, hi)) if rank < partner else ((mid, hi), (lo, mid))
+        out = torch.cat(parts[theirs[0] : theirs[1]])
+        got = torch.empty_like(torch.cat(parts[mine[0] : mine[1]]))
+        _in_turns(rank, partner, out, got)
+        joined = torch.cat(parts[mine[0] : mine[1]]) + got
+        parts[mine[0] : mine[1]] = list(joined.split([p.numel() for p in parts[mine[0] : mine[1]]]))
+        path.append((partner, mine, theirs))
+        lo, hi, d = mine[0], mine[1], d // 2
+    for partner, mine, theirs in reversed(path):  # doubling: send the part held, receive the partner's
+        out = torch.cat(parts[mine[0] : mine[1]])
+        got = torch.empty_like(torch.cat(parts[theirs[0] : theirs[1]]))
+        _in_turns(rank, partner, out, got)
+        parts[theirs[0] : theirs[1]] = list(got.split([p.numel() for p in parts[theirs[0] : theirs[1]]]))
+    x.copy_(torch.cat(parts).reshape(x.shape))
+    return x
+
+
+def _in_turns(rank, partner, out, got):
+    import torch.distributed as dist
+
+    if rank < partner:
+        dist.send(out, partner)
+        dist.recv(got, partner)
+    else:
+        dist.recv(got, partner)
+        dist.send(out, partner)
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_steps_are_graded_from_the_grader_gate_not_the_ranks_trace(solution):
+    """#42: a ring's N-1 steps (and halving-doubling's 2·log2(N) rounds) come from the grader's gate: every
+    rank held at each of its receives, each step's message must have crossed by then
+    (``labtests/rounds_gate.py``).  Honest rings pass with no trace at all (the trace's step count is 0), the
+    receives posted up front too, and the solution's all-reduce and halving-doubling; a ring ordered even/odd
+    with blocking calls, and halving-doubling whose exchanges are made in turns, both with the right messages
+    and sums, fail on the wire."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    names = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "halving_doubling_all_reduce"]
+    for name in names:
+        setattr(__main__, name, solution[name])
+    lab02.GRADED_PASSED.update(lab02.HALVES)
+    said = {}
+    try:
+        with observed_from_outside():
+            lab02.check_ring_all_reduce(4, (10, 33))
+            lab02.check_halving_doubling_all_reduce(4, (10, 9))
+            for fn in (_ring_untraced, _early):
+                __main__.ring_reduce_scatter = fn
+                lab02.check_ring_reduce_scatter(4, 1001)
+            for name, fn, check in (
+                ("ring_reduce_scatter", _even_odd, lambda: lab02.check_ring_reduce_scatter(4, 1001)),
+                (
+                    "halving_doubling_all_reduce",
+                    _halving_doubling_in_turns,
+                    lambda: lab02.check_halving_doubling_all_reduce(4, (10, 9)),
+                ),
+            ):
+                setattr(__main__, name, fn)
+                with pytest.raises(AssertionError) as caught:
+                    check()
+                said[name] = str(caught.value)
+    finally:
+        lab02.GRADED_PASSED.clear()
+        for name in names:
+            delattr(__main__, name)
+    for name, message in said.items():
+        assert "when every rank waited for its message of step 1 of" in message, (name, message)
+        assert "had sent 0" in message and "post the send with isend, then recv" in message, (name, message)
+    assert "rank(s) 1 had sent 0, 3 had sent 0" in said["ring_reduce_scatter"], said  # (the odd ranks)
+
+
 # ----------------------------------------------------------------------------------------
 # The bench harness
 
