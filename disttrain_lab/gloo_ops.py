@@ -23,13 +23,23 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["PREAMBLE", "HANDSHAKE", "NotGloo", "messages", "sends"]
+__all__ = [
+    "NOTIFY_RECV_READY",
+    "NOTIFY_SEND_READY",
+    "PREAMBLE",
+    "HANDSHAKE",
+    "NotGloo",
+    "messages",
+    "operations",
+    "sends",
+]
 
 PREAMBLE = 48  # bytes before every operation of gloo's TCP pairs (gloo/transport/tcp/pair.h: Op::preamble)
 HANDSHAKE = 8  # gloo opens each connection as a launch's process group is made: 8 bytes one way
 # (gloo/transport/tcp: the initiator sends its sequence number), before the ranks' function runs
 _SENDS = (0, 1)  # SEND_BUFFER, SEND_UNBOUND_BUFFER: a payload follows
-_NOTES = (2, 3)  # NOTIFY_SEND_READY, NOTIFY_RECV_READY: the preamble alone
+NOTIFY_SEND_READY, NOTIFY_RECV_READY = 2, 3  # the notes: the preamble alone
+_NOTES = (NOTIFY_SEND_READY, NOTIFY_RECV_READY)
 _FIELDS = struct.Struct("<6Q")
 
 
@@ -37,7 +47,9 @@ class NotGloo(ValueError):
     """A connection's bytes are not a whole sequence of gloo's operations."""
 
 
-def _read(stream: bytes, start: int) -> list[tuple[int, int, bytes]]:
+def _read(stream: bytes, start: int, notes: list | None = None) -> list[tuple[int, int, bytes]]:
+    """The sends from ``start`` on: (offset, slot, payload); each note too, into ``notes`` where given:
+    (offset, opcode, slot, length)."""
     payloads, at = [], start
     while at < len(stream):
         if len(stream) - at < PREAMBLE:
@@ -52,6 +64,8 @@ def _read(stream: bytes, start: int) -> list[tuple[int, int, bytes]]:
             payloads.append((at, slot, stream[at + PREAMBLE : at + nbytes]))
             at += nbytes
         elif opcode in _NOTES and nbytes == PREAMBLE:
+            if notes is not None:
+                notes.append((at, opcode, slot, length))
             at += PREAMBLE
         else:
             raise NotGloo(f"no gloo operation at offset {at} (opcode {opcode}, {nbytes} bytes)")
@@ -87,3 +101,27 @@ def sends(stream: bytes) -> list[tuple[int, int, bytes]]:
             return _read(stream, HANDSHAKE)
         except NotGloo:
             raise e from None
+
+
+def operations(stream: bytes) -> list[tuple[int, int, int, int]]:
+    """Every operation in one direction of a connection, notes too, in order: (the offset of its preamble,
+    its opcode, its slot, its payload's length: a note's, the length it is about).  A sender posts a send with
+    a ``NOTIFY_SEND_READY`` note at once, whether or not its receiver is ready (its data follows once the
+    receiver's ``NOTIFY_RECV_READY`` has come), so a note's time on the wire is when the rank posted that
+    send (lab 1's tree rounds).  Raises ``NotGloo`` as :func:`messages` does.
+
+    >>> note = _FIELDS.pack(48, 2, 7, 0, 4, 0)
+    >>> operations(note + _FIELDS.pack(52, 1, 7, 0, 4, 0) + b"abcd")
+    [(0, 2, 7, 4), (48, 1, 7, 4)]
+    """
+    for start in (0, HANDSHAKE):
+        notes: list = []
+        try:
+            sent = _read(stream, start, notes)
+        except NotGloo:
+            if start or len(stream) < HANDSHAKE:
+                raise
+            continue
+        ops = notes + [(at, _FIELDS.unpack_from(stream, at)[1], slot, len(payload)) for at, slot, payload in sent]
+        return sorted(ops)
+    raise AssertionError("unreachable")

@@ -15,11 +15,15 @@ The full autograde round trip (full marks, blank 0, partial) lives in test_gradi
 from __future__ import annotations
 
 import copy
+import os
 
 import nbformat
 import pytest
+import torch
 
 import disttrain_lab as dl
+from disttrain_lab import bench
+from disttrain_lab.labtests import lab01
 from tests.notebooks import (
     add_wrong_answers,
     assert_wrong_answers_caught,
@@ -200,3 +204,68 @@ def test_graded_cells_catch_wrong_answers():
     graded_at = add_wrong_answers(lab, cells, solutions, [(exercise, wrong) for exercise, wrong, _ in WRONG])
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240)
     assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])
+
+
+# ----------------------------------------------------------------------------------------
+# The tree's rounds, from the grader's capture (#42)
+
+
+def _chain(x, src):
+    """A broadcast passed down a chain: the source sends once, every other rank receives once and forwards
+    once (the tree's bytes and message counts), in N-1 rounds."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if (rank - src) % n:
+        dist.recv(x, (rank - 1) % n)
+    if (rank - src) % n < n - 1:
+        dist.send(x, (rank + 1) % n)
+    return x
+
+
+def _tree_untraced(x, src):
+    """A binomial tree (the largest subtree first), with its trace switched off: the trace counts no round."""
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rel, mask = (rank - src) % n, 1
+    with trace.unrecorded():
+        while mask < n:  # receive from the parent: the lowest set bit of rel
+            if rel & mask:
+                dist.recv(x, (rank - mask) % n)
+                break
+            mask <<= 1
+        mask >>= 1
+        while mask > 0:  # send to the children below it, the farthest first
+            if rel + mask < n:
+                dist.send(x, (rank + mask) % n)
+            mask >>= 1
+    return x
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_trees_rounds_are_graded_from_the_wire_not_the_ranks_trace():
+    """#42: ``broadcast_tree``'s rounds come from the grader's capture (``lab01.wire_rounds``: each message
+    posted when its sender's send-ready note leaves, received when its data is in): a binomial tree with no
+    trace at all passes, the solution's too, on several sizes and sources; a chain with the tree's bytes and
+    message counts fails on the wire's rounds."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["broadcast_tree"])["broadcast_tree"]
+    try:
+        with observed_from_outside():
+            for fn in (solution, _tree_untraced):
+                __main__.broadcast_tree = fn
+                for n, src in ((4, 0), (8, 3), (5, 2)):
+                    lab01.check_broadcast_tree(n, (7,), torch.float32, src)
+            __main__.broadcast_tree = _chain
+            with pytest.raises(AssertionError) as caught:
+                lab01.check_broadcast_tree(4, (7,), torch.float32, 1)
+    finally:
+        del __main__.broadcast_tree
+    said = str(caught.value)
+    assert "needs ceil(log2 4) = 2 rounds, this took 3 (from its messages on the wire" in said, said
