@@ -25,6 +25,17 @@ def test_sends_are_read_and_notes_and_the_handshake_skipped():
     assert gloo_ops.messages(b"") == []
 
 
+def test_operations_keep_the_notes_in_order_with_their_offsets():
+    """``operations``: the notes too (when a send or a receive was posted: lab 1's tree rounds), each at the
+    offset of its preamble in the connection's bytes, past the handshake where the stream begins with it."""
+    stream = _op(2, length=4) + _op(1, b"abcd") + _op(3, length=2)
+    expected = [(0, 2, 0, 4), (48, 1, 0, 4), (100, 3, 0, 2)]
+    assert gloo_ops.operations(stream) == expected
+    assert gloo_ops.operations(struct.pack("<Q", 1) + stream) == [(at + 8, *rest) for at, *rest in expected]
+    with pytest.raises(gloo_ops.NotGloo):
+        gloo_ops.operations(stream[:-1])
+
+
 @pytest.mark.parametrize(
     "stream",
     [
