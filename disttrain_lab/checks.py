@@ -45,6 +45,8 @@ __all__ = [
     "sample_tensor",
     "within",
     "assert_only_p2p",
+    "assert_point_to_point",
+    "COLLECTIVE_SLOTS",
     "sends",
     "receives",
     "assert_traffic",
@@ -212,6 +214,46 @@ def assert_only_p2p(run: Run, exercise: str) -> None:
         f"{exercise} must be built from point-to-point calls only ({', '.join(P2P_OPS)}), "
         f"but it called the collective {found}. Replace it with sends and receives."
     )
+
+
+# gloo's collectives mark each message's slot with their kind in its top byte (gloo/common/utils.h: the
+# Slot prefixes); torch's send/recv use the caller's tag, a 32-bit number, as the slot, its top byte 0
+COLLECTIVE_SLOTS = {
+    1: "gather",
+    2: "all_gather",
+    3: "reduce",
+    4: "all_reduce",
+    5: "scatter",
+    6: "broadcast",
+    7: "barrier",
+    8: "all_to_all",
+}
+
+
+def assert_point_to_point(run, exercise: str) -> None:
+    """Fail if a ``dl.exercise.run`` used any communication other than send/recv: under grading from the
+    grader's capture of the wire (every operation of gloo's between the ranks, notes too, must carry a
+    point-to-point slot: a collective's carries its kind in the slot's top byte, ``COLLECTIVE_SLOTS``), in the
+    student's own kernel from the ranks' calls (``assert_only_p2p`` on the trace: no wire is seen there, nor
+    where the run was not captured)."""
+    timeline = getattr(run, "timeline", None)
+    if timeline is None or timeline.source != "wire":
+        assert_only_p2p(run.trace, exercise)
+        return
+    n, found = run.world_size, {}
+    for a in range(n):
+        for b in range(n):
+            if a != b:
+                for _, _, _, slot, _ in timeline.operations(a, b) or ():
+                    kind = COLLECTIVE_SLOTS.get(slot >> 56, f"a collective (slot prefix {slot >> 56:#x})")
+                    if slot >> 56:
+                        found.setdefault(kind, set()).add(a)
+    if found:
+        calls = "; ".join(f"{kind} from rank(s) {', '.join(map(str, sorted(r)))}" for kind, r in sorted(found.items()))
+        raise AssertionError(
+            f"{exercise} must be built from point-to-point calls only ({', '.join(P2P_OPS)}), but the grader's "
+            f"capture of the wire shows a collective's messages: {calls}. Replace it with sends and receives."
+        )
 
 
 # What a run may move beyond its payload: gloo's header per message (72 B on torch 2.13) and

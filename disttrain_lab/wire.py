@@ -293,9 +293,9 @@ class Timeline:
             if at >= begin and at + GLOO_PREAMBLE + len(payload) <= end
         ]
 
-    def operations(self, src: int, dst: int) -> list[tuple[float, float, int, int]] | None:
+    def operations(self, src: int, dst: int) -> list[tuple[float, float, int, int, int]] | None:
         """Each of gloo's operations from ``src`` to ``dst``, notes too (``gloo_ops.operations``), in order:
-        (when its first byte crossed, when its last did, its opcode, its payload's length), placed by position
+        (when its first byte crossed, when its last did, its opcode, its slot, its payload's length), placed by position
         in the connection's bytes (``passed``).  None in the student's own kernel (no wire).  A direction of
         more than one connection cannot be placed: it raises ``Unobserved``."""
         if self.source == "trace":
@@ -307,14 +307,14 @@ class Timeline:
                 "of their bytes crossed when"
             )
         found = []
-        for at, opcode, _, length in gloo_ops.operations(streams[0]) if streams else []:
+        for at, opcode, slot, length in gloo_ops.operations(streams[0]) if streams else []:
             size = GLOO_PREAMBLE + (
                 length if opcode not in (gloo_ops.NOTIFY_SEND_READY, gloo_ops.NOTIFY_RECV_READY) else 0
             )
             first, last = self.passed(src, dst, at), self.passed(src, dst, at + size - 1)
             if first is None or last is None:
                 raise Unobserved(f"the capture's times do not cover what rank {src} sent rank {dst}")
-            found.append((first, last, opcode, length))
+            found.append((first, last, opcode, slot, length))
         return found
 
     def crossed(self, src: int, dst: int, by: float) -> int:

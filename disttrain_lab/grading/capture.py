@@ -134,15 +134,31 @@ class Carried:
         return max(0, reached - offset)
 
 
-def _monotonic(notes: list[tuple[int, int, bytes]]) -> float:
+def _clocks_apart(tries: int = 20) -> float:
+    """The wall clock less ``time.monotonic``'s, read once: of ``tries`` readings of the wall clock between two
+    of the monotonic one, the one read closest together (a reader preempted between two clock reads, as a
+    loaded host does, would be off by as long as it waited: once 3 ms, which put a message's forwarding before
+    its arrival)."""
+    best = None
+    for _ in range(tries):
+        before = time.monotonic()
+        wall = time.time()
+        after = time.monotonic()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) / 2)
+    return best[1]
+
+
+def _monotonic(notes: list[tuple[int, int, bytes]], apart: float) -> float:
     """When the kernel saw a packet (``SCM_TIMESTAMPNS``, taken as it left: ``dev_queue_xmit_nit``), on
     ``time.monotonic``'s clock: a reader the scheduler kept waiting reads the packet late, never stamps it
-    late.  The kernel's stamp is on the wall clock; the offset between the two clocks is read now (a step of the
-    wall clock between the packet and its reading would move it, an adjustment far slower than a run)."""
+    late.  The kernel's stamp is on the wall clock; ``apart`` (``_clocks_apart``, read once as the capture
+    starts) puts it on the monotonic one, the same for every packet, so their order and spacing are the
+    kernel's (a step of the wall clock during a run would move the later ones)."""
     for level, kind, data in notes:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= STAMP.size:
             seconds, nanoseconds = STAMP.unpack_from(data)
-            return seconds + nanoseconds / 1e9 - (time.time() - time.monotonic())
+            return seconds + nanoseconds / 1e9 - apart
     raise RuntimeError("the kernel gave a packet no time (SO_TIMESTAMPNS)")
 
 
@@ -172,6 +188,7 @@ def _capture(payload_path: str | None = None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # the kernel's time of each packet, not this reader's
     sock.bind(("lo", 0))
     sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
+    apart = _clocks_apart()
     print("ready", flush=True)
     carried = Carried()
     lines, payloads, kept, cut = [], [], 0, 0  # (payloads: one per line, None where its data is not kept)
@@ -198,7 +215,7 @@ def _capture(payload_path: str | None = None) -> None:
         skip = carried.new(src, dst, seq, size)
         if skip is None:
             continue  # bytes this connection carried already (sent again)
-        line = f"{_monotonic(notes):.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}"
+        line = f"{_monotonic(notes, apart):.6f} {src} {dst} {(seq + skip) & 0xFFFFFFFF} {size - skip}"
         if payload_path is not None:
             data, connection = payload(frame), (src, dst)
             on_connection = per_connection.get(connection, 0)

@@ -269,3 +269,40 @@ def test_the_trees_rounds_are_graded_from_the_wire_not_the_ranks_trace():
         del __main__.broadcast_tree
     said = str(caught.value)
     assert "needs ceil(log2 4) = 2 rounds, this took 3 (from its messages on the wire" in said, said
+
+
+def _broadcast_untraced(x, src):
+    """torch's own broadcast, its call left out of the trace: the right data, one message from the source to
+    each rank (a 2- or 3-rank broadcast is linear), and a trace that lists no collective."""
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+
+    with trace.unrecorded():
+        dist.broadcast(x, src)
+    return x
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_only_send_and_recv_is_graded_from_the_wire_not_the_ranks_trace():
+    """#42: "only send/recv" comes from the grader's capture (``checks.assert_point_to_point``: a gloo
+    collective's messages carry its kind in their slot's top byte, torch's send/recv the caller's tag): the
+    solution's broadcast passes, and torch's broadcast with its call kept out of the trace fails on the wire."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["broadcast_linear"])["broadcast_linear"]
+    try:
+        with observed_from_outside():
+            __main__.broadcast_linear = solution
+            lab01.check_broadcast_linear(3, (5,), torch.float32, 1)
+            __main__.broadcast_linear = _broadcast_untraced
+            with pytest.raises(AssertionError) as caught:
+                lab01.check_broadcast_linear(3, (5,), torch.float32, 1)
+    finally:
+        del __main__.broadcast_linear
+    said = str(caught.value)
+    assert "the grader's capture of the wire shows a collective's messages: broadcast from rank(s) 0, 1, 2" in said, (
+        said
+    )

@@ -43,7 +43,7 @@ def _check_pipeline(
     the wire)."""
     case = f"{name} on {p} stages (batch {batch}, {m} micro-batches, {steps} steps)"
     run = _launch(case, p, driver or _DRIVERS[name], batch, steps, kwargs, content=True)
-    checks.assert_only_p2p(run.trace, name)
+    checks.assert_point_to_point(run, name)
     checks.assert_messages(
         run,
         _messages(p, batch, m, steps),
