@@ -262,6 +262,17 @@ class Timeline:
             )
         return streams
 
+    def _one_stream(self, src: int, dst: int) -> list[bytes]:
+        """``_streams``, where a direction's bytes are to be placed in time: a direction of more than one
+        connection cannot be (its positions are not one stream's), and raises ``Unobserved``."""
+        streams = self._streams(src, dst)
+        if len(streams) > 1:
+            raise Unobserved(
+                f"rank {src} sent rank {dst} data over {len(streams)} connections, so the grader cannot tell which "
+                "of their bytes crossed when"
+            )
+        return streams
+
     def messages(self, src: int, dst: int) -> list[bytes] | None:
         """The payload of each message ``src`` sent ``dst``, in the order they crossed, read from what
         the grader's capture kept (gloo's framing: ``gloo_ops.messages``); a connection whose bytes are
@@ -279,12 +290,7 @@ class Timeline:
         be placed (its positions are not one stream's): it raises ``Unobserved``."""
         if self.source == "trace":
             return None
-        streams = self._streams(src, dst)
-        if len(streams) > 1:
-            raise Unobserved(
-                f"rank {src} sent rank {dst} data over {len(streams)} connections, so the grader cannot tell which "
-                "of their bytes crossed when"
-            )
+        streams = self._one_stream(src, dst)
         begin = self.crossed(src, dst, start)
         end = sum(n for t, a, b, n in self._all() if (a, b) == (src, dst) and t < cut)
         return [
@@ -295,17 +301,12 @@ class Timeline:
 
     def operations(self, src: int, dst: int) -> list[tuple[float, float, int, int, int]] | None:
         """Each of gloo's operations from ``src`` to ``dst``, notes too (``gloo_ops.operations``), in order:
-        (when its first byte crossed, when its last did, its opcode, its slot, its payload's length), placed by position
-        in the connection's bytes (``passed``).  None in the student's own kernel (no wire).  A direction of
+        (when its first byte crossed, when its last did, its opcode, its slot, its payload's length), placed by
+        position in the connection's bytes (``passed``).  None in the student's own kernel (no wire).  A direction of
         more than one connection cannot be placed: it raises ``Unobserved``."""
         if self.source == "trace":
             return None
-        streams = self._streams(src, dst)
-        if len(streams) > 1:
-            raise Unobserved(
-                f"rank {src} sent rank {dst} data over {len(streams)} connections, so the grader cannot tell which "
-                "of their bytes crossed when"
-            )
+        streams = self._one_stream(src, dst)
         found = []
         for at, opcode, slot, length in gloo_ops.operations(streams[0]) if streams else []:
             size = GLOO_PREAMBLE + (

@@ -213,7 +213,39 @@ def format_compression_table(rows: list[dict]) -> str:
             f"{r['version']:<34} {r['steps_per_s']:8.2f} {format_bytes(r['bytes_per_step']):>16} {cpu:>17} "
             f"{r['loss']:15.4f} {r['ratio']:8.2f}x"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _below_torch(rows))
+
+
+def _below_torch(rows: list[dict]) -> list[str]:
+    """Where a lab's hook is slower than torch's fastest compression hook (fp16 or PowerSGD): the two side by
+    side in bytes and CPU per step, and why they go together on one host."""
+    peers = [r for r in rows if r["version"] in (TORCH_FP16, TORCH_POWERSGD)]
+    if not peers:
+        return []
+    peer = max(peers, key=lambda r: r["steps_per_s"])
+    below = [r for r in rows if not r["version"].startswith("torch") and r["steps_per_s"] < peer["steps_per_s"]]
+    if not below:
+        return []
+    from ..trace import format_bytes
+
+    lines = [
+        f"below {peer['version']}, the fastest of torch's compression hooks here, with what each sends and spends "
+        f"per step: on one host the link is a CPU core, so a hook is slower where it sends more or computes more. "
+        f"The lab's INT8 all-gathers every rank's int8 gradient, (N - 1)·S/4 bytes per rank, where fp16 "
+        f"all-reduces half of it, 2(N - 1)/N·S/2: the same on 4 ranks, twice as much on 8; top-k sends far less "
+        f"but selects its values and keeps its error on the CPU every step, with N ranks sharing the cores"
+    ]
+    for r in below:
+        cpu = (
+            f", CPU {r['cpu_s_per_step'] * 1e3:.1f} ms against {peer['cpu_s_per_step'] * 1e3:.1f}"
+            if "cpu_s_per_step" in r and "cpu_s_per_step" in peer
+            else ""
+        )
+        lines.append(
+            f"  {r['version']}: {r['steps_per_s'] / peer['steps_per_s']:.2f}x its steps/s; sends "
+            f"{format_bytes(r['bytes_per_step'])} against {format_bytes(peer['bytes_per_step'])}{cpu}"
+        )
+    return lines
 
 
 NAME = "compression"

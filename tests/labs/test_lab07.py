@@ -524,6 +524,47 @@ def test_format_compression_table():
     assert "CPU ms/step/rank" in table and " 19.1 " in table and " 24.6 " in table
 
 
+def test_compression_table_says_where_a_hook_is_below_torchs_and_what_it_sent():
+    """#39: a lab hook slower than torch's fastest compression hook is named with both rows' bytes and CPU per
+    step (the figures of a quiet `bench compression --world-size 8 --repeats 7`, 4 Dec); none is said where the
+    lab's hooks are ahead."""
+    from disttrain_lab.bench.compression import TORCH_DENSE, TORCH_FP16, TORCH_POWERSGD, format_compression_table
+
+    def rows(figures):
+        return [
+            {
+                "version": name,
+                "world_size": 8,
+                "network": "1 Gbit/s",
+                "repeats": 7,
+                "steps_per_s": sps,
+                "bytes_per_step": mib * 2**20,
+                "loss": 0.54,
+                "steps": 16,
+                "parameters": 2_100_000,
+                "sizes": (512, 1024, 1024, 512),
+                "ratio": sps / figures[0][1],
+                "cpu_s_per_step": ms / 1e3,
+                "counted": "counted by the OS",
+            }
+            for name, sps, mib, ms in figures
+        ]
+
+    eight = [
+        (TORCH_DENSE, 6.03, 14.0, 37.2),
+        (TORCH_FP16, 5.58, 7.0, 40.4),
+        (TORCH_POWERSGD, 2.96, 0.093, 72.2),
+        ("top-k 1% + error feedback", 5.28, 1.7, 44.8),
+        ("INT8", 3.54, 14.1, 63.5),
+    ]
+    table = format_compression_table(rows(eight))
+    assert f"below {TORCH_FP16}, the fastest of torch's compression hooks here" in table, table
+    assert "  INT8: 0.63x its steps/s; sends 14.1 MiB against 7.0 MiB, CPU 63.5 ms against 40.4" in table, table
+    assert "  top-k 1% + error feedback: 0.95x its steps/s; sends 1.7 MiB against 7.0 MiB" in table, table
+    two = [(TORCH_DENSE, 12.5, 8.0, 30.0), (TORCH_FP16, 20.6, 4.0, 29.3), ("INT8", 25.5, 2.0, 31.8)]
+    assert "below" not in format_compression_table(rows(two))
+
+
 @pytest.mark.slow
 def test_bench_compression_counts_the_compressed_bytes_side_by_side():
     from disttrain_lab import Network, bench
