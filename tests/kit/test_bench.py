@@ -25,6 +25,32 @@ def test_format_ddp_table():
     assert "0.95x" in table and "1.00x" in table
 
 
+def test_ddp_table_says_where_a_wrapper_is_below_torch_ddp_with_its_cpu():
+    """#39: a wrapper below torch DDP is named with both rows' CPU per step (the figures of a quiet
+    `bench ddp --world-size 4,8 --repeats 7`, 4 Dec, 8 ranks); nothing is said where every wrapper is ahead."""
+
+    def rows(figures):
+        return [
+            {
+                "version": name,
+                "world_size": 8,
+                "steps_per_s": s,
+                "repeats": 7,
+                "parameters": 8_400_000,
+                "ratio": s / figures[-1][1],
+                "cpu_s_per_step": ms / 1e3,
+            }
+            for name, s, ms in figures
+        ]
+
+    eight = [("naive", 2.19, 107.9), ("overlapped", 2.50, 97.6), (bench.TORCH_DDP, 2.37, 99.7)]
+    table = bench.format_ddp_table(rows(eight))
+    assert "CPU ms/step/rank" in table and " 107.9" in table, table
+    assert "  naive: 0.92x its steps/s; CPU 107.9 ms per step against 99.7 (1.08x)" in table, table
+    assert "\n  overlapped:" not in table and "below by design" in table, table
+    assert "below" not in bench.format_ddp_table(rows([("overlapped", 2.5, 97.6), (bench.TORCH_DDP, 2.37, 99.7)]))
+
+
 def test_bench_ddp_rejects_one_rank():
     with pytest.raises(ValueError, match="world_size >= 2"):
         bench.bench_ddp({}, world_size=1)
