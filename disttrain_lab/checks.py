@@ -234,10 +234,10 @@ def assert_point_to_point(run, exercise: str) -> None:
     """Fail if a ``dl.exercise.run`` used any communication other than send/recv: under grading from the
     grader's capture of the wire (every operation of gloo's between the ranks, notes too, must carry a
     point-to-point slot: a collective's carries its kind in the slot's top byte, ``COLLECTIVE_SLOTS``), in the
-    student's own kernel from the ranks' calls (``assert_only_p2p`` on the trace: no wire is seen there, nor
-    where the run was not captured)."""
-    timeline = getattr(run, "timeline", None)
-    if timeline is None or timeline.source != "wire":
+    student's own kernel from the ranks' calls (``assert_only_p2p`` on the trace: no wire is seen there).  Under
+    grading a run that was not captured raises ``wire.Unobserved``: it never falls back on the trace."""
+    timeline = run.timeline
+    if timeline.source == "trace":
         assert_only_p2p(run.trace, exercise)
         return
     n, found = run.world_size, {}

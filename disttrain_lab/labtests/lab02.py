@@ -105,14 +105,19 @@ def _check_all_reduce(
     if replace:
         case = case[:-1] + f", with the grader's stand-in for {' and '.join(replace)})"
     data, xs = _all_reduce_inputs(n, shape, dtype, contiguous)
-    target, inputs = (
-        (_ring_all_reduce_standing_in, [(x, list(replace)) for x in xs]) if replace else (name, [(x,) for x in xs])
-    )
-    if rounds and not replace:
-        target, inputs = _held_at_receives, [(x, name, rounds) for x in xs]
-    gate = [[None] * n for _ in range(rounds)] if rounds and not replace else None
     try:
-        run = common.run_or_fail(target, n, inputs, case, _DEADLOCK, timeout=30, content=True, gate=gate)
+        if replace:
+            run = common.run_or_fail(
+                _ring_all_reduce_standing_in,
+                n,
+                [(x, list(replace)) for x in xs],
+                case,
+                _DEADLOCK,
+                timeout=30,
+                content=True,
+            )
+        else:
+            run = _run_held(name, n, [(x,) for x in xs], case, _DEADLOCK, rounds)
     except exercise.ExerciseError as e:
         if not contiguous and common.rank_raised(e, "ValueError", "contiguous"):
             return case, None  # the student's own clear error is accepted
@@ -127,6 +132,16 @@ def _check_all_reduce(
         checks.assert_close(run.results[rank], expected, what=f"{case}: the tensor rank {rank} returned")
     checks.assert_point_to_point(run, name)
     return case, run
+
+
+def _run_held(name: str, n: int, inputs: list[tuple], case: str, hint: str, rounds: int) -> ExerciseRun:
+    """The notebook's ``name`` on n ranks (``inputs``: each rank's arguments), its contents captured; with
+    ``rounds``, under grading every rank held at each of its first ``rounds`` receives (``_held_at_receives``)."""
+    if not rounds:
+        return common.run_or_fail(name, n, inputs, case, hint, timeout=30, content=True)
+    held = [(args[0], name, rounds, *args[1:]) for args in inputs]
+    gate = [[None] * n for _ in range(rounds)]
+    return common.run_or_fail(_held_at_receives, n, held, case, hint, timeout=30, content=True, gate=gate)
 
 
 def _held_at_receives(x, name, rounds, *rest):
@@ -191,16 +206,7 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
     case = f"ring_reduce_scatter on {n} ranks ({numel} x {_dtype(dtype)})"
     flats = [checks.sample_tensor(numel, dtype, seed=rank) for rank in range(n)]
     rounds = n - 1 if numel >= n else 0  # (empty chunks: a rank may skip their messages)
-    run = common.run_or_fail(
-        _held_at_receives if rounds else "ring_reduce_scatter",
-        n,
-        [(f.clone(), "ring_reduce_scatter", rounds) if rounds else (f.clone(),) for f in flats],
-        case,
-        "a deadlock?",
-        timeout=30,
-        content=True,
-        gate=[[None] * n for _ in range(rounds)] if rounds else None,
-    )
+    run = _run_held("ring_reduce_scatter", n, [(f.clone(),) for f in flats], case, "a deadlock?", rounds)
     total = torch.stack(flats).sum(dim=0).to(dtype)  # what dist.all_reduce gives, in one process
     for rank, out in enumerate(run.results):
         checks.assert_close(
@@ -244,16 +250,7 @@ def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32
         flat.tensor_split(n)[rank].copy_(_piece(rank, n, numel, dtype))
         flats.append((flat,))
     rounds = n - 1 if numel >= n else 0  # (empty chunks: a rank may skip their messages)
-    run = common.run_or_fail(
-        _held_at_receives if rounds else "ring_all_gather",
-        n,
-        [(*f, "ring_all_gather", rounds) if rounds else f for f in flats],
-        case,
-        "a deadlock?",
-        timeout=30,
-        content=True,
-        gate=[[None] * n for _ in range(rounds)] if rounds else None,
-    )
+    run = _run_held("ring_all_gather", n, flats, case, "a deadlock?", rounds)
     expected = torch.cat([_piece(r, n, numel, dtype) for r in range(n)])  # in one process
     for rank, out in enumerate(run.results):
         checks.assert_close(run.inputs_after[rank][0], expected, what=f"{case}: rank {rank}'s flat after the call")
