@@ -71,6 +71,7 @@ KIT_RESTART, TORCHRUN_RESTART, TORCHRUN_SHARED, FT_SURVIVOR, FT_REPLACEMENT = (
     "torchft, replacement",
 )
 TORCHRUN_TIMEOUT_S = 60  # a torchrun job's limit: its restart takes 6 s here; with the shared store it can hang
+STOP_WAIT_S = 10  # a hung torchrun agent's time to stop its workers after SIGTERM
 FT_HEARTBEAT_MS = 2000  # the lighthouse's heartbeat timeout: how long a silent replica is waited for
 FT_PACE_S = 0.05  # a torchft step's pause (the MLP's step takes ms): the survivor still trains when the new one is up
 FT_TOGETHER = 3  # the torchft job ends at --steps or later, once both replicas took part in this many steps in a row
@@ -209,21 +210,21 @@ def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if own_store:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        # a session of its own: on a hang the agent and its workers go together (killing the agent alone
-        # leaves its workers running)
-        agent = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-        )
-        try:
-            out, err = agent.communicate(timeout=TORCHRUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.communicate()
-            stopped = f"torchrun's job did not end in {TORCHRUN_TIMEOUT_S} s and was stopped"
-            return {"error": stopped + " (its restarted workers hung)"}
+        # the agent's output goes to a file, not a pipe: a worker left running would hold a pipe open and
+        # reading it would never end (a hung shared-store restart did so: the bench never returned)
+        with open(os.path.join(folder, "torchrun.out"), "w+") as log:
+            agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+            try:
+                agent.wait(timeout=TORCHRUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _stop_job(agent, folder)
+                stopped = f"torchrun's job did not end in {TORCHRUN_TIMEOUT_S} s and was stopped"
+                return {"error": stopped + " (its restarted workers hung)"}
+            log.seek(0)
+            said = log.read()
         if agent.returncode != 0:
-            said = [line for line in (err + out).splitlines() if "RuntimeError:" in line]
-            why = re.sub(r"\[/\S+\] ", "", said[-1].split("RuntimeError:", 1)[1]).strip() if said else "(no error said)"
+            errors = [ln for ln in said.splitlines() if "RuntimeError:" in ln] or ["RuntimeError: (no error said)"]
+            why = re.sub(r"\[/\S+\] ", "", errors[-1].split("RuntimeError:", 1)[1]).strip()
             return {"error": f"torchrun exited with {agent.returncode}; the restarted workers: {why[:160]}"}
         with open(os.path.join(folder, "killed")) as f:
             killed = float(f.read())
@@ -232,6 +233,26 @@ def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own
         return {"recovered_s": _first_step(folder, 1) - killed, "resumed": resumed}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop_job(agent: subprocess.Popen, folder: str) -> None:
+    """Stop a torchrun job that hung: SIGTERM to the agent (it stops its workers, each in a session of its
+    own), then SIGKILL to it and to any worker of this job still running (found by its command line,
+    which names the job's own ``folder``)."""
+    agent.terminate()
+    try:
+        agent.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
+    mark = f"--torchrun-child\0{folder}\0".encode()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark in f.read():
+                    os.kill(int(entry), signal.SIGKILL)
+        except OSError:  # (ended meanwhile, or not a process)
+            pass
 
 
 def _torchrun_child(folder: str, total: int, every: int, kill_at: int) -> None:

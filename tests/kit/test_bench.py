@@ -9,10 +9,16 @@ knows what to measure.
 from __future__ import annotations
 
 import argparse
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from disttrain_lab import bench
+from tests.helpers import survivors
 
 
 def test_format_ddp_table():
@@ -173,3 +179,40 @@ def test_over_world_sizes_runs_each_and_shows_how_the_ratio_moves():
         common.over_world_sizes(argparse.Namespace(world_size=(3,)), measure_one)
     with pytest.raises(common.NotMeasured, match="on 3 ranks"):
         common.over_world_sizes(argparse.Namespace(world_size=(3, 3)), measure_one)
+
+
+AGENT = r"""
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # an agent too stuck to stop its workers
+for _ in range(2):  # workers in sessions of their own, as torchrun starts them, holding the agent's output
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "--torchrun-child", sys.argv[1]],
+                     start_new_session=True)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_hung_torchrun_job_is_stopped_with_its_workers(tmp_path, monkeypatch):
+    """bench checkpoint's torchrun rows: a job past its limit is stopped, the agent and the workers it
+    started in sessions of their own (left running, they held the agent's output and the bench hung)."""
+    from disttrain_lab.bench import checkpoint
+
+    monkeypatch.setattr(checkpoint, "STOP_WAIT_S", 1)  # (this agent ignores SIGTERM: it is killed after it)
+    out = tmp_path / "agent.out"
+    with open(out, "w") as log:
+        agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "started" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [p for p in psutil.pids() if f"--torchrun-child {tmp_path}" in " ".join(_cmdline(p))]
+    assert len(workers) == 2, out.read_text()
+    checkpoint._stop_job(agent, str(tmp_path))
+    assert agent.returncode == -signal.SIGKILL
+    assert survivors(workers) == [], "the job's workers must be stopped with its agent"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []

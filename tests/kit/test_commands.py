@@ -230,6 +230,7 @@ class _Pictures(html.parser.HTMLParser):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)  # (the command's own limit, 900 s, and its clean-up: ~110 s quiet, 300 s under CI's load)
 def test_bench_all_writes_a_report(tmp_path):
     """``bench all --quick --report DIR``: every benchmark, in the registry's order, with its tiny settings."""
     out = run(disttrain_lab() + ["bench", "all", "--quick", "--report", str(tmp_path)], timeout=900)

