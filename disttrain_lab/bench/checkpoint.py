@@ -51,7 +51,17 @@ from torch.distributed.fsdp import fully_shard
 
 from ..labtests.lab12 import mlp
 from ..launcher import RankDied, launch
-from .common import Measured, NotMeasured, add_notebook_argument, add_world_size_argument, chart, functions_from_lab
+from .common import (
+    Measured,
+    NotMeasured,
+    add_notebook_argument,
+    add_world_size_argument,
+    below_in_noise,
+    chart,
+    functions_from_lab,
+    slowest_samples,
+    spread,
+)
 
 NAME = "checkpoint"
 HELP = "lab 12's save against dcp.save and async_save; a killed rank's recovery by dl.launch, torchrun and torchft"
@@ -140,7 +150,9 @@ def bench_saves(versions: dict, world_size: int = 2, width: int = 1024, repeats:
             rows.append({**row, "error": "the notebook defines no save_checkpoint"})
             continue
         ms = 1e3 * max(statistics.median(rank["seconds"][name]) for rank in per_rank)
-        rows.append({**row, "ms": ms, "repeats": repeats, "bytes": first["bytes"], "rule": 12 * params / world_size})
+        moves = spread(slowest_samples([rank["seconds"][name] for rank in per_rank]))
+        row.update(ms=ms, spread=moves, repeats=repeats, bytes=first["bytes"], rule=12 * params / world_size)
+        rows.append(row)
     base = next(r for r in rows if r["version"] == DCP_SAVE)
     for r in rows:
         if "ms" in r:
@@ -446,6 +458,10 @@ def format_checkpoint_table(rows: list[dict]) -> str:
                 lines.append(
                     f"  {r['version']:<28} {r['ms']:>9.1f} {r['bytes']:>13,} {r['rule']:>13,.0f} {r['ratio']:>6.2f}x"
                 )
+        dcp_save = next((r for r in saves if r["version"] == DCP_SAVE and "ms" in r), None)
+        if dcp_save is not None:  # (the asynchronous save's end is not a save blocking the step: not compared)
+            blocking = [r for r in saves if r["version"] != ASYNC_WRITTEN]
+            lines += ["  " + line for line in below_in_noise(blocking, lambda r: dcp_save)]
     recovery = [r for r in rows if r["part"] == "recovery"]
     if recovery:
         size = recovery[0].get("size", {})

@@ -21,12 +21,15 @@ from .common import (
     Measured,
     add_notebook_argument,
     add_world_size_argument,
+    below_in_noise,
     chart,
     functions_from_lab,
     mlp_parameters,
     over_world_sizes,
     sent_bytes,
     slowest_median,
+    slowest_samples,
+    spread,
     version_width,
 )
 
@@ -165,6 +168,7 @@ def bench_zero(
             "world_size": world_size,
             "parameters": parameters,
             "steps_per_s": steps / slowest_median([rank["seconds"][name] for rank in per_rank]),
+            "spread": spread(slowest_samples([rank["seconds"][name] for rank in per_rank])),
             "repeats": repeats,
             "held": worst,
             "sent": per_rank[0]["sent"][name],
@@ -208,7 +212,8 @@ def format_zero_table(rows: list[dict]) -> str:
             line += f" {format_bytes(r['predicted']):>9} {h['total'] / r['predicted']:>11.3f}x"
         lines.append(line)
     lines.append(f"(vs torch: stages 1-2 against {TORCH_ZERO_REDUNDANCY}, stage 3 against {TORCH_FSDP})")
-    return "\n".join(lines)
+    by_name = {r["version"]: r for r in rows}
+    return "\n".join(lines + below_in_noise(rows, lambda r: by_name[r["reference"]]))
 
 
 NAME = "zero"

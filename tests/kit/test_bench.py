@@ -216,3 +216,30 @@ def _cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.Error:
         return []
+
+
+def test_a_row_below_torch_says_whether_the_gap_is_within_this_runs_noise():
+    """bench zero and checkpoint: a row under its baseline carries both rows' spread over their repeats (median
+    absolute deviation / median) and says whether the gap is within their sum or beyond it."""
+    assert bench.common.spread([1.0]) == 0.0
+    assert bench.common.spread([1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.2]) == pytest.approx(0.05)
+    assert bench.common.slowest_samples([[1.0, 3.0], [2.0, 1.0]]) == [2.0, 3.0]
+    held = {k: 1 for k in ("total", "parameters", "gradients", "optimizer_state", "other")}
+    row = {"stage": 1, "world_size": 2, "parameters": 10, "repeats": 7, "held": held, "sent": 1, "counted": "x"}
+    rows = [
+        {**row, "version": bench.TORCH_ZERO_REDUNDANCY, "steps_per_s": 1.0, "ratio": 1.0, "spread": 0.03},
+        {**row, "version": "Zero1Optimizer", "steps_per_s": 0.97, "ratio": 0.97, "spread": 0.02},
+        {**row, "version": "Zero2Optimizer", "steps_per_s": 0.9, "ratio": 0.9, "spread": 0.01, "stage": 2},
+        {**row, "version": "Zero3Module", "steps_per_s": 2.0, "ratio": 2.0, "spread": 0.5, "stage": 3},
+        {**row, "version": bench.TORCH_FSDP, "steps_per_s": 1.0, "ratio": 1.0, "spread": 0.5, "stage": 3},
+    ]
+    for r in rows:
+        r["reference"] = bench.TORCH_FSDP if r["stage"] == 3 else bench.TORCH_ZERO_REDUNDANCY
+    lines = bench.format_zero_table(rows).splitlines()
+    noise = lines[lines.index(next(x for x in lines if x.startswith("below its baseline"))) :]
+    assert "over 7 repeats" in noise[0], lines
+    assert noise[1:] == [
+        f"  Zero1Optimizer: 0.97x {bench.TORCH_ZERO_REDUNDANCY}; spreads 2.0 % and 3.0 %: within the noise (±5.0 %)",
+        f"  Zero2Optimizer: 0.90x {bench.TORCH_ZERO_REDUNDANCY}; spreads 1.0 % and 3.0 %: beyond the noise (±4.0 %)",
+    ], lines
+    assert not any("below" in x for x in bench.format_zero_table(rows[3:]).splitlines()), "none below: no lines"

@@ -23,8 +23,8 @@ from tests.helpers import REPO, run_python
 def test_format_checkpoint_table():
     save = {"part": "save", "world_size": 2, "size": {"width": 8, "params": 144}, "repeats": 3, "bytes": 900}
     rows = [
-        {**save, "version": "save_checkpoint (the lab's)", "ms": 4.0, "rule": 864, "ratio": 0.5},
-        {**save, "version": "dcp.save", "ms": 2.0, "rule": 864, "ratio": 1.0},
+        {**save, "version": "save_checkpoint (the lab's)", "ms": 4.0, "rule": 864, "ratio": 0.5, "spread": 0.02},
+        {**save, "version": "dcp.save", "ms": 2.0, "rule": 864, "ratio": 1.0, "spread": 0.03},
         {"part": "save", "version": "dcp.async_save, blocked", "world_size": 2, "size": save["size"], "error": "why"},
         {
             "part": "recovery",
@@ -41,6 +41,12 @@ def test_format_checkpoint_table():
     assert lines[0].startswith("save on 2 ranks (FSDP2, a 2-layer MLP of width 8, 144 parameters"), lines
     assert lines[2].split()[-4:] == ["4.0", "900", "864", "0.50x"] and lines[3].endswith("1.00x"), lines
     assert lines[4].endswith("not measured: why"), lines
+    assert lines[5].startswith("  below its baseline in this run") and "over 3 repeats" in lines[5], lines
+    assert (
+        lines[6]
+        == "    save_checkpoint (the lab's): 0.50x dcp.save; spreads 2.0 % and 3.0 %: beyond the noise (±5.0 %)"
+    )
+    lines = lines[:5] + lines[7:]
     assert lines[5].startswith("recovery on 2 ranks") and "6 steps, a checkpoint every 2" in lines[5], lines
     assert lines[7].split()[-3:] == ["0.70", "2", "1"], lines
     assert lines[8].endswith("not measured: torchrun exited with 1"), lines
