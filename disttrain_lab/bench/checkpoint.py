@@ -442,11 +442,12 @@ def bench_recovery(functions: dict, total: int = 16, every: int = 4, kill_at: in
 
 def format_checkpoint_table(rows: list[dict]) -> str:
     lines = []
-    saves = [r for r in rows if r["part"] == "save"]
-    if saves:
+    all_saves = [r for r in rows if r["part"] == "save"]
+    for world_size in dict.fromkeys(r["world_size"] for r in all_saves):  # (a table per --world-size, in order)
+        saves = [r for r in all_saves if r["world_size"] == world_size]
         first = saves[0]
         lines += [
-            f"save on {first['world_size']} ranks (FSDP2, a 2-layer MLP of width {first['size']['width']}, "
+            f"save on {world_size} ranks (FSDP2, a 2-layer MLP of width {first['size']['width']}, "
             f"{first['size']['params']:,} parameters, fp32 + Adam); ms the step is blocked, slowest rank's median; "
             "bytes: rank 0's file, against 12·Ψ/N; ratio: dcp.save's time / this one's",
             f"  {'version':<28} {'ms':>9} {'bytes':>13} {'12·Ψ/N':>13} {'ratio':>7}",
@@ -461,7 +462,7 @@ def format_checkpoint_table(rows: list[dict]) -> str:
         dcp_save = next((r for r in saves if r["version"] == DCP_SAVE and "ms" in r), None)
         if dcp_save is not None:  # (the asynchronous save's end is not a save blocking the step: not compared)
             blocking = [r for r in saves if r["version"] != ASYNC_WRITTEN]
-            lines += ["  " + line for line in below_in_noise(blocking, lambda r: dcp_save)]
+            lines += ["  " + line for line in below_in_noise(blocking, lambda r, base=dcp_save: base)]
     recovery = [r for r in rows if r["part"] == "recovery"]
     if recovery:
         size = recovery[0].get("size", {})
@@ -504,7 +505,8 @@ def measure(args) -> Measured:
         rows += bench_saves(found, world_size, args.width, args.repeats)
     rows += bench_recovery(found, args.steps, args.every, args.kill_at)
     saves = [r for r in rows if r["part"] == "save" and "ms" in r]
-    return Measured(rows, format_checkpoint_table(rows), [chart(saves, "A checkpoint's save", "ms", "ms blocked")])
+    picture = chart(saves, "A checkpoint's save", "ms", "ms blocked", series="world_size", named="{} ranks")
+    return Measured(rows, format_checkpoint_table(rows), [picture])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--torchrun-child"]:

@@ -77,3 +77,28 @@ def test_cli_bench_checkpoint_with_tiny_options():
     assert int(replacement[-2]) > 3 and replacement[-1] == "0", out  # joined later, from the survivor's state
     assert float(replacement[-3]) > float(survivor[-3]), out
     assert "both end with equal parameters" in out, out
+
+
+def test_saves_on_several_world_sizes_are_a_table_each():
+    """``--world-size 2,4``: each world size's saves under their own heading, compared with that size's
+    dcp.save (its ratio, its noise), never with another's."""
+    rows = []
+    for n, lab_ms, spread in ((2, 4.0, 0.02), (4, 2.1, 0.3)):
+        save = {"part": "save", "world_size": n, "size": {"width": 8, "params": 144}, "repeats": 7, "bytes": 900}
+        rows += [
+            {
+                **save,
+                "version": "save_checkpoint (the lab's)",
+                "ms": lab_ms,
+                "rule": 864,
+                "ratio": 2.0 / lab_ms,
+                "spread": spread,
+            },
+            {**save, "version": "dcp.save", "ms": 2.0, "rule": 864, "ratio": 1.0, "spread": spread},
+        ]
+    lines = bench.format_checkpoint_table(rows).splitlines()
+    headings = [i for i, line in enumerate(lines) if line.startswith("save on ")]
+    assert [lines[i][:15] for i in headings] == ["save on 2 ranks", "save on 4 ranks"], lines
+    first, second = lines[headings[0] : headings[1]], lines[headings[1] :]
+    assert any("0.50x dcp.save; spreads 2.0 % and 2.0 %: beyond the noise" in line for line in first), lines
+    assert any("0.95x dcp.save; spreads 30.0 % and 30.0 %: within the noise" in line for line in second), lines
