@@ -18,13 +18,24 @@ checked there, and only grading holds a run to these.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from . import checks, gloo_ops
 
-__all__ = ["assert_carried", "assert_sums_carried", "assert_values_carried", "messages"]
+__all__ = [
+    "assert_carried",
+    "assert_sums_carried",
+    "assert_values_carried",
+    "messages",
+    "collective_payloads",
+    "all_reduce_sizes",
+]
+
+ALL_REDUCE = 4  # an all-reduce's slot prefix (checks.COLLECTIVE_SLOTS)
+CALL_BITS = (1 << 56) - 1  # a slot's bits below its kind: torch's tag for the call, counted up call by call
 
 
 def messages(run, src: int, dst: int, case: str, count: int | None = None, what: str = "message") -> list[bytes] | None:
@@ -43,6 +54,51 @@ def messages(run, src: int, dst: int, case: str, count: int | None = None, what:
             f"{len(got)}"
         )
     return got
+
+
+def collective_payloads(run, case: str) -> list[tuple[int, int]] | None:
+    """Each collective call the ranks made, in the order they made it, as (its slot, the bytes of payload all
+    its messages carried), read from the grader's capture (None in the student's own kernel, where there is
+    none).  Every message of one gloo collective carries a slot of its own: its kind in the top byte
+    (``checks.COLLECTIVE_SLOTS``), below it torch's tag for the call, counted up call by call."""
+    if run.timeline.source == "trace":
+        return None
+    n, totals = run.world_size, {}
+    for src in range(n):
+        for dst in range(n):
+            if src == dst:
+                continue
+            try:
+                sent = run.timeline.sends_between(src, dst, -math.inf) or []
+            except gloo_ops.NotGloo as e:
+                raise AssertionError(
+                    f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
+                    "talk through torch.distributed alone"
+                ) from None
+            for slot, payload in sent:
+                if slot >> 56:
+                    totals[slot] = totals.get(slot, 0) + len(payload)
+    return sorted(totals.items(), key=lambda call: call[0] & CALL_BITS)  # (in call order, whatever the kind)
+
+
+def all_reduce_sizes(calls: list[tuple[int, int]], world_size: int, case: str) -> list[int]:
+    """The size in bytes of each all-reduce among ``calls`` (``collective_payloads``), in order: gloo's ring
+    puts 2·(N − 1)·B bytes of payload on the wire for an all-reduce of B bytes on N ranks, whatever its
+    pieces (each of the N − 1 steps of its reduce-scatter and of its all-gather moves every piece once).  An
+    all-reduce whose payload is not a whole multiple of 2·(N − 1) raises."""
+    sizes = []
+    for slot, total in calls:
+        if slot >> 56 != ALL_REDUCE:
+            continue
+        size, left = divmod(total, 2 * (world_size - 1))
+        if left:
+            raise AssertionError(
+                f"{case}: an all-reduce's messages (slot {slot:#x}) carried {total:,} bytes in all, not 2·(N − 1) = "
+                f"{2 * (world_size - 1)} times a tensor's bytes, as gloo's all-reduce does: the ranks must talk "
+                "through torch.distributed alone"
+            )
+        sizes.append(size)
+    return sizes
 
 
 def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str) -> None:

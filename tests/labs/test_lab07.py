@@ -681,3 +681,86 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
     assert "rank 0's values: the data from the other ranks to rank 1 should carry 1 message(s)" in said, said
     said = str(dense.value)
     assert "put 8008 B of data on the wire" in said and "at most 2090 B" in said, said
+
+
+def _powersgd_dense_with_decoys(state, bucket, gather=False):
+    """A forged powersgd_hook: torch's powerSGD_hook run on the side for its all-reduces (traced: the trace shows
+    torch's bytes), the exact average taken by a dense all-reduce the trace does not record (``gather``: by an
+    all-gather, so that the all-reduces on the wire are torch's too)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from disttrain_lab import trace
+
+    if not hasattr(state, "decoy"):
+        state.decoy = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=state.rank,
+            start_powerSGD_iter=2,
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+    index, gradient = bucket.index(), bucket.buffer().clone()
+    before = state.error_dict.get(index)
+    powerSGD_hook.powerSGD_hook(state.decoy, bucket).wait()  # (it writes its average into the bucket)
+    compensated = gradient + (0 if before is None else before)
+    average = compensated.clone()
+    with trace.unrecorded():
+        if gather:
+            pieces = [torch.empty_like(average) for _ in range(dist.get_world_size())]
+            dist.all_gather(pieces, average)
+            average = torch.stack(pieces).sum(0)
+        else:
+            dist.all_reduce(average)
+    average /= dist.get_world_size()
+    if state.iter >= state.start_iter:
+        state.error_dict[index] = compensated - average
+    state.iter += 1
+    bucket.buffer().copy_(average)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _powersgd_gathered_with_decoys(state, bucket):
+    return _powersgd_dense_with_decoys(state, bucket, gather=True)
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_powersgd_bytes_are_read_from_the_wire(monkeypatch):
+    """The PowerSGD stretch's bytes (torch's powerSGD_hook's all-reduces) come from the grader's capture: each
+    all-reduce's slot and payload (2·(N − 1)·B on N ranks).  The solution passes with and without a capture; a
+    hook whose trace shows torch's all-reduces while a dense all-reduce it keeps off the trace makes the exact
+    average passes on the trace alone and fails on the wire; so does one that makes it by an all-gather (the
+    all-reduces on the wire are then torch's, the all-gather's bytes are not DDP's few)."""
+    import linecache
+
+    from disttrain_lab import bench
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["powersgd_hook"])
+    space = dict(solution["powersgd_hook"].__globals__)
+    # the locked helpers' cell, defined as the kernel defines a cell (its functions keep their source: a driver
+    # crosses to the student's kernel as its source)
+    helpers, name = cell_by_id(load(LAB), "powersgd_helpers").source, "<cell powersgd_helpers>"
+    linecache.cache[name] = (len(helpers), None, helpers.splitlines(True), name)
+    exec(compile(helpers, name, "exec"), space)
+    notebook_names(monkeypatch, space)
+    lab07.check_powersgd(2, 2)
+    with observed_from_outside():
+        lab07.check_powersgd(2, 2)
+        lab07.check_powersgd(3, 1)
+        monkeypatch.setattr("__main__.powersgd_hook", _powersgd_dense_with_decoys)
+        with pytest.raises(AssertionError) as forged:
+            lab07.check_powersgd(2, 2)
+        monkeypatch.setattr("__main__.powersgd_hook", _powersgd_gathered_with_decoys)
+        with pytest.raises(AssertionError) as gathered:
+            lab07.check_powersgd(2, 2)
+    lab07.check_powersgd(2, 2)  # (the student's own kernel: the trace's account, fooled)
+    said = str(forged.value)
+    assert "the grader's capture of the wire saw all-reduces of" in said and "torch's powerSGD_hook's are" in said, said
+    said = str(gathered.value)
+    assert "saw all_gather, broadcast carrying" in said and "as well as the all-reduces" in said, said
