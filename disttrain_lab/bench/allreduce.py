@@ -170,7 +170,7 @@ def format_allreduce_table(rows: list[dict]) -> str:
                 ratio = f"({row[key] / torch_row[key]:.2f}x)" if row and torch_row else ""
                 cells.append(f"{row[key] * scale:>{width}{fmt}} {ratio:>7}" if row else f"{'-':>{width + 8}}")
             lines.append(f"{format_bytes(nbytes):>9}" + "".join(cells))
-    lines += _below_gloo(timed, by)
+    lines += _below_gloo(timed, by) + _below_gloo_small(timed, by)
     lines += [f"{r['algorithm']}: not measured: {r['error']}" for r in rows if "error" in r]
     return "\n".join(lines)
 
@@ -198,6 +198,28 @@ def _below_gloo(timed: list[dict], by: dict) -> list[str]:
         lines.append(
             f"  {r['algorithm']} at {format_bytes(r['bytes'])}: busbw {r['ratio']:.2f}x, CPU per call {cpu:.2f}x"
         )
+    return lines
+
+
+def _below_gloo_small(timed: list[dict], by: dict) -> list[str]:
+    """Where a ring-family row of a latency-bound size (below ``BANDWIDTH_BOUND``) is below dist.all_reduce: per
+    algorithm, each such size's busbw and CPU ratios, and why: a Python loop of many messages against one C++ call."""
+    below: dict[str, list[str]] = {}
+    for r in timed:
+        if r["algorithm"] in RINGS and r["bytes"] < BANDWIDTH_BOUND and r.get("ratio", 1.0) < 1.0 and "cpu_s" in r:
+            cpu = r["cpu_s"] / by[(TORCH_ALL_REDUCE, r["bytes"])]["cpu_s"]
+            cell = f"{r['ratio']:.2f}x at {format_bytes(r['bytes'])} (CPU {cpu:.2f}x)"
+            below.setdefault(r["algorithm"], []).append(cell)
+    if not below:
+        return []
+    lines = [
+        "below dist.all_reduce's busbw at latency-bound sizes (under 16 MiB), with the CPU per call against its: a "
+        "call there is its messages' fixed costs, and the lab's algorithms are Python loops of 2·(N − 1) messages "
+        "a rank (the ring), 2·log2 N (halving-doubling) or 2·(N − 1) a chunk (the pipelined ring, which pays most), "
+        "each a send, a receive and an add from Python, where dist.all_reduce is one call into gloo's C++ (lab 2's "
+        "α-β model: the α term)"
+    ]
+    lines += [f"  {name}: {', '.join(cells)}" for name, cells in below.items()]
     return lines
 
 

@@ -103,7 +103,7 @@ SMOKE = {
             "message",
             "mode",
             "us/round trip",
-            "vs torch",
+            "time / torch",
             "4 B torch",
             "4 B status only",
             "4 B traced",

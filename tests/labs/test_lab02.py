@@ -626,7 +626,8 @@ def test_format_allreduce_table():
 
 def test_allreduce_table_says_where_a_ring_is_below_gloo():
     """A ring-family row of a bandwidth-bound size (16 MiB on) below dist.all_reduce's busbw is listed with its
-    CPU per call against gloo's, and why they go together; one above it, or of a smaller size, is not."""
+    CPU per call against gloo's, and why they go together; one above it is not; one of a smaller size is listed
+    apart, with the per-message cost that puts it there."""
     rows = []
     for nbytes in (1 << 20, 16 << 20):
         for name, busbw, cpu_s in (
@@ -651,6 +652,10 @@ def test_allreduce_table_says_where_a_ring_is_below_gloo():
     assert "the link is a CPU core" in below, table
     assert "  ring_all_reduce at 16.0 MiB: busbw 0.87x, CPU per call 1.14x" in below, table
     assert "1.0 MiB:" not in below and "pipelined" not in below, table
+    # the same ring at 1 MiB (latency-bound): listed apart, with why a Python loop of messages is below there
+    small = table.split("below dist.all_reduce's busbw at latency-bound sizes")[1]
+    assert "Python loops of 2·(N − 1) messages" in small and "one call into gloo's C++" in small, table
+    assert "  ring_all_reduce: 0.87x at 1.0 MiB (CPU 1.14x)" in small and "pipelined_ring" not in small, table
 
 
 def test_functions_from_notebook_runs_definitions_not_tests(solution):
