@@ -764,3 +764,68 @@ def test_powersgd_bytes_are_read_from_the_wire(monkeypatch):
     assert "the grader's capture of the wire saw all-reduces of" in said and "torch's powerSGD_hook's are" in said, said
     said = str(gathered.value)
     assert "saw all_gather, broadcast carrying" in said and "as well as the all-reduces" in said, said
+
+
+def _topk_with_dense_beside(state, bucket, gather=False):
+    """A forged topk_hook: top-k pieces sent as the solution sends them (k indices and values in one traced
+    all-gather), the average taken from the dense gradient sent beside them, off the trace: by an all-reduce
+    (``gather``: an all-gather)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+
+    dense, world_size = bucket.buffer().clone(), dist.get_world_size()
+    k = math.ceil(state.density * dense.numel())
+    indices = dense.abs().topk(k).indices.sort().values
+    piece = torch.cat([indices.view(torch.int32), dense[indices].view(torch.int32)])
+    dist.all_gather([torch.empty_like(piece) for _ in range(world_size)], piece)
+    with trace.unrecorded():
+        if gather:
+            pieces = [torch.empty_like(dense) for _ in range(world_size)]
+            dist.all_gather(pieces, dense)
+            dense = torch.stack(pieces).sum(0)
+        else:
+            dist.all_reduce(dense)
+    bucket.buffer().copy_(dense / world_size)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _topk_with_dense_gathered_beside(state, bucket):
+    return _topk_with_dense_beside(state, bucket, gather=True)
+
+
+@pytest.mark.slow  # (ranks and a packet capture, 300 steps: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_topk_hook_bytes_are_read_from_the_wire(monkeypatch):
+    """topk_hook's bytes come from the grader's capture: what each rank sent in the hooks' all-gathers (DDP's
+    constructor's calls left out), at most N - 1 times its piece per step, and nothing else of note.  The solution
+    passes with and without a capture; a hook that sends top-k pieces as the solution does and takes its average
+    from the dense gradient sent off the trace beside them passes on the trace and fails on the wire, by an all-reduce
+    (other collectives) or by an all-gather (the all-gathers' bytes)."""
+    from disttrain_lab import bench
+    from disttrain_lab.labtests.lab07 import ranks
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["topk_hook"])
+    notebook_names(monkeypatch, solution["topk_hook"].__globals__)
+    driver = (ranks._train_topk, ())
+    lab07.check_hook_exact(driver, 2)
+    with observed_from_outside():
+        lab07.check_hook_exact(driver, 2)
+        lab07.check_hook_exact(driver, 3)
+        monkeypatch.setattr("__main__.topk_hook", _topk_with_dense_beside)
+        with pytest.raises(AssertionError) as reduced:
+            lab07.check_hook_exact(driver, 2)
+        monkeypatch.setattr("__main__.topk_hook", _topk_with_dense_gathered_beside)
+        with pytest.raises(AssertionError) as gathered:
+            lab07.check_training(driver, steps=30, tolerance=10.0)
+    lab07.check_hook_exact(driver, 2)  # (the student's own kernel: the trace's account, fooled)
+    said = str(reduced.value)
+    assert "send" in said and "in collectives other than all-gathers once training began" in said, said
+    said = str(gathered.value)
+    assert "B per step in the hooks' all-gathers" in said and "at most 672 B" in said, said

@@ -62,6 +62,34 @@ def _check_topk_of(flat, values, indices, density, case):
         )
 
 
+ALL_GATHER, BROADCAST = 2, 6  # slot prefixes (checks.COLLECTIVE_SLOTS)
+
+
+def _hook_calls_sent(run: ExerciseRun, rank: int, case: str) -> tuple[int, int] | None:
+    """What ``rank`` sent in the hooks' collective calls of a DDP run, from the grader's capture (None in the
+    student's own kernel): (the payload of its all-gathers, of any other collective).  DDP's constructor calls
+    first: an all-gather of the parameters' shapes (the run's first call), then broadcasts of the module's
+    state; every call after those is the hooks' (and DDP's bucket rebuild after the first step: a broadcast
+    of a few integers).  A call's messages share its slot (``carried.collective_payloads``)."""
+    calls = carried.collective_payloads(run, case)
+    if calls is None:
+        return None
+    start = 1  # (the shapes' all-gather), then the module's state
+    while start < len(calls) and calls[start][0] >> 56 == BROADCAST:
+        start += 1
+    hooks = {slot for slot, _ in calls[start:]}
+    gathered = other = 0
+    for dst in range(run.world_size):
+        if dst != rank:
+            for slot, payload in run.timeline.sends_between(rank, dst, -math.inf) or []:
+                if slot in hooks:
+                    if slot >> 56 == ALL_GATHER:
+                        gathered += len(payload)
+                    else:
+                        other += len(payload)
+    return gathered, other
+
+
 def _bytes_sent(run: ExerciseRun, rank: int) -> int:
     """Bytes this rank put on the wire in the run, as its trace says (gloo's collectives relay more,
     by their own algorithms): its own piece of each collective, and its sends."""

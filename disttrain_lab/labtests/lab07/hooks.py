@@ -12,7 +12,7 @@ import torch
 from ... import carried, checks, models
 from ...launcher import launch
 from .. import common
-from .common import _HOOK_SIZES, GRADED_PASSED, _bytes_sent, _run
+from .common import _HOOK_SIZES, GRADED_PASSED, _bytes_sent, _hook_calls_sent, _run
 from .ranks import _train_dense, _train_topk
 
 
@@ -86,14 +86,33 @@ def _check_average(run, case):
 
 
 def _check_compressed_bytes(run, case, density, steps):
-    """Only the compressed pieces travel: at most k values + k int64 indices per rank and step (its trace)."""
+    """Only the compressed pieces travel: per rank and step at most k values + k int64 indices.  Under grading,
+    from the grader's capture: what each rank sent in the hooks' all-gathers, at most N - 1 times its piece (an
+    all-gather relays the others' pieces, of the same size), and any other collective of the hooks' below one
+    dense gradient in all (DDP's own bucket rebuild broadcasts a few integers); in the student's own kernel,
+    from the ranks' trace (its own piece of each collective)."""
     numel = sum(p.numel() for p in run.results[0]["params"])
-    k = math.ceil(density * numel)
-    for rank in range(run.world_size):
-        per_step = _bytes_sent(run, rank) / steps
-        assert per_step <= k * 12, (
-            f"{case}: rank {rank} sent {per_step:.0f} B per step; the compressed gradient is "
-            f"at most {k * 12} B (k = {k} values + indices), the dense one {4 * numel} B"
+    k, n = math.ceil(density * numel), run.world_size
+    for rank in range(n):
+        seen = _hook_calls_sent(run, rank, case)
+        if seen is None:
+            per_step = _bytes_sent(run, rank) / steps
+            assert per_step <= k * 12, (
+                f"{case}: rank {rank} sent {per_step:.0f} B per step; the compressed gradient is "
+                f"at most {k * 12} B (k = {k} values + indices), the dense one {4 * numel} B"
+            )
+            continue
+        gathered, other = seen
+        assert gathered / steps <= (n - 1) * k * 12, (
+            f"{case}: the grader's capture of the wire saw rank {rank} send {gathered / steps:.0f} B per step in "
+            f"the hooks' all-gathers; its compressed gradient is at most {k * 12} B (k = {k} values + indices), "
+            f"which each of the other {n - 1} ranks needs once: at most {(n - 1) * k * 12} B. The dense one is "
+            f"{4 * numel} B"
+        )
+        assert other < 4 * numel, (
+            f"{case}: the grader's capture of the wire saw rank {rank} send {other} B in collectives other than "
+            f"all-gathers once training began (DDP's own bucket rebuild broadcasts a few integers; the dense "
+            f"gradient is {4 * numel} B): topk_hook sends its pieces by all-gather alone"
         )
 
 
@@ -103,7 +122,7 @@ def check_hook_exact(driver: tuple[Callable, tuple], n: int, steps: int = 3) -> 
     exactly like DDP's own all-reduce, and sends only its compressed pieces."""
     hook, extra = driver
     case = f"torch DDP with topk_hook at density 1.0 on {n} ranks"
-    mine = _run(hook, n, [(x, y, 1.0, True, steps, *extra) for x, y in _hook_data(n, _HOOK_SIZES)], case)
+    mine = _run(hook, n, [(x, y, 1.0, True, steps, *extra) for x, y in _hook_data(n, _HOOK_SIZES)], case, content=True)
     _check_future(mine, case)
     _check_average(mine, case)
     reference = launch(_train_dense, n, steps, timeout=60)
@@ -129,7 +148,7 @@ def check_training(
     case = f"2 ranks, {steps} steps of SGD, top-k at {density:.0%}"
     dense = launch(_train_dense, 2, steps, timeout=120)[0]["losses"][-1]
     data = _hook_data(2, _HOOK_SIZES)
-    with_ef = _run(hook, 2, [(x, y, density, True, steps, *extra) for x, y in data], case)
+    with_ef = _run(hook, 2, [(x, y, density, True, steps, *extra) for x, y in data], case, content=True)
     without = _run(hook, 2, [(x, y, density, False, steps, *extra) for x, y in data], case)
     _check_future(with_ef, case)
     _check_compressed_bytes(with_ef, case, density, steps)
