@@ -31,6 +31,7 @@ __all__ = [
     "assert_values_carried",
     "messages",
     "collective_payloads",
+    "calls_made",
     "all_reduce_sizes",
 ]
 
@@ -79,6 +80,30 @@ def collective_payloads(run, case: str) -> list[tuple[int, int]] | None:
                 if slot >> 56:
                     totals[slot] = totals.get(slot, 0) + len(payload)
     return sorted(totals.items(), key=lambda call: call[0] & CALL_BITS)  # (in call order, whatever the kind)
+
+
+def calls_made(run, case: str) -> dict[str, set[int]] | None:
+    """The kinds of communication each rank sent messages in, read from the grader's capture (None in the
+    student's own kernel): a gloo collective's kind from its slot's top byte (``checks.COLLECTIVE_SLOTS``),
+    "send/recv" for torch's point-to-point (top byte 0: the caller's tag); kind -> the ranks that sent in it."""
+    if run.timeline.source == "trace":
+        return None
+    made: dict[str, set[int]] = {}
+    for src in range(run.world_size):
+        for dst in range(run.world_size):
+            if src == dst:
+                continue
+            try:
+                sent = run.timeline.sends_between(src, dst, -math.inf) or []
+            except gloo_ops.NotGloo as e:
+                raise AssertionError(
+                    f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
+                    "talk through torch.distributed alone"
+                ) from None
+            for slot, _ in sent:
+                kind = checks.COLLECTIVE_SLOTS.get(slot >> 56, f"slot prefix {slot >> 56:#x}") if slot >> 56 else ""
+                made.setdefault(kind or "send/recv", set()).add(src)
+    return made
 
 
 def all_reduce_sizes(calls: list[tuple[int, int]], world_size: int, case: str) -> list[int]:

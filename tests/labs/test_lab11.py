@@ -370,3 +370,40 @@ def test_a_router_that_passes_the_visible_case_only_costs_expert_parallelism_not
     assert errors(router), "the token-major router should fail exercise 1's graded test"
     assert not errors(layer), errors(layer)
     assert "\N{WHITE HEAVY CHECK MARK}" in text(layer), text(layer)
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_calls_a_moe_made_are_read_from_the_wire(monkeypatch):
+    """ "Only all_to_all_single" comes from the grader's capture: each message's slot names its call's kind.  The
+    solution passes with and without a capture; the solution's layer with every rank's tokens all-gathered beside
+    it, off the trace, passes on the trace alone and fails on the wire."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+    from disttrain_lab.labtests.lab11 import experts
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["ExpertParallelMoE", "top_k_route"], given=True)
+    notebook_names(monkeypatch, solution["top_k_route"].__globals__)  # (the notebook's namespace: MoE, the layer)
+
+    class Gathering(solution["ExpertParallelMoE"]):  # the solution's layer, every rank's tokens gathered aside
+        def forward(self, x):
+            with trace.unrecorded():
+                dist.all_gather([torch.empty_like(x) for _ in range(dist.get_world_size())], x.detach().contiguous())
+            return super().forward(x)
+
+    def check():
+        lab11.check_moe(experts._moe_in_rank, 2, 6, 8, 2, 2, 1.0, 8, 0, reference=lab11.every_token_to_every_expert)
+
+    check()
+    with observed_from_outside():
+        check()
+        monkeypatch.setattr("__main__.ExpertParallelMoE", Gathering)
+        with pytest.raises(AssertionError) as gathered:
+            check()
+    check()  # (the student's own kernel: the trace's account, fooled)
+    said = str(gathered.value)
+    assert "only call all_to_all_single; the grader's capture of the wire shows" in said, said
+    assert "all_gather from rank(s) 0, 1" in said, said
