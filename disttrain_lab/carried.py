@@ -30,6 +30,7 @@ __all__ = [
     "assert_sums_carried",
     "assert_values_carried",
     "messages",
+    "sends",
     "collective_payloads",
     "calls_made",
     "all_reduce_sizes",
@@ -57,38 +58,15 @@ def messages(run, src: int, dst: int, case: str, count: int | None = None, what:
     return got
 
 
-def collective_payloads(run, case: str) -> list[tuple[int, int]] | None:
-    """Each collective call the ranks made, in the order they made it, as (its slot, the bytes of payload all
-    its messages carried), read from the grader's capture (None in the student's own kernel, where there is
-    none).  Every message of one gloo collective carries a slot of its own: its kind in the top byte
-    (``checks.COLLECTIVE_SLOTS``), below it torch's tag for the call, counted up call by call."""
+def sends(run, case: str) -> list[tuple[int, int, int, bytes]] | None:
+    """Every message the ranks sent each other, as (sender, receiver, its slot, its payload), read from the
+    grader's capture as gloo's sends (None in the student's own kernel, where there is none); bytes that are
+    not gloo's fail the test.  A slot names the call a message belongs to: a gloo collective's kind in its top
+    byte (``checks.COLLECTIVE_SLOTS``), below it torch's tag for the call, counted up call by call; torch's
+    point-to-point has 0 there (the caller's tag)."""
     if run.timeline.source == "trace":
         return None
-    n, totals = run.world_size, {}
-    for src in range(n):
-        for dst in range(n):
-            if src == dst:
-                continue
-            try:
-                sent = run.timeline.sends_between(src, dst, -math.inf) or []
-            except gloo_ops.NotGloo as e:
-                raise AssertionError(
-                    f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
-                    "talk through torch.distributed alone"
-                ) from None
-            for slot, payload in sent:
-                if slot >> 56:
-                    totals[slot] = totals.get(slot, 0) + len(payload)
-    return sorted(totals.items(), key=lambda call: call[0] & CALL_BITS)  # (in call order, whatever the kind)
-
-
-def calls_made(run, case: str) -> dict[str, set[int]] | None:
-    """The kinds of communication each rank sent messages in, read from the grader's capture (None in the
-    student's own kernel): a gloo collective's kind from its slot's top byte (``checks.COLLECTIVE_SLOTS``),
-    "send/recv" for torch's point-to-point (top byte 0: the caller's tag); kind -> the ranks that sent in it."""
-    if run.timeline.source == "trace":
-        return None
-    made: dict[str, set[int]] = {}
+    found = []
     for src in range(run.world_size):
         for dst in range(run.world_size):
             if src == dst:
@@ -100,9 +78,34 @@ def calls_made(run, case: str) -> dict[str, set[int]] | None:
                     f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
                     "talk through torch.distributed alone"
                 ) from None
-            for slot, _ in sent:
-                kind = checks.COLLECTIVE_SLOTS.get(slot >> 56, f"slot prefix {slot >> 56:#x}") if slot >> 56 else ""
-                made.setdefault(kind or "send/recv", set()).add(src)
+            found += [(src, dst, slot, payload) for slot, payload in sent]
+    return found
+
+
+def collective_payloads(run, case: str) -> list[tuple[int, int]] | None:
+    """Each collective call the ranks made, in the order they made it, as (its slot, the bytes of payload all
+    its messages carried), from ``sends`` (None in the student's own kernel)."""
+    sent = sends(run, case)
+    if sent is None:
+        return None
+    totals: dict[int, int] = {}
+    for _, _, slot, payload in sent:
+        if slot >> 56:
+            totals[slot] = totals.get(slot, 0) + len(payload)
+    return sorted(totals.items(), key=lambda call: call[0] & CALL_BITS)  # (in call order, whatever the kind)
+
+
+def calls_made(run, case: str) -> dict[str, set[int]] | None:
+    """The kinds of communication each rank sent messages in, from ``sends`` (None in the student's own kernel):
+    a gloo collective's kind from its slot's top byte (``checks.COLLECTIVE_SLOTS``), "send/recv" for torch's
+    point-to-point (top byte 0); kind -> the ranks that sent in it."""
+    sent = sends(run, case)
+    if sent is None:
+        return None
+    made: dict[str, set[int]] = {}
+    for src, _, slot, _ in sent:
+        kind = checks.COLLECTIVE_SLOTS.get(slot >> 56, f"slot prefix {slot >> 56:#x}") if slot >> 56 else "send/recv"
+        made.setdefault(kind, set()).add(src)
     return made
 
 

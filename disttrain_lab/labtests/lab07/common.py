@@ -79,14 +79,12 @@ def _hook_calls_sent(run: ExerciseRun, rank: int, case: str) -> tuple[int, int] 
         start += 1
     hooks = {slot for slot, _ in calls[start:]}
     gathered = other = 0
-    for dst in range(run.world_size):
-        if dst != rank:
-            for slot, payload in run.timeline.sends_between(rank, dst, -math.inf) or []:
-                if slot in hooks:
-                    if slot >> 56 == ALL_GATHER:
-                        gathered += len(payload)
-                    else:
-                        other += len(payload)
+    for src, _, slot, payload in carried.sends(run, case) or []:
+        if src == rank and slot in hooks:
+            if slot >> 56 == ALL_GATHER:
+                gathered += len(payload)
+            else:
+                other += len(payload)
     return gathered, other
 
 
