@@ -53,6 +53,7 @@ __all__ = ["run", "prepare", "prepared_only", "NotPrepared", "shutdown", "worker
 # seconds a timed-out launch watches its stuck ranks for calls they still make (an endless loop of
 # sends and receives makes dozens even on a busy machine, thousands on a quiet one; a deadlocked rank none)
 PROGRESS_WINDOW = 0.25
+PROGRESS_WINDOW_MAX = 2.0  # the window's length at most, while a rank that made no call waits for a CPU
 STARTED_LATE = 0.5  # seconds a run still gets when starting its pool took all of its deadline
 # a rank inside a collective this long has its call compared with the other ranks' (matching.py)
 MISMATCH_AFTER = 1.0
@@ -473,7 +474,14 @@ class _Pool:
         calls = {w.rank: trace.read_calls(self.slots[w.rank], w.rank) for w in stuck}
         stacks = ranks.stacks(stuck)
         time.sleep(max(0.0, now + PROGRESS_WINDOW - time.perf_counter()))
-        calls = {w.rank: trace.read_calls(self.slots[w.rank], w.rank) - calls[w.rank] for w in stuck}
+        before, longest = calls, now + PROGRESS_WINDOW_MAX
+        while True:
+            calls = {w.rank: trace.read_calls(self.slots[w.rank], w.rank) - before[w.rank] for w in stuck}
+            # a rank that made no call but is waiting for a CPU (a loaded host) has not shown what it does yet
+            waiting = [w for w in stuck if not calls[w.rank] and _runnable(w.pid)]
+            if not waiting or time.perf_counter() >= longest:
+                break
+            time.sleep(0.02)
         window = time.perf_counter() - now
         self.close()
         raise timeout_error(states, now, timeout, stacks, calls, window)
@@ -510,6 +518,15 @@ def _write_before_confining() -> None:
 
     for name in set(linecache.cache) - kept:
         linecache.cache.pop(name, None)
+
+
+def _runnable(pid: int) -> bool:
+    """True for a process whose main thread is running or waiting for a CPU (state R), not asleep in a call."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"R"
+    except (OSError, IndexError):
+        return False
 
 
 def _dying(pid: int) -> bool:
