@@ -31,12 +31,12 @@ __all__ = [
     "assert_values_carried",
     "messages",
     "sends",
+    "kind",
     "collective_payloads",
     "calls_made",
     "all_reduce_sizes",
 ]
 
-ALL_REDUCE = 4  # an all-reduce's slot prefix (checks.COLLECTIVE_SLOTS)
 CALL_BITS = (1 << 56) - 1  # a slot's bits below its kind: torch's tag for the call, counted up call by call
 
 
@@ -82,6 +82,13 @@ def sends(run, case: str) -> list[tuple[int, int, int, bytes]] | None:
     return found
 
 
+def kind(slot: int) -> str:
+    """The kind of call a message's ``slot`` names: a gloo collective's from its top byte (``checks.COLLECTIVE_SLOTS``:
+    "all_reduce", "all_gather", ...), "send/recv" for torch's point-to-point (top byte 0)."""
+    prefix = slot >> 56
+    return checks.COLLECTIVE_SLOTS.get(prefix, f"slot prefix {prefix:#x}") if prefix else "send/recv"
+
+
 def collective_payloads(run, case: str) -> list[tuple[int, int]] | None:
     """Each collective call the ranks made, in the order they made it, as (its slot, the bytes of payload all
     its messages carried), from ``sends`` (None in the student's own kernel)."""
@@ -104,8 +111,7 @@ def calls_made(run, case: str) -> dict[str, set[int]] | None:
         return None
     made: dict[str, set[int]] = {}
     for src, _, slot, _ in sent:
-        kind = checks.COLLECTIVE_SLOTS.get(slot >> 56, f"slot prefix {slot >> 56:#x}") if slot >> 56 else "send/recv"
-        made.setdefault(kind, set()).add(src)
+        made.setdefault(kind(slot), set()).add(src)
     return made
 
 
@@ -116,7 +122,7 @@ def all_reduce_sizes(calls: list[tuple[int, int]], world_size: int, case: str) -
     all-reduce whose payload is not a whole multiple of 2·(N − 1) raises."""
     sizes = []
     for slot, total in calls:
-        if slot >> 56 != ALL_REDUCE:
+        if kind(slot) != "all_reduce":
             continue
         size, left = divmod(total, 2 * (world_size - 1))
         if left:

@@ -62,26 +62,27 @@ def _check_topk_of(flat, values, indices, density, case):
         )
 
 
-ALL_GATHER, BROADCAST = 2, 6  # slot prefixes (checks.COLLECTIVE_SLOTS)
+def _hook_calls(calls: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Of a DDP run's collective calls (``carried.collective_payloads``), the hooks' (and DDP's bucket rebuild
+    after the first step: a broadcast of a few integers).  DDP's constructor calls first: an all-gather of the
+    parameters' shapes (the run's first call), then broadcasts of the module's state."""
+    start = 1
+    while start < len(calls) and carried.kind(calls[start][0]) == "broadcast":
+        start += 1
+    return calls[start:]
 
 
 def _hook_calls_sent(run: ExerciseRun, rank: int, case: str) -> tuple[int, int] | None:
-    """What ``rank`` sent in the hooks' collective calls of a DDP run, from the grader's capture (None in the
-    student's own kernel): (the payload of its all-gathers, of any other collective).  DDP's constructor calls
-    first: an all-gather of the parameters' shapes (the run's first call), then broadcasts of the module's
-    state; every call after those is the hooks' (and DDP's bucket rebuild after the first step: a broadcast
-    of a few integers).  A call's messages share its slot (``carried.collective_payloads``)."""
+    """What ``rank`` sent in the hooks' collective calls of a DDP run (``_hook_calls``), from the grader's capture
+    (None in the student's own kernel): (the payload of its all-gathers, of any other collective)."""
     calls = carried.collective_payloads(run, case)
     if calls is None:
         return None
-    start = 1  # (the shapes' all-gather), then the module's state
-    while start < len(calls) and calls[start][0] >> 56 == BROADCAST:
-        start += 1
-    hooks = {slot for slot, _ in calls[start:]}
+    hooks = {slot for slot, _ in _hook_calls(calls)}
     gathered = other = 0
     for src, _, slot, payload in carried.sends(run, case) or []:
         if src == rank and slot in hooks:
-            if slot >> 56 == ALL_GATHER:
+            if carried.kind(slot) == "all_gather":
                 gathered += len(payload)
             else:
                 other += len(payload)

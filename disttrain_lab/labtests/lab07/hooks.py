@@ -12,7 +12,7 @@ import torch
 from ... import carried, checks, models
 from ...launcher import launch
 from .. import common
-from .common import _HOOK_SIZES, GRADED_PASSED, _bytes_sent, _hook_calls_sent, _run
+from .common import _HOOK_SIZES, GRADED_PASSED, _bytes_sent, _hook_calls, _hook_calls_sent, _run
 from .ranks import _train_dense, _train_topk
 
 
@@ -226,15 +226,14 @@ def check_powersgd(n: int, rank: int, sizes: tuple = (9, 17, 11, 5), steps: int 
         yours = sum(e.meta.get("in_bytes", e.bytes) for e in mine.trace.collectives(rank=0))
     else:
         yours = sum(carried.all_reduce_sizes(calls, n, case))
-        # DDP's own bucket rebuild after the first step broadcasts a few integers (the buckets' order); the
-        # hook's exchange is all-reduces alone: anything else after the first all-reduce must stay below one
-        # bucket's bytes in all (a dense gradient sent some other way carries that much each step)
-        first = next((i for i, (slot, _) in enumerate(calls) if slot >> 56 == carried.ALL_REDUCE), len(calls))
-        others = [(slot, total) for slot, total in calls[first:] if slot >> 56 != carried.ALL_REDUCE]
+        # the hook's exchange is all-reduces alone: any other call of the hooks' (DDP's bucket rebuild after the
+        # first step broadcasts a few integers) must stay below one bucket's bytes in all (a dense gradient sent
+        # some other way carries that much each step)
+        others = [(slot, total) for slot, total in _hook_calls(calls) if carried.kind(slot) != "all_reduce"]
         bucket = 4 * sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
         assert sum(total for _, total in others) < bucket, (
             f"{case}: once training began, the grader's capture of the wire saw "
-            f"{', '.join(sorted({checks.COLLECTIVE_SLOTS.get(s >> 56, hex(s >> 56)) for s, _ in others}))} "
+            f"{', '.join(sorted({carried.kind(slot) for slot, _ in others}))} "
             f"carrying {sum(total for _, total in others)} B as well as the all-reduces (DDP's own bucket rebuild "
             f"broadcasts a few integers; a bucket is {bucket} B): torch's powerSGD_hook communicates through "
             f"all-reduces alone, and its bytes are the hook's to match"
