@@ -21,7 +21,7 @@ import platform
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Plan", "plan", "device", "doctor", "resolve_device", "DEVICES", "MAX_WORLD_SIZE"]
+__all__ = ["Plan", "plan", "device", "backend_name", "doctor", "resolve_device", "DEVICES", "MAX_WORLD_SIZE"]
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
@@ -112,14 +112,13 @@ def plan(world_size: int | None = None, device: str = "cpu", *, local_world_size
     local = world_size if local_world_size is None else local_world_size
     spawn_only = sys.platform not in ("linux", "darwin")  # no fork() there
     if device == "cpu":
-        method = "spawn" if spawn_only else "fork"
-        return Plan(
-            "cpu",
-            "gloo",
-            method,
-            "device='cpu': gloo on the CPU; "
-            + ("ranks are fresh interpreters" if spawn_only else "ranks are forked from this process (fast)"),
-        )
+        if spawn_only:
+            how = "spawn", "ranks are fresh interpreters"
+        elif _cuda_used_here():
+            how = "spawn", "ranks are fresh interpreters (this process has used CUDA: a forked rank's backward fails)"
+        else:
+            how = "fork", "ranks are forked from this process (fast)"
+        return Plan("cpu", "gloo", how[0], f"device='cpu': gloo on the CPU; {how[1]}")
     gpus = _gpu_count()
     if gpus == 0:
         import torch
@@ -151,6 +150,25 @@ def plan(world_size: int | None = None, device: str = "cpu", *, local_world_size
         "spawn",
         f"device='cuda': NCCL, rank k on the k-th of {gpus} visible GPU(s); ranks are fresh interpreters (CUDA-safe)",
     )
+
+
+def _cuda_used_here() -> bool:
+    """Whether this process has initialised CUDA (a notebook that computed on DEVICE = "cuda" in the kernel).
+    A child forked from it then fails at its first backward, on the CPU too: autograd's threads for the GPU
+    do not survive a fork (torch: "Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"), and CUDA cannot be used in it at all.  Seen on an H200 running lab 9."""
+    torch = sys.modules.get("torch")  # (not imported: nothing can have used CUDA)
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def backend_name() -> str:
+    """In a rank: its launch's backend as :class:`Plan` names it, ``"gloo"`` or ``"nccl"``.
+    ``dist.get_backend()`` names the whole group, ``"cpu:gloo,cuda:nccl"`` for a ``device="cuda"`` launch
+    (its CPU tensors travel over gloo), and ``dl.launch``'s ``run.backend`` is ``"nccl"`` there."""
+    import torch.distributed as dist
+
+    name = str(dist.get_backend())
+    return "nccl" if any(part.split(":")[-1] == "nccl" for part in name.split(",")) else name
 
 
 def resolve_device(device, backend) -> str:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 # `trace` and `network` are also launch's keywords: the modules go by other names here
 from . import codemap, emulation, integrity, pool
 from . import trace as tracer
-from .devices import MAX_WORLD_SIZE, Plan, device, plan, resolve_device
+from .devices import MAX_WORLD_SIZE, Plan, backend_name, device, plan, resolve_device
 from .integrity import TamperingError
 from .network import Network
 from .pool import shutdown
@@ -331,7 +331,7 @@ def _launch_in_process(fn, world_size, args, kwargs, want_trace, device, timeout
         results=results,
         events=events,
         world_size=world_size,
-        backend=dist.get_backend(),
+        backend=backend_name(),
         wall_time=wall,
         network=network,
     )

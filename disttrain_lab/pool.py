@@ -201,7 +201,12 @@ class _Pool:
 
     def __init__(self, size: int, chosen: Plan, confined: bool = False, writable: str | None = None):
         self.size, self.plan = size, chosen
-        self.confined = confined and chosen.start_method == "fork"  # (see ``confined``: the CPU's ranks)
+        if confined and chosen.start_method != "fork":  # (fail closed: a graded run's ranks are never unconfined)
+            raise RuntimeError(
+                f"a graded run's ranks confine themselves as they are forked, but this kernel's ranks cannot be "
+                f"forked ({chosen.reason}); grade where the student's kernel sees no GPU (the sandbox gives it none)"
+            )
+        self.confined = confined  # (see ``confined``: the CPU's ranks)
         self.writable = writable if self.confined else None  # (see ``writable``)
         if chosen.start_method == "fork":  # (every pool: the first launch pays it, not a graded test's time)
             _write_before_confining()
@@ -243,8 +248,8 @@ class _Pool:
     def usable_for(self, world_size: int, chosen: Plan, confined: bool = False, writable: str | None = None) -> bool:
         return (
             not self.broken
-            and self.confined == (confined and chosen.start_method == "fork")
-            and self.writable == (writable if self.confined else None)
+            and self.confined == confined
+            and self.writable == (writable if confined else None)
             and self.owner_pid == os.getpid()
             and world_size <= self.size
             and (self.plan.backend, self.plan.start_method) == (chosen.backend, chosen.start_method)

@@ -425,13 +425,15 @@ def chosen_device(args) -> str:
 
 def _gather_rows(x):
     out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x.contiguous())  # all_gather_into_tensor, renamed in torch 2.13
+    # torch 2.13's name; before it (a Hub's or Colab's torch) all_gather_into_tensor.  Looked up at each call:
+    # the kit's tracer and emulated network wrap the module's attribute
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x.contiguous())
     return out
 
 
 def _scatter_rows(x):
     out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous())
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x.contiguous())  # (before torch 2.13)
     return out
 
 

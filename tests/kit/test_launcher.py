@@ -763,6 +763,50 @@ def test_cpu_ranks_never_initialise_cuda():
     assert str(dl.device()) == "cpu", "outside a rank: the CPU"
 
 
+def _cpu_backward(n):
+    x = torch.arange(float(n), requires_grad=True)
+    (x * (dist.get_rank() + 1)).pow(2).sum().backward()
+    return x.grad.tolist()
+
+
+def test_cpu_ranks_are_fresh_interpreters_once_this_process_used_cuda(monkeypatch):
+    # A rank forked from a process that ran a backward on a GPU fails at its own first backward ("Unable to handle
+    # autograd's threading in combination with fork-based multiprocessing": seen on an H200, lab 9's notebook with
+    # DEVICE = "cuda"); test_cpu_launch_after_a_cuda_backward_here is that case on a GPU
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    chosen = dl.plan(2)
+    assert (chosen.device, chosen.backend, chosen.start_method) == ("cpu", "gloo", "spawn")
+    assert "this process has used CUDA" in chosen.reason, chosen.reason
+    assert dl.launch(_cpu_backward, 2, 3) == [[0.0, 2.0, 4.0], [0.0, 8.0, 16.0]]
+    with pytest.raises(RuntimeError, match="a graded run's ranks confine themselves as they are forked"):
+        pool.prepare(2, chosen, confined=True)  # (fails closed: never unconfined ranks for a graded run)
+    monkeypatch.undo()
+    assert dl.plan(2).start_method == "fork"
+
+
+CPU_LAUNCH_AFTER_A_CUDA_BACKWARD = """
+import torch, torch.distributed as dist
+import disttrain_lab as dl
+
+def cpu_backward(n):
+    x = torch.arange(float(n), requires_grad=True)
+    (x * (dist.get_rank() + 1)).pow(2).sum().backward()
+    return x.grad.tolist()
+
+x = torch.ones(3, device="cuda", requires_grad=True)
+(2 * x).sum().backward()  # autograd's GPU threads start in this process
+assert x.grad.tolist() == [2.0] * 3
+print(dl.plan(2).start_method, dl.launch(cpu_backward, 2, 3))
+"""
+
+
+@needs_gpus(1)
+def test_cpu_launch_after_a_cuda_backward_here():
+    # a process of its own, as a notebook's kernel: this one must not use CUDA (test_cuda_launch_uses_nccl_...)
+    out = run_python(["-c", CPU_LAUNCH_AFTER_A_CUDA_BACKWARD], timeout=120, cwd=REPO)
+    assert out.returncode == 0 and "spawn [[0.0, 2.0, 4.0], [0.0, 8.0, 16.0]]" in out.stdout, out.stdout
+
+
 def test_backend_is_a_deprecated_spelling_of_device():
     with pytest.warns(DeprecationWarning, match="use device='cpu'"):
         assert dl.launch(rank_times_ten, 2, backend="gloo") == [0, 10]

@@ -469,6 +469,11 @@ def check_exercises_on_one_rank(device: str, backend: str, rank_device: str) -> 
     assert out.count(f"backends: ['{backend}']") == 3 and f"rank device: ['{rank_device}']" in out, out
 
 
+@pytest.mark.slow
+def test_exercises_on_one_cpu_rank():
+    check_exercises_on_one_rank("cpu", "gloo", "cpu")
+
+
 @needs_gpus(1)
 def test_exercises_on_one_gpu():
     # a machine with ONE GPU: every exercise with DEVICE = "cuda" on one NCCL rank, against one process on the CPU

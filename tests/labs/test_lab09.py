@@ -465,6 +465,7 @@ def test_memory_cells_measure_on_cuda():
     )
     kept, logits, kit = map(int, found.groups())
     assert abs(kept - logits - kit) <= 0.05 * kit, printed
+    forward = f"GPT forward {kept - logits} B beyond the logits, kit {kit} B"
     printed = output_of(nb, "# Measured: activation bytes and step time of none / selective / full")
     lines = re.findall(
         r"cuda s=\d+ \w+ *: (-?\d+) B allocated after the forward beyond the logits .* counts (\d+) B", printed
@@ -472,3 +473,5 @@ def test_memory_cells_measure_on_cuda():
     assert len(lines) == 3 * 3, printed  # three lengths, three modes
     for kept, kit in lines:
         assert abs(int(kept) - int(kit)) <= 0.05 * int(kit), printed
+    # what the device measured, for the report of a GPU run (pytest -rA shows it)
+    print(f"state {allocated} B/param; {forward};", *printed.splitlines()[-12:], sep="\n")

@@ -70,6 +70,7 @@ def _train_in_rank(
 
     import disttrain_lab as dl
     from disttrain_lab import gate as gates
+    from disttrain_lab.devices import backend_name
     from disttrain_lab.labtests.lab03.common import batches, graded_model
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -161,7 +162,7 @@ def _train_in_rank(
         "parameters": {name: p.detach().cpu() for name, p in model.named_parameters()},
         "routed": len(routed),
         "events": dl.trace.set_recording(True),
-        "backend": dist.get_backend(),
+        "backend": backend_name(),
     }
 
 
