@@ -18,7 +18,6 @@ checked there, and only grading holds a run to these.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +30,7 @@ __all__ = [
     "assert_values_carried",
     "messages",
     "sends",
+    "sends_by_connection",
     "kind",
     "collective_payloads",
     "calls_made",
@@ -63,7 +63,16 @@ def sends(run, case: str) -> list[tuple[int, int, int, bytes]] | None:
     grader's capture as gloo's sends (None in the student's own kernel, where there is none); bytes that are
     not gloo's fail the test.  A slot names the call a message belongs to: a gloo collective's kind in its top
     byte (``checks.COLLECTIVE_SLOTS``), below it torch's tag for the call, counted up call by call; torch's
-    point-to-point has 0 there (the caller's tag)."""
+    point-to-point has 0 there (the caller's tag).  (``sends_by_connection`` says on which connection.)"""
+    sent = sends_by_connection(run, case)
+    return None if sent is None else [(src, dst, slot, payload) for src, dst, _, slot, payload in sent]
+
+
+def sends_by_connection(run, case: str) -> list[tuple[int, int, str, int, bytes]] | None:
+    """``sends``, over every connection between two ranks (a process group opens its own), not placed in time:
+    (sender, receiver, its connection's name, the same both ways, its slot, its payload), each connection's in
+    the order they crossed (None in the student's own kernel, where there is none); bytes that are not gloo's
+    fail the test.  Slots count up per process group: one call is one slot on its group's connections."""
     if run.timeline.source == "trace":
         return None
     found = []
@@ -72,13 +81,13 @@ def sends(run, case: str) -> list[tuple[int, int, int, bytes]] | None:
             if src == dst:
                 continue
             try:
-                sent = run.timeline.sends_between(src, dst, -math.inf) or []
+                sent = run.timeline.sends_by_connection(src, dst) or []
             except gloo_ops.NotGloo as e:
                 raise AssertionError(
                     f"{case}: the bytes from rank {src} to rank {dst} are not gloo's messages ({e}); the ranks must "
                     "talk through torch.distributed alone"
                 ) from None
-            found += [(src, dst, slot, payload) for slot, payload in sent]
+            found += [(src, dst, link, slot, payload) for link, slot, payload in sent]
     return found
 
 

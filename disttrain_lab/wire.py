@@ -193,6 +193,9 @@ class Timeline:
     data: dict[tuple[int, int], list[bytes]] | None = field(default=None, repr=False, compare=False)
     by_submission: bool = False  # unobserved because of what the submission did, not the host
     origin: float = 0.0  # the capture's clock (time.monotonic) at the first segment: the segments' zero
+    # which connection each of ``data``'s streams is: (sender, receiver) -> one name per stream, the same for
+    # both directions of one connection (its two addresses); a process group opens connections of its own
+    links: dict[tuple[int, int], list[str]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def unobserved(cls, why: str, by_submission: bool = False) -> Timeline:
@@ -299,6 +302,17 @@ class Timeline:
             if at >= begin and at + GLOO_PREAMBLE + len(payload) <= end
         ]
 
+    def sends_by_connection(self, src: int, dst: int) -> list[tuple[str, int, bytes]] | None:
+        """(its connection, slot, payload) of each message ``src`` sent ``dst``, over every connection between them
+        (each process group has its own: ``links`` names them, the same name both ways), each connection's in the
+        order they crossed; not placed in time.  None in the student's own kernel (no wire); bytes that are not
+        gloo's operations raise ``gloo_ops.NotGloo``."""
+        if self.source == "trace":
+            return None
+        streams = self._streams(src, dst)
+        names = (self.links or {}).get((src, dst)) or [f"{src}>{dst}#{i}" for i in range(len(streams))]
+        return [(name, slot, data) for name, stream in zip(names, streams) for _, slot, data in gloo_ops.sends(stream)]
+
     def operations(self, src: int, dst: int) -> list[tuple[float, float, int, int, int]] | None:
         """Each of gloo's operations from ``src`` to ``dst``, notes too (``gloo_ops.operations``), in order:
         (when its first byte crossed, when its last did, its opcode, its slot, its payload's length), placed by
@@ -374,7 +388,7 @@ def timeline(
             if payloads is not None:
                 carried.setdefault((a, b), {}).setdefault((src, dst), []).append(payloads[i])
     start = kept[0][0] if kept else 0.0
-    data = None
+    data = links = None
     if payloads is not None:  # (a pair one of whose segments' data was not kept: what it carried is unobserved)
         data = {
             pair: [_joined(parts) for parts in by_connection.values()]
@@ -382,7 +396,9 @@ def timeline(
             if all(p is not None for parts in by_connection.values() for _, p in parts)
         }
         data = {**dict.fromkeys(carried), **data}
-    return Timeline(segments=[(round(t - start, 6), a, b, n) for t, a, b, n in kept], data=data, origin=start)
+        links = {pair: ["|".join(sorted(ends)) for ends in by_connection] for pair, by_connection in carried.items()}
+    segments = [(round(t - start, 6), a, b, n) for t, a, b, n in kept]
+    return Timeline(segments=segments, data=data, origin=start, links=links)
 
 
 def _joined(parts: list[tuple[int, bytes]]) -> bytes:

@@ -318,6 +318,66 @@ def test_the_stand_ins_earn_exercises_1_and_2_nothing(monkeypatch):
         lab06.check_f_and_g(2, 3, 4)
 
 
+@pytest.mark.slow  # (ranks and a packet capture: about a minute)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_calls_a_tensor_parallel_run_made_are_read_from_the_wire(monkeypatch):
+    """#42: f and g's, TensorParallelMLP's and train_2d's calls come from the grader's capture (each message's
+    connection and slot: its process group and its call), not from the ranks' trace.  The solution passes every
+    graded case with and without a capture; its MLP with one more all-reduce between the two linears, hidden from
+    the trace, passes on the trace alone and fails on the wire; so does a train_2d whose extra all-reduce over all
+    ranks is hidden."""
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+    from disttrain_lab.labtests.lab06 import ranks
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["TensorParallelMLP", "train_2d"], given=True)
+    notebook_names(monkeypatch, solution["TensorParallelMLP"].__init__.__globals__)
+    monkeypatch.setattr("disttrain_lab.labtests.lab06.checks._standing_in", lambda own=False: ())  # (own layers)
+    driver = ranks._train_2d_in_rank
+
+    def graded_cases():
+        lab06.check_f_and_g(2, 3, 4)
+        lab06.check_f_and_g(4, 2, 7, tp_size=2)
+        lab06.check_tp_mlp(3, [3, 12, 3], batch=2)
+        lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+        lab06.check_2d(driver, 4, 2)
+        lab06.check_2d(driver, 4, 1, sizes=(4, 12, 4))
+
+    class Between(solution["TensorParallelMLP"]):  # one more all-reduce (of 48 B), off the trace
+        def forward(self, x):
+            with trace.unrecorded():
+                hidden = torch.zeros(x.shape[0], 4)
+                dist.all_reduce(hidden, group=self.group)
+            return super().forward(x)
+
+    def hidden_world_all_reduce(dense, batches, tp_size, lr):  # the solution, and an all-reduce of all ranks
+        with trace.unrecorded():
+            dist.all_reduce(torch.zeros(4))
+        return solution["train_2d"](dense, batches, tp_size, lr)
+
+    graded_cases()
+    with observed_from_outside():
+        graded_cases()
+        monkeypatch.setattr("__main__.TensorParallelMLP", Between)
+        with pytest.raises(AssertionError) as between:
+            lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+        monkeypatch.setattr("__main__.train_2d", hidden_world_all_reduce)
+        with pytest.raises(AssertionError) as in_2d:
+            lab06.check_2d(driver, 4, 2)
+    lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)  # (the student's own kernel: the trace's account, fooled)
+    said = str(between.value)
+    assert (
+        "none between the two layers" in said
+        and "the grader's capture of the wire shows all-reduce of 48 B, all-reduce of 36 B, all-reduce of 96 B" in said
+    ), said
+    said = str(in_2d.value)
+    assert "rank 0's communication must stay inside its TP group (0, 1)" in said, said
+    assert "the grader's capture of the wire shows it sent all_reduce messages to rank 3" in said, said
+    lab06.check_2d(driver, 4, 2)  # (the trace's account, fooled)
+
+
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 

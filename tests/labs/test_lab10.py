@@ -440,3 +440,43 @@ def test_ring_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(monkeyp
         monkeypatch.setattr(__main__, "ring_attention_forward", space["ring_attention_forward"])
         with pytest.raises(AssertionError, match=r"did not reach their first block's computation"):
             lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_ulysses_calls_and_bytes_are_read_from_the_wire(monkeypatch):
+    """#42: Ulysses' "only all_to_all_single" and its bytes come from the grader's capture: each message's slot
+    names its call's kind, its payload the bytes.  The solution passes with and without a capture; the
+    solution with every rank's q all-gathered beside it, off the trace, passes on the trace alone and fails on
+    the wire."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = bench.functions_from_notebook(LAB, ["ulysses_attention", "sequence_positions"], given=True)
+    notebook_names(monkeypatch, space["ulysses_attention"].__globals__)
+    monkeypatch.setitem(lab10.common._REFERENCES, "positions", space["sequence_positions"])
+    ulysses = space["ulysses_attention"]
+
+    def gathering(q, k, v, *args, **kwargs):  # the solution, every rank's q gathered aside
+        with trace.unrecorded():
+            dist.all_gather([torch.empty_like(q) for _ in range(dist.get_world_size())], q.detach().contiguous())
+        return ulysses(q, k, v, *args, **kwargs)
+
+    def check():
+        lab10.check_ulysses(2, 4, 16, 4)
+        lab10.check_ulysses(4, 4, 16, 3, seed=1)
+
+    check()
+    with observed_from_outside():
+        check()
+        monkeypatch.setattr("__main__.ulysses_attention", gathering)
+        with pytest.raises(AssertionError) as gathered:
+            lab10.check_ulysses(2, 4, 16, 4)
+    lab10.check_ulysses(2, 4, 16, 4)  # (the student's own kernel: the trace's account, fooled)
+    said = str(gathered.value)
+    assert "may only call all_to_all_single; the grader's capture of the wire shows messages of all_gather" in said, (
+        said
+    )

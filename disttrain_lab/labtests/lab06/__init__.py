@@ -2,8 +2,10 @@
 *driver* (a function of ``ranks`` whose source ``exercise.run`` sends to the student's kernel, where it is
 defined among the notebook's names, builds and calls the notebook's classes, and returns data),
 compares every rank's tensors with one process running the dense layer or MLP, and reads the
-collective calls each rank made (``run.trace``): how many all-reduces, of how many bytes, over which
-group, in which phase of the driver.
+collective calls the ranks made: how many all-reduces, of how many bytes, over which group.  Under grading
+they come from the grader's capture of the wire (each message's connection, its process group's own, and its
+slot, its call: ``reading._wire_calls``); in the student's own kernel, where there is none, from the ranks'
+trace, phase by phase of the driver.
 
 A driver uses only the notebook's names (the student's classes, and ``dist``, ``nn``, ``checks``,
 ``models`` of the setup cell) and imports what it needs of this module inside its body.  Nothing here is a

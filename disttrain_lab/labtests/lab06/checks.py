@@ -21,14 +21,18 @@ from .ranks import (
 )
 from .reading import (
     _assert_all_reduces,
+    _assert_wire_calls_of_groups,
+    _assert_wire_stays_in,
     _communication,
     _compare_parameters,
     _describe,
     _expect_value_error,
     _expected_slices,
     _group_of,
+    _on_the_wire,
     _phases,
     _run,
+    _wire_calls,
 )
 
 
@@ -121,41 +125,53 @@ def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> Non
     case = f"f and g on {n} ranks" + (f" in groups of {tp_size}" if tp_size != n else "") + f", ({batch}, {d}) tensors"
     run = _run(_f_g_in_rank, n, (batch, d, tp_size), case)
     nbytes = batch * d * 4
+    if _on_the_wire(run):  # (grading: the calls from the grader's capture; the values below tell f from g)
+        _assert_wire_calls_of_groups(
+            run,
+            tp_size,
+            [("all_reduce", nbytes)] * 2,
+            f"{case}: f's backward all-reduces the gradient over its group and g's forward its input; their "
+            "other passes are the identity",
+            case,
+        )
     for rank, got in enumerate(run.results):
         group = _group_of(rank, tp_size)
-        calls = _phases(run, rank, _F_G_PHASES, case)
-        _assert_all_reduces(
-            run,
-            calls["f forward"],
-            rank,
-            0,
-            nbytes,
-            group,
-            f"{case}: f's forward is the identity (did you swap f and g?)",
-        )
-        _assert_all_reduces(
-            run,
-            calls["f backward"],
-            rank,
-            1,
-            nbytes,
-            group,
-            f"{case}: f's backward all-reduces the gradient over its group",
-        )
-        _assert_all_reduces(
-            run, calls["g forward"], rank, 1, nbytes, group, f"{case}: g's forward all-reduces over its group"
-        )
-        _assert_all_reduces(
-            run,
-            calls["g backward"],
-            rank,
-            0,
-            nbytes,
-            group,
-            f"{case}: g's backward is the identity (did you swap f and g?)",
-        )
+        if not _on_the_wire(run):  # (the student's own kernel: the ranks' trace, phase by phase)
+            calls = _phases(run, rank, _F_G_PHASES, case)
+            _assert_all_reduces(
+                run,
+                calls["f forward"],
+                rank,
+                0,
+                nbytes,
+                group,
+                f"{case}: f's forward is the identity (did you swap f and g?)",
+            )
+            _assert_all_reduces(
+                run,
+                calls["f backward"],
+                rank,
+                1,
+                nbytes,
+                group,
+                f"{case}: f's backward all-reduces the gradient over its group",
+            )
+            _assert_all_reduces(
+                run, calls["g forward"], rank, 1, nbytes, group, f"{case}: g's forward all-reduces over its group"
+            )
+            _assert_all_reduces(
+                run,
+                calls["g backward"],
+                rank,
+                0,
+                nbytes,
+                group,
+                f"{case}: g's backward is the identity (did you swap f and g?)",
+            )
         checks.assert_close(
-            got["f"], checks.sample_tensor((batch, d), seed=1), what=f"{case}: rank {rank}'s f(x), against x"
+            got["f"],
+            checks.sample_tensor((batch, d), seed=1),
+            what=f"{case}: rank {rank}'s f(x), against x (f's forward is the identity: did you swap f and g?)",
         )
         checks.assert_close(
             got["f grad"],
@@ -165,7 +181,7 @@ def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> Non
         checks.assert_close(
             got["g"],
             sum(checks.sample_tensor((batch, d), seed=10 + r) for r in group),
-            what=f"{case}: rank {rank}'s g(x), against the SUM of x over ranks {group}",
+            what=f"{case}: rank {rank}'s g(x), against the SUM of x over ranks {group} (did you swap f and g?)",
         )
         checks.assert_close(
             got["g grad"],
@@ -218,29 +234,40 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
         run = _run(_mlp_standing_in, n, (sizes, batch, tp_size, list(replace)), case)
     else:
         run = _run(_mlp_in_rank, n, (sizes, batch, tp_size), case)
+    out_bytes, in_bytes = (batch * sizes[-1] * 4, batch * sizes[0] * 4) if op == "all_reduce" else (None, None)
+    if _on_the_wire(run):  # (grading: the calls from the grader's capture, in the order each group made them)
+        _assert_wire_calls_of_groups(
+            run,
+            tp_size,
+            [(op, out_bytes), (op, in_bytes)],
+            f"{case}: one {op.replace('_', '-')} forward, of the output (g), none between the two layers, "
+            "and one backward, of the input gradient (f)",
+            case,
+        )
     for rank in range(n):
         group = _group_of(rank, tp_size)
-        calls = _phases(run, rank, _MLP_PHASES, case)
-        _assert_all_reduces(
-            run,
-            calls["forward"],
-            rank,
-            1,
-            batch * sizes[-1] * 4 if op == "all_reduce" else None,
-            group,
-            f"{case}, forward: one all-reduce, of the output (g), none between the two layers",
-            op,
-        )
-        _assert_all_reduces(
-            run,
-            calls["backward"],
-            rank,
-            1,
-            batch * sizes[0] * 4 if op == "all_reduce" else None,
-            group,
-            f"{case}, backward: one all-reduce, of the input gradient (f)",
-            op,
-        )
+        if not _on_the_wire(run):  # (the student's own kernel: the ranks' trace, phase by phase)
+            calls = _phases(run, rank, _MLP_PHASES, case)
+            _assert_all_reduces(
+                run,
+                calls["forward"],
+                rank,
+                1,
+                out_bytes,
+                group,
+                f"{case}, forward: one all-reduce, of the output (g), none between the two layers",
+                op,
+            )
+            _assert_all_reduces(
+                run,
+                calls["backward"],
+                rank,
+                1,
+                in_bytes,
+                group,
+                f"{case}, backward: one all-reduce, of the input gradient (f)",
+                op,
+            )
     dense = models.MLP(sizes, seed=3)
     x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
     y = dense(x)
@@ -319,22 +346,34 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
     )
     run = _run(driver, n, (list(sizes), batch, steps, tp_size), case)
     world = tuple(range(n))
+    wire = _on_the_wire(run)  # (grading: the calls from the grader's capture; the student's own kernel: the trace)
     for rank in range(n):
         tp, dp = _group_of(rank, tp_size), tuple(range(rank % tp_size, n, tp_size))
-        calls = _communication(run, rank)
-        stray = [e for e in calls if (e.group or world) not in (tp, dp)]
-        assert not stray, (
-            f"{case}: rank {rank}'s communication must stay inside its TP group {tp} (tensor-parallel all-reduces) "
-            f"or its DP group {dp} (gradient averaging); it also made: {_describe(stray[:3], n)}"
-        )
+        inside = f"its TP group {tp} (tensor-parallel all-reduces) or its DP group {dp} (gradient averaging)"
+        if wire:
+            _assert_wire_stays_in(run, rank, {*tp, *dp}, inside, case)
+        else:
+            calls = _communication(run, rank)
+            stray = [e for e in calls if (e.group or world) not in (tp, dp)]
+            assert not stray, (
+                f"{case}: rank {rank}'s communication must stay inside {inside}; it also made: "
+                f"{_describe(stray[:3], n)}"
+            )
         if tp_size > 1:
-            in_tp = [e for e in calls if (e.group or world) == tp and e.op == "all_reduce"]
-            assert len(in_tp) >= steps, (
-                f"{case}: rank {rank} made {len(in_tp)} all-reduces in its TP group {tp}; "
+            if wire:
+                sent_in, found = _wire_calls(run, tp, case)
+                in_tp = min(sent_in[rank], sum(kind == "all_reduce" for kind, _ in found))
+            else:
+                in_tp = sum(1 for e in calls if (e.group or world) == tp and e.op == "all_reduce")
+            assert in_tp >= steps, (
+                f"{case}: rank {rank} made {in_tp} all-reduces in its TP group {tp}; "
                 f"the TensorParallelMLP needs at least one per step (g)"
             )
         if dp_size > 1:
-            in_dp = sum(e.bytes for e in calls if (e.group or world) == dp and e.op == "all_reduce")
+            if wire:  # (each all-reduce's tensor, from the bytes its ring put on the wire)
+                in_dp = sum(size for kind, size in _wire_calls(run, dp, case)[1] if kind == "all_reduce")
+            else:
+                in_dp = sum(e.bytes for e in calls if (e.group or world) == dp and e.op == "all_reduce")
             held, stored = run.results[rank][1], run.results[rank][2]
             assert stored == held, (
                 f"{case}: rank {rank}'s parameters are {held} B but hold {stored} B of storage: "

@@ -4,8 +4,10 @@ they share, and :func:`describe_calls` (``..common``'s), which the self-checks u
 check runs the student's code with ``exercise.run``, by name or through a *driver* (a ``_..._in_rank``
 function: its source is sent to the student's kernel, defined there among the notebook's names, calls the
 notebook's code on every rank and returns data), compares every rank's tensors with one process (torch's
-causal attention, the dense block), and reads the calls each rank made (``run.trace``) and the bytes the
-operating system counted (``run.traffic``). A driver uses only the notebook's names (the student's functions
+causal attention, the dense block), and reads the calls each rank made and the bytes the operating system
+counted (``run.traffic``): Ulysses' calls and bytes, under grading, from the grader's capture of the wire (each
+message's slot names its call's kind), sequence parallelism's still from the ranks' trace (``run.trace``), as
+every call in the student's own kernel, where there is no capture. A driver uses only the notebook's names (the student's functions
 and classes, the given ``RingAttention``, ``transformer_block``, and ``torch``, ``dist``, ``dl`` of the setup
 cell).
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ... import checks, memory
+from ... import carried, checks, memory
 from .. import common
 from .common import TIMEOUT, _forward_phase, _qkv, _reference
 
@@ -155,7 +155,7 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
     case = f"ulysses_attention, {seq_len} tokens on {n} ranks ({heads} heads, d={dim}, float64)"
     positions = [_reference("positions")(seq_len, n, rank, "naive") for rank in range(n)]
     inputs = [(heads, seq_len, dim, seed, positions[r]) for r in range(n)]
-    run = common.run_or_fail(_ulysses_in_rank, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT)
+    run = common.run_or_fail(_ulysses_in_rank, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT, content=True)
     q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     want.backward(dout)
@@ -176,6 +176,11 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
             checks.assert_close(
                 got, ref.grad[:, pos], rtol=1e-9, atol=1e-9, what=f"{case}: rank {rank}'s gradient of {name}"
             )
+    sent = carried.sends(run, case)  # under grading: the grader's capture of the wire
+    if sent is not None:
+        _ulysses_on_the_wire(sent, n, block, case)
+        return
+    for rank in range(n):  # the student's own kernel: the ranks' trace
         calls, _ = _forward_phase(run, rank)
         every = [e for e in run.trace.by_rank(rank) if e.kind in ("collective", "p2p") and e.op != "barrier"]
         other = [e for e in every if e.op != "all_to_all_single"]
@@ -188,6 +193,30 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
             f"{case}: rank {rank}'s all-to-alls moved {forward:.0f} B forward and {total:.0f} B in all; the cost "
             f"model: q, k, v and the output, (N - 1)/N of a {block} B block each, "
             f"{4 * (n - 1) / n * block:.0f} B forward, the same again backward"
+        )
+
+
+def _ulysses_on_the_wire(sent: list, n: int, block: int, case: str) -> None:
+    """What the grader's capture saw of a Ulysses run: all-to-alls only (the driver's barrier aside), and each rank
+    sent (N − 1)/N of a block for each of q, k, v and the output, forward and backward: 8 in all (its own piece of
+    each stays)."""
+    other: dict[str, set] = {}
+    by_rank = [0] * n
+    for src, _, slot, payload in sent:
+        kind = carried.kind(slot)
+        if kind == "all_to_all":
+            by_rank[src] += len(payload)
+        elif kind != "barrier":
+            other.setdefault(kind, set()).add(src)
+    assert not other, (
+        f"{case}: the ranks may only call all_to_all_single; the grader's capture of the wire shows messages of "
+        + "; ".join(f"{kind} from rank(s) {', '.join(map(str, sorted(r)))}" for kind, r in sorted(other.items()))
+    )
+    want = 8 * (n - 1) * block // n
+    for rank, got in enumerate(by_rank):
+        assert got == want, (
+            f"{case}: rank {rank}'s all-to-alls put {got} B on the wire; the cost model: q, k, v and the output, "
+            f"(N - 1)/N of a {block} B block each, forward and backward: {want} B"
         )
 
 
