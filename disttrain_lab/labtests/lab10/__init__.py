@@ -7,9 +7,9 @@ notebook's code on every rank and returns data), compares every rank's tensors w
 causal attention, the dense block), and reads the calls each rank made and the bytes the operating system
 counted (``run.traffic``): Ulysses' calls and bytes, under grading, from the grader's capture of the wire (each
 message's slot names its call's kind), sequence parallelism's still from the ranks' trace (``run.trace``), as
-every call in the student's own kernel, where there is no capture. A driver uses only the notebook's names (the student's functions
-and classes, the given ``RingAttention``, ``transformer_block``, and ``torch``, ``dist``, ``dl`` of the setup
-cell).
+every call in the student's own kernel, where there is no capture. A driver uses only the notebook's names
+(the student's functions and classes, the given ``RingAttention``, ``transformer_block``, and ``torch``,
+``dist``, ``dl`` of the setup cell).
 
 Nothing here is a solution or a graded answer. The references that compute an exercise's own answer stay in
 the notebook and are handed to the checks: torch's attention over a block with its log-sum-exp and the
