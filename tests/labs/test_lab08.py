@@ -36,7 +36,7 @@ import re
 import nbformat
 import pytest
 
-from disttrain_lab import grading
+from disttrain_lab import bench, grading
 from disttrain_lab.grading import cell_times
 from disttrain_lab.grading.execute import NOTES_FILE
 from disttrain_lab.labtests import lab08
@@ -712,3 +712,49 @@ def test_a_spinning_grid_costs_its_own_points_and_one_cells_limit(spinning):
         assert "in _grid_in_rank (line" in told and "→ grid_groups (line" in told, told  # where each rank was
         assert "did not finish within 120 s" not in told, told
         assert spinning.seconds[cell_times.cell_key(cell)] < 10, (cell_times.cell_key(cell), spinning.seconds)
+
+
+@pytest.mark.slow  # (ranks and a packet capture: about half a minute)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_calls_of_the_grid_are_read_from_the_wire(monkeypatch):
+    """#42: TensorParallelAttention's, PipelineStage3D's and train_3d's calls come from the grader's capture (each
+    message's connection and slot: its process group and its call), not from the ranks' trace.  The solution
+    passes graded cases with and without a capture; train_3d with one more all-reduce over its TP group, hidden
+    from the trace, passes on the trace alone and fails on the wire."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import models, trace
+    from tests.helpers import notebook_names, observed_from_outside
+
+    names = ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
+    solution = bench.functions_from_notebook(LAB, names, given=True)
+    pieces = ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"]  # (lab 6's, as the lab loads)
+    solution["train_3d"].__globals__.update(
+        bench.functions_from_notebook(solution_notebook("06_tensor_parallel"), pieces)
+    )
+    notebook_names(monkeypatch, solution["train_3d"].__globals__)
+
+    def graded_cases():
+        lab08.check_attention(4, models.GPTConfig(seq_len=5, d_model=16, n_heads=4), tp=2)
+        lab08.check_stage(2, 2, 2, models.GPTConfig(seq_len=5, d_model=16, n_heads=2, n_layers=2))
+        lab08.check_3d(2, 2, 1, micro_batches=1, batch=6, steps=2)
+        lab08.check_3d(1, 2, 2, micro_batches=3, batch=7, steps=2)
+
+    train_3d = solution["train_3d"]
+
+    def one_more(*args, **kwargs):  # the solution, and an all-reduce over this rank's TP pair, off the trace
+        tp_pair = dist.new_subgroups(2)[0]
+        with trace.unrecorded():
+            dist.all_reduce(torch.zeros(3), group=tp_pair)
+        return train_3d(*args, **kwargs)
+
+    graded_cases()
+    with observed_from_outside():
+        graded_cases()
+        monkeypatch.setattr("__main__.train_3d", one_more)
+        with pytest.raises(AssertionError) as extra:
+            lab08.check_3d(2, 2, 1, micro_batches=1, batch=6, steps=2)
+    lab08.check_3d(2, 2, 1, micro_batches=1, batch=6, steps=2)  # (the student's own kernel: the trace, fooled)
+    said = str(extra.value)
+    assert "over its TP group" in said and "the grader's capture of the wire shows" in said, said

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ... import checks, models
+from ... import checks, models, wirecalls
 from .. import common
 from .common import _F_G_PHASES, _MLP_PHASES, GRADED_PASSED, STAND_IN_FOR
 from .ranks import (
@@ -22,17 +22,14 @@ from .ranks import (
 from .reading import (
     _assert_all_reduces,
     _assert_wire_calls_of_groups,
-    _assert_wire_stays_in,
     _communication,
     _compare_parameters,
     _describe,
     _expect_value_error,
     _expected_slices,
     _group_of,
-    _on_the_wire,
     _phases,
     _run,
-    _wire_calls,
 )
 
 
@@ -125,7 +122,7 @@ def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> Non
     case = f"f and g on {n} ranks" + (f" in groups of {tp_size}" if tp_size != n else "") + f", ({batch}, {d}) tensors"
     run = _run(_f_g_in_rank, n, (batch, d, tp_size), case)
     nbytes = batch * d * 4
-    if _on_the_wire(run):  # (grading: the calls from the grader's capture; the values below tell f from g)
+    if wirecalls.observed(run):  # (grading: the calls from the grader's capture; the values below tell f from g)
         _assert_wire_calls_of_groups(
             run,
             tp_size,
@@ -136,7 +133,7 @@ def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> Non
         )
     for rank, got in enumerate(run.results):
         group = _group_of(rank, tp_size)
-        if not _on_the_wire(run):  # (the student's own kernel: the ranks' trace, phase by phase)
+        if not wirecalls.observed(run):  # (the student's own kernel: the ranks' trace, phase by phase)
             calls = _phases(run, rank, _F_G_PHASES, case)
             _assert_all_reduces(
                 run,
@@ -235,7 +232,7 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
     else:
         run = _run(_mlp_in_rank, n, (sizes, batch, tp_size), case)
     out_bytes, in_bytes = (batch * sizes[-1] * 4, batch * sizes[0] * 4) if op == "all_reduce" else (None, None)
-    if _on_the_wire(run):  # (grading: the calls from the grader's capture, in the order each group made them)
+    if wirecalls.observed(run):  # (grading: the calls from the grader's capture, in the order each group made them)
         _assert_wire_calls_of_groups(
             run,
             tp_size,
@@ -246,7 +243,7 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
         )
     for rank in range(n):
         group = _group_of(rank, tp_size)
-        if not _on_the_wire(run):  # (the student's own kernel: the ranks' trace, phase by phase)
+        if not wirecalls.observed(run):  # (the student's own kernel: the ranks' trace, phase by phase)
             calls = _phases(run, rank, _MLP_PHASES, case)
             _assert_all_reduces(
                 run,
@@ -346,12 +343,14 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
     )
     run = _run(driver, n, (list(sizes), batch, steps, tp_size), case)
     world = tuple(range(n))
-    wire = _on_the_wire(run)  # (grading: the calls from the grader's capture; the student's own kernel: the trace)
+    wire = wirecalls.observed(
+        run
+    )  # (grading: the calls from the grader's capture; the student's own kernel: the trace)
     for rank in range(n):
         tp, dp = _group_of(rank, tp_size), tuple(range(rank % tp_size, n, tp_size))
         inside = f"its TP group {tp} (tensor-parallel all-reduces) or its DP group {dp} (gradient averaging)"
         if wire:
-            _assert_wire_stays_in(run, rank, {*tp, *dp}, inside, case)
+            wirecalls.assert_stays_in(run, rank, {*tp, *dp}, inside, case)
         else:
             calls = _communication(run, rank)
             stray = [e for e in calls if (e.group or world) not in (tp, dp)]
@@ -361,7 +360,7 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
             )
         if tp_size > 1:
             if wire:
-                sent_in, found = _wire_calls(run, tp, case)
+                sent_in, found = wirecalls.group_calls(run, tp, case)
                 in_tp = min(sent_in[rank], sum(kind == "all_reduce" for kind, _ in found))
             else:
                 in_tp = sum(1 for e in calls if (e.group or world) == tp and e.op == "all_reduce")
@@ -371,7 +370,7 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
             )
         if dp_size > 1:
             if wire:  # (each all-reduce's tensor, from the bytes its ring put on the wire)
-                in_dp = sum(size for kind, size in _wire_calls(run, dp, case)[1] if kind == "all_reduce")
+                in_dp = sum(size for kind, size in wirecalls.group_calls(run, dp, case)[1] if kind == "all_reduce")
             else:
                 in_dp = sum(e.bytes for e in calls if (e.group or world) == dp and e.op == "all_reduce")
             held, stored = run.results[rank][1], run.results[rank][2]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ... import carried, checks, exercise
+from ... import checks, exercise, wirecalls
 from ...exercise import ExerciseRun
 from .. import common
 from .common import _DEADLOCK_HINT, TIMEOUT
@@ -69,74 +69,11 @@ def _assert_all_reduces(
     )
 
 
-def _on_the_wire(run: ExerciseRun) -> bool:
-    """Whether the grader captured the run's wire (grading); in the student's own kernel the trace is read."""
-    return run.timeline.source != "trace"
-
-
-def _wire_sends(run: ExerciseRun, case: str) -> list[tuple[int, int, str, int, bytes]]:
-    """Every message of the run but the barriers (the driver's ``next_phase``), from the grader's capture."""
-    return [s for s in carried.sends_by_connection(run, case) or [] if carried.kind(s[3]) != "barrier"]
-
-
-def _wire_calls(run: ExerciseRun, group: tuple, case: str) -> tuple[dict[int, int], list[tuple[str, int]]]:
-    """The collective calls the ranks of ``group`` made among themselves, from the grader's capture of the wire:
-    (rank -> the calls it sent messages in, a call being one slot on one connection: gloo's ring sends each
-    call's messages to one neighbour; each call's kind and its tensor's bytes, in the order the group made them).
-    An all-reduce of B bytes on t ranks puts 2·(t − 1)·B bytes of payload on the wire (``carried.all_reduce_sizes``);
-    another kind's bytes are its messages' payload.  The driver's barriers are left out."""
-    per_rank: dict[int, set] = {rank: set() for rank in group}
-    totals: dict[int, int] = {}
-    for src, dst, link, slot, payload in _wire_sends(run, case):
-        if src in per_rank and dst in per_rank:
-            per_rank[src].add((link, slot))
-            totals[slot] = totals.get(slot, 0) + len(payload)
-    calls = sorted(totals.items(), key=lambda call: call[0] & carried.CALL_BITS)
-    sizes = iter(carried.all_reduce_sizes(calls, len(group), case))
-    found = [
-        (carried.kind(slot), next(sizes) if carried.kind(slot) == "all_reduce" else total) for slot, total in calls
-    ]
-    return {rank: len(sent) for rank, sent in per_rank.items()}, found
-
-
-def _assert_wire_stays_in(run: ExerciseRun, rank: int, allowed: set, what: str, case: str) -> None:
-    """``rank`` sent data (anything but a barrier) only to ranks of ``allowed``, as the grader's capture saw it."""
-    sent = {(dst, carried.kind(slot)) for src, dst, _, slot, _ in _wire_sends(run, case) if src == rank}
-    stray = sorted((dst, kind) for dst, kind in sent if dst not in allowed)
-    assert not stray, (
-        f"{case}: rank {rank}'s communication must stay inside {what}; the grader's capture of the wire shows it "
-        f"sent {', '.join(f'{kind} messages to rank {dst}' for dst, kind in stray)}"
-    )
-
-
-def _describe_wire(calls: list) -> str:
-    return ", ".join(k.replace("_", "-") + (f" of {b} B" if b is not None else "") for k, b in calls) or "nothing"
-
-
-def _assert_wire_calls(run: ExerciseRun, group: tuple, expected: list, what: str, case: str) -> None:
-    """The ranks of ``group`` made exactly the calls ``expected`` among themselves ((kind, bytes or None: any size),
-    in order), each rank sending in each, as the grader's capture of the wire saw them; nothing left the group."""
-    for rank in group:
-        _assert_wire_stays_in(run, rank, set(group), f"its group {group}", case)
-    per_rank, found = _wire_calls(run, group, case)
-    same = len(found) == len(expected) and all(
-        kind == want and size in (None, got) for (want, size), (kind, got) in zip(expected, found)
-    )
-    assert same, (
-        f"{what}: ranks {group} should make exactly {_describe_wire(expected)} among themselves (nothing else); "
-        f"the grader's capture of the wire shows {_describe_wire(found)}"
-    )
-    assert all(count == len(expected) for count in per_rank.values()), (
-        f"{what}: each of ranks {group} should send in each of its {len(expected)} call(s), once; the grader's "
-        f"capture of the wire shows, per rank, the calls it sent in: {per_rank}"
-    )
-
-
 def _assert_wire_calls_of_groups(run: ExerciseRun, tp_size: int, expected: list, what: str, case: str) -> None:
-    """``_assert_wire_calls`` for each group of ``tp_size`` consecutive ranks (a group of one sends nothing)."""
+    """``wirecalls.assert_group_calls`` for each group of ``tp_size`` consecutive ranks (one alone sends nothing)."""
     for group in sorted({_group_of(rank, tp_size) for rank in range(run.world_size)}):
         if len(group) > 1:
-            _assert_wire_calls(run, group, expected, what, case)
+            wirecalls.assert_group_calls(run, group, expected, what, case)
 
 
 def _compare_parameters(got: dict, expected: dict, what: str):

@@ -6,7 +6,8 @@ Section 2's checks run the student's grid, attention, pipeline stage and ``train
 *drivers* (the ``_..._in_rank`` and ``_..._of`` functions of ``ranks`` and ``planner``: ``exercise.run``
 sends a driver's source to the student's kernel, where it is defined among the notebook's names, calls the notebook's
 code there and returns data), compare every rank's tensors with one process running the dense GPT,
-and read the calls each rank made (``run.trace``) and the bytes the operating system counted
+and read the calls each rank made (under grading from the grader's capture of the wire, ``wirecalls``; in the
+student's own kernel, where there is none, from the ranks' trace) and the bytes the operating system counted
 (``run.traffic``).  Sections 3-5 run the student's planner, LARS and scaling-law functions on one rank
 the same way.  A driver uses only the notebook's names (the student's functions and classes, the
 given ``Grid``, ``ModelSpec``, ``ClusterSpec``, ``Plan``, and ``torch``, ``dist``, ``nn``, ``models``,

@@ -141,7 +141,7 @@ def _exercise(target: Callable, n: int, inputs: tuple, *, case: str, timeout: fl
     grader's own versions of (the driver takes them as its last argument)."""
     target, inputs = _with_graders(target, inputs, graders)
     try:
-        return exercise.run(target, n, inputs, timeout=timeout)
+        return exercise.run(target, n, inputs, timeout=timeout, content=True)  # (the calls: ``wirecalls``)
     except exercise.ExerciseTimeout as e:
         if " was stopped at once: " in str(e):  # under grading: a function that hung before, not run again
             raise AssertionError(f"{case}: {e}") from None

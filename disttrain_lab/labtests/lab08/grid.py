@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ... import checks, models
+from ... import carried, checks, models, wirecalls
 from ...exercise import ExerciseRun
 from .common import CFG, LR, _exercise, _expect_value_error, _fields, _graders_for, _tokens
 from .ranks import (
@@ -91,9 +91,19 @@ def check_attention(n: int, cfg: models.GPTConfig, batch: int = 3, tp: int | Non
             f"n_heads // {tp}) on its d/{tp} = {cfg.d_model // tp} features, not over all {cfg.n_heads})",
             atol=1e-5,
         )
-        calls = communication(run, rank)  # in order: the forward's, then the backward's
-        _assert_all_reduces(calls[:1], n, rank, 1, nbytes, group, f"{case}, forward: one all-reduce, g's")
-        _assert_all_reduces(calls[1:], n, rank, 1, nbytes, group, f"{case}, backward: one all-reduce, f's")
+        if wirecalls.observed(run):  # (grading: the grader's capture; the group's calls in the order it made them)
+            if tp > 1 and rank % tp == 0:
+                wirecalls.assert_group_calls(
+                    run,
+                    tuple(group),
+                    [("all_reduce", nbytes)] * 2,
+                    f"{case}: one all-reduce forward (g's), one backward (f's)",
+                    case,
+                )
+        else:  # (the student's own kernel: the ranks' trace)
+            calls = communication(run, rank)  # in order: the forward's, then the backward's
+            _assert_all_reduces(calls[:1], n, rank, 1, nbytes, group, f"{case}, forward: one all-reduce, g's")
+            _assert_all_reduces(calls[1:], n, rank, 1, nbytes, group, f"{case}, backward: one all-reduce, f's")
         checks.assert_close(
             got["x grad"],
             x.grad,
@@ -149,26 +159,29 @@ def check_stage(dp: int, tp: int, pp: int, cfg: models.GPTConfig, batch: int = 2
             k for k, (p, _) in full.items() if not torch.allclose(got["gpt"][k], p, rtol=1e-5, atol=1e-6)
         ]
         assert not changed, f"{case}: rank {rank}: PipelineStage3D changed the dense gpt; copy what you keep"
-        # the stage's forward: what the rank did besides this check's own receive and send
-        calls = communication(run, rank)
-        own = [
-            next((e for e in calls if e.op in ("recv", "irecv") and e.peer == where["prev_rank"]), None)
-            if where["prev_rank"] is not None
-            else None,
-            next((e for e in reversed(calls) if e.op in ("send", "isend") and e.peer == where["next_rank"]), None)
-            if where["next_rank"] is not None
-            else None,
-        ]
-        forward = [e for e in calls if not any(e is o for o in own)]
-        _assert_all_reduces(
-            forward,
-            n,
-            rank,
-            2 * per,
-            nbytes,
-            where["tp_group"],
-            f"{case}: forward of one batch: g of attention and MLP in each block",
-        )
+        if wirecalls.observed(run):  # (grading: the grader's capture of the wire)
+            _stage_calls_on_the_wire(run, rank, where, 2 * per, nbytes, case)
+        else:  # (the student's own kernel: the ranks' trace)
+            # the stage's forward: what the rank did besides this check's own receive and send
+            calls = communication(run, rank)
+            own = [
+                next((e for e in calls if e.op in ("recv", "irecv") and e.peer == where["prev_rank"]), None)
+                if where["prev_rank"] is not None
+                else None,
+                next((e for e in reversed(calls) if e.op in ("send", "isend") and e.peer == where["next_rank"]), None)
+                if where["next_rank"] is not None
+                else None,
+            ]
+            forward = [e for e in calls if not any(e is o for o in own)]
+            _assert_all_reduces(
+                forward,
+                n,
+                rank,
+                2 * per,
+                nbytes,
+                where["tp_group"],
+                f"{case}: forward of one batch: g of attention and MLP in each block",
+            )
         if where["pp_rank"] == pp - 1:
             checks.assert_close(
                 got["out"],
@@ -177,6 +190,25 @@ def check_stage(dp: int, tp: int, pp: int, cfg: models.GPTConfig, batch: int = 2
                 atol=1e-5,
                 rtol=1e-4,
             )
+
+
+def _stage_calls_on_the_wire(run: ExerciseRun, rank: int, where: dict, count: int, nbytes: int, case: str) -> None:
+    """check_stage's calls from the grader's capture: ``rank`` sent only to its TP group and its neighbouring
+    stages (this check's own activations), and its TP group made ``count`` all-reduces of ``nbytes`` (read once,
+    at the group's first rank)."""
+    group, neighbours = tuple(where["tp_group"]), {where["prev_rank"], where["next_rank"]} - {None}
+    wirecalls.assert_stays_in(
+        run, rank, {*group, *neighbours}, f"its TP group {group} and its neighbouring stages", case
+    )
+    if len(group) > 1 and rank == group[0]:
+        wirecalls.assert_group_calls(
+            run,
+            group,
+            [("all_reduce", nbytes)] * count,
+            f"{case}: forward of one batch: g of attention and MLP in each block",
+            case,
+            outside=set(range(run.world_size)),  # (each rank's own destinations: checked above)
+        )
 
 
 def check_stage_error(world_size: int, n_layers: int, dp: int, tp: int, pp: int) -> str:
@@ -237,7 +269,52 @@ def _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank) -> dict:
     }
 
 
-def _check_traffic(run: ExerciseRun, cfg, batch, steps, dp, tp, pp, micro_batches, case: str) -> None:
+def _calls_on_the_wire(run: ExerciseRun, cfg, batch, steps, dp, tp, pp, micro_batches, case: str) -> None:
+    """_check_traffic's calls, from the grader's capture of the wire: all-reduces alone (besides the stages'
+    sends); each rank sends only to its TP group, its DP group and its neighbouring stages; each TP and DP group
+    makes the all-reduces of the lab's table; each rank's sends carry its activations and their gradients."""
+    made = {carried.kind(slot) for _, _, _, slot, _ in wirecalls.data_sends(run, case)} - {"all_reduce", "send/recv"}
+    assert not made, (
+        f"{case}: the ranks may make no collective but all-reduce; the grader's capture shows {sorted(made)}"
+    )
+    read: dict[tuple, list] = {}  # group -> its calls' sizes (one read a group)
+    for rank in range(run.world_size):
+        expected = _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)
+        peers = {peer for peer, _ in expected["sends"]}
+        wirecalls.assert_stays_in(
+            run,
+            rank,
+            {*expected["tp_group"], *expected["dp_group"], *peers},
+            f"its TP group {expected['tp_group']}, its DP group {expected['dp_group']} and its neighbouring stages",
+            case,
+        )
+        for name, per_step in (("tp", expected["tp"]), ("dp", expected["dp"])):
+            group = tuple(expected[f"{name}_group"])
+            if len(group) < 2:
+                continue  # (a group of one: nothing crosses)
+            if group not in read:
+                per_rank, found = wirecalls.group_calls(run, group, case)
+                read[group] = sorted(size for _, size in found), per_rank
+            sizes, per_rank = read[group]
+            assert sizes == sorted(per_step * steps) and per_rank[rank] == len(sizes), (
+                f"{case}: over its {name.upper()} group {group} rank {rank} should make {len(per_step) * steps} "
+                f"all-reduces of {sorted(set(per_step))} B ({steps} steps); the grader's capture of the wire shows "
+                f"{len(sizes)} of {sorted(set(sizes))} B, rank {rank} sending in {per_rank[rank]}"
+            )
+        sent = sorted(
+            (dst, len(payload))
+            for src, dst, _, slot, payload in wirecalls.data_sends(run, case)
+            if src == rank and carried.kind(slot) == "send/recv"
+        )
+        assert sent == sorted(expected["sends"] * steps), (
+            f"{case}: rank {rank} should send {sorted(set(expected['sends']))} ((peer, bytes), "
+            f"{len(expected['sends'])} per step), only to the neighbouring stages with the same (dp, tp) coordinate; "
+            f"the grader's capture of the wire shows {sorted(set(sent))} ({len(sent)} in all)"
+        )
+
+
+def _calls_in_the_trace(run: ExerciseRun, cfg, batch, steps, dp, tp, pp, micro_batches, case: str) -> None:
+    """_check_traffic's calls in the student's own kernel, where there is no capture: the ranks' trace."""
     for rank in range(run.world_size):
         expected = _expected_traffic(cfg, batch, dp, tp, pp, micro_batches, rank)
         calls = communication(run, rank)
@@ -278,6 +355,15 @@ def _check_traffic(run: ExerciseRun, cfg, batch, steps, dp, tp, pp, micro_batche
             f"the same (dp, tp) coordinate; it sent {sorted(set(sends))} ({len(sends)} in all) and received "
             f"{sorted(set(recvs))} ({len(recvs)} in all)"
         )
+
+
+def _check_traffic(run: ExerciseRun, cfg, batch, steps, dp, tp, pp, micro_batches, case: str) -> None:
+    """Each rank's calls (under grading from the grader's capture, else from the ranks' trace), then the bytes
+    the operating system counted between ranks that share no group."""
+    if wirecalls.observed(run):
+        _calls_on_the_wire(run, cfg, batch, steps, dp, tp, pp, micro_batches, case)
+    else:
+        _calls_in_the_trace(run, cfg, batch, steps, dp, tp, pp, micro_batches, case)
     # the same messages as the operating system counted them (gloo's headers included): between the
     # neighbouring stages, the activations and their gradients; between ranks that share no group, nothing
     for src in range(run.world_size):
