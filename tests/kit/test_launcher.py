@@ -305,9 +305,9 @@ def test_error_inside_torch_call_ends_at_students_line():
             "Rank 1 kept running Python code outside any torch.distributed call, in spins_forever_on_rank_one",
         ),
         (
-            ping_pong_forever,
-            ["rank 0: running Python code, still communicating", "rank 1: running Python code, still communicating"],
-            "Not a deadlock: ranks 0 and 1 kept making torch.distributed calls until the deadline",
+            ping_pong_forever,  # (each rank's line: below)
+            [],
+            "Not a deadlock: ",
         ),
     ],
 )
@@ -323,6 +323,13 @@ def test_deadlocks_and_loops_become_a_report_within_the_timeout(fn, lines, diagn
     assert diagnosis in text
     assert set(err.value.blocked) == {0, 1}
     if fn is ping_pong_forever:  # the loop, with the student's line, not a guess from the calls it was in
+        # each rank still communicating, or (on a loaded host, where the other made no call in the last window)
+        # caught in the send or receive the looping rank's next call answers; at least one rank is still calling
+        for rank, peer in ((0, 1), (1, 0)):
+            assert re.search(
+                rf"rank {rank}: (running Python code, still communicating|(send\(dst|recv\(src)={peer}, 16 B\))", text
+            ), text
+        assert re.search(r"Not a deadlock: (ranks 0 and 1|rank [01]) kept making torch.distributed calls", text), text
         assert re.search(r"in ping_pong_forever \(line \d+\): an endless loop\?", text), text
         assert "deadlock (" not in text and "Every rank is" not in text, text
 
