@@ -343,9 +343,14 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
     )
     run = _run(driver, n, (list(sizes), batch, steps, tp_size), case)
     world = tuple(range(n))
-    wire = wirecalls.observed(
-        run
-    )  # (grading: the calls from the grader's capture; the student's own kernel: the trace)
+    wire = wirecalls.observed(run)  # (grading: the grader's capture; the student's own kernel: the ranks' trace)
+    read: dict[tuple, tuple] = {}  # each group's calls on the wire, read once
+
+    def group_calls(group: tuple) -> tuple:
+        if group not in read:
+            read[group] = wirecalls.group_calls(run, group, case)
+        return read[group]
+
     for rank in range(n):
         tp, dp = _group_of(rank, tp_size), tuple(range(rank % tp_size, n, tp_size))
         inside = f"its TP group {tp} (tensor-parallel all-reduces) or its DP group {dp} (gradient averaging)"
@@ -360,7 +365,7 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
             )
         if tp_size > 1:
             if wire:
-                sent_in, found = wirecalls.group_calls(run, tp, case)
+                sent_in, found = group_calls(tp)
                 in_tp = min(sent_in[rank], sum(kind == "all_reduce" for kind, _ in found))
             else:
                 in_tp = sum(1 for e in calls if (e.group or world) == tp and e.op == "all_reduce")
@@ -370,7 +375,7 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
             )
         if dp_size > 1:
             if wire:  # (each all-reduce's tensor, from the bytes its ring put on the wire)
-                in_dp = sum(size for kind, size in wirecalls.group_calls(run, dp, case)[1] if kind == "all_reduce")
+                in_dp = sum(size for kind, size in group_calls(dp)[1] if kind == "all_reduce")
             else:
                 in_dp = sum(e.bytes for e in calls if (e.group or world) == dp and e.op == "all_reduce")
             held, stored = run.results[rank][1], run.results[rank][2]
