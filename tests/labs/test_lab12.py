@@ -345,7 +345,7 @@ def test_solution_notebook_executes_within_budget(autograding):
     )
     stragglers = output_of(nb, "# Self-check: SMALL by hand (rank 1 calls")
     first = re.search(r"the straggler of each step's first all-reduce: \[([\d, ]+)\]", stragglers)
-    assert first and first[1].split(", ").count("2") >= 2, stragglers  # rank 2, 200 ms late each step
+    assert first and first[1].split(", ").count("2") >= 2, stragglers  # rank 2, 500 ms late each step
     measured = output_of(nb, "# Self-check: the small trace by hand")
     exposed = [float(x) for x in re.search(r"ranks 0-3: \[([\d., ]+)\]", measured)[1].split(",")]
     model = 4 * sum(2 * 3 * (100e-6 + 4 * n / 4 / 1.25e7) for n in (256 * 256, 256)) * 1e3
