@@ -325,7 +325,8 @@ def test_the_calls_a_tensor_parallel_run_made_are_read_from_the_wire(monkeypatch
     connection and slot: its process group and its call), not from the ranks' trace.  The solution passes every
     graded case with and without a capture; its MLP with one more all-reduce between the two linears, hidden from
     the trace, passes on the trace alone and fails on the wire; so does a train_2d whose extra all-reduce over all
-    ranks is hidden."""
+    ranks is hidden, and a g that shows the trace an all-reduce of zeros and sums what a hidden all-gather
+    brought (the right values, the right calls on the trace)."""
     import torch.distributed as dist
 
     from disttrain_lab import trace
@@ -357,9 +358,29 @@ def test_the_calls_a_tensor_parallel_run_made_are_read_from_the_wire(monkeypatch
             dist.all_reduce(torch.zeros(4))
         return solution["train_2d"](dense, batches, tp_size, lr)
 
+    class Gathered(torch.autograd.Function):  # g: an all-reduce of zeros for the trace, the sum from an all-gather
+        @staticmethod
+        def forward(ctx, x, group):
+            dist.all_reduce(torch.zeros_like(x), group=group)
+            with trace.unrecorded():
+                pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(pieces, x.detach().contiguous(), group=group)
+            return torch.stack(pieces).sum(0)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
     graded_cases()
     with observed_from_outside():
         graded_cases()
+        monkeypatch.setattr("__main__.ReduceFromTensorParallel", Gathered)
+        with pytest.raises(AssertionError) as gathered:
+            lab06.check_f_and_g(4, 2, 7, tp_size=2)
+        monkeypatch.setattr(
+            "__main__.ReduceFromTensorParallel",
+            solution["TensorParallelMLP"].__init__.__globals__["ReduceFromTensorParallel"],
+        )
         monkeypatch.setattr("__main__.TensorParallelMLP", Between)
         with pytest.raises(AssertionError) as between:
             lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
@@ -367,6 +388,11 @@ def test_the_calls_a_tensor_parallel_run_made_are_read_from_the_wire(monkeypatch
         with pytest.raises(AssertionError) as in_2d:
             lab06.check_2d(driver, 4, 2)
     lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)  # (the student's own kernel: the trace's account, fooled)
+    monkeypatch.setattr("__main__.ReduceFromTensorParallel", Gathered)
+    lab06.check_f_and_g(4, 2, 7, tp_size=2)  # (the same: the trace shows g's all-reduce, the values are right)
+    said = str(gathered.value)
+    assert "ranks (0, 1) should make exactly all-reduce of 56 B, all-reduce of 56 B among themselves" in said, said
+    assert "the grader's capture of the wire shows all-reduce of 56 B, all-reduce of 56 B, all-gather of" in said, said
     said = str(between.value)
     assert (
         "none between the two layers" in said

@@ -719,8 +719,8 @@ def test_a_spinning_grid_costs_its_own_points_and_one_cells_limit(spinning):
 def test_the_calls_of_the_grid_are_read_from_the_wire(monkeypatch):
     """#42: TensorParallelAttention's, PipelineStage3D's and train_3d's calls come from the grader's capture (each
     message's connection and slot: its process group and its call), not from the ranks' trace.  The solution
-    passes graded cases with and without a capture; train_3d with one more all-reduce over its TP group, hidden
-    from the trace, passes on the trace alone and fails on the wire."""
+    passes graded cases with and without a capture; each of the three with one more all-reduce over its TP group,
+    hidden from the trace, passes on the trace alone and fails on the wire."""
     import torch
     import torch.distributed as dist
 
@@ -749,12 +749,55 @@ def test_the_calls_of_the_grid_are_read_from_the_wire(monkeypatch):
             dist.all_reduce(torch.zeros(3), group=tp_pair)
         return train_3d(*args, **kwargs)
 
+    class Whispering(solution["TensorParallelAttention"]):  # the solution, and 8 B more in its group, off the trace
+        def forward(self, x):
+            with trace.unrecorded():
+                dist.all_reduce(torch.zeros(2), group=self.group)
+            return super().forward(x)
+
+    class Stage(solution["PipelineStage3D"]):  # the solution, and 8 B more in its TP group, off the trace
+        def forward(self, x):
+            with trace.unrecorded():
+                dist.all_reduce(torch.zeros(2), group=next(iter(self.blocks.values())).attn.group)
+            return super().forward(x)
+
+    small = models.GPTConfig(seq_len=5, d_model=16, n_heads=2, n_layers=2)
+    forged = {
+        "TensorParallelAttention": (
+            Whispering,
+            lambda: lab08.check_attention(4, models.GPTConfig(seq_len=5, d_model=16, n_heads=4), tp=2),
+        ),
+        "PipelineStage3D": (Stage, lambda: lab08.check_stage(1, 2, 2, small)),
+        "train_3d": (one_more, lambda: lab08.check_3d(2, 2, 1, micro_batches=1, batch=6, steps=2)),
+    }
     graded_cases()
+    caught = {}
     with observed_from_outside():
         graded_cases()
-        monkeypatch.setattr("__main__.train_3d", one_more)
-        with pytest.raises(AssertionError) as extra:
-            lab08.check_3d(2, 2, 1, micro_batches=1, batch=6, steps=2)
-    lab08.check_3d(2, 2, 1, micro_batches=1, batch=6, steps=2)  # (the student's own kernel: the trace, fooled)
-    said = str(extra.value)
+        for name, (forgery, check) in forged.items():
+            monkeypatch.setattr(f"__main__.{name}", forgery)
+            with pytest.raises(AssertionError) as caught[name]:
+                check()
+            monkeypatch.setattr(f"__main__.{name}", solution[name])
+    for name, (forgery, check) in forged.items():  # (the student's own kernel: the trace, fooled)
+        monkeypatch.setattr(f"__main__.{name}", forgery)
+        check()
+        monkeypatch.setattr(f"__main__.{name}", solution[name])
+    said = str(caught["TensorParallelAttention"].value)
+    assert (
+        "one all-reduce forward (g's), one backward (f's): ranks (0, 1) should make exactly all-reduce of 960 B, "
+        in said
+    ), said
+    assert (
+        "the grader's capture of the wire shows all-reduce of 8 B, all-reduce of 960 B, all-reduce of 960 B" in said
+    ), said
+    said = str(caught["PipelineStage3D"].value)
+    assert (
+        "g of attention and MLP in each block: ranks (0, 1) should make exactly all-reduce of 640 B, all-reduce of 640 B among"
+        in said
+    ), said
+    assert (
+        "the grader's capture of the wire shows all-reduce of 8 B, all-reduce of 640 B, all-reduce of 640 B" in said
+    ), said
+    said = str(caught["train_3d"].value)
     assert "over its TP group" in said and "the grader's capture of the wire shows" in said, said

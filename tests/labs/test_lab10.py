@@ -448,7 +448,7 @@ def test_ulysses_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     """#42: Ulysses' "only all_to_all_single" and its bytes come from the grader's capture: each message's slot
     names its call's kind, its payload the bytes.  The solution passes with and without a capture; the
     solution with every rank's q all-gathered beside it, off the trace, passes on the trace alone and fails on
-    the wire."""
+    the wire; so does the solution with one more all-to-all (the right kind, more bytes than the cost model)."""
     import torch
     import torch.distributed as dist
 
@@ -469,13 +469,26 @@ def test_ulysses_calls_and_bytes_are_read_from_the_wire(monkeypatch):
         lab10.check_ulysses(2, 4, 16, 4)
         lab10.check_ulysses(4, 4, 16, 3, seed=1)
 
+    def padded(q, k, v, *args, **kwargs):  # the solution, and one more all-to-all of q, off the trace
+        with trace.unrecorded():
+            flat = q.detach().reshape(-1).contiguous()  # (its elements split evenly between the ranks)
+            dist.all_to_all_single(torch.empty_like(flat), flat)
+        return ulysses(q, k, v, *args, **kwargs)
+
     check()
     with observed_from_outside():
         check()
         monkeypatch.setattr("__main__.ulysses_attention", gathering)
         with pytest.raises(AssertionError) as gathered:
             lab10.check_ulysses(2, 4, 16, 4)
+        monkeypatch.setattr("__main__.ulysses_attention", padded)
+        with pytest.raises(AssertionError) as more:
+            lab10.check_ulysses(2, 4, 16, 4)
     lab10.check_ulysses(2, 4, 16, 4)  # (the student's own kernel: the trace's account, fooled)
+    said = str(more.value)
+    assert "rank 0's all-to-alls put" in said and "the cost model: q, k, v and the output" in said, said
+    monkeypatch.setattr("__main__.ulysses_attention", gathering)
+    lab10.check_ulysses(2, 4, 16, 4)
     said = str(gathered.value)
     assert "may only call all_to_all_single; the grader's capture of the wire shows messages of all_gather" in said, (
         said
