@@ -493,3 +493,50 @@ def test_ulysses_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     assert "may only call all_to_all_single; the grader's capture of the wire shows messages of all_gather" in said, (
         said
     )
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_sequence_parallel_calls_and_bytes_are_read_from_the_wire(monkeypatch):
+    """#42: SequenceParallelBlock's calls (all-gathers and reduce-scatters, how many in each pass, of which
+    sizes) come from the grader's capture: each call's slot, counted up in the world's group, places it before or
+    after the driver's barrier, its payload gives its bytes.  The solution passes with and without a capture; the
+    solution with one more all-gather of its input in forward, off the trace, passes on the trace alone and
+    fails on the wire."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import trace
+    from tests.helpers import notebook_names, observed_from_outside
+
+    block = bench.functions_from_notebook(LAB, ["SequenceParallelBlock"], given=True)["SequenceParallelBlock"]
+    given = next(c.source for c in load(LAB).cells if "def transformer_block" in c.source)  # (it runs Lab 6's file)
+    exec(
+        given.replace('"data/reference_pieces.py"', repr(str(LAB.parent / "data" / "reference_pieces.py"))),
+        block.__init__.__globals__,
+    )
+    notebook_names(monkeypatch, block.__init__.__globals__)
+
+    class Gathering(block):  # the solution, and every rank's input all-gathered once more in forward
+        def forward(self, x):
+            with trace.unrecorded():
+                dist.all_gather([torch.empty_like(x) for _ in range(dist.get_world_size())], x.detach().contiguous())
+            return super().forward(x)
+
+    def check():
+        lab10.check_sp(2, 16, 4, 8, 2, 0)
+        lab10.check_sp(3, 12, 6, 9, 2, 2)
+        lab10.check_sp(1, 8, 2, 4, 2, 3)
+
+    check()
+    with observed_from_outside():
+        check()
+        monkeypatch.setattr("__main__.SequenceParallelBlock", Gathering)
+        with pytest.raises(AssertionError) as more:
+            lab10.check_sp(2, 16, 4, 8, 2, 0)
+    lab10.check_sp(2, 16, 4, 8, 2, 0)  # (the student's own kernel: the trace's account, fooled)
+    said = str(more.value)
+    assert (
+        "the forward pass makes 2 all-gathers and 2 reduce-scatters of 2048 B (tensor parallelism's two all-reduces, "
+        "split); the grader's capture of the wire shows 3 all-gathers and 2 reduce-scatters (or all-reduces)"
+    ) in said, said

@@ -53,7 +53,7 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
     gather_linear's second all-gather of its input backward."""
     case = f"SequenceParallelBlock on {t} ranks (d={d}, {heads} heads, {tokens} tokens, batch {batch}, float64)"
     run = common.run_or_fail(
-        _sp_in_rank, t, (d, heads, tokens, batch, seed), case, common.DEADLOCK_HINT, timeout=TIMEOUT
+        _sp_in_rank, t, (d, heads, tokens, batch, seed), case, common.DEADLOCK_HINT, timeout=TIMEOUT, content=True
     )
     block = common.given("transformer_block")(d, heads, seed)  # the block, in one process (the notebook's given one)
     g = torch.Generator().manual_seed(seed + 1)
@@ -100,7 +100,10 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
             what=f"{case}: {part}'s gradient summed over the ranks (each rank's part is from its tokens)",
         )
     tensor = batch * tokens * d * 8
-    for rank in range(t):
+    observed = carried.sends(run, case) is not None  # under grading: the grader's capture of the wire
+    if observed:
+        _sp_on_the_wire(run, t, tensor, case)
+    for rank in range(t):  # the ranks' trace: in the student's own kernel, and for "not an all-reduce" (below)
         calls, _ = _forward_phase(run, rank)
         forward = {id(e) for e in calls}
         every = [e for e in run.trace.by_rank(rank) if e.kind == "collective" and e.op != "barrier"]
@@ -109,6 +112,8 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
             f"{case}: rank {rank} may only all-gather and reduce-scatter (no all-reduce); "
             f"it made {common.describe_calls(wrong)}"
         )
+        if observed:
+            continue
         wire = lambda events: sum((t - 1) / t * e.bytes for e in events)  # a ring all-gather / reduce-scatter
         fwd, bwd = wire(e for e in every if id(e) in forward), wire(e for e in every if id(e) not in forward)
         tp = 2 * 2 * (t - 1) / t * tensor  # tensor parallelism: two ring all-reduces
@@ -119,6 +124,58 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
         assert abs(bwd - tp - 2 * (t - 1) / t * tensor) < 1, (
             f"{case}: rank {rank}'s backward moved {bwd:.0f} B; tensor parallelism's backward moves {tp:.0f} B, and "
             f"gather_linear's second all-gather of its input adds {2 * (t - 1) / t * tensor:.0f} B (two calls)"
+        )
+
+
+# what each pass of a SequenceParallelBlock calls, as (kind on the wire, how many), every call of the whole
+# sequence's tensor: gloo's reduce-scatter sends an all-reduce's messages (its slot's kind, and 2·(t − 1) times
+# the tensor's bytes), so it shows here as one
+_SP_CALLS = {
+    "forward": {"all_gather": 2, "all_reduce": 2},  # before the column-parallel linears; after the row-parallel ones
+    "backward": {"all_gather": 4, "all_reduce": 2},  # their mirror images, and gather_linear's input gathered again
+}
+
+
+def _sp_on_the_wire(run, t: int, tensor: int, case: str) -> None:
+    """check_sp's calls from the grader's capture: every call is the world group's, one slot each, counted up in
+    the order the ranks made them, so the driver's barrier's slot splits the forward pass from the backward;
+    each call's bytes from its messages (an all-gather of a B-byte output: (t − 1)·B in all; a reduce-scatter of
+    a B-byte input, like an all-reduce of B: 2·(t − 1)·B).  Whether a reduce-scatter or an all-reduce was called
+    the wire cannot tell: those bytes are the same (the trace's rule in check_sp).  One rank sends nothing."""
+    if t == 1:
+        return
+    payload: dict[int, int] = {}
+    for _, _, _, slot, data in carried.sends_by_connection(run, case):
+        payload[slot] = payload.get(slot, 0) + len(data)
+    made = sorted(payload.items(), key=lambda call: call[0] & carried.CALL_BITS)
+    barriers = [i for i, (slot, _) in enumerate(made) if carried.kind(slot) == "barrier"]
+    assert barriers, f"{case}: the grader's capture of the wire shows no barrier between forward and backward"
+    phases = {"forward": made[: barriers[0]], "backward": made[barriers[0] + 1 :]}
+    per_call = {"all_gather": t - 1, "all_reduce": 2 * (t - 1)}
+    for phase, calls in phases.items():
+        other = sorted({carried.kind(slot) for slot, _ in calls} - set(per_call))
+        assert not other, (
+            f"{case}: the ranks may only all-gather and reduce-scatter; in the {phase} pass the grader's capture of "
+            f"the wire shows messages of {', '.join(other)}"
+        )
+        found = {kind: 0 for kind in per_call}
+        for slot, total in calls:
+            kind = carried.kind(slot)
+            found[kind] += 1
+            size = total / per_call[kind]
+            assert size == tensor, (
+                f"{case}: every call of the {phase} pass gathers or scatters the whole sequence's activations, "
+                f"{tensor} B; the grader's capture of the wire shows "
+                + ("an all-gather" if kind == "all_gather" else "a reduce-scatter (or all-reduce)")
+                + f" of {size:.0f} B"
+            )
+        want = _SP_CALLS[phase]
+        assert found == want, (
+            f"{case}: the {phase} pass makes {want['all_gather']} all-gathers and {want['all_reduce']} "
+            f"reduce-scatters of {tensor} B (tensor parallelism's two all-reduces, split"
+            + (", and gather_linear's input gathered again" if phase == "backward" else "")
+            + f"); the grader's capture of the wire shows {found['all_gather']} all-gathers and "
+            f"{found['all_reduce']} reduce-scatters (or all-reduces)"
         )
 
 
