@@ -31,6 +31,9 @@ The rank's end is this module: a TCP connection to the grader's port in the rank
 namespace (a graded rank may open TCP sockets alone; ``confine.py``), given to each rank of a run as
 :data:`PORT` by the kit (``serving._call``).  In the student's own notebook no grader holds a gate:
 ``connect()`` returns None, the driver runs without one, and the test reads the ranks' trace instead.
+The rank's main thread waits for each answer itself: the grader checks from ``/proc`` that, when a rank
+says it is held, its main thread is blocked reading its gate connection (a thread that said "held" for
+it while the rank's own work went on elsewhere is not the rank held: the gate is then unobserved).
 
 :class:`Seen` is what the grader observed, its evidence (``protocol.Evidence.gate``).
 """
@@ -91,6 +94,12 @@ class Gate:
     def __init__(self, port: int, rank: int):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # waits that time out in the kernel (SO_RCVTIMEO), not in Python's poll(): a rank waiting for the
+        # grader's answer sits in recvfrom(2) on this socket, and the grader reads from /proc that it is the
+        # rank's main thread that waits there (pauses.receiving_on), not a thread that speaks for it
+        self.sock.settimeout(None)
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", int(WAIT_S), 0))
         self.sock.sendall(HELLO + struct.pack("<I", rank))
         self.armed = False
 

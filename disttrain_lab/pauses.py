@@ -1,5 +1,7 @@
 """Whether a process is paused in ``time.sleep``, and the private memory it holds, read from ``/proc``;
-and the watch that reads every rank once all pause (``osmemory.Watch`` runs it).
+and the watch that reads every rank once all pause (``osmemory.Watch`` runs it).  Also which socket a
+process's main thread is blocked reading (``receiving_on``): the grader's gate reads it to know that a rank
+that says it waits at the gate is waiting there itself (``grading/gatekeeper.py``).
 
 Run as a file, ``python -I pauses.py PID ...``, by ``osmemory.Watch``: as the student's uid where the
 grader may not read another uid's ``/proc/<pid>/smaps_rollup`` (a root without CAP_SYS_PTRACE, in a
@@ -26,10 +28,24 @@ import signal
 import sys
 import time
 
-__all__ = ["PAUSE_SYSCALL", "WAKE_SIGNAL", "pause_of", "paused", "private_bytes", "watch"]
+__all__ = [
+    "PAUSE_SYSCALL",
+    "RECEIVE_SYSCALLS",
+    "WAKE_SIGNAL",
+    "pause_of",
+    "paused",
+    "private_bytes",
+    "receiving_on",
+    "watch",
+]
 
 # clock_nanosleep, what time.sleep calls on Linux (Python >= 3.11)
 PAUSE_SYSCALL = {"x86_64": 230, "aarch64": 115, "arm64": 115}.get(platform.machine())
+# read, recvfrom, recvmsg: the calls a thread waiting for a socket's data blocks in (Python's socket.recv on a
+# socket without a Python-level timeout calls recvfrom; with one it would wait in poll first)
+RECEIVE_SYSCALLS = {"x86_64": (0, 45, 47), "aarch64": (63, 207, 212), "arm64": (63, 207, 212)}.get(
+    platform.machine(), ()
+)
 WAKE_SIGNAL = signal.SIGUSR2  # ends the driver's pause once the ranks are read (worker.py ignores it elsewhere)
 POLL_S = 0.005
 PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Swap:")
@@ -68,6 +84,22 @@ def pause_of(pid: int) -> int | None:
                 if count.isdigit():
                     return int(count)
     raise ValueError(f"/proc/{pid}/status has no voluntary_ctxt_switches")
+
+
+def receiving_on(pid: int) -> int | None:
+    """The inode of the socket process ``pid``'s main thread is blocked reading (``RECEIVE_SYSCALLS``, its first
+    argument the socket's descriptor, ``/proc/<pid>/fd/<fd>`` a ``socket:[inode]``), or None where it is in no
+    such call.  Raises OSError where the process cannot be read (gone, or another uid's without ptrace's right)."""
+    with open(f"/proc/{pid}/syscall", "rb") as f:
+        fields = f.read(256).split()
+    if len(fields) < 2 or not fields[0].isdigit() or int(fields[0]) not in RECEIVE_SYSCALLS:
+        return None  # (running, or blocked in another call)
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{int(fields[1], 16)}")
+    except (OSError, ValueError):  # (closed since: not waiting on it)
+        return None
+    inode = link[len("socket:[") : -1] if link.startswith("socket:[") and link.endswith("]") else ""
+    return int(inode) if inode.isdigit() else None
 
 
 def paused(pid: int) -> bool:
@@ -110,5 +142,8 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
             say(error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-if __name__ == "__main__":  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)
-    watch([int(p) for p in sys.argv[1:]])
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--receiving"]:  # `python -I pauses.py --receiving PID ...`: receiving_on each, as JSON
+        print(json.dumps({p: receiving_on(int(p)) for p in sys.argv[2:]}))
+    else:  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)
+        watch([int(p) for p in sys.argv[1:]])

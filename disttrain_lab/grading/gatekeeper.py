@@ -36,17 +36,20 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import os
 import selectors
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from disttrain_lab import wire
+from disttrain_lab import pauses, wire
 from disttrain_lab.gate import GO, HELLO, HOLD, MAX_ELEMENTS, START, Seen
 
 __all__ = ["Gatekeeper", "for_ranks"]
@@ -105,9 +108,10 @@ class Gatekeeper:
         baseline: Callable[[], object],
         timeout: float,
         busy: Callable[[], bool] = lambda: False,
+        holding: Callable[[list[tuple[str, str]]], str] = lambda connections: "",
     ):
         self.netns_pid, self.sent, self.baseline = netns_pid, sent, baseline
-        self.busy = busy
+        self.busy, self.holding = busy, holding
         rounds = answers if answers and isinstance(answers[0], (list, tuple)) else [answers]
         self.rounds_of_answers: list[list] = [list(r) for r in rounds]  # each hold round's answers, per rank
         self.world_size, self.timeout = len(self.rounds_of_answers[0]), timeout
@@ -260,6 +264,9 @@ class Gatekeeper:
             settles = self._round < len(self.settles) and self.settles[self._round]
             apart = not settles and first_held is not None and time.monotonic() - first_held > HELD_WAIT
             if held and (len(held) == self.world_size or apart):
+                why = self._not_held(list(held))
+                if why and self.why is None:  # (answered all the same: the run ends, the test reading the gate fails)
+                    self.why = why
                 if settles:
                     self.settled = self._hold(base, MIN_SENT)
                 elif not apart:  # (what the ranks already sent each other crosses before the answers)
@@ -290,6 +297,19 @@ class Gatekeeper:
             value = struct.unpack("<I", buffer[1:size])[0] if size > 1 else 0
             del buffer[:size]
             yield kind, value
+
+    def _not_held(self, held: list[socket.socket]) -> str:
+        """Why the ranks that said they are held on ``held`` are not all waiting there themselves ('' where each
+        one's main thread is blocked reading its gate connection: ``holding``), read again for up to ``HOLD_S``
+        (a rank goes from its ``HOLD`` to its read in a moment, later on a loaded host)."""
+        connections = [(_address(s.getsockname()), _address(s.getpeername())) for s in held]
+        until, why = time.monotonic() + HOLD_S, ""
+        while time.monotonic() < until and not self._stop.is_set():
+            why = self.holding(connections)
+            if not why:
+                return ""
+            time.sleep(POLL_S)
+        return why
 
     def _hold(self, base, minimum: int) -> bool:
         """Wait until each rank has sent ``minimum`` bytes since ``base`` and the counts stopped growing while
@@ -344,7 +364,48 @@ def for_ranks(
             owner.update(wire.owners(pids, user))
         return [sum(row) for row in wire.traffic(base, now, pids, owner=owner).matrix]
 
-    return Gatekeeper(netns_pid, answers, sent, baseline, timeout, busy=lambda: any(map(_runnable, pids)))
+    ends: dict[str, tuple[int, int]] = {}  # a gate connection's rank end -> (its socket's inode, the rank's pid)
+
+    def holding(connections: list[tuple[str, str]]) -> str:
+        """'' where the process at the rank's end of each gate connection is one of ``pids`` and its main thread
+        is blocked reading that connection's socket (``pauses.receiving_on``), else why not."""
+        if any(rank_end not in ends for _, rank_end in connections):
+            sockets, owned = wire.snapshot(netns_pid, user=user), wire.owners(pids, user)
+            for gate_end, rank_end in connections:
+                found = sockets.get((rank_end, gate_end))
+                if found is not None and found.inode in owned:
+                    ends[rank_end] = (found.inode, owned[found.inode])
+        for _, rank_end in connections:
+            if rank_end not in ends:
+                return f"no rank of the run holds the gate connection from {rank_end}"
+            inode, pid = ends[rank_end]
+            if _receiving(pid, user) != inode:
+                return (
+                    f"rank {pids.index(pid)} said it was held at the gate, but its main thread was not waiting for the "
+                    "grader's answer (a thread of its own spoke for it)"
+                )
+        return ""
+
+    return Gatekeeper(
+        netns_pid, answers, sent, baseline, timeout, busy=lambda: any(map(_runnable, pids)), holding=holding
+    )
+
+
+def _receiving(pid: int, user: int | None) -> int | None:
+    """``pauses.receiving_on(pid)``, read as ``user`` where this process may not read another uid's
+    ``/proc/<pid>/syscall`` (a root without CAP_SYS_PTRACE, in a container)."""
+    try:
+        return pauses.receiving_on(pid)
+    except PermissionError:
+        if user is None:
+            raise
+    done = subprocess.run(
+        wire.as_user(user, [sys.executable, "-I", pauses.__file__, "--receiving", str(pid)]),
+        capture_output=True,
+        timeout=10,
+    )
+    found = json.loads(done.stdout or b"{}").get(str(pid)) if done.returncode == 0 else None
+    return found if isinstance(found, int) else None
 
 
 def _first_bytes(segments: list[tuple[float, int]], sizes: list[int]) -> list[float] | None:

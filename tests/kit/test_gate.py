@@ -102,3 +102,60 @@ def test_each_hold_has_its_own_answers_and_the_window_is_the_one_that_answers_wi
     assert seen.hold_window(0) == (1.0, 1.5) and seen.window() == (2.0, 3.0)
     with pytest.raises(wire.Unobserved):
         seen.hold_window(2)
+
+
+def _rank_at_the_gate(rank: int, ports, forged: bool) -> None:
+    """A rank of a gated run: connects to the gate on the port it is sent, then says it is held and waits for
+    the answer in its main thread, or (``forged``) from a thread of its own while the main thread waits for
+    that thread (a futex, not the gate's socket)."""
+    import threading
+
+    from disttrain_lab.gate import Gate
+
+    gate = Gate(ports.recv(), rank)
+    if forged:
+        speaker = threading.Thread(target=gate.wait, args=(torch.Size([4]),))
+        speaker.start()
+        speaker.join()
+    else:
+        gate.wait(torch.Size([4]))
+    gate.close()
+
+
+@pytest.mark.skipif(wire.available() is not None, reason=str(wire.available()))
+@pytest.mark.parametrize(
+    "forged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["main_thread", "a_thread_speaks_for_it"]
+)  # (forged: the grader looks again for HOLD_S, 5 s, before it calls the gate unobserved)
+def test_a_rank_is_held_only_where_its_main_thread_waits_at_the_gate(forged):
+    """#42: the gate's rank end is the student's process, so a rewritten gate.py could say "held" from a thread
+    of its own while the rank's work went on.  The grader reads from /proc that each held rank's main thread is
+    blocked reading its gate connection (``pauses.receiving_on``, the connection's rank end found with ``ss``
+    and ``/proc/<pid>/fd``); where one is not, the gate is unobserved (and a test reading it fails), though the
+    grader answers all the same (the run ends)."""
+    import multiprocessing
+
+    from disttrain_lab.grading import gatekeeper
+
+    ctx = multiprocessing.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    ranks = [ctx.Process(target=_rank_at_the_gate, args=(r, pipes[r][1], forged and r == 1)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    keeper = gatekeeper.for_ranks(None, [None, None], [p.pid for p in ranks], None, timeout=60)
+    try:
+        port = keeper.start()
+        for mine, _ in pipes:
+            mine.send(port)
+        for p in ranks:
+            p.join(30)
+        assert [p.exitcode for p in ranks] == [0, 0]
+    finally:
+        keeper.stop()
+        for p in ranks:
+            p.kill()
+    if forged:
+        assert keeper.why and "rank 1 said it was held at the gate, but its main thread was not waiting" in keeper.why
+        with pytest.raises(wire.Unobserved, match="a thread of its own spoke for it"):
+            keeper.seen([], 0.0).ranks_held()
+    else:
+        assert keeper.why is None and keeper.held_ranks == [(0, 1)]
