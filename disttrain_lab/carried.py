@@ -151,7 +151,7 @@ def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str)
     them cross (``run.timeline`` of a ``dl.exercise.run(..., content=True)``).  The bytes counted
     on a connection say how much crossed; this says *what* did, so data passed some other way
     (a file, shared memory) with junk of the right size on the wire fails.  In the student's own
-    notebook there is no capture: nothing is checked there (``wire.Timeline.carries``).
+    notebook there is no capture: nothing is checked there (``wiretimeline.Timeline.carries``).
 
     >>> assert_carried(run, {(0, 1): [x], (1, 0): [x]}, "ping_pong on 2 ranks")
     """

@@ -29,7 +29,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import osmemory, serving, wire
+from . import osmemory, serving, wire, wiretimeline
 from .gate import Seen
 from .network import Network
 from .protocol import Driver, Evidence, Record, Request
@@ -63,7 +63,9 @@ class ExerciseRun:
     trace: Run
     inputs_after: list  # rank r's arguments as the call left them (in-place work shows here)
     backend: str = "gloo"  # the process group's backend the ranks ran on
-    timeline: wire.Timeline = dataclasses.field(default_factory=lambda: wire.Timeline.unobserved("not asked for"))
+    timeline: wiretimeline.Timeline = dataclasses.field(
+        default_factory=lambda: wiretimeline.Timeline.unobserved("not asked for")
+    )
     memory: osmemory.Held = dataclasses.field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
     gate: Seen = dataclasses.field(default_factory=Seen.none)  # when the grader held the backward (gate.py)
 
@@ -104,8 +106,8 @@ def _own_evidence(record: Record, before, world_size: int) -> Evidence:
     return Evidence(traffic=traffic, timeline=_traced_timeline(traced))
 
 
-def _traced_timeline(traced) -> wire.Timeline:
-    """The ranks' matched sends and receives as gloo would put them on the wire (``wire.Timeline``
+def _traced_timeline(traced) -> wiretimeline.Timeline:
+    """The ranks' matched sends and receives as gloo would put them on the wire (``wiretimeline.Timeline``
     reads both alike): the sender's note when it posts the send, the receiver's note when it posts
     the receive, and the data (preamble and payload) once both are posted."""
     segments = []
@@ -117,7 +119,7 @@ def _traced_timeline(traced) -> wire.Timeline:
         ]
     segments.sort()
     start = segments[0][0] if segments else 0.0
-    return wire.Timeline(segments=[(t - start, a, b, n) for t, a, b, n in segments], source="trace")
+    return wiretimeline.Timeline(segments=[(t - start, a, b, n) for t, a, b, n in segments], source="trace")
 
 
 def _run_here(request: Request, gate: Sequence | None = None) -> tuple[Record, Evidence]:
@@ -184,7 +186,7 @@ def run(
 
     ``device`` and ``network`` are ``dl.launch``'s.  ``timeline``: ``run.timeline`` holds when
     each segment of data crossed between which ranks, captured from the wire under grading
-    (``wire.Timeline``; in the student's own kernel, the ranks' traced sends).  ``content``: it also
+    (``wiretimeline.Timeline``; in the student's own kernel, the ranks' traced sends).  ``content``: it also
     holds what each connection carried (``Timeline.carries``, ``carried.assert_carried``), captured
     under grading; the student's own kernel has no capture, and there nothing is checked.
     ``memory``: the run's ranks are forked fresh and ``run.memory`` holds each rank's private

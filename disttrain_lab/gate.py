@@ -16,7 +16,7 @@ grading the grader makes the moment observable instead:
 - the grader's packet capture sees the answer leave, among the ranks' own segments (``capture.py``):
   what crossed between the ranks before it, and after the step began (the grader's first answer,
   one byte, once every rank reached the step), crossed while the backward was held.  The test reads
-  those messages (``wire.Timeline.sends_between``) and holds them to the gradients of the layers
+  those messages (``wiretimeline.Timeline.sends_between``) and holds them to the gradients of the layers
   above the gate, which it recomputes.  A wrapper that communicates only after ``backward()``
   returns has sent nothing there; junk sent in their place is not the gradients.
 
@@ -138,7 +138,7 @@ class Gate:
 
 @dataclass(frozen=True)
 class Seen:
-    """What the grader observed at a run's gate, on the capture's clock (``wire.Timeline``'s seconds):
+    """What the grader observed at a run's gate, on the capture's clock (``wiretimeline.Timeline``'s seconds):
     ``marks``, when the first rank was told to go on in each round of ``Gate.start()`` (one per
     micro-step, and one after the last); ``start``, the round in which the backward was held; ``cut``, when
     the first rank was given the answer it needed to finish that step's backward (None where nothing was

@@ -74,7 +74,7 @@ def _read(stream: bytes, start: int, notes: list | None = None) -> list[tuple[in
 
 def messages(stream: bytes) -> list[bytes]:
     """The payload of every send in one direction of a connection, in the order they crossed
-    (``stream``: that direction's bytes, whole, as ``wire.Timeline.data`` joins them).  The
+    (``stream``: that direction's bytes, whole, as ``wiretimeline.Timeline.data`` joins them).  The
     handshake, where the stream begins with it, and the notes are skipped.  Raises ``NotGloo``
     if the bytes are not gloo's operations from the first to the last byte.
 
@@ -88,7 +88,7 @@ def messages(stream: bytes) -> list[bytes]:
 def sends(stream: bytes) -> list[tuple[int, int, bytes]]:
     """``messages``, each as (the offset in ``stream`` where its operation's preamble begins, its slot,
     its payload).  A test that reads what crossed between two moments keeps the sends whose bytes lie
-    between the stream's positions then (``wire.Timeline.sends_between``).  The slot names the
+    between the stream's positions then (``wiretimeline.Timeline.sends_between``).  The slot names the
     operation a message belongs to: torch's gloo process group gives each collective call a tag of its
     own, and every message of that call carries a slot made from it (measured on torch 2.13: the
     messages of one all-reduce of B bytes on N ranks carry 2·(N − 1)·B bytes of payload in all)."""

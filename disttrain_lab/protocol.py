@@ -12,7 +12,7 @@ this involves, each a frozen dataclass checked when it is made:
   data only (``torch.load(weights_only=True)``), within ``MAX_RECORD_BYTES``, and every field is
   checked for type, length and range (:meth:`Record.from_bytes`) before anything reads it;
 - :class:`Evidence`, the grader's own: the bytes between the ranks and when they crossed, as the
-  grader observed them from outside the student's processes (``wire.py``, ``capture.py``).  It
+  grader observed them from outside the student's processes (``wire.py``, ``capture.py``, ``wiretimeline.py``).  It
   never crosses to the student's kernel; in the student's own notebook, where no grader
   observes, it holds the student's own count and says so (``source``).
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import osmemory, wire
+from . import osmemory, wire, wiretimeline
 from .events import Event
 from .gate import Seen
 
@@ -371,7 +371,7 @@ class Evidence:
     ``source``."""
 
     traffic: wire.Traffic
-    timeline: wire.Timeline
+    timeline: wiretimeline.Timeline
     memory: osmemory.Held = field(default_factory=lambda: osmemory.Held.unobserved("not asked for"))
     gate: Seen = field(default_factory=Seen.none)  # when a graded step's backward was held (gate.py)
 
@@ -381,7 +381,7 @@ class Evidence:
         messages then tell the student so, not the instructor to change the host)."""
         return cls(
             traffic=wire.Traffic.unobserved(why, by_submission),
-            timeline=wire.Timeline.unobserved(why, by_submission),
+            timeline=wiretimeline.Timeline.unobserved(why, by_submission),
             memory=osmemory.Held.unobserved(why),
             gate=Seen.unobserved(why),
         )

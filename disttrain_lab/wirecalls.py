@@ -1,7 +1,7 @@
 """The collective calls a run's process groups made, as the grader's capture of the wire shows them.
 
 A process group opens connections of its own between its ranks, and torch counts its calls' tags per group:
-each message's connection (``wire.Timeline.links``) and slot (its call) say which call of which group it
+each message's connection (``wiretimeline.Timeline.links``) and slot (its call) say which call of which group it
 belongs to (``carried.sends_by_connection``).  One call is one slot among a group's ranks; gloo's ring sends
 each call's messages to one neighbour, so each rank sends in each call on one connection (measured: groups of
 2 and 4).  An all-reduce of B bytes on t ranks puts 2·(t − 1)·B bytes of payload on the wire

@@ -152,7 +152,7 @@ def observed_from_outside():
     """``dl.exercise.run`` in this process with the evidence the grader takes (as grading/remote.py
     does, without a student's kernel between): the bytes each rank sent from ``ss``, and when the
     data crossed from a packet capture (root only: ``CAP_NET_RAW``)."""
-    from disttrain_lab import exercise, serving, wire
+    from disttrain_lab import exercise, serving, wire, wiretimeline
     from disttrain_lab.gate import Seen
     from disttrain_lab.grading import gatekeeper
     from disttrain_lab.grading.capture import Capture
@@ -182,7 +182,7 @@ def observed_from_outside():
                 return record, Evidence.unobserved("the run failed")
             pids = list(record.pids)
             after, owner = wire.snapshot(), wire.owners(pids)
-            timeline = wire.timeline(
+            timeline = wiretimeline.timeline(
                 capture.segments, after, pids, owner, capture.payloads if capture.keep_payloads else None
             )
             seen = keeper.seen(capture.segments, timeline.origin) if keeper is not None else Seen.none()

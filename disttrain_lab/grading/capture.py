@@ -26,7 +26,7 @@ never lets the queue run dry), then prints one line per segment, ``t local peer 
 of packets it dropped because the socket's queue was full, and of segments whose data it could
 not keep.  Given a file's path (``capture.py PATH``, the grader's own file, for a test that reads
 what the data carried) it also keeps each segment's payload, whole, and writes them there, one
-after the other in the order of the lines (``wire.Timeline.carries`` looks for a message's bytes in
+after the other in the order of the lines (``wiretimeline.Timeline.carries`` looks for a message's bytes in
 them); the payload is still never parsed, only copied.  Past ``MAX_CONNECTION_BYTES`` on one
 connection or ``MAX_PAYLOAD_BYTES`` in all (the host's own loopback, where the tests capture, carries
 other work's traffic too) a segment's data is not kept and its line ends in ``cut``: what that

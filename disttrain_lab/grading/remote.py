@@ -44,7 +44,7 @@ from queue import Empty
 
 from jupyter_client.blocking import BlockingKernelClient
 
-from disttrain_lab import confine, exercise, osmemory, wire
+from disttrain_lab import confine, exercise, osmemory, wire, wiretimeline
 from disttrain_lab.gate import Seen
 from disttrain_lab.grading import gatekeeper, reaper, sandbox
 from disttrain_lab.grading.capture import Capture
@@ -372,9 +372,9 @@ class RemoteRunner:
             after, owner = wire.snapshot(inside, user=user), wire.owners(pids, user)
             traffic = wire.traffic(before, after, pids, owner=owner)
             timeline = (
-                wire.timeline(segments, after, pids, owner, capture.payloads if capture.keep_payloads else None)
+                wiretimeline.timeline(segments, after, pids, owner, capture.payloads if capture.keep_payloads else None)
                 if segments is not None
-                else wire.Timeline.unobserved(not_captured)
+                else wiretimeline.Timeline.unobserved(not_captured)
             )
             memory = osmemory.observed(held, before, watch.extras if watch else [], ranks_prepared, pids, owner)
             seen = (

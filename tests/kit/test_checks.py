@@ -181,9 +181,9 @@ def _sent(*payloads: torch.Tensor) -> bytes:
 def _captured(data: dict) -> object:
     from types import SimpleNamespace
 
-    from disttrain_lab import wire
+    from disttrain_lab import wiretimeline
 
-    return SimpleNamespace(timeline=wire.Timeline(segments=[(0.0, 0, 1, 1)], data=data), world_size=3)
+    return SimpleNamespace(timeline=wiretimeline.Timeline(segments=[(0.0, 0, 1, 1)], data=data), world_size=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import __main__
-from disttrain_lab import carried, checks, exercise, hangs, pool, protocol, serving, wire
+from disttrain_lab import carried, checks, exercise, hangs, pool, protocol, serving, wire, wiretimeline
 from disttrain_lab.devices import plan
 from tests.helpers import observed_from_outside
 
@@ -478,7 +478,7 @@ def test_the_wire_shows_round_trips_that_a_batched_exchange_does_not_have():
             run = exercise.run(name, 2, _inputs(4096, 3), timeout=30)
         pids = pool.worker_pids()[:2]
         after, owner = wire.snapshot(), wire.owners(pids)
-        found[name] = wire.timeline(capture.segments, after, pids, owner)
+        found[name] = wiretimeline.timeline(capture.segments, after, pids, owner)
         checks.assert_close(run.results[1], torch.arange(4096.0), what=f"{name}: rank 1")
         counted = wire.traffic(before, after, pids, owner=owner)
         for src, dst in ((0, 1), (1, 0)):  # the capture sees what the OS counted, gloo's headers and all

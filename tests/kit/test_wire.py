@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import __main__
 import disttrain_lab as dl
-from disttrain_lab import checks, exercise, pool, wire
+from disttrain_lab import checks, exercise, pool, wire, wiretimeline
 
 NOTE = wire.GLOO_PREAMBLE
 
@@ -80,13 +80,13 @@ def test_an_unobserved_count_tells_whom_to_ask():
     # ranks (grading/remote.py's outside check of their confinement): the student is told, not the instructor
     for unobserved in (
         lambda: wire.Traffic.unobserved("no ss").total,
-        wire.Timeline.unobserved("no capture").directions,
+        wiretimeline.Timeline.unobserved("no capture").directions,
     ):
         with pytest.raises(wire.Unobserved, match="For the instructor"):
             unobserved()
     for unobserved in (
         lambda: wire.Traffic.unobserved("rank 0 was not confined", by_submission=True).total,
-        wire.Timeline.unobserved("rank 0 was not confined", by_submission=True).directions,
+        wiretimeline.Timeline.unobserved("rank 0 was not confined", by_submission=True).directions,
     ):
         with pytest.raises(wire.Unobserved) as said:
             unobserved()
@@ -95,13 +95,15 @@ def test_an_unobserved_count_tells_whom_to_ask():
 
 
 def test_positions_on_a_direction():
-    timeline = wire.Timeline(segments=[(0.0, 0, 1, NOTE), (0.1, 1, 0, NOTE), (0.2, 0, 1, 1000), (0.3, 0, 1, 500)])
+    timeline = wiretimeline.Timeline(
+        segments=[(0.0, 0, 1, NOTE), (0.1, 1, 0, NOTE), (0.2, 0, 1, 1000), (0.3, 0, 1, 500)]
+    )
     assert timeline.passed(0, 1, 0) == 0.0 and timeline.passed(0, 1, NOTE) == 0.2
     assert timeline.passed(0, 1, NOTE + 1499) == 0.3 and timeline.passed(0, 1, NOTE + 1500) is None
     assert [timeline.crossed(0, 1, t) for t in (0.0, 0.25, 9)] == [NOTE, NOTE + 1000, NOTE + 1500]
     assert timeline.crossed(1, 0, 0.05) == 0
     with pytest.raises(wire.Unobserved):
-        wire.Timeline.unobserved("no capture").passed(0, 1, 0)
+        wiretimeline.Timeline.unobserved("no capture").passed(0, 1, 0)
 
 
 def test_the_students_own_kernel_shows_the_trace_as_gloo_sends_it():
@@ -127,7 +129,10 @@ def test_the_capture_sees_what_the_os_counted():
         dl.launch(_ring, 4, torch.ones(4004), True)
     pids = pool.worker_pids()[:4]
     after, owner = wire.snapshot(), wire.owners(pids)
-    timeline, counted = wire.timeline(capture.segments, after, pids, owner), wire.traffic(before, after, pids, owner)
+    timeline, counted = (
+        wiretimeline.timeline(capture.segments, after, pids, owner),
+        wire.traffic(before, after, pids, owner),
+    )
     for a in range(4):
         for b in range(4):
             if a != b:
@@ -199,21 +204,21 @@ def test_bytes_sent_again_are_kept_once():
     data = bytes(range(256)) * 4  # one message of gloo's, its preamble first
     stream = _framed(data)
     parts = [(1000, stream[:300]), (1300, stream[300:600]), (1150, stream[150:450]), (1600, stream[600:])]
-    assert wire._joined(parts) == stream  # placed by sequence number, not appended
-    timeline = wire.Timeline(segments=[(0.0, 0, 1, len(stream))], data={(0, 1): [wire._joined(parts)]})
+    assert wiretimeline._joined(parts) == stream  # placed by sequence number, not appended
+    timeline = wiretimeline.Timeline(segments=[(0.0, 0, 1, len(stream))], data={(0, 1): [wiretimeline._joined(parts)]})
     stream = data
     assert timeline.carries(0, 1, [stream[:200], stream[200:]]) == 2
     assert timeline.carries(0, 1, [stream[200:], stream[:200]]) == 1  # in order: the second is before the first
     assert timeline.carries(1, 0, [stream[:8]]) == 0
     with pytest.raises(wire.Unobserved):
-        wire.Timeline(segments=[(0.0, 0, 1, 8)]).carries(0, 1, [b"x"])  # payloads not asked for
+        wiretimeline.Timeline(segments=[(0.0, 0, 1, 8)]).carries(0, 1, [b"x"])  # payloads not asked for
     # a segment whose data the capture could not keep (past its limits): that pair is unobserved, not empty
     after = {
         ("1.0.0.1:1", "1.0.0.2:2"): wire.Socket(11, "1.0.0.1:1", "1.0.0.2:2", 0),
         ("1.0.0.2:2", "1.0.0.1:1"): wire.Socket(12, "1.0.0.2:2", "1.0.0.1:1", 0),
     }
     segments = [(0.0, "1.0.0.1:1", "1.0.0.2:2", 3), (0.1, "1.0.0.2:2", "1.0.0.1:1", 3)]
-    cut = wire.timeline(segments, after, [100, 200], {11: 100, 12: 200}, [(0, _framed(b"abc")), (0, None)])
+    cut = wiretimeline.timeline(segments, after, [100, 200], {11: 100, 12: 200}, [(0, _framed(b"abc")), (0, None)])
     assert cut.carries(0, 1, [b"abc"]) == 1
     with pytest.raises(wire.Unobserved, match="could not keep all the data from rank 1 to rank 0"):
         cut.carries(1, 0, [b"abc"])

@@ -284,10 +284,12 @@ def test_the_bubble_fails_closed_where_the_wire_was_not_seen(monkeypatch):
     # under grading, a run whose wire was not captured is never timed from the ranks' boxes
     from types import SimpleNamespace
 
-    from disttrain_lab import wire
+    from disttrain_lab import wire, wiretimeline
 
     monkeypatch.setattr(lab05.bubble, "_schedule", lambda run: pytest.fail("the ranks' F/B boxes were read"))
-    unseen = SimpleNamespace(timeline=wire.Timeline.unobserved("no capture"), traffic=wire.Traffic.unobserved("no ss"))
+    unseen = SimpleNamespace(
+        timeline=wiretimeline.Timeline.unobserved("no capture"), traffic=wire.Traffic.unobserved("no ss")
+    )
     with pytest.raises(wire.Unobserved):
         lab05.bubble._idle(unseen, "gpipe_step on 2 stages", 2, 4, 4)
 

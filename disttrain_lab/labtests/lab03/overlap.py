@@ -6,7 +6,7 @@ first bucket (exercise 4: the first parameter) lies above it (``gate_position``)
 ``answers()`` (one tensor per rank, drawn at grading time), is added to the gradient there, so no
 gradient below it is right before the answer came.  The test then holds:
 
-- what each rank sent the others while held (``wire.Timeline.sends_between``, on the grader's
+- what each rank sent the others while held (``wiretimeline.Timeline.sends_between``, on the grader's
   capture) to the gradients of the layers above the gate, which it recomputes on each rank's shard:
   some message must hold, value for value up to one common factor (a wrapper may divide by N first),
   four consecutive values of one parameter's gradient summed over some of the ranks (a reduction

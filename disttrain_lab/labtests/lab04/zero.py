@@ -457,7 +457,7 @@ def _check_zero(
 
 def _wire_volume(run: ExerciseRun) -> int:
     """Every payload byte of gloo's messages between the run's ranks, each counted once, as the grader's
-    capture kept them (``wire.Timeline.messages``).  Whatever gloo's algorithm (a tree or a ring, one message
+    capture kept them (``wiretimeline.Timeline.messages``).  Whatever gloo's algorithm (a tree or a ring, one message
     or several), a reduce-scatter of S bytes per rank carries (N − 1)·S in all, an all-gather of S bytes (its
     output) as much, an all-reduce twice: (N − 1) times the sum of the ranks' volumes, N times one rank's."""
     n = run.world_size

@@ -100,7 +100,7 @@ def _bytes_sent(run: ExerciseRun, rank: int) -> int:
 
 def _data_sent(run: ExerciseRun, rank: int, case: str) -> int:
     """Bytes of data this rank put on the wire in the run.  Under grading, the payload of every gloo
-    send it made to any rank, as the grader's capture read them (``wire.Timeline.messages``; gloo's
+    send it made to any rank, as the grader's capture read them (``wiretimeline.Timeline.messages``; gloo's
     own preambles and notes excluded, the pieces of other ranks an all-gather relays included).  In
     the student's own notebook, where there is no capture, the trace's account of the same: each
     collective's own piece, which an all-gather delivers to each of the N-1 others, and its sends."""
