@@ -9,7 +9,7 @@
   test_grading.py, on every lab.)  Wrong answers (a deadlocking ring, a tree that is really linear, a
   collective in disguise, ...) fail the right graded cell with a message that says why.
 
-The full autograde round trip (full marks, blank 0, partial) lives in test_grading.py.
+The full autograde round trip (full marks, blank 0) lives in test_grading.py.
 """
 
 from __future__ import annotations
