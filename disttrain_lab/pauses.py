@@ -96,7 +96,7 @@ def receiving_on(pid: int) -> int | None:
         return None  # (running, or blocked in another call)
     try:
         link = os.readlink(f"/proc/{pid}/fd/{int(fields[1], 16)}")
-    except (OSError, ValueError):  # (closed since: not waiting on it)
+    except (FileNotFoundError, ValueError):  # (closed since: not waiting on it; a refusal is raised, as above)
         return None
     inode = link[len("socket:[") : -1] if link.startswith("socket:[") and link.endswith("]") else ""
     return int(inode) if inode.isdigit() else None
