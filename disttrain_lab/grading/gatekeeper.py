@@ -52,7 +52,7 @@ import torch
 from disttrain_lab import pauses, wire
 from disttrain_lab.gate import GO, HELLO, HOLD, MAX_ELEMENTS, START, Seen
 
-__all__ = ["Gatekeeper", "for_ranks"]
+__all__ = ["Gatekeeper", "for_ranks", "receiving"]
 
 CLONE_NEWNET = 0x40000000
 HOLD_S = 5.0  # at most this long the grader holds the ranks, waiting for their bytes to settle
@@ -379,7 +379,7 @@ def for_ranks(
             if rank_end not in ends:
                 return f"no rank of the run holds the gate connection from {rank_end}"
             inode, pid = ends[rank_end]
-            if _receiving(pid, user) != inode:
+            if receiving(pid, user) != inode:
                 return (
                     f"rank {pids.index(pid)} said it was held at the gate, but its main thread was not waiting for the "
                     "grader's answer (a thread of its own spoke for it)"
@@ -391,7 +391,7 @@ def for_ranks(
     )
 
 
-def _receiving(pid: int, user: int | None) -> int | None:
+def receiving(pid: int, user: int | None) -> int | None:
     """``pauses.receiving_on(pid)``, read as ``user`` where this process may not read another uid's
     ``/proc/<pid>/syscall`` (a root without CAP_SYS_PTRACE, in a container)."""
     try:

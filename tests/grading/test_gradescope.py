@@ -485,6 +485,51 @@ def test_the_grader_reads_another_uids_memory_as_that_uid_in_a_container():
     assert "could not be read" in found.pop("as None") and found == {f"as {uid}": True, "woken": True}, found
 
 
+# in the container: a student's rank (another uid) waiting for the gate's answer in its main thread, as gate.py waits
+STUDENT_AT_THE_GATE = r"""
+import os, socket, struct
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
+c = socket.create_connection(srv.getsockname()); a, _ = srv.accept()
+c.settimeout(None)
+c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 60, 0))
+print(os.getpid(), os.fstat(c.fileno()).st_ino, flush=True)
+c.recv(1)
+"""
+
+PROBE_GATE = (
+    AS_STUDENT
+    + r"""
+from disttrain_lab.grading import gatekeeper
+try:
+    pid, inode = map(int, student.stdout.readline().split())
+    time.sleep(0.5)  # (into its recv)
+    found = {"inode": inode}
+    for user in (None, uid):
+        try:
+            found[f"as {user}"] = gatekeeper.receiving(pid, user)
+        except PermissionError:
+            found[f"as {user}"] = "refused"
+finally:
+    student.kill()
+print(json.dumps(found))
+"""
+)
+
+
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
+@needs_container
+def test_the_gate_sees_a_held_rank_wait_as_that_uid_in_a_container():
+    """#42: the gatekeeper's check that a held rank's main thread waits on its gate connection reads
+    /proc/<pid>/syscall and /proc/<pid>/fd, which root without CAP_SYS_PTRACE may not read for another uid; read
+    as that uid (pauses.py --receiving, setpriv's effective ids) it sees the wait, so an honest rank in
+    Gradescope's container is held, not unobserved."""
+    uid = run_container.UID_FIRST + 12347
+    done = in_container([sys.executable, "-c", PROBE_GATE, str(uid), STUDENT_AT_THE_GATE], dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"inode": found["inode"], "as None": "refused", f"as {uid}": found["inode"]}, found
+
+
 def test_a_failed_predictions_expected_value_is_withheld_until_the_due_date(tmp_path, monkeypatch):
     # Gradescope shows results while a student may still resubmit: the value shows only after the
     # due date it writes into submission_metadata.json, as the feedback page does (config.show_expected)
