@@ -9,7 +9,7 @@ import sys
 
 from . import __version__, confine, start
 from .bench import benchmarks
-from .bench.common import add_common_arguments, run_measured
+from .bench.command import add_common_arguments, run_measured
 from .devices import doctor
 
 # the instructor's commands: each parses its own arguments in the grading wing, imported only when it runs

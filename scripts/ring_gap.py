@@ -62,7 +62,7 @@ def main() -> int:
     args = parser.parse_args()
     # after the arguments: --help answers at once, without loading torch
     from disttrain_lab import launch
-    from disttrain_lab.bench.common import functions_from_notebook
+    from disttrain_lab.bench.notebook import functions_from_notebook
 
     fns = functions_from_notebook(args.notebook, ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"])
     per_rank = launch(_phases, args.world_size, fns, args.mib << 20, args.repeats, timeout=900)

@@ -4,10 +4,13 @@ One module per benchmark (``disttrain-lab bench NAME``), each with ``NAME``, ``H
 tiny settings), ``add_arguments(parser)`` and ``measure(args) -> Measured`` (rows, table, pictures),
 whose table ``bench NAME`` prints; :data:`registry.MEASUREMENTS` lists them, ``bench all``
 (:mod:`.report`, with a ``run(args)`` of its own) runs them all and writes a report, and the command
-line is built from :data:`BENCHMARKS`. The timing machinery they share (taking turns, the slowest rank's
-median, reading a lab notebook's functions, free ports, the progress bar, the report's rows and
-pictures) is in :mod:`.common`. The lab benchmarks measure the implementations a lab notebook defines:
-this package holds no solutions (see :func:`functions_from_notebook`).
+line is built from :data:`BENCHMARKS`. What they share is a module per idea: :mod:`.command` (a
+benchmark as a command: Measured, its options, the progress bar), :mod:`.timing` (what each rank measures:
+taking turns, the bytes it sent, free ports), :mod:`.stats` (the slowest rank's median, a run's noise),
+:mod:`.tables` (the tables' and pictures' pieces), :mod:`.notebook` (reading a lab notebook's functions)
+and :mod:`.collectives` (the all-gather baselines' GatherRows and ScatterRows). The lab benchmarks
+measure the implementations a lab notebook defines: this package holds no solutions (see
+:func:`functions_from_notebook`).
 
     >>> from disttrain_lab import bench
     >>> rows = bench.bench_allreduce({"ring": ring_all_reduce}, world_size=4, sizes=[1 << 20])
@@ -27,16 +30,7 @@ from .allreduce import (
     format_allreduce_table,
 )
 from .checkpoint import bench_recovery, bench_saves, format_checkpoint_table
-from .common import (
-    OPS_SIZES,
-    SENT_ON_THE_WIRE,
-    free_port,
-    functions_from_lab,
-    functions_from_notebook,
-    progress,
-    slowest_median,
-    take_turns,
-)
+from .command import progress
 from .compression import (
     COMPRESSION_MODEL,
     TORCH_DENSE,
@@ -48,9 +42,12 @@ from .compression import (
 from .ddp import DDP_MODEL, TORCH_DDP, bench_ddp, format_ddp_table
 from .experts import ALL_GATHER_DISPATCH, ONE_PROCESS_MOE, bench_experts, format_experts_table
 from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
+from .notebook import functions_from_lab, functions_from_notebook
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
 from .registry import MEASUREMENTS
 from .sequence import ALL_GATHER_KV, LONG, TORCH_CP, bench_sequence, format_sequence_table
+from .stats import slowest_median
+from .timing import OPS_SIZES, SENT_ON_THE_WIRE, free_port, take_turns
 from .tp import TORCH_TP, TP_MODEL, bench_tp, format_tp_table
 from .trace_overhead import bench_trace, format_trace_table
 from .zero import TORCH_FSDP, TORCH_ZERO_REDUNDANCY, ZERO_MODEL, bench_zero, format_zero_table

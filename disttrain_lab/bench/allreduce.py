@@ -12,17 +12,10 @@ import statistics
 import time
 
 from ..events import format_bytes
-from .common import (
-    Measured,
-    NotMeasured,
-    add_notebook_argument,
-    add_world_size_argument,
-    chart,
-    functions_from_lab,
-    over_world_sizes,
-    progress,
-    slowest_median,
-)
+from .command import Measured, NotMeasured, add_world_size_argument, over_world_sizes, progress
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import slowest_median
+from .tables import chart
 
 TORCH_ALL_REDUCE = "dist.all_reduce"
 ALLREDUCE_SIZES = tuple(4 << (2 * k) << 10 for k in range(8))  # 4 KiB, 16 KiB, ..., 64 MiB

@@ -51,17 +51,10 @@ from torch.distributed.fsdp import fully_shard
 
 from ..labtests.lab12 import mlp
 from ..launcher import RankDied, launch
-from .common import (
-    Measured,
-    NotMeasured,
-    add_notebook_argument,
-    add_world_size_argument,
-    below_in_noise,
-    chart,
-    functions_from_lab,
-    slowest_samples,
-    spread,
-)
+from .command import Measured, NotMeasured, add_world_size_argument
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import below_in_noise, slowest_samples, spread
+from .tables import chart
 
 NAME = "checkpoint"
 HELP = "lab 12's save against dcp.save and async_save; a killed rank's recovery by dl.launch, torchrun and torchft"

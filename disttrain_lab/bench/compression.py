@@ -4,7 +4,7 @@ The lab's hooks (top-k with error feedback, INT8) and torch's own (``allreduce_h
 baseline; ``fp16_compress_hook``; ``powerSGD_hook``) train the same model on the same data in
 one launch, over the same emulated link (``dl.Network``), taking turns so a busy moment of the
 machine hurts them alike.  Per version: training steps per second (the slowest rank, median),
-the bytes rank 0 sends per step (``common.sent_bytes``: as the OS counted them on its connections,
+the bytes rank 0 sends per step (``timing.sent_bytes``: as the OS counted them on its connections,
 payload and gloo's headers), the CPU time a rank spends per step (all its threads: the hook's
 compression and decompression, gloo's copies, the model), and the loss after the same number of steps.
 
@@ -31,18 +31,11 @@ import statistics
 import time
 
 from ..network import Network
-from .common import (
-    Measured,
-    add_notebook_argument,
-    add_world_size_argument,
-    chart,
-    functions_from_lab,
-    mlp_parameters,
-    over_world_sizes,
-    sent_bytes,
-    slowest_median,
-    take_turns,
-)
+from .command import Measured, add_world_size_argument, over_world_sizes
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import slowest_median
+from .tables import chart, mlp_parameters
+from .timing import sent_bytes, take_turns
 
 TORCH_DENSE = "torch allreduce_hook (dense)"
 TORCH_FP16 = "torch fp16_compress_hook"

@@ -15,18 +15,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ..devices import device as rank_device
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import (
-    Measured,
-    add_notebook_argument,
-    add_world_size_argument,
-    chart,
-    functions_from_lab,
-    mlp_parameters,
-    over_world_sizes,
-    slowest_median,
-    take_turns,
-    version_width,
-)
+from .command import Measured, add_world_size_argument, over_world_sizes
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import slowest_median
+from .tables import chart, mlp_parameters, version_width
+from .timing import take_turns
 
 TORCH_DDP = "torch DDP"
 DDP_MODEL = (1024, 2048, 2048, 1024)  # an MLP of 8.4 M parameters: 32 MiB of gradients per step

@@ -18,22 +18,11 @@ import torch.distributed as dist
 
 from ..devices import device as rank_device
 from ..launcher import launch
-from .common import (
-    GatherRows,
-    Measured,
-    ScatterRows,
-    add_device_argument,
-    add_notebook_argument,
-    add_world_size_argument,
-    chart,
-    chosen_device,
-    functions_from_lab,
-    over_world_sizes,
-    step_rows,
-    step_table,
-    step_times,
-    version_width,
-)
+from .collectives import GatherRows, ScatterRows
+from .command import Measured, add_device_argument, add_world_size_argument, chosen_device, over_world_sizes
+from .notebook import add_notebook_argument, functions_from_lab
+from .tables import chart, step_rows, step_table, version_width
+from .timing import step_times
 
 ALL_GATHER_DISPATCH = "all-gather dispatch"
 ONE_PROCESS_MOE = "MoE, one process"

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..launcher import launch, shutdown
-from .common import Measured, add_world_size_argument, chart, progress
+from .command import Measured, add_world_size_argument, progress
+from .tables import chart
 
 
 def _trivial():

@@ -52,16 +52,10 @@ from ..memory import SavedActivations, held
 from ..models import GPT, MLP, GPTConfig, lm_loss, regression_data
 from ..network import Network
 from ..trace import format_bytes
-from .common import (
-    Measured,
-    NotMeasured,
-    add_notebook_argument,
-    chart,
-    free_port,
-    functions_from_lab,
-    mlp_parameters,
-    take_turns,
-)
+from .command import Measured, NotMeasured
+from .notebook import add_notebook_argument, functions_from_lab
+from .tables import chart, mlp_parameters
+from .timing import free_port, take_turns
 
 LAB_MIXED = "MixedPrecisionAdam + DynamicLossScaler (lab)"
 TORCH_MIXED = "GradScaler + Adam on fp32 masters (torch)"

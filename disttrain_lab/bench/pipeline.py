@@ -12,18 +12,11 @@ import torch.distributed as dist
 
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import (
-    Chart,
-    Measured,
-    NotMeasured,
-    add_notebook_argument,
-    add_world_size_argument,
-    functions_from_lab,
-    over_world_sizes,
-    slowest_median,
-    take_turns,
-    version_width,
-)
+from .command import Measured, NotMeasured, add_world_size_argument, over_world_sizes
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import slowest_median
+from .tables import Chart, version_width
+from .timing import take_turns
 
 TORCH_PIPELINE = "torch ScheduleGPipe"
 PIPELINE_MODEL = (64,) * 9  # 8 Linear layers of 64 × 64: two per stage on 4 ranks

@@ -27,8 +27,9 @@ import torch
 from matplotlib.figure import Figure
 
 from .. import __version__
-from .common import Chart, NotMeasured, add_common_arguments, world_sizes
+from .command import NotMeasured, add_common_arguments, world_sizes
 from .registry import MEASUREMENTS
+from .tables import Chart
 
 NAME = "all"
 HELP = "every benchmark in one run; --report DIR writes report.json and report.html with plots"

@@ -34,24 +34,12 @@ from ..devices import device as rank_device
 from ..events import Event, to_events
 from ..launcher import launch
 from ..network import Network
-from .common import (
-    OPS_SIZES,
-    Chart,
-    GatherRows,
-    Measured,
-    add_device_argument,
-    add_notebook_argument,
-    add_world_size_argument,
-    chart,
-    chosen_device,
-    functions_from_lab,
-    over_world_sizes,
-    slowest_median,
-    step_rows,
-    step_table,
-    step_times,
-    version_width,
-)
+from .collectives import GatherRows
+from .command import Measured, add_device_argument, add_world_size_argument, chosen_device, over_world_sizes
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import slowest_median
+from .tables import Chart, chart, step_rows, step_table, version_width
+from .timing import OPS_SIZES, step_times
 
 TORCH_CP = "torch context_parallel"
 ALL_GATHER_KV = "all-gather K/V"

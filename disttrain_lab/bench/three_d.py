@@ -33,7 +33,9 @@ import statistics
 import sys
 
 from ..network import Network
-from .common import Chart, Measured, NotMeasured, functions_from_notebook
+from .command import Measured, NotMeasured
+from .notebook import functions_from_notebook
+from .tables import Chart
 
 NAME = "3d"
 HELP = "Lab 8: train_3d in several DP x TP x PP shapes on a two-tier emulated network, with the planner's predictions"

@@ -13,23 +13,11 @@ from ..devices import device as rank_device
 from ..events import format_bytes
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import (
-    Measured,
-    add_notebook_argument,
-    add_world_size_argument,
-    chart,
-    collective_bytes_counter,
-    functions_from_lab,
-    mlp_parameters,
-    progress,
-    ratio_cell,
-    scaling_chart,
-    scaling_table,
-    sent_bytes,
-    slowest_median,
-    take_turns,
-    version_width,
-)
+from .command import Measured, add_world_size_argument, progress
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import slowest_median
+from .tables import chart, mlp_parameters, ratio_cell, scaling_chart, scaling_table, version_width
+from .timing import collective_bytes_counter, sent_bytes, take_turns
 
 TORCH_TP = "torch Colwise/RowwiseParallel"
 TP_MODEL = (1024, 4096, 1024)  # a transformer block's MLP, d -> 4d -> d: 8.4 M parameters
@@ -108,7 +96,7 @@ def bench_tp(
     ``parallelize_module(ColwiseParallel, RowwiseParallel)``, side by side in one launch per
     world size: same ``MLP(sizes)``, same batch.  A sample is ``steps`` steps on the slowest
     rank; rows report the median of ``repeats`` samples after ``warmup``, the bytes rank 0 sent per
-    step (``common.sent_bytes``: over gloo, as the OS counted them) and its collective calls, and
+    step (``timing.sent_bytes``: over gloo, as the OS counted them) and its collective calls, and
     ``ratio`` = torch's step time ÷ this one's (above 1: faster than torch).
 
         >>> print(format_tp_table(bench_tp({"TensorParallelMLP": TensorParallelMLP})))

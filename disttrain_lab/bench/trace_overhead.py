@@ -12,7 +12,8 @@ import torch.distributed as dist
 from .. import trace
 from ..events import format_bytes
 from ..launcher import launch
-from .common import Measured, chart, progress
+from .command import Measured, progress
+from .tables import chart
 
 
 def _pingpong_modes(trips: int, nbytes: int) -> dict:

@@ -16,22 +16,11 @@ from ..devices import device as rank_device
 from ..events import format_bytes
 from ..launcher import launch
 from ..models import MLP, regression_data
-from .common import (
-    Chart,
-    Measured,
-    add_notebook_argument,
-    add_world_size_argument,
-    below_in_noise,
-    chart,
-    functions_from_lab,
-    mlp_parameters,
-    over_world_sizes,
-    sent_bytes,
-    slowest_median,
-    slowest_samples,
-    spread,
-    version_width,
-)
+from .command import Measured, add_world_size_argument, over_world_sizes
+from .notebook import add_notebook_argument, functions_from_lab
+from .stats import below_in_noise, slowest_median, slowest_samples, spread
+from .tables import Chart, chart, mlp_parameters, version_width
+from .timing import sent_bytes
 
 TORCH_ZERO_REDUNDANCY = "torch DDP + ZeroRedundancyOptimizer"
 TORCH_FSDP = "torch FSDP (fully_shard)"

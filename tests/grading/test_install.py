@@ -362,7 +362,7 @@ COLAB_IPYWIDGETS = "7.7.1"
 WIDGETS_CELL = """
 # every widget of the kit, on this runtime's ipywidgets: tqdm's bar (the benchmarks') and lab 2's slider
 import ipywidgets
-from disttrain_lab.bench.common import progress
+from disttrain_lab.bench.command import progress
 
 def _swap(numel):
     rank, peer = dist.get_rank(), 1 - dist.get_rank()

@@ -123,15 +123,15 @@ def test_format_tp_table():
 
 
 def test_world_size_takes_one_number_or_several():
-    from disttrain_lab.bench import common
+    from disttrain_lab.bench import command
 
-    assert common.world_sizes("4") == (4,)
-    assert common.world_sizes("2,4,8,4") == (2, 4, 8)  # each once, in the order given
+    assert command.world_sizes("4") == (4,)
+    assert command.world_sizes("2,4,8,4") == (2, 4, 8)  # each once, in the order given
     for bad in ("", "2,,4", "two", "0", "2,-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="number of ranks|at least 1"):
-            common.world_sizes(bad)
+            command.world_sizes(bad)
     parser = argparse.ArgumentParser()
-    common.add_world_size_argument(parser, (2,))
+    command.add_world_size_argument(parser, (2,))
     assert parser.parse_args([]).world_size == (2,)
     assert parser.parse_args(["--world-size", "2,4,8"]).world_size == (2, 4, 8)
 
@@ -140,7 +140,7 @@ def test_over_world_sizes_runs_each_and_shows_how_the_ratio_moves():
     """One measure per number of ranks, each seeing one number; the rows of all; a scaling table with
     each version's ratio per number of ranks and its change; a number of ranks that cannot be measured
     is said in its place."""
-    from disttrain_lab.bench import common
+    from disttrain_lab.bench import command, tables
 
     seen = []
 
@@ -154,10 +154,10 @@ def test_over_world_sizes_runs_each_and_shows_how_the_ratio_moves():
             {"version": "torch", "world_size": args.world_size, "ratio": 1.0},
             {"version": "broken", "world_size": args.world_size, "error": "nope"},
         ]
-        return common.Measured(rows, f"table on {args.world_size}", [common.Chart(f"on {args.world_size}", "y", {})])
+        return command.Measured(rows, f"table on {args.world_size}", [tables.Chart(f"on {args.world_size}", "y", {})])
 
     args = argparse.Namespace(world_size=(2, 3, 4, 8), repeats=1)
-    measured = common.over_world_sizes(args, measure_one)
+    measured = command.over_world_sizes(args, measure_one)
     assert seen == [2, 3, 4, 8] and args.world_size == (2, 3, 4, 8)
     assert [r["world_size"] for r in measured.rows] == [2, 2, 2, 4, 4, 4, 8, 8, 8]
     table = measured.table
@@ -174,11 +174,11 @@ def test_over_world_sizes_runs_each_and_shows_how_the_ratio_moves():
     assert scaling.xlabel == "ranks" and scaling.series["mine"] == [(2, 1.10), (4, 0.95), (8, 0.80)]
     assert [c.title for c in measured.charts[:-1]] == ["on 2", "on 4", "on 8"]
     # one number: that run as it is; none measurable: its error
-    assert common.over_world_sizes(argparse.Namespace(world_size=(4,)), measure_one).table == "table on 4"
+    assert command.over_world_sizes(argparse.Namespace(world_size=(4,)), measure_one).table == "table on 4"
     with pytest.raises(ValueError, match="world_size=3"):
-        common.over_world_sizes(argparse.Namespace(world_size=(3,)), measure_one)
-    with pytest.raises(common.NotMeasured, match="on 3 ranks"):
-        common.over_world_sizes(argparse.Namespace(world_size=(3, 3)), measure_one)
+        command.over_world_sizes(argparse.Namespace(world_size=(3,)), measure_one)
+    with pytest.raises(command.NotMeasured, match="on 3 ranks"):
+        command.over_world_sizes(argparse.Namespace(world_size=(3, 3)), measure_one)
 
 
 AGENT = r"""
@@ -221,9 +221,9 @@ def _cmdline(pid: int) -> list[str]:
 def test_a_row_below_torch_says_whether_the_gap_is_within_this_runs_noise():
     """bench zero and checkpoint: a row under its baseline carries both rows' spread over their repeats (median
     absolute deviation / median) and says whether the gap is within their sum or beyond it."""
-    assert bench.common.spread([1.0]) == 0.0
-    assert bench.common.spread([1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.2]) == pytest.approx(0.05)
-    assert bench.common.slowest_samples([[1.0, 3.0], [2.0, 1.0]]) == [2.0, 3.0]
+    assert bench.stats.spread([1.0]) == 0.0
+    assert bench.stats.spread([1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.2]) == pytest.approx(0.05)
+    assert bench.stats.slowest_samples([[1.0, 3.0], [2.0, 1.0]]) == [2.0, 3.0]
     held = {k: 1 for k in ("total", "parameters", "gradients", "optimizer_state", "other")}
     row = {"stage": 1, "world_size": 2, "parameters": 10, "repeats": 7, "held": held, "sent": 1, "counted": "x"}
     rows = [

@@ -42,7 +42,7 @@ import torch
 
 import disttrain_lab as dl
 from disttrain_lab import bench
-from disttrain_lab.bench.common import free_port
+from disttrain_lab.bench.timing import free_port
 from tests.helpers import alive, child_pids
 from tests.notebooks import solution_notebook
 

@@ -69,7 +69,7 @@ def test_cli_bench_experts_with_tiny_options():
 
 
 def test_bench_experts_picks_its_device(capsys):
-    from disttrain_lab.bench import common, experts
+    from disttrain_lab.bench import command, experts
 
     parser = argparse.ArgumentParser()
     experts.add_arguments(parser)
@@ -78,6 +78,6 @@ def test_bench_experts_picks_its_device(capsys):
         parser.parse_args(["--device", "tpu"])
     assert "invalid choice: 'tpu'" in capsys.readouterr().err
     # auto on more ranks than any machine's GPUs: the CPU, and the run says why (pick_device: test_bench_sequence.py)
-    assert common.chosen_device(parser.parse_args(["--world-size", "10000"])) == "cpu"
+    assert command.chosen_device(parser.parse_args(["--world-size", "10000"])) == "cpu"
     said = capsys.readouterr().out
     assert said.startswith("device: cpu (auto: ") and said.endswith(" GPU(s) visible for 10000 ranks)\n"), said

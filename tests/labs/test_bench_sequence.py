@@ -6,7 +6,7 @@ context_parallel, and against Ulysses on an emulated link).
   exposed communication per pass (exposed_per_pass, from one traced step).
 - ``disttrain-lab bench sequence`` with tiny options, the functions taken from lab 10's solution
   notebook: every version's row, only torch's "not measured" (on the CPU, with torch's own reason).
-- ``--device``: auto, cpu, cuda (common.pick_device, which bench experts shares).
+- ``--device``: auto, cpu, cuda (command.pick_device, which bench experts shares).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_cli_bench_sequence_with_tiny_options():
 
 
 def test_bench_sequence_picks_its_device():
-    from disttrain_lab.bench.common import pick_device  # sequence's --device, and experts'
+    from disttrain_lab.bench.command import pick_device  # sequence's --device, and experts'
 
     assert pick_device("cpu", 4) == ("cpu", "asked") and pick_device("cuda", 2) == ("cuda", "asked")
     chosen, why = pick_device("auto", 10_000)  # more ranks than any machine's GPUs: the CPU
