@@ -21,6 +21,9 @@ an older ABI, the answer says what could not be applied; the grading host's desc
 can skip the call: confinement stops the plain ways round the wire, and the grade still rests on what the
 grader observes.
 
+What torch writes the first time a rank uses it (``torch._dynamo``'s cache folder) the kernel writes before
+it forks the ranks, confined or not (:func:`write_before_confining`).
+
 Through ctypes and the three system calls (their numbers are the same on every architecture): the PyPI
 bindings looked at (``landlock``, ``py-landlock``) lack ABI 6's scopes.  The socket filter is a classic BPF
 program of 20 instructions written here: the kit's libseccomp binding (``grading/syscall_filter.py``) is
@@ -30,12 +33,23 @@ the grading wing's, which the student kit never imports, and libseccomp may be m
 from __future__ import annotations
 
 import ctypes
+import linecache
 import os
 import stat
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Confinement", "abi", "confine", "host_problem", "seccomp_filters", "unconfined", "unmap_shared", "FULL_ABI"]
+__all__ = [
+    "Confinement",
+    "abi",
+    "confine",
+    "host_problem",
+    "seccomp_filters",
+    "unconfined",
+    "unmap_shared",
+    "write_before_confining",
+    "FULL_ABI",
+]
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1 << 0
@@ -182,6 +196,20 @@ def _landlock(version: int, writable: str | None = None) -> tuple[tuple[str, ...
         *(("no signals out", "no abstract unix sockets out") if scoped else ()),
     )
     return applied, (() if scoped else (old_abi,))
+
+
+def write_before_confining() -> None:
+    """What torch writes the first time a rank uses it, done in the kernel before confined ranks are forked
+    (they may write nothing): an optimizer's first step imports ``torch._dynamo``, which makes its cache
+    folder (``/tmp/torchinductor_<user>``) as it is imported.  Imported here once, as the kernel's first pool
+    is forked, every later pool's ranks have it (2 s a rank otherwise, at each pool; a graded request's
+    pool is forked anew after the student's own launches), and no graded test pays for it; the sources it
+    leaves in ``linecache`` (1 MB) are dropped, so that the notebook's kernel holds what it held."""
+    kept = set(linecache.cache)
+    import torch._dynamo  # noqa: F401
+
+    for name in set(linecache.cache) - kept:
+        linecache.cache.pop(name, None)
 
 
 def unmap_shared(keep) -> None:

@@ -185,7 +185,7 @@ def remember_interrupted(cell: str, limit: float, student_functions: list[str]) 
         return None
     notebook = vars(sys.modules["__main__"])
     name = what = None
-    if getattr(value, "stacks", None):  # a launch: where each unfinished rank was (pool.py)
+    if getattr(value, "stacks", None):  # a launch: where each unfinished rank was (warmpool.py)
         name = _stuck_in(value.stacks, value.blocked, set(student_functions))
         ranks = "".join(f"\n  rank {r}: {doing}" for r, doing in sorted(value.blocked.items()))
         what = f"the cell's limit interrupted a launch; where each unfinished rank was:{ranks}"

@@ -1,5 +1,6 @@
-"""A rank process as the pool (``pool.py``) holds it: started, its output shown in the cell, its
-stack read when it is stuck, its crash report and exit code read when it died.
+"""A rank process as the pool (``warmpool.py``) holds it: started, its output shown in the cell, its
+stack read when it is stuck, its crash report and exit code read when it died, and what its state
+in ``/proc`` says (waiting for a CPU: :func:`runnable`; ending, not yet reaped: :func:`dying`).
 
 The rank's own side is ``worker.py``; the pool decides when to do each of these.
 """
@@ -19,7 +20,7 @@ from . import trace
 from .reports import stack_frames
 from .worker import STACK_SIGNAL, worker_main
 
-__all__ = ["Rank", "start", "stacks", "MAX_OUTPUT_LINES"]
+__all__ = ["Rank", "start", "stacks", "runnable", "dying", "MAX_OUTPUT_LINES"]
 
 MAX_OUTPUT_LINES = 2000  # per rank and launch; more is counted, not shown
 
@@ -226,3 +227,30 @@ def kill(ranks: list[Rank]) -> None:
                 closer()
             except OSError:
                 pass
+
+
+def runnable(pid: int) -> bool:
+    """True for a process whose main thread is running or waiting for a CPU (state R), not asleep in a call."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"R"
+    except (OSError, IndexError):
+        return False
+
+
+def dying(pid: int) -> bool:
+    """True for a process that a SIGKILL is pending for, or that is exiting: its main thread
+    is a zombie while its other threads (gloo's) still end, when waitpid cannot reap it yet."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+    except OSError:
+        return False  # no /proc (macOS): waitpid alone
+    state = fields.get(b"State", b"").strip()[:1]
+    pending = 0
+    for key in (b"SigPnd", b"ShdPnd"):
+        try:
+            pending |= int(fields.get(key, b"0").strip() or b"0", 16)
+        except ValueError:
+            pass
+    return state in (b"Z", b"X") or bool(pending & (1 << (signal.SIGKILL - 1)))
