@@ -24,6 +24,7 @@ from disttrain_lab import grading, wire
 from disttrain_lab.grading.execute import NOTES_FILE
 from tests.grading.test_grading import Course, feedback, grade_id, submit, with_solution
 from tests.helpers import REPO
+from tests.roundtrip import LOADED_HOST_SCALE
 
 LAB = "01_point_to_point"
 pytestmark = [
@@ -61,7 +62,12 @@ def broadcast_tree(x, src):
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    course = Course(tmp_path_factory.mktemp("fairness"), LAB, REPO / "solutions", None)
+    # the cell limits a loaded host's instructor sets (cell_time_scale), as every real lab's round trip here has:
+    # at scale 1 the launch gets what is left of test_ping_pong's 30 s limit but REPORT_MARGIN (4 s) to stop its
+    # ranks and say why, which a full suite beside two CPU-bound processes and more ran past once (the cell's
+    # CellTimeoutError, with no report); scaled, the run's own 30 s timeout ends it, as on such a host
+    limits = {"cell_time_scale": LOADED_HOST_SCALE * grading.Limits().cell_time_scale}
+    course = Course(tmp_path_factory.mktemp("fairness"), LAB, REPO / "solutions", limits)
     course.do_release()
     nb = with_solution(course.solution, "ex_ping_pong", DEADLOCKS)
     nb = with_solution(nb, "ex_broadcast_linear", SPINS)
