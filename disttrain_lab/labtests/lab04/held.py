@@ -49,7 +49,8 @@ from collections.abc import Callable
 from ... import osmemory
 from ...exercise import ExerciseRun
 from .. import common
-from .zero import _single_process, _train_in_rank, zero3_driver
+from .ranks import _train_in_rank
+from .zero import _single_process, zero3_driver
 
 __all__ = ["check_held", "per_parameter"]
 

@@ -1,0 +1,77 @@
+"""Lab 2's exercise 6 (optional): the pipelined ring all-reduce, each step's chunk in segments."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import carried, checks, wire
+from .. import common
+from .common import _all_reduce_inputs, _chunks, _dtype, _flats, _ring, _ring_all_reduce_messages
+
+
+def check_pipelined_ring_all_reduce(
+    n: int, shape: tuple, segments: int, dtype: torch.dtype = torch.float32, contiguous: bool = True
+) -> None:
+    """``pipelined_ring_all_reduce(x, segments)`` (exercise 6, optional): the sum, in place and
+    returned; only point-to-point messages, to the right neighbour, from the left; 2(N-1)/N of the
+    data sent per rank; and, when every chunk has at least ``segments`` elements, each of the 2(N-1)
+    steps sends its chunk as ``segments`` messages."""
+    case = f"pipelined_ring_all_reduce on {n} ranks ({_dtype(dtype)}, shape {shape}, segments={segments}" + (
+        ")" if contiguous else ", non-contiguous)"
+    )
+    data, xs = _all_reduce_inputs(n, shape, dtype, contiguous)
+    run = common.run_or_fail(
+        "pipelined_ring_all_reduce",
+        n,
+        [(x, segments) for x in xs],
+        case,
+        "a deadlock, or a receive whose message is never sent (are the segments received in the order they are sent?)",
+        timeout=30,
+        content=True,
+    )
+    expected = torch.stack(data).sum(dim=0).to(dtype)  # what dist.all_reduce gives, in one process
+    for rank in range(n):
+        checks.assert_close(
+            run.inputs_after[rank][0],
+            expected,
+            what=f"{case}: rank {rank}'s x after the call (all-reduce works in place)",
+        )
+        checks.assert_close(run.results[rank], expected, what=f"{case}: the tensor rank {rank} returned")
+    checks.assert_point_to_point(run, "pipelined_ring_all_reduce")
+    numel = math.prod(shape)
+    if numel >= n * segments:  # every chunk has `segments` non-empty segments
+        checks.assert_messages(
+            run,
+            _ring_all_reduce_messages(n, numel, dtype, per_step=segments),
+            case,
+            f"Each of the 2(N-1) steps sends its chunk of S/N to the right neighbour only, as segments = {segments} "
+            f"messages.",
+        )
+        if contiguous:  # each segment a piece of a partial sum of the ranks passed so far, or of the total
+            sums = [[_ring(r, s, n) for s in range(n - 1)] + [frozenset(range(n))] for r in range(n)]
+            per_rank = 2 * (n - 1) * segments  # (a step's segments may cross before the step before has ended)
+            expected = {(r, (r + 1) % n): [sums[r]] * per_rank for r in range(n)}
+            carried.assert_sums_carried(run, _flats(n, shape, dtype), expected, case)
+    else:  # empty segments: a rank may send them or not, so the messages' number is a range
+        chunks = _chunks(n, numel, dtype)
+        least, most = 2 * (sum(chunks) - max(chunks)), 2 * (sum(chunks) - min(chunks))
+        messages = 2 * (n - 1) * segments  # at most: every segment, empty ones too
+        for rank in range(n):
+            right, left = (rank + 1) % n, (rank - 1) % n
+            others = {peer: run.traffic.between(rank, peer) for peer in range(n) if peer not in (rank, right, left)}
+            notes = run.traffic.between(rank, left) if left != right else 0  # its receives' notes, to its left
+            quiet = all(b <= wire.HANDSHAKE_BYTES for b in others.values())
+            assert quiet and notes <= wire.GLOO_PREAMBLE * messages + wire.HANDSHAKE_BYTES, (
+                f"{case}: in a ring, rank {rank} sends only to its right neighbour {right} (and gloo's 48-byte "
+                f"notes of its receives to its left neighbour {left}); the operating system counted "
+                f"{run.traffic.describe()}"
+            )
+            sent = run.traffic.between(rank, right)
+            high = most + 3 * wire.GLOO_PREAMBLE * messages + wire.HANDSHAKE_BYTES
+            assert least <= sent <= high, (
+                f"{case}: rank {rank} sent its right neighbour {sent:,} bytes (the operating system counted); a "
+                f"ring sends 2·(N-1)/N of the data, {least:,}…{most:,} bytes per rank, and gloo's 96 bytes with "
+                f"each of at most {messages} messages. Each step sends one chunk of S/N, in segments"
+            )
