@@ -1,6 +1,7 @@
 """Lab 8's graded tests (the capstone: 3D parallelism, a parallelism planner, LARS, scaling laws), one module a
-section: ``grid`` (section 2, on ``ranks``: what a rank holds and the drivers), ``planner``, ``lars``,
-``scaling``; ``common``: the constants, what only the grader holds, running a driver.
+section: section 2's in three, on ``ranks`` (what a rank holds and the drivers): ``grid`` (the grid, attention
+and pipeline stage), ``three_d`` (``train_3d``) and ``traffic`` (what ``train_3d`` puts on the wire); then
+``planner``, ``lars``, ``scaling``; ``common``: the constants, what only the grader holds, running a driver.
 
 Section 2's checks run the student's grid, attention, pipeline stage and ``train_3d`` on ranks through
 *drivers* (the ``_..._in_rank`` and ``_..._of`` functions of ``ranks`` and ``planner``: ``exercise.run``
@@ -39,9 +40,6 @@ from .common import (
     specs_of,
 )
 from .grid import (
-    _expected_traffic,
-    check_3d,
-    check_3d_error,
     check_attention,
     check_attention_error,
     check_grid,
@@ -60,6 +58,8 @@ from .planner import (
 )
 from .ranks import _grid_in_rank, _stage_in_rank, communication, parameters_of
 from .scaling import check_fit, check_fit_rejects, check_optimal, check_optimal_rejects
+from .three_d import check_3d, check_3d_error
+from .traffic import _expected_traffic
 
 __all__ = [
     "CFG",

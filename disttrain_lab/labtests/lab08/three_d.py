@@ -1,0 +1,121 @@
+"""Lab 8's section 2 check of ``train_3d``: the losses and every rank's parameters after training, against one
+process training the dense GPT, and its traffic (``traffic``).  Built on the grader's grid, attention and pipeline
+stage where the student's failed their graded tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import checks, models
+from ...exercise import ExerciseRun
+from .common import CFG, LR, _exercise, _expect_value_error, _fields, _graders_for, _tokens
+from .ranks import _compare_parameters, _dense_name, _expected_parameters, _grid_of, _stage_names, _train_3d_in_rank
+from .traffic import _check_traffic
+
+
+def _train_single(cfg: models.GPTConfig, batches: list, lr: float, seed: int = 0) -> tuple[models.GPT, list]:
+    """The reference (section 1's train_single, again): GPT(cfg, seed) trained with SGD in this one process."""
+    gpt = models.GPT(cfg, seed)
+    optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
+    losses, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = models.lm_loss(gpt(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    return gpt, losses
+
+
+def check_3d(
+    dp: int,
+    tp: int,
+    pp: int,
+    micro_batches: int,
+    cfg: models.GPTConfig = CFG,
+    batch: int = 16,
+    steps: int = 3,
+    lr: float = LR,
+) -> ExerciseRun:
+    """train_3d on a dp × tp × pp grid: the loss of each step (the last stage reports one per step, the others
+    none) and every rank's parameters after training equal the single-process run's (gradients averaged over
+    the DP group, each micro-batch's loss scaled by its share of the rows), and its traffic is the
+    configuration's: 4 all-reduces per block per micro-batch in its TP group, one DP all-reduce of all its
+    gradients per step, activations and their gradients only to the neighbouring stages (by the trace and by
+    the operating system's count).  Built on the grader's earlier pieces where yours failed.  Returns the run."""
+    case = f"train_3d on a {dp} × {tp} × {pp} grid, {micro_batches} micro-batches, batch {batch}, {steps} steps"
+    batches = models.lm_batches(_tokens(), batch, cfg.seq_len, steps, seed=7)
+    run = _exercise(
+        _train_3d_in_rank,
+        dp * tp * pp,
+        (_fields(cfg), batches, dp, tp, pp, micro_batches, lr),
+        case=case,
+        graders=_graders_for("grid_groups", "tp_attention", "pipeline_stage"),
+    )
+    dense, losses = _train_single(cfg, batches, lr)  # the reference, in this process
+    full = {n: (p.detach(), None) for n, p in dense.named_parameters()}
+    last = [r for r in range(run.world_size) if _grid_of(r, dp, tp, pp)["pp_rank"] == pp - 1]
+    for rank, got in enumerate(run.results):
+        assert len(got["step_s"]) == steps, (
+            f"{case}: rank {rank} reported {len(got['step_s'])} step times, expected {steps}"
+        )
+        assert (len(got["losses"]) == steps) == (rank in last), (
+            f"{case}: rank {rank} reported {len(got['losses'])} losses; the last stage reports one per step, "
+            "others none"
+        )
+    mean = [sum(run.results[r]["losses"][s] for r in last) / len(last) for s in range(steps)]
+    first = math.isclose(mean[0], losses[0], rel_tol=1e-4, abs_tol=1e-5)
+    rule = (
+        "the first step's loss matches, a later one does not, so the update differs: are the gradients averaged over "
+        "the DP group (one all-reduce of the flattened gradients, the sum divided by dp) and each micro-batch's loss "
+        "scaled by rᵢ / (B/dp)?"
+        if first
+        else "the first step's loss differs: the last stage's loss for micro-batch i is lm_loss · rᵢ / (B/dp), so the "
+        "micro-batches add up to the shard's mean, which is not the mean of the micro-batch means when their sizes "
+        "differ"
+    )
+    checks.assert_close(
+        torch.tensor(mean),
+        torch.tensor(losses),
+        what=f"{case}: the loss of each step (mean over the "
+        f"last stage's replicas), against the single-process run ({rule})",
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    for rank, got in enumerate(run.results):
+        where = _grid_of(rank, dp, tp, pp)
+        expected = {
+            k: v
+            for k, v in _expected_parameters(full, tp, where["tp_rank"]).items()
+            if k in _stage_names(cfg, pp, where["pp_rank"], where["tp_rank"])
+        }
+        mine = {_dense_name(k): (v, None) for k, v in got["params"].items()}
+        _compare_parameters(
+            mine,
+            expected,
+            f"{case}: rank {rank}'s parameters after training, against the "
+            f"single-process run's slices (gradients averaged over the DP group: one all-reduce of the "
+            f"flattened gradients, the sum divided by dp = {dp}; each micro-batch's loss scaled by rᵢ / (B/dp))",
+            grads=False,
+        )
+    _check_traffic(run, cfg, batch, steps, dp, tp, pp, micro_batches, case)
+    return run
+
+
+def check_3d_error(batch: int, dp: int) -> str:
+    """train_3d with a batch of ``batch`` rows that ``dp`` replicas do not divide (on dp ranks, tp = pp = 1)
+    raises a ValueError naming both; returns its message.  (On the grader's earlier pieces where yours failed.)"""
+    return _expect_value_error(
+        _train_3d_in_rank,
+        dp,
+        (_fields(CFG), models.lm_batches(_tokens(), batch, CFG.seq_len, 1), dp, 1, 1, 1, LR),
+        case=f"train_3d with a batch of {batch} on dp={dp}",
+        words=[str(batch), str(dp)],
+        graders=_graders_for("grid_groups", "tp_attention", "pipeline_stage"),
+    )
