@@ -8,7 +8,9 @@ line is built from :data:`BENCHMARKS`. What they share is a module per idea: :mo
 benchmark as a command: Measured, its options, the progress bar), :mod:`.timing` (what each rank measures:
 taking turns, the bytes it sent, free ports), :mod:`.stats` (the slowest rank's median, a run's noise),
 :mod:`.tables` (the tables' and pictures' pieces), :mod:`.notebook` (reading a lab notebook's functions)
-and :mod:`.collectives` (the all-gather baselines' GatherRows and ScatterRows). The lab benchmarks
+and :mod:`.collectives` (the all-gather baselines' GatherRows and ScatterRows). A benchmark of two ideas
+keeps the second in a module of its own: :mod:`.recovery` measures ``bench checkpoint``'s recoveries
+from a killed rank, and is the script its torchrun workers and torchft replicas run. The lab benchmarks
 measure the implementations a lab notebook defines: this package holds no solutions (see
 :func:`functions_from_notebook`).
 
@@ -29,7 +31,7 @@ from .allreduce import (
     busbw_factor,
     format_allreduce_table,
 )
-from .checkpoint import bench_recovery, bench_saves, format_checkpoint_table
+from .checkpoint import bench_saves, format_checkpoint_table
 from .command import progress
 from .compression import (
     COMPRESSION_MODEL,
@@ -44,6 +46,7 @@ from .experts import ALL_GATHER_DISPATCH, ONE_PROCESS_MOE, bench_experts, format
 from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
 from .notebook import functions_from_lab, functions_from_notebook
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
+from .recovery import bench_recovery
 from .registry import MEASUREMENTS
 from .sequence import ALL_GATHER_KV, LONG, TORCH_CP, bench_sequence, format_sequence_table
 from .stats import slowest_median

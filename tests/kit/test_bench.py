@@ -195,9 +195,9 @@ time.sleep(600)
 def test_a_hung_torchrun_job_is_stopped_with_its_workers(tmp_path, monkeypatch):
     """bench checkpoint's torchrun rows: a job past its limit is stopped, the agent and the workers it
     started in sessions of their own (left running, they held the agent's output and the bench hung)."""
-    from disttrain_lab.bench import checkpoint
+    from disttrain_lab.bench import recovery
 
-    monkeypatch.setattr(checkpoint, "STOP_WAIT_S", 1)  # (this agent ignores SIGTERM: it is killed after it)
+    monkeypatch.setattr(recovery, "STOP_WAIT_S", 1)  # (this agent ignores SIGTERM: it is killed after it)
     out = tmp_path / "agent.out"
     with open(out, "w") as log:
         agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path)], stdout=log, stderr=subprocess.STDOUT)
@@ -206,7 +206,7 @@ def test_a_hung_torchrun_job_is_stopped_with_its_workers(tmp_path, monkeypatch):
         time.sleep(0.05)
     workers = [p for p in psutil.pids() if f"--torchrun-child {tmp_path}" in " ".join(_cmdline(p))]
     assert len(workers) == 2, out.read_text()
-    checkpoint._stop_job(agent, str(tmp_path))
+    recovery._stop_job(agent, str(tmp_path))
     assert agent.returncode == -signal.SIGKILL
     assert survivors(workers) == [], "the job's workers must be stopped with its agent"
 

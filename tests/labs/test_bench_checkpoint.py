@@ -72,7 +72,7 @@ def test_cli_bench_checkpoint_with_tiny_options():
     shared = lines["torchrun, shared store"]
     assert shared.split()[-2:] == ["2", "1"] or "Gloo connectFullMesh failed" in shared or "hung" in shared, out
     survivor, replacement = lines["torchft, survivor"].split(), lines["torchft, replacement"].split()
-    heartbeat = bench.checkpoint.FT_HEARTBEAT_MS / 1000
+    heartbeat = bench.recovery.FT_HEARTBEAT_MS / 1000
     assert survivor[-2:] == ["3", "0"] and heartbeat * 0.9 < float(survivor[-3]) < 60, out  # went on from step 3
     assert int(replacement[-2]) > 3 and replacement[-1] == "0", out  # joined later, from the survivor's state
     assert float(replacement[-3]) > float(survivor[-3]), out
