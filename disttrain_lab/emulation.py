@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import trace
+from . import callargs, trace
 from .network import Network
 
 __all__ = ["begin", "end", "wrap", "take_last_cost"]
@@ -288,7 +288,7 @@ def _emulated_send(op: str, fn, params: list[str]):
         if ports is None or ports.depth or not _is_cpu([tensor]):
             return fn(*args, **kwargs)
         dst = _global_peer(bound, "dst")
-        cost = ports.message_time(dst, trace.payload_bytes(tensor))
+        cost = ports.message_time(dst, callargs.payload_bytes(tensor))
         ports.last_cost = cost
         arrival = ports.reserve_out(cost, ports.network.tier(ports.rank, dst))
         if ports.board is None:  # no shared board (torchrun): the data leaves late
@@ -317,7 +317,7 @@ def _emulated_recv(op: str, fn, params: list[str]):
         if ports is None or ports.depth or not _is_cpu([tensor]):
             return fn(*args, **kwargs)
         src, tag = _global_peer(bound, "src"), bound.get("tag") or 0
-        nbytes = trace.payload_bytes(tensor)
+        nbytes = callargs.payload_bytes(tensor)
         # the sequence number of an irecv is taken now, when it is posted, not at its wait()
         seq = ports.board.expect(src, tag) if ports.board is not None and src is not None else None
         cost = ports.message_time(src, nbytes)
@@ -352,7 +352,7 @@ def _emulated_collective(op: str, fn, params: list[str]):
         tensors = [t for x in present for t in (x if isinstance(x, (list, tuple)) else [x])]
         if ports is None or ports.depth or not _is_cpu(tensors):
             return fn(*args, **kwargs)
-        nbytes = max([trace.payload_bytes(bound.get(k)) for k in buffers] + [0])
+        nbytes = max([callargs.payload_bytes(bound.get(k)) for k in buffers] + [0])
         tier, cost = ports.collective_cost(op, nbytes, bound.get("group"))
         ports.last_cost = cost
         called = time.perf_counter()

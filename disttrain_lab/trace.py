@@ -10,7 +10,9 @@ torch.distributed import send`` is seen too).  A wrapper does two things:
 
 Nested calls (``all_gather_object`` calling ``all_gather``) record only the outermost
 one that was wrapped; the ``*_object`` helpers are not wrapped, so their inner tensor
-calls are what you see, with real byte counts.
+calls are what you see, with real byte counts.  What a call is (its kind, peer, group,
+bytes and tag) is read from its arguments by ``disttrain_lab.callargs``; this module holds
+the rank's recorder and the wrappers that fill it.
 
 The records come back to the notebook as a :class:`Run`, which answers the questions the
 labs grade: bytes sent per rank, calls per op, which collectives ran, and how many
@@ -21,8 +23,8 @@ What other modules of the kit use (all public; nothing here imports them back):
 - the launcher and the worker start and stop a rank's recorder with
   :func:`begin_recording` / :func:`end_recording` and install the wrappers with :func:`install`;
 - the emulated network (``disttrain_lab.emulation``) passes its wrappers and its cost hook to
-  :func:`install` and reads a call's tensors with :data:`IN_ARGS`, :data:`OUT_ARGS` and
-  :func:`payload_bytes`.
+  :func:`install` and reads a call's tensors with :data:`IN_ARGS` and :data:`OUT_ARGS` (their
+  bytes with ``callargs.payload_bytes``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import operator
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import matching
+from .callargs import call_info, check_peer, payload_bytes
 
 # what a run recorded (events.py) and the status slot (status.py) live beside this module;
 # their names are kept here too, where the rest of the kit and the labs have always found them
@@ -147,72 +149,6 @@ def unrecorded() -> Iterator[None]:
         _REC.recording = was
 
 
-def payload_bytes(x) -> int:
-    """The logical payload of a call's argument: bytes of a tensor or a list of tensors (0 for anything else)."""
-    if x is None:
-        return 0
-    if isinstance(x, (list, tuple)):
-        return sum(payload_bytes(t) for t in x)
-    try:
-        return x.numel() * x.element_size()
-    except AttributeError:
-        return 0
-
-
-def _buffer_span(t) -> tuple[int, int, int] | None:
-    """(storage address, first byte, end byte) of a tensor: which messages share memory."""
-    try:
-        start = t.storage_offset() * t.element_size()
-        return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _group_ranks(group) -> tuple[int, ...] | None:
-    if group is None:
-        return None
-    import torch.distributed as dist
-
-    if group is dist.GroupMember.WORLD:
-        return None
-    try:
-        return tuple(dist.get_process_group_ranks(group))
-    except Exception:
-        return None
-
-
-def _call_info(op: str, bound: dict, full: bool) -> tuple:
-    """(kind, peer, group, nbytes, tag, meta) of one call from its bound arguments."""
-    kind = "p2p" if op in P2P_OPS else "setup" if op in SETUP_OPS else "collective"
-    group = _group_ranks(bound.get("group"))
-    peer = None
-    for key in ("dst", "src"):
-        if bound.get(key) is not None:
-            peer = bound[key]
-    if peer is None:
-        for key in ("group_dst", "group_src"):
-            if bound.get(key) is not None:
-                peer = group[bound[key]] if group else bound[key]
-    if peer is None and op in ("broadcast", "reduce", "scatter", "gather"):
-        peer = 0
-    nin = max((payload_bytes(bound.get(k)) for k in IN_ARGS), default=0)
-    nout = max((payload_bytes(bound.get(k)) for k in OUT_ARGS), default=0)
-    meta = {}
-    if not full:  # status only: the fields a deadlock report needs
-        return kind, peer, group, max(nin, nout), bound.get("tag"), meta
-    if kind == "p2p":
-        meta["buffer"] = _buffer_span(bound.get("tensor"))
-    if bound.get("op") is not None:
-        meta["reduce_op"] = str(bound["op"]).split(".")[-1]
-    if nin and nout and nin != nout:
-        meta["in_bytes"], meta["out_bytes"] = nin, nout
-    tensor = bound.get("tensor")
-    if tensor is not None and hasattr(tensor, "dtype"):
-        meta["dtype"] = str(tensor.dtype).replace("torch.", "")
-        meta["shape"] = tuple(tensor.shape)
-    return kind, peer, group, max(nin, nout), bound.get("tag"), meta
-
-
 class TracedWork:
     """Stands in for the ``Work`` an async call returns, so its ``wait()`` is traced too."""
 
@@ -239,24 +175,6 @@ class TracedWork:
         return getattr(self._work, name)
 
 
-def _check_peer(op: str, peer, group) -> None:
-    # gloo waits forever for a rank that does not exist; say so instead
-    import torch.distributed as dist
-
-    valid = list(group) if group is not None else list(range(dist.get_world_size()))
-    try:
-        ok = operator.index(peer) in valid  # numpy integers are fine ranks too
-    except TypeError:
-        ok = False
-    if not ok:
-        side = "dst" if op in ("send", "isend") else "src"
-        raise ValueError(
-            f"{op}({side}={peer!r}): there is no rank {peer!r} to talk to; valid ranks are "
-            f"{valid[0]}..{valid[-1]}"
-            + (f" (the group {valid})" if group is not None else f" (world_size={len(valid)})")
-        )
-
-
 _GENUINE: dict[int, tuple] = {}  # id(wrapper) -> (wrapper, the torch function it traces)
 
 
@@ -281,10 +199,10 @@ def _wrap(op: str, fn, genuine=None):
         bound = dict(defaults)
         bound.update(zip(names, args))
         bound.update(kwargs)
-        info = _call_info(op, bound, rec.recording)
+        info = call_info(op, bound, rec.recording)
         kind, peer, group, nbytes, tag, meta = info
         if kind == "p2p" and peer is not None:
-            _check_peer(op, peer, group)
+            check_peer(op, peer, group)
         elif kind == "collective":
             rec.note_collective(op, group, bound, peer)
         rec.depth += 1
