@@ -490,13 +490,38 @@ def test_memory_is_graded_on_the_os_count(case):
     assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
 
 
-_EXTRA_ALL_REDUCE = """
-class Zero1Optimizer(Zero1Optimizer):  # right values; a copy of every gradient all-reduced as well
+_EXTRA_REDUCE_SCATTER = """
+class Zero1Optimizer(Zero1Optimizer):  # right values; a copy of every gradient reduce-scattered as well
     def step(self, closure=None):
         for p in self.params:
             if p.grad is not None:
-                dist.all_reduce(p.grad.detach().clone())
+                c = shard_size(p.numel(), self.world_size)
+                reduce_scatter(torch.empty(c), padded_flat(p.grad.detach(), self.world_size))
         return super().step(closure)
+"""
+
+
+# ZeRO-2 whose grad_ready all-reduces the gradient and keeps its shard, the all-reduce hidden from the trace and a
+# reduce-scatter of zeros shown to it: the right values, a trace of the right calls (its bytes once more)
+_HIDDEN_ALL_REDUCE = """
+class Zero2Optimizer(Zero2Optimizer):
+    def grad_ready(self, p, shard):
+        c = shard_size(p.numel(), self.world_size)
+        reduce_scatter(torch.empty(c), torch.zeros(self.world_size * c))
+        with dl.trace.unrecorded():
+            dist.all_reduce(p.grad)
+        shard.grad = padded_flat(p.grad, self.world_size)[self.rank * c:self.rank * c + shard.numel()] / self.world_size
+        p.grad = None
+"""
+# ... and one that calls gloo's own reduce-scatter: on the trace a reduce-scatter, on the wire an all-reduce
+_GLOOS_REDUCE_SCATTER = """
+class Zero2Optimizer(Zero2Optimizer):
+    def grad_ready(self, p, shard):
+        c = shard_size(p.numel(), self.world_size)
+        out = torch.empty(c)
+        dist.reduce_scatter_single(out, padded_flat(p.grad, self.world_size))
+        shard.grad = out[:shard.numel()] / self.world_size
+        p.grad = None
 """
 
 
@@ -504,8 +529,12 @@ class Zero1Optimizer(Zero1Optimizer):  # right values; a copy of every gradient 
 def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_trace(solution, monkeypatch):
     """Under the grader's evidence (packet capture, ``ss``: tests/helpers.py), each stage's volume per step is
     read off the wire (``zero._wire_volume``: gloo's payloads between the ranks, over N − 1): the solution's three
-    stages pass on 2, 3 and 4 ranks (tensors smaller than N, a tied weight), and a ZeRO-1 that also all-reduces a
-    copy of every gradient (right values) fails on the grader's count, which is read before the ranks' trace."""
+    stages pass on 2, 3 and 4 ranks (tensors smaller than N, a tied weight), and a ZeRO-1 that also reduce-scatters
+    a copy of every gradient (right values) fails on the grader's count, which is read before the ranks' trace.
+    Whether the gradients were reduce-scattered is read there too (the kinds of gloo's messages): a ZeRO-2 that
+    all-reduces them off the trace, with a reduce-scatter of zeros on it, passes on the trace and fails on the
+    wire, as does one calling gloo's own reduce-scatter (an all-reduce on the wire), which the student's own kernel
+    refuses too (its self-check says what the grader will)."""
     import __main__
     from disttrain_lab.labtests import lab04
     from tests.helpers import notebook_names, observed_from_outside
@@ -518,7 +547,20 @@ def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_tr
         lab04.check_zero3(3, [6, 4, 6], kind="tied", opt="sgd")
         lab04.check_zero3(4, [6, 10, 10, 4], opt="adamw")
         wrong = dict(space)
-        exec(_EXTRA_ALL_REDUCE, wrong)
+        exec(_EXTRA_REDUCE_SCATTER, wrong)
         monkeypatch.setattr(__main__, "Zero1Optimizer", wrong["Zero1Optimizer"])
         with pytest.raises(AssertionError, match=r"by the grader's capture of the wire.*ZeRO-1 moves 2Ψ"):
             lab04.check_zero1(3, [5, 7, 3], opt="sgd")
+        monkeypatch.setattr(__main__, "Zero1Optimizer", space["Zero1Optimizer"])
+        for forged in (_GLOOS_REDUCE_SCATTER, _HIDDEN_ALL_REDUCE):
+            wrong = dict(space)
+            exec(forged, wrong)
+            monkeypatch.setattr(__main__, "Zero2Optimizer", wrong["Zero2Optimizer"])
+            with pytest.raises(AssertionError, match=r"rank 0 sent an all-reduce's messages on the wire"):
+                lab04.check_zero2(2, [5, 7, 3], opt="sgd")
+    lab04.check_zero2(2, [5, 7, 3], opt="sgd")  # the forged one passes on the trace alone (the student's own kernel)
+    wrong = dict(space)
+    exec(_GLOOS_REDUCE_SCATTER, wrong)
+    monkeypatch.setattr(__main__, "Zero2Optimizer", wrong["Zero2Optimizer"])
+    with pytest.raises(AssertionError, match=r"called \['reduce_scatter_single'\].*the grader's capture of the wire"):
+        lab04.check_zero2(2, [5, 7, 3], opt="sgd")  # the self-check says what the grader's wire will

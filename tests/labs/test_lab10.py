@@ -132,6 +132,7 @@ def test_visible_self_checks_exercise_every_hidden_requirement():
         'dl.predictions.check("ring bytes"',
         "with dl.memory.SavedActivations(layer) as saved:",  # sequence parallelism: 1/t of the activations
         '"all_reduce" in op',  # no all-reduce
+        'op.startswith("reduce_scatter")',  # ... nor gloo's own reduce-scatter (an all-reduce on the wire)
         '[2]["ln1.weight"]',  # a LayerNorm's gradient summed over the ranks
         "dl.launch(_self_check_ulysses, _n, 4, 16, device=DEVICE, trace=True)",  # Ulysses on 2 and 4 ranks, its bytes
         "dl.launch(_three_heads, 2, device=DEVICE)",
@@ -502,7 +503,9 @@ def test_sequence_parallel_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     sizes) come from the grader's capture: each call's slot, counted up in the world's group, places it before or
     after the driver's barrier, its payload gives its bytes.  The solution passes with and without a capture; the
     solution with one more all-gather of its input in forward, off the trace, passes on the trace alone and
-    fails on the wire."""
+    fails on the wire; so does one whose reduce-scatter is an all-reduce off the trace (an all-to-all of zeros on
+    it), and one calling gloo's own reduce-scatter (an all-reduce on the wire), which the student's own kernel
+    refuses too."""
     import torch
     import torch.distributed as dist
 
@@ -538,5 +541,30 @@ def test_sequence_parallel_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     said = str(more.value)
     assert (
         "the forward pass makes 2 all-gathers and 2 reduce-scatters of 2048 B (tensor parallelism's two all-reduces, "
-        "split); the grader's capture of the wire shows 3 all-gathers and 2 reduce-scatters (or all-reduces)"
+        "split); the grader's capture of the wire shows 3 all-gathers and 2 reduce-scatters (all-to-alls)"
     ) in said, said
+    monkeypatch.setattr("__main__.SequenceParallelBlock", block)
+    space = block.__init__.__globals__
+
+    def all_reduced(x, group):  # the right values by an all-reduce off the trace; an all-to-all of zeros on it
+        n = dist.get_world_size(group)
+        chunks = torch.cat(x.chunk(n, dim=1))
+        dist.all_to_all_single(torch.empty_like(chunks), torch.zeros_like(chunks), group=group)
+        with trace.unrecorded():
+            dist.all_reduce(chunks, group=group)
+        return chunks.chunk(n)[dist.get_rank(group)].clone()
+
+    def glooss(x, group):  # gloo's own reduce-scatter: on the trace a reduce-scatter, on the wire an all-reduce
+        n = dist.get_world_size(group)
+        out = x.new_empty((x.shape[0], x.shape[1] // n) + x.shape[2:])
+        dist.reduce_scatter_single(out, torch.cat(x.chunk(n, dim=1)), group=group)
+        return out
+
+    for scatter in (glooss, all_reduced):
+        monkeypatch.setitem(space, "_reduce_scatter_sequence", scatter)
+        with observed_from_outside(), pytest.raises(AssertionError, match=r"shows messages of all_reduce \(gloo's own"):
+            lab10.check_sp(2, 16, 4, 8, 2, 0)
+    lab10.check_sp(2, 16, 4, 8, 2, 0)  # the all-reduce off the trace passes on the trace alone
+    monkeypatch.setitem(space, "_reduce_scatter_sequence", glooss)
+    with pytest.raises(AssertionError, match=r"on the CPU a reduce-scatter is one all-to-all"):
+        lab10.check_sp(2, 16, 4, 8, 2, 0)  # gloo's own the student's kernel refuses too, as the grader will

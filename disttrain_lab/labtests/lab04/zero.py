@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import checks, exercise, memory
+from ... import carried, checks, exercise, memory
 from ...exercise import ExerciseRun
 from .. import common
 from .common import (
@@ -268,24 +268,28 @@ def _check_zero(
     )
     wired = run.timeline.source != "trace"  # the grader's capture (unobserved: reading it raises, the test fails)
     if wired:
-        # gloo's own reduce-scatter sends an all-reduce's bytes (section 5): the wire allows the gradients' part
-        # twice, and the calls' names below say whether an all-reduce stood in for the reduce-scatter
-        wire_high = high + 4 * n * shard(trainable)
+        # the calls' kinds first (gloo's own reduce-scatter is an all-reduce on the wire: its messages, its bytes)
+        _check_wire_kinds(run, case, stage)
         total = _wire_volume(run)
         volume = total / (n - 1) / steps
-        assert low <= volume <= wire_high, (
+        assert low <= volume <= high, (
             f"{case}: by the grader's capture of the wire, the ranks' collectives moved {volume:.0f} B per step and "
             f"rank (gloo's payloads between the ranks, {total} B in all over {steps} steps: a collective that moves V "
             f"bytes per rank in section 2's accounting carries (N − 1)·V in all, N = {n}); ZeRO-{stage} moves "
-            f"{words} = {low} B per step (up to {wire_high} B with padding, and gloo's own reduce-scatter, which "
-            f"sends an all-reduce's bytes): reduce-scatter the gradients once and all-gather the parameters" + hint
+            f"{words} = {low} B per step (up to {high} B with padding): reduce-scatter the gradients once and "
+            "all-gather the parameters" + hint
         )
-    for rank in range(n):
+        return run
+    for rank in range(n):  # in the student's own kernel: the ranks' trace
         ops = set(student.calls(rank))
         reduce_ops = {op for op in ops if op.startswith("all_reduce")}
+        if run.backend == "gloo":  # gloo's own reduce-scatter: an all-reduce on the wire (_check_wire_kinds)
+            reduce_ops |= {op for op in ops if op.startswith("reduce_scatter")}
         assert not reduce_ops, (
             f"{case}: rank {rank} called {sorted(reduce_ops)}; ZeRO-{stage} reduce-scatters the "
-            f"gradients (each rank needs only its shard's) instead of all-reducing them"
+            "gradients (each rank needs only its shard's) instead of all-reducing them, with section 4's "
+            "reduce_scatter (on gloo, dist.reduce_scatter_single all-reduces the whole input and keeps the rank's "
+            "chunk: the grader's capture of the wire sees an all-reduce)"
         )
         # the lab's helpers build them on gloo from an all-to-all (reduce-scatter) and broadcasts (all-gather)
         scatters = any(op.startswith(("reduce_scatter", "all_to_all")) for op in ops)
@@ -295,11 +299,34 @@ def _check_zero(
             f"reduce_scatter and all_gather); it called {sorted(ops)}"
         )
         volume = communication_volume(student.by_rank(rank)) / steps
-        assert wired or low <= volume <= high, (
+        assert low <= volume <= high, (
             f"{case}: rank {rank}'s collectives moved {volume:.0f} B per step; ZeRO-{stage} moves {words} = "
             f"{low} B per step (up to {high} B with padding)" + hint
         )
     return run
+
+
+def _check_wire_kinds(run: ExerciseRun, case: str, stage: int) -> None:
+    """Under grading, the kinds of the ranks' collectives, read from the slots of gloo's messages on the wire
+    (``carried.kind``): no all-reduce, and something else that carries the gradients (the helpers' all-to-all)
+    and the parameters (their broadcasts, or an all-gather).  gloo's own reduce-scatter clones its input,
+    all-reduces all of it and keeps the rank's chunk: on the wire it is an all-reduce (its slot's kind, twice a
+    reduce-scatter's bytes), which no capture can tell from one, so it fails here as one would (section 4: use
+    the helpers)."""
+    sent = carried.sends(run, case)
+    kinds = {rank: {carried.kind(slot) for src, _, slot, _ in sent if src == rank} for rank in range(run.world_size)}
+    for rank, seen in kinds.items():
+        assert "all_reduce" not in seen, (
+            f"{case}: rank {rank} sent an all-reduce's messages on the wire (the grader's capture: the kinds of its "
+            f"calls were {sorted(seen)}); ZeRO-{stage} reduce-scatters the gradients (each rank needs only its "
+            "shard's) with section 4's reduce_scatter, an all-to-all on the CPU.  gloo's own reduce-scatter "
+            "(dist.reduce_scatter_single) all-reduces the whole input and keeps the rank's chunk, so on the wire it "
+            "is an all-reduce too: use the helpers"
+        )
+        assert seen - {"barrier"}, (
+            f"{case}: rank {rank} sent no collective's messages on the wire (the grader's capture); ZeRO-{stage} "
+            "reduce-scatters the gradients and all-gathers the parameters"
+        )
 
 
 def _wire_volume(run: ExerciseRun) -> int:

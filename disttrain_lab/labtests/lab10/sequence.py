@@ -48,9 +48,11 @@ def _build_sp(heads):
 def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> None:
     """SequenceParallelBlock on ``t`` ranks, float64: each rank's output and input gradient equal the block's on
     its tokens, its linears' gradients are its slices of the block's (a row-parallel bias on rank 0 only), the
-    LayerNorms' gradients summed over the ranks equal the block's; it saves 1/t of the block's activations; it
-    only all-gathers and reduce-scatters (no all-reduce), tensor parallelism's bytes forward and those plus
-    gather_linear's second all-gather of its input backward."""
+    LayerNorms' gradients summed over the ranks equal the block's; tensor parallelism's bytes forward and those
+    plus gather_linear's second all-gather of its input backward, in all-gathers and reduce-scatters.  Under
+    grading the calls and bytes come from the grader's capture of the wire (``_sp_on_the_wire``); in the
+    student's own kernel from the trace, which also says that it saves 1/t of the block's activations (its own
+    count, which no capture can tell)."""
     case = f"SequenceParallelBlock on {t} ranks (d={d}, {heads} heads, {tokens} tokens, batch {batch}, float64)"
     run = common.run_or_fail(
         _sp_in_rank, t, (d, heads, tokens, batch, seed), case, common.DEADLOCK_HINT, timeout=TIMEOUT, content=True
@@ -64,6 +66,7 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
     (y * dy).sum().backward()
     full = dict(block.named_parameters())
     per = tokens // t
+    observed = carried.sends(run, case) is not None  # under grading: the grader's capture of the wire
     for rank, (out, dx, grads, nbytes) in enumerate(run.results):
         mine = slice(rank * per, (rank + 1) * per)
         checks.assert_close(
@@ -88,7 +91,9 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
                 )
             else:
                 checks.assert_close(got, want, what=f"{case}: rank {rank}'s {name}.bias gradient")
-        assert nbytes * t == saved.total, (
+        # what a rank saved is its own count (SavedActivations, in the rank): the student's self-check; the
+        # grader reads that gather_linear gathers its input again instead (backward's all-gathers, on the wire)
+        assert observed or nbytes * t == saved.total, (
             f"{case}: rank {rank} saved {nbytes} B of activations for backward (dl.memory.SavedActivations); "
             f"1/t of the single-process block's {saved.total} B is {saved.total / t:.0f} B.  gather_linear must save "
             f"this rank's slice and all-gather it again in backward, not save the gathered input"
@@ -100,20 +105,20 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
             what=f"{case}: {part}'s gradient summed over the ranks (each rank's part is from its tokens)",
         )
     tensor = batch * tokens * d * 8
-    observed = carried.sends(run, case) is not None  # under grading: the grader's capture of the wire
     if observed:
         _sp_on_the_wire(run, t, tensor, case)
-    for rank in range(t):  # the ranks' trace: in the student's own kernel, and for "not an all-reduce" (below)
+        return
+    for rank in range(t):  # the ranks' trace: in the student's own kernel
         calls, _ = _forward_phase(run, rank)
         forward = {id(e) for e in calls}
         every = [e for e in run.trace.by_rank(rank) if e.kind == "collective" and e.op != "barrier"]
-        wrong = [e for e in every if not e.op.startswith(("all_gather", "reduce_scatter"))]
+        scatters = ("all_to_all",) if run.backend == "gloo" else ("all_to_all", "reduce_scatter")
+        wrong = [e for e in every if not e.op.startswith(("all_gather", *scatters))]
         assert not wrong, (
-            f"{case}: rank {rank} may only all-gather and reduce-scatter (no all-reduce); "
-            f"it made {common.describe_calls(wrong)}"
+            f"{case}: rank {rank} may only all-gather and reduce-scatter (no all-reduce), and on the CPU a "
+            "reduce-scatter is one all-to-all and a sum (gloo's own all-reduces the whole input, and the grader's "
+            f"capture of the wire sees an all-reduce); it made {common.describe_calls(wrong)}"
         )
-        if observed:
-            continue
         wire = lambda events: sum((t - 1) / t * e.bytes for e in events)  # a ring all-gather / reduce-scatter
         fwd, bwd = wire(e for e in every if id(e) in forward), wire(e for e in every if id(e) not in forward)
         tp = 2 * 2 * (t - 1) / t * tensor  # tensor parallelism: two ring all-reduces
@@ -128,20 +133,23 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
 
 
 # what each pass of a SequenceParallelBlock calls, as (kind on the wire, how many), every call of the whole
-# sequence's tensor: gloo's reduce-scatter sends an all-reduce's messages (its slot's kind, and 2·(t − 1) times
-# the tensor's bytes), so it shows here as one
+# sequence's tensor: on the CPU a reduce-scatter is one all-to-all (gloo's own would send an all-reduce's
+# messages, which the wire cannot tell from an all-reduce, so it fails here as one)
 _SP_CALLS = {
-    "forward": {"all_gather": 2, "all_reduce": 2},  # before the column-parallel linears; after the row-parallel ones
-    "backward": {"all_gather": 4, "all_reduce": 2},  # their mirror images, and gather_linear's input gathered again
+    "forward": {"all_gather": 2, "all_to_all": 2},  # before the column-parallel linears; after the row-parallel ones
+    "backward": {"all_gather": 4, "all_to_all": 2},  # their mirror images, and gather_linear's input gathered again
 }
 
 
 def _sp_on_the_wire(run, t: int, tensor: int, case: str) -> None:
     """check_sp's calls from the grader's capture: every call is the world group's, one slot each, counted up in
     the order the ranks made them, so the driver's barrier's slot splits the forward pass from the backward;
-    each call's bytes from its messages (an all-gather of a B-byte output: (t − 1)·B in all; a reduce-scatter of
-    a B-byte input, like an all-reduce of B: 2·(t − 1)·B).  Whether a reduce-scatter or an all-reduce was called
-    the wire cannot tell: those bytes are the same (the trace's rule in check_sp).  One rank sends nothing."""
+    each call's bytes from its messages (an all-gather of a B-byte output: (t − 1)·B in all; a reduce-scatter, one
+    all-to-all, of a B-byte input: (t − 1)·B too), its kind from its slot: an all-reduce fails, gloo's own
+    reduce-scatter with it (it all-reduces the whole input and keeps the rank's chunk: an all-reduce's messages).
+    What a rank saved for backward the wire cannot tell: that is the self-check's, from the rank's own count,
+    and not graded; backward's four all-gathers are gather_linear gathering its input again, what saving only
+    the slice costs.  One rank sends nothing."""
     if t == 1:
         return
     payload: dict[int, int] = {}
@@ -152,12 +160,18 @@ def _sp_on_the_wire(run, t: int, tensor: int, case: str) -> None:
     assert barriers, f"{case}: the grader's capture of the wire shows no barrier between forward and backward"
     data = lambda calls: [c for c in calls if carried.kind(c[0]) != "barrier"]  # noqa: E731  (marks carry no data)
     phases = {"forward": data(made[: barriers[0]]), "backward": data(made[barriers[0] + 1 :])}
-    per_call = {"all_gather": t - 1, "all_reduce": 2 * (t - 1)}
+    per_call = {"all_gather": t - 1, "all_to_all": t - 1}
     for phase, calls in phases.items():
         other = sorted({carried.kind(slot) for slot, _ in calls} - set(per_call))
         assert not other, (
-            f"{case}: the ranks may only all-gather and reduce-scatter; in the {phase} pass the grader's capture of "
-            f"the wire shows messages of {', '.join(other)}"
+            f"{case}: the ranks may only all-gather and reduce-scatter (on the CPU one all-to-all and a sum); in the "
+            f"{phase} pass the grader's capture of the wire shows messages of {', '.join(other)}"
+            + (
+                " (gloo's own reduce-scatter all-reduces the whole input and keeps the rank's chunk: on the wire it is "
+                "an all-reduce)"
+                if "all_reduce" in other
+                else ""
+            )
         )
         found = {kind: 0 for kind in per_call}
         for slot, total in calls:
@@ -167,16 +181,16 @@ def _sp_on_the_wire(run, t: int, tensor: int, case: str) -> None:
             assert size == tensor, (
                 f"{case}: every call of the {phase} pass gathers or scatters the whole sequence's activations, "
                 f"{tensor} B; the grader's capture of the wire shows "
-                + ("an all-gather" if kind == "all_gather" else "a reduce-scatter (or all-reduce)")
+                + ("an all-gather" if kind == "all_gather" else "a reduce-scatter (an all-to-all)")
                 + f" of {size:.0f} B"
             )
         want = _SP_CALLS[phase]
         assert found == want, (
-            f"{case}: the {phase} pass makes {want['all_gather']} all-gathers and {want['all_reduce']} "
+            f"{case}: the {phase} pass makes {want['all_gather']} all-gathers and {want['all_to_all']} "
             f"reduce-scatters of {tensor} B (tensor parallelism's two all-reduces, split"
             + (", and gather_linear's input gathered again" if phase == "backward" else "")
             + f"); the grader's capture of the wire shows {found['all_gather']} all-gathers and "
-            f"{found['all_reduce']} reduce-scatters (or all-reduces)"
+            f"{found['all_to_all']} reduce-scatters (all-to-alls)"
         )
 
 
