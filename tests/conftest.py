@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -150,10 +152,22 @@ def pytest_collection_modifyitems(config, items):
 # instead of as much as a whole worker with its gradings.
 WORKER_SHARES = 4 * 1024
 _WORKER_NODE: list = []  # (the worker's cpu node, the cpu cgroup it came from)
+# Where a run's CPU goes (issue 35: the suite on two cores is bound by its CPU time, not its waits): each
+# worker also enters a node of its own in the cpuacct hierarchy, which every process it starts stays in (the
+# sandbox moves a student's kernel in the memory, pids and cpu hierarchies only), and counts the CPU seconds
+# of each unit's tests, its gradings' processes included; the workers write them to CPU_FILE, and the run
+# ends with the units that took most (pytest_terminal_summary).
+CPU_FILE_ENV = "DISTTRAIN_TEST_CPU_FILE"
+_CPU_NODE: list = []  # the worker's cpuacct node
+_CPU_BY_UNIT: dict[str, list[float]] = {}  # unit: [CPU seconds, wall seconds]
 
 
 def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker and os.geteuid() == 0 and (cgroups.MOUNT / "cpuacct" / "cpuacct.usage").exists():
+        fd, path = tempfile.mkstemp(prefix="disttrain-tests-cpu-", suffix=".tsv")  # (the workers inherit it)
+        os.close(fd)
+        os.environ[CPU_FILE_ENV] = path
     offered = cgroups.host()
     if (
         not worker
@@ -179,6 +193,49 @@ def pytest_configure(config):
         return
     os.environ[cgroups.BASE_ENV] = f"{node}/grading"
     _WORKER_NODE.append((own, came_from))
+    acct = cgroups.MOUNT / "cpuacct" / node
+    if os.environ.get(CPU_FILE_ENV):
+        try:
+            acct.mkdir(parents=True, exist_ok=True)
+            (acct / "cgroup.procs").write_text(str(os.getpid()))
+            _CPU_NODE.append(acct)
+        except OSError as exc:
+            print(f"tests: worker {worker} counts no CPU time per unit ({exc})")
+
+
+def _cpu_seconds() -> float:
+    return int((_CPU_NODE[0] / "cpuacct.usage").read_text()) / 1e9
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_NODE:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    spent = _CPU_BY_UNIT.setdefault(unit_of(item), [0.0, 0.0])
+    spent[0] += _cpu_seconds() - cpu
+    spent[1] += time.monotonic() - wall
+
+
+def pytest_terminal_summary(terminalreporter):
+    path = os.environ.get(CPU_FILE_ENV)
+    if os.environ.get("PYTEST_XDIST_WORKER") or not path or not os.path.exists(path):
+        return
+    units: dict[str, list[float]] = {}
+    for line in Path(path).read_text().splitlines():
+        unit, cpu, wall = line.rsplit("\t", 2)
+        units.setdefault(unit, [0.0, 0.0])
+        units[unit][0] += float(cpu)
+        units[unit][1] += float(wall)
+    os.unlink(path)
+    if not units:  # (one process, no workers: nothing counted)
+        return
+    total = sum(cpu for cpu, _ in units.values())
+    terminalreporter.write_sep("=", f"CPU seconds by unit: {total:,.0f} in all (the workers' cpuacct nodes)")
+    for unit, (cpu, wall) in sorted(units.items(), key=lambda u: -u[1][0])[:25]:
+        terminalreporter.write_line(f"{cpu:8.0f} s CPU {wall:8.0f} s wall  {unit}")
 
 
 def _remove_stale_runs() -> None:
@@ -195,6 +252,16 @@ def _remove_stale_runs() -> None:
 
 
 def pytest_unconfigure(config):
+    if _CPU_NODE:
+        lines = "".join(f"{unit}\t{cpu:.3f}\t{wall:.3f}\n" for unit, (cpu, wall) in _CPU_BY_UNIT.items())
+        with open(os.environ[CPU_FILE_ENV], "a") as f:  # (one write each: the workers' lines stay whole)
+            f.write(lines)
+        try:
+            (cgroups.MOUNT / "cpuacct" / "cgroup.procs").write_text(str(os.getpid()))
+            for empty in (_CPU_NODE[0], _CPU_NODE[0].parent, _CPU_NODE[0].parent.parent):
+                empty.rmdir()
+        except OSError:
+            pass
     for own, came_from in _WORKER_NODE:
         try:
             (cgroups.MOUNT / "cpu" / came_from.lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
