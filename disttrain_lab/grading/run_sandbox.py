@@ -9,7 +9,7 @@ see ``sandbox.command``); it imports nothing of the package (importing ``disttra
 would import torch, seconds per kernel start), and loads by path its siblings that import
 only the standard library: ``cgroups.py`` (the caps, cgroup v1 or v2), ``syscall_filter.py``
 (seccomp), ``kernel_env.py`` (the environment a kernel sees) and, under bubblewrap,
-``trees.py`` (removing the folder it staged).  As root::
+``run_bwrap.py`` (that way's wrapper) and ``trees.py`` (removing the folder it staged).  As root::
 
     wrapper (root)    creates the kernel's cgroup (caps), unshares mount, pid, IPC and network
     │                 namespaces, waits, kills what is left in the cgroup and removes it
@@ -32,8 +32,9 @@ Memory charged to the cgroup includes tmpfs pages, so ``/dev/shm`` counts; the
 namespace's tmpfs mounts vanish with it.
 
 Where the grader is not root but bubblewrap runs (user namespaces), the kernel runs under
-``bwrap`` instead (``sandbox.method() == "bwrap"``): the same private /tmp and /dev/shm (size-capped
-tmpfs), hidden grader files, a read-only root file system, new pid, IPC and network
+``bwrap`` instead (``sandbox.method() == "bwrap"``; ``run_bwrap.py``, a sibling this program
+hands it to): the same private /tmp and /dev/shm (size-capped tmpfs), hidden grader files, a
+read-only root file system, new pid, IPC and network
 namespaces, the same environment allowlist and syscall filter (``--seccomp``), killed with its
 wrapper, and the caps where an administrator delegated the cgroup base to the grader (the
 wrapper moves bwrap into the student's cgroup before it runs); the kernel's processes are the
@@ -55,9 +56,9 @@ import re
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x20000000, 0x08000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -87,13 +88,10 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
     )
 
 
-# bubblewrap's namespaces (sandbox.py tries them once: whether bwrap works on this host)
-BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent"]
-
-
 def _sibling(name: str):
     """A module beside this file that imports nothing but the standard library (cgroups.py,
-    syscall_filter.py, kernel_env.py, trees.py), loaded by its path: this program runs as a file, not in the package."""
+    syscall_filter.py, kernel_env.py, trees.py, run_bwrap.py), loaded by its path: this program runs as a file, not
+    in the package."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"disttrain_sandbox_{name}", Path(__file__).with_name(f"{name}.py"))
@@ -167,8 +165,17 @@ def main(argv: list[str]) -> None:
             sys.stderr.write(f"[disttrain-lab] sandbox: could not start the kernel: {exc!r}\n")
             os._exit(70)
     the_spec, cmd = json.loads(argv[0]), argv[2:]
-    if the_spec.get("method") == "bwrap":
-        _run_bwrap(the_spec, cmd)
+    if the_spec.get("method") == "bwrap":  # (it ends this process)
+        host = SimpleNamespace(
+            sibling=_sibling,
+            hosts_file=_hosts,
+            ipc_dir=_ipc_dir,
+            student_cgroup=_student_cgroup,
+            below=_below,
+            host_unix_sockets=host_unix_sockets,
+            private_mounts=PRIVATE_MOUNTS,
+        )
+        _sibling("run_bwrap").run(the_spec, cmd, host)
     cgroup = _student_cgroup(the_spec)
     sockets = host_unix_sockets()  # (read in the host's network namespace, before leaving it)
     go_r, go_w = os.pipe()
@@ -374,143 +381,6 @@ def _init(the_spec: dict, cmd: list[str], sockets: list[str]) -> None:
 
 # ----------------------------------------------------------------------------------------
 # without root: bubblewrap (a user namespace mapping the grader's uid to SPEC.uid)
-
-
-def _run_bwrap(the_spec: dict, cmd: list[str]) -> None:
-    """wrapper (the grader) -> bwrap -> kernel, in new user, pid, IPC and mount namespaces.
-    The submission folder, home and connection file are staged in the kernel's own folder
-    (``scratch``, else the grading's temp dir; hidden from the kernel) and bound in; the stage,
-    which the kernel writes into, is removed when the kernel ends (``trees.remove``)."""
-    import resource
-    import tempfile
-
-    size = str(the_spec["memory"] // 2)
-    stage = Path(tempfile.mkdtemp(prefix="sandbox-", dir=the_spec.get("scratch")))
-    ipc_dir, cgroup = None, None
-    try:
-        work, home, runtime = stage / "work", stage / "home", stage / "kernel"
-        shutil.copytree(".", work, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-        home.mkdir()
-        runtime.mkdir(mode=0o700)
-        (stage / "hosts").write_text(_hosts())
-        if "-f" in cmd:
-            conn_index = cmd.index("-f") + 1
-            conn = json.loads(Path(cmd[conn_index]).read_bytes())
-            ipc_dir = _ipc_dir(conn)
-            if ipc_dir:  # bound in below, where the kernel looks
-                conn["ip"] = "/tmp/.kernel/ipc/" + os.path.basename(conn["ip"])
-            (runtime / "kernel.json").write_text(json.dumps(conn))
-            cmd[conn_index] = "/tmp/.kernel/kernel.json"
-        keep = sorted({os.path.realpath(p) for p in the_spec["keep"] if os.path.isdir(p)})
-        args = [
-            shutil.which("bwrap") or "bwrap",
-            *BWRAP_NAMESPACES,
-            "--uid",
-            str(the_spec["uid"]),
-            "--gid",
-            str(the_spec["uid"]),
-            "--ro-bind",
-            "/",
-            "/",
-            "--dev",
-            "/dev",
-            "--proc",
-            "/proc",
-            *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else []),
-        ]
-        # the same order as the root sandbox: the private tmpfs, then the hidden folders by
-        # depth; after each, the kept folders below it are bound back read-only
-        private = [t for t, _, _ in PRIVATE_MOUNTS if not os.path.islink(t) and os.path.isdir(t)]
-        hidden = sorted(
-            {os.path.realpath(p) for p in the_spec["hide"]} - {"/", "/proc", *private}, key=lambda p: p.count(os.sep)
-        )
-        done: list[str] = []
-        bound: list[str] = []  # kept folders bound back so far
-        for target in private + hidden:
-            if any(target.startswith(d.rstrip(os.sep) + os.sep) for d in done) and not any(
-                target == k or target.startswith(k.rstrip(os.sep) + os.sep) for k in bound
-            ):
-                continue  # below a folder hidden already (and not bound back)
-            done.append(target)
-            below = [k for k in keep if k.startswith(target.rstrip(os.sep) + os.sep)]
-            bound += below
-            if target in private:
-                args += ["--size", size if target in ("/tmp", "/dev/shm") else str(16 * 2**20), "--tmpfs", target]
-            elif os.path.isdir(target):
-                args += ["--tmpfs", target]
-            elif os.path.exists(target):
-                args += ["--ro-bind", "/dev/null", target]
-            for kept in below:
-                args += ["--ro-bind", kept, kept]
-            if target not in private and os.path.isdir(target):
-                args += ["--remount-ro", target]
-        if "/run" in private:
-            args += ["--dir", "/run/lock"]
-        # a read-only bind does not stop connect(): the host's unix sockets are covered
-        for path in host_unix_sockets():
-            try:
-                if not _below(path, done) and stat.S_ISSOCK(os.lstat(path).st_mode):
-                    args += ["--ro-bind", "/dev/null", path]
-            except OSError:  # gone, or unreadable to the grader (and so to the kernel)
-                pass
-        args += [
-            "--bind",
-            str(work),
-            "/tmp/work",
-            "--bind",
-            str(home),
-            "/tmp/home",
-            "--bind",
-            str(runtime),
-            "/tmp/.kernel",
-            *(["--bind", ipc_dir, "/tmp/.kernel/ipc"] if ipc_dir else []),
-            "--chdir",
-            "/tmp/work",
-            "--",
-            *cmd,
-        ]
-        env = _sibling("kernel_env").kernel_env(os.environ, home="/tmp/home", runtime="/tmp/.kernel", keep=keep)
-        limit = the_spec["data_limit"]
-        cgroup = _student_cgroup(the_spec)  # (a base an administrator delegated to the grader)
-
-        def in_child() -> None:
-            if limit:
-                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-            if cgroup is not None:  # bwrap and all below it: capped before anything runs
-                cgroup.add(os.getpid())
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the kernel (its group gets it)
-        # bwrap stays pid 1 of the sandbox: its options (the hidden host paths) go in a memfd
-        # (--args), so that the kernel's /proc/1/cmdline names none of them; the command
-        # after "--" stays (bwrap takes it only there; its paths are the sandbox's own)
-        options, command = args[1 : args.index("--")], args[args.index("--") :]
-        fds = [os.memfd_create("disttrain-sandbox-args", 0)]
-        if the_spec.get("syscall_filter"):  # bwrap loads it last, just before the kernel runs
-            fds.append(os.memfd_create("disttrain-sandbox-seccomp", 0))
-            os.write(fds[1], _sibling("syscall_filter").bpf())
-            os.lseek(fds[1], 0, os.SEEK_SET)
-            options += ["--seccomp", str(fds[1])]
-        os.write(fds[0], b"".join(a.encode() + b"\0" for a in options))
-        os.lseek(fds[0], 0, os.SEEK_SET)
-        try:
-            proc = subprocess.Popen(
-                [args[0], "--args", str(fds[0]), *command], env=env, preexec_fn=in_child, pass_fds=fds
-            )
-        finally:
-            for fd in fds:
-                os.close(fd)
-        signal.signal(signal.SIGTERM, lambda *_: proc.kill())
-        code = proc.wait()
-    finally:
-        try:
-            if cgroup is not None:
-                cgroup.destroy()
-        finally:  # (the socket folder is the grader's to remove, with the kernel's own folder)
-            trees = _sibling("trees")
-            left = trees.said(stage, trees.remove(stage))
-            if left:
-                sys.stderr.write(left + "\n")
-    os._exit(code & 0xFF if code >= 0 else 1)
 
 
 if __name__ == "__main__":

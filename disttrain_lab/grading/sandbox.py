@@ -25,7 +25,7 @@ import sys
 from . import cgroups, reaper, run_sandbox, syscall_filter
 from .cgroups import Cgroup
 from .kernel_env import kernel_env
-from .run_sandbox import BWRAP_NAMESPACES
+from .run_bwrap import BWRAP_NAMESPACES
 
 __all__ = [
     "BWRAP_CAVEAT",

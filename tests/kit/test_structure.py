@@ -221,17 +221,20 @@ def test_the_sandbox_runs_as_a_file_without_the_package():
     # package, and nor do the siblings it loads by their paths (run_sandbox._sibling); container
     # mode's wrapper likewise (run_container._sibling)
     siblings = {
-        "run_sandbox": {"cgroups", "syscall_filter", "kernel_env", "trees"},
+        "run_sandbox": {"cgroups", "syscall_filter", "kernel_env", "run_bwrap"},
+        "run_bwrap": {"syscall_filter", "kernel_env", "trees"},  # (through run_sandbox's loader, handed to it)
         "run_container": {"syscall_filter", "kernel_env", "trees"},
     }
     for program, expected in siblings.items():
-        by_path = re.findall(r'_sibling\("(\w+)"\)', (PACKAGE / "grading" / f"{program}.py").read_text())
+        text = (PACKAGE / "grading" / f"{program}.py").read_text()
+        by_path = re.findall(r'(?:_sibling|host\.sibling)\("(\w+)"\)', text)
         assert set(by_path) == expected, program
         for module in (program, *by_path):
             assert GRAPH[f"disttrain_lab.grading.{module}"] == set(), module
     # the grader's side: the program, its two siblings, and the reaper of the grader's own processes
     grading = {
-        f"disttrain_lab.grading.{m}" for m in ("run_sandbox", "kernel_env", "cgroups", "syscall_filter", "reaper")
+        f"disttrain_lab.grading.{m}"
+        for m in ("run_sandbox", "run_bwrap", "kernel_env", "cgroups", "syscall_filter", "reaper")
     }
     assert GRAPH["disttrain_lab.grading.sandbox"] == grading
 
