@@ -15,8 +15,8 @@ line at a time on stdout, and waits for one line on stdin after a reading:
   (the ``WAKE_SIGNAL`` that ``osmemory.pause`` waits for: a caller that stops the watch once the ranks
   have run on has read the line), else ``{"kept": false}``; and it waits for the next pause (a driver
   may pause the ranks more than once);
-- ``{"ended": pid}`` once a process has ended (the run is over), ``{"error": why}`` where one cannot be
-  read; and it exits.
+- ``{"ended": pid}`` once a process has ended (the run is over; a zombie not reaped yet too), ``{"error": why}``
+  where one cannot be read; and it exits.
 """
 
 from __future__ import annotations
@@ -102,6 +102,19 @@ def receiving_on(pid: int) -> int | None:
     return int(inode) if inode.isdigit() else None
 
 
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie its parent has not reaped yet (whose files in
+    /proc, ``syscall`` among them, are root's: reading one as its uid is refused, which is no error of the watch)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read(1 << 12).rpartition(b")")[2].split()[:1]
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return state in ([b"Z"], [b"X"])
+
+
 def paused(pid: int) -> bool:
     """Whether process ``pid`` is blocked in ``clock_nanosleep`` (``time.sleep``) now."""
     return pause_of(pid) is not None
@@ -135,7 +148,7 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
             while any(pause_of(p) == was for p, was in zip(pids, pauses)):
                 time.sleep(POLL_S)  # (each has left this pause: none read twice in it)
     except (OSError, ValueError) as exc:
-        gone = [p for p in pids if not os.path.exists(f"/proc/{p}")]
+        gone = [p for p in pids if ended(p)]
         if gone:
             say(ended=gone[0])
         else:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -120,3 +121,23 @@ def test_where_nobody_can_watch_nothing_pauses_and_nothing_is_read(monkeypatch):
     assert osmemory.pause(30) == 0.0 and time.monotonic() - started < 1
     held = osmemory.Watch([1]).start().stop()
     assert held.bytes is None and "no pause can be seen nor memory read" in held.why
+
+
+def test_a_zombie_has_ended_and_a_living_process_has_not():
+    """A rank woken from its last pause may exit before the watch is stopped; until its parent reaps it, it is a
+    zombie whose /proc files are root's, so the watch, run as the student's uid, is refused its ``syscall``: that
+    is the run's end (``{"ended": pid}``), not an error that voids the readings made (seen once in a container,
+    beside two CPU-bound processes)."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while not pauses.ended(child) and time.monotonic() < deadline:  # (a zombie once it has exited)
+            time.sleep(0.01)
+        assert pauses.ended(child)
+        assert os.path.exists(f"/proc/{child}")  # (not reaped: still there)
+        assert not pauses.ended(os.getpid())
+    finally:
+        os.waitpid(child, 0)
+    assert pauses.ended(child)  # (reaped: gone)
