@@ -251,20 +251,31 @@ def _remove_stale_runs() -> None:
                 pass
 
 
+def _move_all(node: Path, to: Path) -> None:
+    """The worker and what it still runs (a warm pool's ranks, ended at its exit) out of ``node``, so that the
+    node is empty and goes; each process moved by itself (the worker first: raises where it cannot be)."""
+    (to / "cgroup.procs").write_text(str(os.getpid()))
+    for pid in (node / "cgroup.procs").read_text().split():
+        try:
+            (to / "cgroup.procs").write_text(pid)
+        except OSError:  # (ended since)
+            pass
+
+
 def pytest_unconfigure(config):
     if _CPU_NODE:
         lines = "".join(f"{unit}\t{cpu:.3f}\t{wall:.3f}\n" for unit, (cpu, wall) in _CPU_BY_UNIT.items())
         with open(os.environ[CPU_FILE_ENV], "a") as f:  # (one write each: the workers' lines stay whole)
             f.write(lines)
         try:
-            (cgroups.MOUNT / "cpuacct" / "cgroup.procs").write_text(str(os.getpid()))
+            _move_all(_CPU_NODE[0], cgroups.MOUNT / "cpuacct")
             for empty in (_CPU_NODE[0], _CPU_NODE[0].parent, _CPU_NODE[0].parent.parent):
                 empty.rmdir()
         except OSError:
             pass
     for own, came_from in _WORKER_NODE:
         try:
-            (cgroups.MOUNT / "cpu" / came_from.lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
+            _move_all(own, cgroups.MOUNT / "cpu" / came_from.lstrip("/"))
         except OSError:
             continue
         grading = cgroups.Cgroup(os.environ[cgroups.BASE_ENV])  # (its nodes in every hierarchy)
