@@ -27,6 +27,8 @@ from pathlib import Path
 
 # bubblewrap's namespaces (sandbox.py tries them once: whether bwrap works on this host)
 BWRAP_NAMESPACES = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--die-with-parent"]
+# the host's file system read-only, a fresh /dev and /proc: what every sandbox (and sandbox.py's try) starts from
+BWRAP_ROOT = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
 
 
 def run(the_spec: dict, cmd: list[str], host) -> None:
@@ -60,13 +62,7 @@ def run(the_spec: dict, cmd: list[str], host) -> None:
             str(the_spec["uid"]),
             "--gid",
             str(the_spec["uid"]),
-            "--ro-bind",
-            "/",
-            "/",
-            "--dev",
-            "/dev",
-            "--proc",
-            "/proc",
+            *BWRAP_ROOT,
             *(["--ro-bind", str(stage / "hosts"), "/etc/hosts"] if os.path.isfile("/etc/hosts") else []),
         ]
         # the same order as the root sandbox: the private tmpfs, then the hidden folders by

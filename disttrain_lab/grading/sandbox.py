@@ -25,7 +25,7 @@ import sys
 from . import cgroups, reaper, run_sandbox, syscall_filter
 from .cgroups import Cgroup
 from .kernel_env import kernel_env
-from .run_bwrap import BWRAP_NAMESPACES
+from .run_bwrap import BWRAP_NAMESPACES, BWRAP_ROOT
 
 __all__ = [
     "BWRAP_CAVEAT",
@@ -174,13 +174,7 @@ def _bwrap_problem() -> str | None:
             [
                 exe,
                 *BWRAP_NAMESPACES,
-                "--ro-bind",
-                "/",
-                "/",
-                "--dev",
-                "/dev",
-                "--proc",
-                "/proc",
+                *BWRAP_ROOT,
                 "--tmpfs",
                 "/tmp",
                 "true",

@@ -378,7 +378,7 @@ def test_bubblewrap_loads_the_program_and_refuses_the_same_calls():
         os.lseek(fd, 0, os.SEEK_SET)
         # the namespaces of the sandbox's bwrap back-end (user, pid, IPC, network): bwrap makes
         # them before it loads the program, which then holds for the command alone
-        wrapper = ["bwrap", *run_bwrap.BWRAP_NAMESPACES, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        wrapper = ["bwrap", *run_bwrap.BWRAP_NAMESPACES, *run_bwrap.BWRAP_ROOT]
         wrapper += ["--tmpfs", "/tmp"]
         # the interpreter and this checkout may lie below /tmp (CI's clone): bound back, as the sandbox does
         for kept in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, PATH.rsplit("/", 3)[0])}):

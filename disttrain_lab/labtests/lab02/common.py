@@ -83,8 +83,14 @@ def _check_all_reduce(
         if not contiguous and common.rank_raised(e, "ValueError", "contiguous"):
             return case, None  # the student's own clear error is accepted
         raise
-    expected = torch.stack(data).sum(dim=0).to(dtype)  # the reference, in one process
-    for rank in range(n):
+    check_summed_in_place(run, torch.stack(data).sum(dim=0).to(dtype), case, name)
+    return case, run
+
+
+def check_summed_in_place(run: ExerciseRun, expected: torch.Tensor, case: str, name: str) -> None:
+    """Every rank's x after the call and the tensor it returned are ``expected`` (the sum, computed in one process:
+    an all-reduce works in place), and the ranks talked by send/recv alone."""
+    for rank in range(run.world_size):
         checks.assert_close(
             run.inputs_after[rank][0],
             expected,
@@ -92,7 +98,6 @@ def _check_all_reduce(
         )
         checks.assert_close(run.results[rank], expected, what=f"{case}: the tensor rank {rank} returned")
     checks.assert_point_to_point(run, name)
-    return case, run
 
 
 def _run_held(name: str, n: int, inputs: list[tuple], case: str, hint: str, rounds: int) -> ExerciseRun:

@@ -308,14 +308,14 @@ def _check_zero(
 
 def _check_wire_kinds(run: ExerciseRun, case: str, stage: int) -> None:
     """Under grading, the kinds of the ranks' collectives, read from the slots of gloo's messages on the wire
-    (``carried.kind``): no all-reduce, and something else that carries the gradients (the helpers' all-to-all)
-    and the parameters (their broadcasts, or an all-gather).  gloo's own reduce-scatter clones its input,
-    all-reduces all of it and keeps the rank's chunk: on the wire it is an all-reduce (its slot's kind, twice a
-    reduce-scatter's bytes), which no capture can tell from one, so it fails here as one would (section 4: use
-    the helpers)."""
-    sent = carried.sends(run, case)
-    kinds = {rank: {carried.kind(slot) for src, _, slot, _ in sent if src == rank} for rank in range(run.world_size)}
-    for rank, seen in kinds.items():
+    (``carried.calls_made``): no all-reduce, an all-gather of the parameters (the helpers' broadcasts, or an
+    all-gather) and something else that carries the gradients (the helpers' all-to-all).  gloo's own
+    reduce-scatter clones its input, all-reduces all of it and keeps the rank's chunk: on the wire it is an
+    all-reduce (its slot's kind, twice a reduce-scatter's bytes), which no capture can tell from one, so it fails
+    here as one would (section 4: use the helpers)."""
+    made = carried.calls_made(run, case)
+    for rank in range(run.world_size):
+        seen = {kind for kind, senders in made.items() if rank in senders}
         assert "all_reduce" not in seen, (
             f"{case}: rank {rank} sent an all-reduce's messages on the wire (the grader's capture: the kinds of its "
             f"calls were {sorted(seen)}); ZeRO-{stage} reduce-scatters the gradients (each rank needs only its "
@@ -323,9 +323,10 @@ def _check_wire_kinds(run: ExerciseRun, case: str, stage: int) -> None:
             "(dist.reduce_scatter_single) all-reduces the whole input and keeps the rank's chunk, so on the wire it "
             "is an all-reduce too: use the helpers"
         )
-        assert seen - {"barrier"}, (
-            f"{case}: rank {rank} sent no collective's messages on the wire (the grader's capture); ZeRO-{stage} "
-            "reduce-scatters the gradients and all-gathers the parameters"
+        gathers = seen & {"broadcast", "all_gather"}  # (the helpers' all-gather is N broadcasts on the CPU)
+        assert gathers and seen - gathers - {"barrier"}, (
+            f"{case}: rank {rank} should reduce-scatter the gradients and all-gather the parameters (section 4's "
+            f"reduce_scatter and all_gather); on the wire (the grader's capture) it sent messages of {sorted(seen)}"
         )
 
 
