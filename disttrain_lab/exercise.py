@@ -35,7 +35,7 @@ from .network import Network
 from .protocol import Driver, Evidence, Record, Request
 from .trace import Run
 
-__all__ = ["ExerciseRun", "ExerciseError", "ExerciseTimeout", "Runner", "run", "use_runner"]
+__all__ = ["ExerciseRun", "ExerciseError", "ExerciseTimeout", "Runner", "graded", "run", "use_runner"]
 
 
 class ExerciseError(AssertionError):
@@ -150,6 +150,12 @@ def _run_here(request: Request, gate: Sequence | None = None) -> tuple[Record, E
 
 
 _RUNNER: Runner = _run_here
+
+
+def graded() -> bool:
+    """Whether ``run`` hands its requests to a grader (``use_runner``) rather than this kernel's own ranks: a check
+    then grades on what the grader observes alone, and the ranks' own counts are the student's self-check."""
+    return _RUNNER is not _run_here
 
 
 def use_runner(runner: Runner | None) -> None:

@@ -35,6 +35,11 @@ The rank's main thread waits for each answer itself: the grader checks from ``/p
 says it is held, its main thread is blocked reading its gate connection (a thread that said "held" for
 it while the rank's own work went on elsewhere is not the rank held: the gate is then unobserved).
 
+A hold can also be a moment to read a rank's memory from the OS (lab 9: ``labtests/lab09/kept.py``): the
+grader asked to (``Request.memory``) reads each held rank's private memory while its main thread waits there
+(``Seen.memory_at``), and a rank may first tell it values it recomputes (``Gate.say``, a loss: ``Seen.said``), so
+that what made them had run before the reading; ``Gate.hold()`` holds a rank outside any backward.
+
 :class:`Seen` is what the grader observed, its evidence (``protocol.Evidence.gate``).
 """
 
@@ -54,7 +59,9 @@ __all__ = ["PORT", "Gate", "Seen", "connect"]
 PORT: list[int | None] = [None]  # the grader's gate in this run (set in each rank by serving._call), or None
 WAIT_S = 120.0  # a rank waits at most this long for the grader's answer (the run's own timeout ends it sooner)
 MAX_ELEMENTS = 1 << 20  # the most a gate's answer may hold (4 MiB of float32)
-HELLO, START, HOLD = b"H", b"S", b"B"  # a rank's three messages: who it is, at the step's start, held in backward
+HELLO, START, HOLD = b"H", b"S", b"B"  # a rank's messages: who it is, at the step's start, held in backward,
+VALUE = b"V"  # and a value for the grader to check before its next hold (a float32: evidence of what ran before it)
+MAX_VALUES = 16  # the most values a rank may say before one hold
 GO = b"g"  # the grader's answer at the step's start
 
 
@@ -125,11 +132,23 @@ class Gate:
 
         return module.register_forward_pre_hook(hold)
 
+    def say(self, *values: float) -> None:
+        """Tell the grader ``values`` (float32 each) before the next hold: numbers it recomputes itself (a loss),
+        so that what made them had run by the time it holds the rank (lab 9 reads the rank's memory there)."""
+        self.sock.sendall(b"".join(VALUE + struct.pack("<f", float(v)) for v in values))
+
+    def hold(self) -> None:
+        """Ask the grader to go on, here (outside a backward), and wait for its answer (one value, unused: an answer
+        of no bytes would not make the rank wait)."""
+        self.wait(torch.Size([1]))
+
     def wait(self, shape: torch.Size) -> torch.Tensor:
         """Ask the grader to go on; its answer, a float32 tensor of ``shape``."""
         numel = shape.numel()
         self.sock.sendall(HOLD + struct.pack("<I", numel))
         data = _exactly(self.sock, 4 * numel)
+        if not numel:  # (nothing to read: an empty answer)
+            return torch.zeros(shape)
         return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
 
     def close(self) -> None:
@@ -156,6 +175,11 @@ class Seen:
     marks: tuple[float, ...] = ()
     held: tuple[tuple[int, ...], ...] = ()  # each hold's ranks held when the grader answered (as each said who)
     cuts: tuple[float | None, ...] = ()  # each hold's first answer on the capture
+    # each hold's values, per rank: what the rank said (``Gate.say``) since its previous hold, before this one
+    values: tuple[tuple[tuple[float, ...], ...], ...] = ()
+    # each hold's private memory of each rank, read from the OS while its main thread waited at the gate (None: not
+    # read, or that rank not held then); empty where the grader was not asked to read memory
+    memory: tuple[tuple[int | None, ...], ...] = ()
 
     @classmethod
     def unobserved(cls, why: str) -> Seen:
@@ -193,6 +217,28 @@ class Seen:
                 "grades what crossed meanwhile fails rather than take the ranks' own clocks"
             )
         return start, cut
+
+    def memory_at(self, hold: int, rank: int = 0) -> int:
+        """Rank ``rank``'s private memory, in bytes, as the OS counted it while the grader held it at its
+        ``hold``-th hold (``/proc/<pid>/smaps_rollup``, its main thread blocked reading the gate before and after
+        the reading, the same wait); ``Unobserved`` where it was not read."""
+        read = self.memory[hold][rank] if self.source == "wire" and hold < len(self.memory) else None
+        if read is None:
+            raise Unobserved(
+                f"the grader could not read rank {rank}'s memory while it held it at its gate "
+                f"({self.why or 'no reading at that hold'}), so a test that grades it fails rather than take the "
+                "rank's own account"
+            )
+        return read
+
+    def said(self, hold: int, rank: int = 0) -> tuple[float, ...]:
+        """What rank ``rank`` said (``Gate.say``) before the grader's ``hold``-th hold, after the one before."""
+        if self.source != "wire" or hold >= len(self.values):
+            raise Unobserved(
+                f"the grader could not see what rank {rank} said at its gate ({self.why or 'no such hold'}), so a "
+                "test that grades it fails rather than take the rank's own account"
+            )
+        return self.values[hold][rank] if rank < len(self.values[hold]) else ()
 
     def ranks_held(self, hold: int = 0) -> tuple[int, ...]:
         """The ranks held at the gate when the grader answered its ``hold``-th hold (see ``held``; none where

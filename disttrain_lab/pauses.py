@@ -1,7 +1,8 @@
 """Whether a process is paused in ``time.sleep``, and the private memory it holds, read from ``/proc``;
 and the watch that reads every rank once all pause (``osmemory.Watch`` runs it).  Also which socket a
 process's main thread is blocked reading (``receiving_on``): the grader's gate reads it to know that a rank
-that says it waits at the gate is waiting there itself (``grading/gatekeeper.py``).
+that says it waits at the gate is waiting there itself (``grading/gatekeeper.py``), and the memory it holds
+while it waits there (``memory_while_receiving``: lab 9 is read at the gate).
 
 Run as a file, ``python -I pauses.py PID ...``, by ``osmemory.Watch``: as the student's uid where the
 grader may not read another uid's ``/proc/<pid>/smaps_rollup`` (a root without CAP_SYS_PTRACE, in a
@@ -34,6 +35,7 @@ __all__ = [
     "WAKE_SIGNAL",
     "pause_of",
     "paused",
+    "memory_while_receiving",
     "private_bytes",
     "receiving_on",
     "watch",
@@ -77,6 +79,11 @@ def pause_of(pid: int) -> int | None:
         first = f.read(64).split(b" ", 1)[0]
     if not (first.isdigit() and int(first) == PAUSE_SYSCALL):
         return None
+    return _switches(pid)
+
+
+def _switches(pid: int) -> int:
+    """Process ``pid``'s main thread's count of voluntary context switches (one blocking wait does not change it)."""
     with open(f"/proc/{pid}/status", "rb") as f:
         for line in f.read(1 << 14).splitlines():
             if line.startswith(b"voluntary_ctxt_switches:"):
@@ -100,6 +107,18 @@ def receiving_on(pid: int) -> int | None:
         return None
     inode = link[len("socket:[") : -1] if link.startswith("socket:[") and link.endswith("]") else ""
     return int(inode) if inode.isdigit() else None
+
+
+def memory_while_receiving(pid: int) -> tuple[int, int] | None:
+    """(the inode of the socket process ``pid``'s main thread is blocked reading, its private memory): the memory
+    read while that thread waited there, the same wait before and after the reading (the socket and its count of
+    voluntary context switches unchanged); None where it was not waiting so throughout."""
+    inode = receiving_on(pid)
+    if inode is None:
+        return None
+    switches = _switches(pid)
+    held = private_bytes(pid)
+    return (inode, held) if receiving_on(pid) == inode and _switches(pid) == switches else None
 
 
 def ended(pid: int) -> bool:
@@ -158,5 +177,7 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--receiving"]:  # `python -I pauses.py --receiving PID ...`: receiving_on each, as JSON
         print(json.dumps({p: receiving_on(int(p)) for p in sys.argv[2:]}))
+    elif sys.argv[1:2] == ["--memory"]:  # `python -I pauses.py --memory PID ...`: memory_while_receiving each
+        print(json.dumps({p: memory_while_receiving(int(p)) for p in sys.argv[2:]}))
     else:  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)
         watch([int(p) for p in sys.argv[1:]])

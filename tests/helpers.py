@@ -163,8 +163,10 @@ def observed_from_outside():
             last = attempt == CAPTURE_ATTEMPTS - 1
             keeper = None
             if gate is not None:  # the grader's gate in the ranks' backward, on ranks started before it opens
-                answer = serving.prepare({"world_size": request.world_size, "device": request.device})
-                keeper = gatekeeper.for_ranks(None, gate, answer["pids"], None, request.timeout)
+                answer = serving.prepare(
+                    {"world_size": request.world_size, "device": request.device, "fresh": request.memory}
+                )
+                keeper = gatekeeper.for_ranks(None, gate, answer["pids"], None, request.timeout, memory=request.memory)
                 request = request.replace(gate=keeper.start())
             before = wire.snapshot()
             try:

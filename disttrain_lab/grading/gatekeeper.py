@@ -50,7 +50,7 @@ from collections.abc import Callable
 import torch
 
 from disttrain_lab import pauses, wire
-from disttrain_lab.gate import GO, HELLO, HOLD, MAX_ELEMENTS, START, Seen
+from disttrain_lab.gate import GO, HELLO, HOLD, MAX_ELEMENTS, MAX_VALUES, START, VALUE, Seen
 
 __all__ = ["Gatekeeper", "for_ranks", "receiving"]
 
@@ -60,7 +60,7 @@ POLL_S = 0.02  # between two reads of the OS's counts while holding
 QUIET_S = 0.005  # ranks all held, answers all None: what they sent must not grow over this long
 MIN_SENT = 48 + 4 * 4  # each rank has sent at least one message of 4 floats, with gloo's preamble
 HELD_WAIT = 10.0  # answers all None: how long after the first rank is held the others may take to be held
-_MESSAGE = {HELLO: 4, START: 0, HOLD: 4}  # each message's bytes after its first
+_MESSAGE = {HELLO: 4, START: 0, HOLD: 4, VALUE: 4}  # each message's bytes after its first
 
 
 def _listening(netns_pid: int | None) -> socket.socket:
@@ -109,9 +109,10 @@ class Gatekeeper:
         timeout: float,
         busy: Callable[[], bool] = lambda: False,
         holding: Callable[[list[tuple[str, str]]], str] = lambda connections: "",
+        memory: Callable[[list[tuple[str, str]]], list[int | None]] | None = None,
     ):
         self.netns_pid, self.sent, self.baseline = netns_pid, sent, baseline
-        self.busy, self.holding = busy, holding
+        self.busy, self.holding, self.memory = busy, holding, memory
         rounds = answers if answers and isinstance(answers[0], (list, tuple)) else [answers]
         self.rounds_of_answers: list[list] = [list(r) for r in rounds]  # each hold round's answers, per rank
         self.world_size, self.timeout = len(self.rounds_of_answers[0]), timeout
@@ -124,6 +125,8 @@ class Gatekeeper:
         # each hold round's kind: answers to compute with, once the ranks' bytes settled (else zeros, at once)
         self.settles = [any(a is not None for a in r) for r in self.rounds_of_answers]
         self.held_ranks: list[tuple[int, ...]] = []  # each round's ranks held when answered (as they said who)
+        self.said: list[dict[int, tuple[float, ...]]] = []  # each hold round's values, by rank (Gate.say)
+        self.memory_by_round: list[tuple[int | None, ...]] = []  # each hold round's memory, by rank (``memory``)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -193,13 +196,15 @@ class Gatekeeper:
             marks=tuple(shift(t) for t in firsts),
             held=tuple(self.held_ranks),
             cuts=tuple(shift(t) for t in cuts),
+            values=tuple(tuple(said.get(r, ()) for r in range(self.world_size)) for said in self.said),
+            memory=tuple(self.memory_by_round),
         )
 
     # ----------------------------------------------------------------------------------
     def _serve(self) -> None:
         try:
             self._run()
-        except (OSError, ValueError, TimeoutError) as exc:
+        except (OSError, ValueError, TimeoutError, RuntimeError) as exc:  # (RuntimeError: a rank's /proc gone)
             self.why = f"the gate's protocol failed: {type(exc).__name__}: {exc}"[:300]
 
     def _run(self) -> None:
@@ -214,6 +219,7 @@ class Gatekeeper:
         sent: dict[socket.socket, list[tuple[bytes, int]]] = {}
         base, first_held = None, None
         holds_of: dict[socket.socket, int] = {}  # how many times each rank has been held
+        values: dict[socket.socket, list[float]] = {}  # what each rank said since its last hold
         while not self._stop.is_set():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run was still at the gate after {self.timeout:g} s")
@@ -241,9 +247,17 @@ class Gatekeeper:
                         rank_of[sock] = value
                     elif kind == START:
                         started.add(sock)
+                    elif kind == VALUE:
+                        values.setdefault(sock, []).append(value)
+                        if len(values[sock]) > MAX_VALUES:
+                            raise ValueError(f"a rank said more than {MAX_VALUES} values before one hold")
                     else:
                         r = holds_of.get(sock, 0)  # (a rank's k-th hold is round k's)
                         holds_of[sock] = r + 1
+                        while len(self.said) <= r:
+                            self.said.append({})
+                        if sock in rank_of:
+                            self.said[r][rank_of[sock]] = tuple(values.pop(sock, ()))
                         if r >= len(self.settles) or r > self._round or (r < self._round and self.settles[r]):
                             raise ValueError(f"a rank asked the gate to hold it a {r + 1}th time, out of turn")
                         if r < self._round:  # (late, where the grader answered the others without it: at once)
@@ -267,8 +281,12 @@ class Gatekeeper:
                 why = self._not_held(list(held))
                 if why and self.why is None:  # (answered all the same: the run ends, the test reading the gate fails)
                     self.why = why
-                if settles:
-                    self.settled = self._hold(base, MIN_SENT)
+                if self.memory is not None:  # each held rank's memory, while it waits here (None: not read)
+                    ends = [(_address(s.getsockname()), _address(s.getpeername())) for s in held]
+                    by_rank = dict(zip((rank_of.get(s) for s in held), self.memory(ends))) if not why else {}
+                    self.memory_by_round.append(tuple(by_rank.get(r) for r in range(self.world_size)))
+                if settles:  # (one rank alone sends no one anything: its count settles at 0)
+                    self.settled = self._hold(base, MIN_SENT if self.world_size > 1 else 0)
                 elif not apart:  # (what the ranks already sent each other crosses before the answers)
                     self._quiet()
                 for sock, numel in held.items():
@@ -294,7 +312,7 @@ class Gatekeeper:
             size = 1 + _MESSAGE[kind]
             if len(buffer) < size:
                 return
-            value = struct.unpack("<I", buffer[1:size])[0] if size > 1 else 0
+            value = struct.unpack("<f" if kind == VALUE else "<I", buffer[1:size])[0] if size > 1 else 0
             del buffer[:size]
             yield kind, value
 
@@ -348,11 +366,17 @@ class Gatekeeper:
 
 
 def for_ranks(
-    netns_pid: int | None, answers: list[torch.Tensor], pids: list[int], user: int | None, timeout: float
+    netns_pid: int | None,
+    answers: list[torch.Tensor],
+    pids: list[int],
+    user: int | None,
+    timeout: float,
+    memory: bool = False,
 ) -> Gatekeeper:
     """A gatekeeper for a run on the processes ``pids`` (rank r is ``pids[r]``, the host's ids) in the
     network namespace of ``netns_pid``, counting what they send each other as ``wire.snapshot`` reads it
-    (as ``user``, where only that uid may see which process owns a socket)."""
+    (as ``user``, where only that uid may see which process owns a socket).  ``memory``: at each hold, each
+    held rank's private memory read while its main thread waits reading its gate connection (``Seen.memory``)."""
     owner: dict[int, int] = {}
 
     def baseline():
@@ -386,26 +410,54 @@ def for_ranks(
                 )
         return ""
 
+    def memory_of(connections: list[tuple[str, str]]) -> list[int | None]:
+        """Each connection's rank's private memory, read while its main thread waited reading that gate
+        connection (``holding`` found its rank end just before), else None."""
+        read = []
+        for _, rank_end in connections:
+            inode, pid = ends.get(rank_end, (None, None))
+            try:
+                got = _read_as(user, "memory_while_receiving", "--memory", pid) if pid is not None else None
+            except (OSError, ValueError, subprocess.SubprocessError):  # (gone, or unreadable: not read)
+                got = None
+            read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
+        return read
+
     return Gatekeeper(
-        netns_pid, answers, sent, baseline, timeout, busy=lambda: any(map(_runnable, pids)), holding=holding
+        netns_pid,
+        answers,
+        sent,
+        baseline,
+        timeout,
+        busy=lambda: any(map(_runnable, pids)),
+        holding=holding,
+        memory=memory_of if memory else None,
     )
 
 
 def receiving(pid: int, user: int | None) -> int | None:
     """``pauses.receiving_on(pid)``, read as ``user`` where this process may not read another uid's
     ``/proc/<pid>/syscall`` (a root without CAP_SYS_PTRACE, in a container)."""
+    found = _read_as(user, "receiving_on", "--receiving", pid)
+    return found if isinstance(found, int) else None
+
+
+def _read_as(user: int | None, function: str, flag: str, pid: int):
+    """``pauses.<function>(pid)``, or, where this process may not read another uid's ``/proc/<pid>`` (a root
+    without CAP_SYS_PTRACE, in a container), ``pauses.py <flag> pid`` run as ``user``: its JSON (None where it
+    failed)."""
     try:
-        return pauses.receiving_on(pid)
+        return getattr(pauses, function)(pid)
     except PermissionError:
         if user is None:
             raise
     done = subprocess.run(
-        wire.as_user(user, [sys.executable, "-I", pauses.__file__, "--receiving", str(pid)]),
-        capture_output=True,
-        timeout=10,
+        wire.as_user(user, [sys.executable, "-I", pauses.__file__, flag, str(pid)]), capture_output=True, timeout=10
     )
-    found = json.loads(done.stdout or b"{}").get(str(pid)) if done.returncode == 0 else None
-    return found if isinstance(found, int) else None
+    try:
+        return json.loads(done.stdout or b"{}").get(str(pid)) if done.returncode == 0 else None
+    except ValueError:
+        return None
 
 
 def _first_bytes(segments: list[tuple[float, int]], sizes: list[int]) -> list[float] | None:

@@ -300,7 +300,7 @@ class RemoteRunner:
             try:
                 if ranks is None or len(ranks) != world_size:
                     raise RuntimeError("the ranks the student's kernel started for the run could not be found")
-                keeper = gatekeeper.for_ranks(inside, gate, ranks, user, request.timeout)
+                keeper = gatekeeper.for_ranks(inside, gate, ranks, user, request.timeout, memory=request.memory)
                 request = request.replace(gate=keeper.start())
             except (RuntimeError, OSError) as exc:
                 keeper, not_gated = None, f"the grader's gate could not be opened: {exc}"[:300]

@@ -509,6 +509,10 @@ try:
             found[f"as {user}"] = gatekeeper.receiving(pid, user)
         except PermissionError:
             found[f"as {user}"] = "refused"
+        try:
+            found[f"memory as {user}"] = gatekeeper._read_as(user, "memory_while_receiving", "--memory", pid)
+        except PermissionError:
+            found[f"memory as {user}"] = "refused"
 finally:
     student.kill()
 print(json.dumps(found))
@@ -522,12 +526,20 @@ def test_the_gate_sees_a_held_rank_wait_as_that_uid_in_a_container():
     """#42: the gatekeeper's check that a held rank's main thread waits on its gate connection reads
     /proc/<pid>/syscall and /proc/<pid>/fd, which root without CAP_SYS_PTRACE may not read for another uid; read
     as that uid (pauses.py --receiving, setpriv's effective ids) it sees the wait, so an honest rank in
-    Gradescope's container is held, not unobserved."""
+    Gradescope's container is held, not unobserved; and its private memory while it waits (lab 9), likewise."""
     uid = run_container.UID_FIRST + 12347
     done = in_container([sys.executable, "-c", PROBE_GATE, str(uid), STUDENT_AT_THE_GATE], dict(os.environ))
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found == {"inode": found["inode"], "as None": "refused", f"as {uid}": found["inode"]}, found
+    memory = found.pop(f"memory as {uid}")
+    assert found == {
+        "inode": found["inode"],
+        "as None": "refused",
+        f"as {uid}": found["inode"],
+        "memory as None": "refused",
+    }, found
+    # ... and lab 9's reading of its memory while it waits there (pauses.py --memory): the same socket, some bytes
+    assert memory[0] == found["inode"] and memory[1] > 0, memory
 
 
 def test_a_failed_predictions_expected_value_is_withheld_until_the_due_date(tmp_path, monkeypatch):

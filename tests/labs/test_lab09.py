@@ -475,3 +475,54 @@ def test_memory_cells_measure_on_cuda():
         assert abs(int(kept) - int(kit)) <= 0.05 * int(kit), printed
     # what the device measured, for the report of a GPU run (pytest -rA shows it)
     print(f"state {allocated} B/param; {forward};", *printed.splitlines()[-12:], sep="\n")
+
+
+# What recomputation keeps for backward is graded on the rank's memory as the OS counts it (#42;
+# labtests/lab09/kept.py), read by the grader at its gate, not on the rank's count of saved tensors (which the
+# checks above read in the student's own kernel only).  Each forged way passes on the rank's own count and fails here.
+_KEEPS_THE_GRAPH_BUT_COUNTS_NOTHING = """
+def checkpoint(fn, *args):               # keeps everything, hidden from the rank's count (saved-tensor hooks of its own)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return fn(*args)
+"""
+_SAYS_THE_LOSS_LATE = """
+import disttrain_lab.gate as _gate
+_Gate = _gate.Gate
+class _Late(_Gate):                      # held before the forward twice: read before anything was kept
+    def at(self, module):
+        self.hold()
+        return module.register_forward_pre_hook(lambda m, a: None)
+_gate.Gate = _Late
+def checkpoint(fn, *args):
+    return fn(*args)
+"""
+
+
+@pytest.mark.slow
+def test_recomputation_memory_is_graded_on_the_os_count_at_the_grader_gate(monkeypatch):
+    """In the student's own kernel (its watch reads the rank paused at the same places) and under the grader's
+    evidence (tests/helpers.py: its gate, the rank's memory read while the rank waits there): the solution
+    passes for checkpoint and the three modes; a checkpoint that keeps the whole graph fails on the OS's count
+    although the rank's own count of saved tensors is rewritten to nothing; one whose gate holds it before the
+    forward twice (never where backward begins) is read there too early and fails on the loss it had not said."""
+    from disttrain_lab import bench, gate
+    from tests.helpers import notebook_names, observed_from_outside
+
+    names = ["checkpoint", "recompute_forward", "checkpointed_blocks", "use_attention", "math_attend"]
+    space = bench.functions_from_notebook(LAB, names, given=True)["recompute_forward"].__globals__
+    notebook_names(monkeypatch, space)
+    lab09.check_kept("selective")  # (the student's own kernel)
+    with observed_from_outside():
+        for way in lab09.kept.WAYS:
+            lab09.check_kept(way, seed=1)
+        for forged, words in (
+            (_KEEPS_THE_GRAPH_BUT_COUNTS_NOTHING, "that is what 'none' keeps"),
+            (_SAYS_THE_LOSS_LATE, "did the forward run before the grader read the memory?"),
+        ):
+            kept_gate, kept_checkpoint = gate.Gate, space["checkpoint"]
+            try:
+                exec(forged, space)  # (the notebook's namespace: checkpointed_blocks calls the forged checkpoint)
+                with pytest.raises(AssertionError, match=re.escape(words)):
+                    lab09.check_kept("checkpoint", seed=2)
+            finally:
+                gate.Gate, space["checkpoint"] = kept_gate, kept_checkpoint

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
-from .. import checks, exercise, memory, models
-from . import common
+from ... import checks, exercise, memory, models
+from .. import common
 
 __all__ = [
     "check_checkpoint",
@@ -99,7 +99,7 @@ def module_and_inputs(case):
 # --------------------------------------------------------------------------------------
 def _saved_bytes_of(case):
     """Driver (runs in your kernel): saved_bytes of a module built from `case`, and whether it changed it."""
-    from disttrain_lab.labtests.lab09 import module_and_inputs
+    from disttrain_lab.labtests.lab09.checks import module_and_inputs
 
     module, inputs = module_and_inputs(case)
     before = [p.detach().clone() for p in module.parameters()]
@@ -114,7 +114,7 @@ def _scaler_run(options, steps):
 
 def _scaler_pattern(options, pattern):
     """Driver (runs in your kernel): your DynamicLossScaler through the steps of ``pattern``."""
-    from disttrain_lab.labtests.lab09 import pattern_scales
+    from disttrain_lab.labtests.lab09.checks import pattern_scales
 
     return pattern_scales(DynamicLossScaler(**options), pattern)  # noqa: F821  (the notebook's)
 
@@ -260,23 +260,25 @@ def check_mixed_precision(options: dict, steps: int = 12, dtype: str = "float16"
 
 def check_checkpoint(shape: tuple = (64, 4, 64, 4), seed: int = 0) -> None:
     """Exercise 4: ``checkpoint`` around each block of a 2-block GPT of (s, b, h, a) = ``shape`` (the given
-    ``gpt_step``, ``checkpointed_blocks``) keeps nothing inside the blocks, only their two inputs, runs each
-    block's forward twice, and gives the loss and gradients of no checkpointing bit for bit (in the same
-    process), and the model's own here within a tolerance."""
+    ``gpt_step``, ``checkpointed_blocks``) gives the loss and gradients of no checkpointing bit for bit (in the
+    same process), and the model's own here within a tolerance; in the student's own kernel also, by the rank's
+    count, keeps nothing inside the blocks, only their two inputs, and runs each block's forward twice (under
+    grading what it keeps is read from the OS: ``kept.check_kept``)."""
     case = f"checkpoint around each block of a 2-block GPT, (s, b, h, a) = {shape}"
     (kept, calls, loss, grads), (_, _, there_loss, there_grads) = _run(_checkpoint_step, (shape, seed), case)
     gpt_step, math_attend = common.given("gpt_step"), common.given("math_attend")
     model_kept, _, model_loss, model_grads = gpt_step(lambda m, t: m(t), math_attend, seed=seed, shape=shape)  # here
     s, b, h, a = shape
-    assert calls == {0: 2, 1: 2}, (
-        f"{case}: forward calls per block {calls}, expected 2 (the forward, then once in backward)"
-    )
-    inside = {k: v for k, v in kept.items() if k.startswith("blocks")}
-    assert not inside, f"{case}: kept {inside} inside the blocks; a checkpointed block keeps nothing"
-    assert kept.get("", 0) == 2 * 4 * s * b * h, (
-        f"{case}: kept {kept.get('', 0)} B outside the modules, expected "
-        f"the two blocks' inputs, 2 × 4·s·b·h = {2 * 4 * s * b * h} B"
-    )
+    if not exercise.graded():  # the rank's own counts: the student's self-check (the grade: kept.check_kept, the OS)
+        assert calls == {0: 2, 1: 2}, (
+            f"{case}: forward calls per block {calls}, expected 2 (the forward, then once in backward)"
+        )
+        inside = {k: v for k, v in kept.items() if k.startswith("blocks")}
+        assert not inside, f"{case}: kept {inside} inside the blocks; a checkpointed block keeps nothing"
+        assert kept.get("", 0) == 2 * 4 * s * b * h, (
+            f"{case}: kept {kept.get('', 0)} B outside the modules, expected "
+            f"the two blocks' inputs, 2 × 4·s·b·h = {2 * 4 * s * b * h} B"
+        )
     assert loss == there_loss, f"{case}: loss {loss}, without checkpointing {there_loss}"
     for name, g in model_grads.items():
         checks.assert_close(
@@ -314,10 +316,11 @@ def check_checkpoint_args() -> None:
 
 def check_recompute(shape: tuple = (64, 4, 64, 4), seed: int = 0) -> None:
     """Exercise 5: ``recompute_forward`` of a 2-block GPT of (s, b, h, a) = ``shape`` with torch's checkpoint
-    gives, in each mode, the model's own loss and gradients (bit for bit in the same process); "none" keeps
-    what the model keeps, "selective" that less the a·s×s softmax output and the mask of each block, one
-    forward per block, "full" only the blocks' two inputs instead of what is inside them, two forwards per
-    block."""
+    gives, in each mode, the model's own loss and gradients (bit for bit in the same process); in the student's
+    own kernel also, by the rank's count, "none" keeps what the model keeps, "selective" that less the a·s×s
+    softmax output and the mask of each block, one forward per block, "full" only the blocks' two inputs instead
+    of what is inside them, two forwards per block (under grading what each keeps is read from the OS:
+    ``kept.check_kept``)."""
     s, b, h, a = shape
     gpt_step, math_attend = common.given("gpt_step"), common.given("math_attend")
     model_kept, _, model_loss, model_grads = gpt_step(lambda m, t: m(t), math_attend, seed=seed, shape=shape)
@@ -336,6 +339,8 @@ def check_recompute(shape: tuple = (64, 4, 64, 4), seed: int = 0) -> None:
             checks.assert_close(
                 grads[name], g, rtol=1e-4, atol=1e-6, what=f"{case}: the gradient of {name}, against the model's own"
             )
+        if exercise.graded():  # the rank's own counts are the student's self-check (the grade: kept.check_kept)
+            continue
         total, plain = sum(kept.values()), sum(model_kept.values())
         in_blocks = sum(v for k, v in model_kept.items() if k.startswith("blocks"))
         if mode == "none":

@@ -1,0 +1,42 @@
+"""Lab 9's graded tests (memory).  ``checks.py``: each exercise's values (the bytes autograd saved against the
+kit's count, the loss scaler against torch's ``GradScaler``, mixed precision and offloading against Adam on
+fp32 master weights, recomputation's gradients against the model's own), run through drivers in the student's
+kernel.  ``kept.py``: what recomputation keeps for backward, read from the OS by the grader while the rank waits
+at its gate (the grade on Exercises 4 and 5's memory; the rank's own count of saved tensors and forward calls
+is the student's self-check)."""
+
+from __future__ import annotations
+
+from .checks import (
+    check_checkpoint,
+    check_checkpoint_args,
+    check_loss_scaler,
+    check_mixed_precision,
+    check_mode_error,
+    check_offload,
+    check_recompute,
+    check_saved_bytes,
+    check_saving,
+    check_scaler_pattern,
+    module_and_inputs,
+    pattern_scales,
+)
+from .kept import SHAPE, check_kept, kept_step
+
+__all__ = [
+    "SHAPE",
+    "check_checkpoint",
+    "check_checkpoint_args",
+    "check_kept",
+    "check_loss_scaler",
+    "check_mixed_precision",
+    "check_mode_error",
+    "check_offload",
+    "check_recompute",
+    "check_saved_bytes",
+    "check_saving",
+    "check_scaler_pattern",
+    "kept_step",
+    "module_and_inputs",
+    "pattern_scales",
+]
