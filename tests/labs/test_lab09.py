@@ -24,6 +24,11 @@
 - On a GPU (``@needs_gpus``, skipped here): the solution with ``DEVICE = "cuda"``, its measuring
   cells reading ``torch.cuda.memory_allocated`` within 5 % of the kit's counts.
 
+- What recomputation keeps and what MixedPrecisionAdam holds are graded on the rank's memory as the OS counts it,
+  read by the grader at its gate (#42): the solution passes in the student's own kernel and under the grader's
+  evidence; a checkpoint that keeps the graph behind saved-tensor hooks of its own, one held twice before the
+  forward, and a MixedPrecisionAdam that keeps fp32 gradients each fail there.
+
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
 
@@ -517,7 +522,7 @@ def test_recomputation_memory_is_graded_on_the_os_count_at_the_grader_gate(monke
             lab09.check_kept(way, seed=1)
         for forged, words in (
             (_KEEPS_THE_GRAPH_BUT_COUNTS_NOTHING, "that is what 'none' keeps"),
-            (_SAYS_THE_LOSS_LATE, "did the forward run before the grader read the memory?"),
+            (_SAYS_THE_LOSS_LATE, "did it run before the grader read the memory?"),
         ):
             kept_gate, kept_checkpoint = gate.Gate, space["checkpoint"]
             try:
@@ -526,3 +531,37 @@ def test_recomputation_memory_is_graded_on_the_os_count_at_the_grader_gate(monke
                     lab09.check_kept("checkpoint", seed=2)
             finally:
                 gate.Gate, space["checkpoint"] = kept_gate, kept_checkpoint
+
+
+# MixedPrecisionAdam's memory likewise (labtests/lab09/mixed.py): an fp32 copy of every gradient kept, the rank's
+# own count (dl.memory.held, which the check above reads in the student's own kernel only) made to say 2 bytes
+_KEEPS_FP32_GRADIENTS = """
+class MixedPrecisionAdam(MixedPrecisionAdam):
+    def backward(self, loss):
+        super().backward(loss)
+        self.kept = [p.grad.float() for p in self.params]      # 4 more bytes per parameter, between steps too
+"""
+
+
+@pytest.mark.slow
+def test_mixed_precision_memory_is_graded_on_the_os_count_at_the_grader_gate(monkeypatch):
+    """The solution's MixedPrecisionAdam passes in the student's own kernel and under the grader's evidence
+    (16.0-ish bytes per parameter read at the gate); one that keeps an fp32 copy of the gradients fails there."""
+    from disttrain_lab import bench
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = bench.functions_from_notebook(LAB, ["MixedPrecisionAdam"], given=True)["MixedPrecisionAdam"].__init__
+    space = space.__globals__
+    notebook_names(monkeypatch, space)
+    lab09.check_mixed_held()  # (the student's own kernel)
+    with observed_from_outside():
+        lab09.check_mixed_held()
+        kept = space["MixedPrecisionAdam"]
+        try:
+            exec(_KEEPS_FP32_GRADIENTS, space)
+            notebook_names(monkeypatch, space)  # (the driver finds the class in __main__, as in the student's kernel)
+            with pytest.raises(AssertionError, match="keep no fp32 copy of the gradients between steps"):
+                lab09.check_mixed_held()
+        finally:
+            space["MixedPrecisionAdam"] = kept
+            notebook_names(monkeypatch, space)

@@ -3,7 +3,8 @@ kit's count, the loss scaler against torch's ``GradScaler``, mixed precision and
 fp32 master weights, recomputation's gradients against the model's own), run through drivers in the student's
 kernel.  ``kept.py``: what recomputation keeps for backward, read from the OS by the grader while the rank waits
 at its gate (the grade on Exercises 4 and 5's memory; the rank's own count of saved tensors and forward calls
-is the student's self-check)."""
+is the student's self-check).  ``mixed.py``: what ``MixedPrecisionAdam`` holds after a backward, read at the gate
+likewise (Exercise 3's memory; ``dl.memory.held`` is the self-check)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .checks import (
     pattern_scales,
 )
 from .kept import SHAPE, check_kept, kept_step
+from .mixed import check_mixed_held, mixed_step
 
 __all__ = [
     "SHAPE",
@@ -29,6 +31,7 @@ __all__ = [
     "check_checkpoint_args",
     "check_kept",
     "check_loss_scaler",
+    "check_mixed_held",
     "check_mixed_precision",
     "check_mode_error",
     "check_offload",
@@ -37,6 +40,7 @@ __all__ = [
     "check_saving",
     "check_scaler_pattern",
     "kept_step",
+    "mixed_step",
     "module_and_inputs",
     "pattern_scales",
 ]

@@ -55,7 +55,7 @@ import torch
 from ... import checks, exercise, gate, memory, models, osmemory
 from .. import common
 
-__all__ = ["SHAPE", "check_kept", "kept_step", "sums"]
+__all__ = ["BEFORE", "PAUSE_S", "SHAPE", "check_kept", "hold", "kept_step", "readings", "sums"]
 
 SHAPE = (1024, 1, 512, 16)  # (s, b, h, a): each block's softmax output 64 MiB (a·s²·b fp32 values)
 BEFORE = 48 * 2**20  # the most a rank may hold before the forward above its model's parameters
@@ -90,11 +90,11 @@ def kept_step(forward: Callable, prepare: Callable, seed: int, shape: tuple = SH
     door = gate.connect(0)
     if door is not None:
         door.start()  # (a mark: the grader counts the rank's bytes from here)
-        door.hold()  # read before the forward
+    hold(door)  # read before the forward
+    if door is not None:
         door.at(model.norm)
         door.arm()  # read where backward begins, held until the grader's answer
     else:
-        osmemory.pause(PAUSE_S)
         model.norm.register_forward_pre_hook(lambda module, args: (_PauseInBackward.apply(args[0]), *args[1:]))
     loss = models.lm_loss(forward(model, tokens), torch.roll(tokens, -1, dims=1))
     if door is not None:
@@ -172,7 +172,7 @@ def check_kept(way: str, seed: int = 0, shape: tuple = SHAPE) -> None:
     ``checkpointed_blocks``) or a ``recompute_forward`` mode ("none", "selective", "full", with torch's
     checkpoint) on a 2-block GPT of ``shape``, on one rank forked fresh: the rank's private memory where backward
     begins, less before the forward, within 8 MiB below and 24 MiB above what that way keeps (the kit's count
-    made here: see the module docstring), at most the parameters + 24 MiB before the forward; the loss said
+    made here: see the module docstring), at most the parameters + 48 MiB before the forward; the loss said
     before the reading and the gradients (with the grader's answer added where backward was held) those of the
     plain model here."""
     if way not in WAYS:
@@ -193,16 +193,7 @@ def check_kept(way: str, seed: int = 0, shape: tuple = SHAPE) -> None:
     )
     (loss, grads) = run.results[0]
     want_loss, want_grads, by_layer = _reference(seed, shape, answer)
-    seen = run.gate
-    if seen.source != "none":  # under grading: read at the grader's gate (else the student's own kernel's watch)
-        before, at_backward = seen.memory_at(0), seen.memory_at(1)
-        said = seen.said(1)
-        assert len(said) == 1 and abs(said[0] - want_loss) <= 1e-4 * max(1.0, abs(want_loss)), (
-            f"{case}: the rank said the loss was {list(said)} before backward began; the model's loss is "
-            f"{want_loss:.6g}: did the forward run before the grader read the memory?"
-        )
-    else:
-        before, at_backward = run.memory.of(0), (run.memory.later[0].of(0) if run.memory.later else run.memory.of(0))
+    before, at_backward = readings(run, case, want_loss, "before backward began", 1e-4)
     parameters = sum(4 * p.numel() for p in want_grads.values())
     assert before <= parameters + BEFORE, (
         f"{case}: the rank held {before / 2**20:,.1f} MiB before the forward, as the OS counts its private memory; "
@@ -231,11 +222,37 @@ def check_kept(way: str, seed: int = 0, shape: tuple = SHAPE) -> None:
             + ("with the grader's answer added where backward was held " if answer is not None else "")
             + f"{want_total:.6g} and {want_squares:.6g}"
         )
-    if seen.source == "none":  # (the student's own kernel: show what it read)
+    if run.gate.source == "none":  # (the student's own kernel: show what it read)
         print(
             f"{case}: held {before / 2**20:,.1f} MiB before the forward (parameters {parameters / 2**20:,.1f}), "
             f"kept {kept / 2**20:,.1f} MiB for backward, as the OS counts it ({way}: {want / 2**20:,.1f})"
         )
+
+
+def readings(run: exercise.ExerciseRun, case: str, loss: float, when: str, rtol: float) -> tuple[int, int]:
+    """The rank's private memory at its two holds (under grading: the grader's readings at its gate, the loss the
+    rank said before the second within ``rtol`` of ``loss``, the grader's own; in the student's own kernel: its
+    watch's, at the driver's two pauses)."""
+    seen = run.gate
+    if seen.source != "none":
+        said = seen.said(1)
+        assert len(said) == 1 and abs(said[0] - loss) <= rtol * max(1.0, abs(loss)), (
+            f"{case}: the rank said the loss was {list(said)} {when}; the model's loss is {loss:.6g}: did it run "
+            "before the grader read the memory?"
+        )
+        return seen.memory_at(0), seen.memory_at(1)
+    if not run.memory.later:
+        raise AssertionError(f"{case}: the rank's memory was read {1 if run.memory.bytes else 0} times, not twice")
+    return run.memory.of(0), run.memory.later[0].of(0)
+
+
+def hold(door: gate.Gate | None) -> None:
+    """In the rank: wait at the grader's gate, where it reads this rank's memory; in the student's own kernel (no
+    gate), pause where the kernel's watch reads it."""
+    if door is not None:
+        door.hold()
+    else:
+        osmemory.pause(PAUSE_S)
 
 
 def _which(kept: int, by_layer: dict, shape: tuple) -> str:
