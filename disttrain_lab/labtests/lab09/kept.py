@@ -195,10 +195,13 @@ def check_kept(way: str, seed: int = 0, shape: tuple = SHAPE) -> None:
     want_loss, want_grads, by_layer = _reference(seed, shape, answer)
     before, at_backward = readings(run, case, want_loss, "before backward began", 1e-4)
     parameters = sum(4 * p.numel() for p in want_grads.values())
-    assert before <= parameters + BEFORE, (
-        f"{case}: the rank held {before / 2**20:,.1f} MiB before the forward, as the OS counts its private memory; "
-        f"the model's parameters are {parameters / 2**20:,.1f} MiB and the test allows {BEFORE / 2**20:g} MiB more"
-    )
+    # under grading the ranks are forked from a kernel that has used no GPU; in the student's own kernel after CUDA
+    # they are fresh interpreters, whose imports alone are hundreds of MiB: the bound is the grader's (see above)
+    if exercise.graded():
+        assert before <= parameters + BEFORE, (
+            f"{case}: the rank held {before / 2**20:,.1f} MiB before the forward, as the OS counts its private memory; "
+            f"the model's parameters are {parameters / 2**20:,.1f} MiB and the test allows {BEFORE / 2**20:g} MiB more"
+        )
     kept, want = at_backward - before, kept_by(way, by_layer, shape)
     low = -float("inf") if way in ("checkpoint", "full") else want - BELOW
     assert low <= kept <= want + ABOVE, (

@@ -135,10 +135,13 @@ def check_mixed_held(sizes: list = SIZES, batch: int = BATCH) -> None:
             f"{case}: parameter {i} after 2 steps: sum {total:.6g}, sum of squares {squares:.6g}; Adam on fp32 master "
             f"weights, rounded to fp16, gives {want_total:.6g} and {want_squares:.6g}"
         )
-    assert before <= BEFORE, (
-        f"{case}: the rank held {before / 2**20:,.1f} MiB before the model was made, as the OS counts its private "
-        f"memory; the test allows {BEFORE / 2**20:g} MiB"
-    )
+    # under grading the ranks are forked from a kernel that has used no GPU; in the student's own kernel after CUDA
+    # they are fresh interpreters, whose imports alone are hundreds of MiB: the bound is the grader's (see above)
+    if exercise.graded():
+        assert before <= BEFORE, (
+            f"{case}: the rank held {before / 2**20:,.1f} MiB before the model was made, as the OS counts its private "
+            f"memory; the test allows {BEFORE / 2**20:g} MiB"
+        )
     per = (after - before) / psi
     assert LOW <= per <= HIGH, (
         f"{case}: the rank held {(after - before) / 2**20:,.1f} MiB more after the second step's backward than before "
