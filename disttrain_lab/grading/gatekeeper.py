@@ -417,7 +417,7 @@ def for_ranks(
         for _, rank_end in connections:
             inode, pid = ends.get(rank_end, (None, None))
             try:
-                got = _read_as(user, "memory_while_receiving", "--memory", pid) if pid is not None else None
+                got = _read_as(user, pauses.memory_while_receiving, "--memory", pid) if pid is not None else None
             except (OSError, ValueError, subprocess.SubprocessError):  # (gone, or unreadable: not read)
                 got = None
             read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
@@ -438,16 +438,16 @@ def for_ranks(
 def receiving(pid: int, user: int | None) -> int | None:
     """``pauses.receiving_on(pid)``, read as ``user`` where this process may not read another uid's
     ``/proc/<pid>/syscall`` (a root without CAP_SYS_PTRACE, in a container)."""
-    found = _read_as(user, "receiving_on", "--receiving", pid)
+    found = _read_as(user, pauses.receiving_on, "--receiving", pid)
     return found if isinstance(found, int) else None
 
 
-def _read_as(user: int | None, function: str, flag: str, pid: int):
-    """``pauses.<function>(pid)``, or, where this process may not read another uid's ``/proc/<pid>`` (a root
-    without CAP_SYS_PTRACE, in a container), ``pauses.py <flag> pid`` run as ``user``: its JSON (None where it
-    failed)."""
+def _read_as(user: int | None, function: Callable[[int], object], flag: str, pid: int):
+    """``function(pid)`` (one of ``pauses``' readers), or, where this process may not read another uid's
+    ``/proc/<pid>`` (a root without CAP_SYS_PTRACE, in a container), ``pauses.py <flag> pid`` run as ``user``: its
+    JSON (None where it failed)."""
     try:
-        return getattr(pauses, function)(pid)
+        return function(pid)
     except PermissionError:
         if user is None:
             raise

@@ -4,13 +4,15 @@ error with a message, comparing with a tolerance.  (Add here only what two or mo
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
+
+import torch
 
 from .. import checks, exercise
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 
@@ -79,6 +81,12 @@ def assert_parameters_match(
     for rank, params in enumerate(per_rank):
         for name, p in reference.named_parameters():
             checks.assert_close(params[name], p.detach(), what=what(rank, name), rtol=rtol, atol=atol)
+
+
+def drawn() -> torch.Generator:
+    """A generator seeded now, from the OS's randomness (at grading time, in the grader kernel): what it draws no
+    student process has before the grader hands it over (a gate's answer)."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
 
 
 def given(name: str):

@@ -499,6 +499,7 @@ c.recv(1)
 PROBE_GATE = (
     AS_STUDENT
     + r"""
+from disttrain_lab import pauses
 from disttrain_lab.grading import gatekeeper
 try:
     pid, inode = map(int, student.stdout.readline().split())
@@ -510,7 +511,7 @@ try:
         except PermissionError:
             found[f"as {user}"] = "refused"
         try:
-            found[f"memory as {user}"] = gatekeeper._read_as(user, "memory_while_receiving", "--memory", pid)
+            found[f"memory as {user}"] = gatekeeper._read_as(user, pauses.memory_while_receiving, "--memory", pid)
         except PermissionError:
             found[f"memory as {user}"] = "refused"
 finally:

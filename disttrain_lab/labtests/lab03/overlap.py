@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...exercise import ExerciseRun
+from ..common import drawn
 from .common import batches, bucket_names, graded_model
 
 __all__ = [
@@ -88,7 +88,7 @@ def answers(kind: str, batch: int, n: int, micro_steps: int, at: int) -> list[to
     """Each rank's answer at the gate: a tensor of its last micro-batch's activations' shape at layer ``at``,
     from a seed drawn now (nothing the student's kernel receives holds it before the gate opens)."""
     width = graded_model(kind, 0)[at].in_features
-    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+    generator = drawn()
     return [
         torch.randn(len(_rows(batch, n, r, micro_steps)), width, generator=generator) * ANSWER_SCALE for r in range(n)
     ]

@@ -21,6 +21,7 @@ import torch.utils.checkpoint
 
 from ... import checks, exercise, memory, models
 from .. import common
+from .kept import kept_by
 
 __all__ = [
     "check_checkpoint",
@@ -344,13 +345,11 @@ def check_recompute(shape: tuple = (64, 4, 64, 4), seed: int = 0) -> None:
             )
         if exercise.graded():  # the rank's own counts are the student's self-check (the grade: kept.check_kept)
             continue
-        total, plain = sum(kept.values()), sum(model_kept.values())
-        in_blocks = sum(v for k, v in model_kept.items() if k.startswith("blocks"))
+        total, plain, expected = sum(kept.values()), sum(model_kept.values()), kept_by(mode, model_kept, shape)
         if mode == "none":
             assert total == plain, f"{case}: kept {total} B, the model's own forward {plain} B"
             assert calls == {0: 1, 1: 1}, f"{case}: forward calls per block {calls}, expected 1"
         elif mode == "selective":  # softmax output (4·a·s²·b B) and the mask gone; Q, K, V kept instead of their copies
-            expected = plain - 2 * (4 * a * s * s * b + s * s)
             assert total == expected, (
                 f"{case}: kept {total} B, expected {expected} B: no a·s×s softmax "
                 f"output, Q, K and V kept for the recomputation"
@@ -359,7 +358,6 @@ def check_recompute(shape: tuple = (64, 4, 64, 4), seed: int = 0) -> None:
                 f"{case}: forward calls per block {calls}, expected 1 (only attention's core again)"
             )
         else:
-            expected = plain - in_blocks + 2 * 4 * s * b * h
             assert total == expected, (
                 f"{case}: kept {total} B, expected {expected} B: nothing inside the blocks, "
                 f"their two inputs ({2 * 4 * s * b * h} B) instead"
