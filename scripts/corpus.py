@@ -116,7 +116,6 @@ def kit(*argv: str) -> subprocess.CompletedProcess:
 
 
 labs = args.labs or sorted(p.name for p in args.corpus.iterdir() if p.is_dir())
-course = args.course_dir or Path(tempfile.mkdtemp(prefix="corpus-"))
 ENV = {**os.environ, "DISTTRAIN_SOURCE_DIR": str(args.source.resolve())}
 try:
     variants = {}
@@ -130,6 +129,8 @@ except CorpusError as e:
     print(e, file=sys.stderr)
     sys.exit(2)
 
+# (made once the corpus is read, so that a corpus refused leaves no folder behind)
+course = args.course_dir or Path(tempfile.mkdtemp(prefix="corpus-"))
 print(f"course folder: {course}")
 wrong = 0
 for name in labs:

@@ -7,6 +7,9 @@ nothing is graded twice), fails the run and names the variant."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tests.helpers import run_python
@@ -61,6 +64,7 @@ def test_the_corpus_grades_each_variant_as_expected_and_fails_a_wrong_expectatio
 
 
 def test_an_unreadable_variant_is_refused_before_anything_is_graded(tmp_path):
+    before = set(Path(tempfile.gettempdir()).glob("corpus-*"))
     corpus = tmp_path / "corpus" / "00_basics"
     corpus.mkdir(parents=True)
     (corpus / "no_expectation.py").write_text("# %% ex_mean\ndef mean(xs):\n    return 0\n")
@@ -72,3 +76,4 @@ def test_an_unreadable_variant_is_refused_before_anything_is_graded(tmp_path):
     done = run_python([str(SCRIPT), str(corpus.parent), "--source", str(SOURCE)], timeout=120, cwd=REPO)
     assert done.returncode == 2 and "['test_nothing'] are not the lab's graded tests" in done.stdout, done.stdout
     assert "course folder" not in done.stdout  # nothing released, nothing graded
+    assert set(Path(tempfile.gettempdir()).glob("corpus-*")) == before  # and no course folder left behind

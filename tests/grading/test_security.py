@@ -818,6 +818,7 @@ for need in sys.argv[1:sep]:
             subprocess.run(['mount', '-t', 'tmpfs', '-o', 'mode=0755', 'tmpfs', ancestor], check=True)
             os.makedirs(need, exist_ok=True)
             subprocess.run(['mount', '--move', stash, need], check=True)
+            os.rmdir(stash)  # (empty again: the host's temp folder keeps nothing of the test)
             break
 os.execvp(sys.argv[sep + 1], sys.argv[sep + 1:])
 """

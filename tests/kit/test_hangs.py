@@ -12,7 +12,7 @@ from tests.helpers import run_python
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
-def test_under_grading_a_function_that_hung_is_not_waited_for_again():
+def test_under_grading_a_function_that_hung_is_not_waited_for_again(tmp_path):
     # Under autograding (NBGRADER_EXECUTION=autograde): a launch the cell's limit interrupts says where each rank
     # was; a function that ran past a launch's own timeout (the lab's word that it hangs) is not waited for again:
     # later launches that call it, still defined as it was (directly, from another function, from a test's
@@ -26,7 +26,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
             while True:
                 pass
 
-        STARTED = os.path.join(tempfile.mkdtemp(), "spinning")
+        STARTED = os.path.join(os.environ["SPIN_DIR"], f"spinning-{os.getpid()}")
 
         def calls_it():
             if dist.get_rank() == 1:
@@ -65,7 +65,9 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
 
         print("=== REDEFINED", dl.launch(calls_it, 2, timeout=60), flush=True)
     """)
-    out = run_python(["-c", script], timeout=240, env={"NBGRADER_EXECUTION": "autograde"}).stdout
+    out = run_python(
+        ["-c", script], timeout=240, env={"NBGRADER_EXECUTION": "autograde", "SPIN_DIR": str(tmp_path)}
+    ).stdout
     interrupted = out.split("=== INTERRUPTED")[0]
     assert "interrupted: stopped all 2 ranks" in interrupted, out
     # (the loop's two lines, `while True:` and `pass`: the stack is sampled on either)
@@ -84,7 +86,7 @@ def test_under_grading_a_function_that_hung_is_not_waited_for_again():
 
 
 @pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
-def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_again():
+def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_again(tmp_path):
     # A self-check that calls the student's function in the kernel itself (no launch, so no launch timeout):
     # the grader interrupts the cell at its limit, then asks the kernel which notebook function the interrupt
     # stopped (hangs.remember_interrupted, from IPython's sys.last_traceback); later launches stop at once.
@@ -118,7 +120,7 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
         except dl.RankError as exc:
             print("=== AT ONCE", round(time.monotonic() - started, 1), exc.exc_type, exc.exc_message, flush=True)
 
-        STARTED = os.path.join(tempfile.mkdtemp(), "spinning")
+        STARTED = os.path.join(os.environ["SPIN_DIR"], f"spinning-{os.getpid()}")
 
         def spins_too(x):
             open(STARTED, "w").close()
@@ -147,7 +149,9 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
             except dl.RankError as exc:
                 print("=== LAUNCH AT ONCE", exc.exc_message.replace("\\n", " | "), flush=True)
     """)
-    out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "autograde"}).stdout
+    out = run_python(
+        ["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "autograde", "SPIN_DIR": str(tmp_path)}
+    ).stdout
     assert "=== BLAMED spins" in out and "=== HERE AT ONCE spins is not run again" in out, out
     seconds, kind, message = out.split("=== AT ONCE ")[1].split(" ", 2)
     assert float(seconds) < 10 and kind == "SkippedAfterHang", out
@@ -162,7 +166,7 @@ def test_under_grading_a_function_a_cells_limit_interrupted_is_not_waited_for_ag
     assert "the cell's limit interrupted a launch; where each unfinished rank was:" in told, told
     assert re.search(r"rank 1: running Python code.*calls_it \(line \d+\) → spins_too \(line \d+\)", told), told
     # not under grading: an interrupt is only an interrupt
-    out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": ""}).stdout
+    out = run_python(["-c", script], timeout=120, env={"NBGRADER_EXECUTION": "", "SPIN_DIR": str(tmp_path)}).stdout
     assert "=== BLAMED None" in out, out
 
 
