@@ -40,6 +40,10 @@ grader asked to (``Request.memory``) reads each held rank's private memory while
 (``Seen.memory_at``), and a rank may first tell it values it recomputes (``Gate.say``, a loss: ``Seen.said``), so
 that what made them had run before the reading; ``Gate.hold()`` holds a rank outside any backward.
 
+A rank's emulated host link (lab 9's ``OffloadAdam``: ``hostlink.HostLink(gate=...)``) sends the grader each copy's
+bytes on the same connection as the copy is asked for (``Gate.link``); the grader keeps them with the hold they came
+before (``Seen.link``), so what crossed the link and whether a held backward was still running are its own reading.
+
 :class:`Seen` is what the grader observed, its evidence (``protocol.Evidence.gate``).
 """
 
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +68,10 @@ HELLO, START, HOLD = b"H", b"S", b"B"  # a rank's messages: who it is, at the st
 VALUE = b"V"  # and a value for the grader to check before its next hold (a float32: evidence of what ran before it)
 MAX_VALUES = 16  # the most values a rank may say before one hold
 GO = b"g"  # the grader's answer at the step's start
+# what crossed an emulated host link (lab 9's OffloadAdam: ``hostlink.HostLink(gate=...)``), sent as each copy begins:
+# the kind, its payload's length ("<I") and the payload (the grader keeps it, with the hold it came before)
+DOWN, UP = b"D", b"U"  # device -> host (gradients), host -> device (parameters)
+MAX_LINK_BYTES = 32 << 20  # the most a run's link messages may carry in all
 
 
 def connect(rank: int) -> Gate | None:
@@ -107,12 +116,17 @@ class Gate:
         self.sock.settimeout(None)
         for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
             self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("@ll", int(WAIT_S), 0))
-        self.sock.sendall(HELLO + struct.pack("<I", rank))
+        self._sending = threading.Lock()  # (a host link's threads send on it too: whole messages, one at a time)
+        self._send(HELLO + struct.pack("<I", rank))
         self.armed = False
+
+    def _send(self, data: bytes) -> None:
+        with self._sending:
+            self.sock.sendall(data)
 
     def start(self) -> None:
         """At a (micro-)step's start, every earlier message done: wait until every rank is there (a mark)."""
-        self.sock.sendall(START)
+        self._send(START)
         if _exactly(self.sock, 1) != GO:
             raise ConnectionError("the grader's gate answered the step's start with something else")
 
@@ -132,10 +146,21 @@ class Gate:
 
         return module.register_forward_pre_hook(hold)
 
+    def held(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, whose backward waits at the gate where ``x`` gets its gradient, adding the grader's answer (every
+        backward through it: no ``arm()``)."""
+        return _Held.apply(x, self)
+
     def say(self, *values: float) -> None:
         """Tell the grader ``values`` (float32 each) before the next hold: numbers it recomputes itself (a loss),
         so that what made them had run by the time it holds the rank (lab 9 reads the rank's memory there)."""
-        self.sock.sendall(b"".join(VALUE + struct.pack("<f", float(v)) for v in values))
+        self._send(b"".join(VALUE + struct.pack("<f", float(v)) for v in values))
+
+    def link(self, direction: str, payload: bytes) -> None:
+        """Tell the grader what a copy over an emulated host link carries ("down": device -> host, "up"), as it
+        begins (``hostlink.HostLink`` calls it from its own threads): the grader keeps it with the hold it came
+        before (``Seen.link``), evidence of what crossed and whether a backward it held was still running."""
+        self._send((DOWN if direction == "down" else UP) + struct.pack("<I", len(payload)) + payload)
 
     def hold(self) -> None:
         """Ask the grader to go on, here (outside a backward), and wait for its answer (one value, unused: an answer
@@ -145,7 +170,7 @@ class Gate:
     def wait(self, shape: torch.Size) -> torch.Tensor:
         """Ask the grader to go on; its answer, a float32 tensor of ``shape``."""
         numel = shape.numel()
-        self.sock.sendall(HOLD + struct.pack("<I", numel))
+        self._send(HOLD + struct.pack("<I", numel))
         data = _exactly(self.sock, 4 * numel)
         return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
 
@@ -178,6 +203,9 @@ class Seen:
     # each hold's private memory of each rank, read from the OS while its main thread waited at the gate (None: not
     # read, or that rank not held then); empty where the grader was not asked to read memory
     memory: tuple[tuple[int | None, ...], ...] = ()
+    # what each copy over a rank's emulated host link carried (``Gate.link``), in the order the grader read them:
+    # (rank, "down" or "up", the hold it came before: how many holds the grader had answered then, payload)
+    link: tuple[tuple[int, str, int, bytes], ...] = ()
 
     @classmethod
     def unobserved(cls, why: str) -> Seen:
@@ -237,6 +265,16 @@ class Seen:
                 "test that grades it fails rather than take the rank's own account"
             )
         return self.values[hold][rank] if rank < len(self.values[hold]) else ()
+
+    def link_data(self, rank: int = 0) -> list[tuple[str, int, bytes]]:
+        """What rank ``rank``'s host link carried, as the grader read it at its gate: (direction, the hold it came
+        before, payload) of each copy, in order; ``Unobserved`` where the grader held no gate."""
+        if self.source != "wire":
+            raise Unobserved(
+                f"the grader could not see what rank {rank}'s host link carried ({self.why}), so a test that grades it "
+                "fails rather than take the rank's own account"
+            )
+        return [(direction, hold, data) for r, direction, hold, data in self.link if r == rank]
 
     def ranks_held(self, hold: int = 0) -> tuple[int, ...]:
         """The ranks held at the gate when the grader answered its ``hold``-th hold (see ``held``; none where

@@ -17,6 +17,11 @@ The copy is taken when ``copy`` is called (the source may change afterwards), co
 transfer as ``Transfer(direction, nbytes, requested, start, end)``, times from ``time.perf_counter``
 on the link's schedule: a copy starts when it is asked for or when the copy before it in its
 direction is through, and ends the model's time later; ``result()`` returns no earlier than that.
+
+Under grading the link is also a wire the grader reads: made with ``gate`` (a graded run's ``gate.Gate``,
+lab 9's drivers), each copy's bytes go to the grader as the copy is asked for (``Gate.link``), so what crossed, and
+whether a backward the grader held was still running, is the grader's evidence (``labtests/lab09/offload.py``),
+not this log.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .network import Network
+
+if TYPE_CHECKING:
+    from .gate import Gate
 
 __all__ = ["HostLink", "Transfer", "DIRECTIONS"]
 
@@ -49,8 +58,9 @@ class Transfer:
 class HostLink:
     """An emulated device <-> host link with the α–β time of ``network`` (default: "PCIe 4.0 x16")."""
 
-    def __init__(self, network: Network | None = None):
+    def __init__(self, network: Network | None = None, gate: Gate | None = None):
         self.network = network if network is not None else Network.preset("PCIe 4.0 x16")
+        self.gate = gate  # under grading: the grader's gate, where each copy's bytes also go (see above)
         self.log: list[Transfer] = []
         self._lock = threading.Lock()
         self._lanes = {d: ThreadPoolExecutor(1, thread_name_prefix=f"hostlink-{d}") for d in DIRECTIONS}
@@ -62,6 +72,8 @@ class HostLink:
             raise ValueError(f"direction must be one of {DIRECTIONS} (down: device -> host), got {direction!r}")
         data = tensor.detach().to(dtype or tensor.dtype, copy=True)
         nbytes = data.numel() * data.element_size()
+        if self.gate is not None:  # (as it is asked for, from the caller's thread: a hook's, in a backward)
+            self.gate.link(direction, data.contiguous().view(torch.uint8).numpy().tobytes())
         return self._lanes[direction].submit(self._carry, data, direction, nbytes, time.perf_counter())
 
     def _carry(self, data: torch.Tensor, direction: str, nbytes: int, requested: float) -> torch.Tensor:

@@ -154,7 +154,7 @@ def observed_from_outside():
     data crossed from a packet capture (root only: ``CAP_NET_RAW``)."""
     from disttrain_lab import exercise, serving, wire, wiretimeline
     from disttrain_lab.gate import Seen
-    from disttrain_lab.grading import gatekeeper
+    from disttrain_lab.grading import gatewatch
     from disttrain_lab.grading.capture import Capture
     from disttrain_lab.protocol import Evidence, Record
 
@@ -166,7 +166,7 @@ def observed_from_outside():
                 answer = serving.prepare(
                     {"world_size": request.world_size, "device": request.device, "fresh": request.memory}
                 )
-                keeper = gatekeeper.for_ranks(None, gate, answer["pids"], None, request.timeout, memory=request.memory)
+                keeper = gatewatch.for_ranks(None, gate, answer["pids"], None, request.timeout, memory=request.memory)
                 request = request.replace(gate=keeper.start())
             before = wire.snapshot()
             try:

@@ -23,6 +23,10 @@ grader's own threads serve it), and a thread of the grader's serves the run:
    (``Seen.held`` names them), and any later one at once.  ``answers`` may also be a list of such rounds,
    one per hold in the order the ranks are held (a rank's k-th ``HOLD`` is round k's): lab 3 holds one
    rank before its backward and the others after theirs, then all in the last step.
+4. a rank's host link (``Gate.link``: a kind, a length, then the payload, at most ``MAX_LINK_BYTES`` a run) is
+   kept as data with the number of holds answered when it was read (``Seen.link``); before answering a hold
+   the grader reads, without waiting, what each held rank sent by then (its main thread waits at the gate: its
+   link's copies alone come), so a copy asked for before the hold is that hold's (lab 9's ``OffloadAdam``).
 
 ``stop()`` closes everything; ``seen(segments, origin)`` finds, among the capture's segments, when each
 message the grader sent each rank left (by its first byte's position in the connection: TCP keeps a
@@ -36,23 +40,19 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import os
 import selectors
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from disttrain_lab import pauses, wire
-from disttrain_lab.gate import GO, HELLO, HOLD, MAX_ELEMENTS, MAX_VALUES, START, VALUE, Seen
+from disttrain_lab.gate import DOWN, GO, HELLO, HOLD, MAX_ELEMENTS, MAX_LINK_BYTES, MAX_VALUES, START, UP, VALUE, Seen
 
-__all__ = ["Gatekeeper", "for_ranks", "receiving"]
+__all__ = ["Gatekeeper"]
 
 CLONE_NEWNET = 0x40000000
 HOLD_S = 5.0  # at most this long the grader holds the ranks, waiting for their bytes to settle
@@ -61,6 +61,7 @@ QUIET_S = 0.005  # ranks all held, answers all None: what they sent must not gro
 MIN_SENT = 48 + 4 * 4  # each rank has sent at least one message of 4 floats, with gloo's preamble
 HELD_WAIT = 10.0  # answers all None: how long after the first rank is held the others may take to be held
 _MESSAGE = {HELLO: 4, START: 0, HOLD: 4, VALUE: 4}  # each message's bytes after its first
+_LINK = {DOWN: "down", UP: "up"}  # a host link's messages: their length ("<I") after the first byte, then the payload
 
 
 def _listening(netns_pid: int | None) -> socket.socket:
@@ -127,6 +128,8 @@ class Gatekeeper:
         self.held_ranks: list[tuple[int, ...]] = []  # each round's ranks held when answered (as they said who)
         self.said: list[dict[int, tuple[float, ...]]] = []  # each hold round's values, by rank (Gate.say)
         self.memory_by_round: list[tuple[int | None, ...]] = []  # each hold round's memory, by rank (``memory``)
+        self.link: list[tuple[int, str, int, bytes]] = []  # what ranks' host links carried (``Seen.link``)
+        self._link_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -198,6 +201,7 @@ class Gatekeeper:
             cuts=tuple(shift(t) for t in cuts),
             values=tuple(tuple(said.get(r, ()) for r in range(self.world_size)) for said in self.said),
             memory=tuple(self.memory_by_round),
+            link=tuple(self.link),
         )
 
     # ----------------------------------------------------------------------------------
@@ -237,13 +241,15 @@ class Gatekeeper:
                     selector.register(sock, selectors.EVENT_READ)
                     continue
                 sock = key.fileobj
-                data = sock.recv(64)
+                data = sock.recv(1 << 16)
                 if not data:
                     selector.unregister(sock)
                     continue
                 buffers[sock] += data
                 for kind, value in self._messages(buffers[sock]):
-                    if kind == HELLO:
+                    if kind in _LINK:
+                        self._keep_link(rank_of.get(sock), kind, value)
+                    elif kind == HELLO:
                         rank_of[sock] = value
                     elif kind == START:
                         started.add(sock)
@@ -289,6 +295,8 @@ class Gatekeeper:
                     self.settled = self._hold(base, MIN_SENT if self.world_size > 1 else 0)
                 elif not apart:  # (what the ranks already sent each other crosses before the answers)
                     self._quiet()
+                for sock in held:  # what their host links sent before the answers: this hold's
+                    self._drain_links(sock, buffers[sock], rank_of.get(sock))
                 for sock, numel in held.items():
                     self._send(sock, self._answer(rank_of.get(sock), numel, self._round), (HOLD, self._round), sent)
                 self.held_ranks.append(tuple(sorted(rank_of.get(sock, -1) for sock in held)))
@@ -303,10 +311,25 @@ class Gatekeeper:
             sent[sock].append((kind[0], len(data), kind[1]))
 
     @staticmethod
-    def _messages(buffer: bytearray):
-        """Whole messages off the front of ``buffer``: (kind, value)."""
+    def _messages(buffer: bytearray, links_only: bool = False):
+        """Whole messages off the front of ``buffer``: (kind, value; a host link's: its payload); ``links_only``:
+        up to the first that is not a host link's."""
         while buffer:
             kind = bytes(buffer[:1])
+            if kind in _LINK:
+                if len(buffer) < 5:
+                    return
+                (size,) = struct.unpack("<I", buffer[1:5])
+                if size > MAX_LINK_BYTES:
+                    raise ValueError(f"a rank's host link sent the gate {size:,} bytes at once")
+                if len(buffer) < 5 + size:
+                    return
+                value = bytes(buffer[5 : 5 + size])
+                del buffer[: 5 + size]
+                yield kind, value
+                continue
+            if links_only:
+                return
             if kind not in _MESSAGE:
                 raise ValueError(f"a rank sent the gate {kind!r}, not one of its messages")
             size = 1 + _MESSAGE[kind]
@@ -315,6 +338,27 @@ class Gatekeeper:
             value = struct.unpack("<f" if kind == VALUE else "<I", buffer[1:size])[0] if size > 1 else 0
             del buffer[:size]
             yield kind, value
+
+    def _keep_link(self, rank: int | None, kind: bytes, payload: bytes) -> None:
+        """A host link's copy, kept with the hold it came before (how many the grader had answered)."""
+        self._link_bytes += len(payload)
+        if self._link_bytes > MAX_LINK_BYTES:
+            raise ValueError(f"a run's host links sent the gate over {MAX_LINK_BYTES:,} bytes")
+        self.link.append((-1 if rank is None else rank, _LINK[kind], self._round, payload))
+
+    def _drain_links(self, sock: socket.socket, buffer: bytearray, rank: int | None) -> None:
+        """What ``sock``'s rank has sent by now (its main thread is held: its host link's threads alone send), read
+        without waiting: its host link's copies kept as this hold's (the rest stays for the loop)."""
+        sock.setblocking(False)
+        try:
+            while data := sock.recv(1 << 16):
+                buffer += data
+        except (BlockingIOError, InterruptedError):
+            pass
+        finally:
+            sock.settimeout(5.0)
+        for kind, payload in self._messages(buffer, links_only=True):
+            self._keep_link(rank, kind, payload)
 
     def _not_held(self, held: list[socket.socket]) -> str:
         """Why the ranks that said they are held on ``held`` are not all waiting there themselves ('' where each
@@ -365,101 +409,6 @@ class Gatekeeper:
         return answer.detach().to(torch.float32).contiguous().numpy().tobytes()
 
 
-def for_ranks(
-    netns_pid: int | None,
-    answers: list[torch.Tensor],
-    pids: list[int],
-    user: int | None,
-    timeout: float,
-    memory: bool = False,
-) -> Gatekeeper:
-    """A gatekeeper for a run on the processes ``pids`` (rank r is ``pids[r]``, the host's ids) in the
-    network namespace of ``netns_pid``, counting what they send each other as ``wire.snapshot`` reads it
-    (as ``user``, where only that uid may see which process owns a socket).  ``memory``: at each hold, each
-    held rank's private memory read while its main thread waits reading its gate connection (``Seen.memory``)."""
-    owner: dict[int, int] = {}
-
-    def baseline():
-        return wire.snapshot(netns_pid, user=user)
-
-    def sent(base) -> list[int]:
-        now = wire.snapshot(netns_pid, user=user)
-        if not owner:  # (the ranks' connections are open by the step's start: read whose they are once)
-            owner.update(wire.owners(pids, user))
-        return [sum(row) for row in wire.traffic(base, now, pids, owner=owner).matrix]
-
-    ends: dict[str, tuple[int, int]] = {}  # a gate connection's rank end -> (its socket's inode, the rank's pid)
-
-    def holding(connections: list[tuple[str, str]]) -> str:
-        """'' where the process at the rank's end of each gate connection is one of ``pids`` and its main thread
-        is blocked reading that connection's socket (``pauses.receiving_on``), else why not."""
-        if any(rank_end not in ends for _, rank_end in connections):
-            sockets, owned = wire.snapshot(netns_pid, user=user), wire.owners(pids, user)
-            for gate_end, rank_end in connections:
-                found = sockets.get((rank_end, gate_end))
-                if found is not None and found.inode in owned:
-                    ends[rank_end] = (found.inode, owned[found.inode])
-        for _, rank_end in connections:
-            if rank_end not in ends:
-                return f"no rank of the run holds the gate connection from {rank_end}"
-            inode, pid = ends[rank_end]
-            if receiving(pid, user) != inode:
-                return (
-                    f"rank {pids.index(pid)} said it was held at the gate, but its main thread was not waiting for the "
-                    "grader's answer (a thread of its own spoke for it)"
-                )
-        return ""
-
-    def memory_of(connections: list[tuple[str, str]]) -> list[int | None]:
-        """Each connection's rank's private memory, read while its main thread waited reading that gate
-        connection (``holding`` found its rank end just before), else None."""
-        read = []
-        for _, rank_end in connections:
-            inode, pid = ends.get(rank_end, (None, None))
-            try:
-                got = _read_as(user, pauses.memory_while_receiving, "--memory", pid) if pid is not None else None
-            except (OSError, ValueError, subprocess.SubprocessError):  # (gone, or unreadable: not read)
-                got = None
-            read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
-        return read
-
-    return Gatekeeper(
-        netns_pid,
-        answers,
-        sent,
-        baseline,
-        timeout,
-        busy=lambda: any(map(_runnable, pids)),
-        holding=holding,
-        memory=memory_of if memory else None,
-    )
-
-
-def receiving(pid: int, user: int | None) -> int | None:
-    """``pauses.receiving_on(pid)``, read as ``user`` where this process may not read another uid's
-    ``/proc/<pid>/syscall`` (a root without CAP_SYS_PTRACE, in a container)."""
-    found = _read_as(user, pauses.receiving_on, "--receiving", pid)
-    return found if isinstance(found, int) else None
-
-
-def _read_as(user: int | None, function: Callable[[int], object], flag: str, pid: int):
-    """``function(pid)`` (one of ``pauses``' readers), or, where this process may not read another uid's
-    ``/proc/<pid>`` (a root without CAP_SYS_PTRACE, in a container), ``pauses.py <flag> pid`` run as ``user``: its
-    JSON (None where it failed)."""
-    try:
-        return function(pid)
-    except PermissionError:
-        if user is None:
-            raise
-    done = subprocess.run(
-        wire.as_user(user, [sys.executable, "-I", pauses.__file__, flag, str(pid)]), capture_output=True, timeout=10
-    )
-    try:
-        return json.loads(done.stdout or b"{}").get(str(pid)) if done.returncode == 0 else None
-    except ValueError:
-        return None
-
-
 def _first_bytes(segments: list[tuple[float, int]], sizes: list[int]) -> list[float] | None:
     """When the first byte of each of a connection's messages (``sizes`` bytes each, in order) left: the
     time of the segment that carried it (``segments``: (time, payload bytes), in order).  None where the
@@ -472,21 +421,3 @@ def _first_bytes(segments: list[tuple[float, int]], sizes: list[int]) -> list[fl
             times.append(t)
             i += 1
     return times if len(times) == len(sizes) else None
-
-
-def _runnable(pid: int) -> bool:
-    """Whether a thread of process ``pid`` is running or waiting for a core (state R in
-    ``/proc/<pid>/task/<tid>/stat``); a process or thread gone, or unreadable, is not."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"R":
-            return True
-    return False

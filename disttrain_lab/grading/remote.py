@@ -46,7 +46,7 @@ from jupyter_client.blocking import BlockingKernelClient
 
 from disttrain_lab import confine, exercise, osmemory, wire, wiretimeline
 from disttrain_lab.gate import Seen
-from disttrain_lab.grading import gatekeeper, reaper, sandbox
+from disttrain_lab.grading import gatewatch, reaper, sandbox
 from disttrain_lab.grading.capture import Capture
 from disttrain_lab.grading.handoff import CELL_FILE, TIMED_OUT_FILE, read_json
 from disttrain_lab.hangs import MIN_LAUNCH, REPORT_MARGIN
@@ -300,7 +300,7 @@ class RemoteRunner:
             try:
                 if ranks is None or len(ranks) != world_size:
                     raise RuntimeError("the ranks the student's kernel started for the run could not be found")
-                keeper = gatekeeper.for_ranks(inside, gate, ranks, user, request.timeout, memory=request.memory)
+                keeper = gatewatch.for_ranks(inside, gate, ranks, user, request.timeout, memory=request.memory)
                 request = request.replace(gate=keeper.start())
             except (RuntimeError, OSError) as exc:
                 keeper, not_gated = None, f"the grader's gate could not be opened: {exc}"[:300]

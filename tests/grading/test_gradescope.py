@@ -500,18 +500,18 @@ PROBE_GATE = (
     AS_STUDENT
     + r"""
 from disttrain_lab import pauses
-from disttrain_lab.grading import gatekeeper
+from disttrain_lab.grading import gatewatch
 try:
     pid, inode = map(int, student.stdout.readline().split())
     time.sleep(0.5)  # (into its recv)
     found = {"inode": inode}
     for user in (None, uid):
         try:
-            found[f"as {user}"] = gatekeeper.receiving(pid, user)
+            found[f"as {user}"] = gatewatch.receiving(pid, user)
         except PermissionError:
             found[f"as {user}"] = "refused"
         try:
-            found[f"memory as {user}"] = gatekeeper._read_as(user, pauses.memory_while_receiving, "--memory", pid)
+            found[f"memory as {user}"] = gatewatch.read_as(user, pauses.memory_while_receiving, "--memory", pid)
         except PermissionError:
             found[f"memory as {user}"] = "refused"
 finally:

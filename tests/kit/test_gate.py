@@ -134,14 +134,14 @@ def test_a_rank_is_held_only_where_its_main_thread_waits_at_the_gate(forged):
     grader answers all the same (the run ends)."""
     import multiprocessing
 
-    from disttrain_lab.grading import gatekeeper
+    from disttrain_lab.grading import gatewatch
 
     ctx = multiprocessing.get_context("fork")
     pipes = [ctx.Pipe() for _ in range(2)]
     ranks = [ctx.Process(target=_rank_at_the_gate, args=(r, pipes[r][1], forged and r == 1)) for r in range(2)]
     for p in ranks:
         p.start()
-    keeper = gatekeeper.for_ranks(None, [None, None], [p.pid for p in ranks], None, timeout=60)
+    keeper = gatewatch.for_ranks(None, [None, None], [p.pid for p in ranks], None, timeout=60)
     try:
         port = keeper.start()
         for mine, _ in pipes:
@@ -159,3 +159,21 @@ def test_a_rank_is_held_only_where_its_main_thread_waits_at_the_gate(forged):
             keeper.seen([], 0.0).ranks_held()
     else:
         assert keeper.why is None and keeper.held_ranks == [(0, 1)]
+
+
+def test_a_host_links_copies_are_read_as_data_each_bounded():
+    """A rank's host link (lab 9's OffloadAdam under grading) sends its copies on the gate's connection: each one
+    kept whole as bytes, never parsed; a length past MAX_LINK_BYTES ends the gate's protocol (unobserved); a
+    hold's drain reads the link's copies up to the rank's next message of another kind, which the loop keeps."""
+    import struct
+
+    from disttrain_lab.gate import DOWN, HOLD, MAX_LINK_BYTES, UP
+
+    buffer = bytearray(DOWN + struct.pack("<I", 3) + b"abc" + UP + struct.pack("<I", 0) + HOLD + struct.pack("<I", 1))
+    assert list(Gatekeeper._messages(buffer, links_only=True)) == [(DOWN, b"abc"), (UP, b"")]
+    assert buffer == HOLD + struct.pack("<I", 1)
+    assert list(Gatekeeper._messages(buffer)) == [(HOLD, 1)]
+    partial = bytearray(DOWN + struct.pack("<I", 10) + b"abc")
+    assert list(Gatekeeper._messages(partial)) == [] and len(partial) == 8  # (the rest comes later)
+    with pytest.raises(ValueError, match="host link sent the gate"):
+        list(Gatekeeper._messages(bytearray(UP + struct.pack("<I", MAX_LINK_BYTES + 1))))

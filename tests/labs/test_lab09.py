@@ -115,7 +115,7 @@ def test_exercises_and_hidden_tests_cover_the_issue():
         "check_mode_error()",
         "check_offload(True, steps=4, sizes=[7, 33, 5])",
         "latency=1e-3, bandwidth=1e9",
-        "check_saving(sizes=[24, 48, 48, 24], latency=10e-6, bandwidth=1e5, flops=2e7)",
+        "check_overlap_held(True, steps=3, latency=10e-6, bandwidth=1e5, sizes=[24, 48, 48, 24])",
     ):
         assert needle in hidden, needle
     # the references are torch's own, computed by the graded cells' checks (the kit's: disttrain_lab/labtests/lab09.py)
@@ -123,10 +123,11 @@ def test_exercises_and_hidden_tests_cover_the_issue():
     assert 'torch.amp.GradScaler("cpu", **options)' in inspect.getsource(lab09.check_loss_scaler)
     assert "lab_tests.check_checkpoint_args()" in cell_by_id(nb, "test_checkpoint").source
     assert "use_reentrant=True" in inspect.getsource(lab09.check_checkpoint_args)
-    # the margin of overlap: visible in the graded cell, against the given α–β model, exercised by the self-check
+    # overlap graded apart from correctness, on what the grader reads while it holds the backward (offload.py); the
+    # saving against the given α–β model is the self-check's alone (timed on the rank's own clock: not evidence)
     visible = cell_by_id(nb, "test_offload_overlap").source.split("### BEGIN HIDDEN TESTS")[0]
-    assert "lab_tests.check_saving(**EMULATED)" in visible
-    assert "check_saving" not in cell_by_id(nb, "test_offload").source  # timing graded apart from correctness
+    assert "lab_tests.check_overlap_held(True)" in visible and "lab_tests.check_overlap_held(False)" in visible
+    assert not any("check_saving" in cell_by_id(nb, g).source for g in graded)
     assert 'common.given("predicted_saving")' in inspect.getsource(lab09.check_saving)
     assert "predicted_saving" in cell_by_id(nb, "offload_helpers").source
     assert any(
@@ -181,7 +182,7 @@ def test_solution_notebook_executes_within_budget():
         assert f"every {k:>2} layers: backward's peak {64 // k + k:5.1f} I" in printed, printed
     printed = output_of(nb, "(lab_tests.check_mixed_precision): an fp16 model")
     assert "(2.00/param), gradients" in printed and "optimizer_state" in printed, printed
-    printed = output_of(nb, "(lab_tests.check_offload): 3 steps each way on the PCIe preset")
+    printed = output_of(nb, "(lab_tests.check_offload, check_overlap_held): 3 steps each way on")
     assert "gradients sent during backward per step: [6, 6, 6]" in printed, printed
     assert "gradients sent during backward per step: [0, 0, 0]" in printed, printed
     saved, predicted = map(
@@ -283,26 +284,13 @@ class OffloadAdam(OffloadAdam):                   # sends the fp32 master weight
         "went up the link, expected 2Ψ per step",
     ),
     (
-        "offload",
+        "offload_overlap",  # (its own graded cell: overlap graded apart from the correctness, #41)
         """
 class OffloadAdam(OffloadAdam):                   # ignores overlap: sends after backward
     def __init__(self, model, link, lr=1e-3, overlap=True):
         super().__init__(model, link, lr, overlap=False)
 """,
         "send each one from its post-accumulate-grad hook",
-    ),
-    (
-        "offload_overlap",  # (its own graded cell: the timing is graded apart from the correctness, #41)
-        """
-class OffloadAdam(OffloadAdam):                   # sends during backward, but each hook waits for its own copy
-    def __init__(self, model, link, lr=1e-3, overlap=True):
-        super().__init__(model, link, lr, overlap)
-        def wait(i):
-            self.in_flight[i].result()
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: wait(i) if overlap else None)
-""",
-        "the α–β model predicts",
     ),
     (
         "checkpoint",
@@ -564,4 +552,117 @@ def test_mixed_precision_memory_is_graded_on_the_os_count_at_the_grader_gate(mon
                 lab09.check_mixed_held()
         finally:
             space["MixedPrecisionAdam"] = kept
+            notebook_names(monkeypatch, space)
+
+
+# OffloadAdam's link (labtests/lab09/offload.py): what the link's log says is the rank's own account.  Under grading
+# the grader reads each copy's bytes at its gate and holds each step's backward twice (at the output, at model[2]'s
+# input), adding answers of its own.  Each forgery below passes on the log (the student's own kernel) and fails there.
+_LOG_ONLY = """
+class OffloadAdam(OffloadAdam):
+    # Adam where the model is; the link's log written by hand, with each gradient's hook time: nothing crosses
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        self.link, self.overlap, self.marks = link, overlap, {}
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().requires_grad_() for p in self.params]
+        self.optimizer = torch.optim.Adam(self.master, lr=lr)
+        for i, p in enumerate(self.params):
+            if overlap:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self.marks.__setitem__(i, time.perf_counter()))
+
+    def step(self):
+        from disttrain_lab.hostlink import Transfer
+        now = time.perf_counter()
+        for i, (p, m) in enumerate(zip(self.params, self.master)):
+            m.grad = p.grad.float()
+            t = self.marks.pop(i, now)
+            self.link.log.append(Transfer("down", p.numel() * p.element_size(), t, t, t))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                self.link.log.append(Transfer("up", p.numel() * p.element_size(), now, now, now))
+"""
+_SENDS_ZEROS = """
+class OffloadAdam(OffloadAdam):
+    # the right number of bytes each way, at the right times, but zeros: Adam where the model is
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        self.link, self.overlap = link, overlap
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().requires_grad_() for p in self.params]
+        self.optimizer = torch.optim.Adam(self.master, lr=lr)
+        for p in self.params:
+            if overlap:
+                p.register_post_accumulate_grad_hook(lambda p: self.sent.append(self.link.copy(0 * p.grad, "down")))
+        self.sent = []
+
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            if not self.overlap:
+                self.sent.append(self.link.copy(torch.zeros_like(p.grad), "down"))
+            m.grad = p.grad.float()
+        [f.result() for f in self.sent]  # (every copy through: the log complete)
+        self.sent.clear()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+                self.link.copy(torch.zeros_like(p), "up").result()
+"""
+_SENDS_AFTER_BACKWARD = """
+class OffloadAdam(OffloadAdam):
+    # overlap=True sends the gradients in step(), after backward, then writes each hook's time into the log
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        super().__init__(model, link, lr, overlap=False)
+        self.overlap, self.marks = overlap, {}
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self.marks.__setitem__(i, time.perf_counter()))
+
+    def step(self):
+        import dataclasses
+        before, self.overlap = len(self.link.log), False
+        super().step()
+        self.overlap = True
+        with self.link._lock:
+            down = [k for k, t in enumerate(self.link.log) if k >= before and t.direction == "down"]
+            for k, i in zip(down, sorted(self.marks)):
+                self.link.log[k] = dataclasses.replace(self.link.log[k], requested=self.marks[i])
+        self.marks.clear()
+"""
+
+
+@pytest.mark.slow
+def test_offload_is_graded_on_what_the_grader_reads_of_the_link(monkeypatch):
+    """The solution's OffloadAdam passes in the student's own kernel (the link's log) and under the grader's
+    evidence (tests/helpers.py: its gate reads each copy's bytes and holds the backward); a link log written by
+    hand with nothing sent, zeros of the right sizes sent at the right times, and gradients sent after backward with
+    the log's times rewritten each pass on the log and fail on the grader's reading."""
+    from disttrain_lab import bench
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = bench.functions_from_notebook(LAB, ["OffloadAdam"], given=True)["OffloadAdam"].__init__.__globals__
+    exec(cell_by_id(load(LAB), "offload_helpers").source, space)  # (offload_run, sent_during_backward, ...)
+    notebook_names(monkeypatch, space)
+    lab09.check_offload(True)  # (the student's own kernel)
+    lab09.check_overlap_held(True)
+    with observed_from_outside():
+        for overlap in (True, False):
+            lab09.check_offload(overlap)
+            lab09.check_overlap_held(overlap)
+    kept = space["OffloadAdam"]
+    for forged, check, words in (
+        (_LOG_ONLY, lab09.check_offload, "0 B went down the link as the grader read it"),
+        (_SENDS_ZEROS, lab09.check_offload, "gradients (with the grader's answers added where it held the backward) "),
+        (_SENDS_AFTER_BACKWARD, lab09.check_overlap_held, "the gradients of parameters [] of the layers above it"),
+    ):
+        try:
+            exec(forged, space)
+            notebook_names(monkeypatch, space)  # (the driver finds the class in __main__, as in the student's kernel)
+            check(True)  # the rank's account: passes
+            with observed_from_outside(), pytest.raises(AssertionError, match=re.escape(words)):
+                check(True)
+        finally:
+            space["OffloadAdam"] = kept
             notebook_names(monkeypatch, space)
