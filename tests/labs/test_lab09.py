@@ -632,13 +632,31 @@ class OffloadAdam(OffloadAdam):
         self.marks.clear()
 """
 
+# ... and one that takes the grader's second hold out of the backward and asks for it itself, after sending every
+# gradient: the layers above "arrive before it", but the first layer's gradients cannot hold its answer
+_HOLDS_AFTER_BACKWARD = """
+class OffloadAdam(OffloadAdam):
+    def __init__(self, model, link, lr=1e-3, overlap=True):
+        super().__init__(model, link, lr, overlap=False)
+        self.overlap, self.width = True, model[2].in_features
+        model[2]._forward_pre_hooks.clear()  # (the driver's gate at model[2]'s input)
+
+    def step(self):
+        for i, p in enumerate(self.params):
+            self.in_flight[i] = self.link.copy(p.grad, "down")
+        if self.link.gate is not None:
+            self.link.gate.wait(torch.Size([64, self.width]))
+        super().step()
+"""
+
 
 @pytest.mark.slow
 def test_offload_is_graded_on_what_the_grader_reads_of_the_link(monkeypatch):
     """The solution's OffloadAdam passes in the student's own kernel (the link's log) and under the grader's
     evidence (tests/helpers.py: its gate reads each copy's bytes and holds the backward); a link log written by
     hand with nothing sent, zeros of the right sizes sent at the right times, and gradients sent after backward with
-    the log's times rewritten each pass on the log and fail on the grader's reading."""
+    the log's times rewritten each pass on the log and fail on the grader's reading; so does one that moves the
+    grader's second hold after the backward."""
     from disttrain_lab import bench
     from tests.helpers import notebook_names, observed_from_outside
 
@@ -656,11 +674,13 @@ def test_offload_is_graded_on_what_the_grader_reads_of_the_link(monkeypatch):
         (_LOG_ONLY, lab09.check_offload, "0 B went down the link as the grader read it"),
         (_SENDS_ZEROS, lab09.check_offload, "gradients (with the grader's answers added where it held the backward) "),
         (_SENDS_AFTER_BACKWARD, lab09.check_overlap_held, "the gradients of parameters [] of the layers above it"),
+        (_HOLDS_AFTER_BACKWARD, lab09.check_overlap_held, "did the backward go on from the grader's answer?"),
     ):
         try:
             exec(forged, space)
             notebook_names(monkeypatch, space)  # (the driver finds the class in __main__, as in the student's kernel)
-            check(True)  # the rank's account: passes
+            if forged is not _HOLDS_AFTER_BACKWARD:  # (that one forges the gate, not the log)
+                check(True)  # the rank's account: passes
             with observed_from_outside(), pytest.raises(AssertionError, match=re.escape(words)):
                 check(True)
         finally:

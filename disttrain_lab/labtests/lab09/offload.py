@@ -20,7 +20,8 @@ every gradient and weight (both answers added, Adam on fp32 master weights, in t
   are Adam's on the device, bit for bit;
 - ``check_overlap_held``: with ``overlap=True`` the gradients of every layer above the second hold had gone down
   before its answer (so from hooks during backward: a copy made after backward returns comes later, and no
-  gradient of the step exists before the first hold's answer), and with ``overlap=False`` none had.
+  gradient of the step exists before the first hold's answer), and with ``overlap=False`` none had; either way the
+  first layer's gradients, which hold the second answer, went down after it (the backward went on from the hold).
 
 What this does not grade: the time the overlap saves (``checks.check_saving``: timed on the rank's clock, on an
 emulated device and link that run inside the rank, so a submission could time itself as it likes): the exercise's
@@ -229,3 +230,11 @@ def check_overlap_held(
                 f"{case}: step {step + 1}: {len(before):,} B went down the link while the grader held the backward; "
                 "overlap=False sends the gradients after backward, in step()"
             )
+        # the first layer's gradients hold the second answer: the backward went on below the hold after it was answered
+        after = b"".join(d for direction, h, d in link if direction == "down" and h == 2 * step + 2)
+        late = [i for i, g in enumerate(grads[step]) if i < above and _as_bytes(g) not in after]
+        assert not late, (
+            f"{case}: step {step + 1}: the gradients of parameters {late} of the first layer, with the grader's "
+            "answer added at the second linear layer's input, did not go down the link after the grader answered "
+            "there: did the backward go on from the grader's answer?"
+        )
