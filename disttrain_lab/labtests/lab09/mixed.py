@@ -76,6 +76,18 @@ def _mixed_driver(sizes, batch):
     return mixed_step(MixedPrecisionAdam, sizes, batch)  # noqa: F821  (the notebook's)
 
 
+def master_step(model: torch.nn.Module, master: list, adam: torch.optim.Optimizer) -> None:
+    """The reference's step on fp32 master weights: the model's gradients as fp32, Adam, the model's weights back
+    from the master copies (rounded to the model's dtype)."""
+    for p, m in zip(model.parameters(), master):
+        m.grad = p.grad.float()
+    adam.step()
+    adam.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master):
+            p.copy_(m)
+
+
 def _reference(sizes: list, batch: int) -> tuple[list[float], list]:
     """Here (no student code): the same two steps, Adam (torch's) on fp32 master weights of the fp16 model.  What
     it frees is returned to the OS (``osmemory.returning``): in the student's own kernel, freed memory kept in the
@@ -91,15 +103,9 @@ def _reference(sizes: list, batch: int) -> tuple[list[float], list]:
             loss = F.mse_loss(model(x).float(), y)
             losses.append(loss.item())
             loss.backward()
-            for p, m in zip(model.parameters(), master):
-                m.grad = p.grad.float()
-            adam.step()
-            adam.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                for p, m in zip(model.parameters(), master):
-                    p.copy_(m)
+            master_step(model, master, adam)
         weights = [sums(p) for p in model.parameters()]
-        del model, master, adam, loss, p, m
+        del model, master, adam, loss
     return losses, weights
 
 

@@ -37,6 +37,7 @@ from ... import checks, exercise, gate, models
 from ...hostlink import HostLink
 from ...network import Network
 from .. import common
+from .mixed import master_step
 
 __all__ = ["check_offload_held", "check_overlap_held", "held_steps"]
 
@@ -118,13 +119,7 @@ def _reference(steps: int, sizes: list, answers: list) -> tuple[list[list[torch.
         F.mse_loss(_Added.apply(model(x), top).float(), y).backward()
         handle.remove()
         grads.append([p.grad.detach().clone() for p in model.parameters()])
-        for p, m in zip(model.parameters(), master):
-            m.grad = p.grad.float()
-        adam.step()
-        adam.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), master):
-                p.copy_(m)
+        master_step(model, master, adam)
         weights.append([p.detach().clone() for p in model.parameters()])
     return grads, weights
 
