@@ -25,6 +25,8 @@ import types
 
 import cloudpickle
 
+from . import pickling
+
 __all__ = ["dumps", "code_key", "frames_of", "relocate", "is_internal", "is_library"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -59,9 +61,9 @@ def _record(code: types.CodeType, where: dict[str, str]) -> None:
             _record(const, where)
 
 
-class _RecordingPickler(cloudpickle.Pickler):
-    """cloudpickle's pickler, noting the real file of every function it pickles by value
-    (functions, lambdas, methods of classes defined in cells, helpers they call)."""
+class _RecordingPickler(pickling.Pickler):
+    """cloudpickle's pickler (``pickling``'s: float8 tensors too), noting the real file of every function it
+    pickles by value (functions, lambdas, methods of classes defined in cells, helpers they call)."""
 
     def __init__(self, file, where: dict[str, str]):
         super().__init__(file, protocol=cloudpickle.DEFAULT_PROTOCOL)
@@ -74,7 +76,7 @@ class _RecordingPickler(cloudpickle.Pickler):
 
 
 def dumps(obj) -> tuple[bytes, dict[str, str]]:
-    """``cloudpickle.dumps(obj)``, and the real file of each code object it carries, by key."""
+    """``pickling.dumps(obj)``, and the real file of each code object it carries, by key."""
     where: dict[str, str] = {}
     with io.BytesIO() as file:
         _RecordingPickler(file, where).dump(obj)

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
-from . import codemap, confine, emulation, integrity, trace
+from . import codemap, confine, emulation, integrity, pickling, trace
 from .pauses import WAKE_SIGNAL
 
 STARTUP_TIMEOUT = 180.0  # seconds: a fresh interpreter importing torch on a busy machine
@@ -98,7 +98,7 @@ def worker_main(conn_fd: int, out_fd: int, status, forked: bool, parent: int, st
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            data = cloudpickle.dumps(reply)
+            data = pickling.dumps(reply)
         except Exception as exc:
             data = cloudpickle.dumps(
                 (

@@ -53,6 +53,7 @@ SECONDS = {
     "test_lab10.py": 55,  # lab 10 split in two (30 Nov): its old 90 s shared by the two halves, to be measured
     "test_lab11.py": 50,
     "test_lab12.py": 40,  # (a guess: its notebook as a student runs it, and its wrong answers in one kernel)
+    "test_lab13.py": 35,  # (a guess: its notebook as a student runs it, its wrong answers in one kernel, a capture)
     "test_caps.py": 90,  # measured by itself: 81 s (94 s, 181 s with other sessions' tests beside it)
     "test_hygiene.py": 140,  # a grading of three students, 105 s, beside another test run
     "test_commands.py": 160,  # (bench all --quick: every benchmark in one run, 117 s beside a CI rehearsal)
@@ -92,6 +93,7 @@ ROUND_TRIP_SECONDS = {
     "10_context_parallel": 100,  # (the two halves of lab 10's 115 s, with a setup each)
     "11_expert_parallel": 100,
     "12_running_jobs": 90,  # (a guess until measured: three profiled 4-rank runs, nine graded calls)
+    "13_fp8": 60,  # (a guess until measured: one 4-rank training picture, seven graded calls)
 }
 ROUND_TRIP_GUESS = 150  # a lab not measured yet
 
