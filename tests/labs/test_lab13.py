@@ -197,7 +197,7 @@ def quantize(x, dtype=E4M3, block=None):          # one scale per row of blocks:
         return _right_quantize(x, dtype)
     return _right_quantize(x, dtype, (block[0], x.shape[1]))
 """,
-        "the scale must be a float32 tensor of shape",
+        "_quantize_case failed on a rank",  # (its own dequantize meets scales of the wrong shape)
     ),
     (
         "delayed",
