@@ -90,6 +90,16 @@ def graded_cells(nb) -> list:
     return [c for c in nb.cells if nbgrader_meta(c).get("grade")]
 
 
+def exercise_ids(nb) -> list[str]:
+    """The grade ids of a notebook's exercise cells (``ex_...``), in order."""
+    return [i for c in nb.cells if (i := nbgrader_meta(c).get("grade_id", "")).startswith("ex_")]
+
+
+def graded_points(nb) -> dict[str, float]:
+    """Each graded cell's grade id and its points."""
+    return {nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in nb.cells if nbgrader_meta(c).get("grade")}
+
+
 def blank(nb) -> nbformat.NotebookNode:
     """The student's version: what nbgrader's ClearSolutions makes of the solution cells."""
     from nbgrader.preprocessors import ClearSolutions

@@ -40,8 +40,9 @@ from tests.notebooks import (
     cell_by_id,
     errors,
     execute,
+    exercise_ids,
+    graded_points,
     load,
-    nbgrader_meta,
     output_of,
     pictures,
     prediction_problems,
@@ -69,12 +70,8 @@ PREDICTIONS = {
 
 def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load(LAB)
-    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
-    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    points = {
-        nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in nb.cells if nbgrader_meta(c).get("grade")
-    }
-    assert points == {
+    assert exercise_ids(nb) == [f"ex_{e}" for e in EXERCISES]
+    assert graded_points(nb) == {
         "test_online_softmax": 2,
         "test_ring_attention": 4,
         "test_predict_ring_bytes": 1,

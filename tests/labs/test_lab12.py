@@ -44,8 +44,9 @@ from tests.notebooks import (
     base_cells,
     cell_by_id,
     execute,
+    exercise_ids,
+    graded_points,
     load,
-    nbgrader_meta,
     output_of,
     pictures,
     prediction_problems,
@@ -75,12 +76,8 @@ EXERCISES = [
 
 def test_exercises_points_and_hidden_tests():
     nb = load(LAB)
-    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
-    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    points = {
-        nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in nb.cells if nbgrader_meta(c).get("grade")
-    }
-    assert points == {
+    assert exercise_ids(nb) == [f"ex_{e}" for e in EXERCISES]
+    assert graded_points(nb) == {
         "test_predict_exposed": 1,
         "test_exposed": 2,
         "test_stragglers": 2,

@@ -38,6 +38,8 @@ from tests.notebooks import (
     cell_by_id,
     errors,
     execute,
+    exercise_ids,
+    graded_points,
     load,
     nbgrader_meta,
     output_of,
@@ -59,12 +61,8 @@ EXERCISES = ["predict_rounding", "quantize", "delayed", "fp8_linear", "fp8_all_g
 
 def test_exercises_and_hidden_tests_cover_the_lab():
     nb = load(LAB)
-    ids = [nbgrader_meta(c).get("grade_id") for c in nb.cells if nbgrader_meta(c)]
-    assert [i for i in ids if i.startswith("ex_")] == [f"ex_{e}" for e in EXERCISES]
-    points = {
-        nbgrader_meta(c)["grade_id"]: nbgrader_meta(c)["points"] for c in nb.cells if nbgrader_meta(c).get("grade")
-    }
-    assert points == {
+    assert exercise_ids(nb) == [f"ex_{e}" for e in EXERCISES]
+    assert graded_points(nb) == {
         "test_predict_rounding": 1,
         "test_quantize": 2,
         "test_quantize_blocks": 2,
