@@ -8,7 +8,11 @@ import torch
 
 def _quantize_case(x, dtype, block):
     """Driver (runs in your kernel): quantize(x, dtype, block), and dequantize of what it gave."""
-    q, scale = quantize(x, dtype, block)  # noqa: F821  (the notebook's)
+    result = quantize(x, dtype, block)  # noqa: F821  (the notebook's)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise TypeError(f"quantize must return a tuple (q, scale); it returned {got}")
+    q, scale = result
     return q, scale, dequantize(q, scale, block)  # noqa: F821  (the notebook's)
 
 

@@ -31,7 +31,6 @@ def check_quantize(shape: tuple, dtype: torch.dtype, seed: int = 0, *, block: tu
     where = "per tensor" if block is None else f"in blocks of {block[0]}×{block[1]}"
     case = f"quantize of a {tuple(x.shape)} tensor to {dtype}, {where}"
     result = run(_quantize_case, 1, (x.clone(), dtype, block), case).results[0]
-    assert isinstance(result, tuple) and len(result) == 3, f"{case}: quantize must return (q, scale)"
     q, scale, back = result
     want_q, want_scale = reference_cast(x, dtype) if block is None else reference_blocks(x, dtype, block)
     assert isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.shape == want_scale.shape, (
@@ -83,7 +82,6 @@ def check_delayed(dtype: torch.dtype, history_len: int, amaxes: list[float], sha
         x = torch.randn(shape, generator=gen)
         xs.append(x / x.abs().max() * amax if amax else torch.zeros(shape))
     steps = run(_delayed_steps, 1, (dtype, history_len, [x.clone() for x in xs]), case).results[0]
-    assert isinstance(steps, list) and len(steps) == len(xs), f"{case}: expected {len(xs)} casts"
     for step, ((q, scale, saturated), (want_q, want_scale, want_saturated)) in enumerate(
         zip(steps, _reference_delayed(xs, dtype, history_len))
     ):
