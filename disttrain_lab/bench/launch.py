@@ -74,14 +74,23 @@ def _spawn_target(rank: int, world_size: int, rendezvous: str) -> None:
     dist.destroy_process_group()
 
 
-def time_spawn(world_size: int) -> float:
+def time_spawn(world_size: int, tries: int = 2) -> float:
+    """Seconds of one ``torch.multiprocessing.spawn`` of ``world_size`` trivial ranks.  A launch whose gloo
+    group fails to connect (its mesh on a loaded host) is tried again, once, as torchrun's is."""
     # a file of its own to meet at: a free port can be taken by a job beside this one between its choice and its
-    # use, and two jobs then meet in one store (seen in the suite: "Gloo connectFullMesh failed ... Connection
-    # closed by peer")
-    with tempfile.TemporaryDirectory(prefix="disttrain-spawn-") as folder:
-        start = time.perf_counter()
-        mp.spawn(_spawn_target, args=(world_size, os.path.join(folder, "rendezvous")), nprocs=world_size, join=True)
-        return time.perf_counter() - start
+    # use, and two jobs then meet in one store.  Even so, gloo's mesh itself failed once in a fresh-clone CI run
+    # ("Gloo connectFullMesh failed ... Connection closed by peer", 2026-12-05; the suite's other tests run beside it)
+    for attempt in range(tries):
+        with tempfile.TemporaryDirectory(prefix="disttrain-spawn-") as folder:
+            start = time.perf_counter()
+            try:
+                mp.spawn(_spawn_target, args=(world_size, os.path.join(folder, "rendezvous")), nprocs=world_size)
+            except mp.ProcessRaisedException as failed:
+                if attempt == tries - 1 or "connectFullMesh" not in str(failed):
+                    raise
+                continue
+            return time.perf_counter() - start
+    raise AssertionError("unreachable")
 
 
 def time_torchrun(world_size: int, tries: int = 2) -> float:
