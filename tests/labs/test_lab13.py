@@ -230,6 +230,34 @@ class DelayedScaler(_RightScaler):                # starts again from 1 when the
         "the scale it used",
     ),
     (
+        "delayed",
+        """
+_RightScaler = DelayedScaler
+class DelayedScaler(_RightScaler):                # Transformer Engine's scale, unclamped: 448 / 3e-20
+    def __call__(self, x):
+        out = super().__call__(x)
+        amax = torch.stack(self.amax_history).max()
+        if float(amax) > 0:
+            self.scale = (torch.finfo(self.dtype).max / amax.double()).float()
+        return out
+""",
+        "the scale it used",
+    ),
+    (
+        "delayed",
+        """
+_RightScaler = DelayedScaler
+class DelayedScaler(_RightScaler):                # returns self.scale, then updates it in place
+    def __call__(self, x):
+        used = self.scale
+        q, _ = super().__call__(x)
+        used.copy_(self.scale)
+        self.scale = used
+        return q, used
+""",
+        "updated in place",
+    ),
+    (
         "fp8_linear",
         """
 class Fp8Linear(nn.Linear):                       # no casts at all: float32
@@ -273,6 +301,17 @@ def fp8_all_gather(shard):                        # each shard cast with its own
     return torch.cat([p.view(E4M3).float() / s for p, s in zip(pieces, scales)])
 """,
         "one scale for all",
+    ),
+    (
+        "fp8_all_gather",
+        """
+def fp8_all_gather(shard):                        # the right values, from a float32 all-gather: 4 bytes an entry
+    pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, shard.contiguous())
+    q, scale = quantize(torch.cat(pieces), E4M3)
+    return dequantize(q, scale)
+""",
+        "the operating system counted",
     ),
     ("predict_rounding", "PREDICTED_E4M3_ROUNDING = 2.0**-4     # the bound, not its largest value\n", "cost model"),
     ("predict_gather", "PREDICTED_GATHER_MIB = 4.0     # N shards, not N - 1\n", "cost model"),
@@ -330,20 +369,40 @@ class _TorchaosLayer(torch.nn.Linear):
         return Float8Linear.from_float(self, config=Float8LinearConfig())(x)
 
 
+class _HidingTorchaoLayer(_TorchaosLayer):
+    """The same, and then, once the backward pass has reached x, torchao taken out of ``sys.modules``: the ops it
+    registered with torch's dispatcher stay, and tell."""
+
+    def forward(self, x):
+        import sys
+
+        def forget(grad):
+            for name in [name for name in sys.modules if name.split(".")[0] == "torchao"]:
+                del sys.modules[name]
+            return grad
+
+        x.register_hook(forget)
+        return super().forward(x)
+
+
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_what_fp8_all_gather_sent_is_read_from_the_wire(monkeypatch):
     """The solution passes with and without the grader's capture; a float32 all-gather cast afterwards gives the
-    same values, passes in the student's own kernel, and fails on the wire: its e4m3 shards never crossed, and
-    it sent four times the bytes.  Under the grader's observation, an Fp8Linear that is torchao's layer under
-    the student's name (exact to the bit) earns nothing.  (The honest layer's full marks under grading, where
+    same values and fails: in the student's own kernel on the operating system's byte counts, under grading on
+    the wire (its e4m3 shards never crossed, and it sent four times the bytes).  Under the grader's observation,
+    an Fp8Linear that is torchao's layer under the student's name (exact to the bit) earns nothing, even where
+    the rank takes torchao out of ``sys.modules`` before it answers.  (The honest layer's full marks under grading, where
     the grader's kernel and the student's are two: the round trip, test_grading.py.)"""
+    from disttrain_lab.launcher import shutdown
     from tests.helpers import notebook_names, observed_from_outside
 
     solution = bench.functions_from_notebook(LAB, ["fp8_all_gather", "Fp8Linear", "quantize"])
     notebook_names(monkeypatch, solution["fp8_all_gather"].__globals__)
     lab13.check_fp8_all_gather(2, 64, 32)
-    lab13.check_fp8_all_gather(2, 64, 32, target=_gathered_in_float32)  # the student's kernel: no capture
+    with pytest.raises(AssertionError) as counted:  # the student's kernel: no capture, the OS's counts
+        lab13.check_fp8_all_gather(2, 64, 32, target=_gathered_in_float32)
+    assert "the operating system counted" in str(counted.value), counted.value
     lab13.GRADED_PASSED.add("quantize")
     with observed_from_outside():
         lab13.check_fp8_all_gather(3, 3, 1000, seed=2)
@@ -353,4 +412,11 @@ def test_what_fp8_all_gather_sent_is_read_from_the_wire(monkeypatch):
         monkeypatch.setattr("__main__.Fp8Linear", _TorchaosLayer)
         with pytest.raises(AssertionError) as imported:
             lab13.check_linear(lab13.linear_driver(), 64, 32, True, (16,))
+        monkeypatch.setattr("__main__.Fp8Linear", _HidingTorchaoLayer)
+        try:
+            with pytest.raises(AssertionError) as hidden:
+                lab13.check_linear(lab13.linear_driver(), 64, 32, True, (16,))
+        finally:
+            shutdown()  # (that rank can no longer import torchao: it would register its ops twice)
     assert "torchao is imported in your kernel" in str(imported.value), imported.value
+    assert "torchao is imported in your kernel" in str(hidden.value), hidden.value

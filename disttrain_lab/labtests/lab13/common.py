@@ -104,9 +104,10 @@ def reference_blocks(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
     return q, scales
 
 
-def assert_bits(got, want: torch.Tensor, what: str) -> None:
+def assert_bits(got, want: torch.Tensor, what: str, source: tuple | None = None) -> None:
     """``got`` is an FP8 tensor of ``want``'s dtype and shape, equal to it bit for bit; else say where it
-    first differs and how many entries do."""
+    first differs and how many entries do, and, given ``source = (x, scale)`` (the scale per entry, or one),
+    what was cast there."""
     assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, (
         f"{what}: expected a {want.dtype} tensor of shape {tuple(want.shape)}, got "
         + (f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__)
@@ -114,7 +115,17 @@ def assert_bits(got, want: torch.Tensor, what: str) -> None:
     differ = got.view(torch.uint8) != want.view(torch.uint8)
     if bool(differ.any()):
         first = tuple(int(i) for i in differ.nonzero()[0])
+        cast = ""
+        if source is not None:
+            x, scale = source
+            at = float(x[first]) if x.dim() else float(x)
+            s = float(scale.expand(x.shape)[first]) if scale.dim() else float(scale)
+            cast = (
+                f" (x there is {at:.6g}, x · scale = {at * s:.6g} with scale {s:.6g}: the expected value is that"
+                f" product clamped to ±{torch.finfo(want.dtype).max:g}, rounded to the nearest {want.dtype},"
+                " ties to even)"
+            )
         raise AssertionError(
             f"{what}: {int(differ.sum())} of {want.numel()} entries differ from the reference cast; the first at "
-            f"{first}: {float(got[first].float()):g}, expected {float(want[first].float()):g}"
+            f"{first}: {float(got[first].float()):g}, expected {float(want[first].float()):g}{cast}"
         )

@@ -48,7 +48,10 @@ def check_linear(driver: Callable, in_features: int, out_features: int, bias: bo
     x = torch.randn(lead + (in_features,), generator=gen) * 2
     grad = torch.randn(lead + (out_features,), generator=gen) * 1e-3
     got = run(driver, 1, (in_features, out_features, bias, x.clone(), grad.clone()), case).results[0]
-    assert isinstance(got, dict) and got.get("linear") is True, f"{case}: Fp8Linear must be an nn.Linear (a subclass)"
+    assert isinstance(got, dict) and got.get("linear") is True, (
+        f"{case}: Fp8Linear must be a subclass of nn.Linear (class Fp8Linear(nn.Linear)); the layer made is a "
+        + " -> ".join(map(str, (got.get("type") or ["?"]) if isinstance(got, dict) else ["?"]))
+    )
     assert got.get("torchao") is False or not exercise.graded(), (
         f"{case}: torchao is imported in your kernel; this exercise is graded on your own FP8 code, written with "
         "torch alone (the grader compares it with torchao's). Restart the kernel without importing torchao"
@@ -56,17 +59,24 @@ def check_linear(driver: Callable, in_features: int, out_features: int, bias: bo
     made = got.get("made")
     names = ["weight", "bias"] if bias else ["weight"]
     assert isinstance(made, dict) and sorted(made) == sorted(names), (
-        f"{case}: the layer's parameters must be nn.Linear's ({names}), got {sorted(made or {})}"
+        f"{case}: the layer's parameters must be nn.Linear's ({names}), got {sorted(made or {})}: keep "
+        "nn.Linear's constructor (in_features, out_features, bias=True) and its parameters; register no others"
     )
     for name in names:
         shape = (out_features, in_features) if name == "weight" else (out_features,)
         p = made[name]
         assert isinstance(p, torch.Tensor) and p.shape == shape and p.dtype == torch.float32, (
-            f"{case}: {name} must be a float32 tensor of shape {shape}"
+            f"{case}: {name} must be a float32 tensor of shape {shape}, got "
+            + (f"{p.dtype} {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__)
         )
     want = _reference(made, in_features, out_features, bias, x, grad)
 
     def close(a, b, what):
+        assert a is not None, (
+            f"{case}: {what} is None: no gradient reached it. Your Function's backward must return one gradient "
+            "per input of its forward, in order (for forward(ctx, x, weight): dX, dW), and forward must use the "
+            "parameters it is given"
+        )
         checks.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()), what=f"{case}: {what}")
 
     close(got["y"], want["y"], "output (forward: x and weight cast to e4m3, each with its own scale)")

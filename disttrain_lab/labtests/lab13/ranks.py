@@ -40,9 +40,16 @@ def linear_case(layer_class, in_features, out_features, bias, x, grad):
     y = layer(x)
     y.backward(grad)
     grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in layer.named_parameters()}
+    # torchao, anywhere in this kernel: its modules, the ops it registers with torch's dispatcher on import (which
+    # stay when sys.modules is cleaned), or a class of its in the layer or its output
+    ops = torch._C._dispatch_get_all_op_names()
+    classes = [type(m) for m in layer.modules()] + [type(y)]
     return {
         "linear": isinstance(layer, torch.nn.Linear),
-        "torchao": any(name == "torchao" or name.startswith("torchao.") for name in sys.modules),
+        "type": [c.__qualname__ for c in type(layer).__mro__][:6],
+        "torchao": any(name == "torchao" or name.startswith("torchao.") for name in sys.modules)
+        or any(op.startswith("torchao::") for op in ops)
+        or any(any(c.__module__.startswith("torchao") for c in cls.__mro__) for cls in classes),
         "made": made,
         "y": y.detach(),
         "dx": None if x.grad is None else x.grad.detach(),

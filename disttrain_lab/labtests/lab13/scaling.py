@@ -39,10 +39,10 @@ def check_quantize(shape: tuple, dtype: torch.dtype, seed: int = 0, *, block: tu
         + (f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__)
     )
     checks.assert_close(scale, want_scale, rtol=1e-6, atol=0, what=f"{case}: scale (max / amax, torchao's)")
-    assert_bits(q, want_q, f"{case}: q")
     per_entry = want_scale
     if block is not None:
         per_entry = want_scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    assert_bits(q, want_q, f"{case}: q", source=(x, per_entry))
     checks.assert_close(back, want_q.float() / per_entry, rtol=1e-6, atol=0, what=f"{case}: dequantize(q, scale)")
 
 
@@ -91,9 +91,10 @@ def check_delayed(dtype: torch.dtype, history_len: int, amaxes: list[float], sha
             want_scale.reshape(()),
             rtol=1e-6,
             atol=0,
-            what=f"{at}: the scale it used (from the amaxes before it, not this tensor's own)",
+            what=f"{at}: the scale it used (from the amaxes before it, not this tensor's own; a scale returned "
+            "as self.scale and then updated in place changes with it: return the tensor the cast used)",
         )
-        assert_bits(q, want_q, f"{at}: q")
+        assert_bits(q, want_q, f"{at}: q", source=(xs[step], want_scale))
         assert saturated == want_saturated, (
             f"{at}: saturated should count the entries whose |x| · scale exceeded {torch.finfo(dtype).max:g}: "
             f"{want_saturated}, got {saturated}"
