@@ -278,12 +278,20 @@ def _torchft_recovery(total: int, kill_at: int) -> list[dict]:
         doomed.wait(timeout=300)
         if doomed.returncode != -signal.SIGKILL:
             raise NotMeasured(f"torchft's replica 1 ended with {doomed.returncode}: {said(doomed)}")
+        # the replacement starts once the survivor has gone on alone, as a real one (a new node) comes minutes
+        # later: started at once, it could register with the lighthouse before the heartbeat timeout, and the
+        # survivor would never go on alone (seen once: both at step 3, 1.8 s after the kill)
+        with open(os.path.join(folder, "killed")) as f:
+            killed = float(f.read())
+        deadline = time.monotonic() + 120
+        while not [at for _, at in _torchft_steps(folder, 0) if at > killed] and survivor.poll() is None:
+            if time.monotonic() > deadline:
+                raise NotMeasured("torchft's survivor took no step in 120 s after replica 1 was killed")
+            time.sleep(0.02)
         replacement = start(1, 0)
         for child in (survivor, replacement):
             if child.wait(timeout=300) != 0:
                 raise NotMeasured(f"a torchft replica ended with {child.returncode}: {said(child)}")
-        with open(os.path.join(folder, "killed")) as f:
-            killed = float(f.read())
         ends = [torch.load(os.path.join(folder, f"params{r}")) for r in (0, 1)]
         if not all(torch.equal(a, b) for a, b in zip(*ends)):
             raise NotMeasured("torchft's two replicas ended with different parameters")
