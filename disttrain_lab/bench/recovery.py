@@ -231,7 +231,8 @@ def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, 
 
 def _torchft_steps(folder: str, replica: int) -> list[tuple[int, float]]:
     with open(os.path.join(folder, f"ft{replica}")) as f:
-        return [(int(step), float(at)) for step, at in (line.split() for line in f if line.strip())]
+        # (only whole lines: the survivor may be writing the last one as it is read)
+        return [(int(step), float(at)) for step, at in (line.split() for line in f if line.endswith("\n"))]
 
 
 def _torchft_recovery(total: int, kill_at: int) -> list[dict]:
@@ -284,7 +285,7 @@ def _torchft_recovery(total: int, kill_at: int) -> list[dict]:
         with open(os.path.join(folder, "killed")) as f:
             killed = float(f.read())
         deadline = time.monotonic() + 120
-        while not [at for _, at in _torchft_steps(folder, 0) if at > killed] and survivor.poll() is None:
+        while not [step for step, _ in _torchft_steps(folder, 0) if step > kill_at] and survivor.poll() is None:
             if time.monotonic() > deadline:
                 raise NotMeasured("torchft's survivor took no step in 120 s after replica 1 was killed")
             time.sleep(0.02)
