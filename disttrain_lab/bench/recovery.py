@@ -126,7 +126,10 @@ def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own
         if agent.returncode != 0:
             errors = [ln for ln in said.splitlines() if "RuntimeError:" in ln] or ["RuntimeError: (no error said)"]
             why = re.sub(r"\[/\S+\] ", "", errors[-1].split("RuntimeError:", 1)[1]).strip()
-            return {"error": f"torchrun exited with {agent.returncode}; the restarted workers: {why[:160]}"}
+            # the agent's summary of the last attempt: each worker's exit code (a signal named), as the error
+            # said last may be the first attempt's, the kill's expected one
+            ends = ", ".join(" ".join(ln.split()[2:]) for ln in said.splitlines() if ln.strip().startswith("exitcode"))
+            return {"error": f"torchrun exited with {agent.returncode}; the workers ended: {ends}; said: {why[:120]}"}
         with open(os.path.join(folder, "killed")) as f:
             killed = float(f.read())
         with open(os.path.join(folder, "resumed")) as f:
@@ -168,6 +171,13 @@ def _torchrun_child(folder: str, total: int, every: int, kill_at: int) -> None:
         with open(os.path.join(folder, "resumed"), "w") as f:
             f.write(str(got["resumed"]))
     dist.destroy_process_group()
+    # the worker's work is done and written: it ends here, before the interpreter's own teardown, in which
+    # torch's C++ threads could abort the process now and then ("terminate called without an active
+    # exception", SIGABRT, no Python frame; 4 of 10 restarts beside two CPU-bound processes), which torchrun
+    # counts as the restarted attempt failing
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, total: int, kill_at: int) -> None:
