@@ -151,12 +151,13 @@ def test_solution_notebook_executes_within_budget(autograding):
     raw, scaled = map(
         float, re.search(r"float8_e4m3fn\s+underflow to 0:\s+([\d.]+)% cast as it is,\s+([\d.]+)%", underflow).groups()
     )
-    assert raw > 25 and scaled < 1, underflow  # "most of a gradient's values would round to zero, unless scaled"
+    assert raw > 50 and scaled < 1, underflow  # "most of a gradient's values can round to zero, unless scaled"
     losses = output_of(nb, "def _train(layer_class, steps")
     fp32, bf16, fp8 = map(
         float, re.search(r"final loss: float32 ([\d.e-]+), bf16 ([\d.e-]+), FP8 ([\d.e-]+)", losses).groups()
     )
     assert fp32 < fp8 < 0.05 and bf16 < fp8, losses  # FP8 learns (the first loss ~1) and levels off above both
+    assert bf16 < 1.5 * fp32, losses  # "bf16 stays close to float32 (its final loss within 1.5 times float32's)"
     sent = output_of(nb, "def _float32_all_gather")
     fp8_mib, fp32_mib = map(float, re.findall(r"rank 0 sent ([\d.]+) MiB", sent))
     assert 3.0 <= fp8_mib < 3.01 and 12.0 <= fp32_mib < 12.01, sent
@@ -257,7 +258,7 @@ class DelayedScaler(_RightScaler):                # returns self.scale, then upd
         self.scale = used
         return q, used
 """,
-        "updated in place",
+        "as self.scale and then updated in place",
     ),
     (
         "fp8_linear",
@@ -394,8 +395,11 @@ def test_what_fp8_all_gather_sent_is_read_from_the_wire(monkeypatch):
     same values and fails: in the student's own kernel on the operating system's byte counts, under grading on
     the wire (its e4m3 shards never crossed, and it sent four times the bytes).  Under the grader's observation,
     an Fp8Linear that is torchao's layer under the student's name (exact to the bit) earns nothing, even where
-    the rank takes torchao out of ``sys.modules`` before it answers.  (The honest layer's full marks under grading, where
-    the grader's kernel and the student's are two: the round trip, test_grading.py.)"""
+    the rank takes torchao out of ``sys.modules`` before it answers.  (Here the ranks fork from this process, which
+    imported torchao for the references, so these two show the message, not the detection: that a kernel which never
+    imported torchao is not flagged, and one that hid it is, test_torchao_is_detected_only_where_imported; the honest
+    layer's full marks under grading, where the grader's kernel and the student's are two: the round trip,
+    test_grading.py.)"""
     from disttrain_lab.launcher import shutdown
     from tests.helpers import notebook_names, observed_from_outside
 
@@ -422,3 +426,44 @@ def test_what_fp8_all_gather_sent_is_read_from_the_wire(monkeypatch):
             shutdown()  # (that rank can no longer import torchao: it would register its ops twice)
     assert "torchao is imported in your kernel" in str(imported.value), imported.value
     assert "torchao is imported in your kernel" in str(hidden.value), hidden.value
+
+
+TORCHAO_IN_A_CLEAN_KERNEL = """
+import sys, torch
+from disttrain_lab.labtests.lab13.ranks import linear_case
+
+class Plain(torch.nn.Linear):  # torch alone
+    pass
+
+class Hiding(torch.nn.Linear):  # torchao's layer, then torchao taken out of sys.modules during the backward
+    def forward(self, x):
+        from torchao.float8 import Float8LinearConfig
+        from torchao.float8.float8_linear import Float8Linear
+
+        def forget(grad):
+            for name in [name for name in sys.modules if name.split(".")[0] == "torchao"]:
+                del sys.modules[name]
+            return grad
+
+        x.register_hook(forget)
+        return Float8Linear.from_float(self, config=Float8LinearConfig())(x)
+
+x, grad = torch.randn(16, 64), torch.randn(16, 32)
+plain = linear_case(Plain, 64, 32, True, x, grad)["torchao"]
+hidden = linear_case(Hiding, 64, 32, True, x, grad)
+print(plain, hidden["torchao"], any(n.split(".")[0] == "torchao" for n in sys.modules))
+"""
+
+
+@pytest.mark.slow  # (a fresh interpreter importing torch and torchao: a few seconds)
+def test_torchao_is_detected_only_where_imported():
+    """In a fresh interpreter, as the student's kernel is under grading: a layer of torch alone is not flagged,
+    and torchao's layer is, even when torchao has left ``sys.modules`` by the time the rank answers."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", TORCHAO_IN_A_CLEAN_KERNEL], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True", "False"], done.stdout + done.stderr[-2000:]
