@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv (see scripts/setup.sh) and run the whole test suite.
 #   bash scripts/test.sh            # everything, on three pytest workers (pytest-xdist), each taking one
-#                                   # test file at a time, the longest first (tests/conftest.py): 40 to 80
-#                                   # min on 2 cores (a fresh clone, quiet: 2,413 and 2,747 s of pytest on
-#                                   # 2 Dec; CI: 3,889 s on 30 Nov, 4,706 s on 1 Dec; 2,274 s on 4 Dec with other
-#                                   # tests beside it, 2,872 s beside two CPU-bound processes and more; 2,663 and 2,561 s
-#                                   # beside two CPU-bound processes on 4 Dec, 3,281 CPU seconds: the run ends with each
-#                                   # unit's, tests/conftest.py), 85 min beside other
-#                                   # test runs; #35's target is 25 (where the time goes: docs/architecture.md)
+#                                   # unit at a time, the longest first (tests/conftest.py): on 2 cores, a
+#                                   # fresh clone, 1,541 s quiet (5 Dec, 2,807 CPU seconds: the run ends with each
+#                                   # unit's), 2,321 s beside two CPU-bound processes (4 Dec); #35's target is 25 min
+#                                   # under that load (where the time goes: docs/architecture.md)
 #   bash scripts/test.sh -m "not slow"   # the fast tier (about 90 s): no notebook execution, autograding,
 #                                   # browser, nor any test over 3 s (pyproject.toml's `slow` marker)
 #   bash scripts/test.sh tests/labs/test_lab03.py   # one lab's tests
