@@ -128,7 +128,10 @@ def _torchrun_restart(functions: dict, total: int, every: int, kill_at: int, own
             why = re.sub(r"\[/\S+\] ", "", errors[-1].split("RuntimeError:", 1)[1]).strip()
             # the agent's summary of the last attempt: each worker's exit code (a signal named), as the error
             # said last may be the first attempt's, the kill's expected one
-            ends = ", ".join(" ".join(ln.split()[2:]) for ln in said.splitlines() if ln.strip().startswith("exitcode"))
+            lines = [ln.strip() for ln in said.splitlines()]
+            ranks = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("rank ") and ":" in ln]
+            codes = [" ".join(ln.split()[2:]) for ln in lines if ln.startswith("exitcode")]
+            ends = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, codes)) or "(not said)"
             return {"error": f"torchrun exited with {agent.returncode}; the workers ended: {ends}; said: {why[:120]}"}
         with open(os.path.join(folder, "killed")) as f:
             killed = float(f.read())
@@ -237,6 +240,11 @@ def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, 
         time.sleep(FT_PACE_S)
     torch.save([p.detach() for p in model.parameters()], os.path.join(folder, f"params{replica}"))
     manager.shutdown(wait=False)
+    # (its files are written and closed: it ends before the interpreter's teardown, as a torchrun worker does,
+    # whose threads could abort the process there, which the bench would count as the replica failing)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _torchft_steps(folder: str, replica: int) -> list[tuple[int, float]]:

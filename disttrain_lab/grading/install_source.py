@@ -137,9 +137,11 @@ def needs_wheel(source: str) -> bool:
 
 
 def _source_digest(root: Path) -> str:
-    """A hash of what goes into the wheel: the package's files and pyproject.toml."""
+    """A hash of what goes into the wheel: every file of the package (its code and its data: the feedback page's
+    templates too; not Python's caches), pyproject.toml and the README."""
     h = hashlib.sha256()
-    for path in sorted([root / "pyproject.toml", root / "README.md", *(root / "disttrain_lab").rglob("*.py")]):
+    package = [p for p in (root / "disttrain_lab").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    for path in sorted([root / "pyproject.toml", root / "README.md", *package]):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 

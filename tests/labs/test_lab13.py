@@ -14,7 +14,8 @@ torchao's, and what fp8_all_gather sent is read from the wire.
 - Wrong answers (and the grader's stand-in quantize, captured and handed in) fail the right graded cell
   with a message that says why, all in one kernel; with a broken quantize, Fp8Linear keeps its points.
 - Under the grader's observation: a float32 all-gather cast afterwards (the right values) fails on the wire,
-  and a kernel that imported torchao earns nothing for Fp8Linear.
+  and a kernel that imported torchao earns nothing for Fp8Linear; in a fresh interpreter, torchao is detected
+  only where it was imported, even when taken out of ``sys.modules``.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -151,7 +154,7 @@ def test_solution_notebook_executes_within_budget(autograding):
     raw, scaled = map(
         float, re.search(r"float8_e4m3fn\s+underflow to 0:\s+([\d.]+)% cast as it is,\s+([\d.]+)%", underflow).groups()
     )
-    assert raw > 50 and scaled < 1, underflow  # "most of a gradient's values can round to zero, unless scaled"
+    assert 54 < raw < 57 and scaled < 1, underflow  # "55 % of one": "most of a gradient's values can round to zero"
     losses = output_of(nb, "def _train(layer_class, steps")
     fp32, bf16, fp8 = map(
         float, re.search(r"final loss: float32 ([\d.e-]+), bf16 ([\d.e-]+), FP8 ([\d.e-]+)", losses).groups()
@@ -396,7 +399,7 @@ def test_what_fp8_all_gather_sent_is_read_from_the_wire(monkeypatch):
     the wire (its e4m3 shards never crossed, and it sent four times the bytes).  Under the grader's observation,
     an Fp8Linear that is torchao's layer under the student's name (exact to the bit) earns nothing, even where
     the rank takes torchao out of ``sys.modules`` before it answers.  (Here the ranks fork from this process, which
-    imported torchao for the references, so these two show the message, not the detection: that a kernel which never
+    may have imported torchao for the references, so these two show the message, not the detection: that a kernel which never
     imported torchao is not flagged, and one that hid it is, test_torchao_is_detected_only_where_imported; the honest
     layer's full marks under grading, where the grader's kernel and the student's are two: the round trip,
     test_grading.py.)"""
@@ -459,9 +462,6 @@ print(plain, hidden["torchao"], any(n.split(".")[0] == "torchao" for n in sys.mo
 def test_torchao_is_detected_only_where_imported():
     """In a fresh interpreter, as the student's kernel is under grading: a layer of torch alone is not flagged,
     and torchao's layer is, even when torchao has left ``sys.modules`` by the time the rank answers."""
-    import subprocess
-    import sys
-
     done = subprocess.run(
         [sys.executable, "-c", TORCHAO_IN_A_CLEAN_KERNEL], capture_output=True, text=True, timeout=120
     )

@@ -88,7 +88,9 @@ def check_delayed(dtype: torch.dtype, history_len: int, amaxes: list[float], sha
         said = f"{at}: the scale it used (from the amaxes before it, not this tensor's own)"
         after = wants[step + 1][1].reshape(()) if step + 1 < len(wants) else None
         moved = after is not None and not torch.allclose(after, want_scale.reshape(()), rtol=1e-6, atol=0)
-        if moved and torch.allclose(scale.reshape(()).float(), after, rtol=1e-6, atol=0):
+        # (only where the cast itself was right: a scale taken from this tensor's own amax equals the next one too)
+        cast_right = isinstance(q, torch.Tensor) and q.shape == want_q.shape and torch.equal(q.float(), want_q.float())
+        if moved and cast_right and torch.allclose(scale.reshape(()).float(), after, rtol=1e-6, atol=0):
             said += (
                 ": the one returned equals the scale after this cast's update, as a scale returned as self.scale "
                 "and then updated in place does; return the tensor the cast used"
