@@ -35,6 +35,7 @@ from disttrain_lab import bench
 from disttrain_lab.labtests import lab13
 from disttrain_lab.labtests.lab13 import common as lab13_common
 from tests.notebooks import (
+    REPO,
     add_wrong_answers,
     assert_wrong_answers_caught,
     base_cells,
@@ -434,26 +435,14 @@ def test_what_fp8_all_gather_sent_is_read_from_the_wire(monkeypatch):
 TORCHAO_IN_A_CLEAN_KERNEL = """
 import sys, torch
 from disttrain_lab.labtests.lab13.ranks import linear_case
+from tests.labs.test_lab13 import _HidingTorchaoLayer  # (importing this module imports no torchao)
 
 class Plain(torch.nn.Linear):  # torch alone
     pass
 
-class Hiding(torch.nn.Linear):  # torchao's layer, then torchao taken out of sys.modules during the backward
-    def forward(self, x):
-        from torchao.float8 import Float8LinearConfig
-        from torchao.float8.float8_linear import Float8Linear
-
-        def forget(grad):
-            for name in [name for name in sys.modules if name.split(".")[0] == "torchao"]:
-                del sys.modules[name]
-            return grad
-
-        x.register_hook(forget)
-        return Float8Linear.from_float(self, config=Float8LinearConfig())(x)
-
 x, grad = torch.randn(16, 64), torch.randn(16, 32)
 plain = linear_case(Plain, 64, 32, True, x, grad)["torchao"]
-hidden = linear_case(Hiding, 64, 32, True, x, grad)
+hidden = linear_case(_HidingTorchaoLayer, 64, 32, True, x, grad)
 print(plain, hidden["torchao"], any(n.split(".")[0] == "torchao" for n in sys.modules))
 """
 
@@ -463,7 +452,7 @@ def test_torchao_is_detected_only_where_imported():
     """In a fresh interpreter, as the student's kernel is under grading: a layer of torch alone is not flagged,
     and torchao's layer is, even when torchao has left ``sys.modules`` by the time the rank answers."""
     done = subprocess.run(
-        [sys.executable, "-c", TORCHAO_IN_A_CLEAN_KERNEL], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", TORCHAO_IN_A_CLEAN_KERNEL], capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "True", "False"], done.stdout + done.stderr[-2000:]
