@@ -174,10 +174,14 @@ def _torchrun_child(folder: str, total: int, every: int, kill_at: int) -> None:
         with open(os.path.join(folder, "resumed"), "w") as f:
             f.write(str(got["resumed"]))
     dist.destroy_process_group()
-    # the worker's work is done and written: it ends here, before the interpreter's own teardown, in which
-    # torch's C++ threads could abort the process now and then ("terminate called without an active
-    # exception", SIGABRT, no Python frame; 4 of 10 restarts beside two CPU-bound processes), which torchrun
-    # counts as the restarted attempt failing
+    _end_here()
+
+
+def _end_here() -> None:
+    """End a finished child (its files written and closed) before the interpreter's own teardown, in which torch's
+    C++ threads could abort the process now and then ("terminate called without an active exception", SIGABRT,
+    no Python frame; 4 of 10 torchrun restarts beside two CPU-bound processes), which torchrun counts as the
+    attempt failing and the bench as the replica failing."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -240,11 +244,7 @@ def _torchft_child(folder: str, replica: int, lighthouse: str, store_port: int, 
         time.sleep(FT_PACE_S)
     torch.save([p.detach() for p in model.parameters()], os.path.join(folder, f"params{replica}"))
     manager.shutdown(wait=False)
-    # (its files are written and closed: it ends before the interpreter's teardown, as a torchrun worker does,
-    # whose threads could abort the process there, which the bench would count as the replica failing)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _end_here()
 
 
 def _torchft_steps(folder: str, replica: int) -> list[tuple[int, float]]:
