@@ -1,0 +1,47 @@
+"""Lab 14's grader side (pipeline schedules beyond 1F1B: interleaved 1F1B, zero bubble, ZB-V, DualPipeV):
+under construction, not yet a released lab.
+
+So far its reference only (``orders``): schedules as per-rank orders of F, B, I and W actions, torch's own
+orders read from ``torch.distributed.pipelining.schedules``, a simulator that times an order (makespan,
+bubble) and refuses one that deadlocks, and the activations a rank holds.
+"""
+
+from __future__ import annotations
+
+from .orders import (
+    DEFAULT_COSTS,
+    KINDS,
+    PLACEMENTS,
+    SCHEDULES,
+    Action,
+    Simulated,
+    bubble_formula,
+    check_order,
+    gpipe_order,
+    held,
+    one_f_one_b_order,
+    rank_and_chunk,
+    simulate,
+    stage_of,
+    torch_order,
+    torch_pipeline_order,
+)
+
+__all__ = [
+    "DEFAULT_COSTS",
+    "KINDS",
+    "PLACEMENTS",
+    "SCHEDULES",
+    "Action",
+    "Simulated",
+    "bubble_formula",
+    "check_order",
+    "gpipe_order",
+    "held",
+    "one_f_one_b_order",
+    "rank_and_chunk",
+    "simulate",
+    "stage_of",
+    "torch_order",
+    "torch_pipeline_order",
+]
