@@ -65,9 +65,10 @@ def test_a_spinning_submission_waits_the_limit_from_the_solution_times(tmp_path,
     cell_times.record("00_basics", seconds, probe)
     assert cell_times.limits_for("00_basics")["ex_mean"] < 600
     course.do_release()
-    # its solution cell spins before it defines mean() (a test cannot spin: it runs in the grader
-    # kernel, and a run of mean() that spins ends at the run's own timeout)
-    spins = "while True:\n    pass\ndef mean(xs):\n    return sum(xs) / len(xs)\n"
+    # its solution cell never ends before it defines mean() (a test cannot hang: it runs in the grader
+    # kernel, and a run of mean() that hangs ends at the run's own timeout); it waits rather than spins:
+    # the limit is wall-clock time, and a spin would take a core from the rest of the suite (#35)
+    spins = "import time\nwhile True:\n    time.sleep(0.05)\ndef mean(xs):\n    return sum(xs) / len(xs)\n"
     submit(course.course, "spinner", course.lab, with_solution(course.solution, "ex_mean", spins))
     result = course.grade(["spinner"])["spinner"]
     assert result.returncode == 0, result.output[-3000:]

@@ -6,7 +6,9 @@ solution's time), grader/cell_times/).  One submission, the solution but for thr
 - ``ping_pong`` deadlocks (both ranks receive first) in the graded case only: its graded cell
   must end with the launcher's own report (which rank, blocked in what, the diagnosis), not
   with the cell's limit (``KeyboardInterrupt`` from the launcher's internals, "CellTimeoutError");
-- ``broadcast_linear`` spins (``while True: pass``): the self-check above its graded cell hangs
+- ``broadcast_linear`` never returns (an endless loop that sleeps: a hang costs the grader its wall
+  time, and spinning ranks would only take the cores from the rest of the suite, #35; a spinning
+  function is graded in test_grading's ``infinite_loop``): the self-check above its graded cell hangs
   first; the graded cell, and the one of ``broadcast_tree``, which calls ``broadcast_linear``, must
   fail at once, saying what happened then (which rank was in which function), instead of each
   waiting its own limit for the same spin.
@@ -51,7 +53,7 @@ def ping_pong(x, repeats=1):
 SPINS = """
 def broadcast_linear(x, src):
     while True:
-        pass
+        time.sleep(0.05)
 """
 
 CALLS_THE_SPINNER = """

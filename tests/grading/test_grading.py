@@ -143,9 +143,10 @@ BROKEN_MEAN = {
     "infinite_loop": ("def mean(xs):\n    while True:\n        pass\n", "mean did not finish within"),
     "long_sleep": ("def mean(xs):\n    time.sleep(10**6)\n", "mean did not finish within"),
     # the solution cell itself hangs, ignoring the interrupt: the kernel is restarted, mean never defined
-    # (ipykernel resets the SIGINT handler before each cell, so the cell ignores it itself)
+    # (ipykernel resets the SIGINT handler before each cell, so the cell ignores it itself; it waits rather
+    # than spins, as a hang costs the grader its wall time: infinite_loop is the spinning one)
     "ignores_interrupt": (
-        "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass\n" + MEAN_OK,
+        "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    time.sleep(0.05)\n" + MEAN_OK,
         "did not stop when interrupted",
     ),
     # the student's kernel dies while the test waits for the run: the grader sees the kernel's process end
@@ -269,8 +270,11 @@ def test_broken_ranks_lose_only_that_exercise(tmp_path):
 def test_cli_grade_caps_a_hung_student_and_grades_the_rest(tmp_path, monkeypatch, capsys):
     course = Course(tmp_path, "00_basics", FIXTURES, None)
     course.do_release()
-    # its solution cell never ends (the cell limit is 600 s below): only the per-student cap stops it
-    submit(course.course, "hung", course.lab, with_solution(course.solution, "ex_mean", "while True:\n    pass\n"))
+    # its solution cell never ends (the cell limit is 600 s below): only the per-student cap stops it.  It waits
+    # rather than spins: the cap is wall-clock time, and a spin would only take a core from the rest of the suite
+    # for the cap's 120 s (#35); a spinning cell is graded in test_broken_exercise_loses_only_its_points
+    hung = "import time\nwhile True:\n    time.sleep(0.05)\n"
+    submit(course.course, "hung", course.lab, with_solution(course.solution, "ex_mean", hung))
     submit(course.course, "honest", course.lab, course.solution)
     for name, value in {
         "DISTTRAIN_COURSE_DIR": course.course,
