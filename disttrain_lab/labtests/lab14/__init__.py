@@ -1,9 +1,12 @@
 """Lab 14's grader side (pipeline schedules beyond 1F1B: interleaved 1F1B, zero bubble, ZB-V, DualPipeV):
 under construction, not yet a released lab.
 
-So far its reference only (``orders``): schedules as per-rank orders of F, B, I and W actions, torch's own
-orders read from ``torch.distributed.pipelining.schedules``, a simulator that times an order (makespan,
-bubble) and refuses one that deadlocks, and the activations a rank holds.
+So far: its reference (``orders``: schedules as per-rank orders of F, B, I and W actions, torch's own orders
+read from ``torch.distributed.pipelining.schedules``, a simulator that times an order (makespan, bubble) and
+refuses one that deadlocks, and the activations a rank holds); the graded checks of the two exercises that
+write an order (``schedule``: ``interleaved_order``, ``zb_h1_order``, against torch's); and the check of an
+order run on ranks from the grader's capture of the wire (``wireorder``: each message named by its value, then
+placed in time), not yet driven by an exercise.
 """
 
 from __future__ import annotations
@@ -36,8 +39,28 @@ from .schedule import (
     self_check_interleaved_order,
     self_check_zb_h1_order,
 )
+from .wireorder import (
+    Expected,
+    Junk,
+    Name,
+    Seen,
+    check_order_on_wire,
+    named_messages,
+    needed_by,
+    reference_messages,
+    sent_by,
+)
 
 __all__ = [
+    "Name",
+    "Expected",
+    "Seen",
+    "Junk",
+    "reference_messages",
+    "sent_by",
+    "needed_by",
+    "named_messages",
+    "check_order_on_wire",
     "DEFAULT_COSTS",
     "KINDS",
     "PLACEMENTS",
