@@ -42,8 +42,9 @@ class PredictionError(AssertionError):
     """A prediction that is missing, not a number, or does not match the cost model."""
 
 
-def _number(value, what: str) -> float:
-    """``value`` as a finite float, or a PredictionError saying what is wrong with it."""
+def as_number(value, what: str) -> float:
+    """``value`` as a finite float, or a PredictionError saying what is wrong with it (None or ``...``: not
+    filled in yet).  Public: a lab's own prediction checks read a number by the same rule."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if value is None or value is Ellipsis:
@@ -62,7 +63,7 @@ def _number(value, what: str) -> float:
 def rounded(value: float, sig: int = SIG) -> str:
     """``value`` to ``sig`` significant figures, as the text both checks compare:
     ``rounded(3 / 11) == '2.73e-01'``; ``rounded(-0.0) == rounded(0) == '0.00e+00'``."""
-    value = _number(value, "the value")
+    value = as_number(value, "the value")
     return f"{value + 0.0:.{sig - 1}e}" if value != 0 else f"{0.0:.{sig - 1}e}"
 
 
@@ -70,16 +71,16 @@ def _values(name: str, value, cases: Sequence[tuple] | None) -> list[float]:
     """The numbers a prediction stands for: the value itself, or a function's value at each case."""
     __tracebackhide__ = True  # IPython: a student's error in the prediction ends at their line
     if value is None or value is Ellipsis:  # left blank, a number or a function alike
-        _number(value, name)
+        as_number(value, name)
     if cases is None:
         if callable(value):
             raise PredictionError(f"{name} should be a number, got the function {getattr(value, '__name__', value)!r}")
-        return [_number(value, name)]
+        return [as_number(value, name)]
     if not callable(value):
         raise PredictionError(f"{name} should be a function of {len(cases[0])} arguments, got {type(value).__name__}")
     numbers = []
     for args in cases:  # (a loop, not a comprehension: its frame would show in the traceback)
-        numbers.append(_number(value(*args), f"{name}{tuple(args)}"))
+        numbers.append(as_number(value(*args), f"{name}{tuple(args)}"))
     return numbers
 
 
@@ -149,10 +150,10 @@ def fetch(name: str, cases: Sequence[tuple] | None = None, timeout: float = 30.0
     cases = None if cases is None else [tuple(c) for c in cases]
     result = exercise.run(_getter(name), 1, [(cases,)], timeout=timeout).results[0]
     if cases is None or result is None:  # None: left blank (a function still raising the stub's error too)
-        return _number(result, name)
+        return as_number(result, name)
     if not isinstance(result, list) or len(result) != len(cases):
         raise PredictionError(f"{name} should give one number per case, got {result!r:.80}")
-    return [_number(v, f"{name}{c}") for v, c in zip(result, cases)]
+    return [as_number(v, f"{name}{c}") for v, c in zip(result, cases)]
 
 
 def assert_prediction(name: str, value, reference, cases: Sequence[tuple] | None = None) -> None:

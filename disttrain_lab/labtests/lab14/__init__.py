@@ -6,7 +6,9 @@ read from ``torch.distributed.pipelining.schedules``, a simulator that times an 
 refuses one that deadlocks, and the activations a rank holds); the graded checks of the two exercises that
 write an order (``schedule``: ``interleaved_order``, ``zb_h1_order``, against torch's); and the check of an
 order run on ranks from the grader's capture of the wire (``wireorder``: each message named by its value, then
-placed in time), not yet driven by an exercise.
+placed in time), not yet driven by an exercise; exercise 3's split backward against torch's ``backward()``
+(``split``: ``backward_input``, ``backward_weight``) and the graded predictions of a schedule's bubble and of the
+activations a rank holds (``predictions``, against the simulator on torch's order).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .orders import (
     torch_order,
     torch_pipeline_order,
 )
+from .predictions import check_bubble_prediction, check_held_prediction, self_check_prediction
 from .schedule import (
     SHOWN_INTERLEAVED,
     SHOWN_ZB_H1,
@@ -39,6 +42,7 @@ from .schedule import (
     self_check_interleaved_order,
     self_check_zb_h1_order,
 )
+from .split import SHOWN_SPLIT, check_split_backward, self_check_split_backward
 from .wireorder import (
     Expected,
     Junk,
@@ -61,6 +65,12 @@ __all__ = [
     "needed_by",
     "named_messages",
     "check_order_on_wire",
+    "SHOWN_SPLIT",
+    "check_bubble_prediction",
+    "check_held_prediction",
+    "check_split_backward",
+    "self_check_prediction",
+    "self_check_split_backward",
     "DEFAULT_COSTS",
     "KINDS",
     "PLACEMENTS",
