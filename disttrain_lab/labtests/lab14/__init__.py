@@ -6,9 +6,10 @@ read from ``torch.distributed.pipelining.schedules``, a simulator that times an 
 refuses one that deadlocks, and the activations a rank holds); the graded checks of the two exercises that
 write an order (``schedule``: ``interleaved_order``, ``zb_h1_order``, against torch's); and the check of an
 order run on ranks from the grader's capture of the wire (``wireorder``: each message named by its value, then
-placed in time), not yet driven by an exercise; exercise 3's split backward against torch's ``backward()``
+placed in time); exercise 3's split backward against torch's ``backward()``
 (``split``: ``backward_input``, ``backward_weight``) and the graded predictions of a schedule's bubble and of the
-activations a rank holds (``predictions``, against the simulator on torch's order).
+activations a rank holds (``predictions``, against the simulator on torch's order); exercise 2's ``run_order`` run
+on real ranks (``running``: gradients and loss against one process, the order on the grader's capture of the wire).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .orders import (
     torch_pipeline_order,
 )
 from .predictions import check_bubble_prediction, check_held_prediction, self_check_prediction
+from .running import check_run_order
 from .schedule import (
     SHOWN_INTERLEAVED,
     SHOWN_ZB_H1,
@@ -56,6 +58,7 @@ from .wireorder import (
 )
 
 __all__ = [
+    "check_run_order",
     "Name",
     "Expected",
     "Seen",
