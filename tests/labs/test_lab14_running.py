@@ -20,7 +20,7 @@ import re
 import pytest
 
 from disttrain_lab.labtests.lab14 import running
-from tests.helpers import observed_from_outside
+from tests.helpers import notebook_names, observed_from_outside
 
 P, V, M = 2, 2, 4
 SCHEDULE = "Interleaved1F1B"
@@ -99,9 +99,7 @@ def unscaled(chunks, order, x, y, micro_batches):
 
 def _use(monkeypatch, fn) -> None:
     """``fn`` as the notebook's run_order (the driver finds it in ``__main__``, where the student's code runs)."""
-    import __main__
-
-    monkeypatch.setattr(__main__, "run_order", fn, raising=False)
+    notebook_names(monkeypatch, {"run_order": fn})
 
 
 @needs_capture

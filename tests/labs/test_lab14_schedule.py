@@ -30,6 +30,7 @@ from disttrain_lab.labtests.lab14 import (
     parse_order,
     torch_order,
 )
+from tests.helpers import notebook_names
 
 # The graded cases, as the graded cells' hidden blocks will pass them (lab 14's notebook is not written yet): odd p,
 # v = 3, and m not a multiple of p where torch accepts it (4, 10: two rounds of 5; 4, 3 and 4, 6: one round of m)
@@ -287,13 +288,7 @@ def test_self_checks_pass_the_rules_on_the_shown_case_and_fail_wrong_ones(capsys
 @pytest.fixture
 def notebook(monkeypatch):
     """Set the notebook's functions (``__main__``'s, where ``dl.exercise.run`` looks them up)."""
-    import __main__
-
-    def define(**functions):
-        for name, fn in functions.items():
-            monkeypatch.setattr(__main__, name, fn, raising=False)
-
-    return define
+    return lambda **functions: notebook_names(monkeypatch, functions)
 
 
 def test_check_interleaved_order_runs_the_notebook_s_function_on_the_graded_cases(notebook):

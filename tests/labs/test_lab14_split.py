@@ -19,6 +19,7 @@ import torch
 from disttrain_lab import exercise
 from disttrain_lab.labtests import lab14
 from disttrain_lab.predictions import PredictionError
+from tests.helpers import notebook_names
 
 CASES = [((6, 9, 4), 5), ((3, 8, 8, 2), 3), ((7, 2), 1)]  # (widths, batch): uneven, three layers, one Linear
 
@@ -64,13 +65,7 @@ def weight_overwriting(stage, x, out, grad_out):
 @pytest.fixture
 def notebook(monkeypatch):
     """Set the notebook's functions (``__main__``'s, where ``dl.exercise.run`` looks them up)."""
-    import __main__
-
-    def define(**functions):
-        for name, fn in functions.items():
-            monkeypatch.setattr(__main__, name, fn, raising=False)
-
-    return define
+    return lambda **functions: notebook_names(monkeypatch, functions)
 
 
 # The graded check, end to end ----------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from torch import nn
 
 from ... import checks
 from .. import common
+from .model import stage_module
 from .orders import SCHEDULES, check_order, rank_and_chunk, torch_order
 from .wireorder import check_order_on_wire, reference_messages
 
@@ -112,22 +113,10 @@ def _draw(p: int, v: int, m: int, seed: int) -> tuple[list[list[tuple[torch.Tens
     return stages, x, y
 
 
-def _module(layers) -> nn.Sequential:
-    """Linear (and Tanh) from (weight, bias, tanh) triples, as the driver builds a chunk."""
-    modules: list[nn.Module] = []
-    for w, b, tanh in layers:
-        linear = nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(w)
-            linear.bias.copy_(b)
-        modules += [linear, nn.Tanh()] if tanh else [linear]
-    return nn.Sequential(*modules)
-
-
 def _one_process(stages, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list[list[torch.Tensor]], float]:
     """Each stage's parameters' gradients and the loss, from ``loss.backward()`` on the whole model, one micro-batch
     at a time, each loss scaled by 1/m (the gradients accumulate)."""
-    modules = [_module(layers) for layers in stages]
+    modules = [stage_module(layers) for layers in stages]
     model = nn.Sequential(*modules)
     loss = 0.0
     for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
@@ -141,7 +130,7 @@ def _messages(stages, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[dict, d
     """What a correct run sends, computed as the ranks compute it (float32, stage by stage, each stage's input a
     leaf of its own): ``acts[(s, j)]``, stage s's output of micro-batch j, and ``grads[(s, j)]``, the gradient of
     stage s's input, ``out.backward(grad)`` from the last stage's ``F.mse_loss(out, y_j) / m`` down."""
-    modules = [_module(layers) for layers in stages]
+    modules = [stage_module(layers) for layers in stages]
     last = len(modules) - 1
     acts, grads = {}, {}
     for j, (xs, ys) in enumerate(zip(x.tensor_split(m), y.tensor_split(m))):
@@ -176,7 +165,7 @@ def _seen(value) -> str:
 def _check_values(case: str, results, stages, x, y, p: int, v: int, m: int) -> None:
     """(a): every chunk's parameters' .grad and the last stage's loss, against one process."""
     want_grads, want_loss = _one_process(stages, x, y, m)
-    names = [name for name, _ in _module(stages[0]).named_parameters()]
+    names = [name for name, _ in stage_module(stages[0]).named_parameters()]
     last_rank = rank_and_chunk(p * v - 1, p)[0]
     for rank, found in enumerate(results):
         if type(found) is not dict or set(found) != {"grads", "loss"} or type(found["grads"]) is not list:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import common
+from .model import stage_module
 
 RTOL = 1e-6  # of the largest entry of torch's gradient (float64: torch's own order of sums differs by ~1e-16)
 TIMEOUT = 60.0  # seconds for all cases: a few tiny MLPs
@@ -100,14 +101,7 @@ def _split_backward_in_rank(cases):
 
 def _stage(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> nn.Sequential:
     """Linear, Tanh, ..., Linear from (weight, bias) pairs, as the driver builds it."""
-    modules: list[nn.Module] = []
-    for i, (w, b) in enumerate(layers):
-        linear = nn.Linear(w.shape[1], w.shape[0], dtype=w.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(w)
-            linear.bias.copy_(b)
-        modules += [linear] if i == len(layers) - 1 else [linear, nn.Tanh()]
-    return nn.Sequential(*modules)
+    return stage_module((w, b, i < len(layers) - 1) for i, (w, b) in enumerate(layers))
 
 
 def _draw(widths: Sequence[int], batch: int, seed: int) -> tuple[list, list, list]:
