@@ -54,6 +54,7 @@ SECONDS = {
     "test_lab11.py": 50,
     "test_lab12.py": 40,  # (a guess: its notebook as a student runs it, and its wrong answers in one kernel)
     "test_lab13.py": 35,  # (a guess: its notebook as a student runs it, its wrong answers in one kernel, a capture)
+    "test_lab14.py": 45,  # (a guess: its notebook as a student runs it, nine wrong answers in one kernel, captures)
     "test_caps.py": 90,  # measured by itself: 81 s (94 s, 181 s with other sessions' tests beside it)
     "test_hygiene.py": 140,  # a grading of three students, 105 s, beside another test run
     "test_commands.py": 160,  # (bench all --quick: every benchmark in one run, 117 s beside a CI rehearsal)
@@ -94,6 +95,7 @@ ROUND_TRIP_SECONDS = {
     "11_expert_parallel": 100,
     "12_running_jobs": 90,  # (a guess until measured: three profiled 4-rank runs, nine graded calls)
     "13_fp8": 60,  # (a guess until measured: one 4-rank training picture, seven graded calls)
+    "14_schedules": 60,  # (a guess until measured: two 4-rank runs of sleeps, ten graded calls, four captured)
 }
 ROUND_TRIP_GUESS = 150  # a lab not measured yet
 

@@ -32,7 +32,7 @@ from .orders import (
     torch_order,
     torch_pipeline_order,
 )
-from .predictions import check_bubble_prediction, check_held_prediction, self_check_prediction
+from .predictions import check_bubble_prediction, check_held_prediction
 from .running import check_run_order
 from .schedule import (
     SHOWN_INTERLEAVED,
@@ -72,7 +72,6 @@ __all__ = [
     "check_bubble_prediction",
     "check_held_prediction",
     "check_split_backward",
-    "self_check_prediction",
     "self_check_split_backward",
     "DEFAULT_COSTS",
     "KINDS",

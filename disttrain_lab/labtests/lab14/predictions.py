@@ -5,20 +5,16 @@ As every prediction of the kit (``disttrain_lab.predictions``): the graded cell 
 the student's kernel as data (``dl.predictions.fetch("PREDICTED_BUBBLE")``) and hands it to a check here, which
 computes the answer itself from torch's own order (``orders.torch_order``) and this lab's simulator; no answer
 lives in this package or in the notebook.  A wrong prediction's message says the value seen and how the
-quantity is defined, never the answer.  The self-check (:func:`self_check_prediction`) checks only the form (a
-finite number) and says how the graded test compares it.  The tolerance is absolute, 0.01 (``TOLERANCE``), not
-the kit's three significant figures: these are fractions of a step and of a stage's activations, read off a
-drawing of the schedule.
+quantity is defined, never the answer.  The notebook's self-check is the kit's (``dl.predictions.check``: the
+form only), and the comparison is the kit's too: equal to three significant figures (``predictions.rounded``).
 
     >>> check_bubble_prediction(0.125, "Interleaved1F1B", p=4, v=2, m=12)     # passes: torch's order, F=1, B=2
 """
 
 from __future__ import annotations
 
-from ...predictions import PredictionError, as_number
+from ...predictions import SIG, PredictionError, as_number, rounded
 from .orders import SCHEDULES, held, simulate, torch_order
-
-TOLERANCE = 0.01  # absolute, on a fraction of the step (bubble) or of a stage's activations (held)
 
 _BUBBLE = (
     "the bubble is the time the step's ranks stand idle beside the busiest rank's work, as a fraction of that "
@@ -39,24 +35,24 @@ def _order(schedule: str, p: int, v: int, m: int):
 
 
 def check_bubble_prediction(predicted, schedule: str, p: int, v: int, m: int) -> None:
-    """The graded prediction of ``schedule``'s bubble on p ranks, v stages each, m micro-batches: within
-    ``TOLERANCE`` of the simulated bubble of torch's order (``orders.simulate(...).bubble``; F = 1, B = 2, or
-    F = I = W = 1 where the schedule splits its backward).  ``predicted``: the student's number, as
+    """The graded prediction of ``schedule``'s bubble on p ranks, v stages each, m micro-batches: to three
+    significant figures, the simulated bubble of torch's order (``orders.simulate(...).bubble``; F = 1, B = 2,
+    or F = I = W = 1 where the schedule splits its backward).  ``predicted``: the student's number, as
     ``dl.predictions.fetch`` gives it."""
     what = f"your prediction of the bubble of {schedule} (p = {p}, v = {v}, m = {m})"
     got = as_number(predicted, what)
     # orders.DEFAULT_COSTS: F = 1, B = 2, I = W = 1
     want = simulate(_order(schedule, p, v, m), p, v, m, placement=SCHEDULES[schedule]).bubble
-    if abs(got - want) > TOLERANCE:
+    if rounded(got) != rounded(want):
         raise PredictionError(
-            f"{what} is {got:g}, which is not within {TOLERANCE:g} of the simulated schedule's: {_BUBBLE}.  Draw the "
-            "schedule's first ranks (or run the simulator cell below) and count"
+            f"{what} is {got:g}, which is not the simulated schedule's to {SIG} significant figures: {_BUBBLE}.  "
+            "Draw the schedule's first ranks (or run the simulator cell below) and count"
         )
 
 
 def check_held_prediction(predicted, schedule: str, p: int, v: int, m: int, rank: int = 0) -> None:
     """The graded prediction of the activations ``rank`` holds at its peak under ``schedule`` (torch's order),
-    in micro-batches of its whole share of the model (``orders.held``), within ``TOLERANCE``."""
+    in micro-batches of its whole share of the model (``orders.held``), to three significant figures."""
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank}: needs 0 ≤ rank < p = {p}")
     what = (
@@ -64,22 +60,8 @@ def check_held_prediction(predicted, schedule: str, p: int, v: int, m: int, rank
     )
     got = as_number(predicted, what)
     want = held(_order(schedule, p, v, m)[rank], v=v)
-    if abs(got - want) > TOLERANCE:
+    if rounded(got) != rounded(want):
         raise PredictionError(
-            f"{what} is {got:g}, which is not within {TOLERANCE:g} of what rank {rank}'s order holds: {_HELD}.  "
+            f"{what} is {got:g}, which is not what rank {rank}'s order holds to {SIG} significant figures: {_HELD}.  "
             f"Walk rank {rank}'s actions in order and keep the running count"
         )
-
-
-def self_check_prediction(what: str, predicted) -> bool:
-    """A notebook's self-check of a prediction's form: ``predicted`` is a finite number.  Prints it as the graded
-    test reads it and how it compares; never says whether it is right (nothing here knows the answer)."""
-    __tracebackhide__ = True
-    got = as_number(predicted, f"your prediction of {what}")
-    print(
-        f"\N{WHITE HEAVY CHECK MARK} your prediction of {what} is in a form the graded test reads ({got:g}); it "
-        f"compares it with the simulated schedule to within {TOLERANCE:g}.  This check knows only the form, not the "
-        "answer: work it out from the schedule's drawing in the text above; the simulation below shows how close "
-        "you are."
-    )
-    return True
