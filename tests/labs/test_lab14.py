@@ -9,9 +9,11 @@ its references are torch's own schedules.
   simulated bubbles (p − 1)/m and (p − 1)/(v·m), held micro-batches p and p + (p − 1)/v, ZB-H1's third of 1F1B's
   bubble).
 - Wrong answers fail the right graded cell with a message that says why, all in one kernel: 1F1B's warm-up
-  in an interleaved order, the chunks' backwards in the wrong order, GPipe's order run on ranks (the right
-  values, the wrong order on the wire), a loss not scaled by 1/m, an I that computes the weights' gradients
-  too, a W that overwrites .grad, W run at once after I (1F1B with a split backward), and wrong predictions.
+  in an interleaved order, the chunks' backwards in the wrong order, a loss returned by every rank, a loss not
+  scaled by 1/m, an I that computes the weights' gradients too, a W that overwrites .grad, W run at once after
+  I (1F1B with a split backward), and wrong predictions.
+- Under the grader's capture of the wire, the notebook's own ``run_order`` passes, and the same function made
+  to run GPipe's order (every F, then every B) gives the right values and fails on the wire.
 
 The unit tests of the grader's side are test_lab14_{orders,schedule,wireorder,split,running}.py; the blank
 notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
@@ -159,14 +161,8 @@ def interleaved_order(p, v, m):                   # backwards through the chunks
         ),
         (
             "run_order",
-            _run_order_with(
-                lab,
-                "    for action in order:\n",
-                "    order = sorted(order, key=lambda a: (a[len(str(int(re.match(r'\\d+', a)[0])))] != 'F', "
-                "int(re.match(r'\\d+', a)[0]) * (1 if 'F' in a else -1)))   # GPipe: every F, then every B\n"
-                "    for action in order:\n",
-            ),
-            "the ranks did not run the order",
+            _run_order_with(lab, "return total if last % p == rank else None", "return total"),
+            "only the rank holding the last stage (rank 1) returns the loss, every other rank None",
         ),
         (
             "run_order",
@@ -195,8 +191,16 @@ def backward_weight(stage, x, out, grad_out):     # overwrites .grad instead of 
             "zb_h1_order",
             """
 def zb_h1_order(p, m):                            # W at once after its I: 1F1B with a split backward
-    return [[a for b in _right for a in ([b, b.replace("B", "I"), b.replace("B", "W")] if "B" in b else [b])][1::1]
-            for _right in interleaved_order(p, 1, m)]
+    orders = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        actions = [f"{r}F{j}" for j in range(warmup)]
+        for k in range(m):
+            if warmup + k < m:
+                actions.append(f"{r}F{warmup + k}")
+            actions += [f"{r}I{k}", f"{r}W{k}"]
+        orders.append(actions)
+    return orders
 """,
             "ScheduleInterleavedZeroBubble",
         ),
@@ -206,7 +210,6 @@ def zb_h1_order(p, m):                            # W at once after its I: 1F1B 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="the order on the wire needs the grader's capture (root)")
 def test_graded_cells_catch_wrong_answers():
     """One kernel: the setup and solutions, then for each wrong answer the solutions again, the wrong definition
     and its graded cell."""
@@ -216,3 +219,34 @@ def test_graded_cells_catch_wrong_answers():
     graded_at = add_wrong_answers(lab, cells, solutions, [(graded, source) for graded, source, _ in wrong])
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
     assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in wrong])
+
+
+_GPIPE = (
+    "    order = sorted(order, key=lambda a: (re.fullmatch(r'(\\d+)([FB])(\\d+)', a)[2] == 'B',\n"
+    "                                         int(re.fullmatch(r'(\\d+)([FB])(\\d+)', a)[1]) * (1 if 'F' in a else -1)))\n"
+    "    for action in order:\n"
+)
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_notebooks_run_order_on_the_wire(monkeypatch):
+    """The solution's run_order passes under the grader's capture; the same function running GPipe's order
+    (every forward, then every backward, last stage first) passes on the values in the student's kernel and fails
+    on the wire."""
+    from disttrain_lab import bench
+    from disttrain_lab.labtests.lab14 import running
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["run_order"])
+    names = dict(solution["run_order"].__globals__)
+    notebook_names(monkeypatch, names)
+    with observed_from_outside():
+        running.check_run_order("run_order", 2, 2, 4, "Interleaved1F1B")
+    source = _run_order_with(load(LAB), "    for action in order:\n", _GPIPE)
+    exec(source, names)
+    notebook_names(monkeypatch, names)
+    running.check_run_order("run_order", 2, 2, 4, "Interleaved1F1B")  # the student's own kernel: the values, right
+    with observed_from_outside(), pytest.raises(AssertionError) as said:
+        running.check_run_order("run_order", 2, 2, 4, "Interleaved1F1B")
+    assert "the ranks did not run the order" in str(said.value), said.value
