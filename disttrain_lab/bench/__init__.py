@@ -48,6 +48,7 @@ from .notebook import functions_from_lab, functions_from_notebook
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
 from .recovery import bench_recovery
 from .registry import MEASUREMENTS
+from .schedules import TORCH_1F1B, bench_schedules, format_schedules_table
 from .sequence import ALL_GATHER_KV, LONG, TORCH_CP, bench_sequence, format_sequence_table
 from .stats import slowest_median
 from .timing import OPS_SIZES, SENT_ON_THE_WIRE, free_port, take_turns

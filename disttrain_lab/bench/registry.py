@@ -12,6 +12,7 @@ from . import (
     launch,
     memory,
     pipeline,
+    schedules,
     sequence,
     three_d,
     tp,
@@ -33,4 +34,5 @@ MEASUREMENTS = (
     sequence,
     experts,
     checkpoint,
+    schedules,
 )
