@@ -27,6 +27,7 @@ import functools
 import os
 import re
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -125,6 +126,8 @@ def _batch(m: int, size: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _schedule_times(versions: dict, functions: dict, orders: dict, m: int, size: dict, repeats: int, warmup: int):
     """In each rank: name -> seconds per step, the versions taking turns."""
+    # the first stage's input needs no gradient, and torch says that its full-backward hook fires anyway: it should
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     runners = {}
     for name, (schedule, v, source) in versions.items():
         if source == "run_order":

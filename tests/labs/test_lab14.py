@@ -101,15 +101,21 @@ def test_solution_notebook_executes_within_budget(autograding):
     assert "GPipe: bubble 0.375 (formula (p − 1)/m = 0.375)" in lab5, lab5
     assert "1F1B : bubble 0.375" in lab5 and "by rank: [4.0, 3.0, 2.0, 1.0]" in lab5, lab5
     interleaved = output_of(nb, "# Simulated: torch's interleaved order")
-    for v, bubble in ((1, "0.2500"), (2, "0.1250"), (3, "0.0833")):
-        assert f"v = {v}: bubble {bubble} (formula (p − 1)/(v·m) = {bubble})" in interleaved, interleaved
+    for v, bubble in ((1, "0.3750"), (2, "0.1875"), (4, "0.0938")):  # (p − 1)/(v·m), m = 8: not the graded m = 12
+        assert f"v = {v}, m = 8: bubble {bubble}" in interleaved, interleaved
     real = output_of(nb, "class _Busy")  # a picture only: its title holds the measured bubbles
     assert "Traceback" not in real, real
-    held = output_of(nb, "# Counted: the micro-batches each rank holds")
-    assert "Interleaved1F1B, v = 2: held at the peak by rank [5.5, 4.5, 3.5, 2.5]" in held, held
+    held = output_of(nb, "# Counted: the micro-batches each rank holds")  # p = 3: not the graded p = 4
+    assert "p = 3, Interleaved1F1B, v = 2: held at the peak by rank [4.0, 3.0, 2.0]" in held, held
+    assert "p = 3, Interleaved1F1B, v = 3: held at the peak by rank [3.667, 3.0, 2.333]" in held, held
+    assert "5.5" not in held and "0.125" not in interleaved and "0.1250" not in interleaved  # the graded answers
     four = output_of(nb, "_zb_label")
     assert re.search(r"1F1B +: bubble 0\.3750; rank 0 holds 4\.0", four), four
     assert re.search(r"your ZB-H1 +: bubble 0\.1250; rank 0 holds 4\.0", four), four  # a third of 1F1B's, its memory
+    benched = output_of(nb, "bench.bench_schedules(")
+    assert "not measured" not in benched, benched
+    for version in ("torch Schedule1F1B", "lab interleaved_order, lab run_order", "lab zb_h1_order, torch's runtime"):
+        assert f"  {version} " in benched, benched
 
 
 _RUN_ORDER = re.compile(r"def run_order\(.*?### END SOLUTION\n", re.S)
