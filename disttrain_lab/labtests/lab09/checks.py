@@ -410,14 +410,15 @@ def check_offload(
 def check_saving(sizes: list, latency: float, bandwidth: float, flops: float, pairs: int = 6) -> None:
     """Exercise 6's self-check, not graded (its times are the rank's own clock, and its device and link are emulated
     inside the rank): on an emulated device of ``flops`` FLOP/s and a link of ``bandwidth`` B/s (the given
-    ``offload_turns``, serial and overlapped steps in turns), overlapping saves per step (from the start of
-    backward to the first weight sent up, median of ``pairs``) what the lab's α–β model
-    (``predicted_saving``) predicts, half to 1.5 times it (a busy machine's sleeps run late: the saving seen at load
-    10-14 was 0.68 of the model's, and 1.30 at load 12-31).  Where the first ``pairs`` disagree by more than 25 %,
-    twice as many more are timed and the medians of all are compared, as the self-check does: the sleeps
-    that emulate the device and the link then run late, more often in the serial step's chain of them
-    (the hidden case saved 50.9 ms against 39.3 in a suite at load 12-31); a step that overlaps nothing
-    saves nothing however many pairs are timed."""
+    ``offload_turns``, serial and overlapped steps in turns), overlapping saves per step (from the start of backward
+    to the first weight sent up, median of ``pairs``) what the lab's α–β model (``predicted_saving``) predicts, at
+    least half of it (a busy machine's sleeps run late: the saving seen at load 10-14 was 0.68 of the model's, and
+    1.30 at load 12-31; 1.59 on a fresh clone's suite, 6 Dec: no upper bound, for a saving above the model's is the
+    machine's, and a submission that sends nothing fails the byte counts). Where the first ``pairs`` disagree by
+    more than 25 %, twice as many more are timed and the medians of all are compared, as the self-check does: the
+    sleeps that emulate the device and the link then run late, more often in the serial step's chain of them (the
+    hidden case saved 50.9 ms against 39.3 in a suite at load 12-31); a step that overlaps nothing saves nothing
+    however many pairs are timed."""
     case = f"OffloadAdam on MLP {sizes}, an emulated device of {flops:g} FLOP/s, a link of {bandwidth:g} B/s"
     predicted_saving = common.given("predicted_saving")
     steps, timeline = {"serial": [], "overlapped": []}, []
@@ -430,8 +431,8 @@ def check_saving(sizes: list, latency: float, bandwidth: float, flops: float, pa
         saved = float(np.median([w for _, w in steps["serial"]]) - np.median([w for _, w in steps["overlapped"]]))
         if abs(saved - predicted) <= 0.25 * predicted:
             break
-    assert 0.5 * predicted <= saved <= 1.5 * predicted, (
+    assert saved >= 0.5 * predicted, (
         f"{case}: the overlapped steps saved {saved * 1e3:.1f} ms each (from the start of backward to the first weight "
-        f"sent up, median of {len(steps['serial'])}), the α–β model predicts {predicted * 1e3:.1f} ms (accepted: half "
-        f"to 1.5 times that): start each gradient's copy in its hook and wait for it only in step()"
+        f"sent up, median of {len(steps['serial'])}), the α–β model predicts {predicted * 1e3:.1f} ms (accepted: at "
+        f"least half of that): start each gradient's copy in its hook and wait for it only in step()"
     )
