@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import time
 import warnings
 
@@ -34,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..labtests.lab14.orders import DEFAULT_COSTS, SCHEDULES, Action, held, simulate, stage_of, torch_order
+from ..labtests.lab14.orders import DEFAULT_COSTS, SCHEDULES, held, simulate, stage_of, torch_order
+from ..labtests.lab14.schedule import parse_order
 from ..launcher import launch
 from .command import Measured, NotMeasured, add_world_size_argument, over_world_sizes
 from .notebook import add_notebook_argument, functions_from_lab
@@ -55,7 +55,6 @@ VERSIONS = {
     "torch ScheduleZBVZeroBubble": ("ZBVZeroBubble", 2, None),
     "torch ScheduleDualPipeV": ("DualPipeV", 2, None),
 }
-_ACTION = re.compile(r"([0-9]+)([FBIW])([0-9]+)")
 
 
 def _busy_layer(d: int, seconds: float, seed: int) -> nn.Linear:
@@ -110,10 +109,9 @@ def _torch_runner(schedule: str, v: int, order, m: int, size: dict):
     return run
 
 
-def _lab_runner(run_order, order, m: int, size: dict):
+def _lab_runner(run_order, order, v: int, m: int, size: dict):
     """In a rank: one step of the lab's ``run_order`` on this rank's chunks (placement "loop") and ``order``."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    v = len({int(_ACTION.fullmatch(a)[1]) for a in order[rank]})
     chunks = [chunk for _, chunk in _chunks(rank, p, v, "loop", size["d"], size["unit"])]
     x, y = _batch(m, size)
     return lambda: run_order(chunks, list(order[rank]), x, y, m)
@@ -131,15 +129,10 @@ def _schedule_times(versions: dict, functions: dict, orders: dict, m: int, size:
     runners = {}
     for name, (schedule, v, source) in versions.items():
         if source == "run_order":
-            runners[name] = _lab_runner(functions["run_order"], orders[name], m, size)
+            runners[name] = _lab_runner(functions["run_order"], orders[name], v, m, size)
         else:
             runners[name] = _torch_runner(schedule, v, orders[name] if source else None, m, size)
     return take_turns(runners, repeats, warmup)
-
-
-def _parsed(order) -> list[list[Action]]:
-    """p lists of action strings ("4B0") as the simulator's actions (a string of another form: AttributeError)."""
-    return [[Action(k, int(s), int(j)) for s, k, j in (_ACTION.fullmatch(a).groups() for a in r)] for r in order]
 
 
 def bench_schedules(
@@ -178,7 +171,7 @@ def bench_schedules(
             else:
                 args = (p, v, m) if lab_function == "interleaved_order" else (p, m)
                 order = [[str(a) for a in actions] for actions in functions[lab_function](*args)]
-            parsed = _parsed(order)
+            parsed = parse_order(order, p, v, m, call=f"{lab_function or schedule}({p}, {v}, {m})")
             costs = {kind: cost / v for kind, cost in DEFAULT_COSTS.items()}  # a chunk: a v-th of a rank's share
             sim = simulate(parsed, p, v, m, costs=costs, placement=SCHEDULES[schedule])
         except Exception as exc:  # a lab function missing, raising, or giving an order that is not one
