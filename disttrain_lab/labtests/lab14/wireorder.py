@@ -44,6 +44,7 @@ __all__ = [
     "sent_by",
     "needed_by",
     "named_messages",
+    "timed_payloads",
     "check_order_on_wire",
 ]
 
@@ -183,20 +184,21 @@ def _crossing(a: Action, p: int, v: int, placement: str, own: bool) -> Name | No
 # What the wire shows, named ----------------------------------------------------------------------------------
 
 
-def _timed_payloads(timeline: Timeline, src: int, dst: int) -> list[tuple[float, float, bytes]]:
-    """(first byte's time, last byte's time, payload) of each send from ``src`` to ``dst``, in the order they
-    crossed: the sends among gloo's operations (``operations``, placed by byte position) zipped with their
-    payloads (``messages``, from the same bytes).  Raises ``gloo_ops.NotGloo`` where the bytes are not gloo's,
-    ``wire.Unobserved`` where they were not captured or crossed on more than one connection."""
+def timed_payloads(timeline: Timeline, src: int, dst: int) -> list[tuple[float, float, int, bytes]]:
+    """(first byte's time, last byte's time, gloo's slot, payload) of each send from ``src`` to ``dst``, in the order
+    they crossed: the sends among gloo's operations (``operations``, placed by byte position) zipped with their
+    payloads (``messages``, from the same bytes); the slot names the collective call or tag a send belongs to.
+    Raises ``gloo_ops.NotGloo`` where the bytes are not gloo's, ``wire.Unobserved`` where they were not captured or
+    crossed on more than one connection."""
     sends = [
-        (first, last, length)
-        for first, last, opcode, _, length in timeline.operations(src, dst)
+        (first, last, slot, length)
+        for first, last, opcode, slot, length in timeline.operations(src, dst)
         if opcode not in _NOTES
     ]
     payloads = timeline.messages(src, dst)
-    if len(sends) != len(payloads) or any(n != len(b) for (_, _, n), b in zip(sends, payloads)):
+    if len(sends) != len(payloads) or any(n != len(b) for (_, _, _, n), b in zip(sends, payloads)):
         raise RuntimeError(f"rank {src} -> rank {dst}: gloo's sends and their payloads disagree (a bug of the kit)")
-    return [(first, last, payload) for (first, last, _), payload in zip(sends, payloads)]
+    return [(first, last, slot, payload) for (first, last, slot, _), payload in zip(sends, payloads)]
 
 
 def named_messages(timeline: Timeline, reference: Mapping[Name, Expected]) -> tuple[list[Seen], list[Junk]] | None:
@@ -211,7 +213,7 @@ def named_messages(timeline: Timeline, reference: Mapping[Name, Expected]) -> tu
     directions = {(e.src, e.dst) for e in reference.values()} | set(timeline.data or {})
     seen, junk = [], []
     for src, dst in sorted(directions):
-        for first, last, payload in _timed_payloads(timeline, src, dst):
+        for first, last, _, payload in timed_payloads(timeline, src, dst):
             name = by_value.get(payload)
             if name is None:
                 junk.append(Junk(src, dst, first, last, len(payload)))

@@ -1,0 +1,187 @@
+"""Lab 14's overlap beyond DDP (``prefetch``): ``sharded_step`` on real ranks, checked against one process and, at
+the grader's gate, on the wire.
+
+Five tiny layers on 2 ranks, each run a few seconds, with the ranks' own timeout (60 s):
+
+- an honest ``sharded_step`` (written here: FSDP2's schedule, storage freed after forward and gathered again for
+  backward) passes with prefetch and without, under the grader's capture (``observed_from_outside``, root only), and
+  on 3 ranks in the student's own kernel (values only);
+- one that never prefetches gives the right values and fails the overlap on the wire, forward and backward;
+- one that prefetches two layers ahead, one that gathers every layer at the start, one that keeps each layer
+  whole after its forward (one gather a layer), and one that gathers late but sends each next shard early for show
+  (three crossings) each fail on the wire with the values right;
+- one that sums the gradients instead of averaging fails on the values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from disttrain_lab.labtests.lab14 import prefetch
+from tests.helpers import notebook_names, observed_from_outside
+
+needs_capture = pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+
+
+def _step(shards, layer, x, y, prefetch=True, ahead=1, upfront=False, keep=False, op="AVG", copy=False):
+    """``sharded_step`` as the exercise asks (``ahead`` layers of prefetch; ``upfront``: every forward gather posted
+    at the start; ``keep``: whole parameters kept after forward, not gathered again; ``op``: the reduce-scatter's;
+    ``copy``: each rank also sends the other its shard of the next layer before each layer, unused)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    n, count = dist.get_world_size(), len(shards)
+    full = [torch.empty(n * s.numel()) for s in shards]
+    for f in full:
+        f.untyped_storage().resize_(0)
+    posted = {}
+
+    def gather(i):
+        if i in posted or not 0 <= i < count or full[i].untyped_storage().nbytes():
+            return
+        full[i].untyped_storage().resize_(n * shards[i].numel() * 4)
+        posted[i] = dist.all_gather_single(full[i].data, shards[i].detach(), async_op=True)
+
+    def free(i):
+        if not keep:
+            full[i].untyped_storage().resize_(0)
+
+    depth = ahead if prefetch else 0
+    for i in range(count) if upfront else range(1):
+        gather(i)
+    inputs, outputs, h = [], [], x
+    for i in range(count):
+        gather(i)
+        for k in range(i + 1, i + 1 + depth):
+            gather(k)
+        posted.pop(i).wait()
+        if copy and i + 1 < count:
+            other = 1 - dist.get_rank()
+            works = [dist.isend(shards[i + 1].detach(), other), dist.irecv(torch.empty_like(shards[i + 1]), other)]
+            for work in works:
+                work.wait()
+        h = h.detach().requires_grad_(i > 0)
+        inputs.append(h)
+        h = layer(i, full[i].requires_grad_(), h)
+        outputs.append(h)
+        free(i)
+    loss = F.mse_loss(h, y)
+    grad = torch.autograd.grad(loss, outputs[-1])[0]
+    reductions = []
+    for i in reversed(range(count)):
+        gather(i)
+        for k in range(i - 1, i - 1 - depth, -1):
+            gather(k)
+        if i in posted:
+            posted.pop(i).wait()
+        outputs[i].backward(grad)
+        grad = inputs[i].grad
+        part = torch.empty_like(shards[i].detach())
+        reductions.append(
+            (dist.reduce_scatter_single(part, full[i].grad, op=getattr(dist.ReduceOp, op), async_op=True), i, part)
+        )
+        full[i].grad = None
+        full[i].untyped_storage().resize_(0)
+    for work, i, part in reductions:
+        work.wait()
+        shards[i].grad = part
+    return loss.item()
+
+
+def honest(shards, layer, x, y, prefetch=True):
+    return _step(shards, layer, x, y, prefetch)
+
+
+def never_prefetches(shards, layer, x, y, prefetch=True):
+    return _step(shards, layer, x, y, False)
+
+
+def two_ahead(shards, layer, x, y, prefetch=True):
+    return _step(shards, layer, x, y, prefetch, ahead=2)
+
+
+def all_at_once(shards, layer, x, y, prefetch=True):
+    return _step(shards, layer, x, y, prefetch, upfront=True)
+
+
+def keeps_layers(shards, layer, x, y, prefetch=True):
+    return _step(shards, layer, x, y, prefetch, keep=True)
+
+
+def copies_ahead(shards, layer, x, y, prefetch=True):
+    """No prefetch, but each layer's shards sent to the other rank before the layer before it runs, for show."""
+    return _step(shards, layer, x, y, False, copy=True)
+
+
+def sums(shards, layer, x, y, prefetch=True):
+    return _step(shards, layer, x, y, prefetch, op="SUM")
+
+
+def _use(monkeypatch, fn) -> None:
+    notebook_names(monkeypatch, {"sharded_step": fn})
+
+
+def test_an_honest_step_gives_one_processs_values_on_3_ranks(monkeypatch):
+    _use(monkeypatch, honest)
+    prefetch.check_sharded_step("sharded_step", 3)
+    prefetch.check_sharded_step("sharded_step", 2, prefetch=False)
+
+
+def test_summed_gradients_fail_on_the_values(monkeypatch):
+    _use(monkeypatch, sums)
+    with pytest.raises(AssertionError, match=r"rank \d: shards\[\d\]\.grad, against loss.backward\(\) in one process"):
+        prefetch.check_sharded_step("sharded_step", 2)
+
+
+@needs_capture
+def test_an_honest_step_passes_on_the_wire_with_and_without_prefetch(monkeypatch):
+    _use(monkeypatch, honest)
+    with observed_from_outside():
+        prefetch.check_sharded_step("sharded_step", 2)
+        prefetch.check_sharded_step("sharded_step", 2, prefetch=False)
+
+
+@needs_capture
+def test_no_prefetch_gives_the_values_but_fails_the_overlap_on_the_wire(monkeypatch):
+    _use(monkeypatch, never_prefetches)
+    prefetch.check_sharded_step("sharded_step", 2)  # the student's own kernel: values only, and right
+    with observed_from_outside(), pytest.raises(AssertionError) as said:
+        prefetch.check_sharded_step("sharded_step", 2)
+    message = str(said.value)
+    print(message)
+    assert "sharded_step (prefetch=True, 2 ranks, 5 layers): on the grader's capture of the wire" in message
+    assert re.search(
+        r"layer 2's forward all-gather crossed from [\d.]+ ms to [\d.]+ ms, and the grader answered its "
+        r"hold inside layer 1's forward at [\d.]+ ms: it was posted after layer 1's forward began",
+        message,
+    )
+    assert re.search(
+        r"layer 2's backward all-gather crossed from [\d.]+ ms to [\d.]+ ms, and the grader answered its "
+        r"hold inside layer 3's backward at [\d.]+ ms",
+        message,
+    )
+
+
+@pytest.mark.parametrize(
+    "cheat, said",
+    [
+        (two_ahead, "layer 3's forward all-gather began crossing at"),
+        (all_at_once, "layer 3's forward all-gather began crossing at"),
+        (keeps_layers, "crossed 1 time(s)"),
+        (copies_ahead, "crossed 3 time(s)"),
+    ],
+    ids=["two_ahead", "all_at_once", "keeps_layers", "copies_ahead"],
+)
+@needs_capture
+def test_other_schedules_give_the_values_but_fail_on_the_wire(monkeypatch, cheat, said):
+    _use(monkeypatch, cheat)
+    with observed_from_outside(), pytest.raises(AssertionError) as found:
+        prefetch.check_sharded_step("sharded_step", 2)
+    message = str(found.value)
+    print(message)
+    assert "on the grader's capture of the wire" in message or "does not show each layer's shards" in message
+    assert said in message
