@@ -46,6 +46,7 @@ from .experts import ALL_GATHER_DISPATCH, ONE_PROCESS_MOE, bench_experts, format
 from .launch import bench_launch, format_launch_table, time_launch, time_spawn, time_torchrun
 from .notebook import functions_from_lab, functions_from_notebook
 from .pipeline import PIPELINE_COST, PIPELINE_MODEL, TORCH_PIPELINE, bench_pipeline, format_pipeline_table
+from .prefetch import LAB_NO_PREFETCH, bench_prefetch, format_prefetch_table
 from .recovery import bench_recovery
 from .registry import MEASUREMENTS
 from .schedules import TORCH_1F1B, bench_schedules, format_schedules_table

@@ -12,6 +12,7 @@ from . import (
     launch,
     memory,
     pipeline,
+    prefetch,
     schedules,
     sequence,
     three_d,
@@ -35,4 +36,5 @@ MEASUREMENTS = (
     experts,
     checkpoint,
     schedules,
+    prefetch,
 )

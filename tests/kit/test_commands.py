@@ -61,6 +61,7 @@ COVERED_ELSEWHERE = {
     "experts": "tests/labs/test_bench_experts.py::test_cli_bench_experts_with_tiny_options",
     "checkpoint": "tests/labs/test_bench_checkpoint.py::test_cli_bench_checkpoint_with_tiny_options",
     "schedules": "tests/labs/test_bench_schedules.py::test_cli_bench_schedules_with_tiny_options",
+    "prefetch": "tests/labs/test_bench_prefetch.py::test_cli_bench_prefetch_with_tiny_options",
     "all": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
     "launch": "tests/kit/test_commands.py::test_bench_all_writes_a_report",
     "compression": "tests/kit/test_commands.py::test_bench_all_writes_a_report",

@@ -11,11 +11,12 @@ its references are torch's own schedules.
 - Wrong answers fail the right graded cell with a message that says why, all in one kernel: 1F1B's warm-up
   in an interleaved order, the chunks' backwards in the wrong order, a loss returned by every rank, a loss not
   scaled by 1/m, an I that computes the weights' gradients too, a W that overwrites .grad, W run at once after
-  I (1F1B with a split backward), and wrong predictions.
+  I (1F1B with a split backward), gradients summed where the exercise averages them, and wrong predictions.
 - Under the grader's capture of the wire, the notebook's own ``run_order`` passes, and the same function made
-  to run GPipe's order (every F, then every B) gives the right values and fails on the wire.
+  to run GPipe's order (every F, then every B) gives the right values and fails on the wire; the notebook's own
+  ``sharded_step`` passes with prefetch and without, and the same with the forward's prefetch taken out fails.
 
-The unit tests of the grader's side are test_lab14_{orders,schedule,wireorder,split,running}.py; the blank
+The unit tests of the grader's side are test_lab14_{orders,schedule,wireorder,split,running,prefetch}.py; the blank
 notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
 
@@ -45,7 +46,15 @@ from tests.notebooks import (
 
 LAB = solution_notebook("14_schedules")
 BUDGET_S = 180  # the whole solution notebook on 2 cores (a student's run: about 20 s from a fresh kernel, quiet)
-EXERCISES = ["interleaved_order", "predict_bubble", "run_order", "predict_held", "split_backward", "zb_h1_order"]
+EXERCISES = [
+    "interleaved_order",
+    "predict_bubble",
+    "run_order",
+    "predict_held",
+    "split_backward",
+    "zb_h1_order",
+    "sharded_step",
+]
 
 
 # ----------------------------------------------------------------------------------------
@@ -62,6 +71,7 @@ def test_exercises_and_hidden_tests_cover_the_lab():
         "test_predict_held": 1,
         "test_split_backward": 2,
         "test_zb_h1_order": 2,
+        "test_sharded_step": 3,
     }
     hidden = "".join(
         part.split("### END HIDDEN TESTS")[0]
@@ -78,6 +88,7 @@ def test_exercises_and_hidden_tests_cover_the_lab():
         'lab_tests.check_run_order("run_order", 4, 1, 4, "1F1B")',
         "((2, 9, 4, 7), 1)",  # a batch of one, three layers
         "(4, 3), (4, 10)",  # ZB-H1 with m < p and two rounds
+        'lab_tests.check_sharded_step("sharded_step", 4, prefetch=False)',  # 4 ranks: padding on every layer
         'dl.predictions.fetch("PREDICTED_BUBBLE")',
         'dl.predictions.fetch("PREDICTED_HELD")',
     ):
@@ -96,7 +107,9 @@ def test_predictions_self_checks_hold_no_answer():
 @pytest.mark.parametrize("autograding", [True, False], ids=["grader", "student"])
 def test_solution_notebook_executes_within_budget(autograding):
     nb = run_solution(LAB, BUDGET_S, autograding)
-    assert pictures(nb) == 6, "GPipe/1F1B, interleaved v = 1..3 and its bars, the real run, held, four schedules"
+    assert pictures(nb) == 7, (
+        "GPipe/1F1B, interleaved v = 1..3 and its bars, the real run, held, four schedules, prefetch's real run"
+    )
     lab5 = output_of(nb, "def draw_schedule")
     assert "GPipe: bubble 0.375 (formula (p − 1)/m = 0.375)" in lab5, lab5
     assert "1F1B : bubble 0.375" in lab5 and "by rank: [4.0, 3.0, 2.0, 1.0]" in lab5, lab5
@@ -116,6 +129,9 @@ def test_solution_notebook_executes_within_budget(autograding):
     assert "not measured" not in benched, benched
     for version in ("torch Schedule1F1B", "lab interleaved_order, lab run_order", "lab zb_h1_order, torch's runtime"):
         assert f"  {version} " in benched, benched
+    prefetched = output_of(nb, "class _Compute")  # ranks' clocks: a picture; the step is shorter with prefetch
+    steps = {flag: float(ms) for flag, ms in re.findall(r"prefetch=(\w+): step (\d+) ms", prefetched)}
+    assert set(steps) == {"False", "True"} and steps["True"] < steps["False"], prefetched
 
 
 _RUN_ORDER = re.compile(r"def run_order\(.*?### END SOLUTION\n", re.S)
@@ -124,6 +140,13 @@ _RUN_ORDER = re.compile(r"def run_order\(.*?### END SOLUTION\n", re.S)
 def _run_order_with(lab, old: str, new: str) -> str:
     """The solution's run_order with ``old`` replaced by ``new`` (the markers taken out)."""
     source = next(c.source for c in lab.cells if nbgrader_meta(c).get("grade_id") == "ex_run_order")
+    assert old in source, old
+    return source.replace(old, new).replace("    ### BEGIN SOLUTION\n", "").replace("    ### END SOLUTION\n", "")
+
+
+def _sharded_step_with(lab, old: str, new: str) -> str:
+    """The solution's sharded_step with ``old`` replaced by ``new`` (the markers taken out)."""
+    source = next(c.source for c in lab.cells if nbgrader_meta(c).get("grade_id") == "ex_sharded_step")
     assert old in source, old
     return source.replace(old, new).replace("    ### BEGIN SOLUTION\n", "").replace("    ### END SOLUTION\n", "")
 
@@ -210,6 +233,11 @@ def zb_h1_order(p, m):                            # W at once after its I: 1F1B 
 """,
             "ScheduleInterleavedZeroBubble",
         ),
+        (
+            "sharded_step",
+            _sharded_step_with(lab, "op=dist.ReduceOp.AVG", "op=dist.ReduceOp.SUM"),  # summed, not averaged
+            "shards[0].grad, against loss.backward() in one process",
+        ),
         ("predict_bubble", "PREDICTED_BUBBLE = (4 - 1) / 12     # 1F1B's (p − 1)/m\n", "significant figures"),
         ("predict_held", "PREDICTED_HELD = 4     # 1F1B's p\n", "significant figures"),
     ]
@@ -256,3 +284,27 @@ def test_the_notebooks_run_order_on_the_wire(monkeypatch):
     with observed_from_outside(), pytest.raises(AssertionError) as said:
         running.check_run_order("run_order", 2, 2, 4, "Interleaved1F1B")
     assert "the ranks did not run the order" in str(said.value), said.value
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_notebooks_sharded_step_on_the_wire(monkeypatch):
+    """The solution's sharded_step passes under the grader's capture, with prefetch and without; the same function
+    with the forward's prefetch taken out passes on the values in the student's kernel and fails on the wire."""
+    from disttrain_lab import bench
+    from disttrain_lab.labtests.lab14 import prefetch
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["sharded_step"])
+    names = dict(solution["sharded_step"].__globals__)
+    notebook_names(monkeypatch, names)
+    with observed_from_outside():
+        prefetch.check_sharded_step("sharded_step", 2)
+        prefetch.check_sharded_step("sharded_step", 2, prefetch=False)
+    exec(_sharded_step_with(load(LAB), "            gather(i + 1)", "            pass"), names)
+    notebook_names(monkeypatch, names)
+    prefetch.check_sharded_step("sharded_step", 2)  # the student's own kernel: the values, right
+    with observed_from_outside(), pytest.raises(AssertionError) as said:
+        prefetch.check_sharded_step("sharded_step", 2)
+    assert "layer 2's forward all-gather crossed from" in str(said.value), said.value
+    assert "backward all-gather" not in str(said.value), said.value  # the backward still prefetches

@@ -1,7 +1,7 @@
-"""Lab 14's grader side (pipeline schedules beyond 1F1B: interleaved 1F1B, zero bubble, ZB-V, DualPipeV):
-under construction, not yet a released lab.
+"""Lab 14's grader side (pipeline schedules beyond 1F1B: interleaved 1F1B, zero bubble, ZB-V, DualPipeV; and the
+prefetch of a sharded model's all-gathers).
 
-So far: its reference (``orders``: schedules as per-rank orders of F, B, I and W actions, torch's own orders
+Its reference (``orders``: schedules as per-rank orders of F, B, I and W actions, torch's own orders
 read from ``torch.distributed.pipelining.schedules``, a simulator that times an order (makespan, bubble) and
 refuses one that deadlocks, and the activations a rank holds); the graded checks of the two exercises that
 write an order (``schedule``: ``interleaved_order``, ``zb_h1_order``, against torch's); and the check of an
@@ -9,7 +9,9 @@ order run on ranks from the grader's capture of the wire (``wireorder``: each me
 placed in time); exercise 3's split backward against torch's ``backward()``
 (``split``: ``backward_input``, ``backward_weight``) and the graded predictions of a schedule's bubble and of the
 activations a rank holds (``predictions``, against the simulator on torch's order); exercise 2's ``run_order`` run
-on real ranks (``running``: gradients and loss against one process, the order on the grader's capture of the wire).
+on real ranks (``running``: gradients and loss against one process, the order on the grader's capture of the wire);
+exercise 5's ``sharded_step``, an FSDP-style step that prefetches the next layer's all-gather (``prefetch``: gradients
+and losses against one process, the overlap at the grader's two holds on its capture of the wire).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .orders import (
     torch_pipeline_order,
 )
 from .predictions import check_bubble_prediction, check_held_prediction
+from .prefetch import check_sharded_step
 from .running import check_run_order
 from .schedule import (
     SHOWN_INTERLEAVED,
@@ -59,6 +62,7 @@ from .wireorder import (
 
 __all__ = [
     "check_run_order",
+    "check_sharded_step",
     "Name",
     "Expected",
     "Seen",

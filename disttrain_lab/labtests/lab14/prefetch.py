@@ -1,7 +1,6 @@
 """Lab 14's overlap beyond DDP: ``sharded_step``, one training step of an FSDP-style model whose layers are whole one
 or two at a time, the next layer's all-gather prefetched while this one computes; graded against one process (the
-values) and on the grader's capture of the wire at its gate (the overlap).  Not yet in the notebook (see
-docs/wip/lab14.md).
+values) and on the grader's capture of the wire at its gate (the overlap): the notebook's exercise 5.
 
 The student writes ``sharded_step(shards, layer, x, y, prefetch=True) -> float``, called on every rank of N:
 
