@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from ... import checks, exercise
 from ...wiretimeline import Timeline
 from .. import common
+from .common import ms, seen
 from .wireorder import timed_payloads
 
 __all__ = ["BACKWARD_HOLD", "FORWARD_HOLD", "TIMEOUT", "TOLERANCE", "WIDTHS", "check_sharded_step"]
@@ -174,19 +175,12 @@ def _one_process(layers, x, y, n: int, answers) -> tuple[list[float], list[list[
 # Reading what came back (untrusted data) ---------------------------------------------------------------------------
 
 
-def _seen(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}"
-    shown = repr(value)
-    return f"{type(value).__name__} {shown if len(shown) <= 80 else shown[:79] + '…'}"
-
-
 def _check_values(case: str, results, want_losses, want_grads) -> None:
     for rank, found in enumerate(results):
         if type(found) is not dict or set(found) != {"grads", "loss"} or type(found["grads"]) is not list:
-            raise AssertionError(f"{case}: expected the driver's record from rank {rank}, got {_seen(found)}")
+            raise AssertionError(f"{case}: expected the driver's record from rank {rank}, got {seen(found)}")
         if len(found["grads"]) != len(want_grads[rank]):
-            raise AssertionError(f"{case}: rank {rank}: expected one gradient per layer, got {_seen(found['grads'])}")
+            raise AssertionError(f"{case}: rank {rank}: expected one gradient per layer, got {seen(found['grads'])}")
         for i, (grad, want) in enumerate(zip(found["grads"], want_grads[rank])):
             what = f"{case}: rank {rank}: shards[{i}].grad"
             if grad is None:
@@ -208,13 +202,9 @@ def _check_values(case: str, results, want_losses, want_grads) -> None:
             want_loss
         ):
             raise AssertionError(
-                f"{case}: rank {rank} returned loss {_seen(loss)}; F.mse_loss(out, y) on its rows is {want_loss:.6f} "
+                f"{case}: rank {rank} returned loss {seen(loss)}; F.mse_loss(out, y) on its rows is {want_loss:.6f} "
                 "(a float: loss.item())"
             )
-
-
-def _ms(t: float) -> str:
-    return f"{t * 1000:.3f} ms"
 
 
 def _named(payloads: list[tuple[float, float, int, bytes]], by_value: dict[bytes, tuple[int, int]]):
@@ -252,10 +242,10 @@ def _crossings(case: str, timeline: Timeline, shards) -> dict[tuple[int, int], l
     for src, dst in ((0, 1), (1, 0)):
         for first, last, name in _named(timed_payloads(timeline, src, dst), by_value):
             if name[1] != src:
-                wrong.append(f"rank {name[1]}'s shard of layer {name[0]} crossed from rank {src} at {_ms(first)}")
+                wrong.append(f"rank {name[1]}'s shard of layer {name[0]} crossed from rank {src} at {ms(first)}")
             times[name].append((first, last))
     problems = wrong + [
-        f"rank {r}'s shard of layer {i} crossed {len(t)} time(s)" + (" at " + ", ".join(_ms(a) for a, _ in t)) * bool(t)
+        f"rank {r}'s shard of layer {i} crossed {len(t)} time(s)" + (" at " + ", ".join(ms(a) for a, _ in t)) * bool(t)
         for (i, r), t in sorted(times.items())
         if len(t) != 2
     ]
@@ -286,21 +276,21 @@ def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool)
         ("backward", BACKWARD_HOLD, BACKWARD_HOLD - 1, BACKWARD_HOLD - 2, cuts[1]),
     ):
         first, last = gathers[way, ahead]
-        answered = f"the grader answered its hold inside layer {hold}'s {way} at {_ms(cut)}"
+        answered = f"the grader answered its hold inside layer {hold}'s {way} at {ms(cut)}"
         if prefetch and last > cut:
             problems.append(
-                f"layer {ahead}'s {way} all-gather crossed from {_ms(first)} to {_ms(last)}, and {answered}: it was "
+                f"layer {ahead}'s {way} all-gather crossed from {ms(first)} to {ms(last)}, and {answered}: it was "
                 f"posted after layer {hold}'s {way} began, not before it (prefetch)"
             )
         if not prefetch and first < cut:
             problems.append(
-                f"layer {ahead}'s {way} all-gather began crossing at {_ms(first)}, and {answered}: with "
+                f"layer {ahead}'s {way} all-gather began crossing at {ms(first)}, and {answered}: with "
                 f"prefetch=False it is posted only when layer {ahead}'s {way} begins"
             )
         early, _ = gathers[way, beyond]
         if prefetch and early < cut:
             problems.append(
-                f"layer {beyond}'s {way} all-gather began crossing at {_ms(early)}, and {answered}: two layers ahead; "
+                f"layer {beyond}'s {way} all-gather began crossing at {ms(early)}, and {answered}: two layers ahead; "
                 "prefetch one layer only (a rank holds at most two layers whole)"
             )
     if problems:

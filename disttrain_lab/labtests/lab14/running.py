@@ -47,6 +47,7 @@ from torch import nn
 
 from ... import checks
 from .. import common
+from .common import seen
 from .model import stage_module
 from .orders import SCHEDULES, check_order, rank_and_chunk, torch_order
 from .wireorder import check_order_on_wire, reference_messages
@@ -153,15 +154,6 @@ def _messages(stages, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[dict, d
 # Reading what came back (untrusted data) ---------------------------------------------------------------------------
 
 
-def _seen(value) -> str:
-    """A value from the student's side, for a message: a tensor's type, shape and dtype; anything else its type and
-    repr, cut short."""
-    if isinstance(value, torch.Tensor):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}"
-    shown = repr(value)
-    return f"{type(value).__name__} {shown if len(shown) <= 80 else shown[:79] + '…'}"
-
-
 def _check_values(case: str, results, stages, x, y, p: int, v: int, m: int) -> None:
     """(a): every chunk's parameters' .grad and the last stage's loss, against one process."""
     want_grads, want_loss = _one_process(stages, x, y, m)
@@ -169,11 +161,11 @@ def _check_values(case: str, results, stages, x, y, p: int, v: int, m: int) -> N
     last_rank = rank_and_chunk(p * v - 1, p)[0]
     for rank, found in enumerate(results):
         if type(found) is not dict or set(found) != {"grads", "loss"} or type(found["grads"]) is not list:
-            raise AssertionError(f"{case}: expected the driver's record from rank {rank}, got {_seen(found)}")
+            raise AssertionError(f"{case}: expected the driver's record from rank {rank}, got {seen(found)}")
         if len(found["grads"]) != v or any(type(g) is not list or len(g) != len(names) for g in found["grads"]):
             raise AssertionError(
                 f"{case}: rank {rank}: expected {len(names)} gradients for each of its {v} chunks from the driver, "
-                f"got {_seen(found['grads'])}"
+                f"got {seen(found['grads'])}"
             )
         for c, got in enumerate(found["grads"]):
             s = c * p + rank
@@ -196,14 +188,14 @@ def _check_values(case: str, results, stages, x, y, p: int, v: int, m: int) -> N
         if rank != last_rank:
             if loss is not None:
                 raise AssertionError(
-                    f"{case}: rank {rank} returned {_seen(loss)}; only the rank holding the last stage "
+                    f"{case}: rank {rank} returned {seen(loss)}; only the rank holding the last stage "
                     f"(rank {last_rank}) returns the loss, every other rank None"
                 )
         elif type(loss) is not float or not abs(loss - want_loss) <= TOLERANCE["atol"] + TOLERANCE["rtol"] * abs(
             want_loss
         ):
             raise AssertionError(
-                f"{case}: rank {rank} (the last stage's) returned loss {_seen(loss)}; the sum of the micro-batches' "
+                f"{case}: rank {rank} (the last stage's) returned loss {seen(loss)}; the sum of the micro-batches' "
                 f"F.mse_loss(out, y_j) / {m} is {want_loss:.6f} (a float: loss.item())"
             )
 

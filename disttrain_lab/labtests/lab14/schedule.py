@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from .. import common
+from .common import seen
 from .orders import Action, check_order, torch_order
 
 ACTION = re.compile(r"([0-9]+)([FBIW])([0-9]+)")  # torch's spelling: stage, kind, micro-batch ("4B0")
@@ -63,26 +64,20 @@ def _zb_h1_in_rank(cases):
 # Reading it ----------------------------------------------------------------------------------------------------
 
 
-def _seen(value) -> str:
-    """A value from the student's side, for a message: its type and its repr, cut short."""
-    shown = repr(value)
-    return f"{type(value).__name__} {shown if len(shown) <= 80 else shown[:79] + '…'}"
-
-
 def parse_order(got, p: int, v: int, m: int, *, call: str) -> list[list[Action]]:
     """What the student's function returned (``call``: how it was called, for the messages), read as untrusted
     data: a list (or tuple) of p lists, rank r's holding at most 3·v·m strings "<stage><kind><micro-batch>"
     (kind F, B, I or W; each of its v stages runs, per micro-batch, an F and a B, or an F, an I and a W).  Raises
     AssertionError naming the rule broken, the value seen and what would be valid."""
     if type(got) not in (list, tuple):
-        raise AssertionError(f"{call} returned {_seen(got)}; expected {_VALID}")
+        raise AssertionError(f"{call} returned {seen(got)}; expected {_VALID}")
     if len(got) != p:
         raise AssertionError(f"{call} returned a list of {len(got)}; expected p = {p} lists, one per rank: {_VALID}")
     most = 3 * v * m
     for r, actions in enumerate(got):
         if type(actions) not in (list, tuple):
             raise AssertionError(
-                f'{call}: rank {r}\'s entry is {_seen(actions)}; expected a list of strings like "{r}F0"'
+                f'{call}: rank {r}\'s entry is {seen(actions)}; expected a list of strings like "{r}F0"'
             )
         if len(actions) > most:
             raise AssertionError(
@@ -96,7 +91,7 @@ def parse_order(got, p: int, v: int, m: int, *, call: str) -> list[list[Action]]
             found = ACTION.fullmatch(a) if type(a) is str and len(a) <= LONGEST else None
             if found is None:
                 raise AssertionError(
-                    f'{call}: rank {r}\'s action {i} is {_seen(a)}; expected a string "<stage><kind><micro-batch>" '
+                    f'{call}: rank {r}\'s action {i} is {seen(a)}; expected a string "<stage><kind><micro-batch>" '
                     f'such as "{r}F0" or "{r}B0": digits, one of F, B, I, W, digits, nothing else'
                 )
             parsed.append(Action(found[2], int(found[1]), int(found[3])))
@@ -179,7 +174,7 @@ def _check(name: str, driver: Callable, cases: Sequence[tuple], v_of: Callable[[
     calls = ", ".join(f"{name}({', '.join(map(str, case))})" for case in cases)
     found = common.run_or_fail(driver, 1, (cases,), calls, "an endless loop?", timeout=TIMEOUT).results[0]
     if type(found) is not list or len(found) != len(cases):
-        raise AssertionError(f"expected one result per case ({len(cases)}) from the driver, got {_seen(found)}")
+        raise AssertionError(f"expected one result per case ({len(cases)}) from the driver, got {seen(found)}")
     for case, got in zip(cases, found):
         p, v, m = case[0], v_of(case), case[-1]
         call = f"{name}({', '.join(map(str, case))})"

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import common
+from .common import seen
 from .model import stage_module
 
 RTOL = 1e-6  # of the largest entry of torch's gradient (float64: torch's own order of sums differs by ~1e-16)
@@ -131,15 +132,6 @@ def _reference(layers, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.T
 # Comparing ---------------------------------------------------------------------------------------------------------
 
 
-def _seen(value) -> str:
-    """A value from the student's side, for a message: its type and its repr, cut short (a tensor's shape and
-    dtype: its values say nothing about the rule broken)."""
-    if isinstance(value, torch.Tensor):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}"
-    shown = repr(value)
-    return f"{type(value).__name__} {shown if len(shown) <= 80 else shown[:79] + '…'}"
-
-
 def _difference(got: torch.Tensor, want: torch.Tensor) -> float | None:
     """The largest absolute difference, or None where it is within RTOL of ``want``'s largest entry."""
     if not want.numel():
@@ -156,18 +148,18 @@ def _check_run(run, layers, xs, grads_out, names: list[str], case: str) -> None:
     """One run of the driver on ``len(xs)`` micro-batches, against torch's gradients of each, rule by rule in the
     order the run met them: each I's result and the .grad it left, then an exception if one came, then each W."""
     if type(run) is not dict or not {"grad_x", "after_i", "after_w", "raised"} <= set(run):
-        raise AssertionError(f"{case}: expected the driver's record of the run, got {_seen(run)}")
+        raise AssertionError(f"{case}: expected the driver's record of the run, got {seen(run)}")
     refs = [_reference(layers, x, g) for x, g in zip(xs, grads_out)]
     m = len(refs)
     order = "F0, I0, W0" if m == 1 else "F0, F1, I0, I1, W0, W1"
     if type(run["grad_x"]) is not list or type(run["after_i"]) is not list or type(run["after_w"]) is not list:
-        raise AssertionError(f"{case}: expected the driver's record of the run, got {_seen(run)}")
+        raise AssertionError(f"{case}: expected the driver's record of the run, got {seen(run)}")
     for j, (got, after_i) in enumerate(zip(run["grad_x"][:m], run["after_i"][:m])):
         want = refs[j][0]
         where = f"{case}, {order}: backward_input on micro-batch {j}"
         if not _is_like(got, want):
             raise AssertionError(
-                f"{where} returned {_seen(got)}; expected {_VALID_I}: shape {tuple(want.shape)}, {want.dtype}"
+                f"{where} returned {seen(got)}; expected {_VALID_I}: shape {tuple(want.shape)}, {want.dtype}"
             )
         diff = _difference(got, want)
         if diff is not None:
@@ -178,13 +170,13 @@ def _check_run(run, layers, xs, grads_out, names: list[str], case: str) -> None:
             )
         if type(after_i) is not list or len(after_i) != len(names):
             raise AssertionError(
-                f"{where}: expected the stage's {len(names)} gradients from the driver, got {_seen(after_i)}"
+                f"{where}: expected the stage's {len(names)} gradients from the driver, got {seen(after_i)}"
             )
         for name, grad in zip(names, after_i):
             if grad is None:
                 continue
             if type(grad) is not torch.Tensor:
-                raise AssertionError(f"{where}: {name}.grad is {_seen(grad)}; expected None or a tensor")
+                raise AssertionError(f"{where}: {name}.grad is {seen(grad)}; expected None or a tensor")
             if grad.numel() and grad.abs().max().item() != 0:
                 raise AssertionError(
                     f"{where}: afterwards {name}.grad is set (largest entry {grad.abs().max().item():.3g}); "
@@ -192,7 +184,7 @@ def _check_run(run, layers, xs, grads_out, names: list[str], case: str) -> None:
                     "None (or zero) after I.  I computes only x's gradient (and keeps the graph, which W needs)"
                 )
     if run["raised"] is not None:
-        said = run["raised"] if type(run["raised"]) is str else _seen(run["raised"])
+        said = run["raised"] if type(run["raised"]) is str else seen(run["raised"])
         hint = (
             " (backward_weight runs on the out that backward_input saw: I must keep the graph, which W needs)"
             if "second time" in said
@@ -207,7 +199,7 @@ def _check_run(run, layers, xs, grads_out, names: list[str], case: str) -> None:
         where = f"{case}, {order}: after backward_weight on micro-batch {j}"
         if type(after_w) is not list or len(after_w) != len(names):
             raise AssertionError(
-                f"{where}: expected the stage's {len(names)} gradients from the driver, got {_seen(after_w)}"
+                f"{where}: expected the stage's {len(names)} gradients from the driver, got {seen(after_w)}"
             )
         for name, grad, want, alone in zip(names, after_w, total, refs[j][1]):
             if grad is None:
@@ -217,7 +209,7 @@ def _check_run(run, layers, xs, grads_out, names: list[str], case: str) -> None:
                 )
             if not _is_like(grad, want):
                 raise AssertionError(
-                    f"{where}: {name}.grad is {_seen(grad)}; expected a tensor of shape {tuple(want.shape)}"
+                    f"{where}: {name}.grad is {seen(grad)}; expected a tensor of shape {tuple(want.shape)}"
                 )
             diff = _difference(grad, want)
             if diff is None:
@@ -240,7 +232,7 @@ def _check_case(widths, batch, seed, found_runs) -> None:
     names = [name for name, _ in _stage(layers).named_parameters()]
     case = f"stage Linear/Tanh widths {tuple(widths)}, batch {batch}"
     if type(found_runs) is not list or len(found_runs) != 2:
-        raise AssertionError(f"{case}: expected two runs from the driver, got {_seen(found_runs)}")
+        raise AssertionError(f"{case}: expected two runs from the driver, got {seen(found_runs)}")
     _check_run(found_runs[0], layers, xs[:1], grads_out[:1], names, case)
     _check_run(found_runs[1], layers, xs, grads_out, names, case)
 
@@ -271,7 +263,7 @@ def check_split_backward(cases: Sequence[tuple[Sequence[int], int]]) -> None:
         0
     ]
     if type(found) is not list or len(found) != len(cases):
-        raise AssertionError(f"expected one result per case ({len(cases)}) from the driver, got {_seen(found)}")
+        raise AssertionError(f"expected one result per case ({len(cases)}) from the driver, got {seen(found)}")
     for (widths, batch), seed, runs in zip(cases, seeds, found):
         _check_case(widths, batch, seed, runs)
 

@@ -33,6 +33,7 @@ import torch
 
 from ... import gloo_ops
 from ...wiretimeline import Timeline
+from .common import ms
 from .orders import Action, Order, check_order, rank_and_chunk
 
 __all__ = [
@@ -95,10 +96,6 @@ class Junk(NamedTuple):
     first: float
     last: float
     nbytes: int
-
-
-def _ms(t: float) -> str:
-    return f"{t * 1000:.3f} ms"
 
 
 # The messages of a correct run ----------------------------------------------------------------------------------
@@ -234,7 +231,7 @@ def _what_crossed(case: str, seen: list[Seen], junk: list[Junk], reference: Mapp
         times.setdefault(s.name, []).append(s)
     problems = [
         f"{len(junk)} payload(s) equal to no activation or input gradient of a correct run: "
-        + ", ".join(f"rank {j.src} -> rank {j.dst}, {j.nbytes} bytes, at {_ms(j.first)}" for j in junk[:5])
+        + ", ".join(f"rank {j.src} -> rank {j.dst}, {j.nbytes} bytes, at {ms(j.first)}" for j in junk[:5])
         + (" ..." if len(junk) > 5 else "")
     ] * bool(junk)
     for name, e in reference.items():
@@ -243,12 +240,12 @@ def _what_crossed(case: str, seen: list[Seen], junk: list[Junk], reference: Mapp
         if not got:
             problems.append(f"{name} (rank {e.src} -> rank {e.dst}) never crossed")
         elif wrong:
-            where = ", ".join(f"rank {s.src} -> rank {s.dst} at {_ms(s.first)}" for s in wrong)
+            where = ", ".join(f"rank {s.src} -> rank {s.dst} at {ms(s.first)}" for s in wrong)
             problems.append(f"{name} crossed {where}, where it goes from rank {e.src} to rank {e.dst}")
         elif len(got) > 1:
             problems.append(
                 f"{name} (rank {e.src} -> rank {e.dst}) crossed {len(got)} times, at "
-                + ", ".join(_ms(s.first) for s in got)
+                + ", ".join(ms(s.first) for s in got)
             )
     if problems:
         raise AssertionError(
@@ -302,8 +299,8 @@ def check_order_on_wire(
     if early:
         early.sort()
         lines = [
-            f"rank {r} sent {sent} (its action {k + 1}, {a}) at {_ms(t)}, before {need} had arrived "
-            f"({_ms(arrived)}), which its action {by}{' itself' if by == a else ', earlier in its list,'} waits for"
+            f"rank {r} sent {sent} (its action {k + 1}, {a}) at {ms(t)}, before {need} had arrived "
+            f"({ms(arrived)}), which its action {by}{' itself' if by == a else ', earlier in its list,'} waits for"
             for t, r, k, a, sent, (arrived, need, by) in early[:3]
         ]
         raise AssertionError(
