@@ -27,17 +27,19 @@ and the backward prefetch it does by default), resharded after forward, gradient
 
 **How the grader sees the overlap.**  A gather posted early crosses the wire while the layer before it computes, but
 the wire shows no computing.  The grader makes a moment of it instead, as lab 3 does for DDP's overlap (``gate.py``):
-the driver's ``layer`` holds every rank at the grader's gate inside layer ``FORWARD_HOLD``'s forward, and inside
-layer ``BACKWARD_HOLD``'s backward (where its output gets its gradient), and the grader answers each hold (a tensor,
-drawn at grading time, added to that layer's output, or to its output's gradient) only once every rank is held and
-their bytes have stopped growing.  Its capture of the wire then names each payload by its value (each layer's shard
-of each rank: the grader drew them) and places it against the holds' answers:
+the driver's ``layer`` holds every rank at the grader's gate inside every layer's forward, and inside every layer's
+backward (where its output gets its gradient), and the grader answers each hold (a tensor, drawn at grading time,
+added to that layer's output, or to its output's gradient) only once every rank is held and their bytes have
+stopped growing.  Which layers are held is no secret to keep: all of them are, so a submission cannot prefetch for
+the held layers alone.  Its capture of the wire then names each payload by its value (each layer's shard of each
+rank: the grader drew them) and places it against the holds' answers:
 
 - every shard crosses from its rank to the other exactly twice: the forward's gather, then the backward's;
-- with ``prefetch``: the forward gather of layer FORWARD_HOLD + 1 had crossed before the grader answered the
-  forward hold, that of FORWARD_HOLD + 2 crossed after it; the backward gather of layer BACKWARD_HOLD − 1 had
-  crossed before the grader answered the backward hold, that of BACKWARD_HOLD − 2 after it;
-- without: each of those gathers crossed after its hold was answered.
+- with ``prefetch``: for every layer i, the forward gather of layer i + 1 had crossed before the grader answered
+  the hold inside layer i's forward, that of layer i + 2 crossed after it; the backward gather of layer i − 1 had
+  crossed before the grader answered the hold inside layer i's backward, that of layer i − 2 after it;
+- without: each layer's gather crossed after the grader answered the hold inside the layer before it (forward) or
+  after it (backward).
 
 A rank cannot put a gather's bytes on the wire before it has posted it, and cannot go on past a hold before the
 grader answers; so a gather that crossed while every rank was held was posted before the layer that holds, and one
@@ -59,13 +61,12 @@ from .. import common
 from .common import ms, seen
 from .wireorder import timed_payloads
 
-__all__ = ["BACKWARD_HOLD", "FORWARD_HOLD", "TIMEOUT", "TOLERANCE", "WIDTHS", "check_sharded_step"]
+__all__ = ["TIMEOUT", "TOLERANCE", "WIDTHS", "check_sharded_step"]
 
 WIDTHS = (5, 8, 7, 9, 6, 3)  # the model's widths: five Linear layers, Tanh after each but the last
-FORWARD_HOLD, BACKWARD_HOLD = 1, 3  # the layers whose forward (resp. backward) the grader holds
 ROWS = 2  # rows per rank
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # float32: the ranks' average adds up in another order
-TIMEOUT = 60.0  # seconds: five tiny layers, two holds
+TIMEOUT = 60.0  # seconds: five tiny layers, ten holds
 
 _HINT = (
     "does every rank make the same collective calls in the same order (each layer's all-gather, forward and "
@@ -76,10 +77,11 @@ _HINT = (
 # What crosses: the driver (dl.exercise.run defines it where the notebook's code runs) -----------------------------
 
 
-def _sharded_step_in_rank(shards, shapes, x, y, prefetch, holds):
+def _sharded_step_in_rank(shards, shapes, x, y, prefetch):
     """A driver: this rank's shards as ``nn.Parameter`` s, the layer function (``F.linear``, Tanh but after the last
-    layer; under grading, held at the grader's gate in layer ``holds[0]``'s forward and ``holds[1]``'s backward),
-    the notebook's sharded_step on them, and, as data, each shard's .grad (None where unset) and what it returned."""
+    layer; under grading, held at the grader's gate inside each layer's forward and its backward, the grader's
+    answer added to the output, then to its gradient), the notebook's sharded_step on them, and, as data, each
+    shard's .grad (None where unset) and what it returned."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -95,10 +97,8 @@ def _sharded_step_in_rank(shards, shapes, x, y, prefetch, holds):
         out = F.linear(h, flat[: d_out * d_in].view(d_out, d_in), flat[d_out * d_in : d_out * d_in + d_out])
         if i < last:
             out = torch.tanh(out)
-        if door is not None and i == holds[0]:
-            out = out + door.wait(out.shape)
-        if door is not None and i == holds[1]:
-            out = door.held(out)
+        if door is not None:
+            out = door.held(out + door.wait(out.shape))
         return out
 
     params = [nn.Parameter(s.clone()) for s in shards]
@@ -137,14 +137,18 @@ def _shards(layers, n: int) -> list[list[torch.Tensor]]:
     return [[p.chunk(n)[r].clone() for p in padded] for r in range(n)]
 
 
+def _held_layers() -> list[int]:
+    """The layer inside which each hold comes, in the order the ranks reach them: every layer's forward, first to
+    last, then every layer's backward, last to first."""
+    count = len(WIDTHS) - 1
+    return list(range(count)) + list(reversed(range(count)))
+
+
 def _answers(n: int) -> list[list[torch.Tensor]]:
-    """The grader's answers, drawn now: per hold (forward, then backward), per rank, a tensor of that layer's output's
+    """The grader's answers, drawn now: per hold (``_held_layers``), per rank, a tensor of that layer's output's
     shape (ROWS, width)."""
     g = torch.Generator().manual_seed(secrets.randbits(31))
-    return [
-        [torch.randn(ROWS, WIDTHS[hold + 1], generator=g) / 4 for _ in range(n)]
-        for hold in (FORWARD_HOLD, BACKWARD_HOLD)
-    ]
+    return [[torch.randn(ROWS, WIDTHS[i + 1], generator=g) / 4 for _ in range(n)] for i in _held_layers()]
 
 
 def _one_process(layers, x, y, n: int, answers) -> tuple[list[float], list[list[torch.Tensor]]]:
@@ -160,10 +164,9 @@ def _one_process(layers, x, y, n: int, answers) -> tuple[list[float], list[list[
             h = F.linear(h, w, b)
             if i < last:
                 h = torch.tanh(h)
-            if answers is not None and i == FORWARD_HOLD:
-                h = h + answers[0][r]
-            if answers is not None and i == BACKWARD_HOLD:
-                h.register_hook(lambda grad, added=answers[1][r]: grad + added)
+            if answers is not None:
+                h = h + answers[i][r]
+                h.register_hook(lambda grad, added=answers[2 * last + 1 - i][r]: grad + added)
         loss = F.mse_loss(h, ys)
         loss.backward()
         losses.append(loss.item())
@@ -262,41 +265,46 @@ def _crossings(case: str, timeline: Timeline, shards) -> dict[tuple[int, int], l
 
 
 def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool) -> None:
-    """The gathers' crossings against the grader's two holds (see the module docstring)."""
+    """The gathers' crossings against the grader's holds, one inside each layer's forward and backward (see the
+    module docstring)."""
     times = _crossings(case, run.timeline, shards)
-    cuts = [run.gate.hold_window(k)[1] for k in (0, 1)]  # (Unobserved where the grader saw no answer)
+    count = len(WIDTHS) - 1
+    cut = {}  # (pass, layer) -> when the grader answered the hold inside it
+    for k, i in enumerate(_held_layers()):
+        cut["forward" if k < count else "backward", i] = run.gate.hold_window(k)[1]  # (Unobserved: no answer seen)
     gathers = {  # (pass, layer) -> (first byte, last byte) of that gather, both shards
         (way, i): (min(times[i, r][k][0] for r in (0, 1)), max(times[i, r][k][1] for r in (0, 1)))
         for k, way in enumerate(("forward", "backward"))
-        for i in range(len(WIDTHS) - 1)
+        for i in range(count)
     }
     problems = []
-    for way, hold, ahead, beyond, cut in (
-        ("forward", FORWARD_HOLD, FORWARD_HOLD + 1, FORWARD_HOLD + 2, cuts[0]),
-        ("backward", BACKWARD_HOLD, BACKWARD_HOLD - 1, BACKWARD_HOLD - 2, cuts[1]),
-    ):
+    for (way, i), answered_at in cut.items():
+        step = 1 if way == "forward" else -1
+        ahead, beyond = i + step, i + 2 * step
+        if not 0 <= ahead < count:
+            continue
         first, last = gathers[way, ahead]
-        answered = f"the grader answered its hold inside layer {hold}'s {way} at {ms(cut)}"
-        if prefetch and last > cut:
+        answered = f"the grader answered its hold inside layer {i}'s {way} at {ms(answered_at)}"
+        if prefetch and last > answered_at:
             problems.append(
                 f"layer {ahead}'s {way} all-gather crossed from {ms(first)} to {ms(last)}, and {answered}: it was "
-                f"posted after layer {hold}'s {way} began, not before it (prefetch)"
+                f"posted after layer {i}'s {way} began, not before it (prefetch)"
             )
-        if not prefetch and first < cut:
+        if not prefetch and first < answered_at:
             problems.append(
                 f"layer {ahead}'s {way} all-gather began crossing at {ms(first)}, and {answered}: with "
                 f"prefetch=False it is posted only when layer {ahead}'s {way} begins"
             )
-        early, _ = gathers[way, beyond]
-        if prefetch and early < cut:
+        if prefetch and 0 <= beyond < count and gathers[way, beyond][0] < answered_at:
             problems.append(
-                f"layer {beyond}'s {way} all-gather began crossing at {ms(early)}, and {answered}: two layers ahead; "
-                "prefetch one layer only (a rank holds at most two layers whole)"
+                f"layer {beyond}'s {way} all-gather began crossing at {ms(gathers[way, beyond][0])}, and {answered}: "
+                "two layers ahead; prefetch one layer only (a rank holds at most two layers whole)"
             )
     if problems:
         raise AssertionError(
             f"{case}: on the grader's capture of the wire, "
-            + "; ".join(problems)
+            + "; ".join(problems[:4])
+            + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
             + ". With prefetch, post layer i + 1's all-gather (async_op=True) before running layer i, and wait for it "
             "when layer i + 1 begins; in backward, layer i − 1's before running layer i's backward."
         )
@@ -309,10 +317,10 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
     """``sharded_step(shards, layer, x, y, prefetch)`` on ``n`` ranks, five layers of ``WIDTHS`` whose weights and
     batch the grader draws.  (a) Every shard's .grad and every rank's loss are one process's (``loss.backward()`` on
     each rank's rows; the flat gradient averaged over the ranks, this rank's shard), to ``TOLERANCE``; (b) under
-    grading on 2 ranks, the grader's capture of the wire at its two holds shows each shard gathered twice and the
-    gathers prefetched one layer ahead (or, with ``prefetch=False``, not at all): see the module docstring.  In the
-    student's own kernel (no gate, no capture) only (a) is checked; where grading could not observe, ``Unobserved``
-    is raised, never a pass."""
+    grading on 2 ranks, the grader's capture of the wire at its holds (inside every layer, forward and backward) shows
+    each shard gathered twice and the gathers prefetched one layer ahead (or, with ``prefetch=False``, not at all):
+    see the module docstring.  In the student's own kernel (no gate, no capture) only (a) is checked; where grading
+    could not observe, ``Unobserved`` is raised, never a pass."""
     if n < 2:
         raise ValueError(f"n = {n}: sharding needs 2 ranks or more")
     layers, x, y = _draw(n, secrets.randbits(31))  # weights nobody sees before the run
@@ -320,7 +328,7 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
     shapes = [tuple(w.shape) for w, _ in layers]
     rows = list(zip(x.tensor_split(n), y.tensor_split(n)))
     answers = _answers(n) if exercise.graded() else None
-    inputs = [(shards[r], shapes, xs, ys, prefetch, (FORWARD_HOLD, BACKWARD_HOLD)) for r, (xs, ys) in enumerate(rows)]
+    inputs = [(shards[r], shapes, xs, ys, prefetch) for r, (xs, ys) in enumerate(rows)]
     label = f"{case} (prefetch={prefetch}, {n} ranks, {len(layers)} layers)"
     run = common.run_or_fail(
         _sharded_step_in_rank, n, inputs, label, _HINT, timeout=TIMEOUT, timeline=True, content=True, gate=answers
