@@ -185,10 +185,10 @@ class Seen:
     micro-step, and one after the last); ``start``, the round in which the backward was held; ``cut``, when
     the first rank was given the answer it needed to finish that step's backward (None where nothing was
     held); ``settled``, whether the ranks' bytes had stopped growing (as the OS counted them) before the
-    grader answered, rather than its patience ending; ``held``, for each hold in turn, the ranks that were
-    held when it answered (all of them, unless some were not held in time).  ``source``: ``"wire"``;
-    ``"none"`` where no grader held a gate (the student's own notebook); or ``"unobserved"``, with why
-    (reading it raises ``wire.Unobserved``)."""
+    grader answered, at every hold with answers, rather than its patience ending; ``held``, for each hold in
+    turn, the ranks that were held when it answered (all of them, unless some were not held in time).
+    ``source``: ``"wire"``; ``"none"`` where no grader held a gate (the student's own notebook); or
+    ``"unobserved"``, with why (reading it raises ``wire.Unobserved``)."""
 
     start: float | None = None
     cut: float | None = None

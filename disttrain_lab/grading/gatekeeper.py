@@ -135,6 +135,7 @@ class Gatekeeper:
         self._listener: socket.socket | None = None
         self._socks: list[socket.socket] = []
         self._round, self._held = 0, 0  # the hold round now, and how many ranks it holds
+        self._settling = 0  # hold rounds with answers so far (``settled``: whether the bytes settled in every one)
 
     def start(self) -> int:
         """Listen and serve in a thread; returns the port the ranks connect to."""
@@ -292,7 +293,9 @@ class Gatekeeper:
                     by_rank = dict(zip((rank_of.get(s) for s in held), self.memory(ends))) if not why else {}
                     self.memory_by_round.append(tuple(by_rank.get(r) for r in range(self.world_size)))
                 if settles:  # (one rank alone sends no one anything: its count settles at 0)
-                    self.settled = self._hold(base, MIN_SENT if self.world_size > 1 else 0)
+                    settled = self._hold(base, MIN_SENT if self.world_size > 1 else 0)
+                    self.settled = settled and (self.settled or not self._settling)  # (every such round's)
+                    self._settling += 1
                 elif not apart:  # (what the ranks already sent each other crosses before the answers)
                     self._quiet()
                 for sock in held:  # what their host links sent before the answers: this hold's

@@ -10,7 +10,9 @@ Five tiny layers on 2 ranks, each run a few seconds, with the ranks' own timeout
 - one that prefetches two layers ahead, one that gathers every layer at the start, one that keeps each layer
   whole after its forward (one gather a layer), and one that gathers late but sends each next shard early for show
   (three crossings), and one that prefetches only inside two layers, each fail on the wire with the values right;
-- one that sums the gradients instead of averaging fails on the values.
+- one that sums the gradients instead of averaging fails on the values;
+- one that posts each next gather early but waits for it at once (nothing overlaps) passes the posting order and
+  fails where the grader holds one rank a layer behind the other (slow: the grader's patience, twice).
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from tests.helpers import notebook_names, observed_from_outside
 needs_capture = pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 
 
-def _step(shards, layer, x, y, prefetch=True, ahead=1, upfront=False, keep=False, op="AVG", copy=False, only=None):
+def _step(
+    shards, layer, x, y, prefetch=True, ahead=1, upfront=False, keep=False, op="AVG", copy=False, only=None, early=False
+):
     """``sharded_step`` as the exercise asks (``ahead`` layers of prefetch; ``upfront``: every forward gather posted
     at the start; ``keep``: whole parameters kept after forward, not gathered again; ``op``: the reduce-scatter's;
     ``copy``: each rank also sends the other its shard of the next layer before each layer, unused; ``only``: the
-    layers whose forward, and whose backward, post a prefetch, the others none)."""
+    layers whose forward, and whose backward, post a prefetch, the others none; ``early``: each prefetched gather
+    waited for as soon as it is posted, before the layer runs)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -59,6 +64,8 @@ def _step(shards, layer, x, y, prefetch=True, ahead=1, upfront=False, keep=False
         gather(i)
         for k in range(i + 1, i + 1 + depth) if only is None or i in only else ():
             gather(k)
+            if early and k in posted:
+                posted[k].wait()
         posted.pop(i).wait()
         if copy and i + 1 < count:
             other = 1 - dist.get_rank()
@@ -77,6 +84,8 @@ def _step(shards, layer, x, y, prefetch=True, ahead=1, upfront=False, keep=False
         gather(i)
         for k in range(i - 1, i - 1 - depth, -1) if only is None or i in only else ():
             gather(k)
+            if early and k in posted:
+                posted[k].wait()
         if i in posted:
             posted.pop(i).wait()
         outputs[i].backward(grad)
@@ -121,6 +130,11 @@ def copies_ahead(shards, layer, x, y, prefetch=True):
 def prefetches_some(shards, layer, x, y, prefetch=True):
     """Prefetch in layer 1's forward and layer 3's backward alone (where a grader holding two layers might look)."""
     return _step(shards, layer, x, y, prefetch, only={1, 3})
+
+
+def waits_early(shards, layer, x, y, prefetch=True):
+    """Posts each next gather before the layer, as prefetch does, but waits for it at once: nothing overlaps."""
+    return _step(shards, layer, x, y, prefetch, early=True)
 
 
 def sums(shards, layer, x, y, prefetch=True):
@@ -189,3 +203,23 @@ def test_other_schedules_give_the_values_but_fail_on_the_wire(monkeypatch, cheat
     print(message)
     assert "on the grader's capture of the wire" in message or "does not show each layer's shards" in message
     assert said in message
+
+
+@pytest.mark.slow  # (the grader waits HELD_WAIT, 10 s, at each of its two staggered holds)
+@needs_capture
+def test_waiting_for_each_gather_at_once_fails_where_the_grader_holds_one_rank_behind(monkeypatch):
+    """Posting the next layer's gather before the layer and waiting for it at once passes the posting order (every
+    gather crossed while both ranks were held) but overlaps nothing: in the second run the rank a layer ahead stops at
+    its wait for a gather the held rank has not posted, and never reaches its hold."""
+    _use(monkeypatch, waits_early)
+    with observed_from_outside(), pytest.raises(AssertionError) as said:
+        prefetch.check_sharded_step("sharded_step", 2)
+    message = str(said.value)
+    print(message)
+    assert re.search(
+        r"sharded_step \(prefetch=True, 2 ranks, 5 layers\), rank (\d) a layer ahead of rank (\d): the grader held "
+        r"rank \2 inside layer (\d)'s forward and waited for rank \1 to reach its hold inside layer \d's forward; it "
+        r"did not \(held when the grader gave up: \[\2\]\)",
+        message,
+    ), message
+    assert "wait for a gather when its layer begins, not when you post it" in message

@@ -38,8 +38,19 @@ rank: the grader drew them) and places it against the holds' answers:
 - with ``prefetch``: for every layer i, the forward gather of layer i + 1 had crossed before the grader answered
   the hold inside layer i's forward, that of layer i + 2 crossed after it; the backward gather of layer i − 1 had
   crossed before the grader answered the hold inside layer i's backward, that of layer i − 2 after it;
+- no backward gather crossed before the grader answered the hold inside the last layer's forward;
 - without: each layer's gather crossed after the grader answered the hold inside the layer before it (forward) or
   after it (backward).
+
+Posting a gather early is not overlapping: a rank that waits for each gather as soon as it posts it passes those
+rules and hides nothing.  With ``prefetch`` a second run tells them apart (``_check_ahead``): the grader holds one
+rank inside layer k's forward (k drawn at grading time) and waits for the other to reach its hold inside layer
+k + 1's, which it can only do by running layer k + 1 while layer k + 2's gather, not yet posted by the held rank,
+is in flight; and the same in backward.  A hold is answered only once the ranks' bytes settled (``Seen.settled``);
+where the grader's patience ended first, the run is unobserved, never read.  What is not read: that a layer's whole
+parameters are really freed after its forward (a rank could keep them and gather again for show: the memory at
+stake here is too small for the OS's count), and the reduce-scatters' payloads (their result is graded, on the
+shards' gradients).
 
 A rank cannot put a gather's bytes on the wire before it has posted it, and cannot go on past a hold before the
 grader answers; so a gather that crossed while every rank was held was posted before the layer that holds, and one
@@ -56,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import checks, exercise
+from ...wire import Unobserved
 from ...wiretimeline import Timeline
 from .. import common
 from .common import ms, seen
@@ -77,11 +89,12 @@ _HINT = (
 # What crosses: the driver (dl.exercise.run defines it where the notebook's code runs) -----------------------------
 
 
-def _sharded_step_in_rank(shards, shapes, x, y, prefetch):
+def _sharded_step_in_rank(shards, shapes, x, y, prefetch, stops=None):
     """A driver: this rank's shards as ``nn.Parameter`` s, the layer function (``F.linear``, Tanh but after the last
     layer; under grading, held at the grader's gate inside each layer's forward and its backward, the grader's
-    answer added to the output, then to its gradient), the notebook's sharded_step on them, and, as data, each
-    shard's .grad (None where unset) and what it returned."""
+    answer added to the output, then to its gradient; with ``stops``, only inside those layers' forward (its first
+    layer) and backward (its second)), the notebook's sharded_step on them, and, as data, each shard's .grad (None
+    where unset) and what it returned."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -97,8 +110,10 @@ def _sharded_step_in_rank(shards, shapes, x, y, prefetch):
         out = F.linear(h, flat[: d_out * d_in].view(d_out, d_in), flat[d_out * d_in : d_out * d_in + d_out])
         if i < last:
             out = torch.tanh(out)
-        if door is not None:
-            out = door.held(out + door.wait(out.shape))
+        if door is not None and (stops is None or i == stops[0]):
+            out = out + door.wait(out.shape)
+        if door is not None and (stops is None or i == stops[1]):
+            out = door.held(out)
         return out
 
     params = [nn.Parameter(s.clone()) for s in shards]
@@ -277,7 +292,20 @@ def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool)
         for k, way in enumerate(("forward", "backward"))
         for i in range(count)
     }
+    if not run.gate.settled:
+        raise Unobserved(
+            f"{case}: at some hold the ranks' bytes had not stopped growing when the grader's patience ended, so what "
+            "crossed before its answer cannot be read as what the ranks had posted (a host too busy to grade on)"
+        )
     problems = []
+    turn = cut["forward", count - 1]  # no backward gather before the forward's last layer ran
+    for i in range(count):
+        if gathers["backward", i][0] < turn:
+            problems.append(
+                f"layer {i}'s backward all-gather began crossing at {ms(gathers['backward', i][0])}, and the grader "
+                f"answered its hold inside the last layer's forward at {ms(turn)}: gathered for backward before the "
+                "forward was done (each layer is freed after its forward and gathered again for its backward)"
+            )
     for (way, i), answered_at in cut.items():
         step = 1 if way == "forward" else -1
         ahead, beyond = i + step, i + 2 * step
@@ -337,3 +365,37 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
     _check_values(label, run.results, want_losses, want_grads)
     if run.timeline.source != "trace" and n == 2:  # grading: the overlap, on the wire the grader captured
         _check_overlap(label, run, shards, prefetch)
+        if prefetch:
+            _check_ahead(label, layers, x, y, shards, shapes)
+
+
+def _check_ahead(case: str, layers, x, y, shards, shapes) -> None:
+    """Under grading, on 2 ranks: a second run in which the grader holds one rank (``behind``, drawn now) inside
+    layer k's forward and the other (``ahead``) inside layer k + 1's, then ``behind`` inside layer j's backward and
+    ``ahead`` inside layer j − 1's (k and j drawn now).  The ahead rank gets there only if it ran layer k + 1 while
+    layer k + 2's gather, which the held rank has not posted, was still in flight: a rank that waits for each
+    gather as soon as it posts it (nothing overlaps) stops at that wait, and the grader, after ``HELD_WAIT``,
+    answers the held rank alone (``Seen.held``)."""
+    count = len(WIDTHS) - 1
+    behind = secrets.randbelow(2)
+    k, j = secrets.randbelow(count - 2), 2 + secrets.randbelow(count - 2)
+    stops = {behind: (k, j), 1 - behind: (k + 1, j - 1)}
+    rows = list(zip(x.tensor_split(2), y.tensor_split(2)))
+    inputs = [(shards[r], shapes, xs, ys, True, stops[r]) for r, (xs, ys) in enumerate(rows)]
+    label = f"{case}, rank {1 - behind} a layer ahead of rank {behind}"
+    run = common.run_or_fail(
+        _sharded_step_in_rank, 2, inputs, label, _HINT, timeout=TIMEOUT, gate=[[None, None], [None, None]]
+    )
+    want_losses, want_grads = _one_process(layers, x, y, 2, None)
+    _check_values(label, run.results, want_losses, want_grads)
+    ahead = 1 - behind
+    for hold, (way, at, posted) in enumerate((("forward", k + 1, k + 2), ("backward", j - 1, j - 2))):
+        held = run.gate.ranks_held(hold)
+        if ahead not in held:
+            raise AssertionError(
+                f"{label}: the grader held rank {behind} inside layer {stops[behind][hold]}'s {way} and waited for "
+                f"rank {ahead} to reach its hold inside layer {at}'s {way}; it did not (held when the grader gave up: "
+                f"{list(held)}). Rank {ahead} has layer {at}'s gather (both ranks posted it a layer early) and must "
+                f"run layer {at}'s {way} while layer {posted}'s gather, which rank {behind} has not posted yet, is in "
+                f"flight: wait for a gather when its layer begins, not when you post it"
+            )
