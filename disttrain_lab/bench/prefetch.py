@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..labtests.lab14.prefetch import shard_layers
 from ..launcher import launch
 from ..network import Network
 from .command import Measured, NotMeasured, add_world_size_argument, over_world_sizes
@@ -87,12 +88,8 @@ def _batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _lab_runner(sharded_step, prefetch: bool, size: dict):
     """One step of the notebook's sharded_step on this rank's shards of the model's layers."""
     rank, n, width, unit = dist.get_rank(), dist.get_world_size(), size["width"], size["unit"]
-    model = _model(size)
-    shards = []
-    for layer in model:
-        flat = torch.cat([layer.linear.weight.detach().flatten(), layer.linear.bias.detach()])
-        c = -(-flat.numel() // n)
-        shards.append(nn.Parameter(torch.cat([flat, flat.new_zeros(n * c - flat.numel())]).chunk(n)[rank].clone()))
+    weights = [(layer.linear.weight.detach(), layer.linear.bias.detach()) for layer in _model(size)]
+    shards = [nn.Parameter(shard) for shard in shard_layers(weights, n)[rank]]  # (the grader's padding and cut)
 
     def layer(i, flat, h):
         w, b = flat[: width * width].view(width, width), flat[width * width : width * width + width]

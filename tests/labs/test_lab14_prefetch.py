@@ -223,3 +223,16 @@ def test_waiting_for_each_gather_at_once_fails_where_the_grader_holds_one_rank_b
         message,
     ), message
     assert "wait for a gather when its layer begins, not when you post it" in message
+
+
+def test_holds_that_did_not_settle_leave_the_overlap_unobserved():
+    """Where the grader's patience ended at some hold before the ranks' bytes stopped growing (a host too busy to
+    grade on: ``Seen.settled`` false), what crossed before its answer is not read, as a pass or as a failure."""
+    from types import SimpleNamespace
+
+    from disttrain_lab.gate import Seen
+    from disttrain_lab.wire import Unobserved
+
+    run = SimpleNamespace(gate=Seen(settled=False), timeline=None)
+    with pytest.raises(Unobserved, match="had not stopped growing when the grader's patience ended"):
+        prefetch._check_overlap("sharded_step", run, shards=[], prefetch=True)

@@ -73,7 +73,7 @@ from .. import common
 from .common import ms, seen
 from .wireorder import timed_payloads
 
-__all__ = ["TIMEOUT", "TOLERANCE", "WIDTHS", "check_sharded_step"]
+__all__ = ["TIMEOUT", "TOLERANCE", "WIDTHS", "check_sharded_step", "shard_layers"]
 
 WIDTHS = (5, 8, 7, 9, 6, 3)  # the model's widths: five Linear layers, Tanh after each but the last
 ROWS = 2  # rows per rank
@@ -146,7 +146,7 @@ def _padded(flat: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(n * c - flat.numel())])
 
 
-def _shards(layers, n: int) -> list[list[torch.Tensor]]:
+def shard_layers(layers, n: int) -> list[list[torch.Tensor]]:
     """``[rank][layer]``: each rank's shard of each layer's flat parameters (weight, then bias), padded."""
     padded = [_padded(torch.cat([w.flatten(), b]), n) for w, b in layers]
     return [[p.chunk(n)[r].clone() for p in padded] for r in range(n)]
@@ -282,6 +282,11 @@ def _crossings(case: str, timeline: Timeline, shards) -> dict[tuple[int, int], l
 def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool) -> None:
     """The gathers' crossings against the grader's holds, one inside each layer's forward and backward (see the
     module docstring)."""
+    if not run.gate.settled:
+        raise Unobserved(
+            f"{case}: at some hold the ranks' bytes had not stopped growing when the grader's patience ended, so what "
+            "crossed before its answer cannot be read as what the ranks had posted (a host too busy to grade on)"
+        )
     times = _crossings(case, run.timeline, shards)
     count = len(WIDTHS) - 1
     cut = {}  # (pass, layer) -> when the grader answered the hold inside it
@@ -292,11 +297,6 @@ def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool)
         for k, way in enumerate(("forward", "backward"))
         for i in range(count)
     }
-    if not run.gate.settled:
-        raise Unobserved(
-            f"{case}: at some hold the ranks' bytes had not stopped growing when the grader's patience ended, so what "
-            "crossed before its answer cannot be read as what the ranks had posted (a host too busy to grade on)"
-        )
     problems = []
     turn = cut["forward", count - 1]  # no backward gather before the forward's last layer ran
     for i in range(count):
@@ -352,7 +352,7 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
     if n < 2:
         raise ValueError(f"n = {n}: sharding needs 2 ranks or more")
     layers, x, y = _draw(n, secrets.randbits(31))  # weights nobody sees before the run
-    shards = _shards(layers, n)
+    shards = shard_layers(layers, n)
     shapes = [tuple(w.shape) for w, _ in layers]
     rows = list(zip(x.tensor_split(n), y.tensor_split(n)))
     answers = _answers(n) if exercise.graded() else None
