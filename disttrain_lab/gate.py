@@ -5,9 +5,9 @@ all-reduce posted from a gradient hook crosses the wire while the layers below a
 The ranks' own trace says so, but the ranks write it (a submission can rewrite its timestamps).  Under
 grading the grader makes the moment observable instead:
 
-- the test's driver puts a *gate* at one layer's input (``Gate.at(module)``), tells the grader when the
-  graded step begins (``start()``) and arms the gate before that step's last forward (``arm()``): in its
-  backward, where that input gets its gradient, the rank stops and asks the grader to go on;
+- the test's driver puts a *gate* at one layer's input (``Gate.at(module)``; or its output, ``after``), tells
+  the grader when the graded step begins (``start()``) and arms the gate before that step's last forward
+  (``arm()``): in its backward, where that input gets its gradient, the rank stops and asks the grader to go on;
 - the grader (``grading/gatekeeper.py``, outside the student's processes) answers only once every
   rank has asked and it has seen from the OS what the ranks sent each other by then (``ss``, polled
   until it settles, or a few seconds at most); its answer is needed to finish the backward: a tensor,
@@ -145,6 +145,19 @@ class Gate:
             return (_Held.apply(args[0], self), *args[1:])
 
         return module.register_forward_pre_hook(hold)
+
+    def after(self, module: nn.Module):
+        """Hold the backward where ``module``'s output gets its gradient, in the first forward after ``arm()`` (a
+        place no module's input marks: the tied autoencoder's encoder output, which no submodule takes in).
+        Returns the hook's handle."""
+
+        def hold(_module, _args, output):
+            if not self.armed or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return None
+            self.armed = False
+            return _Held.apply(output, self)
+
+        return module.register_forward_hook(hold)
 
     def held(self, x: torch.Tensor) -> torch.Tensor:
         """``x``, whose backward waits at the gate where ``x`` gets its gradient, adding the grader's answer (every

@@ -25,10 +25,11 @@ from .overlap import (
     answers,
     assert_backward_ran_on,
     assert_crossed_while_held,
-    assert_sent_while_probed,
     assert_steps_all_reduce,
+    crossing,
     gate_position,
     reference,
+    where,
 )
 from .ranks import _broadcast_in_rank, _shards, _traced, _train_in_rank
 
@@ -120,8 +121,8 @@ def check_ddp(
     all-reduced, in ``all_reduces`` calls or, with ``buckets``, in all-reduces of those byte sizes (under
     grading read off the wire between the grader's marks of each micro-step: ``overlap.assert_steps_all_reduce``;
     in your own notebook, from the trace); with ``overlap``, communication during backward (under grading from
-    the grader's gate: ``overlap.assert_crossed_while_held``, or ``overlap.assert_sent_while_probed`` where no
-    layer lies below the first bucket) and each all-reduce posted with async_op=True and waited for only after
+    the grader's gate: ``overlap.assert_crossed_while_held``, where a trainable layer lies below the first
+    bucket) and each all-reduce posted with async_op=True and waited for only after
     backward (under grading from its probe: ``overlap.assert_backward_ran_on``); then compare every rank with
     single-process SGD on the full batch.  ``interrupted``: an exception is raised
     inside no_sync() first (the steps after it must communicate); ``nested``: a no_sync() opened and closed inside
@@ -171,10 +172,8 @@ def check_ddp(
         assert_steps_all_reduce(ran, case, local, micro_steps, trainable, sizes, rule, interrupted)
         if probe is not None:
             assert_backward_ran_on(ran, case, probe)
-            if not held and n >= 3:
-                assert_sent_while_probed(ran, case, probe)
         if held:
-            assert_crossed_while_held(ran, case, local[-1], at)
+            assert_crossed_while_held(ran, case, local[-1], crossing(kind, bucket_mb, at), where(kind, at))
     run = _traced(ran)
     if interrupted and not observed:  # the first backward after the exception must post its all-reduces again
         for rank in range(n):
@@ -194,11 +193,10 @@ def check_ddp(
                 f"{sum(1 for p in model.parameters() if p.requires_grad)} trainable parameters): register "
                 f"self.grad_ready as every parameter's hook, and route every hook through it"
             )
-    for rank in range(n):
+    for rank in range(n if not observed else 0):  # (under grading: all from the wire and the gate, above)
         regions = [e for e in run.by_rank(rank) if e.kind == "region"]
         for step in range(steps):
-            began_seen = held or (observed and probe is not None and n >= 3)  # (else: the trace's)
-            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets, observed, began_seen)
+            _check_step(case, run, rank, step, regions, trainable, overlap, all_reduces, buckets)
     if expected is None:  # (the student's own notebook)
         expected = models.train_single_process(graded_model(kind, seed=0), batches(kind, batch, steps), lr=0.1)
     common.assert_parameters_match(
@@ -230,27 +228,26 @@ def _check_step(
     overlap: bool,
     all_reduces: int | None,
     buckets: list[int] | None,
-    observed: bool,
-    began_seen: bool,
 ) -> None:
-    """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp): where the
-    grader ``observed`` the steps, only what it could not: that communication began during backward, unless
-    it saw that (``began_seen``: the held window, or the probe on 3 ranks or more)."""
+    """Rank ``rank``'s all-reduces in training step ``step``, read from its trace (see check_ddp), in the
+    student's own notebook: under grading the steps' all-reduces are read off the wire, overlap at the grader's
+    gate and probe, and where no gate has a layer below it, there is nothing left to overlap
+    (``overlap.gate_position``)."""
     backward = [e for e in regions if e.name == "backward" and e.meta["step"] == step]
     [finish] = [e for e in regions if e.name == "finish" and e.meta["step"] == step]
     last = next(e for e in backward if e.meta["last"])
     calls = [e for e in run.select(op="all_reduce", rank=rank) if backward[0].start <= e.start <= finish.end]
     early = [e for e in calls if e.start < last.start]
-    assert observed or not early, (
+    assert not early, (
         f"{case}: rank {rank} all-reduced during a micro-step under no_sync() "
         f"({len(early)} calls in step {step}); under no_sync() gradients only accumulate"
     )
-    if overlap and not began_seen:
+    if overlap:
         assert calls and calls[0].start < last.end, (
             f"{case}: rank {rank}'s first all-reduce of step {step} started after backward ended: "
             f"post it from a gradient hook, during backward"
         )
-    if overlap and not observed:  # (under grading: the grader's probe, overlap.assert_backward_ran_on)
+    if overlap:
         blocking = [e for e in calls if "request" not in e.meta]  # a call without async_op=True
         assert not blocking, (
             f"{case}: rank {rank} made {len(blocking)} blocking all-reduce call(s) in step {step} "
@@ -270,8 +267,6 @@ def _check_step(
             f"rest of backward; in step {step} it posted {len(calls)}, waited for {len(waits)}, "
             f"{len(blocked)} of the waits inside backward (no overlap)"
         )
-    if observed:  # (counts, sizes and no_sync() from the wire: overlap.assert_steps_all_reduce)
-        return
     total = sum(e.bytes for e in calls)
     assert total == trainable, (
         f"{case}: in step {step} rank {rank} all-reduced {total} bytes; the trainable gradients are "
@@ -368,7 +363,8 @@ def check_bucketed_ddp(kind: str, n: int, batch: int, bucket_mb: float, device: 
     """``BucketedDDP(model, bucket_mb)`` (exercise 5): trains like one process on the whole batch, one async
     all-reduce per bucket of the bucket rule's sizes (``bucket_sizes``: reverse order of model.parameters()),
     posted during backward (overlap is graded only where there are two buckets or more: a single bucket is
-    ready only as backward ends)."""
+    ready only as backward ends; under grading, during backward only where a trainable layer lies below a whole
+    bucket: ``overlap.gate_position``)."""
     buckets = bucket_sizes(graded_model(kind, 0), bucket_mb)
     check_ddp(
         f"BucketedDDP(bucket_mb={bucket_mb:.6g})",

@@ -1,8 +1,8 @@
 """Lab 3's overlap and all-reduces, as the grader observes them: what crossed the wire while the backward was held.
 
 Under grading a data-parallel wrapper's overlap is read from the grader's gate (``gate.py``), not from
-the ranks' trace.  The graded step's backward is held at the input of a layer chosen so that a whole
-first bucket (exercise 4: the first parameter) lies above it (``gate_position``); the grader's answer,
+the ranks' trace.  The graded step's backward is held at a place chosen so that a whole first bucket
+(exercise 4: the first parameter) lies above it (``gate_position``, below); the grader's answer,
 ``answers()`` (one tensor per rank, drawn at grading time), is added to the gradient there, so no
 gradient below it is right before the answer came.  The test then holds:
 
@@ -28,18 +28,21 @@ gradient below it is right before the answer came.  The test then holds:
   until the held rank joins.  The grader answers once every rank is held, or after ``gatekeeper.HELD_WAIT``
   seconds those that are.
 
-A model with no layer between its first bucket and the rest (the tied autoencoder; a first bucket that
-takes a parameter of the first layer) has no place for the held window.  That its communication begins
-during backward is read from the probe instead, on 3 ranks or more (``assert_sent_while_probed``): the
-ranks held after their backward have posted their all-reduces, and the parts that do not wait on the rank
-held before its backward cross between them meanwhile; an all-reduce posted only after backward has not
-begun.  On 2 ranks the only other rank waits on the held one, and the ranks' trace says it.
+The gate sits at a module's output (``gate_position``): in an ``nn.Sequential``, the first layer output, in
+backward's order, where a whole bucket has its gradients and a trainable layer lies below (the input of the lowest
+layer that holds a parameter of the first bucket); in the tied autoencoder, its encoder's output (its weight, used
+again by the decoder, is whole only after the encoder's backward: its decoder's bias alone lies above).  Where
+there is no such place (a frozen first layer under 1 KiB buckets: the first bucket takes the lowest trainable
+layer's bias), every bucket is ready only as the backward's last layer ends: nothing is left to overlap, so
+"during backward" is not graded there (a gate after the last layer would hold nothing its answer could change,
+and a rank that only said it was held could send its all-reduces meanwhile), only the probe's rule above.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +56,12 @@ __all__ = [
     "answers",
     "assert_backward_ran_on",
     "assert_crossed_while_held",
-    "assert_sent_while_probed",
     "assert_steps_all_reduce",
+    "crossing",
     "gate_position",
+    "ready_at",
     "reference",
+    "where",
 ]
 
 WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
@@ -65,18 +70,70 @@ ALIGNED = 1 - 1e-6  # cosine of two windows taken for the same values (float32 s
 ANSWER_SCALE = 0.01  # the answers' spread, near the size of the gradients at the gate
 
 
-def gate_position(kind: str, bucket_mb: float | None) -> int | None:
-    """The index in the model (an ``nn.Sequential``) of the layer at whose input the grader holds the
-    backward: the lowest layer that holds a parameter of the first bucket, where a trainable layer lies below
-    it (else its input gets no gradient: a frozen first layer); None where there is no such layer (see the
-    module docstring)."""
+def gate_position(kind: str, bucket_mb: float | None) -> str | None:
+    """The name of the module of the model (``model.get_submodule(name)``) at whose *output* the grader holds the
+    backward: the first place, in backward's order, where a whole bucket (exercise 4: a parameter) has its
+    gradients and a trainable layer still lies below, whose gradients need the grader's answer (``crossing``).
+    In an ``nn.Sequential``, a layer's output; in the tied autoencoder, its encoder's.  None where there is no
+    such place (see the module docstring)."""
     model = graded_model(kind, 0)
-    if not isinstance(model, nn.Sequential):
-        return None
-    first = bucket_names(model, bucket_mb)[0]
-    lowest = min(int(name.split(".")[0]) for name in first)
-    below = [p for name, p in model.named_parameters() if int(name.split(".")[0]) < lowest and p.requires_grad]
-    return lowest if below else None  # (no trainable layer below: its input gets no gradient to hold)
+    if isinstance(model, nn.Sequential):
+        candidates = [str(i) for i in reversed(range(len(model) - 1))]
+    else:
+        candidates = [name for name, _ in model.named_children()]
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    for at in candidates:
+        if crossing(kind, bucket_mb, at) and trainable - set(ready_at(kind, at)):  # (something above, and below)
+            return at
+    return None
+
+
+def crossing(kind: str, bucket_mb: float | None, at: str) -> list[list[str]]:
+    """Every bucket (``bucket_names``) whose gradients are all whole when the backward reaches the gate at
+    ``at``'s output (``ready_at``): what an overlapping wrapper has posted by then."""
+    ready = set(ready_at(kind, at))
+    return [bucket for bucket in bucket_names(graded_model(kind, 0), bucket_mb) if set(bucket) <= ready]
+
+
+def where(kind: str, at: str) -> str:
+    """The gate's place in words, for messages."""
+    if isinstance(graded_model(kind, 0), nn.Sequential):
+        return f"the input of layer {int(at) + 1} of the model"
+    return f"the output of the model's {at}"
+
+
+class _Mark(torch.autograd.Function):
+    """Identity forward; backward notes which parameters have their gradients by then (as the gate's own
+    ``gate._Held`` waits: a node of the graph, run after the gradients accumulated above it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, note: Callable[[], None]) -> torch.Tensor:
+        ctx.note = note
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.note()
+        return grad, None
+
+
+def ready_at(kind: str, at: str) -> list[str]:
+    """The trainable parameters whose gradients are whole when the backward reaches the gate at ``at``'s output
+    (none where it does not reach it): read from one backward of the model, by which of them have a gradient there."""
+    model = graded_model(kind, 0)
+    seen: list[str] = []
+
+    def note() -> None:
+        seen.extend(name for name, p in model.named_parameters() if p.grad is not None)
+
+    def mark(_module, _args, output):
+        return _Mark.apply(output, note) if output.requires_grad else None
+
+    handle = model.get_submodule(at).register_forward_hook(mark)
+    x, y = batches(kind, 4, 1)[0]
+    F.mse_loss(model(x), y).backward()
+    handle.remove()
+    return seen
 
 
 def _rows(batch: int, n: int, rank: int, micro_steps: int) -> torch.Tensor:
@@ -84,21 +141,25 @@ def _rows(batch: int, n: int, rank: int, micro_steps: int) -> torch.Tensor:
     return torch.arange(batch).tensor_split(n)[rank].tensor_split(micro_steps)[-1]
 
 
-def answers(kind: str, batch: int, n: int, micro_steps: int, at: int) -> list[torch.Tensor]:
-    """Each rank's answer at the gate: a tensor of its last micro-batch's activations' shape at layer ``at``,
+def answers(kind: str, batch: int, n: int, micro_steps: int, at: str) -> list[torch.Tensor]:
+    """Each rank's answer at the gate: a tensor of its last micro-batch's activations' shape at ``at``'s output,
     from a seed drawn now (nothing the student's kernel receives holds it before the gate opens)."""
-    width = graded_model(kind, 0)[at].in_features
+    model, width = graded_model(kind, 0), []
+    handle = model.get_submodule(at).register_forward_hook(lambda _module, _args, out: width.append(out.shape[-1]))
+    model(batches(kind, 1, 1)[0][0])
+    handle.remove()
     generator = drawn()
     return [
-        torch.randn(len(_rows(batch, n, r, micro_steps)), width, generator=generator) * ANSWER_SCALE for r in range(n)
+        torch.randn(len(_rows(batch, n, r, micro_steps)), width[0], generator=generator) * ANSWER_SCALE
+        for r in range(n)
     ]
 
 
 def reference(
-    kind: str, batch: int, steps: int, micro_steps: int, n: int, at: int | None, given: list[torch.Tensor] | None
+    kind: str, batch: int, steps: int, micro_steps: int, n: int, at: str | None, given: list[torch.Tensor] | None
 ) -> tuple[nn.Module, list[list[dict[str, torch.Tensor]]]]:
     """One process training on the whole batch, each rank's answer added (divided by N, as the ranks'
-    gradients are averaged) to the gradient at layer ``at``'s input at that rank's rows in the last step;
+    gradients are averaged) to the gradient at ``at``'s output at that rank's rows in the last step;
     and, for each step, each rank's own gradients of every trainable parameter (its shard's loss as
     ``shard_loss`` scales it, summed over its micro-batches, its answer added at the gate in the last step's
     last one), what its all-reduces carry: ``local[step][rank][name]``.  ``given`` None: no gate (plain
@@ -118,10 +179,10 @@ def reference(
             for r in range(n):
                 added[_rows(batch, n, r, micro_steps)] = given[r] / n
 
-            def add(_module, args, added=added):
-                args[0].register_hook(lambda g: g + added)
+            def add(_module, _args, output, added=added):
+                output.register_hook(lambda g: g + added)
 
-            handle = model[at].register_forward_pre_hook(add)
+            handle = model.get_submodule(at).register_forward_hook(add)
         F.mse_loss(model(x), y).backward()
         if handle is not None:
             handle.remove()
@@ -131,8 +192,8 @@ def reference(
 
 def _local_gradients(model, x, y, batch, n, rank, micro_steps, at, answer) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s gradients of every trainable parameter in the step, from the parameters before it:
-    its micro-batches' losses, ``answer`` (where not None) added to the gradient at layer ``at``'s input in
-    the last one."""
+    its micro-batches' losses, ``answer`` (where not None) added to the gradient at ``at``'s output in the last
+    one."""
     model = copy.deepcopy(model)
     xs, ys = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
     pieces = list(zip(xs.tensor_split(micro_steps), ys.tensor_split(micro_steps)))
@@ -140,10 +201,10 @@ def _local_gradients(model, x, y, batch, n, rank, micro_steps, at, answer) -> di
         handle = None
         if i == len(pieces) - 1 and answer is not None:
 
-            def add(_module, args):
-                args[0].register_hook(lambda g: g + answer)
+            def add(_module, _args, output):
+                output.register_hook(lambda g: g + answer)
 
-            handle = model[at].register_forward_pre_hook(add)
+            handle = model.get_submodule(at).register_forward_hook(add)
         (F.mse_loss(model(xm), ym) * (len(xm) * n / batch)).backward()
         if handle is not None:
             handle.remove()
@@ -197,22 +258,40 @@ def _windows(values: torch.Tensor) -> torch.Tensor:
     return runs[keep] / norms[keep]
 
 
-def assert_crossed_while_held(run: ExerciseRun, case: str, local: list[dict[str, torch.Tensor]], at: int) -> None:
-    """Fail unless every rank sent the others, while its backward was held at the gate, a message that holds
-    the gradients of the layers above it (see the module docstring)."""
+def assert_crossed_while_held(
+    run: ExerciseRun, case: str, local: list[dict[str, torch.Tensor]], buckets: list[list[str]], place: str
+) -> None:
+    """Fail unless every rank sent the others, while its backward was held at the gate (at ``place``, in words),
+    the all-reduce of some bucket of ``buckets`` (``crossing``; see the module docstring): a message that holds
+    its gradients, or, for a bucket too small for that (fewer than WINDOW values a rank: gloo cuts a call into
+    about one piece a rank), a part of a collective call whose messages, all ranks' together, carry exactly an
+    all-reduce of that bucket's bytes (2·(N − 1)·B; the step's calls and their sizes are held to the rule, and
+    their long messages to the gradients, by ``assert_steps_all_reduce``)."""
     start, cut = run.gate.window()
     n = run.world_size
-    known = _known(local, [name for name in local[0] if int(name.split(".")[0]) >= at])
-    for rank in range(n):
-        sent = [m for dst in range(n) if dst != rank for _, m in run.timeline.sends_between(rank, dst, start, cut)]
-        assert any(_holds_each(sent, known)), (
-            f"{case}: the grader held rank {rank}'s backward at the input of layer {at} of the model (the layers "
-            f"above it had their gradients; those below needed the grader's answer) and watched the wire: while "
-            f"held, rank {rank} sent the other ranks {len(sent)} message(s) "
-            f"({', '.join(f'{len(m):,} B' for m in sent[:8]) or 'none'}), none holding the gradients of the layers "
-            f"above it. Overlap means an all-reduce posted from a gradient hook (async_op=True) crosses the wire "
-            f"while backward goes on below; all-reduces posted only in finish_gradient_synchronization(), after "
-            f"backward, cross after it"
+    known = _known(local, [name for bucket in buckets for name in bucket])
+    small = {
+        2 * (n - 1) * 4 * size
+        for size in (sum(local[0][name].numel() for name in bucket) for bucket in buckets)
+        if size < WINDOW * n
+    }
+    by_rank = [
+        [(slot, m) for dst in range(n) if dst != rank for slot, m in run.timeline.sends_between(rank, dst, start, cut)]
+        for rank in range(n)
+    ]
+    calls: dict[int, int] = {}  # each collective call's payload while held, all ranks together
+    for sent in by_rank:
+        for slot, m in sent:
+            calls[slot] = calls.get(slot, 0) + len(m)
+    for rank, sent in enumerate(by_rank):
+        whole = any(_holds_each([m for _, m in sent], known)) or any(calls[slot] in small for slot, _ in sent)
+        assert whole, (
+            f"{case}: the grader held rank {rank}'s backward at {place} (the parameters above it had their "
+            f"gradients; those below needed the grader's answer) and watched the wire: while held, rank {rank} sent "
+            f"the other ranks {len(sent)} message(s) ({', '.join(f'{len(m):,} B' for _, m in sent[:8]) or 'none'}), "
+            f"none holding the gradients of the layers above it. Overlap means an all-reduce posted from a gradient "
+            f"hook (async_op=True) crosses the wire while backward goes on below; all-reduces posted only in "
+            f"finish_gradient_synchronization(), after backward, cross after it"
         )
 
 
@@ -303,20 +382,4 @@ def assert_backward_ran_on(run: ExerciseRun, case: str, probe: int) -> None:
         f"all-reduce (a blocking dist.all_reduce, or a work's wait()) stops backward until every rank has joined. "
         f"Post each all-reduce with async_op=True from the hook and wait for the works in "
         f"finish_gradient_synchronization(), after backward"
-    )
-
-
-def assert_sent_while_probed(run: ExerciseRun, case: str, probe: int) -> None:
-    """Fail unless, while the grader's probe held rank ``probe`` before its first backward and the others after
-    theirs, gloo's messages crossed between two of the others: their all-reduces were posted during backward
-    (see the module docstring; 3 ranks or more)."""
-    start, cut = run.gate.hold_window(0)
-    others = [r for r in range(run.world_size) if r != probe]
-    crossed = sum(len(run.timeline.sends_between(a, b, start, cut)) for a in others for b in others if a != b)
-    assert crossed, (
-        f"{case}: in the first step the grader held rank {probe} before its backward and the other ranks after "
-        f"theirs, and watched the wire: nothing crossed between the others meanwhile, so none of their all-reduces "
-        f"had begun when their backward returned. Overlap means posting each all-reduce from a gradient hook "
-        f"(async_op=True), during backward; posted in finish_gradient_synchronization(), after backward, they "
-        f"cannot overlap it"
     )

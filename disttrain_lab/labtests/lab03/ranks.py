@@ -59,8 +59,8 @@ def _train_in_rank(
     ``nested``: inside each micro-step's no_sync(), before its backward, a second no_sync() is opened and closed
     (as a helper the loop calls may do): the outer one must still hold.  Under grading each micro-step begins at
     the grader's word, and the run ends with one more (the grader's marks: ``disttrain_lab.gate``; none in the
-    student's own notebook); ``gate_at``: the last step's last micro-batch is held in backward at the input of
-    the model's layer ``gate_at`` by the grader's gate; ``probe``: in the first step's last micro-batch, rank
+    student's own notebook); ``gate_at``: the last step's last micro-batch is held in backward at the output of
+    the model's module ``gate_at`` by the grader's gate; ``probe``: in the first step's last micro-batch, rank
     ``probe`` is held before its backward and every other rank after its own (``overlap.assert_backward_ran_on``).
     Returns the parameters, and the events
     of the rank's trace with its dl.region marks (dl.exercise.run's run.trace leaves those out)."""
@@ -103,7 +103,7 @@ def _train_in_rank(
     try:
         model = graded_model(kind, seed=rank).to(dl.device())
         if gate is not None and gate_at is not None:
-            gate.at(model[gate_at])
+            gate.after(model.get_submodule(gate_at))
         ddp = make_ddp(model) if bucket_mb is None else make_ddp(model, bucket_mb=bucket_mb)
         if not isinstance(ddp, nn.Module) or getattr(ddp, "module", None) is not model:
             raise TypeError(
