@@ -92,6 +92,9 @@ python3 -m venv "$PREFIX/venv"
 # its CPU build from PyTorch's index, never an unpinned torch (several GB of CUDA packages)
 "$PREFIX/venv/bin/pip" install -q --extra-index-url https://download.pytorch.org/whl/cpu -e "$PREFIX/kit[grader,torch]"
 chmod -R a+rX,go-w "$PREFIX"  # the student's uid runs the interpreter and the kit, and changes neither
+# but imports none of the grader's references (torchao, lab 13's): root's only (kernels.reference_paths)
+"$PREFIX/venv/bin/python" -c 'import disttrain_lab.grading.kernels as k; print(*k.reference_paths(), sep="\\n")' \\
+    | while read -r reference; do chmod -R go-rwx "$reference"; done
 "$PREFIX/venv/bin/python" -c "import torch, disttrain_lab.grading; print('ready: torch', torch.__version__)"
 """
 

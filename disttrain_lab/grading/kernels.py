@@ -6,6 +6,7 @@ sockets, what its sandbox staged) and cgroup are removed once it is stopped (``c
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ from . import cgroups, run_container, sandbox, steps, trees, uids
 from .config import REPO_ROOT, course_dir, source_dir
 
 WRAPPER_GRACE = 5.0  # seconds a sandbox's wrapper has to end its kernel and clean up when asked
+# the grader's references, which a graded kernel must not import: lab 13 asks for an FP8 linear layer in torch
+# alone and grades it against torchao's Float8Linear (in the grader's kernel, which has it)
+REFERENCE_PACKAGES = ("torchao",)
 
 
 class SandboxKernelManager(AsyncKernelManager):
@@ -60,13 +64,25 @@ def git_paths(root: Path = REPO_ROOT) -> list[str]:
     return found
 
 
-def hidden_paths() -> list[str]:
+def hidden_paths(references: bool = True) -> list[str]:
     """What a sandboxed kernel must not see: the course (gradebook, every submission),
     the solutions and the repository's git data (which holds them too), the grading temp
-    dir and its folder for sockets, the grader's home, and $DISTTRAIN_SANDBOX_HIDE."""
+    dir and its folder for sockets, the grader's home, and $DISTTRAIN_SANDBOX_HIDE; with
+    ``references``, the grader's reference packages too (``reference_paths``)."""
     extra = [p for p in os.environ.get("DISTTRAIN_SANDBOX_HIDE", "").split(os.pathsep) if p]
     extra += [p for p in [os.environ.get(steps.SOCKETS_ENV)] if p]
+    extra += reference_paths() if references else []
     return [str(course_dir()), str(source_dir()), *git_paths(), tempfile.gettempdir(), os.path.expanduser("~"), *extra]
+
+
+def reference_paths() -> list[str]:
+    """The folders of the packages a graded kernel must not import (``REFERENCE_PACKAGES``), where installed:
+    found without importing them (a top-level ``find_spec`` runs none of the package's code)."""
+    found = []
+    for name in REFERENCE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        found += [os.path.realpath(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    return found
 
 
 def socket_root() -> str:
@@ -116,7 +132,11 @@ class StudentKernel:
         elif self.sandbox == "container":  # no namespaces to make: another uid, rlimits, the filter
             km.__class__ = ContainerKernelManager
             km.container_spec = run_container.spec(
-                data_limit=self.memory_limit, pids=self.student_pids, hide=hidden_paths(), keep=kept_paths()
+                data_limit=self.memory_limit,
+                pids=self.student_pids,
+                hide=hidden_paths(references=False),
+                keep=kept_paths(),
+                references=reference_paths(),
             )
             # the kernel's own folder (its sockets, the copy of its working folder, its home): in /tmp,
             # where its uid can reach it (the grading temp dir is root's); run_container.py removes it

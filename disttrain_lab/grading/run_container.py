@@ -84,8 +84,11 @@ def problem() -> str | None:
     return f"no syscall filter: {why}" if why else None
 
 
-def spec(*, data_limit: int, pids: int, hide: list[str], keep: list[str]) -> dict:
-    return {"data_limit": data_limit, "pids": pids, "hide": hide, "keep": keep}
+def spec(*, data_limit: int, pids: int, hide: list[str], keep: list[str], references: list[str] = ()) -> dict:
+    """``hide``: what the student's uid must not read (else the kernel is not started); ``references``: the
+    grader's reference packages it should not import (``kernels.REFERENCE_PACKAGES``): where it can, the kernel
+    starts all the same, saying so in the grader's log (``setup.sh`` makes them root's only on Gradescope)."""
+    return {"data_limit": data_limit, "pids": pids, "hide": hide, "keep": keep, "references": list(references)}
 
 
 def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:
@@ -183,6 +186,14 @@ def main(argv: list[str]) -> None:
                 raise PermissionError(
                     f"the student's uid could read {', '.join(exposed)}: container mode hides the grader's files "
                     "by their permissions alone (make them root's only, chmod go-rwx; grader/README.md)"
+                )
+            readable = [p for p in the_spec.get("references", []) if _reachable(p)]
+            if readable:
+                sys.stderr.write(
+                    f"[disttrain-lab] container mode: the student's uid can read {', '.join(readable)}, which the "
+                    "grader withholds from graded kernels (lab 13 grades an FP8 layer written in torch alone against "
+                    "torchao): only the ranks' own report says a submission did not import it. Make them root's "
+                    "only (chmod -R go-rwx; Gradescope's setup.sh does)\n"
                 )
             os.chdir(work)
             syscall_filter.install()  # last: sets no_new_privs, holds for everything the kernel starts

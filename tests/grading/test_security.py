@@ -758,6 +758,11 @@ report['ptrace'] = call(101, 16, 1, 0, 0)          # PTRACE_ATTACH to init (x86_
 report['bpf'] = call(321, 0, 0, 0)
 report['io_uring_setup'] = call(425, 1, 0)
 report['keyctl'] = call(250, 0, 0)
+try:                                                  # the grader's reference (lab 13's): withheld
+    from torchao.float8 import Float8LinearConfig
+    report['torchao'] = 'imported'
+except ImportError as exc:
+    report['torchao'] = type(exc).__name__
 threads = 0
 try:                                                  # the process cap: 32 for the whole student
     for _ in range(100):
@@ -791,6 +796,10 @@ def test_a_sandboxed_kernel_is_capped_and_filtered(tmp_path):
         ("unshare", "ptrace", "bpf", "io_uring_setup", "keyctl"), "EPERM"
     ), report
     assert 10 < report["threads"] < 32, report  # what init, the interpreter and its threads leave of 32
+    # torchao, installed here for the grader (lab 13's reference), is withheld from the student's kernel: its
+    # folder hidden (kernels.reference_paths), so `torch alone` is the sandbox's fact, not the ranks' report
+    assert kernels.reference_paths(), "torchao is not installed here: the grader's extra installs it"
+    assert report["torchao"] == "ModuleNotFoundError", report
 
 
 def _uid(pid: int) -> int:
