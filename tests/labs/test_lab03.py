@@ -603,6 +603,82 @@ class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is he
 # cross before the grader answers
 _NO_WAIT_LATE = _LATE_OVERLAP + "\nSolutionsOverlappedDDP = OverlappedDDP\n" + _NO_WAIT_AT_THE_GATE
 
+_STORE_JUNK = """
+class OverlappedDDP(NaiveDDP):  # late: junk of the small bucket's size from its hook, its real average via the store
+    def __init__(self, module):
+        super().__init__(module)
+        nonce = torch.randint(0, 2**30, (1,))
+        dist.broadcast(nonce, 0)
+        self.nonce, self.step, self.works = int(nonce), 0, []
+        n = dist.get_world_size()
+        self.small = [p for p in module.parameters() if p.requires_grad and p.numel() < 4 * n]
+        for p in self.small:
+            p.register_post_accumulate_grad_hook(
+                lambda p: self.works.append(dist.all_reduce(torch.zeros_like(p.grad), async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        import torch.distributed.distributed_c10d as c10d
+        store = c10d._get_default_store()
+        r, n = dist.get_rank(), dist.get_world_size()
+        for w in self.works:
+            w.wait()
+        self.works.clear()
+        for i, p in enumerate(self.small):
+            store.set(f"j{self.nonce}-{self.step}-{i}-{r}", p.grad.detach().cpu().numpy().tobytes())
+        big = [(p, dist.all_reduce(p.grad, async_op=True)) for p in self.module.parameters()
+               if p.requires_grad and all(p is not q for q in self.small)]
+        for i, p in enumerate(self.small):
+            tot = sum(torch.frombuffer(bytearray(store.get(f"j{self.nonce}-{self.step}-{i}-{k}")), dtype=torch.float32)
+                      for k in range(n))
+            p.grad.copy_(tot.view_as(p))
+            p.grad.div_(n)
+        for p, w in big:
+            w.wait()
+            p.grad.div_(n)
+        self.step += 1
+"""
+
+_SMALL_ONLY = """
+class OverlappedDDP(NaiveDDP):  # only the tiny parameters (fewer than 4 values a rank) posted from hooks; the rest after backward
+    def __init__(self, module):
+        super().__init__(module)
+        self.works = []
+        n = dist.get_world_size()
+        self.small = [p for p in module.parameters() if p.requires_grad and p.numel() < 4 * n]
+        for p in self.small:
+            p.register_post_accumulate_grad_hook(lambda p: self.works.append((p, dist.all_reduce(p.grad, async_op=True))))
+
+    def finish_gradient_synchronization(self):
+        n = dist.get_world_size()
+        late = [(p, dist.all_reduce(p.grad, async_op=True)) for p in self.module.parameters()
+                if p.requires_grad and all(p is not q for q in self.small)]
+        for p, w in self.works + late:
+            w.wait()
+            p.grad.div_(n)
+        self.works.clear()
+"""
+
+_TENSOR_HOOK = """
+class OverlappedDDP(SolutionsOverlappedDDP):  # Tensor.register_hook on each parameter, all-reduces a copy, SUM then divide
+    def __init__(self, module):
+        nn.Module.__init__(self)
+        self.module, self.world_size, self.pending = module, dist.get_world_size(), []
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+            if p.requires_grad:
+                p.register_hook(lambda g, p=p: self._post(p, g))
+
+    def _post(self, p, g):
+        buf = g.detach().clone()
+        self.pending.append((p, buf, dist.all_reduce(buf, async_op=True)))
+
+    def finish_gradient_synchronization(self):
+        for p, buf, w in self.pending:
+            w.wait()
+            p.grad.copy_(buf / self.world_size)
+        self.pending.clear()
+"""
+
 _BLOCKING_IN_HOOKS = """
 class OverlappedDDP(NaiveDDP):  # a blocking all-reduce in each hook: right values, backward stops at every hook
     def __init__(self, module):
@@ -658,10 +734,12 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     one flat all-reduce where one per parameter is asked for, and a no_sync() that switches nothing off (both
     with the right values), fail.  With the trace's async_op rule unread, a blocking all-reduce in each hook
     fails from the grader's probe around the first backward, on the tied model too.  On the tied model on 2 ranks
-    the gate is at the encoder's output (the decoder's bias, 6 values, crosses in pieces too short to read values
-    from: its call's size is read): all-reduces posted after backward fail from what crossed (nothing) while it
-    held, and so do they from a rank that tells the gate it is held there without waiting (what it sends of the
-    layers below is not their gradient).  A frozen first layer under 1 KiB buckets has no gate (every bucket is
+    the gate is at the encoder's output (the decoder's bias, 6 values, crosses in pieces too short for a window:
+    each value is read): the solution and a wrapper on Tensor.register_hook pass; all-reduces posted after
+    backward fail from what crossed (nothing) while it held, and so do they from a rank that tells the gate it is
+    held there without waiting (what it sends of the layers below is not their gradient), and zeros all-reduced
+    for the bias while held, its average passed through the store.  Only the small biases posted from hooks
+    (the rest after backward) fail on the MLP: the larger bucket above the gate must cross.  A frozen first layer under 1 KiB buckets has no gate (every bucket is
     ready only as backward ends), and the solution passes there."""
     import __main__
     from disttrain_lab.labtests import lab03
@@ -692,6 +770,13 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
         monkeypatch.setattr(__main__, "BucketedDDP", space["BucketedDDP"])
         lab03.check_bucketed_ddp("tied", 3, 7, 200 / 2**20)
         monkeypatch.setattr(__main__, "BucketedDDP", solution["BucketedDDP"])
+        # alternative-correct: Tensor.register_hook on each parameter (the tied weight's fires once, summed), a copy
+        # all-reduced with SUM and divided after; on the tied model, its decoder bias's short messages read by value
+        space = dict(solution["shard_loss"].__globals__, SolutionsOverlappedDDP=solution["OverlappedDDP"])
+        exec(_TENSOR_HOOK, space)
+        monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
+        lab03.check_overlapped_ddp("tied", 2, batch=8)
+        monkeypatch.setattr(__main__, "OverlappedDDP", solution["OverlappedDDP"])
         checks = {
             "OverlappedDDP": lambda: lab03.check_overlapped_ddp("mlp", 2, batch=8),
             "NaiveDDP": lambda: lab03.check_average_gradients("mlp", 2, batch=8),
@@ -710,6 +795,10 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             (_LATE_OVERLAP, "held rank 0's backward at the output of the model's encoder.*none holding", "tied"),
             (_NO_WAIT_LATE, "hold none of the ranks' gradients of that step", "tied"),
             (_SYNC_ALWAYS, r"micro-step 0 \(under no_sync\(\)\)", "AccumulatingDDP"),
+            # (a small bucket's all-reduce crossing while held does not stand for the larger ones, and its
+            # short messages are read value by value: zeros sent for it, its average passed through the store)
+            (_SMALL_ONLY, "none holding the gradients of 4.weight", "OverlappedDDP"),
+            (_STORE_JUNK, "hold none of the ranks' gradients of that step", "tied"),
         ]:
             wrapper = "OverlappedDDP" if name.startswith("tied") else name
             space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in CLASSES})

@@ -7,10 +7,12 @@ the ranks' trace.  The graded step's backward is held at a place chosen so that 
 gradient below it is right before the answer came.  The test then holds:
 
 - what each rank sent the others while held (``wiretimeline.Timeline.sends_between``, on the grader's
-  capture) to the gradients of the layers above the gate, which it recomputes on each rank's shard:
+  capture) to the gradients of the buckets above the gate, which it recomputes on each rank's shard:
   some message must hold, value for value up to one common factor (a wrapper may divide by N first),
   four consecutive values of one parameter's gradient summed over some of the ranks (a reduction
-  passes partial sums; ``assert_crossed_while_held``);
+  passes partial sums; ``assert_crossed_while_held``); a message too short for that (a bucket of fewer
+  than four values a rank, cut by gloo into a piece a rank) must hold only such sums, each one as it is
+  or divided by N (``_all_sums``), where no larger bucket lies above;
 - every step's messages (``assert_steps_all_reduce``), in every graded case, held or not: the driver marks
   each micro-step at the grader's gate (``gate.Seen.windows``), gloo's slot names each collective call, so
   their number and sizes are read off the wire against the rule (one per parameter, or the bucket rule's),
@@ -33,9 +35,10 @@ backward's order, where a whole bucket has its gradients and a trainable layer l
 layer that holds a parameter of the first bucket); in the tied autoencoder, its encoder's output (its weight, used
 again by the decoder, is whole only after the encoder's backward: its decoder's bias alone lies above).  Where
 there is no such place (a frozen first layer under 1 KiB buckets: the first bucket takes the lowest trainable
-layer's bias), every bucket is ready only as the backward's last layer ends: nothing is left to overlap, so
-"during backward" is not graded there (a gate after the last layer would hold nothing its answer could change,
-and a rank that only said it was held could send its all-reduces meanwhile), only the probe's rule above.
+layer's bias; the MLP under 1.5 KiB buckets, whose first bucket reaches layer 0's bias), every bucket is ready
+only as the backward's last layer ends: nothing is left to overlap, so "during backward" is not graded there (a
+gate after the last layer would hold nothing its answer could change, and a rank that only said it was held could
+send its all-reduces meanwhile), only the probe's rule above.
 """
 
 from __future__ import annotations
@@ -223,12 +226,42 @@ def _known(local: list[dict[str, torch.Tensor]], names: list[str]) -> torch.Tens
     return torch.cat(found) if found else torch.zeros(0, WINDOW, dtype=torch.float64)
 
 
-def _holds_each(payloads: list[bytes], known: torch.Tensor) -> list[bool | None]:
-    """Whether each message holds WINDOW consecutive values of ``known``'s (up to one factor); None for a
-    message too short to tell (or not float32 values).  In one product: every message's float32 values
-    joined, their runs of WINDOW taken once, each run given to the message it lies within (a run across two
-    messages is dropped)."""
+def _sums(local: list[dict[str, torch.Tensor]], names: list[str]) -> torch.Tensor:
+    """Every value an all-reduce of the gradients ``names`` can carry, sorted: each element summed over any set
+    of ranks, as it is and divided by N (a wrapper may divide first)."""
+    n = len(local)
+    found = [
+        torch.stack([local[r][name].double() for r in ranks]).sum(0) / factor
+        for size in range(1, n + 1)
+        for ranks in itertools.combinations(range(n), size)
+        for name in names
+        for factor in (1, n)
+    ]
+    return torch.cat(found).sort().values if found else torch.zeros(0, dtype=torch.float64)
+
+
+def _all_sums(payload: bytes, sums: torch.Tensor) -> bool:
+    """Whether every float32 value of a short message is one of ``sums`` (``_sums``), to float32's rounding of a
+    sum taken in another order."""
+    if not len(sums):
+        return False
+    values = torch.frombuffer(bytearray(payload), dtype=torch.float32).double()
+    at = torch.searchsorted(sums, values)
+    below, above = sums[(at - 1).clamp(min=0)], sums[at.clamp(max=len(sums) - 1)]
+    nearest = torch.minimum((below - values).abs(), (above - values).abs())
+    return bool((nearest <= 1e-5 * values.abs() + 1e-7 * sums.abs().max()).all())
+
+
+def _holds_each(payloads: list[bytes], known: torch.Tensor, sums: torch.Tensor | None = None) -> list[bool | None]:
+    """Whether each message holds WINDOW consecutive values of ``known``'s (up to one factor); a message too short
+    for that, whether every value of it is one of ``sums`` (``_all_sums``), where given; else None (too short
+    to tell, or not float32 values).  In one product: every message's float32 values joined, their runs of WINDOW
+    taken once, each run given to the message it lies within (a run across two messages is dropped)."""
     result: list[bool | None] = [None] * len(payloads)
+    if sums is not None:
+        for i, p in enumerate(payloads):
+            if p and not len(p) % 4 and len(p) < 4 * WINDOW:
+                result[i] = _all_sums(p, sums)
     kept = [i for i, p in enumerate(payloads) if not len(p) % 4 and len(p) >= 4 * WINDOW]
     if not kept:
         return result
@@ -262,35 +295,25 @@ def assert_crossed_while_held(
     run: ExerciseRun, case: str, local: list[dict[str, torch.Tensor]], buckets: list[list[str]], place: str
 ) -> None:
     """Fail unless every rank sent the others, while its backward was held at the gate (at ``place``, in words),
-    the all-reduce of some bucket of ``buckets`` (``crossing``; see the module docstring): a message that holds
-    its gradients, or, for a bucket too small for that (fewer than WINDOW values a rank: gloo cuts a call into
-    about one piece a rank), a part of a collective call whose messages, all ranks' together, carry exactly an
-    all-reduce of that bucket's bytes (2·(N − 1)·B; the step's calls and their sizes are held to the rule, and
-    their long messages to the gradients, by ``assert_steps_all_reduce``)."""
+    a message of the all-reduce of a bucket of ``buckets`` (``crossing``; see the module docstring) that holds
+    its gradients: WINDOW consecutive values of a bucket's (up to one factor), among the buckets of WINDOW
+    values a rank or more where there is one (a message of such a call holds WINDOW values); where every such
+    bucket is smaller (the tied model's decoder bias: gloo cuts a call into about one piece a rank), a message
+    whose every value is one of the bucket's gradients summed over some ranks (``_all_sums``)."""
     start, cut = run.gate.window()
     n = run.world_size
-    known = _known(local, [name for bucket in buckets for name in bucket])
-    small = {
-        2 * (n - 1) * 4 * size
-        for size in (sum(local[0][name].numel() for name in bucket) for bucket in buckets)
-        if size < WINDOW * n
-    }
-    by_rank = [
-        [(slot, m) for dst in range(n) if dst != rank for slot, m in run.timeline.sends_between(rank, dst, start, cut)]
-        for rank in range(n)
-    ]
-    calls: dict[int, int] = {}  # each collective call's payload while held, all ranks together
-    for sent in by_rank:
-        for slot, m in sent:
-            calls[slot] = calls.get(slot, 0) + len(m)
-    for rank, sent in enumerate(by_rank):
-        whole = any(_holds_each([m for _, m in sent], known)) or any(calls[slot] in small for slot, _ in sent)
-        assert whole, (
+    large = [b for b in buckets if sum(local[0][name].numel() for name in b) >= WINDOW * n]
+    names = [name for bucket in large or buckets for name in bucket]
+    known, sums = _known(local, names), None if large else _sums(local, names)
+    for rank in range(n):
+        sent = [m for dst in range(n) if dst != rank for _, m in run.timeline.sends_between(rank, dst, start, cut)]
+        assert any(_holds_each(sent, known, sums)), (
             f"{case}: the grader held rank {rank}'s backward at {place} (the parameters above it had their "
             f"gradients; those below needed the grader's answer) and watched the wire: while held, rank {rank} sent "
-            f"the other ranks {len(sent)} message(s) ({', '.join(f'{len(m):,} B' for _, m in sent[:8]) or 'none'}), "
-            f"none holding the gradients of the layers above it. Overlap means an all-reduce posted from a gradient "
-            f"hook (async_op=True) crosses the wire while backward goes on below; all-reduces posted only in "
+            f"the other ranks {len(sent)} message(s) ({', '.join(f'{len(m):,} B' for m in sent[:8]) or 'none'}), "
+            f"none holding the gradients of {', '.join(names)}. Overlap means an all-reduce posted from a gradient "
+            f"hook (async_op=True), as soon as its bucket's gradients are all ready (whatever the bucket's place in "
+            f"the bucket order), crosses the wire while backward goes on below; all-reduces posted only in "
             f"finish_gradient_synchronization(), after backward, cross after it"
         )
 
@@ -317,7 +340,7 @@ def assert_steps_all_reduce(
         f"{case}: the grader's gate saw {len(windows)} micro-step(s) where the driver runs {steps * micro_steps}"
     )
     for step in range(steps):
-        known = _known(local[step], list(local[step][0]))
+        known, sums = _known(local[step], list(local[step][0])), _sums(local[step], list(local[step][0]))
         for micro in range(micro_steps):
             start, end = windows[step * micro_steps + micro]
             last = micro == micro_steps - 1
@@ -330,7 +353,7 @@ def assert_steps_all_reduce(
                 for slot, payload in run.timeline.sends_between(src, dst, start, end)
             ]
             judged: dict[int, list[bool]] = {}  # each call's messages long enough to judge: hold gradients?
-            for (src, dst, slot, payload), holds in zip(sent, _holds_each([m[3] for m in sent], known)):
+            for (src, dst, slot, payload), holds in zip(sent, _holds_each([m[3] for m in sent], known, sums)):
                 assert last, (
                     f"{case}: in step {step}, micro-step {micro} (under no_sync()) rank {src} sent rank {dst} "
                     f"{len(payload):,} B, as the grader's capture of the wire read it; under no_sync() "
