@@ -59,7 +59,7 @@ from torch import nn
 
 from .wire import Unobserved
 
-__all__ = ["PORT", "Gate", "Seen", "connect"]
+__all__ = ["PORT", "Behind", "Gate", "Seen", "connect"]
 
 PORT: list[int | None] = [None]  # the grader's gate in this run (set in each rank by serving._call), or None
 WAIT_S = 120.0  # a rank waits at most this long for the grader's answer (the run's own timeout ends it sooner)
@@ -191,6 +191,17 @@ class Gate:
         self.sock.close()
 
 
+class Behind(list):
+    """A hold's answers (one per rank, each None: zeros) to give apart: every rank but ``behind`` as soon as all are
+    held there, ``behind`` only once each other rank is held at the next hold, or ``gatekeeper.HELD_WAIT`` seconds
+    after the others' answers (``Seen.ranks_ahead`` says which got there).  The ranks hold alike at every hold:
+    nothing they are given says which hold, or which rank, the grader keeps behind."""
+
+    def __init__(self, answers, behind: int):
+        super().__init__(answers)
+        self.behind = behind
+
+
 @dataclass(frozen=True)
 class Seen:
     """What the grader observed at a run's gate, on the capture's clock (``wiretimeline.Timeline``'s seconds):
@@ -219,6 +230,8 @@ class Seen:
     # what each copy over a rank's emulated host link carried (``Gate.link``), in the order the grader read them:
     # (rank, "down" or "up", the hold it came before: how many holds the grader had answered then, payload)
     link: tuple[tuple[int, str, int, bytes], ...] = ()
+    # each hold answered apart (``Behind``): (the hold, the ranks held at the next one when the rank behind was let go)
+    ahead: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @classmethod
     def unobserved(cls, why: str) -> Seen:
@@ -288,6 +301,18 @@ class Seen:
                 "fails rather than take the rank's own account"
             )
         return [(direction, hold, data) for r, direction, hold, data in self.link if r == rank]
+
+    def ranks_ahead(self, hold: int) -> tuple[int, ...]:
+        """The ranks held at hold ``hold`` + 1 while the grader still held the rank behind at hold ``hold`` (a hold
+        answered apart: ``Behind``), when it let that rank go."""
+        found = dict(self.ahead).get(hold) if self.source == "wire" else None
+        if found is None:
+            raise Unobserved(
+                f"the grader could not see which ranks went on past hold {hold} while it held one there "
+                f"({self.why or 'no such hold answered apart'}), so a test that grades it fails rather than take "
+                "the ranks' own account"
+            )
+        return found
 
     def ranks_held(self, hold: int = 0) -> tuple[int, ...]:
         """The ranks held at the gate when the grader answered its ``hold``-th hold (see ``held``; none where

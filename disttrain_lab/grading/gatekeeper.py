@@ -22,7 +22,11 @@ grader's own threads serve it), and a thread of the grader's serves the run:
    where some rank is not held ``HELD_WAIT`` seconds after the first, it answers those that are
    (``Seen.held`` names them), and any later one at once.  ``answers`` may also be a list of such rounds,
    one per hold in the order the ranks are held (a rank's k-th ``HOLD`` is round k's): lab 3 holds one
-   rank before its backward and the others after theirs, then all in the last step.
+   rank before its backward and the others after theirs, then all in the last step.  A round given as
+   ``gate.Behind`` (answers all None) is answered apart: once every rank is held there, every rank but the one
+   behind at once; that one once each other rank is held at the next round, or ``HELD_WAIT`` seconds after their
+   answers (``Seen.ranks_ahead``): lab 14 holds both ranks at every layer and keeps one a layer behind, told
+   nothing of where.
 4. a rank's host link (``Gate.link``: a kind, a length, then the payload, at most ``MAX_LINK_BYTES`` a run) is
    kept as data with the number of holds answered when it was read (``Seen.link``); before answering a hold
    the grader reads, without waiting, what each held rank sent by then (its main thread waits at the gate: its
@@ -50,7 +54,20 @@ from collections.abc import Callable
 
 import torch
 
-from disttrain_lab.gate import DOWN, GO, HELLO, HOLD, MAX_ELEMENTS, MAX_LINK_BYTES, MAX_VALUES, START, UP, VALUE, Seen
+from disttrain_lab.gate import (
+    DOWN,
+    GO,
+    HELLO,
+    HOLD,
+    MAX_ELEMENTS,
+    MAX_LINK_BYTES,
+    MAX_VALUES,
+    START,
+    UP,
+    VALUE,
+    Behind,
+    Seen,
+)
 
 __all__ = ["Gatekeeper"]
 
@@ -116,6 +133,9 @@ class Gatekeeper:
         self.busy, self.holding, self.memory = busy, holding, memory
         rounds = answers if answers and isinstance(answers[0], (list, tuple)) else [answers]
         self.rounds_of_answers: list[list] = [list(r) for r in rounds]  # each hold round's answers, per rank
+        # the hold rounds answered apart (``gate.Behind``): round -> the rank kept behind
+        self.behind = {i: r.behind for i, r in enumerate(rounds) if isinstance(r, Behind)}
+        self.ahead: list[tuple[int, tuple[int, ...]]] = []  # (such a round, the ranks held at the next when let go)
         self.world_size, self.timeout = len(self.rounds_of_answers[0]), timeout
         self.why: str | None = None
         self.settled = False
@@ -203,6 +223,7 @@ class Gatekeeper:
             values=tuple(tuple(said.get(r, ()) for r in range(self.world_size)) for said in self.said),
             memory=tuple(self.memory_by_round),
             link=tuple(self.link),
+            ahead=tuple(self.ahead),
         )
 
     # ----------------------------------------------------------------------------------
@@ -223,6 +244,9 @@ class Gatekeeper:
         held: dict[socket.socket, int] = {}
         sent: dict[socket.socket, list[tuple[bytes, int]]] = {}
         base, first_held = None, None
+        early: set[socket.socket] = set()  # at a round answered apart: the ranks answered, all but the one behind
+        ahead_held: dict[socket.socket, int] = {}  # those of them held at the next round meanwhile
+        early_at = 0.0  # when they were answered
         holds_of: dict[socket.socket, int] = {}  # how many times each rank has been held
         values: dict[socket.socket, list[float]] = {}  # what each rank said since its last hold
         while not self._stop.is_set():
@@ -265,6 +289,9 @@ class Gatekeeper:
                             self.said.append({})
                         if sock in rank_of:
                             self.said[r][rank_of[sock]] = tuple(values.pop(sock, ()))
+                        if r == self._round + 1 and sock in early:  # (let go first at a round answered apart)
+                            ahead_held[sock] = value
+                            continue
                         if r >= len(self.settles) or r > self._round or (r < self._round and self.settles[r]):
                             raise ValueError(f"a rank asked the gate to hold it a {r + 1}th time, out of turn")
                         if r < self._round:  # (late, where the grader answered the others without it: at once)
@@ -284,7 +311,38 @@ class Gatekeeper:
             self._held = len(held)
             settles = self._round < len(self.settles) and self.settles[self._round]
             apart = not settles and first_held is not None and time.monotonic() - first_held > HELD_WAIT
-            if held and (len(held) == self.world_size or apart):
+            behind = [s for s in held if self._round in self.behind and rank_of.get(s) == self.behind[self._round]]
+            if early and (len(ahead_held) == len(early) or time.monotonic() - early_at > HELD_WAIT):
+                # a round answered apart, the others answered: the one behind let go, the next round begun
+                why = self._not_held([*behind, *ahead_held])
+                if why and self.why is None:
+                    self.why = why
+                self.ahead.append((self._round, tuple(sorted(rank_of.get(s, -1) for s in ahead_held))))
+                for sock in behind:
+                    answer = self._answer(rank_of.get(sock), held[sock], self._round)
+                    self._send(sock, answer, (HOLD, self._round), sent)
+                self._round += 1
+                held, first_held, early, ahead_held = dict(ahead_held), time.monotonic(), set(), {}
+                self.messages = [sent[s] for s in self._socks]
+                continue
+            if not early and len(behind) == 1 and len(held) == self.world_size and self.world_size > 1:
+                # a round answered apart: every rank but the one behind answered now (``gate.Behind``)
+                why = self._not_held(list(held))
+                if why and self.why is None:
+                    self.why = why
+                self._quiet()
+                if self.memory is not None:
+                    self.memory_by_round.append((None,) * self.world_size)
+                self.held_ranks.append(tuple(sorted(rank_of.get(sock, -1) for sock in held)))
+                for sock, numel in held.items():
+                    if sock not in behind:
+                        self._drain_links(sock, buffers[sock], rank_of.get(sock))
+                        self._send(sock, self._answer(rank_of.get(sock), numel, self._round), (HOLD, self._round), sent)
+                        early.add(sock)
+                held, early_at = {behind[0]: held[behind[0]]}, time.monotonic()
+                self.messages = [sent[s] for s in self._socks]
+                continue
+            if held and (len(held) == self.world_size or apart) and not early:
                 why = self._not_held(list(held))
                 if why and self.why is None:  # (answered all the same: the run ends, the test reading the gate fails)
                     self.why = why

@@ -177,3 +177,42 @@ def test_a_host_links_copies_are_read_as_data_each_bounded():
     assert list(Gatekeeper._messages(partial)) == [] and len(partial) == 8  # (the rest comes later)
     with pytest.raises(ValueError, match="host link sent the gate"):
         list(Gatekeeper._messages(bytearray(UP + struct.pack("<I", MAX_LINK_BYTES + 1))))
+
+
+@pytest.mark.parametrize("goes_on", [True, False], ids=["the_other_goes_on", "the_other_stops"])
+def test_a_hold_answered_apart_keeps_one_rank_until_the_others_reach_the_next(monkeypatch, goes_on):
+    """``gate.Behind``: at its hold the grader answers every rank but the one behind, and that one only once the
+    others are held at the next hold (``Seen.ranks_ahead``), or, where one never gets there (it waits for the rank
+    behind), ``HELD_WAIT`` seconds later; the ranks, threads of this process here, hold alike at each hold."""
+    import threading
+
+    from disttrain_lab.gate import Behind, Gate
+    from disttrain_lab.grading import gatekeeper
+
+    monkeypatch.setattr(gatekeeper, "HELD_WAIT", 0.5)
+    keeper = Gatekeeper(None, [Behind([None, None], 0), [None, None]], lambda base: [0, 0], lambda: None, timeout=30)
+    port = keeper.start()
+    events, let_go = [], threading.Event()
+
+    def rank(r: int) -> None:
+        door = Gate(port, r)
+        door.wait(torch.Size([2]))
+        events.append((r, 0))
+        if r == 0:
+            let_go.set()
+        elif not goes_on:
+            let_go.wait(timeout=10)  # (as a rank that waits for the one held behind)
+        door.wait(torch.Size([2]))
+        events.append((r, 1))
+        door.close()
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    keeper.stop()
+    assert keeper.why is None, keeper.why
+    assert events[:2] == [(1, 0), (0, 0)] and sorted(events[2:]) == [(0, 1), (1, 1)], events
+    assert keeper.ahead == [(0, (1,) if goes_on else ())], keeper.ahead
+    assert keeper.held_ranks == [(0, 1), (0, 1)], keeper.held_ranks

@@ -43,10 +43,11 @@ rank: the grader drew them) and places it against the holds' answers:
   after it (backward).
 
 Posting a gather early is not overlapping: a rank that waits for each gather as soon as it posts it passes those
-rules and hides nothing.  With ``prefetch`` a second run tells them apart (``_check_ahead``): the grader holds one
-rank inside layer k's forward (k drawn at grading time) and waits for the other to reach its hold inside layer
-k + 1's, which it can only do by running layer k + 1 while layer k + 2's gather, not yet posted by the held rank,
-is in flight; and the same in backward.  A hold is answered only once the ranks' bytes settled (``Seen.settled``);
+rules and hides nothing.  With ``prefetch`` a second run tells them apart (``_check_ahead``): both ranks hold at
+every layer, and the grader keeps one inside layer k's forward (the rank and k drawn at grading time, told to
+neither: ``gate.Behind``) while it lets the other go on to its hold inside layer k + 1's, which it can only reach by
+running layer k + 1 while layer k + 2's gather, not yet posted by the held rank, is in flight; and the same in
+backward.  A hold is answered only once the ranks' bytes settled (``Seen.settled``);
 where the grader's patience ended first, the run is unobserved, never read.  What is not read: that a layer's whole
 parameters are really freed after its forward (a rank could keep them and gather again for show: the memory at
 stake here is too small for the OS's count), and the reduce-scatters' payloads (their result is graded, on the
@@ -66,7 +67,7 @@ import secrets
 import torch
 import torch.nn.functional as F
 
-from ... import checks, exercise
+from ... import checks, exercise, gate
 from ...wire import Unobserved
 from ...wiretimeline import Timeline
 from .. import common
@@ -89,12 +90,11 @@ _HINT = (
 # What crosses: the driver (dl.exercise.run defines it where the notebook's code runs) -----------------------------
 
 
-def _sharded_step_in_rank(shards, shapes, x, y, prefetch, stops=None):
+def _sharded_step_in_rank(shards, shapes, x, y, prefetch):
     """A driver: this rank's shards as ``nn.Parameter`` s, the layer function (``F.linear``, Tanh but after the last
     layer; under grading, held at the grader's gate inside each layer's forward and its backward, the grader's
-    answer added to the output, then to its gradient; with ``stops``, only inside those layers' forward (its first
-    layer) and backward (its second)), the notebook's sharded_step on them, and, as data, each shard's .grad (None
-    where unset) and what it returned."""
+    answer added to the output, then to its gradient), the notebook's sharded_step on them, and, as data, each
+    shard's .grad (None where unset) and what it returned."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -110,10 +110,8 @@ def _sharded_step_in_rank(shards, shapes, x, y, prefetch, stops=None):
         out = F.linear(h, flat[: d_out * d_in].view(d_out, d_in), flat[d_out * d_in : d_out * d_in + d_out])
         if i < last:
             out = torch.tanh(out)
-        if door is not None and (stops is None or i == stops[0]):
-            out = out + door.wait(out.shape)
-        if door is not None and (stops is None or i == stops[1]):
-            out = door.held(out)
+        if door is not None:
+            out = door.held(out + door.wait(out.shape))
         return out
 
     params = [nn.Parameter(s.clone()) for s in shards]
@@ -370,32 +368,34 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
 
 
 def _check_ahead(case: str, layers, x, y, shards, shapes) -> None:
-    """Under grading, on 2 ranks: a second run in which the grader holds one rank (``behind``, drawn now) inside
-    layer k's forward and the other (``ahead``) inside layer k + 1's, then ``behind`` inside layer j's backward and
-    ``ahead`` inside layer j − 1's (k and j drawn now).  The ahead rank gets there only if it ran layer k + 1 while
-    layer k + 2's gather, which the held rank has not posted, was still in flight: a rank that waits for each
-    gather as soon as it posts it (nothing overlaps) stops at that wait, and the grader, after ``HELD_WAIT``,
-    answers the held rank alone (``Seen.held``)."""
+    """Under grading, on 2 ranks: a second run, both ranks held inside every layer's forward and backward as in the
+    first, in which the grader lets one rank (``behind``, drawn now) wait inside layer k's forward while it lets the
+    other (``ahead``) go on to its hold inside layer k + 1's, then the same inside layer j's backward and layer
+    j − 1's (k and j drawn now; ``gate.Behind``: the ranks are given nothing that says where or which).  The ahead
+    rank gets there only if it ran layer k + 1 while layer k + 2's gather, which the held rank has not posted, was
+    still in flight: a rank that waits for each gather as soon as it posts it (nothing overlaps) stops at that wait,
+    and the grader, after ``gatekeeper.HELD_WAIT``, lets the held rank go without it (``Seen.ranks_ahead``)."""
     count = len(WIDTHS) - 1
     behind = secrets.randbelow(2)
     k, j = secrets.randbelow(count - 2), 2 + secrets.randbelow(count - 2)
-    stops = {behind: (k, j), 1 - behind: (k + 1, j - 1)}
+    apart = {k: behind, count + (count - 1 - j): behind}  # (the holds: every forward, then every backward)
+    holds = [gate.Behind([None, None], apart[h]) if h in apart else [None, None] for h in range(2 * count)]
     rows = list(zip(x.tensor_split(2), y.tensor_split(2)))
-    inputs = [(shards[r], shapes, xs, ys, True, stops[r]) for r, (xs, ys) in enumerate(rows)]
-    label = f"{case}, rank {1 - behind} a layer ahead of rank {behind}"
-    run = common.run_or_fail(
-        _sharded_step_in_rank, 2, inputs, label, _HINT, timeout=TIMEOUT, gate=[[None, None], [None, None]]
-    )
+    inputs = [(shards[r], shapes, xs, ys, True) for r, (xs, ys) in enumerate(rows)]
+    label = f"{case}, rank {1 - behind} let go a layer ahead of rank {behind}"
+    run = common.run_or_fail(_sharded_step_in_rank, 2, inputs, label, _HINT, timeout=TIMEOUT, gate=holds)
     want_losses, want_grads = _one_process(layers, x, y, 2, None)
     _check_values(label, run.results, want_losses, want_grads)
     ahead = 1 - behind
-    for hold, (way, at, posted) in enumerate((("forward", k + 1, k + 2), ("backward", j - 1, j - 2))):
-        held = run.gate.ranks_held(hold)
-        if ahead not in held:
+    for hold, (way, held_in, at, posted) in zip(
+        sorted(apart), (("forward", k, k + 1, k + 2), ("backward", j, j - 1, j - 2))
+    ):
+        if ahead not in run.gate.ranks_ahead(hold):
             raise AssertionError(
-                f"{label}: the grader held rank {behind} inside layer {stops[behind][hold]}'s {way} and waited for "
-                f"rank {ahead} to reach its hold inside layer {at}'s {way}; it did not (held when the grader gave up: "
-                f"{list(held)}). Rank {ahead} has layer {at}'s gather (both ranks posted it a layer early) and must "
-                f"run layer {at}'s {way} while layer {posted}'s gather, which rank {behind} has not posted yet, is in "
-                f"flight: wait for a gather when its layer begins, not when you post it"
+                f"{label}: the grader held rank {behind} inside layer {held_in}'s {way} and let rank {ahead} go on to "
+                f"its hold inside layer {at}'s {way}; it did not get there before the grader's patience ran out. Rank "
+                f"{ahead} has "
+                f"layer {at}'s gather (both ranks posted it a layer early) and must run layer {at}'s {way} while "
+                f"layer {posted}'s gather, which rank {behind} has not posted yet, is in flight: wait for a gather "
+                f"when its layer begins, not when you post it"
             )
