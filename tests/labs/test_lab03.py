@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -582,17 +583,22 @@ class OverlappedDDP(SolutionsOverlappedDDP):  # tells the grader's gate it is he
 
         theirs = (gates.Gate.wait, gates.Gate.start)
 
+        def drain(gate):  # (the answer it did not wait for, read before the gate's next message)
+            if getattr(gate, "pending", 0):
+                gates._exactly(gate.sock, gate.pending)
+                gate.pending = 0
+                gates.Gate.wait, gates.Gate.start = theirs  # (once: the rank serves later runs)
+
         def wait(gate, shape):
-            if shape.numel() == 1:  # (the grader's probe around the first backward: waited for)
+            if shape.numel() == 1:  # (the grader's holds around each backward: waited for)
+                drain(gate)
                 return theirs[0](gate, shape)
             gate.sock.sendall(gates.HOLD + struct.pack("<I", shape.numel()))
             gate.pending = 4 * shape.numel()
             return torch.zeros(shape)
 
         def start(gate):
-            if getattr(gate, "pending", 0):
-                gates._exactly(gate.sock, gate.pending)
-                gates.Gate.wait, gates.Gate.start = theirs  # (once: the rank serves later runs)
+            drain(gate)
             return theirs[1](gate)
 
         gates.Gate.wait, gates.Gate.start = wait, start
@@ -679,6 +685,31 @@ class OverlappedDDP(SolutionsOverlappedDDP):  # Tensor.register_hook on each par
         self.pending.clear()
 """
 
+_BLOCKING_LATER = """
+class OverlappedDDP(NaiveDDP):  # async in the first step (where the grader's probe once was), blocking after
+    def __init__(self, module):
+        super().__init__(module)
+        self.step, self.works = 0, []
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.hook)
+
+    def hook(self, p):
+        if self.step == 0:
+            self.works.append(dist.all_reduce(p.grad, async_op=True))
+        else:
+            dist.all_reduce(p.grad)
+
+    def finish_gradient_synchronization(self):
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        self.step += 1
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.grad.div_(dist.get_world_size())
+"""
+
 _BLOCKING_IN_HOOKS = """
 class OverlappedDDP(NaiveDDP):  # a blocking all-reduce in each hook: right values, backward stops at every hook
     def __init__(self, module):
@@ -739,9 +770,12 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     backward fail from what crossed (nothing) while it held, and so do they from a rank that tells the gate it is
     held there without waiting (what it sends of the layers below is not their gradient), and zeros all-reduced
     for the bias while held, its average passed through the store.  Only the small biases posted from hooks
-    (the rest after backward) fail on the MLP: the larger bucket above the gate must cross.  A frozen first layer under 1 KiB buckets has no gate (every bucket is
+    (the rest after backward) fail on the MLP: the larger bucket above the gate must cross.  The step in which the
+    grader keeps a rank behind before its backward is drawn and told to no rank: a wrapper that posts async in the
+    first step only and blocks in its hooks after fails where the draw is the second step.  A frozen first layer under 1 KiB buckets has no gate (every bucket is
     ready only as backward ends), and the solution passes there."""
     import __main__
+    from disttrain_lab.grading import gatekeeper
     from disttrain_lab.labtests import lab03
     from disttrain_lab.labtests.lab03 import checks as lab03_checks
     from tests.helpers import notebook_names, observed_from_outside
@@ -783,6 +817,8 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             "AccumulatingDDP": lambda: lab03.check_no_sync("mlp", 2, 12, 3),
             "tied": lambda: lab03.check_overlapped_ddp("tied", 2, batch=8),
         }
+        # (the attacks below that block never reach the grader's next hold: they fail however long it waits)
+        monkeypatch.setattr(gatekeeper, "HELD_WAIT", 3.0)
         for source, said, name in [
             (_LATE_OVERLAP, "none holding the gradients", "OverlappedDDP"),
             (_JUNK_DURING_BACKWARD, "hold none of the ranks' gradients of that step", "OverlappedDDP"),
@@ -807,3 +843,11 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             with pytest.raises(AssertionError, match=said):
                 checks[name]()
             monkeypatch.setattr(__main__, wrapper, solution[wrapper])
+        # the step the grader keeps a rank behind in is drawn (here the second: every draw its last choice), and
+        # no rank is told which: a wrapper that overlaps in the first step only, where the probe once was, fails
+        monkeypatch.setattr(lab03_checks, "secrets", SimpleNamespace(randbelow=lambda k: k - 1))
+        space = dict(solution["shard_loss"].__globals__)
+        exec(_BLOCKING_LATER, space)
+        monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
+        with pytest.raises(AssertionError, match=r"in step 1 the grader held rank 1 before its backward"):
+            lab03.check_overlapped_ddp("mlp", 2, batch=8)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import checks, exercise, models
+from ... import checks, exercise, gate, models
 from ...trace import Run
 from .. import common
 from .common import (
@@ -137,15 +137,22 @@ def check_ddp(
         + (", after an exception inside no_sync())" if interrupted else ")")
     )
     at = gate_position(kind, bucket_mb) if overlap else None  # where the grader holds the backward, if anywhere
-    probe = secrets.randbelow(n) if overlap and n > 1 and steps > 1 else None  # held before its first backward
-    # under grading the driver marks each micro-step at the grader's gate, holds the ranks around the first
-    # step's backward (``probe``), and holds the last step's backward where ``at``
+    around = overlap and n > 1 and steps > 1  # every step's backward held before and after
+    # under grading the driver marks each micro-step at the grader's gate, holds the ranks before and after each
+    # step's backward, where the grader keeps one rank (``probe``, drawn now) behind before the backward of one step
+    # (``probed``, not the last), and holds the last step's backward where ``at``
+    probe, probed = (secrets.randbelow(n), secrets.randbelow(steps - 1)) if around else (None, None)
     given = answers(kind, batch, n, micro_steps, at) if at is not None else None
-    holds = ([[None] * n] if probe is not None else []) + ([given] if given is not None else [])
+    holds = []
+    for step in range(steps if around else 0):
+        holds.append(gate.Behind([None] * n, probe) if step == probed else [None] * n)
+        holds += [given] if given is not None and step == steps - 1 else []
+        holds.append([None] * n)
+    holds += [given] if given is not None and not around else []
     ran = common.run_or_fail(
         _train_in_rank,
         n,
-        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted, nested, at, probe),
+        (wrapper, kind, batch, steps, micro_steps, bucket_mb, graders, interrupted, nested, at, around),
         case,
         _COLLECTIVES_IN_ORDER,
         timeout=60,
@@ -171,7 +178,7 @@ def check_ddp(
         )
         assert_steps_all_reduce(ran, case, local, micro_steps, trainable, sizes, rule, interrupted)
         if probe is not None:
-            assert_backward_ran_on(ran, case, probe)
+            assert_backward_ran_on(ran, case, probe, 2 * probed)
         if held:
             assert_crossed_while_held(ran, case, local[-1], crossing(kind, bucket_mb, at), where(kind, at))
     run = _traced(ran)

@@ -22,13 +22,14 @@ gradient below it is right before the answer came.  The test then holds:
   (``reference``): a rank that did not wait for its answer, or computed the layers below without it,
   ends with other parameters.
 
-- that backward does not stop at a hook until the network is done (``assert_backward_ran_on``): in the
-  first step the grader holds one rank, drawn at grading time, before its backward, so its gradients join
-  no all-reduce, and every other rank once its backward returned.  Each reaches that point only if its hooks
-  posted their all-reduces with ``async_op=True`` and waited for none of them (the waits belong in
-  ``finish_gradient_synchronization()``): a blocking all-reduce, or a wait, in a hook stops its backward
-  until the held rank joins.  The grader answers once every rank is held, or after ``gatekeeper.HELD_WAIT``
-  seconds those that are.
+- that backward does not stop at a hook until the network is done (``assert_backward_ran_on``): every rank
+  is held before and after each step's backward, and in one step (drawn at grading time, not the last) the
+  grader keeps one rank (drawn too) before its backward, so its gradients join no all-reduce, while it lets
+  every other rank on to its hold after its own backward (``gate.Behind``: no rank is told which step, or
+  which rank).  Each gets there only if its hooks posted their all-reduces with ``async_op=True`` and waited
+  for none of them (the waits belong in ``finish_gradient_synchronization()``): a blocking all-reduce, or a
+  wait, in a hook stops its backward until the held rank joins.  The grader lets the held rank go once every
+  other is there, or after ``gatekeeper.HELD_WAIT`` seconds.
 
 The gate sits at a module's output (``gate_position``): in an ``nn.Sequential``, the first layer output, in
 backward's order, where a whole bucket has its gradients and a trainable layer lies below (the input of the lowest
@@ -395,12 +396,12 @@ def assert_steps_all_reduce(
                 )
 
 
-def assert_backward_ran_on(run: ExerciseRun, case: str, probe: int) -> None:
-    """Fail unless every rank was held together at the grader's probe (see the module docstring): rank
-    ``probe`` before its first backward, the others after theirs."""
-    missing = sorted(set(range(run.world_size)) - set(run.gate.ranks_held(0)))
+def assert_backward_ran_on(run: ExerciseRun, case: str, probe: int, hold: int) -> None:
+    """Fail unless, while the grader kept rank ``probe`` behind before its backward at its ``hold``-th hold, every
+    other rank's backward returned (each held after it: ``Seen.ranks_ahead``; see the module docstring)."""
+    missing = sorted(set(range(run.world_size)) - {probe} - set(run.gate.ranks_ahead(hold)))
     assert not missing, (
-        f"{case}: in the first step the grader held rank {probe} before its backward (so its gradients joined no "
+        f"{case}: in step {hold // 2} the grader held rank {probe} before its backward (so its gradients joined no "
         f"all-reduce), and rank(s) {missing} did not finish their backward meanwhile: a hook that waits for its "
         f"all-reduce (a blocking dist.all_reduce, or a work's wait()) stops backward until every rank has joined. "
         f"Post each all-reduce with async_op=True from the hook and wait for the works in "

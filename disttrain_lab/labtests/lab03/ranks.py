@@ -47,7 +47,7 @@ def _train_in_rank(
     interrupted=False,
     nested=False,
     gate_at=None,
-    probe=None,
+    around=False,
 ):
     """A driver: in a rank, wrap a model built from *this rank's* seed (so the wrapper must broadcast rank 0's
     parameters) in your class ``wrapper`` (with ``bucket_mb=`` when given), train it data-parallel for ``steps``
@@ -60,8 +60,9 @@ def _train_in_rank(
     (as a helper the loop calls may do): the outer one must still hold.  Under grading each micro-step begins at
     the grader's word, and the run ends with one more (the grader's marks: ``disttrain_lab.gate``; none in the
     student's own notebook); ``gate_at``: the last step's last micro-batch is held in backward at the output of
-    the model's module ``gate_at`` by the grader's gate; ``probe``: in the first step's last micro-batch, rank
-    ``probe`` is held before its backward and every other rank after its own (``overlap.assert_backward_ran_on``).
+    the model's module ``gate_at`` by the grader's gate; ``around``: every step's last micro-batch is held
+    before its backward and after it (the grader keeps one rank, drawn, behind before one backward, told to none:
+    ``overlap.assert_backward_ran_on``).
     Returns the parameters, and the events
     of the rank's trace with its dl.region marks (dl.exercise.run's run.trace leaves those out)."""
     import contextlib
@@ -139,12 +140,12 @@ def _train_in_rank(
                     if gate is not None and gate_at is not None and last and step == steps - 1:
                         gate.arm()
                     loss = shard_loss(ddp, xm, ym, batch)  # noqa: F821  (the notebook's)
-                    probed = gate is not None and probe is not None and last and step == 0
-                    if probed and rank == probe:
+                    held = gate is not None and around and last
+                    if held:
                         gate.wait(torch.Size([1]))  # (held before its backward: it has posted nothing this step)
                     with dl.region("backward", step=step, micro=micro, last=last):
                         loss.backward()
-                    if probed and rank != probe:
+                    if held:
                         gate.wait(torch.Size([1]))  # (held once its backward returned)
             with dl.region("finish", step=step):
                 ddp.finish_gradient_synchronization()
