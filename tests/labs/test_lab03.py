@@ -710,6 +710,23 @@ class OverlappedDDP(NaiveDDP):  # async in the first step (where the grader's pr
                 p.grad.div_(dist.get_world_size())
 """
 
+_IN_ORDER = """
+class BucketedDDP(SolutionsBucketedDDP):  # posts its buckets in the rule's order, as torch's DDP
+    # does: a ready bucket waits for those before it
+    def grad_ready(self, param):
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        nxt = getattr(self, "next_bucket", 0)
+        while nxt < len(self.buckets) and self.ready[nxt] == len(self.buckets[nxt]):
+            self.post_bucket(nxt)
+            nxt += 1
+        self.next_bucket = nxt
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        self.next_bucket = 0
+"""
+
 _BLOCKING_IN_HOOKS = """
 class OverlappedDDP(NaiveDDP):  # a blocking all-reduce in each hook: right values, backward stops at every hook
     def __init__(self, module):
@@ -772,7 +789,8 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     for the bias while held, its average passed through the store.  Only the small biases posted from hooks
     (the rest after backward) fail on the MLP: the larger bucket above the gate must cross.  The step in which the
     grader keeps a rank behind before its backward is drawn and told to no rank: a wrapper that posts async in the
-    first step only and blocks in its hooks after fails where the draw is the second step.  A frozen first layer under 1 KiB buckets has no gate (every bucket is
+    first step only and blocks in its hooks after fails where the draw is the second step.  Buckets posted in the
+    rule's order, as torch's DDP does, pass (on the tied model the rule's first bucket is the last ready).  A frozen first layer under 1 KiB buckets has no gate (every bucket is
     ready only as backward ends), and the solution passes there."""
     import __main__
     from disttrain_lab.grading import gatekeeper
@@ -811,6 +829,14 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
         monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
         lab03.check_overlapped_ddp("tied", 2, batch=8)
         monkeypatch.setattr(__main__, "OverlappedDDP", solution["OverlappedDDP"])
+        # alternative-correct: buckets posted in the rule's order (the tied model's first, the encoder's bias, is
+        # the last ready: its decoder bias's bucket waits for it)
+        space = dict(solution["shard_loss"].__globals__, SolutionsBucketedDDP=solution["BucketedDDP"])
+        exec(_IN_ORDER, space)
+        monkeypatch.setattr(__main__, "BucketedDDP", space["BucketedDDP"])
+        lab03.check_bucketed_ddp("tied", 3, 7, 200 / 2**20)
+        lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
+        monkeypatch.setattr(__main__, "BucketedDDP", solution["BucketedDDP"])
         checks = {
             "OverlappedDDP": lambda: lab03.check_overlapped_ddp("mlp", 2, batch=8),
             "NaiveDDP": lambda: lab03.check_average_gradients("mlp", 2, batch=8),

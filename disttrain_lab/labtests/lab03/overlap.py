@@ -34,12 +34,14 @@ gradient below it is right before the answer came.  The test then holds:
 The gate sits at a module's output (``gate_position``): in an ``nn.Sequential``, the first layer output, in
 backward's order, where a whole bucket has its gradients and a trainable layer lies below (the input of the lowest
 layer that holds a parameter of the first bucket); in the tied autoencoder, its encoder's output (its weight, used
-again by the decoder, is whole only after the encoder's backward: its decoder's bias alone lies above).  Where
-there is no such place (a frozen first layer under 1 KiB buckets: the first bucket takes the lowest trainable
-layer's bias; the MLP under 1.5 KiB buckets, whose first bucket reaches layer 0's bias), every bucket is ready
-only as the backward's last layer ends: nothing is left to overlap, so "during backward" is not graded there (a
-gate after the last layer would hold nothing its answer could change, and a rank that only said it was held could
-send its all-reduces meanwhile), only the probe's rule above.
+again by the decoder, is whole only after the encoder's backward: its decoder's bias alone lies above).  A wrapper
+may post its buckets in the rule's order, each once those before it are posted, as torch's DDP does (``crossing``).
+Where there is no such place, nothing is left to overlap, so "during backward" is not graded there, only the
+probe's rule above: every bucket is ready only as the backward's last layer ends (a frozen first layer under 1 KiB
+buckets: the first bucket takes the lowest trainable layer's bias; the MLP under 1.5 KiB buckets, whose first
+bucket reaches layer 0's bias), or may wait for one that is (the tied model under 200-byte buckets, whose first
+bucket in the rule's order, the encoder's bias, is the last ready).  A gate after the last layer would hold
+nothing its answer could change, and a rank that only said it was held could send its all-reduces meanwhile.
 """
 
 from __future__ import annotations
@@ -93,10 +95,17 @@ def gate_position(kind: str, bucket_mb: float | None) -> str | None:
 
 
 def crossing(kind: str, bucket_mb: float | None, at: str) -> list[list[str]]:
-    """Every bucket (``bucket_names``) whose gradients are all whole when the backward reaches the gate at
-    ``at``'s output (``ready_at``): what an overlapping wrapper has posted by then."""
+    """The buckets (``bucket_names``) an overlapping wrapper has posted when the backward reaches the gate at
+    ``at``'s output (``ready_at``): one a parameter (exercise 4), every one whose gradients are all whole there;
+    with ``bucket_mb``, those of the rule's buckets before the first that is not whole there, since a wrapper may
+    post its buckets in the rule's order, each once those before it are posted, as torch's DDP does (``reducer.hpp``:
+    "reduced in a predetermined order"): in the tied model the rule's first bucket is the last whole."""
     ready = set(ready_at(kind, at))
-    return [bucket for bucket in bucket_names(graded_model(kind, 0), bucket_mb) if set(bucket) <= ready]
+    buckets = bucket_names(graded_model(kind, 0), bucket_mb)
+    if bucket_mb is None:
+        return [bucket for bucket in buckets if set(bucket) <= ready]
+    whole = [set(bucket) <= ready for bucket in buckets]
+    return buckets[: whole.index(False) if False in whole else len(buckets)]
 
 
 def where(kind: str, at: str) -> str:
@@ -313,9 +322,8 @@ def assert_crossed_while_held(
             f"gradients; those below needed the grader's answer) and watched the wire: while held, rank {rank} sent "
             f"the other ranks {len(sent)} message(s) ({', '.join(f'{len(m):,} B' for m in sent[:8]) or 'none'}), "
             f"none holding the gradients of {', '.join(names)}. Overlap means an all-reduce posted from a gradient "
-            f"hook (async_op=True), as soon as its bucket's gradients are all ready (whatever the bucket's place in "
-            f"the bucket order), crosses the wire while backward goes on below; all-reduces posted only in "
-            f"finish_gradient_synchronization(), after backward, cross after it"
+            f"hook (async_op=True), once its bucket's gradients are all ready, crosses the wire while backward goes "
+            f"on below; all-reduces posted only in finish_gradient_synchronization(), after backward, cross after it"
         )
 
 
