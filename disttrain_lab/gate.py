@@ -198,6 +198,8 @@ class Behind(list):
     nothing they are given says which hold, or which rank, the grader keeps behind."""
 
     def __init__(self, answers, behind: int):
+        if any(a is not None for a in answers):
+            raise ValueError("a hold answered apart answers zeros (each None): it holds, it adds nothing")
         super().__init__(answers)
         self.behind = behind
 

@@ -84,11 +84,11 @@ def problem() -> str | None:
     return f"no syscall filter: {why}" if why else None
 
 
-def spec(*, data_limit: int, pids: int, hide: list[str], keep: list[str], references: list[str] = ()) -> dict:
+def spec(*, data_limit: int, pids: int, hide: list[str], keep: list[str], references: list[str] | None = None) -> dict:
     """``hide``: what the student's uid must not read (else the kernel is not started); ``references``: the
     grader's reference packages it should not import (``kernels.REFERENCE_PACKAGES``): where it can, the kernel
     starts all the same, saying so in the grader's log (``setup.sh`` makes them root's only on Gradescope)."""
-    return {"data_limit": data_limit, "pids": pids, "hide": hide, "keep": keep, "references": list(references)}
+    return {"data_limit": data_limit, "pids": pids, "hide": hide, "keep": keep, "references": list(references or [])}
 
 
 def command(the_spec: dict, kernel_cmd: list[str]) -> list[str]:

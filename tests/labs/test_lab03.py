@@ -20,6 +20,7 @@ The notebook helpers come from tests/notebooks.py; the autograde round trip live
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -773,15 +774,15 @@ class AccumulatingDDP(SolutionsAccumulatingDDP):  # no_sync() that switches noth
 @pytest.mark.slow
 def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, monkeypatch):
     """Under the grader's evidence (packet capture, ``ss``, its gate in the backward: tests/helpers.py), the
-    solution's OverlappedDDP, BucketedDDP and AccumulatingDDP pass with the trace's overlap checks switched
-    off (a forged trace would pass them); a wrapper that all-reduces only after backward, one that sends junk
+    solution's OverlappedDDP, BucketedDDP and AccumulatingDDP pass with the trace's checks made to fail if
+    called (a forged trace would pass them); a wrapper that all-reduces only after backward, one that sends junk
     from its hooks and the real gradients later, one with the right values that all-reduces every gradient a
     second time, and one that tells the gate it is held and runs on without the grader's answer (what it sends
     of the layers below is not their gradient), each fail.  Every step's all-reduces are read off the wire
     between the grader's marks, in the cases with no gate too (NaiveDDP): with the trace's counts unread,
     one flat all-reduce where one per parameter is asked for, and a no_sync() that switches nothing off (both
-    with the right values), fail.  With the trace's async_op rule unread, a blocking all-reduce in each hook
-    fails from the grader's probe around the first backward, on the tied model too.  On the tied model on 2 ranks
+    with the right values), fail.  A blocking all-reduce in each hook fails from the grader's probe around a
+    backward, on the tied model too.  On the tied model on 2 ranks
     the gate is at the encoder's output (the decoder's bias, 6 values, crosses in pieces too short for a window:
     each value is read): the solution and a wrapper on Tensor.register_hook pass; all-reduces posted after
     backward fail from what crossed (nothing) while it held, and so do they from a rank that tells the gate it is
@@ -790,8 +791,9 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     (the rest after backward) fail on the MLP: the larger bucket above the gate must cross.  The step in which the
     grader keeps a rank behind before its backward is drawn and told to no rank: a wrapper that posts async in the
     first step only and blocks in its hooks after fails where the draw is the second step.  Buckets posted in the
-    rule's order, as torch's DDP does, pass (on the tied model the rule's first bucket is the last ready).  A frozen first layer under 1 KiB buckets has no gate (every bucket is
-    ready only as backward ends), and the solution passes there."""
+    rule's order, as torch's DDP does, pass (on the tied model the rule's first bucket is the last ready).  A
+    frozen first layer under 1 KiB buckets has no gate (every bucket is ready only as backward ends), and the
+    solution passes there.  Under grading the ranks' trace is never read: its check raises here if called."""
     import __main__
     from disttrain_lab.grading import gatekeeper
     from disttrain_lab.labtests import lab03
@@ -799,15 +801,23 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
     from tests.helpers import notebook_names, observed_from_outside
 
     notebook_names(monkeypatch, solution["shard_loss"].__globals__)  # (torch, nn, dist, its classes)
-    real_step = lab03_checks._check_step
-    # the ranks' trace as a forger would write it: every all-reduce async, posted in backward, waited for after
-    monkeypatch.setattr(
-        lab03_checks,
-        "_check_step",
-        lambda case, run, rank, step, regions, trainable, overlap, *rest: real_step(
-            case, run, rank, step, regions, trainable, False, *rest
-        ),
-    )
+
+    def trace_read(*args, **kwargs):  # (a forged trace would pass its rules: under grading none is read)
+        raise AssertionError("the ranks' trace was read under grading")
+
+    monkeypatch.setattr(lab03_checks, "_check_step", trace_read)
+
+    @contextlib.contextmanager
+    def using(source: str, name: str):
+        """Within: the notebook's class ``name`` as ``source`` defines it (over the solution's, ``Solutions<name>``)."""
+        space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in CLASSES})
+        exec(source, space)
+        monkeypatch.setattr(__main__, name, space[name])
+        try:
+            yield
+        finally:
+            monkeypatch.setattr(__main__, name, solution[name])
+
     with observed_from_outside():
         lab03.check_overlapped_ddp("mlp", 2, batch=8)
         lab03.check_overlapped_ddp("tied", 2, batch=8)  # (the gate at the encoder's output)
@@ -815,28 +825,20 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
         lab03.check_average_gradients("mlp", 2, batch=8)
         lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
         lab03.check_no_sync("mlp", 2, 12, 3)
-        # alternative-correct: on the tied model at 200 B on 3 ranks its first bucket (two biases, 14 values) is
-        # cut into messages across the two biases in another place (a call is judged by its messages together)
-        space = dict(solution["shard_loss"].__globals__, SolutionsBucketedDDP=solution["BucketedDDP"])
-        exec(_FORWARD_WITHIN_BUCKETS, space)
-        monkeypatch.setattr(__main__, "BucketedDDP", space["BucketedDDP"])
-        lab03.check_bucketed_ddp("tied", 3, 7, 200 / 2**20)
-        monkeypatch.setattr(__main__, "BucketedDDP", solution["BucketedDDP"])
+        # alternative-correct: on the MLP at 300 B on 3 ranks its first bucket (4.bias, 4.weight, 2.bias: 67 values)
+        # flattened in forward order is cut into messages across its parameters in other places (a call is judged
+        # by its messages together)
+        with using(_FORWARD_WITHIN_BUCKETS, "BucketedDDP"):
+            lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
         # alternative-correct: Tensor.register_hook on each parameter (the tied weight's fires once, summed), a copy
         # all-reduced with SUM and divided after; on the tied model, its decoder bias's short messages read by value
-        space = dict(solution["shard_loss"].__globals__, SolutionsOverlappedDDP=solution["OverlappedDDP"])
-        exec(_TENSOR_HOOK, space)
-        monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
-        lab03.check_overlapped_ddp("tied", 2, batch=8)
-        monkeypatch.setattr(__main__, "OverlappedDDP", solution["OverlappedDDP"])
+        with using(_TENSOR_HOOK, "OverlappedDDP"):
+            lab03.check_overlapped_ddp("tied", 2, batch=8)
         # alternative-correct: buckets posted in the rule's order (the tied model's first, the encoder's bias, is
         # the last ready: its decoder bias's bucket waits for it)
-        space = dict(solution["shard_loss"].__globals__, SolutionsBucketedDDP=solution["BucketedDDP"])
-        exec(_IN_ORDER, space)
-        monkeypatch.setattr(__main__, "BucketedDDP", space["BucketedDDP"])
-        lab03.check_bucketed_ddp("tied", 3, 7, 200 / 2**20)
-        lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
-        monkeypatch.setattr(__main__, "BucketedDDP", solution["BucketedDDP"])
+        with using(_IN_ORDER, "BucketedDDP"):
+            lab03.check_bucketed_ddp("tied", 3, 7, 200 / 2**20)
+            lab03.check_bucketed_ddp("mlp", 3, 10, 300 / 2**20)
         checks = {
             "OverlappedDDP": lambda: lab03.check_overlapped_ddp("mlp", 2, batch=8),
             "NaiveDDP": lambda: lab03.check_average_gradients("mlp", 2, batch=8),
@@ -862,18 +864,12 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
             (_SMALL_ONLY, "none holding the gradients of 4.weight", "OverlappedDDP"),
             (_STORE_JUNK, "hold none of the ranks' gradients of that step", "tied"),
         ]:
-            wrapper = "OverlappedDDP" if name.startswith("tied") else name
-            space = dict(solution["shard_loss"].__globals__, **{f"Solutions{n}": solution[n] for n in CLASSES})
-            exec(source, space)
-            monkeypatch.setattr(__main__, wrapper, space[wrapper])
-            with pytest.raises(AssertionError, match=said):
-                checks[name]()
-            monkeypatch.setattr(__main__, wrapper, solution[wrapper])
+            with using(source, "OverlappedDDP" if name.startswith("tied") else name):
+                with pytest.raises(AssertionError, match=said):
+                    checks[name]()
         # the step the grader keeps a rank behind in is drawn (here the second: every draw its last choice), and
         # no rank is told which: a wrapper that overlaps in the first step only, where the probe once was, fails
         monkeypatch.setattr(lab03_checks, "secrets", SimpleNamespace(randbelow=lambda k: k - 1))
-        space = dict(solution["shard_loss"].__globals__)
-        exec(_BLOCKING_LATER, space)
-        monkeypatch.setattr(__main__, "OverlappedDDP", space["OverlappedDDP"])
-        with pytest.raises(AssertionError, match=r"in step 1 the grader held rank 1 before its backward"):
-            lab03.check_overlapped_ddp("mlp", 2, batch=8)
+        with using(_BLOCKING_LATER, "OverlappedDDP"):
+            with pytest.raises(AssertionError, match=r"in step 1 the grader held rank 1 before its backward"):
+                lab03.check_overlapped_ddp("mlp", 2, batch=8)
