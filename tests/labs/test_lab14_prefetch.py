@@ -29,13 +29,26 @@ needs_capture = pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture n
 
 
 def _step(
-    shards, layer, x, y, prefetch=True, ahead=1, upfront=False, keep=False, op="AVG", copy=False, only=None, early=False
+    shards,
+    layer,
+    x,
+    y,
+    prefetch=True,
+    ahead=1,
+    upfront=False,
+    keep=False,
+    op="AVG",
+    copy=False,
+    only=None,
+    early=False,
+    hoard=False,
 ):
     """``sharded_step`` as the exercise asks (``ahead`` layers of prefetch; ``upfront``: every forward gather posted
     at the start; ``keep``: whole parameters kept after forward, not gathered again; ``op``: the reduce-scatter's;
     ``copy``: each rank also sends the other its shard of the next layer before each layer, unused; ``only``: the
     layers whose forward, and whose backward, post a prefetch, the others none; ``early``: each prefetched gather
-    waited for as soon as it is posted, before the layer runs)."""
+    waited for as soon as it is posted, before the layer runs; ``hoard``: a copy of each layer's whole parameters
+    kept after its forward, the storage freed and gathered again as asked)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -57,6 +70,7 @@ def _step(
             full[i].untyped_storage().resize_(0)
 
     depth = ahead if prefetch else 0
+    hoarded = []
     for i in range(count) if upfront else range(1):
         gather(i)
     inputs, outputs, h = [], [], x
@@ -76,6 +90,8 @@ def _step(
         inputs.append(h)
         h = layer(i, full[i].requires_grad_(), h)
         outputs.append(h)
+        if hoard:
+            hoarded.append(full[i].detach().clone())
         free(i)
     loss = F.mse_loss(h, y)
     grad = torch.autograd.grad(loss, outputs[-1])[0]
@@ -135,6 +151,11 @@ def prefetches_some(shards, layer, x, y, prefetch=True):
 def waits_early(shards, layer, x, y, prefetch=True):
     """Posts each next gather before the layer, as prefetch does, but waits for it at once: nothing overlaps."""
     return _step(shards, layer, x, y, prefetch, early=True)
+
+
+def hoards(shards, layer, x, y, prefetch=True):
+    """FSDP2's schedule on the wire, but a copy of each layer's whole parameters kept after its forward."""
+    return _step(shards, layer, x, y, prefetch, hoard=True)
 
 
 def sums(shards, layer, x, y, prefetch=True):
@@ -237,3 +258,30 @@ def test_holds_that_did_not_settle_leave_the_overlap_unobserved():
     run = SimpleNamespace(gate=Seen(settled=False), timeline=None)
     with pytest.raises(Unobserved, match="had not stopped growing when the grader's patience ended"):
         prefetch._check_overlap("sharded_step", run, shards=[], prefetch=True)
+
+
+@pytest.mark.parametrize("with_prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+@needs_capture
+def test_a_step_that_keeps_a_copy_of_each_layer_fails_on_the_os_count_of_its_memory(monkeypatch, with_prefetch):
+    """FSDP2's schedule on the wire (every shard gathered twice, prefetched one layer ahead), the values right, but a
+    copy of each layer's whole parameters kept after its forward: the grader's reading of each rank's memory from the
+    OS inside the last layer's forward finds four whole layers where one may be."""
+    _use(monkeypatch, hoards)
+    prefetch.check_sharded_step("sharded_step", 2, prefetch=with_prefetch)  # the student's own kernel: values only
+    with observed_from_outside(), pytest.raises(AssertionError) as said:
+        prefetch.check_sharded_step("sharded_step", 2, prefetch=with_prefetch)
+    message = str(said.value)
+    print(message)
+    assert re.search(
+        rf"sharded_step \(prefetch={with_prefetch}, 2 ranks, 4 layers of 2048 x 2048, memory read\): as the OS counts "
+        r"each rank's private memory at the grader's holds, rank \d held [\d.]+ MiB more inside layer \d's forward than "
+        r"before the step \(([\d.]+) whole layers",
+        message,
+    ), message
+    last = re.search(
+        r"inside layer 3's forward than before the step \(([\d.]+) whole layers of 16\.0 MiB; the test allows 1: "
+        r"this one, and 8 MiB\)",
+        message,
+    )
+    assert last and float(last.group(1)) > 3.5, message  # (its three copies, and the layer itself)
+    assert "keep no copy of them" in message

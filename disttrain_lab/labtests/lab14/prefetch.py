@@ -48,10 +48,12 @@ every layer, and the grader keeps one inside layer k's forward (the rank and k d
 neither: ``gate.Behind``) while it lets the other go on to its hold inside layer k + 1's, which it can only reach by
 running layer k + 1 while layer k + 2's gather, not yet posted by the held rank, is in flight; and the same in
 backward.  A hold is answered only once the ranks' bytes settled (``Seen.settled``);
-where the grader's patience ended first, the run is unobserved, never read.  What is not read: that a layer's whole
-parameters are really freed after its forward (a rank could keep them and gather again for show: the memory at
-stake here is too small for the OS's count), and the reduce-scatters' payloads (their result is graded, on the
-shards' gradients).
+where the grader's patience ended first, the run is unobserved, never read.  That a layer's whole parameters are
+really freed after its forward (a rank could keep them, or a copy, and gather again for show) is read from the OS,
+in a third run on 2 ranks on four 2048 x 2048 layers, 16 MiB each whole (``_check_freed``): the grader holds every
+rank before the step and inside each layer's forward and reads its private memory there; inside the last layer's
+forward a rank may hold that layer whole and nothing more.  What is not read: the reduce-scatters' payloads (their
+result is graded, on the shards' gradients), and what a rank frees in backward.
 
 A rank cannot put a gather's bytes on the wire before it has posted it, and cannot go on past a hold before the
 grader answers; so a gather that crossed while every rank was held was posted before the layer that holds, and one
@@ -67,7 +69,7 @@ import secrets
 import torch
 import torch.nn.functional as F
 
-from ... import checks, exercise, gate
+from ... import checks, exercise, gate, osmemory
 from ...wire import Unobserved
 from ...wiretimeline import Timeline
 from .. import common
@@ -345,8 +347,9 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
     each rank's rows; the flat gradient averaged over the ranks, this rank's shard), to ``TOLERANCE``; (b) under
     grading on 2 ranks, the grader's capture of the wire at its holds (inside every layer, forward and backward) shows
     each shard gathered twice and the gathers prefetched one layer ahead (or, with ``prefetch=False``, not at all):
-    see the module docstring.  In the student's own kernel (no gate, no capture) only (a) is checked; where grading
-    could not observe, ``Unobserved`` is raised, never a pass."""
+    see the module docstring; (c) under grading on 2 ranks, each layer freed after its forward, on the OS's count of
+    each rank's memory (``_check_freed``).  In the student's own kernel (no gate, no capture) only (a) is checked;
+    where grading could not observe, ``Unobserved`` is raised, never a pass."""
     if n < 2:
         raise ValueError(f"n = {n}: sharding needs 2 ranks or more")
     layers, x, y = _draw(n, secrets.randbits(31))  # weights nobody sees before the run
@@ -365,6 +368,7 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
         _check_overlap(label, run, shards, prefetch)
         if prefetch:
             _check_ahead(label, layers, x, y, shards, shapes)
+        _check_freed(case, prefetch)
 
 
 def _check_ahead(case: str, layers, x, y, shards, shapes) -> None:
@@ -399,3 +403,178 @@ def _check_ahead(case: str, layers, x, y, shards, shapes) -> None:
                 f"layer {posted}'s gather, which rank {behind} has not posted yet, is in flight: wait for a gather "
                 f"when its layer begins, not when you post it"
             )
+
+
+# Freed after forward: the grader's reading of each rank's memory from the OS --------------------------------------
+
+FREED_WIDTHS = (2048,) * 5  # four 2048 x 2048 layers: each whole layer 16 MiB of float32, above the OS count's noise
+FREED_MARGIN = 8 * 2**20  # bytes a reading may hold above its whole layers (measured: see _check_freed)
+
+
+def _freed_in_rank(seed, widths, prefetch):
+    """A driver: this rank's shards and rows drawn from ``seed`` here (16 MiB layers: drawn where they are used, not
+    sent), held at the grader's gate once before the step and inside each layer's forward, once its output is
+    made (the grader reads the rank's memory at each hold), the notebook's sharded_step; returns each shard's
+    gradient as (sum, sum of magnitudes, sum of squares) and the loss."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    from disttrain_lab import gate
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    door = gate.connect(rank)
+    shapes = list(zip(widths[1:], widths[:-1]))
+    last = len(shapes) - 1
+    params = []
+    for i, (d_out, d_in) in enumerate(shapes):
+        c = -(-(d_out * d_in + d_out) // n)
+        drawn = torch.Generator().manual_seed(seed + 1000 * i + rank)
+        params.append(nn.Parameter(torch.randn(c, generator=drawn) / d_in**0.5))
+    rows = torch.Generator().manual_seed(seed + 999 + 1000 * len(shapes) + rank)
+    x, y = torch.randn(2, widths[0], generator=rows), torch.randn(2, widths[-1], generator=rows)
+
+    def layer(i, flat, h):
+        d_out, d_in = shapes[i]
+        out = F.linear(h, flat[: d_out * d_in].view(d_out, d_in), flat[d_out * d_in : d_out * d_in + d_out])
+        if i < last:
+            out = torch.tanh(out)
+        if door is not None:
+            door.hold()  # (the grader reads this rank's memory: layer i's forward done, its output made)
+        return out
+
+    if door is not None:
+        door.start()
+        door.hold()  # (read before the step: the shards alone)
+    loss = sharded_step(params, layer, x, y, prefetch=prefetch)  # noqa: F821  (the notebook's)
+    if door is not None:
+        door.close()
+    sums = []
+    for q in params:
+        g = None if q.grad is None else q.grad.detach().double()
+        sums.append(None if g is None else [float(g.sum()), float(g.abs().sum()), float(g.square().sum())])
+    return {"sums": sums, "loss": loss.detach().clone() if isinstance(loss, torch.Tensor) else loss}
+
+
+def _sums(g: torch.Tensor) -> tuple:
+    """A gradient's sum, sum of magnitudes and sum of squares, in float64 (a few numbers: not 16 MiB relayed)."""
+    g = g.detach().double()
+    return g.sum(), g.abs().sum(), g.square().sum()
+
+
+def _freed_reference(seed: int, widths, n: int) -> tuple[list[float], list[list[tuple]]]:
+    """Here (no student code): what ``_freed_in_rank`` draws, each rank's loss on its rows and ``[rank][layer]`` the
+    sums of its shard of the gradients averaged over the ranks, from ``loss.backward()`` in one process."""
+    shapes = list(zip(widths[1:], widths[:-1]))
+    shards = []
+    for r in range(n):
+        row = []
+        for i, (d_out, d_in) in enumerate(shapes):
+            c = -(-(d_out * d_in + d_out) // n)
+            row.append(torch.randn(c, generator=torch.Generator().manual_seed(seed + 1000 * i + r)) / d_in**0.5)
+        shards.append(row)
+    layers = []
+    for i, (d_out, d_in) in enumerate(shapes):
+        flat = torch.cat([shards[r][i] for r in range(n)])
+        layers.append((flat[: d_out * d_in].view(d_out, d_in), flat[d_out * d_in : d_out * d_in + d_out]))
+    xs, ys = [], []
+    for r in range(n):
+        rows = torch.Generator().manual_seed(seed + 999 + 1000 * len(shapes) + r)
+        xs.append(torch.randn(2, widths[0], generator=rows))
+        ys.append(torch.randn(2, widths[-1], generator=rows))
+    losses, grads = [], []
+    with torch.no_grad():  # (the one process's graph made below, leaf by leaf)
+        leaves = [(w.clone(), b.clone()) for w, b in layers]
+    sums = [torch.zeros(d_out * d_in + d_out, dtype=torch.float64) for d_out, d_in in shapes]
+    for r in range(n):
+        params = [(w.clone().requires_grad_(), b.clone().requires_grad_()) for w, b in leaves]
+        h = xs[r]
+        for i, (w, b) in enumerate(params):
+            h = F.linear(h, w, b)
+            if i < len(params) - 1:
+                h = torch.tanh(h)
+        loss = F.mse_loss(h, ys[r])
+        loss.backward()
+        losses.append(loss.item())
+        for i, (w, b) in enumerate(params):
+            sums[i] += torch.cat([w.grad.flatten(), b.grad]).double()
+    for r in range(n):
+        row = []
+        for s in sums:
+            c = -(-s.numel() // n)
+            mine = torch.cat([s / n, s.new_zeros(n * c - s.numel())]).chunk(n)[r]
+            row.append(tuple(float(v) for v in _sums(mine)))
+        grads.append(row)
+    return losses, grads
+
+
+def _check_freed(case: str, prefetch: bool) -> None:
+    """Under grading, on 2 ranks: a third run, on four 2048 x 2048 layers (``FREED_WIDTHS``: 16 MiB each, whole), the
+    grader holding every rank once before the step and inside each layer's forward, once its output is made, and
+    reading each rank's private memory from the OS there (``Seen.memory_at``).  Above what it held before the step, a
+    rank may hold inside layer i's forward that layer whole and ``FREED_MARGIN`` more; with ``prefetch``, before the
+    last layer, also the next layer's gather in flight, counted twice: until it completes, gloo's all-gather holds
+    what it received in a buffer of its own as well as in the rank's tensor (measured with the solution, in four
+    runs each way: 1.05 to 1.06 whole layers at the last layer's hold, 1.04 to 1.06 at every hold without prefetch, 1.36
+    to 3.06 at the others with it; a rank that keeps a copy of each layer: 4.05 to 4.06 at the last).  Inside the last
+    layer's forward nothing else may be whole: a rank that keeps any layer whole after its forward (a copy, or its
+    gathered storage, gathered again for backward for show) holds two there, 8 MiB above the bound.  The gradients
+    and losses are one process's, so a rank that skipped the work holds nothing for it in vain."""
+    widths, n = FREED_WIDTHS, 2
+    count = len(widths) - 1
+    whole = 4 * n * -(-(widths[1] * widths[0] + widths[1]) // n)  # one layer's gathered flat, in bytes
+    seed = secrets.randbits(30)
+    label = f"{case} (prefetch={prefetch}, 2 ranks, {count} layers of {widths[0]} x {widths[1]}, memory read)"
+    run = common.run_or_fail(
+        _freed_in_rank,
+        n,
+        [(seed, widths, prefetch)] * n,
+        label,
+        _HINT,
+        timeout=TIMEOUT,
+        memory=True,
+        gate=[[None, None] for _ in range(count + 1)],
+    )
+    with osmemory.returning():  # (what the reference frees goes back to the OS: not in the next fresh rank's count)
+        want_losses, want_sums = _freed_reference(seed, widths, n)
+    for rank, found in enumerate(run.results):
+        if type(found) is not dict or set(found) != {"sums", "loss"} or type(found["sums"]) is not list:
+            raise AssertionError(f"{label}: expected the driver's record from rank {rank}, got {seen(found)}")
+        loss, want_loss = found["loss"], want_losses[rank]
+        if type(loss) is not float or not abs(loss - want_loss) <= 1e-4 * max(1.0, abs(want_loss)):
+            raise AssertionError(
+                f"{label}: rank {rank} returned loss {seen(loss)}; F.mse_loss(out, y) on its rows is {want_loss:.6f}"
+            )
+        for i, (got, want) in enumerate(zip(found["sums"], want_sums[rank])):
+            (total, _, squares), (want_total, magnitude, want_squares) = got or (None, 0, None), want
+            if got is None or not (
+                abs(total - want_total) <= 1e-4 * magnitude + 1e-9
+                and abs(squares - want_squares) <= 1e-3 * want_squares
+            ):
+                raise AssertionError(
+                    f"{label}: rank {rank}: shards[{i}].grad has sum {seen(total)} and sum of squares "
+                    f"{seen(squares)}; one process's gradient, averaged over the ranks, this rank's shard: "
+                    f"{want_total:.6g} and {want_squares:.6g}"
+                )
+    problems = []
+    for rank in range(n):
+        before = run.gate.memory_at(0, rank)
+        for i in range(count):
+            held = run.gate.memory_at(i + 1, rank) - before
+            layers = 3 if prefetch and i < count - 1 else 1
+            if held > layers * whole + FREED_MARGIN:
+                problems.append(
+                    f"rank {rank} held {held / 2**20:,.1f} MiB more inside layer {i}'s forward than before the step "
+                    f"({held / whole:.2f} whole layers of {whole / 2**20:.1f} MiB; the test allows "
+                    + ("3: this one, and the next one's gather in flight, twice" if layers == 3 else "1: this one")
+                    + f", and {FREED_MARGIN / 2**20:g} MiB)"
+                )
+    if problems:
+        raise AssertionError(
+            f"{label}: as the OS counts each rank's private memory at the grader's holds, "
+            + "; ".join(problems[:3])
+            + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            + ". Free each layer's whole parameters after its forward "
+            "(flat.untyped_storage().resize_(0)) and keep no copy of them: gather them again for its backward."
+        )
