@@ -363,6 +363,10 @@ class Gatekeeper:
                 self.held_ranks.append(tuple(sorted(rank_of.get(sock, -1) for sock in held)))
                 self._round, held, first_held = self._round + 1, {}, None
             self.messages = [sent[s] for s in self._socks]
+        # the run has ended (``stop``): what the ranks' host links sent after the last answer and the loop had not read
+        # yet (a busy host: the run can end between two of its reads) is still theirs, kept as after the last hold
+        for sock in list(buffers):
+            self._drain_links(sock, buffers[sock], rank_of.get(sock))
 
     @staticmethod
     def _send(sock: socket.socket, data: bytes, kind: tuple, sent: dict) -> None:

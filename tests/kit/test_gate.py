@@ -216,3 +216,51 @@ def test_a_hold_answered_apart_keeps_one_rank_until_the_others_reach_the_next(mo
     assert events[:2] == [(1, 0), (0, 0)] and sorted(events[2:]) == [(0, 1), (1, 1)], events
     assert keeper.ahead == [(0, (1,) if goes_on else ())], keeper.ahead
     assert keeper.held_ranks == [(0, 1), (0, 1)], keeper.held_ranks
+
+
+def test_a_host_links_copies_sent_after_the_last_hold_are_kept_when_the_run_ends(monkeypatch):
+    """A run can end between two of the gatekeeper's reads (a busy host): what a rank's host link sent after the last
+    answer and the loop had not read by then is still read as the gatekeeper stops, kept as after the last hold (lab
+    9's ``OffloadAdam``: the first layer's gradients go down the link after the last hold's answer).  Here the loop
+    stops reading once the hold is answered, as a loop the host did not schedule in time."""
+    import selectors
+    import threading
+    import time
+
+    from disttrain_lab.gate import Gate
+    from disttrain_lab.grading import gatekeeper
+
+    deaf = threading.Event()
+
+    class Deaf(selectors.DefaultSelector):
+        def select(self, timeout=None):
+            if deaf.is_set():
+                time.sleep(timeout or 0)
+                return []
+            return super().select(timeout)
+
+    monkeypatch.setattr(gatekeeper.selectors, "DefaultSelector", Deaf)
+    send = Gatekeeper._send
+
+    def answer_then_deaf(sock, data, kind, sent):
+        send(sock, data, kind, sent)
+        if kind[0] == HOLD:
+            deaf.set()
+
+    monkeypatch.setattr(Gatekeeper, "_send", staticmethod(answer_then_deaf))
+    keeper = Gatekeeper(None, [[None]], lambda base: [0], lambda: None, timeout=30)
+    port = keeper.start()
+
+    def rank() -> None:
+        door = Gate(port, 0)
+        door.wait(torch.Size([1]))
+        door.link("down", b"abc")
+        door.link("down", b"defg")
+        door.close()
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    time.sleep(0.3)  # (the loop selects, deaf, meanwhile)
+    keeper.stop()
+    assert keeper.link == [(0, "down", 1, b"abc"), (0, "down", 1, b"defg")], keeper.link
