@@ -130,3 +130,10 @@ def say_standing_in(missing: Sequence[str], then: str) -> None:
     _SAID.add((tuple(missing), then))
     verb = "has not passed its graded test" if len(missing) == 1 else "have not passed their graded tests"
     print(f"({' and '.join(missing)} {verb}: {then})")
+
+
+def sums(g: torch.Tensor) -> tuple[float, float, float]:
+    """A gradient's sum, sum of magnitudes and sum of squares, in float64 (a few numbers to relay and compare, where a
+    rank's gradients are tens of MiB: labs 9 and 14)."""
+    g = g.detach().double()
+    return float(g.sum()), float(g.abs().sum()), float(g.square().sum())

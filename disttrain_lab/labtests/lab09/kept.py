@@ -53,6 +53,7 @@ import torch
 
 from ... import checks, exercise, gate, memory, models, osmemory
 from .. import common
+from ..common import sums
 
 __all__ = ["BEFORE", "PAUSE_S", "SHAPE", "check_kept", "hold", "kept_step", "readings", "sums"]
 
@@ -102,12 +103,6 @@ def kept_step(forward: Callable, prepare: Callable, seed: int, shape: tuple = SH
     if door is not None:
         door.close()
     return loss.item(), {name: sums(p.grad) for name, p in model.named_parameters()}
-
-
-def sums(g: torch.Tensor) -> tuple[float, float, float]:
-    """A gradient's sum, sum of magnitudes and sum of squares, in float64."""
-    g = g.detach().double()
-    return float(g.sum()), float(g.abs().sum()), float(g.square().sum())
 
 
 def _kept_driver(way, seed, shape):

@@ -280,6 +280,11 @@ def _crossings(case: str, timeline: Timeline, shards) -> dict[tuple[int, int], l
     return times
 
 
+def _listed(problems: list[str], shown: int) -> str:
+    """The first ``shown`` problems, and how many more."""
+    return "; ".join(problems[:shown]) + (f" (and {len(problems) - shown} more)" if len(problems) > shown else "")
+
+
 def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool) -> None:
     """The gathers' crossings against the grader's holds, one inside each layer's forward and backward (see the
     module docstring)."""
@@ -332,8 +337,7 @@ def _check_overlap(case: str, run: exercise.ExerciseRun, shards, prefetch: bool)
     if problems:
         raise AssertionError(
             f"{case}: on the grader's capture of the wire, "
-            + "; ".join(problems[:4])
-            + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+            + _listed(problems, 4)
             + ". With prefetch, post layer i + 1's all-gather (async_op=True) before running layer i, and wait for it "
             "when layer i + 1 begins; in backward, layer i − 1's before running layer i's backward."
         )
@@ -458,12 +462,6 @@ def _freed_in_rank(seed, widths, prefetch):
     return {"sums": sums, "loss": loss.detach().clone() if isinstance(loss, torch.Tensor) else loss}
 
 
-def _sums(g: torch.Tensor) -> tuple:
-    """A gradient's sum, sum of magnitudes and sum of squares, in float64 (a few numbers: not 16 MiB relayed)."""
-    g = g.detach().double()
-    return g.sum(), g.abs().sum(), g.square().sum()
-
-
 def _freed_reference(seed: int, widths, n: int) -> tuple[list[float], list[list[tuple]]]:
     """Here (no student code): what ``_freed_in_rank`` draws, each rank's loss on its rows and ``[rank][layer]`` the
     sums of its shard of the gradients averaged over the ranks, from ``loss.backward()`` in one process."""
@@ -485,11 +483,9 @@ def _freed_reference(seed: int, widths, n: int) -> tuple[list[float], list[list[
         xs.append(torch.randn(2, widths[0], generator=rows))
         ys.append(torch.randn(2, widths[-1], generator=rows))
     losses, grads = [], []
-    with torch.no_grad():  # (the one process's graph made below, leaf by leaf)
-        leaves = [(w.clone(), b.clone()) for w, b in layers]
     sums = [torch.zeros(d_out * d_in + d_out, dtype=torch.float64) for d_out, d_in in shapes]
     for r in range(n):
-        params = [(w.clone().requires_grad_(), b.clone().requires_grad_()) for w, b in leaves]
+        params = [(w.clone().requires_grad_(), b.clone().requires_grad_()) for w, b in layers]
         h = xs[r]
         for i, (w, b) in enumerate(params):
             h = F.linear(h, w, b)
@@ -505,7 +501,7 @@ def _freed_reference(seed: int, widths, n: int) -> tuple[list[float], list[list[
         for s in sums:
             c = -(-s.numel() // n)
             mine = torch.cat([s / n, s.new_zeros(n * c - s.numel())]).chunk(n)[r]
-            row.append(tuple(float(v) for v in _sums(mine)))
+            row.append(common.sums(mine))
         grads.append(row)
     return losses, grads
 
@@ -576,8 +572,7 @@ def _check_freed(case: str, prefetch: bool) -> None:
     if problems:
         raise AssertionError(
             f"{label}: as the OS counts each rank's private memory at the grader's holds, "
-            + "; ".join(problems[:3])
-            + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+            + _listed(problems, 3)
             + ". Free each layer's whole parameters after its forward "
             "(flat.untyped_storage().resize_(0)) and keep no copy of them: gather them again for its backward."
         )
