@@ -228,7 +228,7 @@ class Seen:
     values: tuple[tuple[tuple[float, ...], ...], ...] = ()
     # each hold's private memory of each rank, read from the OS while its main thread waited at the gate (None: not
     # read, or that rank not held then); empty where the grader was not asked to read memory
-    memory: tuple[tuple[int | None, ...], ...] = ()
+    memory: tuple[tuple[int | str | None, ...], ...] = ()  # (a str: why that reading was refused)
     # what each copy over a rank's emulated host link carried (``Gate.link``), in the order the grader read them:
     # (rank, "down" or "up", the hold it came before: how many holds the grader had answered then, payload)
     link: tuple[tuple[int, str, int, bytes], ...] = ()
@@ -277,11 +277,11 @@ class Seen:
         ``hold``-th hold (``/proc/<pid>/smaps_rollup``, its main thread blocked reading the gate before and after
         the reading, the same wait); ``Unobserved`` where it was not read."""
         read = self.memory[hold][rank] if self.source == "wire" and hold < len(self.memory) else None
-        if read is None:
+        if type(read) is not int:
+            why = read if isinstance(read, str) else self.why or "no reading at that hold"
             raise Unobserved(
-                f"the grader could not read rank {rank}'s memory while it held it at its gate "
-                f"({self.why or 'no reading at that hold'}), so a test that grades it fails rather than take the "
-                "rank's own account"
+                f"the grader could not read rank {rank}'s memory while it held it at its gate ({why}), so a test "
+                "that grades it fails rather than take the rank's own account"
             )
         return read
 

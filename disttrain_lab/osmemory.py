@@ -9,7 +9,10 @@ instead, from outside the ranks:
   wrote, and what it copied of the kernel it was forked from), whatever holds them (tensors,
   Python objects, a tmpfs file it mapped by itself).  Pages it still shares with the kernel it was
   forked from (the imported libraries) do not count, so a rank forked fresh for the run starts
-  near zero (measured: 10 MB).
+  near zero (measured: 10 MB).  Added to it, what a rank keeps where that count misses it (its shared
+  mappings, memfds, files open for writing, bytes queued in its TCP sockets), and refused where it cannot
+  be counted (a process a rank started, pipes or local sockets beyond a rank's own): ``pauses.held_bytes``,
+  ``pauses.strangers``.
 - **When**: once, while every rank pauses in ``time.sleep`` (the syscall ``clock_nanosleep``,
   read from ``/proc/<pid>/syscall``), where a test's driver pauses them: between training steps,
   when what a rank keeps from one step to the next is all it holds (a transient's peak is the
@@ -291,6 +294,13 @@ class Watch:
             started = time.monotonic()
             try:
                 extra, why = (self.at_pause() if self.at_pause is not None else None), None
+                others = pauses.strangers(self.pids)  # (a process a rank forked shares its pages: not private)
+                if others:
+                    why = (
+                        f"process(es) {others[:4]} started after the ranks, in their cgroup, were still there at the "
+                        "reading: a process a rank forks shares its memory copy-on-write, which then counts as "
+                        "neither's private memory; a graded run's ranks may start none"
+                    )
             except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
                 extra, why = None, f"what else is read at the pause could not be: {exc}"[:300]
             try:

@@ -30,14 +30,17 @@ import sys
 import time
 
 __all__ = [
+    "Hidden",
     "PAUSE_SYSCALL",
     "RECEIVE_SYSCALLS",
     "WAKE_SIGNAL",
     "pause_of",
     "paused",
     "memory_while_receiving",
+    "held_bytes",
     "private_bytes",
     "receiving_on",
+    "strangers",
     "watch",
 ]
 
@@ -70,6 +73,199 @@ def private_bytes(pid: int) -> int:
     if missing:
         raise ValueError(f"/proc/{pid}/smaps_rollup has no {', '.join(missing)}")
     return sum(found.values())
+
+
+class Hidden(ValueError):
+    """A process holds memory where the OS's count of its own does not see it, in a way the grader cannot count
+    (``held_bytes``): a reading of it would undercount, so it is refused."""
+
+
+def held_bytes(pid: int) -> int:
+    """What process ``pid`` holds, as the grader counts it at a reading: its private memory (``private_bytes``),
+    and what it keeps where that count does not see it (#42, "memory the OS's private count misses"):
+
+    - its shared mappings' resident pages (``RssShmem`` of ``/proc/<pid>/status``: a ``MAP_SHARED`` mapping
+      that a process it forked also maps counts in neither's private memory; a memfd it mapped);
+    - the files it holds open that hold data of their own (``_descriptor_bytes``: a memfd written and not
+      mapped, a file open for writing), and the bytes waiting in its TCP sockets' queues, sent or received and
+      not read (a connection to itself, or one it never accepted, parks them in the OS's buffers);
+    - refused (``Hidden``): a process it started (a fork shares its pages, copy-on-write, so neither counts
+      them as private), more pipes or non-TCP sockets than a rank's own (``KIT_PIPES``, ``KIT_SOCKETS``); the
+      OS keeps what those hold and no reading of them is exact.
+
+    A rank's own pipes and socket are not counted: each holds 64 KiB unread (1 MiB at most, a pipe made larger),
+    and what a rank writes into its channels to the kernel goes to the student's kernel, which is not read
+    (see docs/architecture.md)."""
+    children = _children(pid)
+    if children:
+        raise Hidden(
+            f"process {pid} had started process(es) {children[:4]} of its own: a forked process shares its parent's "
+            "memory (copy-on-write), which then counts as neither's private memory; a graded run's ranks may "
+            "start none"
+        )
+    return private_bytes(pid) + _status_kb(pid, b"RssShmem:") * 1024 + _descriptor_bytes(pid)
+
+
+def strangers(pids: list[int]) -> list[int]:
+    """The processes of the uid and cgroup of the processes ``pids`` (a graded run's ranks: the sandbox's, or a
+    test's) that started after the first of them and are neither one of them nor descended from this process
+    (the grader's own helpers): what a rank forked and left (a child that forked again and ended leaves its own
+    child to the sandbox's init), whose pages it shares copy-on-write.  Read from ``/proc/<pid>/stat``,
+    ``status`` and ``cgroup``, which every uid may read.  (Two students graded at once have a uid and a cgroup
+    each: ``grading/uids.py``, ``grading/cgroups.py``.)"""
+    ranks = set(pids)
+    group, uid = _cgroup(pids[0]), _uid(pids[0])
+    first = min(_stat(p)[1] for p in pids)
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in ranks:
+            continue
+        pid = int(entry)
+        try:
+            if _stat(pid)[1] < first or _uid(pid) != uid or _cgroup(pid) != group or _descends_from(pid, os.getpid()):
+                continue
+        except (OSError, ValueError):  # (ended meanwhile)
+            continue
+        found.append(pid)
+    return found
+
+
+def _stat(pid: int) -> tuple[int, int]:
+    """(parent's pid, start time in clock ticks since boot) of process ``pid``."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read(1 << 12).rpartition(b")")[2].split()  # (the name, in parentheses, is the process's own)
+    return int(fields[1]), int(fields[19])
+
+
+def _uid(pid: int) -> bytes:
+    """Process ``pid``'s real uid (``/proc/<pid>/status``'s ``Uid:`` line, its first field)."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f.read(1 << 14).splitlines():
+            if line.startswith(b"Uid:"):
+                return line.split()[1]
+    raise ValueError(f"/proc/{pid}/status has no Uid")
+
+
+def _cgroup(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cgroup", "rb") as f:
+        return f.read(1 << 14)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = _stat(pid)[0]
+    return False
+
+
+# what a rank holds of its own: its channels to the kernel that forked it (ranks.start: its output and stack pipes,
+# its control socket) and gloo's (its event loop's wake-up pipe, both ends in the rank)
+KIT_PIPES, KIT_SOCKETS = 3, 1
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid``'s threads started that are still there (``/proc/<pid>/task/<tid>/children``)."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found += [int(p) for p in f.read().split() if p.isdigit()]
+        except FileNotFoundError:  # (a thread that ended meanwhile; a kernel without CONFIG_PROC_CHILDREN: below)
+            if os.path.exists(f"/proc/{pid}/task/{tid}") and not os.path.exists(f"/proc/{pid}/task/{tid}/children"):
+                raise Hidden(
+                    f"this kernel does not list a process's children (/proc/{pid}/task/{tid}/children)"
+                ) from None
+    return found
+
+
+def _status_kb(pid: int, field: bytes) -> int:
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f.read(1 << 14).splitlines():
+            if line.startswith(field):
+                parts = line[len(field) :].split()
+                if len(parts) == 2 and parts[1] == b"kB" and parts[0].isdigit():
+                    return int(parts[0])
+    raise ValueError(f"/proc/{pid}/status has no {field.decode()} in kB")
+
+
+def _descriptor_bytes(pid: int) -> int:
+    """The bytes process ``pid``'s open descriptors hold: memfds and files open for writing (their allocated
+    blocks, each file once), and the queues of its TCP sockets (and of the connections waiting unaccepted on
+    one it listens on).  Raises ``Hidden`` for pipes and non-TCP sockets beyond the kit's channels."""
+    total, files, sockets, pipes = 0, set(), set(), set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{name}"
+        try:
+            link = os.readlink(path)
+        except FileNotFoundError:  # (closed meanwhile)
+            continue
+        if link.startswith("pipe:["):
+            pipes.add(link)
+        elif link.startswith("socket:[") and link[8:-1].isdigit():
+            sockets.add(int(link[8:-1]))
+        elif link.startswith("/"):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if not _is_regular(st.st_mode) or (st.st_dev, st.st_ino) in files:
+                continue
+            if link.startswith("/memfd:") or _open_for_writing(pid, name):
+                files.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    queued, tcp = _tcp_queues(pid, sockets)
+    others = len(sockets - tcp)
+    if len(pipes) > KIT_PIPES or others > KIT_SOCKETS:
+        raise Hidden(
+            f"process {pid} held {len(pipes)} pipe(s) and {others} socket(s) that are not TCP's, where a rank's own "
+            f"are {KIT_PIPES} and {KIT_SOCKETS}: what a pipe or a local socket holds, the OS counts in no process's "
+            "memory; a graded run's ranks may open none"
+        )
+    return total + queued
+
+
+def _is_regular(mode: int) -> bool:
+    return (mode & 0o170000) == 0o100000
+
+
+def _open_for_writing(pid: int, fd: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+            for line in f.read(4096).splitlines():
+                if line.startswith(b"flags:"):
+                    return int(line.split()[1], 8) & 0o3 != 0  # O_WRONLY or O_RDWR
+    except (FileNotFoundError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _tcp_queues(pid: int, inodes: set[int]) -> tuple[int, set[int]]:
+    """(the bytes queued in the TCP sockets among ``inodes``, those that are TCP sockets), from the tables of
+    process ``pid``'s network namespace (``/proc/<pid>/net/tcp`` and ``tcp6``).  A connection that has arrived
+    on a socket it listens on and was not accepted has no descriptor (inode 0): its queues count for the
+    listener.  A listener's own queue counts connections, not bytes."""
+    rows = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}", "rb") as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or b":" not in fields[4]:
+                continue
+            tx, rx = (int(q, 16) for q in fields[4].split(b":"))
+            rows.append((fields[1], fields[3], tx, rx, int(fields[9])))
+    listening = {local for local, state, _, _, inode in rows if state == b"0A" and inode in inodes}
+    tcp = {inode for *_, inode in rows if inode in inodes}
+    queued = sum(
+        tx + rx
+        for local, state, tx, rx, inode in rows
+        if state != b"0A" and (inode in inodes or (inode == 0 and local in listening))
+    )
+    return queued, tcp
 
 
 def pause_of(pid: int) -> int | None:
@@ -110,14 +306,14 @@ def receiving_on(pid: int) -> int | None:
 
 
 def memory_while_receiving(pid: int) -> tuple[int, int] | None:
-    """(the inode of the socket process ``pid``'s main thread is blocked reading, its private memory): the memory
-    read while that thread waited there, the same wait before and after the reading (the socket and its count of
+    """(the inode of the socket process ``pid``'s main thread is blocked reading, its memory, ``held_bytes``): the
+    memory read while that thread waited there, the same wait before and after the reading (the socket and its count of
     voluntary context switches unchanged); None where it was not waiting so throughout."""
     inode = receiving_on(pid)
     if inode is None:
         return None
     switches = _switches(pid)
-    held = private_bytes(pid)
+    held = held_bytes(pid)
     return (inode, held) if receiving_on(pid) == inode and _switches(pid) == switches else None
 
 
@@ -153,7 +349,7 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
             if None in pauses:
                 time.sleep(POLL_S)
                 continue
-            say(held=[private_bytes(p) for p in pids])
+            say(held=[held_bytes(p) for p in pids])
             if not told.readline():
                 return
             kept = [pause_of(p) for p in pids] == pauses  # (still the same pause: the reading stands)
@@ -178,6 +374,13 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--receiving"]:  # `python -I pauses.py --receiving PID ...`: receiving_on each, as JSON
         print(json.dumps({p: receiving_on(int(p)) for p in sys.argv[2:]}))
     elif sys.argv[1:2] == ["--memory"]:  # `python -I pauses.py --memory PID ...`: memory_while_receiving each
-        print(json.dumps({p: memory_while_receiving(int(p)) for p in sys.argv[2:]}))
+
+        def _read(pid: int):
+            try:
+                return memory_while_receiving(pid)
+            except Hidden as exc:
+                return {"hidden": str(exc)}
+
+        print(json.dumps({p: _read(int(p)) for p in sys.argv[2:]}))
     else:  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)
         watch([int(p) for p in sys.argv[1:]])

@@ -127,7 +127,7 @@ class Gatekeeper:
         timeout: float,
         busy: Callable[[], bool] = lambda: False,
         holding: Callable[[list[tuple[str, str]]], str] = lambda connections: "",
-        memory: Callable[[list[tuple[str, str]]], list[int | None]] | None = None,
+        memory: Callable[[list[tuple[str, str]]], list[int | str | None]] | None = None,
     ):
         self.netns_pid, self.sent, self.baseline = netns_pid, sent, baseline
         self.busy, self.holding, self.memory = busy, holding, memory
@@ -147,7 +147,7 @@ class Gatekeeper:
         self.settles = [any(a is not None for a in r) for r in self.rounds_of_answers]
         self.held_ranks: list[tuple[int, ...]] = []  # each round's ranks held when answered (as they said who)
         self.said: list[dict[int, tuple[float, ...]]] = []  # each hold round's values, by rank (Gate.say)
-        self.memory_by_round: list[tuple[int | None, ...]] = []  # each hold round's memory, by rank (``memory``)
+        self.memory_by_round: list[tuple[int | str | None, ...]] = []  # each hold round's memory, by rank (``memory``)
         self.link: list[tuple[int, str, int, bytes]] = []  # what ranks' host links carried (``Seen.link``)
         self._link_bytes = 0
         self._stop = threading.Event()
@@ -347,6 +347,9 @@ class Gatekeeper:
                 if why and self.why is None:  # (answered all the same: the run ends, the test reading the gate fails)
                     self.why = why
                 if self.memory is not None:  # each held rank's memory, while it waits here (None: not read)
+                    # once no thread of a rank is left to run: what gloo's own threads free after a collective
+                    # has completed (its work, and the buffers it holds) is freed before the reading
+                    self._quiet()
                     ends = [(_address(s.getsockname()), _address(s.getpeername())) for s in held]
                     by_rank = dict(zip((rank_of.get(s) for s in held), self.memory(ends))) if not why else {}
                     self.memory_by_round.append(tuple(by_rank.get(r) for r in range(self.world_size)))

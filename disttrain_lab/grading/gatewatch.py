@@ -69,17 +69,29 @@ def for_ranks(
                 )
         return ""
 
-    def memory_of(connections: list[tuple[str, str]]) -> list[int | None]:
-        """Each connection's rank's private memory, read while its main thread waited reading that gate
-        connection (``holding`` found its rank end just before), else None."""
-        read = []
+    def memory_of(connections: list[tuple[str, str]]) -> list[int | str | None]:
+        """Each connection's rank's memory (``pauses.held_bytes``), read while its main thread waited reading that
+        gate connection (``holding`` found its rank end just before); else None, or why it was refused (a process
+        the ranks started, memory held where the OS's count misses it: ``pauses.Hidden``)."""
+        try:
+            started = pauses.strangers(pids)
+        except (OSError, ValueError) as exc:  # (a rank gone, or unreadable: not read)
+            return [f"the processes beside the ranks could not be read: {exc}"[:300]] * len(connections)
+        if started:
+            return [_STARTED.format(started[:4])] * len(connections)
+        read: list[int | str | None] = []
         for _, rank_end in connections:
             inode, pid = ends.get(rank_end, (None, None))
             try:
                 got = read_as(user, pauses.memory_while_receiving, "--memory", pid) if pid is not None else None
+            except pauses.Hidden as exc:
+                got = {"hidden": str(exc)}
             except (OSError, ValueError, subprocess.SubprocessError):  # (gone, or unreadable: not read)
                 got = None
-            read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
+            if isinstance(got, dict) and isinstance(got.get("hidden"), str):
+                read.append(got["hidden"][:400])
+            else:
+                read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
         return read
 
     return Gatekeeper(
@@ -92,6 +104,13 @@ def for_ranks(
         holding=holding,
         memory=memory_of if memory else None,
     )
+
+
+# why a reading is refused where a process the ranks started is still there (``pauses.strangers``)
+_STARTED = (
+    "process(es) {} started after the ranks, in their cgroup, were still there: a process a rank forks shares its "
+    "memory copy-on-write, which then counts as neither's private memory; a graded run's ranks may start none"
+)
 
 
 def receiving(pid: int, user: int | None) -> int | None:

@@ -70,7 +70,10 @@ def test_cli_bench_checkpoint_with_tiny_options():
         assert lines[restart].split()[-2:] == ["2", "1"], out
         assert 0 < float(lines[restart].split()[-3]) < 120, out
     shared = lines["torchrun, shared store"]
-    assert shared.split()[-2:] == ["2", "1"] or "Gloo connectFullMesh failed" in shared or "hung" in shared, out
+    # torch's bug (pytorch#135712) shows as the restarted workers failing to connect, one way or another
+    # ("Gloo connectFullMesh failed", or "Connection closed by peer" once in a full suite), or hanging
+    failed = ("Gloo connectFullMesh failed", "Connection closed by peer", "hung")
+    assert shared.split()[-2:] == ["2", "1"] or any(why in shared for why in failed), out
     survivor, replacement = lines["torchft, survivor"].split(), lines["torchft, replacement"].split()
     heartbeat = bench.recovery.FT_HEARTBEAT_MS / 1000
     assert survivor[-2:] == ["3", "0"] and heartbeat * 0.9 < float(survivor[-3]) < 60, out  # went on from step 3

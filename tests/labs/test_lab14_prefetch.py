@@ -91,7 +91,7 @@ def _step(
         h = layer(i, full[i].requires_grad_(), h)
         outputs.append(h)
         if hoard:
-            hoarded.append(full[i].detach().clone())
+            hoarded.append(hoard(full[i].detach()) if callable(hoard) else full[i].detach().clone())
         free(i)
     loss = F.mse_loss(h, y)
     grad = torch.autograd.grad(loss, outputs[-1])[0]

@@ -1,0 +1,126 @@
+"""Memory hidden from the OS's count of a rank's private memory (#42): a rank that keeps a copy of each layer's whole
+parameters (lab 14's ``sharded_step``, FSDP2's schedule on the wire, the values right) where ``Private_*`` of
+``/proc/<pid>/smaps_rollup`` does not see it.  The grader's reading (``pauses.held_bytes``, ``pauses.strangers``)
+counts it, or refuses to read:
+
+- counted: a memfd written and not mapped, bytes parked in a TCP connection to itself, bytes parked in connections
+  it never accepted;
+- refused, so the test fails rather than take a low reading: more pipes than a rank's own (each can hold 1 MiB),
+  a process it forked (its pages shared copy-on-write count as neither's private memory), a shared mapping that
+  process touches too, and a process that forked again and ended, whose child the OS handed to init.
+
+Each variant runs the lab's graded check as the grader runs it (``observed_from_outside``: root, a packet capture);
+the honest step passes the same check (``test_lab14_prefetch.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from disttrain_lab.labtests.lab14 import prefetch
+from disttrain_lab.wire import Unobserved
+from tests.helpers import notebook_names, observed_from_outside
+from tests.labs.test_lab14_prefetch import _step
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+
+LINGER_S = 20  # how long a process a rank forks stays (then it ends by itself: the test leaves nothing)
+
+
+def _hiding(kind):
+    """``sharded_step`` keeping a copy of each layer's whole parameters after its forward, hidden as ``kind`` says."""
+
+    def step(shards, layer, x, y, prefetch=True):
+        import fcntl
+        import mmap
+        import socket
+        import time
+
+        kept = []
+
+        def linger(then=None):
+            """Fork a process that stays LINGER_S (``then``: what it does first, in the child)."""
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    if then is not None:
+                        then()
+                    time.sleep(LINGER_S)
+                finally:
+                    os._exit(0)
+            return pid
+
+        def stash(t):
+            data = t.numpy().tobytes()
+            if kind == "memfd":
+                fd = os.memfd_create("stash")
+                os.write(fd, data)
+                kept.append(fd)
+            elif kind == "pipes":
+                for i in range(0, len(data), 1 << 20):
+                    r, w = os.pipe()
+                    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+                    os.write(w, data[i : i + (1 << 20)])
+                    kept.append((r, w))
+            elif kind in ("tcp_to_itself", "tcp_unaccepted"):
+                server = socket.create_server(("127.0.0.1", 0))
+                kept.append(server)
+                sent = 0
+                while sent < len(data):
+                    a = socket.create_connection(server.getsockname())
+                    if kind == "tcp_to_itself":
+                        kept.append(server.accept()[0])
+                    a.setblocking(False)
+                    kept.append(a)
+                    try:
+                        while sent < len(data):
+                            sent += a.send(data[sent : sent + (1 << 16)])
+                    except BlockingIOError:
+                        pass
+            elif kind == "fork":  # the copy in private memory, then a process that shares it
+                kept.append((t, linger()))
+            elif kind == "shared_mapping":
+                m = mmap.mmap(-1, len(data), flags=mmap.MAP_SHARED)
+                m[:] = data
+                kept.append((m, linger(lambda: sum(m[i] for i in range(0, len(m), 4096)))))
+            elif kind == "orphan":  # a child that forks and ends: its child goes to init, sharing the copy
+                child = linger(lambda: (linger(), os._exit(0)))
+                os.waitpid(child, 0)
+                kept.append(t)
+            return kept
+
+        return _step(shards, layer, x, y, prefetch, hoard=lambda t: stash(t.clone()))
+
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["memfd", "tcp_to_itself", "tcp_unaccepted"])
+def test_a_copy_kept_in_the_os_s_buffers_counts_as_the_rank_s_memory(monkeypatch, kind):
+    notebook_names(monkeypatch, {"sharded_step": _hiding(kind)})
+    with observed_from_outside(), pytest.raises(AssertionError) as said:
+        prefetch.check_sharded_step("sharded_step", 2, prefetch=False)
+    message = str(said.value)
+    last = re.search(r"inside layer 3's forward than before the step \(([\d.]+) whole layers", message)
+    assert last and float(last.group(1)) > 3.5, message  # (its three copies, and the layer itself)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, said",
+    [
+        ("pipes", r"held \d+ pipe\(s\)"),
+        ("fork", r"had started process\(es\) \[\d+\] of its own"),
+        ("shared_mapping", r"had started process\(es\) \[\d+\] of its own"),
+        ("orphan", r"started after the ranks, in their cgroup, were still there"),
+    ],
+)
+def test_a_copy_kept_where_the_os_count_cannot_see_it_is_refused(monkeypatch, kind, said):
+    notebook_names(monkeypatch, {"sharded_step": _hiding(kind)})
+    with observed_from_outside(), pytest.raises(Unobserved) as refused:
+        prefetch.check_sharded_step("sharded_step", 2, prefetch=False)
+    message = str(refused.value)
+    assert re.search(said, message) and "fails rather than take the rank's own account" in message, message
