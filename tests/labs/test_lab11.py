@@ -404,3 +404,66 @@ def test_the_calls_a_moe_made_are_read_from_the_wire(monkeypatch):
     said = str(gathered.value)
     assert "only call all_to_all_single; the grader's capture of the wire shows" in said, said
     assert "all_gather from rank(s) 0, 1" in said, said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+@pytest.mark.parametrize("relayed", ["dispatch and combine", "combine"])
+def test_rows_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_content(monkeypatch, relayed):
+    """The solution's layer whose all-to-alls move the rows through the launcher's store (a few KiB: under what the
+    grader allows a rank to exchange with processes that are not ranks) while ``all_to_all_single`` sends zeros of
+    the same sizes (both, or the combine alone, with its backward): the calls and their bytes are the solution's,
+    the values right, and it passes in the student's own kernel; the grader's capture finds the rows missing from
+    the wire and fails it."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab.labtests.lab11 import experts
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["ExpertParallelMoE", "top_k_route"], given=True)
+    notebook_names(monkeypatch, solution["top_k_route"].__globals__)
+    namespace = solution["ExpertParallelMoE"].forward.__globals__  # (where the layer's forward finds all_to_all)
+    given, calls = namespace["all_to_all"], [0, 0]
+
+    def relay(rows, out_splits, in_splits, group):
+        """Rank r's rows in_splits[s] to rank s through the store; zeros of the same sizes on the wire."""
+        store, me, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        calls[0] += 1
+        for dst, piece in enumerate(rows.detach().split(list(in_splits))):
+            buffer = io.BytesIO()
+            torch.save(piece.clone(), buffer)
+            store.set(f"relay/{calls[0]}/{me}/{dst}", buffer.getvalue())
+        out = torch.empty(sum(out_splits), *rows.shape[1:], dtype=rows.dtype)
+        dist.all_to_all_single(out, torch.zeros_like(rows), list(out_splits), list(in_splits), group=group)
+        return torch.cat([torch.load(io.BytesIO(store.get(f"relay/{calls[0]}/{src}/{me}"))) for src in range(n)])
+
+    class Relayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, out_splits, in_splits, group):
+            ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+            return relay(x, out_splits, in_splits, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            out_splits, in_splits = ctx.splits
+            return relay(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+    def all_to_all(x, out_splits, in_splits, group=None):
+        calls[1] += 1  # (forward's first call a step is the dispatch, its second the combine)
+        if relayed == "combine" and calls[1] % 2:
+            return given(x, out_splits, in_splits, group)
+        return Relayed.apply(x, out_splits, in_splits, group)
+
+    def check():
+        lab11.check_moe(experts._moe_in_rank, 2, 6, 8, 2, 2, 1.0, 8, 0, reference=lab11.every_token_to_every_expert)
+
+    monkeypatch.setitem(namespace, "all_to_all", all_to_all)
+    check()  # (the student's own kernel: values and the trace's calls)
+    with observed_from_outside(), pytest.raises(AssertionError) as failed:
+        check()
+    said = str(failed.value)
+    step = "its dispatch should carry" if relayed == "dispatch and combine" else "back its experts' outputs"
+    assert step in said and "The rows must travel in the all-to-all itself" in said, said

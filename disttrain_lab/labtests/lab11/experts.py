@@ -213,6 +213,7 @@ def check_moe(
                         "of every rank"
                     ),
                 )
+    _assert_rows_on_the_wire(run, case, dense, tokens, d, seed, reference)
     made = carried.calls_made(run, case)  # under grading: the grader's capture of the wire
     if made is not None:
         other = {kind: ranks for kind, ranks in made.items() if kind not in ("all_to_all", "barrier")}
@@ -228,6 +229,52 @@ def check_moe(
         assert not other, (
             f"{case}: rank {rank} should only call all_to_all_single; it also made: {common.describe_calls(other)}"
         )
+
+
+def _assert_rows_on_the_wire(run, case: str, dense: nn.Module, tokens: int, d: int, seed: int, reference: Callable):
+    """Under grading, what the ranks' all-to-alls carried, from the grader's capture: from rank s to rank t, the
+    kept choices of s's tokens routed to t's experts (``reference``'s rows per expert), each as its token's row,
+    byte for byte (dispatch); from t back to s as many rows that are one of t's experts' outputs on one of s's
+    tokens, within float64's rounding (combine), computed here in one process.  Rows passed some other way
+    (the launcher's store) with zeros of the right sizes on the wire fail; so do rows sent in another dtype."""
+    sent = carried.sends_by_connection(run, case)
+    if sent is None:  # (the student's own kernel: no capture)
+        return
+    n, row = run.world_size, 8 * d
+    streams: dict[tuple[int, int], list[bytes]] = {}
+    for src, dst, _, _, payload in sent:
+        streams.setdefault((src, dst), []).append(payload)
+    per = len(dense.experts) // n
+    for s in range(n):
+        x = _tokens(s, tokens, d, seed)[0]
+        with torch.no_grad():
+            load = reference(dense, x)[2]
+            outputs = [torch.cat([dense.experts[e](x) for e in range(t * per, (t + 1) * per)]) for t in range(n)]
+        token_rows = {x[j].numpy().tobytes() for j in range(tokens)}
+        for t in range(n):
+            want = int(sum(load[t * per : (t + 1) * per]))
+            if t == s or want == 0:
+                continue
+            there = b"".join(streams.get((s, t), []))
+            found = sum(there.count(r) for r in token_rows)
+            assert found >= want, (
+                f"{case}: rank {s} routes {want} kept choice(s) to rank {t}'s experts, so its dispatch should carry "
+                f"as many rows of its tokens, as they are (float64, {row} bytes each); the grader's capture of the "
+                f"wire found {found} in the {len(there):,} bytes rank {s} sent rank {t}. The rows must travel in "
+                "the all-to-all itself"
+            )
+            back = [
+                torch.frombuffer(bytearray(p), dtype=torch.float64).view(-1, d)
+                for p in streams.get((t, s), [])
+                if p and len(p) % row == 0
+            ]
+            rows = torch.cat(back) if back else torch.empty(0, d, dtype=torch.float64)
+            close = torch.isclose(rows[:, None, :], outputs[t][None, :, :], rtol=1e-6, atol=1e-9).all(-1).any(-1)
+            assert int(close.sum()) >= want, (
+                f"{case}: rank {t} should send rank {s} back its experts' outputs on the {want} row(s) it received "
+                f"from rank {s} (the combine, float64); the grader's capture of the wire found {int(close.sum())} "
+                f"such row(s) in what rank {t} sent rank {s}. The rows must travel in the all-to-all itself"
+            )
 
 
 def check_moe_bytes(
