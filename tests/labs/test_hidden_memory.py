@@ -27,7 +27,7 @@ from tests.labs.test_lab14_prefetch import _step
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 
-LINGER_S = 20  # how long a process a rank forks stays (then it ends by itself: the test leaves nothing)
+LINGER_S = 60  # at most this long a process a rank forks outlives the rank (it ends with it: the test leaves nothing)
 
 
 def _hiding(kind):
@@ -36,21 +36,26 @@ def _hiding(kind):
     def step(shards, layer, x, y, prefetch=True):
         import fcntl
         import mmap
+        import select
         import socket
-        import time
 
         kept = []
 
         def linger(then=None):
-            """Fork a process that stays LINGER_S (``then``: what it does first, in the child)."""
+            """Fork a process that stays until this rank has ended (its pipe's write end closes) or LINGER_S has
+            passed (``then``: what it does first, given the read end)."""
+            r, w = os.pipe()
             pid = os.fork()
             if pid == 0:
                 try:
+                    os.close(w)
                     if then is not None:
-                        then()
-                    time.sleep(LINGER_S)
+                        then(r)
+                    select.select([r], [], [], LINGER_S)
                 finally:
                     os._exit(0)
+            os.close(r)
+            kept.append(w)  # (closed as the rank ends: the process ends then)
             return pid
 
         def stash(t):
@@ -85,9 +90,9 @@ def _hiding(kind):
             elif kind == "shared_mapping":
                 m = mmap.mmap(-1, len(data), flags=mmap.MAP_SHARED)
                 m[:] = data
-                kept.append((m, linger(lambda: sum(m[i] for i in range(0, len(m), 4096)))))
+                kept.append((m, linger(lambda r: sum(m[i] for i in range(0, len(m), 4096)))))
             elif kind == "orphan":  # a child that forks and ends: its child goes to init, sharing the copy
-                child = linger(lambda: (linger(), os._exit(0)))
+                child = linger(lambda r: os.fork() and os._exit(0))  # (the child's child waits on the pipe)
                 os.waitpid(child, 0)
                 kept.append(t)
             return kept
