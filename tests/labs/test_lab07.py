@@ -799,6 +799,57 @@ def _topk_with_dense_gathered_beside(state, bucket):
     return _topk_with_dense_beside(state, bucket, gather=True)
 
 
+_RELAYED_CALLS = [0]
+
+
+def _topk_relayed(state, bucket):
+    """A forged topk_hook: the dense gradient passed through the launcher's store (a few KiB a step: under what the
+    grader allows a rank to exchange with processes that are not ranks), zeros of the solution's piece's size in
+    the all-gather (k int64 indices and k fp32 values: 12 bytes an entry), the average taken from the store."""
+    import io
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    dense = bucket.buffer().clone()
+    _RELAYED_CALLS[0] += 1
+    key = f"relayed/{_RELAYED_CALLS[0]}"
+    buffer = io.BytesIO()
+    torch.save(dense, buffer)
+    store.set(f"{key}/{rank}", buffer.getvalue())
+    piece = torch.zeros(3 * math.ceil(state.density * dense.numel()), dtype=torch.int32)
+    dist.all_gather([torch.empty_like(piece) for _ in range(world_size)], piece)
+    total = sum(torch.load(io.BytesIO(store.get(f"{key}/{r}"))) for r in range(world_size))
+    bucket.buffer().copy_(total / world_size)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_topk_hook_whose_gradients_go_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """At density 1 every entry of each rank's gradient is sent: the grader looks for them (its own single-process
+    training's local gradients, step by step) in what each rank sent in the hooks' all-gathers.  A hook that passes
+    the gradients through the store and all-gathers zeros of the right size trains exactly as DDP does and sends the
+    solution's bytes: it passes in the student's own kernel and fails on the wire."""
+    from disttrain_lab import bench
+    from disttrain_lab.labtests.lab07 import ranks
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["topk_hook"])
+    notebook_names(monkeypatch, solution["topk_hook"].__globals__)
+    driver = (ranks._train_topk, ())
+    monkeypatch.setattr("__main__.topk_hook", _topk_relayed)
+    lab07.check_hook_exact(driver, 2)  # (the student's own kernel: values and the trace's bytes)
+    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+        lab07.check_hook_exact(driver, 2)
+    said = str(relayed.value)
+    assert "the hooks' all-gathers should carry" in said, said
+
+
 @pytest.mark.slow  # (ranks and a packet capture, 300 steps: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_topk_hook_bytes_are_read_from_the_wire(monkeypatch):

@@ -5,7 +5,9 @@ computed here: the top-k of the same data, sums in rank order, quantization boun
 torch's own all-reduce or ``powerSGD_hook``.  The data the sparse and INT8 all-reduces sent is read
 from the wire (``common._data_sent``: the payload of each gloo send, from the grader's capture), and
 each rank's top-k values and indices must reach every other rank (``carried.assert_carried``); the
-hooks' bytes (exercises 5 and 6: DDP's own traffic rides beside them) still come from the ranks' trace.
+hooks' bytes (exercises 5 and 6: DDP's own traffic rides beside them), and at density 1 each rank's
+gradient entries among what it sent, come from the same capture (the ranks' trace in the student's own
+kernel).
 
 A later exercise is graded on the student's earlier piece only when that piece passed its graded cell
 (``GRADED_PASSED``), else on the grader's own (in the graded cell's hidden tests: nothing here is a

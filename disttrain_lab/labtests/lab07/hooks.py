@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ... import carried, checks, models
 from ...launcher import launch
@@ -116,6 +117,61 @@ def _check_compressed_bytes(run, case, density, steps):
         )
 
 
+def _local_gradients(n: int, steps: int, sizes=_HOOK_SIZES, lr: float = 0.1) -> list[list[torch.Tensor]]:
+    """Each step's gradient of each rank's loss on its share of the data (``_hook_data``), all parameters flat,
+    in one process: the same MLP and SGD as the ranks, updated by the ranks' average (DDP's training, which
+    the hook at density 1 must match)."""
+    model, data = models.MLP(list(sizes), seed=0), _hook_data(n, sizes)
+    found = []
+    for _ in range(steps):
+        grads = []
+        for x, y in data:
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        found.append(grads)
+        with torch.no_grad():
+            average, at = sum(grads) / n, 0
+            for p in model.parameters():
+                p -= lr * average[at : at + p.numel()].view_as(p)
+                at += p.numel()
+    return found
+
+
+def _check_gradients_carried(run, case: str, steps: int) -> None:
+    """Under grading, at density 1 (every entry sent): each rank's local gradient at each step, computed here in
+    one process (``_local_gradients``), must be among the 4-byte words it sent in the hooks' all-gathers (float32,
+    within the rounding of the ranks' own averaging: a relative 1e-4), every nonzero entry.  A hook that passes
+    the gradients some other way (the launcher's store) with something else of the right size on the wire fails."""
+    calls = carried.collective_payloads(run, case)
+    if calls is None:  # (the student's own kernel: no capture)
+        return
+    hooks = {slot for slot, _ in _hook_calls(calls)}
+    for rank, _ in enumerate(run.results):
+        words = [
+            np.frombuffer(payload[: len(payload) // 4 * 4], dtype=np.float32)
+            for src, _, slot, payload in carried.sends(run, case) or []
+            if src == rank and slot in hooks and carried.kind(slot) == "all_gather"
+        ]
+        sent = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
+        sent = sent[np.isfinite(sent)]
+        for step, grads in enumerate(_local_gradients(run.world_size, steps)):
+            want = grads[rank].numpy()
+            want = want[want != 0]
+            if sent.size == 0:
+                missing = want.size
+            else:
+                at = np.clip(np.searchsorted(sent, want), 1, sent.size - 1)
+                nearest = np.minimum(np.abs(sent[at] - want), np.abs(sent[at - 1] - want))
+                missing = int((nearest > 1e-4 * np.abs(want) + 1e-9).sum())
+            assert missing == 0, (
+                f"{case}: at density 1 the hooks' all-gathers should carry every entry of each rank's gradient; "
+                f"of rank {rank}'s {want.size} nonzero entries at step {step + 1} (the grader's own training in "
+                f"one process), the grader's capture of the wire did not find {missing} in what rank {rank} sent. "
+                "The gradients must travel in the hook's all-gather itself"
+            )
+
+
 def check_hook_exact(driver: tuple[Callable, tuple], n: int, steps: int = 3) -> None:
     """Exercise 5: torch DDP with ``topk_hook`` at density 1 on n ranks (run by ``driver``, ``hook_driver``)
     gets a future of the bucket's shape and dtype holding the average of the ranks' gradients, trains
@@ -136,6 +192,7 @@ def check_hook_exact(driver: tuple[Callable, tuple], n: int, steps: int = 3) -> 
                 atol=1e-6,
             )
     _check_compressed_bytes(mine, case, 1.0, steps)
+    _check_gradients_carried(mine, case, steps)
 
 
 def check_training(
