@@ -493,6 +493,74 @@ def test_ulysses_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     )
 
 
+def _relayed_ulysses(q, k, v):
+    """A forged ulysses_attention: every rank's q, k, v (and backward's output gradient) passed through the launcher's
+    store (a few KiB: under what the grader allows a rank to exchange with processes that are not ranks), causal
+    attention computed whole in each rank, and four all-to-alls of zeros of a block each way, as the cost model's."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    store, rank, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    calls = _RELAY_CALLS
+
+    def everyone(t):
+        calls[0] += 1
+        buffer = io.BytesIO()
+        torch.save(t.detach().clone(), buffer)
+        store.set(f"ulysses/{calls[0]}/{rank}", buffer.getvalue())
+        return [torch.load(io.BytesIO(store.get(f"ulysses/{calls[0]}/{r}"))) for r in range(n)]
+
+    def zeros_on_the_wire(like):
+        for _ in range(4):
+            flat = torch.zeros(like.numel(), dtype=like.dtype)
+            dist.all_to_all_single(torch.empty_like(flat), flat)
+
+    class Relayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            whole = [torch.cat(everyone(t), dim=1) for t in (q, k, v)]  # (contiguous blocks, in rank order)
+            zeros_on_the_wire(q)
+            ctx.save_for_backward(*whole)
+            ctx.mine = slice(rank * q.shape[1], (rank + 1) * q.shape[1])
+            return F.scaled_dot_product_attention(*whole, is_causal=True)[:, ctx.mine]
+
+        @staticmethod
+        def backward(ctx, dout):
+            whole = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+            with torch.enable_grad():  # (a Function's backward runs without grad mode)
+                out = F.scaled_dot_product_attention(*whole, is_causal=True)
+                out.backward(torch.cat(everyone(dout), dim=1))
+            zeros_on_the_wire(dout)
+            return tuple(t.grad[:, ctx.mine] for t in whole)
+
+    return Relayed.apply(q, k, v)
+
+
+_RELAY_CALLS = [0]
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_ulysses_with_qkv_through_the_store_and_zeros_on_the_wire_fails_on_the_wires_content(monkeypatch):
+    """The right values, all-to-alls only, the cost model's bytes, but q, k and v passed through the store and the
+    all-to-alls carrying zeros: it passes in the student's own kernel and fails where the grader looks for the rows
+    of q, k, v (and of the output) in what each rank sent."""
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = bench.functions_from_notebook(LAB, ["ulysses_attention", "sequence_positions"], given=True)
+    notebook_names(monkeypatch, space["ulysses_attention"].__globals__)
+    monkeypatch.setitem(lab10.common._REFERENCES, "positions", space["sequence_positions"])
+    monkeypatch.setattr("__main__.ulysses_attention", _relayed_ulysses)
+    lab10.check_ulysses(2, 4, 16, 4)  # (the student's own kernel: values, the trace's calls and bytes)
+    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+        lab10.check_ulysses(2, 4, 16, 4)
+    said = str(relayed.value)
+    assert "should carry" in said and "must travel in the all-to-alls themselves" in said, said
+
+
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_sequence_parallel_calls_and_bytes_are_read_from_the_wire(monkeypatch):

@@ -251,6 +251,7 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
     sent = carried.sends(run, case)  # under grading: the grader's capture of the wire
     if sent is not None:
         _ulysses_on_the_wire(sent, n, block, case)
+        _ulysses_rows_on_the_wire(sent, positions, (q, k, v), want, case)
         return
     for rank in range(n):  # the student's own kernel: the ranks' trace
         calls, _ = _forward_phase(run, rank)
@@ -289,6 +290,44 @@ def _ulysses_on_the_wire(sent: list, n: int, block: int, case: str) -> None:
         assert got == want, (
             f"{case}: rank {rank}'s all-to-alls put {got} B on the wire; the cost model: q, k, v and the output, "
             f"(N - 1)/N of a {block} B block each, forward and backward: {want} B"
+        )
+
+
+def _ulysses_rows_on_the_wire(sent: list, positions: list, qkv: tuple, out: torch.Tensor, case: str) -> None:
+    """What Ulysses' all-to-alls carried, from the grader's capture: each rank sends the others the rows of q, k
+    and v (one head, one token: d float64 values) of its tokens for every head but its own N/H, byte for byte,
+    3·(H − H/N) of them a token; and of the output (the grader's ``F.scaled_dot_product_attention``, within
+    1e-9) its own heads' rows of the others' tokens, (H/N)·(S − its tokens).  Rows passed some other way (the
+    launcher's store) with zeros of the right sizes in the all-to-alls fail."""
+    heads, seq_len, d = out.shape
+    n, row = len(positions), 8 * d
+    mine = heads // n
+    by_rank: dict[int, list[bytes]] = {}
+    for src, _, slot, payload in sent:
+        if carried.kind(slot) == "all_to_all":
+            by_rank.setdefault(src, []).append(payload)
+    outputs = out.detach().reshape(-1, d)
+    for s, pos in enumerate(positions):
+        payloads = by_rank.get(s, [])
+        there = b"".join(payloads)
+        rows = {t.detach()[h, p].numpy().tobytes() for t in qkv for h in range(heads) for p in torch.as_tensor(pos)}
+        found, want = sum(there.count(r) for r in rows), 3 * (heads - mine) * len(pos)
+        assert found >= want, (
+            f"{case}: rank {s} should carry to the others the rows of q, k and v of its {len(pos)} tokens for the "
+            f"heads it does not keep, {want} rows of {row} bytes (one head, one token), as they are; the grader's "
+            f"capture of the wire found {found} in the {len(there):,} bytes its all-to-alls sent. The rows must "
+            "travel in the all-to-alls themselves"
+        )
+        parsed = [
+            torch.frombuffer(bytearray(p), dtype=torch.float64).view(-1, d) for p in payloads if p and not len(p) % row
+        ]
+        got = torch.cat(parsed) if parsed else torch.empty(0, d, dtype=torch.float64)
+        close = torch.isclose(got[:, None, :], outputs[None, :, :], rtol=1e-9, atol=1e-9).all(-1).any(-1)
+        want = mine * (seq_len - len(pos))
+        assert int(close.sum()) >= want, (
+            f"{case}: rank {s} should carry back to the others its {mine} head(s)' output rows of their tokens, "
+            f"{want} rows (one head, one token: F.scaled_dot_product_attention's, float64); the grader's capture of "
+            f"the wire found {int(close.sum())}. The rows must travel in the all-to-alls themselves"
         )
 
 
