@@ -563,6 +563,45 @@ def test_ulysses_with_qkv_through_the_store_and_zeros_on_the_wire_fails_on_the_w
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_sequence_parallel_block_gathering_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """The solution's block whose all-gathers (forward and backward) take every rank's slice from the launcher's store
+    and gather zeros of the same size: the values, the calls and their bytes are right, and it passes in the
+    student's own kernel; the grader finds no LayerNorm output of a rank's tokens in what it sent, and fails it."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import notebook_names, observed_from_outside
+
+    block = bench.functions_from_notebook(LAB, ["SequenceParallelBlock"], given=True)["SequenceParallelBlock"]
+    given = next(c.source for c in load(LAB).cells if "def transformer_block" in c.source)  # (it runs Lab 6's file)
+    exec(
+        given.replace('"data/reference_pieces.py"', repr(str(LAB.parent / "data" / "reference_pieces.py"))),
+        block.__init__.__globals__,
+    )
+    notebook_names(monkeypatch, block.__init__.__globals__)
+    calls = [0]
+
+    def gathered(x, group):  # (B, T/t, d) -> (B, T, d) through the store; zeros on the wire
+        store, rank, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        calls[0] += 1
+        buffer = io.BytesIO()
+        torch.save(x.detach().clone(), buffer)
+        store.set(f"sp/{calls[0]}/{rank}", buffer.getvalue())
+        dist.all_gather_single(x.new_empty((n * x.shape[0],) + x.shape[1:]), torch.zeros_like(x), group=group)
+        return torch.cat([torch.load(io.BytesIO(store.get(f"sp/{calls[0]}/{r}"))) for r in range(n)], dim=1)
+
+    monkeypatch.setitem(block.__init__.__globals__, "_gather_sequence", gathered)
+    lab10.check_sp(2, 8, 2, 8, 2, 0)  # (the student's own kernel: values, the trace's calls and bytes)
+    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+        lab10.check_sp(2, 8, 2, 8, 2, 0)
+    said = str(relayed.value)
+    assert "all-gathers should carry ln1's output" in said and "must travel in the all-gathers themselves" in said, said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_sequence_parallel_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     """#42: SequenceParallelBlock's calls (all-gathers and reduce-scatters, how many in each pass, of which
     sizes) come from the grader's capture: each call's slot, counted up in the world's group, places it before or

@@ -61,8 +61,15 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
     g = torch.Generator().manual_seed(seed + 1)
     x, dy = (torch.randn(batch, tokens, d, generator=g, dtype=torch.float64) for _ in range(2))
     x.requires_grad_()
+    normed: dict[str, torch.Tensor] = {}  # what each LayerNorm gave: what the forward's all-gathers must carry
+    hooks = [
+        getattr(block, name).register_forward_hook(lambda _m, _i, out, name=name: normed.__setitem__(name, out))
+        for name in ("ln1", "ln2")
+    ]
     with memory.SavedActivations(block) as saved:
         y = block(x)
+    for hook in hooks:
+        hook.remove()
     (y * dy).sum().backward()
     full = dict(block.named_parameters())
     per = tokens // t
@@ -107,6 +114,7 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
     tensor = batch * tokens * d * 8
     if observed:
         _sp_on_the_wire(run, t, tensor, case)
+        _sp_rows_on_the_wire(run, case, normed, per)
         return
     for rank in range(t):  # the ranks' trace: in the student's own kernel
         calls, _ = _forward_phase(run, rank)
@@ -192,6 +200,31 @@ def _sp_on_the_wire(run, t: int, tensor: int, case: str) -> None:
             + f"); the grader's capture of the wire shows {found['all_gather']} all-gathers and "
             f"{found['all_to_all']} reduce-scatters (all-to-alls)"
         )
+
+
+def _sp_rows_on_the_wire(run, case: str, normed: dict[str, torch.Tensor], per: int) -> None:
+    """What the forward's all-gathers carried, from the grader's capture: each rank's LayerNorm outputs of its own
+    tokens (``ln1``'s before attention, ``ln2``'s before the MLP: rows of d float64 values, the single-process
+    block's within 1e-9), every row of them in what it sent in all-gathers.  Activations passed some other way
+    (the launcher's store) with zeros of the right sizes in the all-gathers fail."""
+    sent = carried.sends(run, case) or []
+    for rank in range(run.world_size if run.world_size > 1 else 0):  # (one rank sends nothing)
+        for name, out in normed.items():
+            d = out.shape[-1]
+            rows = out.detach()[:, rank * per : (rank + 1) * per].reshape(-1, d)
+            parsed = [
+                torch.frombuffer(bytearray(payload), dtype=torch.float64).view(-1, d)
+                for src, _, slot, payload in sent
+                if src == rank and carried.kind(slot) == "all_gather" and payload and not len(payload) % (8 * d)
+            ]
+            got = torch.cat(parsed) if parsed else torch.empty(0, d, dtype=torch.float64)
+            found = int(torch.isclose(rows[:, None, :], got[None, :, :], rtol=1e-9, atol=1e-9).all(-1).any(-1).sum())
+            assert found == len(rows), (
+                f"{case}: rank {rank}'s all-gathers should carry {name}'s output on its {len(rows)} token rows (the "
+                f"sequence-parallel region's activations, gathered before the column-parallel linears); the grader's "
+                f"capture of the wire found {found} of them in what rank {rank} sent. The activations must travel in "
+                "the all-gathers themselves"
+            )
 
 
 def check_sp_error(world_size: int, heads: int) -> None:
