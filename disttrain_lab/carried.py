@@ -12,6 +12,10 @@ message, three checks:
 - ``assert_values_carried``: values the grader recomputes but not to the bit (a pipeline's
   activations), within a stated tolerance.
 
+Where a collective's messages carry rows in an order the student chooses (tokens routed to experts,
+heads handed over), ``rows_whole``, ``rows_sent`` and ``rows_close`` count the rows found, byte for
+byte or within a tolerance.
+
 In the student's own notebook there is no capture (``run.timeline.source == "trace"``): nothing is
 checked there, and only grading holds a run to these.
 """
@@ -278,3 +282,28 @@ def assert_values_carried(
                     "in one process. What a rank sends must be the data itself: values that arrive some other way, "
                     "with other bytes sent in their place, do not count"
                 )
+
+
+def rows_sent(payloads: Sequence[bytes], width: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The messages among ``payloads`` whose length is a whole number of rows of ``width`` values of ``dtype``,
+    read as such rows and stacked, ``(rows, width)``: a collective's message carries whole rows of a tensor whose
+    last dimension is ``width`` (a token's, a head's), whatever their order.  The others are left out."""
+    row = width * torch.empty(0, dtype=dtype).element_size()
+    found = [torch.frombuffer(bytearray(p), dtype=dtype).view(-1, width) for p in payloads if p and not len(p) % row]
+    return torch.cat(found) if found else torch.empty(0, width, dtype=dtype)
+
+
+def rows_close(rows: torch.Tensor, candidates: torch.Tensor, *, rtol: float, atol: float) -> int:
+    """How many of ``rows`` equal one of ``candidates`` (both ``(n, width)``), value for value within ``rtol`` and
+    ``atol``: rows the grader recomputes but not to the bit."""
+    if not len(rows) or not len(candidates):
+        return 0
+    close = torch.isclose(rows[:, None, :], candidates[None, :, :], rtol=rtol, atol=atol)
+    return int(close.all(-1).any(-1).sum())
+
+
+def rows_whole(payloads: Sequence[bytes], rows: torch.Tensor) -> int:
+    """How many times the rows of ``rows`` (each distinct row once) appear byte for byte in ``payloads`` joined: rows
+    a message must carry as they are (a token's, a head's inputs)."""
+    there = b"".join(payloads)
+    return sum(there.count(r) for r in {row.detach().cpu().contiguous().numpy().tobytes() for row in rows})

@@ -296,11 +296,7 @@ class Watch:
                 extra, why = (self.at_pause() if self.at_pause is not None else None), None
                 others = pauses.strangers(self.pids)  # (a process a rank forked shares its pages: not private)
                 if others:
-                    why = (
-                        f"process(es) {others[:4]} started after the ranks, in their cgroup, were still there at the "
-                        "reading: a process a rank forks shares its memory copy-on-write, which then counts as "
-                        "neither's private memory; a graded run's ranks may start none"
-                    )
+                    why = pauses.STRANGERS.format(others[:4])
             except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
                 extra, why = None, f"what else is read at the pause could not be: {exc}"[:300]
             try:

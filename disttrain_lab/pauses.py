@@ -33,6 +33,7 @@ __all__ = [
     "Hidden",
     "PAUSE_SYSCALL",
     "RECEIVE_SYSCALLS",
+    "STRANGERS",
     "WAKE_SIGNAL",
     "pause_of",
     "paused",
@@ -106,6 +107,14 @@ def held_bytes(pid: int) -> int:
     return private_bytes(pid) + _status_kb(pid, b"RssShmem:") * 1024 + _descriptor_bytes(pid)
 
 
+# why a reading is refused where ``strangers`` found processes (their pids, the first four)
+STRANGERS = (
+    "process(es) {} started after the ranks, in their cgroup, were still there at the reading: a process a rank forks "
+    "shares its memory copy-on-write, which then counts as neither's private memory; a graded run's ranks may start "
+    "none"
+)
+
+
 def strangers(pids: list[int]) -> list[int]:
     """The processes of the uid and cgroup of the processes ``pids`` (a graded run's ranks: the sandbox's, or a
     test's) that started after the first of them and are neither one of them nor descended from this process
@@ -137,13 +146,19 @@ def _stat(pid: int) -> tuple[int, int]:
     return int(fields[1]), int(fields[19])
 
 
-def _uid(pid: int) -> bytes:
-    """Process ``pid``'s real uid (``/proc/<pid>/status``'s ``Uid:`` line, its first field)."""
+def _status(pid: int, field: bytes) -> list[bytes]:
+    """The words after ``field`` (e.g. ``b"Uid:"``) on its line of ``/proc/<pid>/status`` (read as bytes: the
+    line a process names itself on is its own, and comes first)."""
     with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f.read(1 << 14).splitlines():
-            if line.startswith(b"Uid:"):
-                return line.split()[1]
-    raise ValueError(f"/proc/{pid}/status has no Uid")
+        for line in f.read(1 << 14).splitlines()[1:]:
+            if line.startswith(field):
+                return line[len(field) :].split()
+    raise ValueError(f"/proc/{pid}/status has no {field.decode()}")
+
+
+def _uid(pid: int) -> bytes:
+    """Process ``pid``'s real uid (the first of ``Uid:``'s four)."""
+    return _status(pid, b"Uid:")[0]
 
 
 def _cgroup(pid: int) -> bytes:
@@ -180,13 +195,10 @@ def _children(pid: int) -> list[int]:
 
 
 def _status_kb(pid: int, field: bytes) -> int:
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f.read(1 << 14).splitlines():
-            if line.startswith(field):
-                parts = line[len(field) :].split()
-                if len(parts) == 2 and parts[1] == b"kB" and parts[0].isdigit():
-                    return int(parts[0])
-    raise ValueError(f"/proc/{pid}/status has no {field.decode()} in kB")
+    parts = _status(pid, field)
+    if len(parts) != 2 or parts[1] != b"kB" or not parts[0].isdigit():
+        raise ValueError(f"/proc/{pid}/status: {field.decode()} is not '<n> kB'")
+    return int(parts[0])
 
 
 def _descriptor_bytes(pid: int) -> int:
@@ -280,13 +292,10 @@ def pause_of(pid: int) -> int | None:
 
 def _switches(pid: int) -> int:
     """Process ``pid``'s main thread's count of voluntary context switches (one blocking wait does not change it)."""
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f.read(1 << 14).splitlines():
-            if line.startswith(b"voluntary_ctxt_switches:"):
-                count = line.split(b":", 1)[1].strip()
-                if count.isdigit():
-                    return int(count)
-    raise ValueError(f"/proc/{pid}/status has no voluntary_ctxt_switches")
+    count = _status(pid, b"voluntary_ctxt_switches:")
+    if len(count) != 1 or not count[0].isdigit():
+        raise ValueError(f"/proc/{pid}/status: voluntary_ctxt_switches is not a count")
+    return int(count[0])
 
 
 def receiving_on(pid: int) -> int | None:

@@ -232,3 +232,21 @@ def shm_clear(test: str) -> None:
     """Remove what ``test``'s attacks left in /dev/shm (one test runs in one process at a time)."""
     for left in Path("/dev/shm").glob(f"{test}-*"):
         left.unlink(missing_ok=True)
+
+
+def through_the_store(value, tag: str) -> list:
+    """Every rank's ``value`` (tensors, or lists of them), passed through the launcher's store rather than the wire:
+    a few KiB go unseen by the checks that count only calls and bytes, as a submission could pass them.  Call it on
+    every rank, the same calls in the same order; each rank counts its calls in the store (``tag``'s), so that a
+    store kept from run to run never hands back an earlier run's value."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    store, rank, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    call = store.add(f"{tag}/calls/{rank}", 1)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    store.set(f"{tag}/{call}/{rank}", buffer.getvalue())
+    return [torch.load(io.BytesIO(store.get(f"{tag}/{call}/{r}"))) for r in range(n)]

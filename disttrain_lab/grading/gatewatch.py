@@ -78,18 +78,18 @@ def for_ranks(
         except (OSError, ValueError) as exc:  # (a rank gone, or unreadable: not read)
             return [f"the processes beside the ranks could not be read: {exc}"[:300]] * len(connections)
         if started:
-            return [_STARTED.format(started[:4])] * len(connections)
+            return [pauses.STRANGERS.format(started[:4])] * len(connections)
         read: list[int | str | None] = []
         for _, rank_end in connections:
             inode, pid = ends.get(rank_end, (None, None))
             try:
                 got = read_as(user, pauses.memory_while_receiving, "--memory", pid) if pid is not None else None
             except pauses.Hidden as exc:
-                got = {"hidden": str(exc)}
+                got = {"hidden": str(exc)}  # (as ``pauses.py --memory`` says it, run as the student's uid)
             except (OSError, ValueError, subprocess.SubprocessError):  # (gone, or unreadable: not read)
                 got = None
-            if isinstance(got, dict) and isinstance(got.get("hidden"), str):
-                read.append(got["hidden"][:400])
+            if isinstance(got, dict):
+                read.append(str(got.get("hidden"))[:400])
             else:
                 read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
         return read
@@ -104,13 +104,6 @@ def for_ranks(
         holding=holding,
         memory=memory_of if memory else None,
     )
-
-
-# why a reading is refused where a process the ranks started is still there (``pauses.strangers``)
-_STARTED = (
-    "process(es) {} started after the ranks, in their cgroup, were still there: a process a rank forks shares its "
-    "memory copy-on-write, which then counts as neither's private memory; a graded run's ranks may start none"
-)
 
 
 def receiving(pid: int, user: int | None) -> int | None:

@@ -497,21 +497,16 @@ def _relayed_ulysses(q, k, v):
     """A forged ulysses_attention: every rank's q, k, v (and backward's output gradient) passed through the launcher's
     store (a few KiB: under what the grader allows a rank to exchange with processes that are not ranks), causal
     attention computed whole in each rank, and four all-to-alls of zeros of a block each way, as the cost model's."""
-    import io
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    store, rank, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    calls = _RELAY_CALLS
+    from tests.helpers import through_the_store
+
+    rank = dist.get_rank()
 
     def everyone(t):
-        calls[0] += 1
-        buffer = io.BytesIO()
-        torch.save(t.detach().clone(), buffer)
-        store.set(f"ulysses/{calls[0]}/{rank}", buffer.getvalue())
-        return [torch.load(io.BytesIO(store.get(f"ulysses/{calls[0]}/{r}"))) for r in range(n)]
+        return through_the_store(t.detach().clone(), "ulysses")
 
     def zeros_on_the_wire(like):
         for _ in range(4):
@@ -539,9 +534,6 @@ def _relayed_ulysses(q, k, v):
     return Relayed.apply(q, k, v)
 
 
-_RELAY_CALLS = [0]
-
-
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_ulysses_with_qkv_through_the_store_and_zeros_on_the_wire_fails_on_the_wires_content(monkeypatch):
@@ -561,18 +553,10 @@ def test_ulysses_with_qkv_through_the_store_and_zeros_on_the_wire_fails_on_the_w
     assert "should carry" in said and "must travel in the all-to-alls themselves" in said, said
 
 
-@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
-@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
-def test_a_sequence_parallel_block_gathering_through_the_store_fails_on_the_wires_content(monkeypatch):
-    """The solution's block whose all-gathers (forward and backward) take every rank's slice from the launcher's store
-    and gather zeros of the same size: the values, the calls and their bytes are right, and it passes in the
-    student's own kernel; the grader finds no LayerNorm output of a rank's tokens in what it sent, and fails it."""
-    import io
-
-    import torch
-    import torch.distributed as dist
-
-    from tests.helpers import notebook_names, observed_from_outside
+def _solution_sp_block(monkeypatch):
+    """The solution's SequenceParallelBlock, its namespace (the given transformer_block among it) made the
+    notebook's for the test's runs."""
+    from tests.helpers import notebook_names
 
     block = bench.functions_from_notebook(LAB, ["SequenceParallelBlock"], given=True)["SequenceParallelBlock"]
     given = next(c.source for c in load(LAB).cells if "def transformer_block" in c.source)  # (it runs Lab 6's file)
@@ -581,16 +565,27 @@ def test_a_sequence_parallel_block_gathering_through_the_store_fails_on_the_wire
         block.__init__.__globals__,
     )
     notebook_names(monkeypatch, block.__init__.__globals__)
-    calls = [0]
+    return block
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_sequence_parallel_block_gathering_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """The solution's block whose all-gathers (forward and backward) take every rank's slice from the launcher's store
+    and gather zeros of the same size: the values, the calls and their bytes are right, and it passes in the
+    student's own kernel; the grader finds no LayerNorm output of a rank's tokens in what it sent, and fails it."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import observed_from_outside, through_the_store
+
+    block = _solution_sp_block(monkeypatch)
 
     def gathered(x, group):  # (B, T/t, d) -> (B, T, d) through the store; zeros on the wire
-        store, rank, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-        calls[0] += 1
-        buffer = io.BytesIO()
-        torch.save(x.detach().clone(), buffer)
-        store.set(f"sp/{calls[0]}/{rank}", buffer.getvalue())
+        n = dist.get_world_size()
+        everyone = through_the_store(x.detach().clone(), "sp")
         dist.all_gather_single(x.new_empty((n * x.shape[0],) + x.shape[1:]), torch.zeros_like(x), group=group)
-        return torch.cat([torch.load(io.BytesIO(store.get(f"sp/{calls[0]}/{r}"))) for r in range(n)], dim=1)
+        return torch.cat(everyone, dim=1)
 
     monkeypatch.setitem(block.__init__.__globals__, "_gather_sequence", gathered)
     lab10.check_sp(2, 8, 2, 8, 2, 0)  # (the student's own kernel: values, the trace's calls and bytes)
@@ -614,15 +609,9 @@ def test_sequence_parallel_calls_and_bytes_are_read_from_the_wire(monkeypatch):
     import torch.distributed as dist
 
     from disttrain_lab import trace
-    from tests.helpers import notebook_names, observed_from_outside
+    from tests.helpers import observed_from_outside
 
-    block = bench.functions_from_notebook(LAB, ["SequenceParallelBlock"], given=True)["SequenceParallelBlock"]
-    given = next(c.source for c in load(LAB).cells if "def transformer_block" in c.source)  # (it runs Lab 6's file)
-    exec(
-        given.replace('"data/reference_pieces.py"', repr(str(LAB.parent / "data" / "reference_pieces.py"))),
-        block.__init__.__globals__,
-    )
-    notebook_names(monkeypatch, block.__init__.__globals__)
+    block = _solution_sp_block(monkeypatch)
 
     class Gathering(block):  # the solution, and every rank's input all-gathered once more in forward
         def forward(self, x):

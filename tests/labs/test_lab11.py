@@ -415,30 +415,23 @@ def test_rows_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_
     the same sizes (both, or the combine alone, with its backward): the calls and their bytes are the solution's,
     the values right, and it passes in the student's own kernel; the grader's capture finds the rows missing from
     the wire and fails it."""
-    import io
-
     import torch
     import torch.distributed as dist
 
     from disttrain_lab.labtests.lab11 import experts
-    from tests.helpers import notebook_names, observed_from_outside
+    from tests.helpers import notebook_names, observed_from_outside, through_the_store
 
     solution = bench.functions_from_notebook(LAB, ["ExpertParallelMoE", "top_k_route"], given=True)
     notebook_names(monkeypatch, solution["top_k_route"].__globals__)
     namespace = solution["ExpertParallelMoE"].forward.__globals__  # (where the layer's forward finds all_to_all)
-    given, calls = namespace["all_to_all"], [0, 0]
+    given, calls = namespace["all_to_all"], [0]
 
     def relay(rows, out_splits, in_splits, group):
         """Rank r's rows in_splits[s] to rank s through the store; zeros of the same sizes on the wire."""
-        store, me, n = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-        calls[0] += 1
-        for dst, piece in enumerate(rows.detach().split(list(in_splits))):
-            buffer = io.BytesIO()
-            torch.save(piece.clone(), buffer)
-            store.set(f"relay/{calls[0]}/{me}/{dst}", buffer.getvalue())
+        pieces = through_the_store([p.clone() for p in rows.detach().split(list(in_splits))], "relay")
         out = torch.empty(sum(out_splits), *rows.shape[1:], dtype=rows.dtype)
         dist.all_to_all_single(out, torch.zeros_like(rows), list(out_splits), list(in_splits), group=group)
-        return torch.cat([torch.load(io.BytesIO(store.get(f"relay/{calls[0]}/{src}/{me}"))) for src in range(n)])
+        return torch.cat([theirs[dist.get_rank()] for theirs in pieces])
 
     class Relayed(torch.autograd.Function):
         @staticmethod
@@ -452,8 +445,8 @@ def test_rows_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_
             return relay(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
 
     def all_to_all(x, out_splits, in_splits, group=None):
-        calls[1] += 1  # (forward's first call a step is the dispatch, its second the combine)
-        if relayed == "combine" and calls[1] % 2:
+        calls[0] += 1  # (forward's first call a step is the dispatch, its second the combine)
+        if relayed == "combine" and calls[0] % 2:
             return given(x, out_splits, in_splits, group)
         return Relayed.apply(x, out_splits, in_splits, group)
 

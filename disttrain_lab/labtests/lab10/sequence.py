@@ -212,13 +212,8 @@ def _sp_rows_on_the_wire(run, case: str, normed: dict[str, torch.Tensor], per: i
         for name, out in normed.items():
             d = out.shape[-1]
             rows = out.detach()[:, rank * per : (rank + 1) * per].reshape(-1, d)
-            parsed = [
-                torch.frombuffer(bytearray(payload), dtype=torch.float64).view(-1, d)
-                for src, _, slot, payload in sent
-                if src == rank and carried.kind(slot) == "all_gather" and payload and not len(payload) % (8 * d)
-            ]
-            got = torch.cat(parsed) if parsed else torch.empty(0, d, dtype=torch.float64)
-            found = int(torch.isclose(rows[:, None, :], got[None, :, :], rtol=1e-9, atol=1e-9).all(-1).any(-1).sum())
+            gathered = [p for src, _, slot, p in sent if src == rank and carried.kind(slot) == "all_gather"]
+            found = carried.rows_close(rows, carried.rows_sent(gathered, d), rtol=1e-9, atol=1e-9)
             assert found == len(rows), (
                 f"{case}: rank {rank}'s all-gathers should carry {name}'s output on its {len(rows)} token rows (the "
                 f"sequence-parallel region's activations, gathered before the column-parallel linears); the grader's "
@@ -333,34 +328,27 @@ def _ulysses_rows_on_the_wire(sent: list, positions: list, qkv: tuple, out: torc
     1e-9) its own heads' rows of the others' tokens, (H/N)·(S − its tokens).  Rows passed some other way (the
     launcher's store) with zeros of the right sizes in the all-to-alls fail."""
     heads, seq_len, d = out.shape
-    n, row = len(positions), 8 * d
-    mine = heads // n
+    mine = heads // len(positions)
     by_rank: dict[int, list[bytes]] = {}
     for src, _, slot, payload in sent:
         if carried.kind(slot) == "all_to_all":
             by_rank.setdefault(src, []).append(payload)
-    outputs = out.detach().reshape(-1, d)
     for s, pos in enumerate(positions):
         payloads = by_rank.get(s, [])
-        there = b"".join(payloads)
-        rows = {t.detach()[h, p].numpy().tobytes() for t in qkv for h in range(heads) for p in torch.as_tensor(pos)}
-        found, want = sum(there.count(r) for r in rows), 3 * (heads - mine) * len(pos)
+        inputs = torch.cat([t.detach()[:, torch.as_tensor(pos)].reshape(-1, d) for t in qkv])
+        found, want = carried.rows_whole(payloads, inputs), 3 * (heads - mine) * len(pos)
         assert found >= want, (
             f"{case}: rank {s} should carry to the others the rows of q, k and v of its {len(pos)} tokens for the "
-            f"heads it does not keep, {want} rows of {row} bytes (one head, one token), as they are; the grader's "
-            f"capture of the wire found {found} in the {len(there):,} bytes its all-to-alls sent. The rows must "
-            "travel in the all-to-alls themselves"
+            f"heads it does not keep, {want} rows of {8 * d} bytes (one head, one token), as they are; the grader's "
+            f"capture of the wire found {found} in the {sum(map(len, payloads)):,} bytes its all-to-alls sent. The "
+            "rows must travel in the all-to-alls themselves"
         )
-        parsed = [
-            torch.frombuffer(bytearray(p), dtype=torch.float64).view(-1, d) for p in payloads if p and not len(p) % row
-        ]
-        got = torch.cat(parsed) if parsed else torch.empty(0, d, dtype=torch.float64)
-        close = torch.isclose(got[:, None, :], outputs[None, :, :], rtol=1e-9, atol=1e-9).all(-1).any(-1)
+        found = carried.rows_close(carried.rows_sent(payloads, d), out.detach().reshape(-1, d), rtol=1e-9, atol=1e-9)
         want = mine * (seq_len - len(pos))
-        assert int(close.sum()) >= want, (
+        assert found >= want, (
             f"{case}: rank {s} should carry back to the others its {mine} head(s)' output rows of their tokens, "
             f"{want} rows (one head, one token: F.scaled_dot_product_attention's, float64); the grader's capture of "
-            f"the wire found {int(close.sum())}. The rows must travel in the all-to-alls themselves"
+            f"the wire found {found}. The rows must travel in the all-to-alls themselves"
         )
 
 

@@ -240,7 +240,7 @@ def _assert_rows_on_the_wire(run, case: str, dense: nn.Module, tokens: int, d: i
     sent = carried.sends_by_connection(run, case)
     if sent is None:  # (the student's own kernel: no capture)
         return
-    n, row = run.world_size, 8 * d
+    n = run.world_size
     streams: dict[tuple[int, int], list[bytes]] = {}
     for src, dst, _, _, payload in sent:
         streams.setdefault((src, dst), []).append(payload)
@@ -250,29 +250,21 @@ def _assert_rows_on_the_wire(run, case: str, dense: nn.Module, tokens: int, d: i
         with torch.no_grad():
             load = reference(dense, x)[2]
             outputs = [torch.cat([dense.experts[e](x) for e in range(t * per, (t + 1) * per)]) for t in range(n)]
-        token_rows = {x[j].numpy().tobytes() for j in range(tokens)}
         for t in range(n):
             want = int(sum(load[t * per : (t + 1) * per]))
             if t == s or want == 0:
                 continue
-            there = b"".join(streams.get((s, t), []))
-            found = sum(there.count(r) for r in token_rows)
+            found = carried.rows_whole(streams.get((s, t), []), x)
             assert found >= want, (
                 f"{case}: rank {s} routes {want} kept choice(s) to rank {t}'s experts, so its dispatch should carry "
-                f"as many rows of its tokens, as they are (float64, {row} bytes each); the grader's capture of the "
-                f"wire found {found} in the {len(there):,} bytes rank {s} sent rank {t}. The rows must travel in "
-                "the all-to-all itself"
+                f"as many rows of its tokens, as they are (float64, {8 * d} bytes each); the grader's capture of the "
+                f"wire found {found} in the {sum(map(len, streams.get((s, t), []))):,} bytes rank {s} sent rank {t}. "
+                "The rows must travel in the all-to-all itself"
             )
-            back = [
-                torch.frombuffer(bytearray(p), dtype=torch.float64).view(-1, d)
-                for p in streams.get((t, s), [])
-                if p and len(p) % row == 0
-            ]
-            rows = torch.cat(back) if back else torch.empty(0, d, dtype=torch.float64)
-            close = torch.isclose(rows[:, None, :], outputs[t][None, :, :], rtol=1e-6, atol=1e-9).all(-1).any(-1)
-            assert int(close.sum()) >= want, (
+            found = carried.rows_close(carried.rows_sent(streams.get((t, s), []), d), outputs[t], rtol=1e-6, atol=1e-9)
+            assert found >= want, (
                 f"{case}: rank {t} should send rank {s} back its experts' outputs on the {want} row(s) it received "
-                f"from rank {s} (the combine, float64); the grader's capture of the wire found {int(close.sum())} "
+                f"from rank {s} (the combine, float64); the grader's capture of the wire found {found} "
                 f"such row(s) in what rank {t} sent rank {s}. The rows must travel in the all-to-all itself"
             )
 
