@@ -91,6 +91,32 @@ def test_format_pipeline_table():
     assert "1.00x" in table and "not measured: RuntimeError: no" in table
 
 
+def test_a_launcher_that_failed_every_try_is_a_row_not_measured():
+    """torchrun (or mp.spawn) that fails every try on a loaded host (gloo's mesh lost a connection in two
+    fresh-clone runs) leaves its row not measured, with the ranks' own error line, and the other rows stand."""
+    said = (
+        "[E1206 15:10:17 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer\n"
+        "W1206 spawn.py:165] Terminating process 28708 via signal SIGTERM\n"
+        "====\ndisttrain_lab.bench.launch FAILED\n  exitcode  : 1 (pid: 29906)\n"
+    )
+    gist = bench.launch._gist(said)
+    assert gist.startswith("[E1206 15:10:17 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed"), gist
+    assert "Terminating" not in gist and "exitcode" not in gist, gist  # (the launchers' own lines)
+
+    def fails(*_):
+        raise RuntimeError(f"torchrun exited with 1 (3 tries): {gist}")
+
+    why = bench.launch._or_why(fails, None, 2, 1)
+    rows = [
+        {"method": "dl.launch warm", "world_size": 2, "median_s": 0.008, "mean_s": 0.009, "repeats": 20},
+        {"method": "torchrun --standalone", "world_size": 2, "error": why},
+    ]
+    table = bench.format_launch_table(rows)
+    assert "torchrun --standalone      2 not measured: torchrun exited with 1 (3 tries): [E1206" in table, table
+    assert "dl.launch warm             2      8.0ms      9.0ms  20       1.0x" in table, table
+    assert bench.tables.chart(rows, "t", "median_s", "ms", x="method").series == {"ms": [("dl.launch warm", 0.008)]}
+
+
 def test_bench_pipeline_rejects_one_stage():
     with pytest.raises(ValueError, match="world_size >= 2"):
         bench.bench_pipeline({}, None, None, world_size=1)
