@@ -12,6 +12,10 @@ message, three checks:
 - ``assert_values_carried``: values the grader recomputes but not to the bit (a pipeline's
   activations), within a stated tolerance.
 
+A call of torch's own ``dist.all_reduce`` (gloo's algorithm, not the student's) is held by
+``assert_reduced_carried``: every message a rank sent in it is a piece of a sum of the ranks'
+inputs over a set of ranks that includes the sender, whatever the algorithm's steps.
+
 Where a collective's messages carry rows in an order the student chooses (tokens routed to experts,
 heads handed over), ``rows_whole``, ``rows_sent`` and ``rows_close`` count the rows found, byte for
 byte or within a tolerance.
@@ -32,6 +36,7 @@ __all__ = [
     "assert_carried",
     "assert_sums_carried",
     "assert_values_carried",
+    "assert_reduced_carried",
     "messages",
     "sends",
     "sends_by_connection",
@@ -243,6 +248,48 @@ def assert_sums_carried(
                     f"{len(payload):,} bytes that are no such piece ({shown}). What a rank sends must be the data "
                     "itself: values that arrive some other way, with other bytes sent in their place, do not count"
                 )
+
+
+def assert_reduced_carried(
+    payloads: dict[int, list[bytes]], partials: dict[int, list[torch.Tensor]], case: str, what: str
+) -> None:
+    """Fail unless every message a rank sent in one all-reduce call (``payloads``: rank -> its messages' bytes in
+    that call, ``wirecalls.call_payloads``) held a piece of the sum, over a set of the call's ranks that includes
+    the sender, of their inputs: ``partials[r]`` lists what rank r's input may be (one tensor, or the
+    alternatives an exercise allows).  Every step of gloo's all-reduce, ring or another, sends what the
+    sender has summed so far, its own input among it; a rank that passes its data some other way and
+    all-reduces anything else (zeros, a copy of the answer) sends no such piece."""
+    ranks = sorted(partials)
+    flat = {r: [t.detach().cpu().reshape(-1).double() for t in partials[r]] for r in ranks}
+    dtype = partials[ranks[0]][0].dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    sums: dict[tuple, list[torch.Tensor]] = {}
+
+    def sums_over(members: tuple) -> list[torch.Tensor]:
+        if members not in sums:
+            totals = [torch.zeros_like(flat[members[0]][0])]
+            for r in members:
+                totals = [total + choice for total in totals for choice in flat[r]]
+            sums[members] = totals
+        return sums[members]
+
+    for src, sent in sorted(payloads.items()):
+        others = [r for r in ranks if r != src]
+        sets = [
+            tuple(sorted((src, *(o for k, o in enumerate(others) if mask >> k & 1))))
+            for mask in sorted(range(1 << len(others)), key=int.bit_count)
+        ]
+        for i, payload in enumerate(sent):
+            if len(payload) % size == 0:
+                values = torch.frombuffer(bytearray(payload), dtype=dtype)
+                if any(_piece_of(values, total, len(s)) for s in sets for total in sums_over(s)):
+                    continue
+            raise AssertionError(
+                f"{case}: {what}: message {i + 1} of {len(sent)} rank {src} sent in that all-reduce ({len(payload):,} "
+                f"bytes) holds no piece of a sum of the ranks' inputs that includes rank {src}'s, as the grader "
+                "computed them in one process. What a rank all-reduces must be the data itself: values that arrive "
+                "some other way, with other bytes sent in their place, do not count"
+            )
 
 
 def assert_values_carried(

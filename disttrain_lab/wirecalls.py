@@ -18,7 +18,15 @@ from collections.abc import Sequence
 
 from . import carried
 
-__all__ = ["observed", "data_sends", "group_calls", "assert_stays_in", "assert_group_calls", "describe"]
+__all__ = [
+    "observed",
+    "data_sends",
+    "group_calls",
+    "call_payloads",
+    "assert_stays_in",
+    "assert_group_calls",
+    "describe",
+]
 
 # kinds that are not a group's collective calls: the drivers' barriers (phase marks, no data) and point-to-point
 # messages (their slot is the caller's tag, 0: not one call each)
@@ -50,6 +58,17 @@ def group_calls(run, group: Sequence[int], case: str) -> tuple[dict[int, int], l
     sizes = iter(carried.all_reduce_sizes(made, len(group), case))
     found = [(carried.kind(slot), next(sizes) if carried.kind(slot) == "all_reduce" else total) for slot, total in made]
     return {rank: len(sent) for rank, sent in per_rank.items()}, found
+
+
+def call_payloads(run, group: Sequence[int], case: str) -> list[tuple[str, dict[int, list[bytes]]]]:
+    """What each collective call the ranks of ``group`` made among themselves carried, in the order the group made
+    them (as ``group_calls``): its kind, and each rank's payloads in it, in the order they crossed."""
+    members = set(group)
+    calls: dict[int, dict[int, list[bytes]]] = {}
+    for src, dst, _, slot, payload in data_sends(run, case):
+        if src in members and dst in members and carried.kind(slot) not in NOT_CALLS:
+            calls.setdefault(slot, {}).setdefault(src, []).append(payload)
+    return [(carried.kind(slot), calls[slot]) for slot in sorted(calls, key=lambda slot: slot & carried.CALL_BITS)]
 
 
 def assert_stays_in(run, rank: int, allowed: set, what: str, case: str) -> None:

@@ -404,6 +404,71 @@ def test_the_calls_a_tensor_parallel_run_made_are_read_from_the_wire(monkeypatch
     lab06.check_2d(driver, 4, 2)  # (the trace's account, fooled)
 
 
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+@pytest.mark.parametrize("relayed", ["g", "f"])
+def test_sums_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_content(monkeypatch, relayed):
+    """g (or f) that passes each rank's data through the launcher's store and sums it there, while its
+    all-reduce, the one the exercise asks for, sums zeros of the same size: the calls and bytes are the
+    solution's, the values right, and it passes in the student's own kernel; under the grader's capture every
+    message of that all-reduce holds no piece of a sum of the ranks' data, and f and g's check and
+    TensorParallelMLP's fail.  The solution's own f and g pass both with the capture."""
+    import torch.distributed as dist
+
+    from tests.helpers import notebook_names, observed_from_outside, through_the_store
+
+    solution = bench.functions_from_notebook(LAB, ["TensorParallelMLP"], given=True)
+    names = solution["TensorParallelMLP"].__init__.__globals__
+    notebook_names(monkeypatch, names)
+    monkeypatch.setattr("disttrain_lab.labtests.lab06.checks._standing_in", lambda own=False: ())  # (own layers)
+
+    def summed(x, group):
+        """The sum of ``x`` over ``group`` from the store; an all-reduce of zeros on the wire."""
+        dist.all_reduce(torch.zeros_like(x), group=group)
+        theirs = through_the_store(x.detach().clone(), "relay")
+        return sum(theirs[r] for r in dist.get_process_group_ranks(group))
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return summed(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return summed(grad.contiguous(), ctx.group), None
+
+    def graded_cases():
+        lab06.check_f_and_g(4, 2, 7, tp_size=2)
+        lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+
+    with observed_from_outside():
+        graded_cases()  # (the solution's own f and g: their all-reduces carry the data)
+        name, relaying = ("ReduceFromTensorParallel", G) if relayed == "g" else ("CopyToTensorParallel", F)
+        monkeypatch.setitem(names, name, relaying)  # (where TensorParallelMLP finds it)
+        monkeypatch.setattr(f"__main__.{name}", relaying)  # (where the f and g driver does)
+        with pytest.raises(AssertionError) as f_and_g:
+            lab06.check_f_and_g(4, 2, 7, tp_size=2)
+        with pytest.raises(AssertionError) as mlp:
+            lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+    graded_cases()  # (the student's own kernel: the values and the trace's calls are right)
+    step = "g's forward" if relayed == "g" else "f's backward"
+    said = str(f_and_g.value)
+    assert f"{step}, of each rank's" in said and "holds no piece of a sum of the ranks' inputs" in said, said
+    said = str(mlp.value)
+    step = "the forward's all-reduce (g)" if relayed == "g" else "the backward's all-reduce (f)"
+    assert step in said and "What a rank all-reduces must be the data itself" in said, said
+
+
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ... import checks, models, wirecalls
 from .. import common
 from .common import _F_G_PHASES, _MLP_PHASES, GRADED_PASSED, STAND_IN_FOR
@@ -21,6 +23,7 @@ from .ranks import (
 )
 from .reading import (
     _assert_all_reduces,
+    _assert_group_inputs_carried,
     _assert_wire_calls_of_groups,
     _communication,
     _compare_parameters,
@@ -131,6 +134,16 @@ def check_f_and_g(n: int, batch: int, d: int, tp_size: int | None = None) -> Non
             "other passes are the identity",
             case,
         )
+        _assert_group_inputs_carried(
+            run,
+            tp_size,
+            [
+                lambda rank: [checks.sample_tensor((batch, d), seed=20 + rank)],
+                lambda rank: [checks.sample_tensor((batch, d), seed=10 + rank)],
+            ],
+            ["f's backward, of each rank's gradient", "g's forward, of each rank's input"],
+            case,
+        )
     for rank, got in enumerate(run.results):
         group = _group_of(rank, tp_size)
         if not wirecalls.observed(run):  # (the student's own kernel: the ranks' trace, phase by phase)
@@ -232,6 +245,10 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
     else:
         run = _run(_mlp_in_rank, n, (sizes, batch, tp_size), case)
     out_bytes, in_bytes = (batch * sizes[-1] * 4, batch * sizes[0] * 4) if op == "all_reduce" else (None, None)
+    dense = models.MLP(sizes, seed=3)
+    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
+    y = dense(x)
+    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
     if wirecalls.observed(run):  # (grading: the calls from the grader's capture, in the order each group made them)
         _assert_wire_calls_of_groups(
             run,
@@ -239,6 +256,17 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
             [(op, out_bytes), (op, in_bytes)],
             f"{case}: one {op.replace('_', '-')} forward, of the output (g), none between the two layers, "
             "and one backward, of the input gradient (f)",
+            case,
+        )
+        forward, backward = _mlp_partials(dense, x.detach(), checks.sample_tensor((batch, sizes[-1]), seed=5), tp_size)
+        _assert_group_inputs_carried(
+            run,
+            tp_size,
+            [lambda rank: forward[rank % tp_size], lambda rank: backward[rank % tp_size]],
+            [
+                "the forward's all-reduce (g), of each rank's partial output (its RowParallelLinear's)",
+                "the backward's all-reduce (f), of each rank's partial input gradient (its ColumnParallelLinear's)",
+            ],
             case,
         )
     for rank in range(n):
@@ -265,10 +293,6 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
                 f"{case}, backward: one all-reduce, of the input gradient (f)",
                 op,
             )
-    dense = models.MLP(sizes, seed=3)
-    x = checks.sample_tensor((batch, sizes[0]), seed=4).requires_grad_()
-    y = dense(x)
-    y.backward(checks.sample_tensor((batch, sizes[-1]), seed=5))
     dense_bytes = sum(p.numel() * 4 for p in dense.parameters())
     for rank, got in enumerate(run.results):
         position = rank % tp_size
@@ -291,6 +315,24 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
             f"{case}: rank {rank} holds {got['bytes']} B of parameters; its slices are {should_hold} B "
             f"(about 1/{tp_size} of the dense {dense_bytes} B): keep only the slices"
         )
+
+
+def _mlp_partials(dense, x, dy, tp_size: int) -> tuple[list, list]:
+    """What each TP position's all-reduces take in, in one process: forward, its RowParallelLinear's partial
+    output (position 0's with the bias, or without it where the exercise's code adds it after the
+    sum); backward, its ColumnParallelLinear's partial input gradient (each a list of the alternatives)."""
+    first, activation, second = dense[0], dense[1], dense[2]
+    hidden = first(x).detach().requires_grad_()
+    active = activation(hidden)
+    (grad_hidden,) = torch.autograd.grad(second(active), hidden, dy)  # (the dense MLP's own gradients untouched)
+    active = active.detach()
+    forward, backward = [], []
+    for position in range(tp_size):
+        rows = chunk(first.out_features, tp_size, position)
+        partial = active[:, rows] @ second.weight.detach()[:, rows].T
+        forward.append([partial + second.bias.detach(), partial] if position == 0 else [partial])
+        backward.append([grad_hidden[:, rows] @ first.weight.detach()[rows]])
+    return forward, backward
 
 
 def check_mlp_not_divisible(n: int, sizes: list) -> None:
