@@ -23,6 +23,7 @@ __all__ = [
     "data_sends",
     "group_calls",
     "call_payloads",
+    "assert_all_reduces_carried",
     "assert_stays_in",
     "assert_group_calls",
     "describe",
@@ -69,6 +70,19 @@ def call_payloads(run, group: Sequence[int], case: str) -> list[tuple[str, dict[
         if src in members and dst in members and carried.kind(slot) not in NOT_CALLS:
             calls.setdefault(slot, {}).setdefault(src, []).append(payload)
     return [(carried.kind(slot), calls[slot]) for slot in sorted(calls, key=lambda slot: slot & carried.CALL_BITS)]
+
+
+def assert_all_reduces_carried(run, group: Sequence[int], inputs: Sequence, whats: Sequence[str], case: str) -> None:
+    """The all-reduces the ranks of ``group`` made among themselves (in order, as ``group_calls`` found them) carried
+    their data: call i's messages hold pieces of sums of ``inputs[i](rank)`` (what that rank's input may be: a
+    list of alternatives) over sets of the group's ranks (``carried.assert_reduced_carried``); ``whats[i]`` names
+    the call.  A group of one rank sends nothing; in the student's own kernel there is no capture."""
+    if len(group) == 1 or not observed(run):
+        return
+    for (kind, payloads), expected, what in zip(call_payloads(run, group, case), inputs, whats):
+        if kind == "all_reduce":
+            partials = {rank: expected(rank) for rank in group}
+            carried.assert_reduced_carried(payloads, partials, case, f"{what} over ranks {tuple(group)}")
 
 
 def assert_stays_in(run, rank: int, allowed: set, what: str, case: str) -> None:

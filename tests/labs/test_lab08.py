@@ -803,3 +803,64 @@ def test_the_calls_of_the_grid_are_read_from_the_wire(monkeypatch):
     ), said
     said = str(caught["train_3d"].value)
     assert "over its TP group" in said and "the grader's capture of the wire shows" in said, said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+@pytest.mark.parametrize("relayed", ["g", "f"])
+def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypatch, relayed):
+    """The solution's TensorParallelAttention whose g (or f) sums the ranks' data through the launcher's store while
+    its all-reduce sums zeros of the same size: values, calls and bytes right, and it passes in the student's own
+    kernel; under the grader's capture no message of that all-reduce holds a piece of a sum of the ranks' partial
+    outputs (input gradients), and it fails.  The solution passes with the capture."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import models
+    from tests.helpers import notebook_names, observed_from_outside, through_the_store
+
+    solution = bench.functions_from_notebook(LAB, ["TensorParallelAttention"], given=True)
+    names = solution["TensorParallelAttention"].forward.__globals__
+    names.update(
+        bench.functions_from_notebook(
+            solution_notebook("06_tensor_parallel"), ["ColumnParallelLinear", "RowParallelLinear", "f", "g"]
+        )
+    )
+    notebook_names(monkeypatch, names)
+
+    def summed(x, group):
+        dist.all_reduce(torch.zeros_like(x), group=group)
+        theirs = through_the_store(x.detach().clone(), "relay")
+        return sum(theirs[r] for r in dist.get_process_group_ranks(group))
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return summed(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return summed(grad.contiguous(), ctx.group), None
+
+    def check():
+        lab08.check_attention(4, models.GPTConfig(seq_len=5, d_model=16, n_heads=4), tp=2)
+
+    with observed_from_outside():
+        check()
+        monkeypatch.setitem(names, relayed, G.apply if relayed == "g" else F.apply)
+        with pytest.raises(AssertionError) as failed:
+            check()
+    check()  # (the student's own kernel: values and the trace's calls)
+    said = str(failed.value)
+    step = "the forward's all-reduce (g)" if relayed == "g" else "the backward's all-reduce (f)"
+    assert step in said and "What a rank all-reduces must be the data itself" in said, said

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ... import carried, checks, exercise, wirecalls
+from ... import checks, exercise, wirecalls
 from ...exercise import ExerciseRun
 from .. import common
 from .common import _DEADLOCK_HINT, TIMEOUT
@@ -77,16 +77,9 @@ def _assert_wire_calls_of_groups(run: ExerciseRun, tp_size: int, expected: list,
 
 
 def _assert_group_inputs_carried(run: ExerciseRun, tp_size: int, inputs: list[Callable], whats: list[str], case: str):
-    """Each group's all-reduces (those ``_assert_wire_calls_of_groups`` found, in order) carried its ranks' data:
-    call i's messages hold pieces of sums of ``inputs[i](rank)`` (what rank's input may be, a list of
-    alternatives) over sets of the group's ranks (``carried.assert_reduced_carried``); ``whats[i]`` names it."""
+    """``wirecalls.assert_all_reduces_carried`` for each group of ``tp_size`` consecutive ranks."""
     for group in sorted({_group_of(rank, tp_size) for rank in range(run.world_size)}):
-        if len(group) == 1:
-            continue
-        for (kind, payloads), expected, what in zip(wirecalls.call_payloads(run, group, case), inputs, whats):
-            if kind == "all_reduce":
-                partials = {rank: expected(rank) for rank in group}
-                carried.assert_reduced_carried(payloads, partials, case, f"{what} over ranks {group}")
+        wirecalls.assert_all_reduces_carried(run, group, inputs, whats, case)
 
 
 def _compare_parameters(got: dict, expected: dict, what: str):

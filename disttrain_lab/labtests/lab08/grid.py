@@ -77,6 +77,7 @@ def check_attention(n: int, cfg: models.GPTConfig, batch: int = 3, tp: int | Non
     y.backward(checks.sample_tensor(y.shape, seed=5))
     nbytes = batch * cfg.seq_len * cfg.d_model * 4
     full = {"attn." + k: (p.detach(), p.grad) for k, p in dense.named_parameters()}
+    forward, backward = _attention_partials(dense, x, checks.sample_tensor(y.shape, seed=5), tp)
     for rank, got in enumerate(run.results):
         group = range(rank - rank % tp, rank - rank % tp + tp)
         checks.assert_close(
@@ -96,6 +97,17 @@ def check_attention(n: int, cfg: models.GPTConfig, batch: int = 3, tp: int | Non
                     f"{case}: one all-reduce forward (g's), one backward (f's)",
                     case,
                 )
+                wirecalls.assert_all_reduces_carried(
+                    run,
+                    tuple(group),
+                    [lambda r: forward[r % tp], lambda r: backward[r % tp]],
+                    [
+                        "the forward's all-reduce (g), of each rank's partial output (its heads through its columns "
+                        "of proj)",
+                        "the backward's all-reduce (f), of each rank's partial input gradient (through its heads)",
+                    ],
+                    case,
+                )
         else:  # (the student's own kernel: the ranks' trace)
             calls = communication(run, rank)  # in order: the forward's, then the backward's
             _assert_all_reduces(calls[:1], n, rank, 1, nbytes, group, f"{case}, forward: one all-reduce, g's")
@@ -109,6 +121,25 @@ def check_attention(n: int, cfg: models.GPTConfig, batch: int = 3, tp: int | Non
         )
         mine = {"attn." + k: v for k, v in got["params"].items()}
         _compare_parameters(mine, _expected_parameters(full, tp, rank % tp), f"{case}: rank {rank}'s parameters")
+
+
+def _attention_partials(dense, x: torch.Tensor, dy: torch.Tensor, tp: int) -> tuple[list, list]:
+    """What each TP position's all-reduces take in, in one process: forward, its heads' output through its columns
+    of ``proj`` (position 0's with the bias, or without it where the code adds it after the sum); backward, the
+    input gradient through its heads alone (each a list of the alternatives)."""
+    x = x.detach().requires_grad_()
+    heads = models.attend(dense.query(x), dense.key(x), dense.value(x), dense.n_heads)  # (B, T, d): side by side
+    weight, bias = dense.proj.weight.detach(), dense.proj.bias.detach()
+    grad_heads = dy @ weight
+    forward, backward = [], []
+    for position, cols in enumerate(torch.arange(weight.shape[1]).tensor_split(tp)):
+        partial = heads.detach()[..., cols] @ weight[:, cols].T
+        forward.append([partial + bias, partial] if position == 0 else [partial])
+        mine = torch.zeros_like(grad_heads)
+        mine[..., cols] = grad_heads[..., cols]
+        (grad_x,) = torch.autograd.grad(heads, x, mine, retain_graph=True)
+        backward.append([grad_x])
+    return forward, backward
 
 
 def check_attention_error(world_size: int, d_model: int, n_heads: int) -> str:
