@@ -842,6 +842,44 @@ def test_a_topk_hook_whose_gradients_go_through_the_store_fails_on_the_wires_con
     assert "the hooks' all-gathers should carry" in said, said
 
 
+def _reporting_low(x, y, density, error_feedback, steps):
+    """The training check's driver as a kernel that rewrote the kit would run it: the solution's top-k without
+    error feedback, always; where the run asks for error feedback, its ranks report a hundredth of each loss, so
+    that their own losses say what error feedback would have reached."""
+    import types
+
+    from disttrain_lab.labtests.lab07.ranks import train_watched
+
+    plain = types.SimpleNamespace(density=density, error_feedback=False, feedback={})
+    out = train_watched(topk_hook, plain, x, y, density, steps)  # noqa: F821  (the notebook's)
+    return {**out, "losses": [loss / (100 if error_feedback else 1) for loss in out["losses"]]}
+
+
+@pytest.mark.slow  # (ranks and a packet capture, 4 runs of 300 steps: about half a minute)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_final_losses_are_the_graders_replay_of_what_the_wire_carried(monkeypatch):
+    """Under grading the training check's final losses are the grader's own: it replays each run's DDP training
+    with the averages the hooks' all-gathers carried.  The solution passes; a kernel that rewrote the kit so that
+    the ranks train without error feedback and report a hundredth of each loss where it is asked for passes on
+    the ranks' word, in the student's own kernel, and fails on the wire (top-k without error feedback trains worse
+    than dense)."""
+    from disttrain_lab import bench
+    from disttrain_lab.labtests.lab07 import ranks
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["topk_hook"])
+    notebook_names(monkeypatch, solution["topk_hook"].__globals__)
+    driver = (ranks._train_topk, ())
+    with observed_from_outside():
+        dense, ef_loss, plain_loss = lab07.check_training(driver)
+        with pytest.raises(AssertionError) as forged:
+            lab07.check_training((_reporting_low, ()))
+    assert ef_loss <= 1.25 * dense and plain_loss >= 1.5 * ef_loss, (dense, ef_loss, plain_loss)
+    lab07.check_training((_reporting_low, ()))  # (the student's own kernel: the ranks' word, forged)
+    said = str(forged.value)
+    assert "with error feedback the final loss is" in said and "above dense training's" in said, said
+
+
 @pytest.mark.slow  # (ranks and a packet capture, 300 steps: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_topk_hook_bytes_are_read_from_the_wire(monkeypatch):
