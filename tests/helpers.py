@@ -234,11 +234,12 @@ def shm_clear(test: str) -> None:
         left.unlink(missing_ok=True)
 
 
-def through_the_store(value, tag: str) -> list:
+def through_the_store(value, tag: str, among=None) -> list:
     """Every rank's ``value`` (tensors, or lists of them), passed through the launcher's store rather than the wire:
     a few KiB go unseen by the checks that count only calls and bytes, as a submission could pass them.  Call it on
-    every rank, the same calls in the same order; each rank counts its calls in the store (``tag``'s), so that a
-    store kept from run to run never hands back an earlier run's value."""
+    every rank (of ``among``, ranks of the world: each one's value at the same call, in that order), the same calls
+    in the same order; each rank counts its calls in the store (``tag``'s), so that a store kept from run to run
+    never hands back an earlier run's value."""
     import io
 
     import torch
@@ -249,4 +250,4 @@ def through_the_store(value, tag: str) -> list:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     store.set(f"{tag}/{call}/{rank}", buffer.getvalue())
-    return [torch.load(io.BytesIO(store.get(f"{tag}/{call}/{r}"))) for r in range(n)]
+    return [torch.load(io.BytesIO(store.get(f"{tag}/{call}/{r}"))) for r in (range(n) if among is None else among)]

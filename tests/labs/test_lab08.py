@@ -812,26 +812,28 @@ def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypa
     """The solution's TensorParallelAttention whose g (or f) sums the ranks' data through the launcher's store while
     its all-reduce sums zeros of the same size: values, calls and bytes right, and it passes in the student's own
     kernel; under the grader's capture no message of that all-reduce holds a piece of a sum of the ranks' partial
-    outputs (input gradients), and it fails.  The solution passes with the capture."""
+    outputs (input gradients), and it fails; so does PipelineStage3D built on it (g: its forward's all-reduces in
+    each block, attention's and the MLP's).  The solution passes with the capture."""
     import torch
     import torch.distributed as dist
 
     from disttrain_lab import models
     from tests.helpers import notebook_names, observed_from_outside, through_the_store
 
-    solution = bench.functions_from_notebook(LAB, ["TensorParallelAttention"], given=True)
-    names = solution["TensorParallelAttention"].forward.__globals__
-    names.update(
-        bench.functions_from_notebook(
-            solution_notebook("06_tensor_parallel"), ["ColumnParallelLinear", "RowParallelLinear", "f", "g"]
-        )
+    solution = bench.functions_from_notebook(
+        LAB, ["grid_groups", "TensorParallelAttention", "PipelineStage3D"], given=True
     )
+    names = solution["TensorParallelAttention"].forward.__globals__
+    lab6 = bench.functions_from_notebook(
+        solution_notebook("06_tensor_parallel"),
+        ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"],
+    )
+    names.update(lab6)
     notebook_names(monkeypatch, names)
 
     def summed(x, group):
         dist.all_reduce(torch.zeros_like(x), group=group)
-        theirs = through_the_store(x.detach().clone(), "relay")
-        return sum(theirs[r] for r in dist.get_process_group_ranks(group))
+        return sum(through_the_store(x.detach().clone(), "relay", among=dist.get_process_group_ranks(group)))
 
     class G(torch.autograd.Function):
         @staticmethod
@@ -855,12 +857,24 @@ def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypa
     def check():
         lab08.check_attention(4, models.GPTConfig(seq_len=5, d_model=16, n_heads=4), tp=2)
 
+    def check_stage():
+        lab08.check_stage(1, 2, 2, models.GPTConfig(seq_len=5, d_model=16, n_heads=2, n_layers=2))
+
     with observed_from_outside():
         check()
-        monkeypatch.setitem(names, relayed, G.apply if relayed == "g" else F.apply)
+        check_stage()
+        for space in (names, lab6["TensorParallelMLP"].forward.__globals__):  # (the attention's and the MLP's)
+            monkeypatch.setitem(space, relayed, G.apply if relayed == "g" else F.apply)
         with pytest.raises(AssertionError) as failed:
             check()
+        if relayed == "g":  # (the stage's check runs forward only: g's all-reduces)
+            with pytest.raises(AssertionError) as stage:
+                check_stage()
     check()  # (the student's own kernel: values and the trace's calls)
     said = str(failed.value)
     step = "the forward's all-reduce (g)" if relayed == "g" else "the backward's all-reduce (f)"
     assert step in said and "What a rank all-reduces must be the data itself" in said, said
+    if relayed == "g":
+        check_stage()
+        said = str(stage.value)
+        assert "g of a block's attention, each rank's partial output over ranks" in said, said

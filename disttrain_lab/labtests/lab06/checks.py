@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from ... import checks, models, wirecalls
-from .. import common
+from .. import common, tp_partials
 from .common import _F_G_PHASES, _MLP_PHASES, GRADED_PASSED, STAND_IN_FOR
 from .ranks import (
     _build_layer,
@@ -258,7 +256,8 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
             "and one backward, of the input gradient (f)",
             case,
         )
-        forward, backward = _mlp_partials(dense, x.detach(), checks.sample_tensor((batch, sizes[-1]), seed=5), tp_size)
+        dy = checks.sample_tensor((batch, sizes[-1]), seed=5)
+        forward, backward = tp_partials.mlp_partials(dense, x, dy, tp_size)
         _assert_group_inputs_carried(
             run,
             tp_size,
@@ -315,24 +314,6 @@ def check_tp_mlp(n: int, sizes: list, batch: int = 4, tp_size: int | None = None
             f"{case}: rank {rank} holds {got['bytes']} B of parameters; its slices are {should_hold} B "
             f"(about 1/{tp_size} of the dense {dense_bytes} B): keep only the slices"
         )
-
-
-def _mlp_partials(dense, x, dy, tp_size: int) -> tuple[list, list]:
-    """What each TP position's all-reduces take in, in one process: forward, its RowParallelLinear's partial
-    output (position 0's with the bias, or without it where the exercise's code adds it after the
-    sum); backward, its ColumnParallelLinear's partial input gradient (each a list of the alternatives)."""
-    first, activation, second = dense[0], dense[1], dense[2]
-    hidden = first(x).detach().requires_grad_()
-    active = activation(hidden)
-    (grad_hidden,) = torch.autograd.grad(second(active), hidden, dy)  # (the dense MLP's own gradients untouched)
-    active = active.detach()
-    forward, backward = [], []
-    for position in range(tp_size):
-        rows = chunk(first.out_features, tp_size, position)
-        partial = active[:, rows] @ second.weight.detach()[:, rows].T
-        forward.append([partial + second.bias.detach(), partial] if position == 0 else [partial])
-        backward.append([grad_hidden[:, rows] @ first.weight.detach()[rows]])
-    return forward, backward
 
 
 def check_mlp_not_divisible(n: int, sizes: list) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from ... import checks, models, wirecalls
 from ...exercise import ExerciseRun
+from .. import tp_partials
 from .common import _exercise, _expect_value_error, _fields, _graders_for
 from .ranks import (
     _assert_all_reduces,
@@ -77,7 +78,7 @@ def check_attention(n: int, cfg: models.GPTConfig, batch: int = 3, tp: int | Non
     y.backward(checks.sample_tensor(y.shape, seed=5))
     nbytes = batch * cfg.seq_len * cfg.d_model * 4
     full = {"attn." + k: (p.detach(), p.grad) for k, p in dense.named_parameters()}
-    forward, backward = _attention_partials(dense, x, checks.sample_tensor(y.shape, seed=5), tp)
+    forward, backward = tp_partials.attention_partials(dense, x, checks.sample_tensor(y.shape, seed=5), tp)
     for rank, got in enumerate(run.results):
         group = range(rank - rank % tp, rank - rank % tp + tp)
         checks.assert_close(
@@ -123,25 +124,6 @@ def check_attention(n: int, cfg: models.GPTConfig, batch: int = 3, tp: int | Non
         _compare_parameters(mine, _expected_parameters(full, tp, rank % tp), f"{case}: rank {rank}'s parameters")
 
 
-def _attention_partials(dense, x: torch.Tensor, dy: torch.Tensor, tp: int) -> tuple[list, list]:
-    """What each TP position's all-reduces take in, in one process: forward, its heads' output through its columns
-    of ``proj`` (position 0's with the bias, or without it where the code adds it after the sum); backward, the
-    input gradient through its heads alone (each a list of the alternatives)."""
-    x = x.detach().requires_grad_()
-    heads = models.attend(dense.query(x), dense.key(x), dense.value(x), dense.n_heads)  # (B, T, d): side by side
-    weight, bias = dense.proj.weight.detach(), dense.proj.bias.detach()
-    grad_heads = dy @ weight
-    forward, backward = [], []
-    for position, cols in enumerate(torch.arange(weight.shape[1]).tensor_split(tp)):
-        partial = heads.detach()[..., cols] @ weight[:, cols].T
-        forward.append([partial + bias, partial] if position == 0 else [partial])
-        mine = torch.zeros_like(grad_heads)
-        mine[..., cols] = grad_heads[..., cols]
-        (grad_x,) = torch.autograd.grad(heads, x, mine, retain_graph=True)
-        backward.append([grad_x])
-    return forward, backward
-
-
 def check_attention_error(world_size: int, d_model: int, n_heads: int) -> str:
     """TensorParallelAttention of an attention with ``n_heads`` heads on ``world_size`` ranks that do not
     divide them raises a ValueError saying "divisible"; returns its message."""
@@ -167,7 +149,12 @@ def check_stage(dp: int, tp: int, pp: int, cfg: models.GPTConfig, batch: int = 2
     dense = models.GPT(cfg, seed=2)  # the reference, in this process
     full = {k: (p.detach(), None) for k, p in dense.named_parameters()}
     x = checks.sample_tensor((batch, cfg.seq_len), torch.int64, seed=3).remainder(cfg.vocab)
+    entering: list[torch.Tensor] = []  # each block's input, in the dense GPT's forward
+    keep = lambda _, args: entering.append(args[0].detach())  # noqa: E731
+    hooks = [block.register_forward_pre_hook(keep) for block in dense.blocks]
     logits = dense(x).detach()
+    for hook in hooks:
+        hook.remove()
     nbytes = batch * cfg.seq_len * cfg.d_model * 4
     for rank, got in enumerate(run.results):
         where = _grid_of(rank, dp, tp, pp)
@@ -188,6 +175,8 @@ def check_stage(dp: int, tp: int, pp: int, cfg: models.GPTConfig, batch: int = 2
         assert not changed, f"{case}: rank {rank}: PipelineStage3D changed the dense gpt; copy what you keep"
         if wirecalls.observed(run):  # (grading: the grader's capture of the wire)
             _stage_calls_on_the_wire(run, rank, where, 2 * per, nbytes, case)
+            blocks = [dense.blocks[int(i)] for i in expected_blocks]
+            _stage_sums_on_the_wire(run, rank, where, blocks, entering[int(expected_blocks[0]) :], tp, case)
         else:  # (the student's own kernel: the ranks' trace)
             # the stage's forward: what the rank did besides this check's own receive and send
             calls = communication(run, rank)
@@ -236,6 +225,23 @@ def _stage_calls_on_the_wire(run: ExerciseRun, rank: int, where: dict, count: in
             case,
             outside=set(range(run.world_size)),  # (each rank's own destinations: checked above)
         )
+
+
+def _stage_sums_on_the_wire(run: ExerciseRun, rank: int, where: dict, blocks: list, entering: list, tp: int, case: str):
+    """What check_stage's all-reduces carried (read once, at the TP group's first rank): in each of the stage's
+    ``blocks`` in turn (``entering``: each one's input in the dense GPT), g of attention then g of the MLP, each
+    rank's partial output on that block's LayerNorm of its input (``tp_partials``)."""
+    group = tuple(where["tp_group"])
+    if len(group) == 1 or rank != group[0]:
+        return
+    inputs, whats = [], []
+    for block, x in zip(blocks, entering):
+        attention, _ = tp_partials.attention_partials(block.attn, block.ln1(x), None, tp)
+        mlp, _ = tp_partials.mlp_partials(block.mlp, block.ln2(x + block.attn(block.ln1(x))), None, tp)
+        inputs += [lambda r, sums=attention: sums[group.index(r)], lambda r, sums=mlp: sums[group.index(r)]]
+        whats += [f"g of {what}, each rank's partial output" for what in ("a block's attention", "a block's MLP")]
+    with torch.no_grad():
+        wirecalls.assert_all_reduces_carried(run, group, inputs, whats, case)
 
 
 def check_stage_error(world_size: int, n_layers: int, dp: int, tp: int, pp: int) -> str:
