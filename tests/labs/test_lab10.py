@@ -570,10 +570,12 @@ def _solution_sp_block(monkeypatch):
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
-def test_a_sequence_parallel_block_gathering_through_the_store_fails_on_the_wires_content(monkeypatch):
+@pytest.mark.parametrize("relayed", ["all-gathers", "reduce-scatters"])
+def test_a_sequence_parallel_block_moving_its_data_through_the_store_fails_on_the_wires_content(monkeypatch, relayed):
     """The solution's block whose all-gathers (forward and backward) take every rank's slice from the launcher's store
-    and gather zeros of the same size: the values, the calls and their bytes are right, and it passes in the
-    student's own kernel; the grader finds no LayerNorm output of a rank's tokens in what it sent, and fails it."""
+    and gather zeros of the same size, or whose reduce-scatters add up the partial sums from the store and send zeros
+    in their all-to-alls: the values, the calls and their bytes are right, and it passes in the student's own
+    kernel; the grader finds no LayerNorm output of a rank's tokens (no partial sum) in what it sent, and fails it."""
     import torch
     import torch.distributed as dist
 
@@ -587,12 +589,26 @@ def test_a_sequence_parallel_block_gathering_through_the_store_fails_on_the_wire
         dist.all_gather_single(x.new_empty((n * x.shape[0],) + x.shape[1:]), torch.zeros_like(x), group=group)
         return torch.cat(everyone, dim=1)
 
-    monkeypatch.setitem(block.__init__.__globals__, "_gather_sequence", gathered)
+    def scattered(x, group):  # (B, T, d) partial sums -> (B, T/t, d) of their sum through the store; zeros on the wire
+        n, rank = dist.get_world_size(), dist.get_rank()
+        everyone = through_the_store(x.detach().clone(), "sp")
+        chunks = torch.zeros_like(torch.cat(x.chunk(n, dim=1)))
+        dist.all_to_all_single(torch.empty_like(chunks), chunks, group=group)
+        return sum(everyone).chunk(n, dim=1)[rank].contiguous()
+
+    if relayed == "all-gathers":
+        monkeypatch.setitem(block.__init__.__globals__, "_gather_sequence", gathered)
+    else:
+        monkeypatch.setitem(block.__init__.__globals__, "_reduce_scatter_sequence", scattered)
     lab10.check_sp(2, 8, 2, 8, 2, 0)  # (the student's own kernel: values, the trace's calls and bytes)
-    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+    with observed_from_outside(), pytest.raises(AssertionError) as failed:
         lab10.check_sp(2, 8, 2, 8, 2, 0)
-    said = str(relayed.value)
-    assert "all-gathers should carry ln1's output" in said and "must travel in the all-gathers themselves" in said, said
+    said = str(failed.value)
+    if relayed == "all-gathers":
+        assert "all-gathers should carry ln1's output" in said and "must travel in the all-gathers themselves" in said
+    else:
+        assert "reduce-scatter after attention's output projection should send" in said, said
+        assert "must travel in the reduce-scatter itself" in said, said
 
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
