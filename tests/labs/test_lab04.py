@@ -525,6 +525,46 @@ class Zero2Optimizer(Zero2Optimizer):
 """
 
 
+# ZeRO-2 whose grad_ready sums the gradient through the launcher's store (a few hundred bytes) and reduce-scatters
+# zeros of the same size: the right values, the right calls and bytes on the wire and the trace
+_RELAYED_REDUCE_SCATTER = """
+class Zero2Optimizer(Zero2Optimizer):
+    def grad_ready(self, p, shard):
+        from tests.helpers import through_the_store
+        c = shard_size(p.numel(), self.world_size)
+        reduce_scatter(torch.empty(c), torch.zeros(self.world_size * c))
+        total = sum(through_the_store(padded_flat(p.grad, self.world_size), "zero2"))
+        shard.grad = total[self.rank * c:self.rank * c + shard.numel()] / self.world_size
+        p.grad = None
+"""
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_gradients_summed_through_the_store_fail_on_the_wires_content(solution, monkeypatch):
+    """Under grading each rank's reduce-scatters must carry its gradient at every step (the grader's own training
+    in one process, each rank's slice of the batch): the solution passes with the capture; a ZeRO-2 that sums the
+    gradients through the launcher's store, its all-to-alls carrying zeros of the right size, trains right and
+    sends the right bytes, passes in the student's own kernel, and fails on the wire's content."""
+    import __main__
+    from disttrain_lab.labtests import lab04
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = solution["Zero1Optimizer"].__init__.__globals__
+    notebook_names(monkeypatch, space)
+    wrong = dict(space)
+    exec(_RELAYED_REDUCE_SCATTER, wrong)
+    with observed_from_outside():
+        lab04.check_zero1(2, [5, 7, 3])
+        lab04.check_zero2(2, [5, 7, 3], opt="sgd")
+        monkeypatch.setattr(__main__, "Zero2Optimizer", wrong["Zero2Optimizer"])
+        with pytest.raises(AssertionError) as relayed:
+            lab04.check_zero2(2, [5, 7, 3], opt="sgd")
+    lab04.check_zero2(2, [5, 7, 3], opt="sgd")  # (the student's own kernel: values, the trace's calls and bytes)
+    said = str(relayed.value)
+    assert "reduce-scatters should carry its gradient" in said and "must travel in the reduce-scatter" in said, said
+
+
 @pytest.mark.slow
 def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_trace(solution, monkeypatch):
     """Under the grader's evidence (packet capture, ``ss``: tests/helpers.py), each stage's volume per step is

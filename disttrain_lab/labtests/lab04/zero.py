@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,6 +95,68 @@ def _single_process(
         F.mse_loss(model(x), y).backward()
         optimizer.step()
     return model
+
+
+def _local_gradients(kind: str, sizes: Sequence[int], batch: int, steps: int, opt: str, n: int) -> list[list]:
+    """Each step's gradient of each rank's loss on its slice of the batch (``x.tensor_split(n)[rank]``), its
+    trainable parameters' flat, in one process: the reference's trajectory (``_single_process``, the mean of
+    these), so what each rank must reduce-scatter at each step."""
+    model = _model(kind, sizes)
+    optimizer_class, defaults, _ = OPTIMIZERS[opt]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = optimizer_class(trainable, **defaults)
+    found = []
+    for x, y in batches(sizes, batch, steps):
+        grads = []
+        for xs, ys in zip(x.tensor_split(n), y.tensor_split(n)):
+            optimizer.zero_grad()
+            F.mse_loss(model(xs), ys).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in trainable]).numpy().copy())
+        found.append(grads)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return found
+
+
+def _check_gradients_carried(run: ExerciseRun, case: str, local: list[list], unsent: int) -> None:
+    """Under grading: at each step, each rank's local gradient (``_local_gradients``) must be in what it sent in
+    all-to-alls (the helpers' reduce-scatter), as fp32 words, whatever their order or flattening (``_found``),
+    either as it is or divided by N: every nonzero entry but those of the rank's own shard, which stays
+    (``unsent``: Σ ceil(k/N) over the trainable parameters).  Gradients passed some other way (the launcher's
+    store) with something else of the right size in the all-to-alls fail."""
+    sent = carried.sends(run, case)
+    if sent is None:  # (the student's own kernel: no capture)
+        return
+    n = run.world_size
+    for rank in range(n):
+        joined: dict[tuple[int, int], bytes] = {}
+        for src, dst, slot, payload in sent:
+            if src == rank and carried.kind(slot) == "all_to_all":
+                joined[dst, slot] = joined.get((dst, slot), b"") + payload
+        words = [np.frombuffer(p[: len(p) // 4 * 4], dtype=np.float32) for p in joined.values()]
+        pool = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
+        pool = pool[np.isfinite(pool)]
+        for step, grads in enumerate(local):
+            want = grads[rank][grads[rank] != 0]
+            found = max(_found(pool, want / scale) for scale in (1, n))
+            assert found >= want.size - unsent, (
+                f"{case}: at step {step + 1} rank {rank}'s reduce-scatters should carry its gradient (the grader's own "
+                f"training in one process: {want.size} nonzero entries, all but its own shard's, at most {unsent}, "
+                f"sent to the others); the grader's capture of the wire found {found} of them in what rank {rank} "
+                "sent in all-to-alls. The gradients must travel in the reduce-scatter itself"
+            )
+
+
+def _found(pool, want) -> int:
+    """How many of ``want`` lie in the sorted ``pool``: within a relative 1e-4, or 1e-5 of its largest entry (the
+    ranks' parameters after a few steps of Adam differ from the reference's in their last bits, and so do the
+    smallest entries of their gradients)."""
+    if pool.size == 0 or want.size == 0:
+        return 0
+    at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
+    nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
+    return int((nearest <= 1e-4 * np.abs(want) + 1e-5 * np.abs(want).max()).sum())
 
 
 def _check_zero3_frees(run: ExerciseRun, case: str) -> None:
@@ -270,6 +333,8 @@ def _check_zero(
     if wired:
         # the calls' kinds first (gloo's own reduce-scatter is an all-reduce on the wire: its messages, its bytes)
         _check_wire_kinds(run, case, stage)
+        local = _local_gradients(kind, sizes, batch, steps, opt, n)
+        _check_gradients_carried(run, case, local, shard(trainable))
         total = _wire_volume(run)
         volume = total / (n - 1) / steps
         assert low <= volume <= high, (
