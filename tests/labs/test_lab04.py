@@ -537,32 +537,54 @@ class Zero2Optimizer(Zero2Optimizer):
         shard.grad = total[self.rank * c:self.rank * c + shard.numel()] / self.world_size
         p.grad = None
 """
+# ZeRO-1 whose all-gather passes every rank's updated shards through the store, its broadcasts carrying zeros
+_RELAYED_ALL_GATHER = """
+class Zero1Optimizer(Zero1Optimizer):
+    def all_gather_parameters(self):
+        from tests.helpers import through_the_store
+        for p in self.params:
+            c = shard_size(p.numel(), self.world_size)
+            all_gather(torch.empty(self.world_size * c), torch.zeros(c))
+            mine = padded_flat(p, self.world_size)[self.rank * c:(self.rank + 1) * c]
+            p.detach().view(-1).copy_(torch.cat(through_the_store(mine, "zero1"))[:p.numel()])
+"""
 
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
-def test_gradients_summed_through_the_store_fail_on_the_wires_content(solution, monkeypatch):
-    """Under grading each rank's reduce-scatters must carry its gradient at every step (the grader's own training
-    in one process, each rank's slice of the batch): the solution passes with the capture; a ZeRO-2 that sums the
-    gradients through the launcher's store, its all-to-alls carrying zeros of the right size, trains right and
-    sends the right bytes, passes in the student's own kernel, and fails on the wire's content."""
+def test_data_passed_through_the_store_fails_on_the_wires_content(solution, monkeypatch):
+    """Under grading each rank's reduce-scatters must carry its gradient at every step, and the all-gathers the
+    updated parameters (the grader's own training in one process): the solution's three stages pass with the
+    capture; a ZeRO-2 that sums the gradients through the launcher's store, or a ZeRO-1 that passes its updated
+    shards through it, with zeros of the right size on the wire, trains right and sends the right bytes, passes in
+    the student's own kernel, and fails on the wire's content."""
     import __main__
     from disttrain_lab.labtests import lab04
     from tests.helpers import notebook_names, observed_from_outside
 
     space = solution["Zero1Optimizer"].__init__.__globals__
     notebook_names(monkeypatch, space)
-    wrong = dict(space)
-    exec(_RELAYED_REDUCE_SCATTER, wrong)
+    forged = {}
+    for source in (_RELAYED_REDUCE_SCATTER, _RELAYED_ALL_GATHER):
+        wrong = dict(space)
+        exec(source, wrong)
+        forged.update({name: wrong[name] for name in ("Zero1Optimizer", "Zero2Optimizer") if name in source})
     with observed_from_outside():
         lab04.check_zero1(2, [5, 7, 3])
         lab04.check_zero2(2, [5, 7, 3], opt="sgd")
-        monkeypatch.setattr(__main__, "Zero2Optimizer", wrong["Zero2Optimizer"])
-        with pytest.raises(AssertionError) as relayed:
+        lab04.check_zero3(2, [4, 6, 4], kind="finetuned")
+        monkeypatch.setattr(__main__, "Zero2Optimizer", forged["Zero2Optimizer"])
+        with pytest.raises(AssertionError) as gradients:
             lab04.check_zero2(2, [5, 7, 3], opt="sgd")
-    lab04.check_zero2(2, [5, 7, 3], opt="sgd")  # (the student's own kernel: values, the trace's calls and bytes)
-    said = str(relayed.value)
+        monkeypatch.setattr(__main__, "Zero2Optimizer", space["Zero2Optimizer"])
+        monkeypatch.setattr(__main__, "Zero1Optimizer", forged["Zero1Optimizer"])
+        with pytest.raises(AssertionError) as parameters:
+            lab04.check_zero1(2, [5, 7, 3], opt="sgd")
+    lab04.check_zero1(2, [5, 7, 3], opt="sgd")  # (the student's own kernel: values, the trace's calls and bytes)
+    said = str(gradients.value)
     assert "reduce-scatters should carry its gradient" in said and "must travel in the reduce-scatter" in said, said
+    said = str(parameters.value)
+    assert "all-gathers should carry the parameters after step 1" in said, said
 
 
 @pytest.mark.slow

@@ -97,30 +97,36 @@ def _single_process(
     return model
 
 
-def _local_gradients(kind: str, sizes: Sequence[int], batch: int, steps: int, opt: str, n: int) -> list[list]:
-    """Each step's gradient of each rank's loss on its slice of the batch (``x.tensor_split(n)[rank]``), its
-    trainable parameters' flat, in one process: the reference's trajectory (``_single_process``, the mean of
-    these), so what each rank must reduce-scatter at each step."""
+def _trajectory(
+    kind: str, sizes: Sequence[int], batch: int, steps: int, opt: str, n: int, stage: int
+) -> tuple[list, list]:
+    """The reference's training (``_single_process``) step by step, in one process: each step's gradient of each
+    rank's loss on its slice of the batch (``x.tensor_split(n)[rank]``: what it must reduce-scatter; the step's is
+    their mean), its trainable parameters' flat; and the parameters before the first step and after each (what the
+    ranks all-gather: ZeRO-3 every parameter, frozen ones too; ZeRO-1 and 2 the trainable ones), flat."""
     model = _model(kind, sizes)
     optimizer_class, defaults, _ = OPTIMIZERS[opt]
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_class(trainable, **defaults)
-    found = []
+    flat = lambda tensors: torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()  # noqa: E731
+    gathered = list(model.parameters()) if stage == 3 else trainable
+    gradients, parameters = [], [flat(gathered)]
     for x, y in batches(sizes, batch, steps):
         grads = []
         for xs, ys in zip(x.tensor_split(n), y.tensor_split(n)):
             optimizer.zero_grad()
             F.mse_loss(model(xs), ys).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in trainable]).numpy().copy())
-        found.append(grads)
+            grads.append(flat(p.grad for p in trainable))
+        gradients.append(grads)
         optimizer.zero_grad()
         F.mse_loss(model(x), y).backward()
         optimizer.step()
-    return found
+        parameters.append(flat(gathered))
+    return gradients, parameters
 
 
 def _check_gradients_carried(run: ExerciseRun, case: str, local: list[list], unsent: int) -> None:
-    """Under grading: at each step, each rank's local gradient (``_local_gradients``) must be in what it sent in
+    """Under grading: at each step, each rank's local gradient (``_trajectory``) must be in what it sent in
     all-to-alls (the helpers' reduce-scatter), as fp32 words, whatever their order or flattening (``_found``),
     either as it is or divided by N: every nonzero entry but those of the rank's own shard, which stays
     (``unsent``: Σ ceil(k/N) over the trainable parameters).  Gradients passed some other way (the launcher's
@@ -146,6 +152,33 @@ def _check_gradients_carried(run: ExerciseRun, case: str, local: list[list], uns
                 f"sent to the others); the grader's capture of the wire found {found} of them in what rank {rank} "
                 "sent in all-to-alls. The gradients must travel in the reduce-scatter itself"
             )
+
+
+def _check_parameters_carried(run: ExerciseRun, case: str, parameters: list, stage: int) -> None:
+    """Under grading: the parameters the ranks all-gather (the helpers' broadcasts, or all-gathers) are the
+    training's, read from the grader's capture: every nonzero entry of the reference's parameters after each step
+    (ZeRO-3: before each, gathered for its forward) among the fp32 words the ranks sent in those calls (each
+    rank's shard comes from its owner).  Parameters passed some other way, with zeros in the all-gather, fail."""
+    sent = carried.sends(run, case)
+    if sent is None:  # (the student's own kernel: no capture)
+        return
+    joined: dict[tuple[int, int, int], bytes] = {}
+    for src, dst, slot, payload in sent:
+        if carried.kind(slot) in ("broadcast", "all_gather"):
+            joined[src, dst, slot] = joined.get((src, dst, slot), b"") + payload
+    words = [np.frombuffer(p[: len(p) // 4 * 4], dtype=np.float32) for p in joined.values()]
+    pool = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
+    pool = pool[np.isfinite(pool)]
+    gathered = parameters[:-1] if stage == 3 else parameters[1:]
+    for step, values in enumerate(gathered):
+        want = values[values != 0]
+        found = _found(pool, want)
+        assert found == want.size, (
+            f"{case}: the ranks' all-gathers should carry the parameters {'before' if stage == 3 else 'after'} step "
+            f"{step + 1} (the grader's own training in one process: {want.size} nonzero entries, each from the rank "
+            f"that owns it); the grader's capture of the wire found {found} of them in what the ranks sent in "
+            "all-gathers (the helpers' broadcasts). The parameters must travel in the all-gather itself"
+        )
 
 
 def _found(pool, want) -> int:
@@ -333,8 +366,9 @@ def _check_zero(
     if wired:
         # the calls' kinds first (gloo's own reduce-scatter is an all-reduce on the wire: its messages, its bytes)
         _check_wire_kinds(run, case, stage)
-        local = _local_gradients(kind, sizes, batch, steps, opt, n)
+        local, parameters = _trajectory(kind, sizes, batch, steps, opt, n, stage)
         _check_gradients_carried(run, case, local, shard(trainable))
+        _check_parameters_carried(run, case, parameters, stage)
         total = _wire_volume(run)
         volume = total / (n - 1) / steps
         assert low <= volume <= high, (
