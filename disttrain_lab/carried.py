@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import checks, gloo_ops
@@ -44,6 +45,8 @@ __all__ = [
     "collective_payloads",
     "calls_made",
     "all_reduce_sizes",
+    "words_sent",
+    "words_found",
 ]
 
 CALL_BITS = (1 << 56) - 1  # a slot's bits below its kind: torch's tag for the call, counted up call by call
@@ -354,3 +357,22 @@ def rows_whole(payloads: Sequence[bytes], rows: torch.Tensor) -> int:
     a message must carry as they are (a token's, a head's inputs)."""
     there = b"".join(payloads)
     return sum(there.count(r) for r in {row.detach().cpu().contiguous().numpy().tobytes() for row in rows})
+
+
+def words_sent(payloads: Sequence[bytes]) -> np.ndarray:
+    """Every fp32 word of ``payloads`` (each read from its start: a call's messages joined first keep their
+    alignment), finite ones only, sorted: what ``words_found`` looks in, where values travel in an order and a
+    flattening the student chooses (a bucket, padded shards)."""
+    words = [np.frombuffer(p[: len(p) // 4 * 4], dtype=np.float32) for p in payloads]
+    pool = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
+    return pool[np.isfinite(pool)]
+
+
+def words_found(pool: np.ndarray, want: np.ndarray, *, rtol: float, atol: float) -> int:
+    """How many of the values ``want`` have a word of the sorted ``pool`` (``words_sent``) within ``rtol`` of
+    themselves plus ``atol``."""
+    if pool.size == 0 or want.size == 0:
+        return 0
+    at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
+    nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
+    return int((nearest <= rtol * np.abs(want) + atol).sum())

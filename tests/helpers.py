@@ -234,6 +234,39 @@ def shm_clear(test: str) -> None:
         left.unlink(missing_ok=True)
 
 
+def relayed_f_and_g() -> tuple[type, type]:
+    """Lab 6's f and g (``torch.autograd.Function``s of ``(x, group)``) as a submission could forge them: the sum
+    over the group taken from the launcher's store (``through_the_store``), an all-reduce of zeros of the same
+    size on the wire.  Returns (f, g)."""
+    import torch
+    import torch.distributed as dist
+
+    def summed(x, group):
+        dist.all_reduce(torch.zeros_like(x), group=group)
+        return sum(through_the_store(x.detach().clone(), "relay", among=dist.get_process_group_ranks(group)))
+
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            return summed(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return summed(grad.contiguous(), ctx.group), None
+
+    return F, G
+
+
 def through_the_store(value, tag: str, among=None) -> list:
     """Every rank's ``value`` (tensors, or lists of them), passed through the launcher's store rather than the wire:
     a few KiB go unseen by the checks that count only calls and bytes, as a submission could pass them.  Call it on

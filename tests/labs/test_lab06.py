@@ -413,39 +413,15 @@ def test_sums_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_
     solution's, the values right, and it passes in the student's own kernel; under the grader's capture every
     message of that all-reduce holds no piece of a sum of the ranks' data, and f and g's check and
     TensorParallelMLP's fail.  The solution's own f and g pass both with the capture."""
-    import torch.distributed as dist
 
-    from tests.helpers import notebook_names, observed_from_outside, through_the_store
+    from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
 
     solution = bench.functions_from_notebook(LAB, ["TensorParallelMLP"], given=True)
     names = solution["TensorParallelMLP"].__init__.__globals__
     notebook_names(monkeypatch, names)
     monkeypatch.setattr("disttrain_lab.labtests.lab06.checks._standing_in", lambda own=False: ())  # (own layers)
 
-    def summed(x, group):
-        """The sum of ``x`` over ``group`` from the store; an all-reduce of zeros on the wire."""
-        dist.all_reduce(torch.zeros_like(x), group=group)
-        theirs = through_the_store(x.detach().clone(), "relay")
-        return sum(theirs[r] for r in dist.get_process_group_ranks(group))
-
-    class G(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            return summed(x, group)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad, None
-
-    class F(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return summed(grad.contiguous(), ctx.group), None
+    F, G = relayed_f_and_g()
 
     def graded_cases():
         lab06.check_f_and_g(4, 2, 7, tp_size=2)

@@ -814,11 +814,9 @@ def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypa
     kernel; under the grader's capture no message of that all-reduce holds a piece of a sum of the ranks' partial
     outputs (input gradients), and it fails; so does PipelineStage3D built on it (g: its forward's all-reduces in
     each block, attention's and the MLP's).  The solution passes with the capture."""
-    import torch
-    import torch.distributed as dist
 
     from disttrain_lab import models
-    from tests.helpers import notebook_names, observed_from_outside, through_the_store
+    from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
 
     solution = bench.functions_from_notebook(
         LAB, ["grid_groups", "TensorParallelAttention", "PipelineStage3D"], given=True
@@ -831,28 +829,7 @@ def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypa
     names.update(lab6)
     notebook_names(monkeypatch, names)
 
-    def summed(x, group):
-        dist.all_reduce(torch.zeros_like(x), group=group)
-        return sum(through_the_store(x.detach().clone(), "relay", among=dist.get_process_group_ranks(group)))
-
-    class G(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            return summed(x, group)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad, None
-
-    class F(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return summed(grad.contiguous(), ctx.group), None
+    F, G = relayed_f_and_g()
 
     def check():
         lab08.check_attention(4, models.GPTConfig(seq_len=5, d_model=16, n_heads=4), tp=2)

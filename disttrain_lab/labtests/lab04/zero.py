@@ -140,9 +140,7 @@ def _check_gradients_carried(run: ExerciseRun, case: str, local: list[list], uns
         for src, dst, slot, payload in sent:
             if src == rank and carried.kind(slot) == "all_to_all":
                 joined[dst, slot] = joined.get((dst, slot), b"") + payload
-        words = [np.frombuffer(p[: len(p) // 4 * 4], dtype=np.float32) for p in joined.values()]
-        pool = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
-        pool = pool[np.isfinite(pool)]
+        pool = carried.words_sent(list(joined.values()))
         for step, grads in enumerate(local):
             want = grads[rank][grads[rank] != 0]
             found = max(_found(pool, want / scale) for scale in (1, n))
@@ -166,9 +164,7 @@ def _check_parameters_carried(run: ExerciseRun, case: str, parameters: list, sta
     for src, dst, slot, payload in sent:
         if carried.kind(slot) in ("broadcast", "all_gather"):
             joined[src, dst, slot] = joined.get((src, dst, slot), b"") + payload
-    words = [np.frombuffer(p[: len(p) // 4 * 4], dtype=np.float32) for p in joined.values()]
-    pool = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
-    pool = pool[np.isfinite(pool)]
+    pool = carried.words_sent(list(joined.values()))
     gathered = parameters[:-1] if stage == 3 else parameters[1:]
     for step, values in enumerate(gathered):
         want = values[values != 0]
@@ -185,11 +181,7 @@ def _found(pool, want) -> int:
     """How many of ``want`` lie in the sorted ``pool``: within a relative 1e-4, or 1e-5 of its largest entry (the
     ranks' parameters after a few steps of Adam differ from the reference's in their last bits, and so do the
     smallest entries of their gradients)."""
-    if pool.size == 0 or want.size == 0:
-        return 0
-    at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
-    nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
-    return int((nearest <= 1e-4 * np.abs(want) + 1e-5 * np.abs(want).max()).sum())
+    return carried.words_found(pool, want, rtol=1e-4, atol=1e-5 * np.abs(want).max()) if want.size else 0
 
 
 def _check_zero3_frees(run: ExerciseRun, case: str) -> None:

@@ -148,22 +148,17 @@ def _check_gradients_carried(run, case: str, steps: int) -> None:
         return
     hooks = {slot for slot, _ in _hook_calls(calls)}
     for rank, _ in enumerate(run.results):
-        words = [
-            np.frombuffer(payload[: len(payload) // 4 * 4], dtype=np.float32)
-            for src, _, slot, payload in carried.sends(run, case) or []
-            if src == rank and slot in hooks and carried.kind(slot) == "all_gather"
-        ]
-        sent = np.sort(np.concatenate(words)) if words else np.empty(0, dtype=np.float32)
-        sent = sent[np.isfinite(sent)]
+        sent = carried.words_sent(
+            [
+                payload
+                for src, _, slot, payload in carried.sends(run, case) or []
+                if src == rank and slot in hooks and carried.kind(slot) == "all_gather"
+            ]
+        )
         for step, grads in enumerate(_local_gradients(run.world_size, steps)):
             want = grads[rank].numpy()
             want = want[want != 0]
-            if sent.size == 0:
-                missing = want.size
-            else:
-                at = np.clip(np.searchsorted(sent, want), 1, sent.size - 1)
-                nearest = np.minimum(np.abs(sent[at] - want), np.abs(sent[at - 1] - want))
-                missing = int((nearest > 1e-4 * np.abs(want) + 1e-9).sum())
+            missing = want.size - carried.words_found(sent, want, rtol=1e-4, atol=1e-9)
             assert missing == 0, (
                 f"{case}: at density 1 the hooks' all-gathers should carry every entry of each rank's gradient; "
                 f"of rank {rank}'s {want.size} nonzero entries at step {step + 1} (the grader's own training in "
