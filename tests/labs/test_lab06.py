@@ -445,6 +445,60 @@ def test_sums_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_
     assert step in said and "What a rank all-reduces must be the data itself" in said, said
 
 
+def _train_2d_through_the_store(dense, batches, tp_size, lr):
+    """A forged train_2d: the solution's, but each gradient averaged over the DP group through the launcher's store
+    (a few hundred bytes a step) while its all-reduce sums zeros of the same size."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tests.helpers import through_the_store
+
+    tp_group, dp_group = parallel_groups(tp_size)  # noqa: F821  (the notebook's)
+    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    model = TensorParallelMLP(dense, tp_group)  # noqa: F821  (the notebook's)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        x, y = x.tensor_split(dp_size)[dp_rank], y.tensor_split(dp_size)[dp_rank]
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(torch.zeros_like(p.grad), group=dp_group)
+            everyone = through_the_store(p.grad.clone(), "dp", among=dist.get_process_group_ranks(dp_group))
+            p.grad.copy_(sum(everyone) / dp_size)
+        optimizer.step()
+    return model
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_train_2d_averaging_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """train_2d's data-parallel all-reduces must carry each rank's own gradients (the grader's training in one
+    process, each rank's slices on its shard): the solution passes with the capture; one averaging through the
+    launcher's store, its all-reduces summing zeros of the same size, trains right with the right calls and bytes,
+    passes in the student's own kernel, and fails on the wire's content."""
+    import types
+
+    from disttrain_lab.labtests.lab06 import ranks
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["TensorParallelMLP", "train_2d", "parallel_groups"], given=True)
+    notebook_names(monkeypatch, solution["train_2d"].__globals__)
+    monkeypatch.setattr("disttrain_lab.labtests.lab06.checks._standing_in", lambda own=False: ())  # (own layers)
+    driver = ranks._train_2d_in_rank
+    with observed_from_outside():
+        lab06.check_2d(driver, 4, 2)
+        lab06.check_2d(driver, 4, 1, sizes=(4, 12, 4))
+        forged = types.FunctionType(_train_2d_through_the_store.__code__, solution["train_2d"].__globals__)
+        monkeypatch.setattr("__main__.train_2d", forged)  # (among the notebook's names)
+        with pytest.raises(AssertionError) as relayed:
+            lab06.check_2d(driver, 4, 2)
+    lab06.check_2d(driver, 4, 2)  # (the student's own kernel: values, the trace's calls and bytes)
+    said = str(relayed.value)
+    assert "all-reduces in its DP group (0, 2) should carry its own gradients" in said, said
+    assert "must travel in the all-reduce itself" in said, said
+
+
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ... import checks, models, wirecalls
+import torch
+import torch.nn.functional as F
+
+from ... import carried, checks, models, wirecalls
 from .. import common, tp_partials
 from .common import _F_G_PHASES, _MLP_PHASES, GRADED_PASSED, STAND_IN_FOR
 from .ranks import (
@@ -374,6 +377,7 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
             read[group] = wirecalls.group_calls(run, group, case)
         return read[group]
 
+    local = _local_slice_gradients(sizes, batch, steps, tp_size, dp_size) if wire and dp_size > 1 else None
     for rank in range(n):
         tp, dp = _group_of(rank, tp_size), tuple(range(rank % tp_size, n, tp_size))
         inside = f"its TP group {tp} (tensor-parallel all-reduces) or its DP group {dp} (gradient averaging)"
@@ -410,6 +414,8 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
                 f"{case}: rank {rank} all-reduced {in_dp} B in its DP group {dp} over {steps} steps; its gradients "
                 f"are {held} B a step (each of its parameters' gradients once per step)"
             )
+            if wire:
+                _dp_gradients_carried(run, rank, dp, local[rank % tp_size][rank // tp_size], case)
     dense = models.MLP(list(sizes), seed=11)
     reference = models.train_single_process(dense, batches_2d(sizes, batch, steps), lr=0.1)
     for rank, (params, _, _) in enumerate(run.results):
@@ -428,6 +434,47 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
                 rtol=1e-4,
                 atol=1e-5,
             )
+
+
+def _local_slice_gradients(sizes, batch: int, steps: int, tp_size: int, dp_size: int) -> list[list[list]]:
+    """[TP position][DP rank][step]: the gradient of that rank's loss on its DP shard of the step's batch with
+    respect to its TP slices (all of them, flat), in one process, along the dense training the ranks must match
+    (SGD, lr 0.1, on the whole batches: the DP ranks' mean)."""
+    dense = models.MLP(list(sizes), seed=11)
+    optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
+    found = [[[] for _ in range(dp_size)] for _ in range(tp_size)]
+    for x, y in batches_2d(sizes, batch, steps):
+        for d, (xs, ys) in enumerate(zip(x.tensor_split(dp_size), y.tensor_split(dp_size))):
+            dense.zero_grad()
+            F.mse_loss(dense(xs), ys).backward()
+            for position in range(tp_size):
+                slices = _expected_slices(dense, tp_size, position)
+                found[position][d].append(torch.cat([grad.reshape(-1) for _, grad in slices.values()]).numpy().copy())
+        optimizer.zero_grad()
+        F.mse_loss(dense(x), y).backward()
+        optimizer.step()
+    return found
+
+
+def _dp_gradients_carried(run, rank: int, dp: tuple, local: list, case: str) -> None:
+    """Under grading: at each step, what ``rank`` sent its DP group in all-reduces holds its own gradients (``local``,
+    its slices' on its shard, as they are or divided by the group's size): a ring's first step sends 1/dp of each
+    call's input as it is, so at least half of that share of the nonzero entries, whatever the order or flattening.
+    Gradients averaged some other way (the launcher's store) with zeros of the right size on the wire fail."""
+    sent = carried.sends(run, case) or []
+    pool = carried.words_sent(
+        [p for src, dst, slot, p in sent if src == rank and dst in dp and carried.kind(slot) == "all_reduce"]
+    )
+    for step, grads in enumerate(local):
+        want = grads[grads != 0]
+        found = max(carried.words_found(pool, want / scale, rtol=1e-4, atol=1e-7) for scale in (1, len(dp)))
+        least = want.size // (2 * len(dp))
+        assert found >= least, (
+            f"{case}: at step {step + 1} rank {rank}'s all-reduces in its DP group {dp} should carry its own gradients "
+            f"(the grader's training in one process: {want.size} nonzero entries of its slices on its shard; a ring "
+            f"sends 1/{len(dp)} of them as they are, at least {least} are looked for); the grader's capture of the "
+            f"wire found {found}. The gradients must travel in the all-reduce itself"
+        )
 
 
 def check_groups_not_divisible(n: int, tp_size: int) -> None:
