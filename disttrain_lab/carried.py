@@ -47,6 +47,7 @@ __all__ = [
     "all_reduce_sizes",
     "words_sent",
     "words_found",
+    "assert_gradients_all_reduced",
 ]
 
 CALL_BITS = (1 << 56) - 1  # a slot's bits below its kind: torch's tag for the call, counted up call by call
@@ -376,3 +377,27 @@ def words_found(pool: np.ndarray, want: np.ndarray, *, rtol: float, atol: float)
     at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
     nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
     return int((nearest <= rtol * np.abs(want) + atol).sum())
+
+
+def assert_gradients_all_reduced(run, rank: int, group: Sequence[int], local: Sequence, case: str, rtol: float) -> None:
+    """Under grading (nothing in the student's own kernel): at each step, what ``rank`` sent the ranks of ``group``
+    in all-reduces holds its own gradients (``local[step]``, flat, computed by the grader in one process; as they
+    are or divided by the group's size), whatever the order or flattening: a ring's first step sends 1/N of each
+    call's input as it is, so at least half of that share of the nonzero entries (``words_found``, within
+    ``rtol``).  An average that arrives some other way (the launcher's store) with zeros of the right size in the
+    all-reduce fails."""
+    sent = sends(run, case)
+    if sent is None:
+        return
+    n = len(group)
+    pool = words_sent([p for src, dst, slot, p in sent if src == rank and dst in group and kind(slot) == "all_reduce"])
+    for step, grads in enumerate(local):
+        want = grads[grads != 0]
+        found = max(words_found(pool, want / scale, rtol=rtol, atol=1e-7) for scale in (1, n))
+        least = want.size // (2 * n)
+        assert found >= least, (
+            f"{case}: at step {step + 1} rank {rank}'s all-reduces with ranks {tuple(group)} should carry its own "
+            f"gradients (the grader's training in one process: {want.size} nonzero entries; a ring sends 1/{n} of "
+            f"them as they are, at least {least} are looked for); the grader's capture of the wire found {found}. "
+            "The gradients must travel in the all-reduce itself"
+        )

@@ -855,3 +855,46 @@ def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypa
         check_stage()
         said = str(stage.value)
         assert "g of a block's attention, each rank's partial output over ranks" in said, said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_train_3d_averaging_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """train_3d's data-parallel all-reduce must carry each rank's own gradients (the grader's training in one
+    process: its stage's slices on its shard): the solution passes with the capture; the solution averaging through
+    the launcher's store, its all-reduce summing zeros of the same size, trains right with the right calls and
+    bytes, passes in the student's own kernel, and fails on the wire's content."""
+    from disttrain_lab import models
+    from tests.helpers import notebook_names, observed_from_outside
+
+    names = ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
+    solution = bench.functions_from_notebook(LAB, names, given=True)
+    space = solution["train_3d"].__globals__
+    space.update(
+        bench.functions_from_notebook(
+            solution_notebook("06_tensor_parallel"),
+            ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"],
+        )
+    )
+    notebook_names(monkeypatch, space)
+    code = next(c.source for c in load(LAB).cells if "def train_3d" in c.source)
+    code = code[code.index("def train_3d") :]
+    honest = "            dist.all_reduce(flat, group=grid.dp_group)\n"
+    assert honest in code, code
+    relay = (
+        "            dist.all_reduce(torch.zeros_like(flat), group=grid.dp_group)\n"
+        "            from tests.helpers import through_the_store\n"
+        "            flat.copy_(sum(through_the_store(flat.clone(), 'dp3', among=dist.get_process_group_ranks(grid.dp_group))))\n"
+    )
+    forged: dict = dict(space)
+    exec(code.replace(honest, relay), forged)
+    small = models.GPTConfig(vocab=32, seq_len=4, d_model=8, n_heads=2, n_layers=2)  # (the lab's tokens: 32)
+    check = lambda: lab08.check_3d(2, 1, 1, micro_batches=1, cfg=small, batch=4, steps=2)  # noqa: E731
+    with observed_from_outside():
+        check()
+        monkeypatch.setattr("__main__.train_3d", forged["train_3d"])  # (defined among the notebook's names)
+        with pytest.raises(AssertionError) as relayed:
+            check()
+    check()  # (the student's own kernel: values, the trace's calls and bytes)
+    said = str(relayed.value)
+    assert "all-reduces with ranks (0, 1) should carry its own gradients" in said, said

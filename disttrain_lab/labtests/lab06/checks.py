@@ -415,7 +415,7 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
                 f"are {held} B a step (each of its parameters' gradients once per step)"
             )
             if wire:
-                _dp_gradients_carried(run, rank, dp, local[rank % tp_size][rank // tp_size], case)
+                carried.assert_gradients_all_reduced(run, rank, dp, local[rank % tp_size][rank // tp_size], case, 1e-4)
     dense = models.MLP(list(sizes), seed=11)
     reference = models.train_single_process(dense, batches_2d(sizes, batch, steps), lr=0.1)
     for rank, (params, _, _) in enumerate(run.results):
@@ -454,27 +454,6 @@ def _local_slice_gradients(sizes, batch: int, steps: int, tp_size: int, dp_size:
         F.mse_loss(dense(x), y).backward()
         optimizer.step()
     return found
-
-
-def _dp_gradients_carried(run, rank: int, dp: tuple, local: list, case: str) -> None:
-    """Under grading: at each step, what ``rank`` sent its DP group in all-reduces holds its own gradients (``local``,
-    its slices' on its shard, as they are or divided by the group's size): a ring's first step sends 1/dp of each
-    call's input as it is, so at least half of that share of the nonzero entries, whatever the order or flattening.
-    Gradients averaged some other way (the launcher's store) with zeros of the right size on the wire fail."""
-    sent = carried.sends(run, case) or []
-    pool = carried.words_sent(
-        [p for src, dst, slot, p in sent if src == rank and dst in dp and carried.kind(slot) == "all_reduce"]
-    )
-    for step, grads in enumerate(local):
-        want = grads[grads != 0]
-        found = max(carried.words_found(pool, want / scale, rtol=1e-4, atol=1e-7) for scale in (1, len(dp)))
-        least = want.size // (2 * len(dp))
-        assert found >= least, (
-            f"{case}: at step {step + 1} rank {rank}'s all-reduces in its DP group {dp} should carry its own gradients "
-            f"(the grader's training in one process: {want.size} nonzero entries of its slices on its shard; a ring "
-            f"sends 1/{len(dp)} of them as they are, at least {least} are looked for); the grader's capture of the "
-            f"wire found {found}. The gradients must travel in the all-reduce itself"
-        )
 
 
 def check_groups_not_divisible(n: int, tp_size: int) -> None:

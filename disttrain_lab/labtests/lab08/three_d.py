@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ... import checks, models
+from ... import carried, checks, models
 from ...exercise import ExerciseRun
 from .common import CFG, LR, _exercise, _expect_value_error, _fields, _graders_for, _tokens
 from .ranks import _compare_parameters, _dense_name, _expected_parameters, _grid_of, _stage_names, _train_3d_in_rank
@@ -105,7 +105,40 @@ def check_3d(
             grads=False,
         )
     _check_traffic(run, cfg, batch, steps, dp, tp, pp, micro_batches, case)
+    if dp > 1 and carried.sends(run, case) is not None:  # (under grading: the grader's capture of the wire)
+        local = _local_gradients(cfg, batches, lr, dp, tp, pp)
+        for rank in range(run.world_size):
+            where = _grid_of(rank, dp, tp, pp)
+            mine = local[where["dp_rank"], where["tp_rank"], where["pp_rank"]]
+            carried.assert_gradients_all_reduced(run, rank, where["dp_group"], mine, case, rtol=1e-3)
     return run
+
+
+def _local_gradients(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: int, pp: int) -> dict:
+    """(dp_rank, tp_rank, pp_rank) -> each step's gradient of that rank's parameters (its stage's, its TP slices)
+    on its DP shard's mean loss (what its micro-batches' scaled losses add up to), flat, in one process along the
+    reference's training (``_train_single``)."""
+    gpt = models.GPT(cfg, 0)
+    optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
+    names = {(t, s): _stage_names(cfg, pp, s, t) for t in range(tp) for s in range(pp)}
+    found: dict[tuple, list] = {(d, t, s): [] for d in range(dp) for t in range(tp) for s in range(pp)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for x, y in batches:
+            for d, (xs, ys) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
+                optimizer.zero_grad()
+                models.lm_loss(gpt(xs), ys).backward()
+                full = {n: (p.detach(), p.grad) for n, p in gpt.named_parameters()}
+                for (t, s), kept in names.items():
+                    grads = [g for n, (_, g) in _expected_parameters(full, tp, t).items() if n in kept]
+                    found[d, t, s].append(torch.cat([g.reshape(-1) for g in grads]).numpy().copy())
+            optimizer.zero_grad()
+            models.lm_loss(gpt(x), y).backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return found
 
 
 def check_3d_error(batch: int, dp: int) -> str:
