@@ -20,8 +20,9 @@ are read (IP and TCP, bounds checked); the payload, the student's bytes, is neve
 
 The grader runs it as a program (standard library only, no import of the package):
 ``nsenter --net=/proc/P/ns/net python -I -S capture.py``; it prints ``ready`` once the socket is
-bound, captures until SIGINT (and what was queued by then: at most ``DRAIN_S`` more where other traffic
-never lets the queue run dry), then prints one line per segment, ``t local peer seq bytes``
+bound and the kernel stamps packets as they pass (``_wait_for_live_stamps``), captures until SIGINT
+(and what was queued by then: at most ``DRAIN_S`` more where other traffic never lets the queue run dry),
+then prints one line per segment, ``t local peer seq bytes``
 (times in seconds, ``time.monotonic``), and a last line ``end DROPPED CUT``: the kernel's count
 of packets it dropped because the socket's queue was full, and of segments whose data it could
 not keep.  Given a file's path (``capture.py PATH``, the grader's own file, for a test that reads
@@ -62,6 +63,7 @@ QUEUE_BYTES = 256 << 20  # what the kernel may queue for this socket before it d
 SKF_AD_PKTTYPE = 0xFFFFF000 + 4  # SKF_AD_OFF + SKF_AD_PKTTYPE: a filter's load of the packet's type (linux/filter.h)
 DRAIN_S = 2.0  # once asked to stop, how long it reads on while packets keep coming
 PRIORITY = -10  # the capture's nice value: the kernel drops what a starved reader leaves in the queue
+STAMPS_LIVE_S = 10.0  # how long a capture waits for the kernel to stamp packets as they pass, before it refuses
 MAX_PAYLOAD_BYTES = 512 << 20  # payloads kept at most in all: past it a segment's data is not kept (marked)
 MAX_CONNECTION_BYTES = 64 << 20  # ... and on one connection (the host's own loopback carries other traffic)
 
@@ -162,6 +164,36 @@ def _monotonic(notes: list[tuple[int, int, bytes]], apart: float) -> float:
     raise RuntimeError("the kernel gave a packet no time (SO_TIMESTAMPNS)")
 
 
+def _wait_for_live_stamps(apart: float, within: float = STAMPS_LIVE_S) -> None:
+    """Return once the kernel stamps packets as they pass, not when they are read.  Its switch for stamping
+    (``netstamp_needed_key``, global) is turned on by a work item that the first socket asking for stamps schedules
+    (``net_enable_timestamp``); until it runs, a packet is stamped when its reader reads it.  On a loaded host that
+    work item ran late once: two segments were timed 0.3 s and 0.2 s after they were sent, when a reader kept
+    waiting read them.  So a datagram on the loopback, read 5 ms after it was sent, must carry a stamp from before
+    then; after ``within`` seconds without one the capture refuses (``RuntimeError``)."""
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        receiver.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        receiver.bind(("127.0.0.1", 0))
+        receiver.settimeout(1.0)
+        end = time.monotonic() + within
+        while time.monotonic() < end:
+            sent = time.monotonic()
+            sender.sendto(b"t", receiver.getsockname())
+            time.sleep(0.005)
+            try:
+                _, notes, _, _ = receiver.recvmsg(16, socket.CMSG_SPACE(STAMP.size))
+            except TimeoutError:
+                continue
+            if _monotonic(notes, apart) < sent + 0.004:  # (stamped on its way, not 5 ms later when read)
+                return
+    finally:
+        receiver.close()
+        sender.close()
+    raise RuntimeError(f"the kernel did not stamp packets as they passed within {within:g} s (its timestamping off)")
+
+
 def _capture(payload_path: str | None = None) -> None:
     """The program: capture on ``lo`` until SIGINT, then print the segments (module docstring);
     with ``payload_path``, write their payloads there."""
@@ -189,6 +221,7 @@ def _capture(payload_path: str | None = None) -> None:
     sock.bind(("lo", 0))
     sock.settimeout(0.01)  # how soon it sees SIGINT once the data stops
     apart = _clocks_apart()
+    _wait_for_live_stamps(apart)  # (the packet socket above asked for stamps: the switch is on its way)
     print("ready", flush=True)
     carried = Carried()
     lines, payloads, kept, cut = [], [], 0, 0  # (payloads: one per line, None where its data is not kept)

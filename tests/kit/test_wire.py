@@ -139,6 +139,25 @@ def test_the_capture_sees_what_the_os_counted():
                 assert timeline.bytes(a, b) == counted.between(a, b), (a, b)
 
 
+def test_the_capture_starts_only_once_the_kernel_stamps_packets_as_they_pass():
+    """The kernel's switch for stamping packets is turned on by a work item, which a loaded host once ran late: two
+    segments were then stamped when the capture read them, 0.3 s and 0.2 s after they left.  The capture says ready
+    only once a datagram on the loopback, read 5 ms after it was sent, carries a stamp from before then; stamps that
+    come late every time (here: the clocks put a second apart) refuse the capture after its wait."""
+    import time
+
+    from disttrain_lab.grading import capture
+
+    apart = capture._clocks_apart()
+    start = time.monotonic()
+    capture._wait_for_live_stamps(apart)
+    assert time.monotonic() - start < 2, time.monotonic() - start
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not stamp packets as they passed within 0.1 s"):
+        capture._wait_for_live_stamps(apart - 1.0, within=0.1)
+    assert time.monotonic() - start < 2, time.monotonic() - start
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_the_capture_times_a_segment_when_it_left_not_when_it_was_read():
     """A capture the scheduler keeps waiting (a loaded host: here, stopped outright) reads the segments late;
