@@ -88,15 +88,35 @@ RETURNED_FROM = 128 * 1024  # glibc's default mmap threshold, kept fixed for a r
 KEPT_BELOW = 32 * 2**20  # where glibc's dynamic mmap threshold stops growing (64-bit): after such a run
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:  # (no C library to load by that name: nothing to set)
+        return None
+
+
+_LIBC = _libc()
+
+
+def trim() -> None:
+    """In a rank, just before the grader reads its memory (``pause``; ``gate.Gate.wait``, a hold): glibc gives the OS
+    back the whole pages of every block it keeps free, in every arena (``malloc_trim(0)``), so that the reading counts
+    what the rank holds, not what its allocator kept of what it freed.  A rank forked from a kernel inherits that
+    kernel's allocator: the threads it starts (gloo's) reuse the arenas of the kernel's ended threads and carve their
+    blocks out of those arenas' free blocks, which glibc keeps when they are freed again, whatever its thresholds (lab
+    14's honest ``sharded_step`` read 4.05 layers for 1.05 where the kernel's threads had left 20 MiB free blocks:
+    ``tests/labs/test_lab14_prefetch.py``; 4.08 once in a full suite).  Only free blocks go: nothing a rank holds
+    reads smaller, so a submission gains nothing by it (or by calling it itself)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
 def _allocator(mmap_threshold: int) -> None:
     """glibc's mmap threshold fixed at ``mmap_threshold`` (blocks from that size up are mapped alone and
     returned to the OS when freed), its trim threshold at twice it, as its dynamic threshold sets them."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
-        libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)
-    except (OSError, AttributeError):  # not glibc: its allocator is what it is
-        pass
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):  # (not glibc: its allocator is what it is)
+        _LIBC.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+        _LIBC.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold)
 
 
 def settle() -> None:
@@ -214,6 +234,7 @@ def pause(longest: float) -> float:
     started = time.monotonic()
     if not WATCHABLE:  # (no watch can read this machine's ranks: no pause to wait in)
         return 0.0
+    trim()
     try:
         signal.signal(WAKE_SIGNAL, _woken)
     except ValueError:  # not the main thread: the whole pause

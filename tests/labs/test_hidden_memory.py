@@ -47,7 +47,7 @@ def _not_a_subreaper():
 def _smaller_layers(monkeypatch):
     """4 MiB layers (1024 x 1024), not the grade's 16 MiB, and 3 MiB of margin: each of these runs puts a quarter of
     the bytes on the loopback the tests' capture reads (beside other tests there, the grade's sizes once filled its
-    queue), and a copy of each layer still reads 4 layers, above 3 and the margin (no noise makes a reading lower)."""
+    queue), and a copy of each layer still reads 4 layers, above 2 and the margin (no noise makes a reading lower)."""
     monkeypatch.setattr(prefetch, "FREED_WIDTHS", (1024,) * 5)
     monkeypatch.setattr(prefetch, "FREED_MARGIN", 3 * 2**20)
 
