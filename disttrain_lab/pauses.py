@@ -117,21 +117,31 @@ STRANGERS = (
 
 def strangers(pids: list[int]) -> list[int]:
     """The processes of the uid and cgroup of the processes ``pids`` (a graded run's ranks: the sandbox's, or a
-    test's) that started after the first of them and are neither one of them nor descended from this process
-    (the grader's own helpers): what a rank forked and left (a child that forked again and ended leaves its own
-    child to the sandbox's init), whose pages it shares copy-on-write.  Read from ``/proc/<pid>/stat``,
+    test's) that started after the first of them and are not one of them: what a rank forked and left (a child
+    that forked again and ended leaves its own child to the sandbox's init), whose pages it shares copy-on-write.
+    Left out, the grader's own helpers (descended from this process, and from no rank); and where the ranks are
+    this process's own (the student's kernel, or a test's: nothing between them and it), the other programs of
+    that user (descended from no rank, in another session than the ranks': a browser that the student's laptop, or
+    a test, started meanwhile; a rank's orphan keeps the ranks' session, unless it made one of its own, which only a
+    graded run's sandbox, where every process of the cgroup counts, would see).  Read from ``/proc/<pid>/stat``,
     ``status`` and ``cgroup``, which every uid may read.  (Two students graded at once have a uid and a cgroup
     each: ``grading/uids.py``, ``grading/cgroups.py``.)"""
-    ranks = set(pids)
+    ranks, me = set(pids), os.getpid()
     group, uid = _cgroup(pids[0]), _uid(pids[0])
     first = min(_stat(p)[1] for p in pids)
+    ours = _descends_from(pids[0], me)
+    session = _session(pids[0])
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in ranks:
             continue
         pid = int(entry)
         try:
-            if _stat(pid)[1] < first or _uid(pid) != uid or _cgroup(pid) != group or _descends_from(pid, os.getpid()):
+            if _stat(pid)[1] < first or _uid(pid) != uid or _cgroup(pid) != group:
+                continue
+            if not any(_descends_from(pid, rank) for rank in ranks) and (
+                _descends_from(pid, me) or (ours and _session(pid) != session)
+            ):
                 continue
         except (OSError, ValueError):  # (ended meanwhile)
             continue
@@ -144,6 +154,12 @@ def _stat(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read(1 << 12).rpartition(b")")[2].split()  # (the name, in parentheses, is the process's own)
     return int(fields[1]), int(fields[19])
+
+
+def _session(pid: int) -> int:
+    """Process ``pid``'s session id."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read(1 << 12).rpartition(b")")[2].split()[3])
 
 
 def _status(pid: int, field: bytes) -> list[bytes]:

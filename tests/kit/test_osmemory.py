@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from disttrain_lab import osmemory, pauses
 from disttrain_lab.wire import Unobserved
+from tests.helpers import not_a_subreaper
 
 CHILD = """
 import signal, sys, time
@@ -141,3 +143,60 @@ def test_a_zombie_has_ended_and_a_living_process_has_not():
     finally:
         os.waitpid(child, 0)
     assert pauses.ended(child)  # (reaped: gone)
+
+
+def _pids_running(marker: str) -> list[int]:
+    """The processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if entry.isdigit() and marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not osmemory.WATCHABLE, reason="no /proc to read processes from")
+def test_strangers_are_what_the_ranks_left_not_another_program_of_their_user():
+    """Beside two "ranks" this process started: an orphan a rank left (its child started a process of its own and
+    ended: the grandchild is left to init, in the ranks' session) and a rank's own child count; a process that another
+    program left in a session of its own (a browser the student's laptop or a test starts: descended from no rank and
+    not from this process) does not, nor one this process started (the grader's helper).  Where the ranks are not this
+    process's own (a graded run's sandbox), every process of their uid and cgroup started after them counts."""
+    marker = f"{os.getpid()}{time.monotonic_ns() % 10**6}"  # (digits: each sleep's seconds are 3x.<marker>)
+    with not_a_subreaper():
+        ranks = [
+            subprocess.Popen(["sh", "-c", f"(sleep 31.{marker} &); sleep 32.{marker} & sleep 30.{marker}"]),
+            subprocess.Popen(["sleep", f"30.{marker}"]),
+        ]
+        try:
+            helper = subprocess.Popen(["sleep", f"33.{marker}"], start_new_session=True)
+            subprocess.run(["setsid", "-f", "sleep", f"34.{marker}"], check=True)  # (its parent ends at once)
+            deadline, wanted = time.monotonic() + 10, [f"\0{n}.{marker}\0" for n in (31, 32, 34)]
+            while time.monotonic() < deadline and not all(_pids_running(w) for w in wanted):
+                time.sleep(0.05)
+            (orphan,), (child,), (other,) = map(_pids_running, wanted)
+            found = pauses.strangers([r.pid for r in ranks])
+            assert orphan in found and child in found, (found, orphan, child)
+            assert other not in found and helper.pid not in found, (found, other, helper.pid)
+            seen_from_elsewhere = subprocess.run(  # (a watcher the ranks do not descend from: the grader's)
+                [
+                    sys.executable,
+                    "-c",
+                    f"from disttrain_lab import pauses; print(pauses.strangers({[r.pid for r in ranks]}))",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            elsewhere = ast.literal_eval(seen_from_elsewhere.stdout.strip())
+            assert other in elsewhere and orphan in elsewhere, (elsewhere, other, orphan)
+        finally:
+            for pid in _pids_running(marker):
+                os.kill(pid, 9)
+            for r in ranks:
+                r.wait()
+            helper.wait()
