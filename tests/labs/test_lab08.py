@@ -898,3 +898,40 @@ def test_train_3d_averaging_through_the_store_fails_on_the_wires_content(monkeyp
     check()  # (the student's own kernel: values, the trace's calls and bytes)
     said = str(relayed.value)
     assert "all-reduces with ranks (0, 1) should carry its own gradients" in said, said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_train_3d_summing_g_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """train_3d's forward all-reduces (g) in each TP group must carry each rank's partial outputs of every block's
+    attention and MLP on every micro-batch (the grader's dense GPT along the single-process training): the solution
+    passes with the capture, uneven micro-batches too; with g summing through the launcher's store and all-reducing
+    zeros of the same size, it trains right with the right calls and bytes, passes in the student's own kernel, and
+    fails on the wire's content."""
+    from disttrain_lab import models
+    from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
+
+    solution = bench.functions_from_notebook(
+        LAB, ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"], given=True
+    )
+    names = solution["train_3d"].__globals__
+    lab6 = bench.functions_from_notebook(
+        solution_notebook("06_tensor_parallel"),
+        ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"],
+    )
+    names.update(lab6)
+    notebook_names(monkeypatch, names)
+    _, G = relayed_f_and_g()
+    small = models.GPTConfig(vocab=32, seq_len=4, d_model=8, n_heads=2, n_layers=2)  # (the lab's tokens: 32)
+    check = lambda: lab08.check_3d(1, 2, 2, micro_batches=3, cfg=small, batch=7, steps=2)  # noqa: E731
+    with observed_from_outside():
+        check()
+        lab08.check_3d(2, 2, 1, micro_batches=1, cfg=small, batch=6, steps=2)
+        for space in (names, lab6["TensorParallelMLP"].forward.__globals__):  # (the attention's and the MLP's)
+            monkeypatch.setitem(space, "g", G.apply)
+        with pytest.raises(AssertionError) as relayed:
+            check()
+    check()  # (the student's own kernel: values, the trace's calls and bytes)
+    said = str(relayed.value)
+    assert "should all-reduce, in the forward (g), each rank's partial output" in said, said
+    assert "no all-reduce of theirs at that step carried block 0's attention on micro-batch 0" in said, said

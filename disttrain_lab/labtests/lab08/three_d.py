@@ -8,8 +8,9 @@ import math
 
 import torch
 
-from ... import carried, checks, models
+from ... import carried, checks, models, wirecalls
 from ...exercise import ExerciseRun
+from .. import tp_partials
 from .common import CFG, LR, _exercise, _expect_value_error, _fields, _graders_for, _tokens
 from .ranks import _compare_parameters, _dense_name, _expected_parameters, _grid_of, _stage_names, _train_3d_in_rank
 from .traffic import _check_traffic
@@ -48,7 +49,8 @@ def check_3d(
     the DP group, each micro-batch's loss scaled by its share of the rows), and its traffic is the
     configuration's: 4 all-reduces per block per micro-batch in its TP group, one DP all-reduce of all its
     gradients per step, activations and their gradients only to the neighbouring stages (by the trace and by
-    the operating system's count).  Built on the grader's earlier pieces where yours failed.  Returns the run."""
+    the operating system's count); under grading, what the DP all-reduce and the TP group's forward all-reduces (g)
+    carried, read on the wire.  Built on the grader's earlier pieces where yours failed.  Returns the run."""
     case = f"train_3d on a {dp} × {tp} × {pp} grid, {micro_batches} micro-batches, batch {batch}, {steps} steps"
     batches = models.lm_batches(_tokens(), batch, cfg.seq_len, steps, seed=7)
     run = _exercise(
@@ -111,7 +113,88 @@ def check_3d(
             where = _grid_of(rank, dp, tp, pp)
             mine = local[where["dp_rank"], where["tp_rank"], where["pp_rank"]]
             carried.assert_gradients_all_reduced(run, rank, where["dp_group"], mine, case, rtol=1e-3)
+    if tp > 1 and wirecalls.observed(run):
+        _forward_sums_on_the_wire(run, _forward_partials(cfg, batches, lr, dp, tp, pp, micro_batches), dp, tp, pp, case)
     return run
+
+
+def _forward_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: int, pp: int, micro_batches: int):
+    """(dp_rank, pp_rank) -> for each step, what that stage's forward all-reduces (g) carry in its TP group: for each
+    micro-batch of the DP shard, each of the stage's blocks, attention's then the MLP's (what, each TP position's
+    partial output: ``tp_partials``), on the dense GPT's LayerNorms of the block's input, in one process along the
+    reference's training (``_train_single``)."""
+    gpt = models.GPT(cfg, 0)
+    optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
+    per = cfg.n_layers // pp
+    found: dict[tuple, list] = {(d, s): [] for d in range(dp) for s in range(pp)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for x, y in batches:
+            for d, shard in enumerate(x.tensor_split(dp)):
+                step: dict[int, list] = {s: [] for s in range(pp)}
+                for m, rows in enumerate(shard.tensor_split(micro_batches)):
+                    entering: list[torch.Tensor] = []  # each block's input, in the dense GPT's forward
+                    keep = lambda _, args, into=entering: into.append(args[0].detach())  # noqa: E731
+                    hooks = [block.register_forward_pre_hook(keep) for block in gpt.blocks]
+                    with torch.no_grad():
+                        gpt(rows)
+                    for hook in hooks:
+                        hook.remove()
+                    for i, (block, h) in enumerate(zip(gpt.blocks, entering)):
+                        attention, _ = tp_partials.attention_partials(block.attn, block.ln1(h).detach(), None, tp)
+                        with torch.no_grad():
+                            into_mlp = block.ln2(h + block.attn(block.ln1(h)))
+                        mlp, _ = tp_partials.mlp_partials(block.mlp, into_mlp, None, tp)
+                        step[i // per] += [
+                            (f"block {i}'s attention on micro-batch {m}", attention),
+                            (f"block {i}'s MLP on micro-batch {m}", mlp),
+                        ]
+                for s in range(pp):
+                    found[d, s].append(step[s])
+            optimizer.zero_grad()
+            models.lm_loss(gpt(x), y).backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return found
+
+
+def _forward_sums_on_the_wire(run: ExerciseRun, partials: dict, dp: int, tp: int, pp: int, case: str) -> None:
+    """Under grading: at each step, every forward all-reduce (g) a TP group owes (``_forward_partials``: its DP
+    shard's micro-batches through its stage's blocks) is one of that step's all-reduces in the group, whose every
+    message is a piece of a sum of the ranks' partial outputs over ranks that include its sender
+    (``carried.assert_reduced_carried``), whatever the order of the micro-batches' forwards and backwards; the
+    backward's (f) are counted, not read."""
+    for rank in range(run.world_size):
+        where = _grid_of(rank, dp, tp, pp)
+        group = tuple(where["tp_group"])
+        if rank != group[0]:
+            continue
+        owed = partials[where["dp_rank"], where["pp_rank"]]
+        calls = [payloads for kind, payloads in wirecalls.call_payloads(run, group, case) if kind == "all_reduce"]
+        per_step = len(calls) // len(owed)  # (their count, every step's alike: checked with the traffic)
+        for step, wanted in enumerate(owed):
+            wanted = list(wanted)
+            for payloads in calls[step * per_step : (step + 1) * per_step]:
+                for j, (what, sums) in enumerate(wanted):
+                    try:
+                        with torch.no_grad():
+                            carried.assert_reduced_carried(
+                                payloads, {r: sums[group.index(r)] for r in group}, case, what
+                            )
+                    except AssertionError:
+                        continue
+                    del wanted[j]
+                    break
+            assert not wanted, (
+                f"{case}: at step {step}, ranks {group} (the TP group of stage {where['pp_rank']}, DP replica "
+                f"{where['dp_rank']}) should all-reduce, in the forward (g), each rank's partial output of every "
+                f"block's attention and MLP on every micro-batch: no all-reduce of theirs at that step carried "
+                f"{wanted[0][0]} (each message a piece of a sum, over ranks that include its sender, of the ranks' "
+                f"partial outputs; {len(wanted)} such all-reduce(s) missing). What a rank all-reduces must be the data "
+                "itself, not zeros or a copy while the sums travel some other way"
+            )
 
 
 def _local_gradients(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: int, pp: int) -> dict:
