@@ -570,12 +570,13 @@ def _solution_sp_block(monkeypatch):
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
-@pytest.mark.parametrize("relayed", ["all-gathers", "reduce-scatters"])
+@pytest.mark.parametrize("relayed", ["all-gathers", "reduce-scatters", "backward-reduce-scatters"])
 def test_a_sequence_parallel_block_moving_its_data_through_the_store_fails_on_the_wires_content(monkeypatch, relayed):
     """The solution's block whose all-gathers (forward and backward) take every rank's slice from the launcher's store
-    and gather zeros of the same size, or whose reduce-scatters add up the partial sums from the store and send zeros
-    in their all-to-alls: the values, the calls and their bytes are right, and it passes in the student's own
-    kernel; the grader finds no LayerNorm output of a rank's tokens (no partial sum) in what it sent, and fails it."""
+    and gather zeros of the same size, or whose reduce-scatters (forward and backward, or backward's alone) add up the
+    partial sums from the store and send zeros in their all-to-alls: the values, the calls and their bytes are right,
+    and it passes in the student's own kernel; the grader finds no LayerNorm output of a rank's tokens (no partial
+    sum, forward or backward) in what it sent, and fails it."""
     import torch
     import torch.distributed as dist
 
@@ -596,18 +597,31 @@ def test_a_sequence_parallel_block_moving_its_data_through_the_store_fails_on_th
         dist.all_to_all_single(torch.empty_like(chunks), chunks, group=group)
         return sum(everyone).chunk(n, dim=1)[rank].contiguous()
 
+    space = block.__init__.__globals__
     if relayed == "all-gathers":
-        monkeypatch.setitem(block.__init__.__globals__, "_gather_sequence", gathered)
-    else:
-        monkeypatch.setitem(block.__init__.__globals__, "_reduce_scatter_sequence", scattered)
+        monkeypatch.setitem(space, "_gather_sequence", gathered)
+    elif relayed == "reduce-scatters":
+        monkeypatch.setitem(space, "_reduce_scatter_sequence", scattered)
+    else:  # (gather_linear's backward's alone: the forward's reduce-scatter stays the solution's)
+        honest = space["_reduce_scatter_sequence"]
+
+        def forward(ctx, x, group):
+            ctx.group = group
+            return honest(x, group)
+
+        monkeypatch.setattr(space["_ReduceScatterSequence"], "forward", staticmethod(forward))
+        monkeypatch.setitem(space, "_reduce_scatter_sequence", scattered)
     lab10.check_sp(2, 8, 2, 8, 2, 0)  # (the student's own kernel: values, the trace's calls and bytes)
     with observed_from_outside(), pytest.raises(AssertionError) as failed:
         lab10.check_sp(2, 8, 2, 8, 2, 0)
     said = str(failed.value)
     if relayed == "all-gathers":
         assert "all-gathers should carry ln1's output" in said and "must travel in the all-gathers themselves" in said
-    else:
+    elif relayed == "reduce-scatters":
         assert "reduce-scatter after attention's output projection should send" in said, said
+        assert "must travel in the reduce-scatter itself" in said, said
+    else:
+        assert "backward reduce-scatter of ln1's output gradient through its heads should send" in said, said
         assert "must travel in the reduce-scatter itself" in said, said
 
 

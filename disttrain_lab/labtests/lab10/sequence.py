@@ -66,10 +66,17 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
         getattr(block, name).register_forward_hook(lambda _m, _i, out, name=name: normed.__setitem__(name, out))
         for name in ("ln1", "ln2")
     ]
+    into: dict[str, torch.Tensor] = {}  # attention's and the MLP's outputs: their gradients, what backward's carry
+    hooks += [
+        getattr(block, name).register_forward_hook(lambda _m, _i, out, name=name: into.__setitem__(name, out))
+        for name in ("attn", "mlp")
+    ]
     with memory.SavedActivations(block) as saved:
         y = block(x)
     for hook in hooks:
         hook.remove()
+    for out in into.values():
+        out.retain_grad()
     (y * dy).sum().backward()
     full = dict(block.named_parameters())
     per = tokens // t
@@ -115,7 +122,7 @@ def check_sp(t: int, d: int, heads: int, tokens: int, batch: int, seed: int) -> 
     if observed:
         _sp_on_the_wire(run, t, tensor, case)
         _sp_rows_on_the_wire(run, case, normed, per)
-        _sp_sums_on_the_wire(run, case, block, normed, per)
+        _sp_sums_on_the_wire(run, case, block, normed, {name: out.grad for name, out in into.items()}, per)
         return
     for rank in range(t):  # the ranks' trace: in the student's own kernel
         calls, _ = _forward_phase(run, rank)
@@ -223,33 +230,45 @@ def _sp_rows_on_the_wire(run, case: str, normed: dict[str, torch.Tensor], per: i
             )
 
 
-def _sp_sums_on_the_wire(run, case: str, block, normed: dict[str, torch.Tensor], per: int) -> None:
-    """What the forward's reduce-scatters carried, from the grader's capture: on the CPU each is one all-to-all, in
-    which rank r sends rank s the rows of its partial sum on s's tokens; for attention (its heads through its
-    columns of ``proj``) and the MLP (its hidden features through its columns of ``fc2``), computed in one process
-    on the LayerNorms' outputs (``tp_partials``; rank 0's with the row-parallel bias or without), every such row
-    must be among what r sent in all-to-alls (float64, 1e-9).  Partial sums added up some other way (the
-    launcher's store) with zeros of the right sizes in the all-to-alls fail."""
+def _sp_sums_on_the_wire(run, case: str, block, normed: dict[str, torch.Tensor], grads: dict, per: int) -> None:
+    """What the reduce-scatters carried, from the grader's capture: on the CPU each is one all-to-all, in which rank r
+    sends rank s the rows of its partial sum on s's tokens.  Forward, after attention (its heads through its columns
+    of ``proj``) and the MLP (its hidden features through its columns of ``fc2``), on the LayerNorms' outputs
+    (rank 0's with the row-parallel bias or without); backward, gather_linear's, the gradient of each LayerNorm's
+    output through the rank's heads (through its rows of ``fc1``), from the gradient of attention's (the MLP's)
+    output (``grads``).  All computed in one process (``tp_partials``); every such row must be among what r sent in
+    all-to-alls (float64, 1e-9).  Partial sums added up some other way (the launcher's store) with zeros of the right
+    sizes in the all-to-alls fail."""
     t = run.world_size
     if t == 1:
         return
     with torch.no_grad():
         attention, _ = tp_partials.attention_partials(block.attn, normed["ln1"], None, t)
         mlp, _ = tp_partials.mlp_partials(block.mlp, normed["ln2"], None, t)
+    _, attention_back = tp_partials.attention_partials(block.attn, normed["ln1"], grads["attn"], t)
+    _, mlp_back = tp_partials.mlp_partials(block.mlp, normed["ln2"], grads["mlp"], t)
     sent = carried.sends(run, case) or []
     for rank in range(t):
         scattered = [p for src, _, slot, p in sent if src == rank and carried.kind(slot) == "all_to_all"]
-        for what, partials in (("attention's output projection", attention), ("the MLP's fc2", mlp)):
+        for what, partials in (
+            ("reduce-scatter after attention's output projection", attention),
+            ("reduce-scatter after the MLP's fc2", mlp),
+            ("backward reduce-scatter of ln1's output gradient through its heads", attention_back),
+            ("backward reduce-scatter of ln2's output gradient through its rows of fc1", mlp_back),
+        ):
             d = partials[rank][0].shape[-1]
             rows = carried.rows_sent(scattered, d)
             theirs = [s for s in range(t) if s != rank]
-            want = [torch.cat([p[:, s * per : (s + 1) * per].reshape(-1, d) for s in theirs]) for p in partials[rank]]
+            want = [
+                torch.cat([p.detach()[:, s * per : (s + 1) * per].reshape(-1, d) for s in theirs])
+                for p in partials[rank]
+            ]
             found = max(carried.rows_close(w, rows, rtol=1e-9, atol=1e-9) for w in want)
             assert found == len(want[0]), (
-                f"{case}: rank {rank}'s reduce-scatter after {what} should send each other rank the rows of its "
-                f"partial sum on that rank's tokens ({len(want[0])} rows of {d} values); the grader's capture of the "
-                f"wire found {found} of them in what rank {rank} sent in all-to-alls. The partial sums must travel in "
-                "the reduce-scatter itself"
+                f"{case}: rank {rank}'s {what} should send each other rank the rows of its partial sum on that "
+                f"rank's tokens ({len(want[0])} rows of {d} values); the grader's capture of the wire found {found} "
+                f"of them in what rank {rank} sent in all-to-alls. The partial sums must travel in the reduce-scatter "
+                "itself"
             )
 
 
