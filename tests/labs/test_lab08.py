@@ -902,12 +902,13 @@ def test_train_3d_averaging_through_the_store_fails_on_the_wires_content(monkeyp
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
-def test_train_3d_summing_g_through_the_store_fails_on_the_wires_content(monkeypatch):
-    """train_3d's forward all-reduces (g) in each TP group must carry each rank's partial outputs of every block's
-    attention and MLP on every micro-batch (the grader's dense GPT along the single-process training): the solution
-    passes with the capture, uneven micro-batches too; with g summing through the launcher's store and all-reducing
-    zeros of the same size, it trains right with the right calls and bytes, passes in the student's own kernel, and
-    fails on the wire's content."""
+@pytest.mark.parametrize("relayed", ["g", "f"])
+def test_train_3d_summing_through_the_store_fails_on_the_wires_content(monkeypatch, relayed):
+    """train_3d's all-reduces in each TP group must carry each rank's partial outputs of every block's attention and
+    MLP on every micro-batch (g, forward) and its partial input gradients (f, backward), the grader's dense GPT along
+    the single-process training: the solution passes with the capture, uneven micro-batches too; with g (or f)
+    summing through the launcher's store and all-reducing zeros of the same size, it trains right with the right
+    calls and bytes, passes in the student's own kernel, and fails on the wire's content."""
     from disttrain_lab import models
     from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
 
@@ -921,17 +922,18 @@ def test_train_3d_summing_g_through_the_store_fails_on_the_wires_content(monkeyp
     )
     names.update(lab6)
     notebook_names(monkeypatch, names)
-    _, G = relayed_f_and_g()
+    F, G = relayed_f_and_g()
     small = models.GPTConfig(vocab=32, seq_len=4, d_model=8, n_heads=2, n_layers=2)  # (the lab's tokens: 32)
     check = lambda: lab08.check_3d(1, 2, 2, micro_batches=3, cfg=small, batch=7, steps=2)  # noqa: E731
     with observed_from_outside():
         check()
         lab08.check_3d(2, 2, 1, micro_batches=1, cfg=small, batch=6, steps=2)
         for space in (names, lab6["TensorParallelMLP"].forward.__globals__):  # (the attention's and the MLP's)
-            monkeypatch.setitem(space, "g", G.apply)
-        with pytest.raises(AssertionError) as relayed:
+            monkeypatch.setitem(space, relayed, G.apply if relayed == "g" else F.apply)
+        with pytest.raises(AssertionError) as failed:
             check()
     check()  # (the student's own kernel: values, the trace's calls and bytes)
-    said = str(relayed.value)
-    assert "should all-reduce, in the forward (g), each rank's partial output" in said, said
-    assert "no all-reduce of theirs at that step carried block 0's attention on micro-batch 0" in said, said
+    said = str(failed.value)
+    assert "should all-reduce each rank's partial output of every block's attention and MLP" in said, said
+    missing = "g of block 0's attention on micro-batch 0" if relayed == "g" else "f of block 0's attention on micro"
+    assert f"no all-reduce of theirs at that step carried the {missing}" in said, said

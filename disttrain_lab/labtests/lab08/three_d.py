@@ -49,8 +49,9 @@ def check_3d(
     the DP group, each micro-batch's loss scaled by its share of the rows), and its traffic is the
     configuration's: 4 all-reduces per block per micro-batch in its TP group, one DP all-reduce of all its
     gradients per step, activations and their gradients only to the neighbouring stages (by the trace and by
-    the operating system's count); under grading, what the DP all-reduce and the TP group's forward all-reduces (g)
-    carried, read on the wire.  Built on the grader's earlier pieces where yours failed.  Returns the run."""
+    the operating system's count); under grading, what the DP all-reduce and the TP group's all-reduces (g forward,
+    f backward) carried, read on the wire.  Built on the grader's earlier pieces where yours failed.  Returns the
+    run."""
     case = f"train_3d on a {dp} × {tp} × {pp} grid, {micro_batches} micro-batches, batch {batch}, {steps} steps"
     batches = models.lm_batches(_tokens(), batch, cfg.seq_len, steps, seed=7)
     run = _exercise(
@@ -114,14 +115,16 @@ def check_3d(
             mine = local[where["dp_rank"], where["tp_rank"], where["pp_rank"]]
             carried.assert_gradients_all_reduced(run, rank, where["dp_group"], mine, case, rtol=1e-3)
     if tp > 1 and wirecalls.observed(run):
-        _forward_sums_on_the_wire(run, _forward_partials(cfg, batches, lr, dp, tp, pp, micro_batches), dp, tp, pp, case)
+        _tp_sums_on_the_wire(run, _tp_partials(cfg, batches, lr, dp, tp, pp, micro_batches), dp, tp, pp, case)
     return run
 
 
-def _forward_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: int, pp: int, micro_batches: int):
-    """(dp_rank, pp_rank) -> for each step, what that stage's forward all-reduces (g) carry in its TP group: for each
-    micro-batch of the DP shard, each of the stage's blocks, attention's then the MLP's (what, each TP position's
-    partial output: ``tp_partials``), on the dense GPT's LayerNorms of the block's input, in one process along the
+def _tp_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: int, pp: int, micro_batches: int):
+    """(dp_rank, pp_rank) -> for each step, what that stage's all-reduces carry in its TP group: for each micro-batch
+    of the DP shard and each of the stage's blocks, (what, each TP position's partial: ``tp_partials``) of attention's
+    and the MLP's g (forward: the partial outputs, on the dense GPT's LayerNorms of the block's input) and f
+    (backward: the partial gradients of those LayerNorms' outputs, from the gradients of attention's and the MLP's
+    outputs under the micro-batch's loss scaled by its share of the shard's rows), in one process along the
     reference's training (``_train_single``)."""
     gpt = models.GPT(cfg, 0)
     optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
@@ -131,24 +134,36 @@ def _forward_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, 
     torch.set_num_threads(1)
     try:
         for x, y in batches:
-            for d, shard in enumerate(x.tensor_split(dp)):
+            for d, (shard, targets) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
                 step: dict[int, list] = {s: [] for s in range(pp)}
-                for m, rows in enumerate(shard.tensor_split(micro_batches)):
+                for m, (rows, wanted) in enumerate(
+                    zip(shard.tensor_split(micro_batches), targets.tensor_split(micro_batches))
+                ):
                     entering: list[torch.Tensor] = []  # each block's input, in the dense GPT's forward
+                    made: list[torch.Tensor] = []  # each block's attention output, then its MLP's: their gradients
                     keep = lambda _, args, into=entering: into.append(args[0].detach())  # noqa: E731
+                    hold = lambda _m, _i, out, into=made: into.append(out) or out.retain_grad()  # noqa: E731
                     hooks = [block.register_forward_pre_hook(keep) for block in gpt.blocks]
-                    with torch.no_grad():
-                        gpt(rows)
+                    hooks += [
+                        part.register_forward_hook(hold) for block in gpt.blocks for part in (block.attn, block.mlp)
+                    ]
+                    loss = models.lm_loss(gpt(rows), wanted) * (len(rows) / len(shard))
                     for hook in hooks:
                         hook.remove()
+                    loss.backward()
                     for i, (block, h) in enumerate(zip(gpt.blocks, entering)):
-                        attention, _ = tp_partials.attention_partials(block.attn, block.ln1(h).detach(), None, tp)
+                        into_attention = block.ln1(h).detach()
                         with torch.no_grad():
-                            into_mlp = block.ln2(h + block.attn(block.ln1(h)))
-                        mlp, _ = tp_partials.mlp_partials(block.mlp, into_mlp, None, tp)
+                            into_mlp = block.ln2(h + block.attn(into_attention))
+                        attention, attention_back = tp_partials.attention_partials(
+                            block.attn, into_attention, made[2 * i].grad, tp
+                        )
+                        mlp, mlp_back = tp_partials.mlp_partials(block.mlp, into_mlp, made[2 * i + 1].grad, tp)
                         step[i // per] += [
-                            (f"block {i}'s attention on micro-batch {m}", attention),
-                            (f"block {i}'s MLP on micro-batch {m}", mlp),
+                            (f"g of block {i}'s attention on micro-batch {m}", attention),
+                            (f"g of block {i}'s MLP on micro-batch {m}", mlp),
+                            (f"f of block {i}'s attention on micro-batch {m} (backward)", attention_back),
+                            (f"f of block {i}'s MLP on micro-batch {m} (backward)", mlp_back),
                         ]
                 for s in range(pp):
                     found[d, s].append(step[s])
@@ -160,12 +175,11 @@ def _forward_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, 
     return found
 
 
-def _forward_sums_on_the_wire(run: ExerciseRun, partials: dict, dp: int, tp: int, pp: int, case: str) -> None:
-    """Under grading: at each step, every forward all-reduce (g) a TP group owes (``_forward_partials``: its DP
-    shard's micro-batches through its stage's blocks) is one of that step's all-reduces in the group, whose every
-    message is a piece of a sum of the ranks' partial outputs over ranks that include its sender
-    (``carried.assert_reduced_carried``), whatever the order of the micro-batches' forwards and backwards; the
-    backward's (f) are counted, not read."""
+def _tp_sums_on_the_wire(run: ExerciseRun, partials: dict, dp: int, tp: int, pp: int, case: str) -> None:
+    """Under grading: at each step, every all-reduce a TP group owes (``_tp_partials``: its DP shard's micro-batches
+    through its stage's blocks, g forward and f backward) is one of that step's all-reduces in the group, whose every
+    message is a piece of a sum of the ranks' partials over ranks that include its sender
+    (``carried.assert_reduced_carried``), whatever the order of the micro-batches' forwards and backwards."""
     for rank in range(run.world_size):
         where = _grid_of(rank, dp, tp, pp)
         group = tuple(where["tp_group"])
@@ -180,20 +194,19 @@ def _forward_sums_on_the_wire(run: ExerciseRun, partials: dict, dp: int, tp: int
                 for j, (what, sums) in enumerate(wanted):
                     try:
                         with torch.no_grad():
-                            carried.assert_reduced_carried(
-                                payloads, {r: sums[group.index(r)] for r in group}, case, what
-                            )
+                            mine = {r: sums[group.index(r)] for r in group}
+                            carried.assert_reduced_carried(payloads, mine, case, what)
                     except AssertionError:
                         continue
                     del wanted[j]
                     break
             assert not wanted, (
                 f"{case}: at step {step}, ranks {group} (the TP group of stage {where['pp_rank']}, DP replica "
-                f"{where['dp_rank']}) should all-reduce, in the forward (g), each rank's partial output of every "
-                f"block's attention and MLP on every micro-batch: no all-reduce of theirs at that step carried "
-                f"{wanted[0][0]} (each message a piece of a sum, over ranks that include its sender, of the ranks' "
-                f"partial outputs; {len(wanted)} such all-reduce(s) missing). What a rank all-reduces must be the data "
-                "itself, not zeros or a copy while the sums travel some other way"
+                f"{where['dp_rank']}) should all-reduce each rank's partial output of every block's attention and MLP "
+                f"on every micro-batch (g, forward) and its partial input gradient (f, backward): no all-reduce of "
+                f"theirs at that step carried the {wanted[0][0]} (each message a piece of a sum, over ranks that "
+                f"include its sender, of the ranks' partials; {len(wanted)} such all-reduce(s) missing). What a rank "
+                "all-reduces must be the data itself, not zeros or a copy while the sums travel some other way"
             )
 
 
