@@ -130,7 +130,7 @@ def strangers(pids: list[int]) -> list[int]:
     group, uid = _cgroup(pids[0]), _uid(pids[0])
     first = min(_stat(p)[1] for p in pids)
     ours = _descends_from(pids[0], me)
-    session = _session(pids[0])
+    session = _stat(pids[0])[2]
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in ranks:
@@ -140,7 +140,7 @@ def strangers(pids: list[int]) -> list[int]:
             if _stat(pid)[1] < first or _uid(pid) != uid or _cgroup(pid) != group:
                 continue
             if not any(_descends_from(pid, rank) for rank in ranks) and (
-                _descends_from(pid, me) or (ours and _session(pid) != session)
+                _descends_from(pid, me) or (ours and _stat(pid)[2] != session)
             ):
                 continue
         except (OSError, ValueError):  # (ended meanwhile)
@@ -149,17 +149,11 @@ def strangers(pids: list[int]) -> list[int]:
     return found
 
 
-def _stat(pid: int) -> tuple[int, int]:
-    """(parent's pid, start time in clock ticks since boot) of process ``pid``."""
+def _stat(pid: int) -> tuple[int, int, int]:
+    """(parent's pid, start time in clock ticks since boot, session id) of process ``pid``."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read(1 << 12).rpartition(b")")[2].split()  # (the name, in parentheses, is the process's own)
-    return int(fields[1]), int(fields[19])
-
-
-def _session(pid: int) -> int:
-    """Process ``pid``'s session id."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read(1 << 12).rpartition(b")")[2].split()[3])
+    return int(fields[1]), int(fields[19]), int(fields[3])
 
 
 def _status(pid: int, field: bytes) -> list[bytes]:

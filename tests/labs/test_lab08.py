@@ -77,6 +77,28 @@ EXERCISES = [
 # ----------------------------------------------------------------------------------------
 # The notebook's structure (fast)
 
+LAB6_PIECES = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "f",
+    "g",
+    "TensorParallelMLP",
+]  # (lab 6's, as the lab loads)
+
+
+def _solution_over_lab6(monkeypatch, names: list[str]) -> tuple[dict, dict, dict]:
+    """The solution's ``names`` (the given cells too) over lab 6's solution pieces, made the notebook's names:
+    returns (the solution's pieces, their namespace, lab 6's pieces)."""
+    from tests.helpers import notebook_names
+
+    solution = bench.functions_from_notebook(LAB, names, given=True)
+    last = solution[names[-1]]
+    space = (last.forward if isinstance(last, type) else last).__globals__
+    lab6 = bench.functions_from_notebook(solution_notebook("06_tensor_parallel"), LAB6_PIECES)
+    space.update(lab6)
+    notebook_names(monkeypatch, space)
+    return solution, space, lab6
+
 
 def test_exercises_and_hidden_tests_cover_the_issue():
     nb = load(LAB)
@@ -727,15 +749,11 @@ def test_the_calls_of_the_grid_are_read_from_the_wire(monkeypatch):
     import torch.distributed as dist
 
     from disttrain_lab import models, trace
-    from tests.helpers import notebook_names, observed_from_outside
+    from tests.helpers import observed_from_outside
 
-    names = ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
-    solution = bench.functions_from_notebook(LAB, names, given=True)
-    pieces = ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"]  # (lab 6's, as the lab loads)
-    solution["train_3d"].__globals__.update(
-        bench.functions_from_notebook(solution_notebook("06_tensor_parallel"), pieces)
+    solution, _, _ = _solution_over_lab6(
+        monkeypatch, ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
     )
-    notebook_names(monkeypatch, solution["train_3d"].__globals__)
 
     def graded_cases():
         lab08.check_attention(4, models.GPTConfig(seq_len=5, d_model=16, n_heads=4), tp=2)
@@ -816,18 +834,9 @@ def test_attention_summing_through_the_store_fails_on_the_wires_content(monkeypa
     each block, attention's and the MLP's).  The solution passes with the capture."""
 
     from disttrain_lab import models
-    from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
+    from tests.helpers import observed_from_outside, relayed_f_and_g
 
-    solution = bench.functions_from_notebook(
-        LAB, ["grid_groups", "TensorParallelAttention", "PipelineStage3D"], given=True
-    )
-    names = solution["TensorParallelAttention"].forward.__globals__
-    lab6 = bench.functions_from_notebook(
-        solution_notebook("06_tensor_parallel"),
-        ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"],
-    )
-    names.update(lab6)
-    notebook_names(monkeypatch, names)
+    _, names, lab6 = _solution_over_lab6(monkeypatch, ["grid_groups", "TensorParallelAttention", "PipelineStage3D"])
 
     F, G = relayed_f_and_g()
 
@@ -865,18 +874,11 @@ def test_train_3d_averaging_through_the_store_fails_on_the_wires_content(monkeyp
     the launcher's store, its all-reduce summing zeros of the same size, trains right with the right calls and
     bytes, passes in the student's own kernel, and fails on the wire's content."""
     from disttrain_lab import models
-    from tests.helpers import notebook_names, observed_from_outside
+    from tests.helpers import observed_from_outside
 
-    names = ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
-    solution = bench.functions_from_notebook(LAB, names, given=True)
-    space = solution["train_3d"].__globals__
-    space.update(
-        bench.functions_from_notebook(
-            solution_notebook("06_tensor_parallel"),
-            ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"],
-        )
+    _, space, _ = _solution_over_lab6(
+        monkeypatch, ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
     )
-    notebook_names(monkeypatch, space)
     code = next(c.source for c in load(LAB).cells if "def train_3d" in c.source)
     code = code[code.index("def train_3d") :]
     honest = "            dist.all_reduce(flat, group=grid.dp_group)\n"
@@ -910,18 +912,11 @@ def test_train_3d_summing_through_the_store_fails_on_the_wires_content(monkeypat
     summing through the launcher's store and all-reducing zeros of the same size, it trains right with the right
     calls and bytes, passes in the student's own kernel, and fails on the wire's content."""
     from disttrain_lab import models
-    from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
+    from tests.helpers import observed_from_outside, relayed_f_and_g
 
-    solution = bench.functions_from_notebook(
-        LAB, ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"], given=True
+    _, names, lab6 = _solution_over_lab6(
+        monkeypatch, ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
     )
-    names = solution["train_3d"].__globals__
-    lab6 = bench.functions_from_notebook(
-        solution_notebook("06_tensor_parallel"),
-        ["ColumnParallelLinear", "RowParallelLinear", "f", "g", "TensorParallelMLP"],
-    )
-    names.update(lab6)
-    notebook_names(monkeypatch, names)
     F, G = relayed_f_and_g()
     small = models.GPTConfig(vocab=32, seq_len=4, d_model=8, n_heads=2, n_layers=2)  # (the lab's tokens: 32)
     check = lambda: lab08.check_3d(1, 2, 2, micro_batches=3, cfg=small, batch=7, steps=2)  # noqa: E731

@@ -5,6 +5,7 @@ stage where the student's failed their graded tests."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -16,14 +17,20 @@ from .ranks import _compare_parameters, _dense_name, _expected_parameters, _grid
 from .traffic import _check_traffic
 
 
-def _train_single(cfg: models.GPTConfig, batches: list, lr: float, seed: int = 0) -> tuple[models.GPT, list]:
-    """The reference (section 1's train_single, again): GPT(cfg, seed) trained with SGD in this one process."""
+def _train_single(
+    cfg: models.GPTConfig, batches: list, lr: float, seed: int = 0, at_step: Callable | None = None
+) -> tuple[models.GPT, list]:
+    """The reference (section 1's train_single, again): GPT(cfg, seed) trained with SGD in this one process;
+    ``at_step(gpt, x, y)``, where given, runs before each step, on the model as it is then (what it does to the
+    gradients is cleared before the step's own)."""
     gpt = models.GPT(cfg, seed)
     optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
     losses, threads = [], torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for x, y in batches:
+            if at_step is not None:
+                at_step(gpt, x, y)
             optimizer.zero_grad()
             loss = models.lm_loss(gpt(x), y)
             loss.backward()
@@ -126,52 +133,43 @@ def _tp_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: i
     (backward: the partial gradients of those LayerNorms' outputs, from the gradients of attention's and the MLP's
     outputs under the micro-batch's loss scaled by its share of the shard's rows), in one process along the
     reference's training (``_train_single``)."""
-    gpt = models.GPT(cfg, 0)
-    optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
     per = cfg.n_layers // pp
     found: dict[tuple, list] = {(d, s): [] for d in range(dp) for s in range(pp)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for x, y in batches:
-            for d, (shard, targets) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
-                step: dict[int, list] = {s: [] for s in range(pp)}
-                for m, (rows, wanted) in enumerate(
-                    zip(shard.tensor_split(micro_batches), targets.tensor_split(micro_batches))
-                ):
-                    entering: list[torch.Tensor] = []  # each block's input, in the dense GPT's forward
-                    made: list[torch.Tensor] = []  # each block's attention output, then its MLP's: their gradients
-                    keep = lambda _, args, into=entering: into.append(args[0].detach())  # noqa: E731
-                    hold = lambda _m, _i, out, into=made: into.append(out) or out.retain_grad()  # noqa: E731
-                    hooks = [block.register_forward_pre_hook(keep) for block in gpt.blocks]
-                    hooks += [
-                        part.register_forward_hook(hold) for block in gpt.blocks for part in (block.attn, block.mlp)
+
+    def at_step(gpt, x, y):
+        for d, (shard, targets) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
+            step: dict[int, list] = {s: [] for s in range(pp)}
+            cut = zip(shard.tensor_split(micro_batches), targets.tensor_split(micro_batches))
+            for m, (rows, wanted) in enumerate(cut):
+                entering: list[torch.Tensor] = []  # each block's input, in the dense GPT's forward
+                made: list[torch.Tensor] = []  # each block's attention output, then its MLP's: their gradients
+                keep = lambda _, args, into=entering: into.append(args[0].detach())  # noqa: E731
+                hold = lambda _m, _i, out, into=made: into.append(out) or out.retain_grad()  # noqa: E731
+                hooks = [block.register_forward_pre_hook(keep) for block in gpt.blocks]
+                parts = [part for block in gpt.blocks for part in (block.attn, block.mlp)]
+                hooks += [part.register_forward_hook(hold) for part in parts]
+                loss = models.lm_loss(gpt(rows), wanted) * (len(rows) / len(shard))
+                for hook in hooks:
+                    hook.remove()
+                loss.backward()
+                for i, (block, h) in enumerate(zip(gpt.blocks, entering)):
+                    into_attention = block.ln1(h).detach()
+                    with torch.no_grad():
+                        into_mlp = block.ln2(h + block.attn(into_attention))
+                    attention, attention_back = tp_partials.attention_partials(
+                        block.attn, into_attention, made[2 * i].grad, tp
+                    )
+                    mlp, mlp_back = tp_partials.mlp_partials(block.mlp, into_mlp, made[2 * i + 1].grad, tp)
+                    step[i // per] += [
+                        (f"g of block {i}'s attention on micro-batch {m}", attention),
+                        (f"g of block {i}'s MLP on micro-batch {m}", mlp),
+                        (f"f of block {i}'s attention on micro-batch {m} (backward)", attention_back),
+                        (f"f of block {i}'s MLP on micro-batch {m} (backward)", mlp_back),
                     ]
-                    loss = models.lm_loss(gpt(rows), wanted) * (len(rows) / len(shard))
-                    for hook in hooks:
-                        hook.remove()
-                    loss.backward()
-                    for i, (block, h) in enumerate(zip(gpt.blocks, entering)):
-                        into_attention = block.ln1(h).detach()
-                        with torch.no_grad():
-                            into_mlp = block.ln2(h + block.attn(into_attention))
-                        attention, attention_back = tp_partials.attention_partials(
-                            block.attn, into_attention, made[2 * i].grad, tp
-                        )
-                        mlp, mlp_back = tp_partials.mlp_partials(block.mlp, into_mlp, made[2 * i + 1].grad, tp)
-                        step[i // per] += [
-                            (f"g of block {i}'s attention on micro-batch {m}", attention),
-                            (f"g of block {i}'s MLP on micro-batch {m}", mlp),
-                            (f"f of block {i}'s attention on micro-batch {m} (backward)", attention_back),
-                            (f"f of block {i}'s MLP on micro-batch {m} (backward)", mlp_back),
-                        ]
-                for s in range(pp):
-                    found[d, s].append(step[s])
-            optimizer.zero_grad()
-            models.lm_loss(gpt(x), y).backward()
-            optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
+            for s in range(pp):
+                found[d, s].append(step[s])
+
+    _train_single(cfg, batches, lr, at_step=at_step)
     return found
 
 
@@ -214,26 +212,19 @@ def _local_gradients(cfg: models.GPTConfig, batches: list, lr: float, dp: int, t
     """(dp_rank, tp_rank, pp_rank) -> each step's gradient of that rank's parameters (its stage's, its TP slices)
     on its DP shard's mean loss (what its micro-batches' scaled losses add up to), flat, in one process along the
     reference's training (``_train_single``)."""
-    gpt = models.GPT(cfg, 0)
-    optimizer = torch.optim.SGD(gpt.parameters(), lr=lr)
     names = {(t, s): _stage_names(cfg, pp, s, t) for t in range(tp) for s in range(pp)}
     found: dict[tuple, list] = {(d, t, s): [] for d in range(dp) for t in range(tp) for s in range(pp)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for x, y in batches:
-            for d, (xs, ys) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
-                optimizer.zero_grad()
-                models.lm_loss(gpt(xs), ys).backward()
-                full = {n: (p.detach(), p.grad) for n, p in gpt.named_parameters()}
-                for (t, s), kept in names.items():
-                    grads = [g for n, (_, g) in _expected_parameters(full, tp, t).items() if n in kept]
-                    found[d, t, s].append(torch.cat([g.reshape(-1) for g in grads]).numpy().copy())
-            optimizer.zero_grad()
-            models.lm_loss(gpt(x), y).backward()
-            optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
+
+    def at_step(gpt, x, y):
+        for d, (xs, ys) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
+            gpt.zero_grad()
+            models.lm_loss(gpt(xs), ys).backward()
+            full = {n: (p.detach(), p.grad) for n, p in gpt.named_parameters()}
+            for (t, s), kept in names.items():
+                grads = [g for n, (_, g) in _expected_parameters(full, tp, t).items() if n in kept]
+                found[d, t, s].append(torch.cat([g.reshape(-1) for g in grads]).numpy().copy())
+
+    _train_single(cfg, batches, lr, at_step=at_step)
     return found
 
 
