@@ -188,16 +188,19 @@ def assert_carried(run, expected: dict[tuple[int | None, int], list], case: str)
             )
 
 
-def _piece_of(values: torch.Tensor, total: torch.Tensor, terms: int) -> bool:
+def _piece_of(
+    values: torch.Tensor, total: torch.Tensor, terms: int, tolerance: tuple[float, float] | None = None
+) -> bool:
     """Whether ``values`` equal ``total[o:o + len(values)]`` for some offset o, within the dtype's
-    tolerance for a sum of ``terms`` values added in any order (integers exactly)."""
+    tolerance for a sum of ``terms`` values added in any order (integers exactly), or within ``tolerance``
+    (rtol, atol) where given."""
     length = values.numel()
     if length == 0:
         return True
     if length > total.numel():
         return False
     if values.dtype.is_floating_point:
-        rtol, atol = (terms * t for t in checks.TOLERANCES.get(values.dtype, (1e-6, 1e-6)))
+        rtol, atol = tolerance or tuple(terms * t for t in checks.TOLERANCES.get(values.dtype, (1e-6, 1e-6)))
         a, e = values.double(), total.double()
     else:
         rtol = atol = 0.0
@@ -255,14 +258,23 @@ def assert_sums_carried(
 
 
 def assert_reduced_carried(
-    payloads: dict[int, list[bytes]], partials: dict[int, list[torch.Tensor]], case: str, what: str
+    payloads: dict[int, list[bytes]],
+    partials: dict[int, list[torch.Tensor]],
+    case: str,
+    what: str,
+    *,
+    tolerance: tuple[float, float] | None = None,
+    magnitudes: bool = False,
 ) -> None:
     """Fail unless every message a rank sent in one all-reduce call (``payloads``: rank -> its messages' bytes in
     that call, ``wirecalls.call_payloads``) held a piece of the sum, over a set of the call's ranks that includes
     the sender, of their inputs: ``partials[r]`` lists what rank r's input may be (one tensor, or the
     alternatives an exercise allows).  Every step of gloo's all-reduce, ring or another, sends what the
     sender has summed so far, its own input among it; a rank that passes its data some other way and
-    all-reduces anything else (zeros, a copy of the answer) sends no such piece."""
+    all-reduces anything else (zeros, a copy of the answer) sends no such piece.  ``tolerance`` (rtol, atol)
+    replaces the dtype's for a sum (values the grader recomputes along another rounding); with ``magnitudes``
+    the messages' absolute values are held to the sums' (inputs known up to signs that every rank shares, such
+    as the columns of an orthogonalised factor)."""
     ranks = sorted(partials)
     flat = {r: [t.detach().cpu().reshape(-1).double() for t in partials[r]] for r in ranks}
     dtype = partials[ranks[0]][0].dtype
@@ -286,7 +298,13 @@ def assert_reduced_carried(
         for i, payload in enumerate(sent):
             if len(payload) % size == 0:
                 values = torch.frombuffer(bytearray(payload), dtype=dtype)
-                if any(_piece_of(values, total, len(s)) for s in sets for total in sums_over(s)):
+                if magnitudes:
+                    values = values.abs()
+                if any(
+                    _piece_of(values, total.abs() if magnitudes else total, len(s), tolerance)
+                    for s in sets
+                    for total in sums_over(s)
+                ):
                     continue
             raise AssertionError(
                 f"{case}: {what}: message {i + 1} of {len(sent)} rank {src} sent in that all-reduce ({len(payload):,} "

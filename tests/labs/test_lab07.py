@@ -728,6 +728,42 @@ def _powersgd_gathered_with_decoys(state, bucket):
     return _powersgd_dense_with_decoys(state, bucket, gather=True)
 
 
+def _powersgd_relayed(state, bucket):
+    """A forged powersgd_hook: the exact average of the compensated gradients passed through the launcher's store (a
+    few KiB: under what the grader allows a rank to exchange with processes that are not ranks) at each compressed
+    step, with all-reduces of zeros of torch's sizes on the wire (the uncompressed gradients, all the Ps, all the
+    Qs), its error feedback kept as the rules say; the plain steps as given.  Its bytes are torch's, its error none."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import through_the_store
+
+    done = torch.futures.Future()
+    if state.iter < state.start_iter:  # (the given plain steps, as given)
+        state.iter += 1
+        dist.all_reduce(bucket.buffer())
+        done.set_result(bucket.buffer().div_(dist.get_world_size()))
+        return done
+    index, gradient = bucket.index(), bucket.buffer().clone()
+    before = state.error_dict.get(index)
+    compensated = gradient + (0 if before is None else before)
+    average = sum(through_the_store(compensated, "powersgd")) / dist.get_world_size()
+    sizes = [0, 0, 0]  # (the uncompressed gradients, the Ps, the Qs)
+    for grad in bucket.gradients():
+        n, m = grad.view(grad.shape[0], -1).shape
+        r = min(n, m, state.rank)
+        if (n + m) * r * state.min_compression_rate < n * m:
+            sizes[1], sizes[2] = sizes[1] + n * r, sizes[2] + m * r
+        else:
+            sizes[0] += grad.numel()
+    for size in sizes:
+        dist.all_reduce(torch.zeros(size))
+    state.error_dict[index] = compensated - average
+    bucket.buffer().copy_(average)
+    done.set_result(bucket.buffer())
+    return done
+
+
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_powersgd_bytes_are_read_from_the_wire(monkeypatch):
@@ -735,7 +771,10 @@ def test_powersgd_bytes_are_read_from_the_wire(monkeypatch):
     all-reduce's slot and payload (2·(N − 1)·B on N ranks).  The solution passes with and without a capture; a
     hook whose trace shows torch's all-reduces while a dense all-reduce it keeps off the trace makes the exact
     average passes on the trace alone and fails on the wire; so does one that makes it by an all-gather (the
-    all-reduces on the wire are then torch's, the all-gather's bytes are not DDP's few)."""
+    all-reduces on the wire are then torch's, the all-gather's bytes are not DDP's few).  And what the all-reduces
+    carried: one that sends torch's bytes of zeros and takes the exact average through the store passes on its
+    bytes and its ranks' error, and fails on the wire's content (what torch's hook, run by the grader from the same
+    first Qs, all-reduces at each call)."""
     import linecache
 
     from disttrain_lab import bench
@@ -759,11 +798,19 @@ def test_powersgd_bytes_are_read_from_the_wire(monkeypatch):
         monkeypatch.setattr("__main__.powersgd_hook", _powersgd_gathered_with_decoys)
         with pytest.raises(AssertionError) as gathered:
             lab07.check_powersgd(2, 2)
+        monkeypatch.setattr("__main__.powersgd_hook", _powersgd_relayed)
+        with pytest.raises(AssertionError) as relayed:
+            lab07.check_powersgd(2, 2)
     lab07.check_powersgd(2, 2)  # (the student's own kernel: the trace's account, fooled)
     said = str(forged.value)
     assert "the grader's capture of the wire saw all-reduces of" in said and "torch's powerSGD_hook's are" in said, said
     said = str(gathered.value)
     assert "saw all_gather, broadcast carrying" in said and "as well as the all-reduces" in said, said
+    said = str(relayed.value)
+    assert "all-reduce 3 of the hooks' 14 (what torch's powerSGD_hook all-reduces there" in said, said
+    assert "holds no piece of a sum of the ranks' inputs" in said, said
+    monkeypatch.setattr("__main__.powersgd_hook", _powersgd_relayed)
+    lab07.check_powersgd(2, 2)  # (in the student's own kernel the same forgery passes: its bytes and error are right)
 
 
 def _topk_with_dense_beside(state, bucket, gather=False):

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ... import carried, checks, models
+from ... import carried, checks, models, wirecalls
 from ...launcher import launch
 from .. import common
 from .common import _HOOK_SIZES, GRADED_PASSED, _bytes_sent, _hook_calls, _hook_calls_sent, _run
-from .ranks import _train_dense, _train_replayed, _train_topk
+from .ranks import _torch_powersgd_sent, _train_dense, _train_replayed, _train_topk
 
 
 # --------------------------------------------------------------------------------------
@@ -286,7 +286,10 @@ def check_powersgd(n: int, rank: int, sizes: tuple = (9, 17, 11, 5), steps: int 
     Future of the bucket's shape and dtype, the same average on every rank, keeps error feedback across steps
     (``state.error_dict[bucket.index()]`` = gradient + old error - the average), puts torch's
     ``powerSGD_hook``'s bytes on the wire, and its average's median relative error is at most ``factor`` ×
-    torch's + 0.02.  Its run and torch's are the notebook's own (``powersgd_helpers``, beside the self-check)."""
+    torch's + 0.02.  Its run and torch's are the notebook's own (``powersgd_helpers``, beside the self-check).
+    Under grading, what each all-reduce carried is held to what torch's hook all-reduces there, run by the grader
+    from the exercise's first Qs (``_check_powersgd_carried``): the ranks' own averages and errors, which the
+    checks above read, are theirs to report; the wire's content is not."""
     lab_steps, torch_steps, relative_errors = (
         common.given(name) for name in ("_lab_powersgd_steps", "_torch_powersgd_steps", "_relative_errors")
     )
@@ -355,8 +358,47 @@ def check_powersgd(n: int, rank: int, sizes: tuple = (9, 17, 11, 5), steps: int 
         f"all Ps in one all-reduce (n·r' each), all Qs in another (m·r'), only matrices with "
         f"(n + m)·r'·min_compression_rate < n·m compressed, the rest in one all-reduce"
     )
+    if calls is not None:
+        _check_powersgd_carried(mine, launch(_torch_powersgd_sent, n, rank, steps, sizes, timeout=60), case)
     yours, torchs = (float(np.median(relative_errors(results))) for results in (mine.results, reference.results))
     assert yours <= factor * torchs + 0.02, (
         f"{case}: the median relative error of your average is {yours:.3f}, torch's powerSGD_hook's {torchs:.3f} "
         f"(at most {factor} × that + 0.02 allowed): orthogonalise P after its all-reduce, then Q = Mᵀ P, average P Qᵀ"
     )
+
+
+def _check_powersgd_carried(run, reference: list[list[torch.Tensor]], case: str) -> None:
+    """Under grading: every message of each all-reduce of the hooks' (``wirecalls.call_payloads``, in the order the
+    ranks made them) holds a piece of a sum, over ranks that include its sender, of what the rules give each rank
+    to all-reduce there (``carried.assert_reduced_carried``): torch's ``powerSGD_hook`` run by the grader on the
+    same training from the exercise's first Qs (``ranks._torch_powersgd_sent``): the plain steps' buckets (as they
+    are, or divided by the world size), then at each compressed step the uncompressed gradients, the Ps and the Qs.
+    Up to the signs of the factors' columns (an orthogonalisation may flip a column, the same on every rank:
+    ``magnitudes``), within 1e-3 relative or 1e-4 of the call's largest sum (torch orthogonalises P by Gram-Schmidt
+    at r' <= 2, the exercise by any QR).  Since each step's Ps depend on the last step's average and error, a hook
+    that all-reduces zeros of the right sizes and takes the average another way (the launcher's store) fails, and
+    so does one whose average or error feedback differs from the rules'."""
+    n = run.world_size
+    made = [
+        payloads
+        for kind, payloads in wirecalls.call_payloads(run, range(n), case)
+        if kind == "all_reduce" and any(map(any, payloads.values()))
+    ]
+    calls = [[reference[r][i] for r in range(n)] for i in range(len(reference[0])) if reference[0][i].numel()]
+    assert len(made) == len(calls), (
+        f"{case}: the grader's capture of the wire shows {len(made)} all-reduces with data in the hooks; torch's "
+        f"powerSGD_hook makes {len(calls)}: one a step in the first 2 (the given plain all-reduce), then 3 a step "
+        "(the uncompressed gradients, all the Ps, all the Qs)"
+    )
+    for call, (payloads, inputs) in enumerate(zip(made, calls)):
+        largest = n * max(float(t.abs().max()) for t in inputs)
+        plain = call < 2  # (the given plain steps: the bucket as it is, or as torch's divided by the world size)
+        carried.assert_reduced_carried(
+            payloads,
+            {r: [inputs[r] * n, inputs[r]] if plain else [inputs[r]] for r in range(n)},
+            case,
+            f"all-reduce {call + 1} of the hooks' {len(calls)} (what torch's powerSGD_hook all-reduces there, from the "
+            "same first Qs, the grader's run)",
+            tolerance=(1e-3, 1e-4 * largest),
+            magnitudes=True,
+        )

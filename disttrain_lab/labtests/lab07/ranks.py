@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ... import models
@@ -158,3 +158,62 @@ def _train_dense(steps, sizes=_HOOK_SIZES, lr=0.1):
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "params": [p.detach() for p in model.parameters()]}
+
+
+def _first_qs(state, bucket, rank: int, min_compression_rate: float, seed: int = 0) -> None:
+    """Exercise 6's first Qs in torch's ``powerSGD_hook``'s state: each compressed gradient's (m × r') drawn by the
+    exercise's rule (``torch.randn(m, r', generator=...)``, one generator seeded ``seed``, the bucket's compressed
+    gradients in order), laid out as torch keeps them (its gradients grouped by shape), with its P memory, so that
+    torch's hook warm-starts from them instead of drawing its own."""
+    generator, drawn = torch.Generator().manual_seed(seed), []
+    for grad in bucket.gradients():
+        n, m = grad.view(grad.shape[0], -1).shape
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            drawn.append(((n, m), torch.randn(m, r, generator=generator)))
+    shapes = list(dict.fromkeys(shape for shape, _ in drawn))
+    ordered = [q for shape in shapes for at, q in drawn if at == shape]
+    state.q_memory_dict[bucket.index()] = torch.cat([q.reshape(-1) for q in ordered])
+    state.p_memory_dict[bucket.index()] = torch.empty(sum(n * q.shape[1] for (n, _), q in drawn))
+
+
+def _torch_powersgd_sent(rank: int, steps: int, sizes=(9, 17, 11, 5), lr: float = 0.1) -> list[torch.Tensor]:
+    """The grader's reference for exercise 6, launched here: the training of the notebook's ``_watch_powersgd``
+    (the same MLP, data, SGD and one bucket) with torch's own ``powerSGD_hook`` at matrix rank ``rank``, warm-started
+    from the exercise's first Qs (``_first_qs``); what this rank put into each all-reduce, in order, as the call was
+    made (a copy): the plain steps' buckets (torch's divided by the world size first), then at each compressed step
+    the uncompressed gradients, the Ps and the Qs."""
+    model = DistributedDataParallel(models.MLP(list(sizes), seed=0), bucket_cap_mb=100)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=2,
+        min_compression_rate=2,
+        use_error_feedback=True,
+        warm_start=True,
+    )
+
+    def hook(state, bucket):
+        if state.iter >= state.start_powerSGD_iter and bucket.index() not in state.p_memory_dict:
+            _first_qs(state, bucket, rank, state.min_compression_rate)
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+
+    model.register_comm_hook(state, hook)
+    data = models.regression_data(64, sizes[0], sizes[-1], seed=1)
+    x, y = data.x[dist.get_rank() :: dist.get_world_size()], data.y[dist.get_rank() :: dist.get_world_size()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    sent, all_reduce = [], dist.all_reduce
+
+    def recorded(tensor, *args, **kwargs):
+        sent.append(tensor.detach().clone())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recorded  # (torch's hooks call torch.distributed.all_reduce by name; only this rank's)
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    finally:
+        dist.all_reduce = all_reduce
+    return sent
