@@ -280,7 +280,9 @@ def _worker_grad(rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 def check_parameter_server_step(n: int, shape: tuple, dtype: torch.dtype, server: int) -> None:
     """``parameter_server_step(grad, server)``: every rank returns the mean of the workers' gradients
     (the server's own is not one); each worker sends its gradient to the server and gets the average
-    back, and talks to no one else."""
+    back, and talks to no one else.  Under grading, what crossed is read on the wire: each worker's
+    gradient, byte for byte, to the server, and the server's average (what it returned, held to the mean
+    above) back to each worker."""
     case = f"parameter_server_step on {n} ranks (server={server}, {dtype}, shape {shape})"
     inputs = [
         (_worker_grad(rank, shape, dtype) if rank != server else torch.full(shape, float("nan"), dtype=dtype), server)
@@ -302,4 +304,9 @@ def check_parameter_server_step(n: int, shape: tuple, dtype: torch.dtype, server
         {**{(r, server): 1 for r in workers}, **{(server, r): 1 for r in workers}},
         f"each worker sends its gradient to the server {server} once, gets the average back once, and talks to "
         f"no one else",
+    )
+    carried.assert_carried(
+        run,
+        {**{(r, server): [inputs[r][0]] for r in workers}, **{(server, r): [run.results[server]] for r in workers}},
+        case,
     )

@@ -306,3 +306,54 @@ def test_only_send_and_recv_is_graded_from_the_wire_not_the_ranks_trace():
     assert "the grader's capture of the wire shows a collective's messages: broadcast from rank(s) 0, 1, 2" in said, (
         said
     )
+
+
+def _server_relayed(grad, server):
+    """A forged parameter_server_step: the workers' gradients through the launcher's store (a few bytes: under what
+    the grader allows a rank to exchange with processes that are not ranks), zeros of their size sent to the server
+    and back, one message each way per worker, send/recv alone."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import through_the_store
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    everyone = through_the_store(grad, "server")
+    average = sum(g for r, g in enumerate(everyone) if r != server) / (n - 1)
+    if rank == server:
+        for worker in (r for r in range(n) if r != server):
+            dist.recv(torch.empty_like(grad), worker)
+        for worker in (r for r in range(n) if r != server):
+            dist.send(torch.zeros_like(grad), worker)
+    else:
+        dist.send(torch.zeros_like(grad), server)
+        dist.recv(torch.empty_like(grad), server)
+    return average
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_parameter_server_relaying_through_the_store_fails_on_the_wires_content():
+    """#42: what the parameter server's messages carried is read on the wire: each worker's gradient to the server,
+    byte for byte, and the server's average back.  The solution passes; a step that passes the gradients through
+    the launcher's store and sends zeros in their place, with the right averages, bytes, message counts and
+    send/recv alone, passes in the student's own kernel and fails on the wire."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["parameter_server_step"])["parameter_server_step"]
+    try:
+        __main__.parameter_server_step = _server_relayed
+        lab01.check_parameter_server_step(3, (7,), torch.float32, 2)  # (no capture: its account passes)
+        with observed_from_outside():
+            __main__.parameter_server_step = solution
+            lab01.check_parameter_server_step(3, (7,), torch.float32, 2)
+            lab01.check_parameter_server_step(4, (2, 3, 5), torch.float64, 3)
+            __main__.parameter_server_step = _server_relayed
+            with pytest.raises(AssertionError) as caught:
+                lab01.check_parameter_server_step(3, (7,), torch.float32, 2)
+    finally:
+        del __main__.parameter_server_step
+    said = str(caught.value)
+    assert "the data from rank 0 to rank 2 should carry 1 message(s) of the tensor's own bytes" in said, said
+    assert "found 0 of them" in said, said
