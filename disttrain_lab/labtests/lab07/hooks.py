@@ -141,7 +141,8 @@ def _local_gradients(n: int, steps: int, sizes=_HOOK_SIZES, lr: float = 0.1) -> 
 def _check_gradients_carried(run, case: str, steps: int) -> None:
     """Under grading, at density 1 (every entry sent): each rank's local gradient at each step, computed here in
     one process (``_local_gradients``), must be among the 4-byte words it sent in the hooks' all-gathers (float32,
-    within the rounding of the ranks' own averaging: a relative 1e-4), every nonzero entry.  A hook that passes
+    within the rounding of the ranks' own averaging: a relative 1e-4, or 1e-6 of the step's largest entry, for
+    entries near zero: measured 4.3e-9 of it beyond the relative bound, 7 Dec), every nonzero entry.  A hook that passes
     the gradients some other way (the launcher's store) with something else of the right size on the wire fails."""
     calls = carried.collective_payloads(run, case)
     if calls is None:  # (the student's own kernel: no capture)
@@ -158,7 +159,8 @@ def _check_gradients_carried(run, case: str, steps: int) -> None:
         for step, grads in enumerate(_local_gradients(run.world_size, steps)):
             want = grads[rank].numpy()
             want = want[want != 0]
-            missing = want.size - carried.words_found(sent, want, rtol=1e-4, atol=1e-9)
+            scale = float(np.abs(want).max()) if want.size else 0.0
+            missing = want.size - carried.words_found(sent, want, rtol=1e-4, atol=1e-6 * scale)
             assert missing == 0, (
                 f"{case}: at density 1 the hooks' all-gathers should carry every entry of each rank's gradient; "
                 f"of rank {rank}'s {want.size} nonzero entries at step {step + 1} (the grader's own training in "
