@@ -873,3 +873,51 @@ def test_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(solution, mo
         with using(_BLOCKING_LATER, "OverlappedDDP"):
             with pytest.raises(AssertionError, match=r"in step 1 the grader held rank 1 before its backward"):
                 lab03.check_overlapped_ddp("mlp", 2, batch=8)
+
+
+def _broadcast_zeros_rebuilt(model):
+    """A forged broadcast_parameters: zeros of each parameter's size broadcast from rank 0 (every rank receives its
+    bytes), rank 0's model rebuilt from rank 0's seed in every rank (the grader's stand-in's trick)."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab.labtests.lab03.common import graded_model
+
+    shapes = [p.shape for p in model.parameters()]
+    rank0 = next(
+        m
+        for m in (graded_model(k, seed=0) for k in ("mlp", "tied", "frozen"))
+        if [p.shape for p in m.parameters()] == shapes
+    )
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), rank0.parameters()):
+            dist.broadcast(torch.zeros_like(p), 0)
+            p.copy_(q)
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_broadcast_of_zeros_with_rank_0s_model_rebuilt_fails_on_the_wires_content():
+    """#42: under grading each of rank 0's parameters must cross into every other rank, byte for byte (from one rank
+    or another: gloo's broadcast is a tree).  The solution passes; a broadcast of zeros of each parameter's size,
+    rank 0's model rebuilt from its seed in every rank (the right values, and every rank received the bytes) passes
+    in the student's own kernel and fails on the wire."""
+    import __main__
+    from disttrain_lab.labtests import lab03
+    from tests.helpers import observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["broadcast_parameters"])["broadcast_parameters"]
+    try:
+        __main__.broadcast_parameters = _broadcast_zeros_rebuilt
+        lab03.check_broadcast_parameters("mlp", 2)  # (no capture: its account passes)
+        with observed_from_outside():
+            __main__.broadcast_parameters = solution
+            lab03.check_broadcast_parameters("mlp", 2)
+            lab03.check_broadcast_parameters("frozen", 3)
+            __main__.broadcast_parameters = _broadcast_zeros_rebuilt
+            with pytest.raises(AssertionError) as caught:
+                lab03.check_broadcast_parameters("frozen", 3)
+    finally:
+        del __main__.broadcast_parameters
+    said = str(caught.value)
+    assert "broadcast_parameters on 3 ranks (frozen model), " in said and "found 0 of them" in said, said

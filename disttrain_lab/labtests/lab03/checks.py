@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import checks, exercise, gate, models
+from ... import carried, checks, exercise, gate, models
 from ...trace import Run
 from .. import common
 from .common import (
@@ -67,8 +67,10 @@ def check_broadcast_parameters(kind: str, n: int, device: str | None = None) -> 
     """``broadcast_parameters(model)`` (exercise 2): on n ranks, each with the model ``kind`` built from
     its own seed, every rank ends with rank 0's parameters exactly, frozen ones too, and each rank but 0
     received at least their bytes over the network, as the operating system counted them (a rank that
-    rebuilds rank 0's model from rank 0's seed has not broadcast it).  In a notebook whose host cannot
-    count (no ``ss``: ``run.traffic.source == "trace"``) only the values are checked."""
+    rebuilds rank 0's model from rank 0's seed has not broadcast it), and under grading each of rank 0's
+    parameters crossed, byte for byte, into every other rank, from one rank or another (a tree's), in the
+    grader's capture of the wire.  In a notebook whose host cannot count (no ``ss``: ``run.traffic.source ==
+    "trace"``) only the values are checked."""
     case = f"broadcast_parameters on {n} ranks ({kind} model)"
     run = common.run_or_fail(
         _broadcast_in_rank,
@@ -78,6 +80,7 @@ def check_broadcast_parameters(kind: str, n: int, device: str | None = None) -> 
         "do all ranks broadcast the same parameters in the same order?",
         timeout=60,
         device=_device(device),
+        content=True,
     )
     common.assert_parameters_match(
         run.results,
@@ -98,6 +101,8 @@ def check_broadcast_parameters(kind: str, n: int, device: str | None = None) -> 
             f"rank 0 (dist.broadcast); building rank 0's values some other way is not a broadcast "
             f"({run.traffic.describe()})"
         )
+    for name, p in graded_model(kind, seed=0).named_parameters():  # (each on its own: in any order, or flattened)
+        carried.assert_carried(run, {(None, rank): [p.detach()] for rank in range(1, n)}, f"{case}, {name}")
 
 
 def check_ddp(
