@@ -651,7 +651,9 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
     """The bytes each rank sent are the payloads of its gloo sends as the grader's capture read them (the
     ranks' trace was the account before): the solution's sparse and INT8 all-reduces pass with and without
     a capture; pieces passed through /dev/shm with zeros on the wire fail (the values never crossed), and
-    an INT8 all-reduce that all-gathers the fp32 gradient fails on its bytes."""
+    an INT8 all-reduce that all-gathers the fp32 gradient fails on its bytes.  And what the INT8 all-reduce sent:
+    each rank's q and scales must reach every other rank; pieces passed through the launcher's store with zeros of
+    their size all-gathered (the sum, the bytes and the bound right) pass in the student's own kernel and fail."""
 
     import __main__
     from disttrain_lab import bench
@@ -673,6 +675,13 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
             __main__.quantized_all_reduce = _quantized_but_dense
             with pytest.raises(AssertionError) as dense:
                 lab07.check_quantized_all_reduce(3, 1001, 100)
+            __main__.quantized_all_reduce = solution["quantized_all_reduce"]
+            lab07.check_quantized_all_reduce(4, 7, 3)
+            lab07.check_quantized_all_reduce(2, 1, 1024)
+            __main__.quantized_all_reduce = _quantized_relayed
+            with pytest.raises(AssertionError) as relayed:
+                lab07.check_quantized_all_reduce(3, 1001, 100)
+        lab07.check_quantized_all_reduce(3, 1001, 100)  # (no capture: the relayed sum, its bytes and bound right)
     finally:
         for name in names:
             delattr(__main__, name)
@@ -681,6 +690,27 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
     assert "rank 0's values: the data from the other ranks to rank 1 should carry 1 message(s)" in said, said
     said = str(dense.value)
     assert "put 8008 B of data on the wire" in said and "at most 2090 B" in said, said
+    said = str(relayed.value)
+    assert "rank 1's int8 q (1001 entries, round(x / scale) of its input" in said and "should reach rank 0" in said, (
+        said
+    )
+
+
+def _quantized_relayed(flat, chunk_size=1024):
+    """A forged quantized_all_reduce: the solution's sum of the ranks' quantized pieces, the pieces passed through
+    the launcher's store (a few KiB: under what the grader allows a rank to exchange with processes that are not
+    ranks), zeros of a piece's size all-gathered on the wire."""
+    import __main__
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import through_the_store
+
+    q, scales = __main__.quantize_int8(flat, chunk_size)  # (the solution's)
+    pieces = through_the_store([q, scales], "int8")
+    zeros = torch.zeros(q.numel() + 4 * scales.numel(), dtype=torch.int8)
+    dist.all_gather([torch.empty_like(zeros) for _ in range(dist.get_world_size())], zeros)
+    return sum(__main__.dequantize_int8(q, s, chunk_size) for q, s in pieces)
 
 
 def _powersgd_dense_with_decoys(state, bucket, gather=False):
