@@ -553,6 +553,63 @@ def test_ulysses_with_qkv_through_the_store_and_zeros_on_the_wire_fails_on_the_w
     assert "should carry" in said and "must travel in the all-to-alls themselves" in said, said
 
 
+# A forged ring_attention_forward: N - 1 isend/irecv of zeros of a key/value block's size round the ring, each posted
+# before its step's dl.region("block") and waited for after it (the trace's rules), block_attention called first (the
+# grader's gate holds a rank there), then every rank's k and v taken through the launcher's store and attended to whole
+_RELAYED_RING = """
+def ring_attention_forward(q, k, v, layout="zigzag", group=None):
+    from tests.helpers import through_the_store
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    nxt, prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    seq_len = q.shape[-2] * n
+    q_pos = sequence_positions(seq_len, n, rank, layout)
+    zeros = torch.zeros((2, *k.shape), dtype=k.dtype)
+    for step in range(n):
+        if step < n - 1:
+            pending = [dist.isend(zeros, nxt, group=group), dist.irecv(torch.empty_like(zeros), prev, group=group)]
+        with dl.region("block"):
+            if step == 0:
+                block_attention(q, k, v, q_pos, q_pos)
+        if step < n - 1:
+            for request in pending:
+                request.wait()
+    blocks = through_the_store([k.detach().clone(), v.detach().clone()], "ring", among=ranks)
+    keys, values = (torch.cat([b[i] for b in blocks], dim=1) for i in (0, 1))
+    k_pos = torch.cat([sequence_positions(seq_len, n, r, layout) for r in range(n)])
+    return block_attention(q, keys, values, q_pos, k_pos)
+"""
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_ring_with_kv_through_the_store_and_zeros_on_the_wire_fails_on_the_wires_content(monkeypatch):
+    """#42: under the grader's evidence the solution's ring passes (2 ranks, and two rings of 2 on 4); a ring that
+    sends zeros of a key/value block's size round the ring and takes k and v through the store (``_RELAYED_RING``:
+    values, the trace's calls, bytes and overlap right, the gate's hold reached) passes in the student's own kernel
+    and fails where the grader looks for the rows of the blocks the ring passes in what each rank sent the next
+    (``lab10.attention._ring_blocks_on_the_wire``): found once, in the given backward, not twice."""
+    import __main__
+    from tests.helpers import notebook_names, observed_from_outside
+
+    names = ["ring_attention_forward", "block_attention", "merge_attention", "sequence_positions", "RingAttention"]
+    space = bench.functions_from_notebook(LAB, names, given=True)["ring_attention_forward"].__globals__
+    notebook_names(monkeypatch, space)
+    monkeypatch.setitem(lab10.common._REFERENCES, "positions", space["sequence_positions"])
+    with observed_from_outside():
+        lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")
+        lab10.check_ring(lab10._ring_in_rank, 4, 2, 16, 4, "zigzag", seed=5, groups_of=2)
+    exec(_RELAYED_RING, space)  # (the notebook's namespace: RingAttention calls the forged ring)
+    monkeypatch.setattr(__main__, "ring_attention_forward", space["ring_attention_forward"])
+    lab10.check_ring(lab10._ring_in_rank, 3, 2, 18, 4, "zigzag", seed=2)  # (the student's own kernel: the trace's)
+    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+        lab10.check_ring(lab10._ring_in_rank, 3, 2, 18, 4, "zigzag", seed=2)
+    said = str(relayed.value)
+    assert "should pass the next rank of its ring" in said and "found 0 of them twice, 48 once" in said, said
+    assert "must travel in the forward's isends themselves" in said, said
+
+
 def _solution_sp_block(monkeypatch):
     """The solution's SequenceParallelBlock, its namespace (the given transformer_block among it) made the
     notebook's for the test's runs."""

@@ -5,9 +5,10 @@ check runs the student's code with ``exercise.run``, by name or through a *drive
 function: its source is sent to the student's kernel, defined there among the notebook's names, calls the
 notebook's code on every rank and returns data), compares every rank's tensors with one process (torch's
 causal attention, the dense block), and reads the calls each rank made and the bytes the operating system
-counted (``run.traffic``): Ulysses' calls and bytes, under grading, from the grader's capture of the wire (each
-message's slot names its call's kind), sequence parallelism's still from the ranks' trace (``run.trace``), as
-every call in the student's own kernel, where there is no capture. A driver uses only the notebook's names
+counted (``run.traffic``); under grading, from the grader's capture of the wire: Ulysses' and sequence
+parallelism's calls, bytes and content (each message's slot names its call's kind), and the keys and values ring
+attention passes round (``attention._ring_blocks_on_the_wire``); in the student's own kernel, where there is no
+capture, from the ranks' trace (``run.trace``). A driver uses only the notebook's names
 (the student's functions and classes, the given ``RingAttention``, ``transformer_block``, and ``torch``,
 ``dist``, ``dl`` of the setup cell).
 

@@ -1,5 +1,6 @@
 """Lab 10's exercises 1-2: ``block_attention``/``merge_attention`` (one rank) and ring attention
-across ranks, against torch's causal attention in one process; the ring's traffic."""
+across ranks, against torch's causal attention in one process; the ring's traffic, and under grading what its
+messages carried (the grader's capture of the wire)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ... import checks, exercise
+from ... import carried, checks, exercise
 from .. import common
 from .common import GRADED_PASSED, TIMEOUT, _forward_phase, _qkv, _reference
 
@@ -123,7 +124,12 @@ def check_ring(
     irecvs from the previous one, N - 1 key/value blocks, one dl.region("block") per ring step, the next
     block's isend and irecv posted before a block's computation and waited for after it: under grading, as
     the grader's gate observes it (``ring_gate``: a rank drawn now is held before its ring starts, and the
-    next one must still reach its first block's computation, with block_attention), else from the trace."""
+    next one must still reach its first block's computation, with block_attention), else from the trace.
+    Under grading (2 ranks a ring or more: the gate makes the run keep what crossed the wire) the grader also
+    reads the messages themselves: point-to-point only, each rank's to the next rank of its ring alone, the
+    forward's and the given backward's bytes (``_ring_on_the_wire``), and in them every row of the keys and
+    values the ring passes, twice (``_ring_blocks_on_the_wire``); in the student's own kernel there is no
+    capture and the trace's account stands alone."""
     groups_of = groups_of or n
     case = (
         f"ring attention, {layout} layout, {seq_len} tokens on {n} ranks"
@@ -192,6 +198,92 @@ def check_ring(
             )
     if gate is not None and run.gate.source != "none":
         _assert_reached_while_held(run, case, held, groups_of)
+    sent = carried.sends(run, case) if gate is not None else None  # under grading: the grader's capture of the wire
+    if sent is not None:
+        _ring_on_the_wire(sent, n, groups_of, block_bytes, case)
+        _ring_blocks_on_the_wire(sent, positions, (k.detach(), v.detach()), groups_of, case)
+
+
+def _ring_on_the_wire(sent: list, n: int, groups_of: int, block_bytes: int, case: str) -> None:
+    """What the grader's capture saw of a ring attention run, forward and the given backward: point-to-point
+    messages only (the driver's barrier aside; a slot's top byte names a collective's kind, ``carried.kind``),
+    each rank's to the next rank of its ring alone, and ``block_bytes`` B (one key/value block, k and v) times
+    N − 1 forward and 2N − 1 in the given backward ((k, v) before each of its N − 1 passes, (dk, dv) after each
+    of its N blocks): (3N − 2) blocks in all.  The trace's account of the forward's calls and bytes is the rank's
+    own; this one is the wire's, so traffic a rank leaves out of its trace (a collective made aside) fails."""
+    other: dict[str, set] = {}
+    for src, _, slot, _ in sent:
+        kind = carried.kind(slot)
+        if kind not in ("barrier", "send/recv"):
+            other.setdefault(kind, set()).add(src)
+    assert not other, (
+        f"{case}: ring attention's ranks may only isend and irecv (the given backward too); the grader's capture of "
+        "the wire shows messages of "
+        + "; ".join(f"{kind} from rank(s) {', '.join(map(str, sorted(r)))}" for kind, r in sorted(other.items()))
+    )
+    want = (3 * groups_of - 2) * block_bytes
+    for rank in range(n):
+        start = rank - rank % groups_of
+        nxt = start + (rank + 1) % groups_of
+        to: dict[int, int] = {}
+        for src, dst, slot, payload in sent:
+            if src == rank and carried.kind(slot) == "send/recv":
+                to[dst] = to.get(dst, 0) + len(payload)
+        elsewhere = {dst: got for dst, got in to.items() if dst != nxt}
+        assert not elsewhere, (
+            f"{case}: rank {rank} may only send to the next rank of its ring ({nxt}); the grader's capture of the wire "
+            "shows point-to-point messages from it to "
+            + ", ".join(f"rank {dst} ({got} B)" for dst, got in sorted(elsewhere.items()))
+        )
+        got = to.get(nxt, 0)
+        assert got == want, (
+            f"{case}: rank {rank}'s point-to-point messages to rank {nxt} carried {got} B on the wire (the grader's "
+            f"capture); the forward's N - 1 = {groups_of - 1} key/value blocks of {block_bytes} B and the given "
+            f"backward's 2N - 1 = {2 * groups_of - 1} ((k, v) N - 1 times, (dk, dv) N times) make {want} B"
+        )
+
+
+def _ring_blocks_on_the_wire(sent: list, positions: list, kv: tuple, groups_of: int, case: str) -> None:
+    """What the ring's messages carried, from the grader's capture: at ring step s = 0..N − 2 rank r passes the
+    next rank of its ring the keys and values of the block it attends to, rank (r − s) mod N's (of its ring), so
+    what r sent that rank holds every row of those blocks (one head, one token: d float64 values), byte for byte,
+    whatever the packing (k and v stacked, or one message each).  The grader knows them: its driver's seed gives
+    the whole sequence's k and v (``kv``, made in the grader kernel) and ``positions`` each rank's tokens.  The
+    given backward passes the same blocks round once more, each before its block's backward, so every such row
+    must cross from r to the next rank twice (counted row by row, ``_copies``): once in the student's forward,
+    once in the given backward.  Keys and values that reach the ranks some other way (the launcher's store, the
+    whole sequence the driver builds in every rank), with zeros of a block's size in the forward's isends, are
+    found once, and fail."""
+    d = kv[0].shape[-1]
+    by_link: dict[tuple[int, int], list[bytes]] = {}
+    for src, dst, slot, payload in sent:
+        if carried.kind(slot) == "send/recv":
+            by_link.setdefault((src, dst), []).append(payload)
+    for rank in range(len(positions)):
+        start = rank - rank % groups_of
+        nxt = start + (rank + 1) % groups_of
+        sources = [start + (rank - s) % groups_of for s in range(groups_of - 1)]
+        rows = torch.cat([t[:, torch.as_tensor(positions[j])].reshape(-1, d) for j in sources for t in kv])
+        payloads = by_link.get((rank, nxt), [])
+        copies = _copies(payloads, rows)
+        twice, once = sum(c >= 2 for c in copies), sum(c == 1 for c in copies)
+        assert twice == len(rows), (
+            f"{case}: rank {rank} should pass the next rank of its ring ({nxt}) the keys and values of the blocks it "
+            f"attends to at ring steps 0 to N - 2, those of rank(s) {', '.join(map(str, sources))}: "
+            f"{len(rows)} rows of {8 * d} bytes (one head, one token) as they are, each twice, once in your forward "
+            f"and once in the given backward, which passes them round again; the grader's capture of the wire found "
+            f"{twice} of them twice, {once} once and {len(rows) - twice - once} not at all in the "
+            f"{sum(map(len, payloads)):,} bytes rank {rank} sent rank {nxt}. The keys and values must travel in the "
+            "forward's isends themselves"
+        )
+
+
+def _copies(payloads: Sequence[bytes], rows: torch.Tensor) -> list[int]:
+    """How many times each row of ``rows`` appears, byte for byte, in ``payloads`` joined (``carried.rows_whole``
+    counts them all together; here each row is counted on its own, so rows sent many times cannot make up for
+    rows never sent)."""
+    there = b"".join(payloads)
+    return [there.count(row.contiguous().numpy().tobytes()) for row in rows]
 
 
 def _assert_reached_while_held(run: exercise.ExerciseRun, case: str, held: int, groups_of: int) -> None:
