@@ -700,10 +700,10 @@ def _quantized_relayed(flat, chunk_size=1024):
     """A forged quantized_all_reduce: the solution's sum of the ranks' quantized pieces, the pieces passed through
     the launcher's store (a few KiB: under what the grader allows a rank to exchange with processes that are not
     ranks), zeros of a piece's size all-gathered on the wire."""
-    import __main__
     import torch
     import torch.distributed as dist
 
+    import __main__
     from tests.helpers import through_the_store
 
     q, scales = __main__.quantize_int8(flat, chunk_size)  # (the solution's)
