@@ -49,13 +49,15 @@ def _step(
     only=None,
     early=False,
     hoard=False,
+    relay=False,
 ):
     """``sharded_step`` as the exercise asks (``ahead`` layers of prefetch; ``upfront``: every forward gather posted
     at the start; ``keep``: whole parameters kept after forward, not gathered again; ``op``: the reduce-scatter's;
     ``copy``: each rank also sends the other its shard of the next layer before each layer, unused; ``only``: the
     layers whose forward, and whose backward, post a prefetch, the others none; ``early``: each prefetched gather
     waited for as soon as it is posted, before the layer runs; ``hoard``: a copy of each layer's whole parameters
-    kept after its forward, the storage freed and gathered again as asked)."""
+    kept after its forward, the storage freed and gathered again as asked; ``relay``: zeros reduce-scattered, each
+    layer's gradient averaged through the launcher's store instead)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -114,8 +116,20 @@ def _step(
         outputs[i].backward(grad)
         grad = inputs[i].grad
         part = torch.empty_like(shards[i].detach())
+        sent = full[i].grad
+        if relay:
+            from tests.helpers import through_the_store
+
+            part = (sum(through_the_store(sent, f"layer {i}")) / n).chunk(n)[dist.get_rank()].clone()
+            sent = torch.zeros_like(sent)
         reductions.append(
-            (dist.reduce_scatter_single(part, full[i].grad, op=getattr(dist.ReduceOp, op), async_op=True), i, part)
+            (
+                dist.reduce_scatter_single(
+                    torch.empty_like(part) if relay else part, sent, op=getattr(dist.ReduceOp, op), async_op=True
+                ),
+                i,
+                part,
+            )
         )
         full[i].grad = None
         full[i].untyped_storage().resize_(0)
@@ -167,6 +181,11 @@ def hoards(shards, layer, x, y, prefetch=True):
 
 def sums(shards, layer, x, y, prefetch=True):
     return _step(shards, layer, x, y, prefetch, op="SUM")
+
+
+def relays(shards, layer, x, y, prefetch=True):
+    """FSDP2's schedule, zeros reduce-scattered, the gradients averaged through the launcher's store instead."""
+    return _step(shards, layer, x, y, prefetch, relay=True)
 
 
 def _use(monkeypatch, fn) -> None:
@@ -367,3 +386,25 @@ def test_what_the_kernels_ended_threads_left_free_is_not_counted_as_the_ranks():
         said[trimmed] = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert re.search(r"inside layer 3's forward than before the step \([3-9]\.\d\d whole", said[False]), said[False]
     assert said[True] == "", said[True]
+
+
+@pytest.mark.slow
+@needs_capture
+def test_gradients_averaged_through_the_store_fail_on_what_the_reduce_scatters_carried(monkeypatch):
+    """Under grading the reduce-scatters are read for what they carried, on any number of ranks: each rank's own
+    gradient of each layer (the grader's, in one process).  The honest step passes on 3 ranks and on 2 (with its
+    gathers read too); one that reduce-scatters zeros and averages the gradients through the launcher's store (the
+    values, the gathers, the bytes right) passes in the student's own kernel and fails on the wire."""
+    _use(monkeypatch, relays)
+    prefetch.check_sharded_step("sharded_step", 3)  # (no capture: the values alone, and right)
+    with observed_from_outside():
+        _use(monkeypatch, honest)
+        prefetch.check_sharded_step("sharded_step", 3)
+        _use(monkeypatch, relays)
+        with pytest.raises(AssertionError) as caught:
+            prefetch.check_sharded_step("sharded_step", 3)
+    said = str(caught.value)
+    assert "sharded_step (prefetch=True, 3 ranks, 5 layers): rank 0's reduce-scatter of layer 0's gradient" in said, (
+        said
+    )
+    assert "the grader's capture of the wire found 0 in what it sent besides its all-gathers" in said, said

@@ -54,24 +54,27 @@ in a third run on 2 ranks on four 2048 x 2048 layers, 16 MiB each whole (``_chec
 rank before the step and inside each layer's forward and reads its private memory there; inside the last layer's
 forward (and without prefetch inside every layer's) a rank may hold at most the exercise's two layers whole
 (``FREED_LAYERS``), what it freed given back to the OS first (``osmemory.trim``, at every hold); a rank that keeps
-each layer, or a copy of each, holds four.  What is not read: the reduce-scatters' payloads (their result is graded, on
-the shards' gradients), and what a rank frees in backward.
+each layer, or a copy of each, holds four.  The reduce-scatters' payloads are read for what they carried, on every
+number of ranks (``_check_reduce_scattered``: each rank's own gradient of each layer, the grader's, among what it sent
+in them); what a rank frees in backward is not read.
 
 A rank cannot put a gather's bytes on the wire before it has posted it, and cannot go on past a hold before the
 grader answers; so a gather that crossed while every rank was held was posted before the layer that holds, and one
 that crossed after was not (the rank could not tell when the grader would answer).  Gathering every layer at once
 shows the later gathers before the answer; gathering once and keeping the layer whole shows each shard once.  The
-wire is read on 2 ranks, where each shard has one way to go; other runs are graded on their values alone.
+wire's order is read on 2 ranks, where each shard has one way to go; other runs on their values and what their
+reduce-scatters carried.
 """
 
 from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ... import checks, exercise, gate, osmemory
+from ... import carried, checks, exercise, gate, osmemory
 from ...wire import Unobserved
 from ...wiretimeline import Timeline
 from .. import common
@@ -171,7 +174,16 @@ def _answers(n: int) -> list[list[torch.Tensor]]:
 def _one_process(layers, x, y, n: int, answers) -> tuple[list[float], list[list[torch.Tensor]]]:
     """Each rank's loss on its rows, and ``[rank][layer]`` its shard of the flat gradients averaged over the ranks,
     from ``loss.backward()`` in one process, each rank's rows in turn, with the grader's answers (if any) added where
-    the rank was held."""
+    the rank was held (``_local_gradients``: each rank's own, before the average)."""
+    losses, flats = _local_gradients(layers, x, y, n, answers)
+    averaged = [_padded(sum(f[i] for f in flats) / n, n) for i in range(len(layers))]
+    return losses, [[a.chunk(n)[r] for a in averaged] for r in range(n)]
+
+
+def _local_gradients(layers, x, y, n: int, answers) -> tuple[list[float], list[list[torch.Tensor]]]:
+    """Each rank's loss on its rows, and ``[rank][layer]`` the flat gradient of that loss alone (what the rank
+    reduce-scatters), from ``loss.backward()`` in one process, with the grader's answers (if any) added where the rank
+    was held."""
     last = len(layers) - 1
     losses, flats = [], []
     for r, (xs, ys) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
@@ -188,8 +200,39 @@ def _one_process(layers, x, y, n: int, answers) -> tuple[list[float], list[list[
         loss.backward()
         losses.append(loss.item())
         flats.append([torch.cat([w.grad.flatten(), b.grad]) for w, b in params])
-    averaged = [_padded(sum(f[i] for f in flats) / n, n) for i in range(len(layers))]
-    return losses, [[a.chunk(n)[r] for a in averaged] for r in range(n)]
+    return losses, flats
+
+
+def _check_reduce_scattered(case: str, run: exercise.ExerciseRun, local: list[list[torch.Tensor]]) -> None:
+    """Under grading: what each rank sent in the step's collectives other than its all-gathers (gloo's reduce-scatter
+    all-reduces the whole input and keeps the rank's chunk, so on the wire it is an all-reduce) carried its own
+    gradient of each layer (``local[rank][layer]``, the grader's, ``_local_gradients``; as it is or divided by N: the
+    average), whatever the algorithm's steps: a ring's first step sends 1/N of its input as it is, so at least half
+    of that share of the nonzero entries (``carried.words_found``, within 1e-4 relative or 1e-6 of the layer's largest
+    entry).  Gradients averaged some other way (the launcher's store), with zeros of the right size reduce-scattered,
+    fail.  In the student's own kernel (no capture) nothing is read."""
+    sent = carried.sends(run, case)
+    if sent is None:
+        return
+    n = run.world_size
+    for rank in range(n):
+        skipped = ("all_gather", "barrier", "send/recv")
+        pool = carried.words_sent([p for src, _, slot, p in sent if src == rank and carried.kind(slot) not in skipped])
+        for i, flat in enumerate(local[rank]):
+            want = flat.detach().numpy()
+            want = want[want != 0]
+            if not want.size:
+                continue
+            atol = 1e-6 * float(np.abs(want).max())
+            found = max(carried.words_found(pool, want / scale, rtol=1e-4, atol=atol / scale) for scale in (1, n))
+            least = want.size // (2 * n)
+            assert found >= least, (
+                f"{case}: rank {rank}'s reduce-scatter of layer {i}'s gradient should carry its own gradient (the "
+                f"grader's loss.backward() on its rows in one process: {want.size} nonzero entries; a ring sends "
+                f"1/{n} of them as they are, at least {least} are looked for); the grader's capture of the wire found "
+                f"{found} in what it sent besides its all-gathers. The gradients must travel in the reduce-scatter "
+                "itself"
+            )
 
 
 # Reading what came back (untrusted data) ---------------------------------------------------------------------------
@@ -370,6 +413,7 @@ def check_sharded_step(case: str, n: int, prefetch: bool = True) -> None:
     )
     want_losses, want_grads = _one_process(layers, x, y, n, answers)
     _check_values(label, run.results, want_losses, want_grads)
+    _check_reduce_scattered(label, run, _local_gradients(layers, x, y, n, answers)[1])
     if run.timeline.source != "trace" and n == 2:  # grading: the overlap, on the wire the grader captured
         _check_overlap(label, run, shards, prefetch)
         if prefetch:
