@@ -553,6 +553,56 @@ def test_ulysses_with_qkv_through_the_store_and_zeros_on_the_wire_fails_on_the_w
     assert "should carry" in said and "must travel in the all-to-alls themselves" in said, said
 
 
+def _backward_relayed_all_to_all():
+    """A forged ``_AllToAll`` for the solution's ulysses_attention: its forward the solution's, its backward an
+    all-to-all of zeros of the gradient's size on the wire, the right blocks taken through the launcher's store."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import through_the_store
+
+    class _AllToAll(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x, group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+            everyone = through_the_store(grad.detach().clone(), "a2a backward")
+            dist.all_to_all_single(torch.empty_like(grad), torch.zeros_like(grad), group=ctx.group)
+            return torch.cat([g.chunk(n)[rank] for g in everyone]), None
+
+    return _AllToAll
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_ulysses_with_its_backward_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """The solution's Ulysses with its forward as it is and a backward all-to-all of zeros, the gradients' blocks
+    passed through the store: the right values and bytes, the forward's rows on the wire; it passes in the student's
+    own kernel and fails where the grader looks for the output's gradient and q, k and v's in what each rank sent."""
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = bench.functions_from_notebook(LAB, ["ulysses_attention", "sequence_positions"], given=True)
+    notebook_names(monkeypatch, space["ulysses_attention"].__globals__)
+    monkeypatch.setitem(lab10.common._REFERENCES, "positions", space["sequence_positions"])
+    with observed_from_outside():
+        lab10.check_ulysses(2, 4, 16, 4)
+        lab10.check_ulysses(4, 8, 32, 2)
+    monkeypatch.setitem(space["ulysses_attention"].__globals__, "_AllToAll", _backward_relayed_all_to_all())
+    lab10.check_ulysses(2, 4, 16, 4)  # (the student's own kernel: values, the trace's calls and bytes)
+    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+        lab10.check_ulysses(2, 4, 16, 4)
+    said = str(relayed.value)
+    assert "in backward rank 0 should carry to the others the rows of the output's gradient" in said, said
+
+
 # A forged ring_attention_forward: N - 1 isend/irecv of zeros of a key/value block's size round the ring, each posted
 # before its step's dl.region("block") and waited for after it (the trace's rules), block_attention called first (the
 # grader's gate holds a rank there), then every rank's k and v taken through the launcher's store and attended to whole

@@ -330,6 +330,7 @@ def check_ulysses(n: int, heads: int, seq_len: int, dim: int, seed: int = 0) -> 
     if sent is not None:
         _ulysses_on_the_wire(sent, n, block, case)
         _ulysses_rows_on_the_wire(sent, positions, (q, k, v), want, case)
+        _ulysses_grads_on_the_wire(sent, positions, dout, (q.grad, k.grad, v.grad), case)
         return
     for rank in range(n):  # the student's own kernel: the ranks' trace
         calls, _ = _forward_phase(run, rank)
@@ -399,6 +400,40 @@ def _ulysses_rows_on_the_wire(sent: list, positions: list, qkv: tuple, out: torc
             f"{case}: rank {s} should carry back to the others its {mine} head(s)' output rows of their tokens, "
             f"{want} rows (one head, one token: F.scaled_dot_product_attention's, float64); the grader's capture of "
             f"the wire found {found}. The rows must travel in the all-to-alls themselves"
+        )
+
+
+def _ulysses_grads_on_the_wire(sent: list, positions: list, dout: torch.Tensor, grads: tuple, case: str) -> None:
+    """What Ulysses' backward all-to-alls carried, from the grader's capture: the output's all-to-all mirrored, each
+    rank sends the others the rows of the output's gradient (the driver's ``dout``, byte for byte) of its tokens for
+    every head but its own H/N, (H − H/N) of them a token; then the q, k, v all-to-all's mirrored, its own heads'
+    rows of the gradients of q, k and v (the grader's ``F.scaled_dot_product_attention`` backward, within 1e-9) of
+    the others' tokens, 3·(H/N)·(S − its tokens).  A backward that sends zeros of the right sizes and puts gradients
+    made some other way in place fails."""
+    heads, seq_len, d = dout.shape
+    mine = heads // len(positions)
+    by_rank: dict[int, list[bytes]] = {}
+    for src, _, slot, payload in sent:
+        if carried.kind(slot) == "all_to_all":
+            by_rank.setdefault(src, []).append(payload)
+    every = torch.cat([g.detach().reshape(-1, d) for g in grads])
+    for s, pos in enumerate(positions):
+        payloads = by_rank.get(s, [])
+        rows = dout.detach()[:, torch.as_tensor(pos)].reshape(-1, d)
+        found, want = carried.rows_whole(payloads, rows), (heads - mine) * len(pos)
+        assert found >= want, (
+            f"{case}: in backward rank {s} should carry to the others the rows of the output's gradient of its "
+            f"{len(pos)} tokens for the heads it does not keep, {want} rows of {8 * d} bytes (one head, one token), as "
+            f"they are; the grader's capture of the wire found {found} in the {sum(map(len, payloads)):,} bytes its "
+            "all-to-alls sent. The backward's gradients must travel in the all-to-alls themselves"
+        )
+        found = carried.rows_close(carried.rows_sent(payloads, d), every, rtol=1e-9, atol=1e-9)
+        want = 3 * mine * (seq_len - len(pos))
+        assert found >= want, (
+            f"{case}: in backward rank {s} should carry back to the others its {mine} head(s)' rows of the gradients "
+            f"of q, k and v of their tokens, {want} rows (one head, one token: the backward of "
+            f"F.scaled_dot_product_attention, float64); the grader's capture of the wire found {found}. The backward's "
+            "gradients must travel in the all-to-alls themselves"
         )
 
 
