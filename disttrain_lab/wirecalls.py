@@ -24,6 +24,7 @@ __all__ = [
     "group_calls",
     "call_payloads",
     "assert_all_reduces_carried",
+    "assert_gathered_carried",
     "assert_stays_in",
     "assert_group_calls",
     "describe",
@@ -76,13 +77,43 @@ def assert_all_reduces_carried(run, group: Sequence[int], inputs: Sequence, what
     """The all-reduces the ranks of ``group`` made among themselves (in order, as ``group_calls`` found them) carried
     their data: call i's messages hold pieces of sums of ``inputs[i](rank)`` (what that rank's input may be: a
     list of alternatives) over sets of the group's ranks (``carried.assert_reduced_carried``); ``whats[i]`` names
-    the call.  A group of one rank sends nothing; in the student's own kernel there is no capture."""
+    the call.  A call that is an all-gather instead (the grader's stand-ins sum that way) carried each rank's input
+    whole among what that rank sent in it (a ring sends its own piece first: ``assert_gathered_carried``).  A group
+    of one rank sends nothing; in the student's own kernel there is no capture."""
     if len(group) == 1 or not observed(run):
         return
     for (kind, payloads), expected, what in zip(call_payloads(run, group, case), inputs, whats):
+        partials = {rank: expected(rank) for rank in group}
         if kind == "all_reduce":
-            partials = {rank: expected(rank) for rank in group}
             carried.assert_reduced_carried(payloads, partials, case, f"{what} over ranks {tuple(group)}")
+        elif kind == "all_gather":
+            assert_gathered_carried(payloads, partials, case, f"{what} over ranks {tuple(group)}")
+
+
+def assert_gathered_carried(payloads: dict, partials: dict, case: str, what: str) -> None:
+    """Every rank's input to one all-gather call (``partials[rank]``: its alternatives, float32, recomputed by the
+    grader in one process) among the fp32 words it sent in that call (``payloads[rank]``), every nonzero entry,
+    within 1e-4 relative or 1e-6 of its largest entry: an all-gather carries each rank's piece as it is.  A rank
+    that gathers something else (zeros) and sums some other way fails."""
+    for rank, alternatives in sorted(partials.items()):
+        pool = carried.words_sent([b"".join(payloads.get(rank, []))])  # (gloo cuts a piece where a word may straddle)
+        best = None
+        for want in alternatives:
+            want = want.detach().float().reshape(-1).numpy()
+            want = want[want != 0]
+            if not want.size:
+                best = (0, 0)
+                break
+            found = carried.words_found(pool, want, rtol=1e-4, atol=1e-6 * float(abs(want).max()))
+            if best is None or want.size - found < best[0] - best[1]:
+                best = (want.size, found)
+        total, found = best or (0, 0)
+        assert found == total, (
+            f"{case}: {what}: rank {rank} should send its own input to the all-gather whole (the grader's, computed in "
+            f"one process: {total} nonzero entries); the grader's capture of the wire found {found} of them in what "
+            "it sent in that call. What a rank gathers must be the data itself: values that arrive some other way, "
+            "with other bytes sent in their place, do not count"
+        )
 
 
 def assert_stays_in(run, rank: int, allowed: set, what: str, case: str) -> None:

@@ -584,3 +584,48 @@ def test_tensor_parallel_mlp_on_gpus():
     for _, got, grad in results:
         torch.testing.assert_close(got, y.detach(), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(grad, x.grad, rtol=1e-4, atol=1e-5)
+
+
+# A forged g for the run where the grader's stand-ins replace f and g, defined among the notebook's names (where
+# TensorParallelMLP finds g, and the stand-in in the place of ReduceFromTensorParallel): the stand-in made to
+# all-gather zeros, the sum taken through the launcher's store, the gradient passed straight through as g's is
+_G_SUMMING_THROUGH_THE_STORE = """
+def g(x, group=None):
+    from tests.helpers import through_the_store
+
+    junk = ReduceFromTensorParallel.apply(torch.zeros_like(x), group)
+    among = dist.get_process_group_ranks(group) if group is not None else None
+    total = sum(through_the_store(x.detach().clone(), "g", among=among))
+    return x + (total - x).detach() + 0 * junk
+"""
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_on_the_graders_stand_ins_the_all_gathers_are_read_for_content(monkeypatch):
+    """Where exercises 1 and 2 have not passed, TensorParallelMLP runs on the grader's stand-ins, whose f and g sum
+    with an all-gather: each rank's partial output (g) and partial input gradient (f) must be what it sent in them.
+    The solution's MLP passes on the stand-ins for f and g, and for all four classes; one whose g makes the
+    stand-in all-gather zeros and sums through the launcher's store passes in the student's own kernel and fails."""
+    from tests.helpers import notebook_names, observed_from_outside
+
+    solution = bench.functions_from_notebook(LAB, ["TensorParallelMLP"], given=True)
+    names = solution["TensorParallelMLP"].__init__.__globals__
+    notebook_names(monkeypatch, names)
+    f_and_g = ("CopyToTensorParallel", "ReduceFromTensorParallel")
+    every = ("ColumnParallelLinear", "RowParallelLinear", *f_and_g)
+    standing = "disttrain_lab.labtests.lab06.checks._standing_in"
+    with observed_from_outside():
+        monkeypatch.setattr(standing, lambda own=False: f_and_g)
+        lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+        monkeypatch.setattr(standing, lambda own=False: every)
+        lab06.check_tp_mlp(2, [6, 10, 4], batch=2)
+    monkeypatch.setattr(standing, lambda own=False: f_and_g)
+    monkeypatch.setitem(names, "g", names["g"])  # (put back after)
+    exec(compile(_G_SUMMING_THROUGH_THE_STORE, "<forged g>", "exec"), names)
+    lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)  # (the student's own kernel: values and calls right)
+    with observed_from_outside(), pytest.raises(AssertionError) as caught:
+        lab06.check_tp_mlp(4, [8, 8, 3], batch=3, tp_size=2)
+    said = str(caught.value)
+    assert "the forward's all-reduce (g), of each rank's partial output" in said, said
+    assert "should send its own input to the all-gather whole" in said and "found 0 of them" in said, said
