@@ -460,3 +460,71 @@ def test_rows_passed_through_the_store_with_zeros_on_the_wire_fail_on_the_wires_
     said = str(failed.value)
     step = "its dispatch should carry" if relayed == "dispatch and combine" else "back its experts' outputs"
     assert step in said and "The rows must travel in the all-to-all itself" in said, said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+@pytest.mark.parametrize("relayed", ["combine and dispatch", "dispatch"])
+def test_gradients_passed_through_the_store_with_zeros_in_the_backward_all_to_alls_fail_on_the_wires_content(
+    monkeypatch, relayed
+):
+    """#42: the backward's all-to-alls are read for content too.  The solution passes under the grader's capture,
+    on the visible case and on 4 ranks with dropped choices.  Its layer whose all-to-alls send the rows forward as
+    the given ``all_to_all`` does, but in backward send zeros of the same sizes and take the gradients through the
+    launcher's store (both backward all-to-alls, or the dispatch's alone: its experts' input gradients): values,
+    calls, bytes and the forward's rows all right, it passes in the student's own kernel; the grader's capture
+    finds the gradients missing from the backward's all-to-alls and fails it."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab.labtests.lab11 import experts
+    from tests.helpers import notebook_names, observed_from_outside, through_the_store
+
+    solution = bench.functions_from_notebook(LAB, ["ExpertParallelMoE", "top_k_route"], given=True)
+    notebook_names(monkeypatch, solution["top_k_route"].__globals__)
+    namespace = solution["ExpertParallelMoE"].forward.__globals__  # (where the layer's forward finds all_to_all)
+    given, route, calls = namespace["all_to_all"], solution["top_k_route"], [0]
+
+    class BackwardRelayed(torch.autograd.Function):
+        """The given all-to-all forward; backward, the gradients through the store and zeros on the wire."""
+
+        @staticmethod
+        def forward(ctx, x, out_splits, in_splits, group):
+            ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+            out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+            dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            out_splits, in_splits = ctx.splits
+            pieces = through_the_store([p.clone() for p in grad.detach().split(out_splits)], "relay")
+            back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+            dist.all_to_all_single(back, torch.zeros_like(grad), in_splits, out_splits, group=ctx.group)
+            return torch.cat([theirs[dist.get_rank()] for theirs in pieces]), None, None, None
+
+    def all_to_all(x, out_splits, in_splits, group=None):
+        calls[0] += 1  # (forward's first call a step is the dispatch, its second the combine)
+        if relayed == "dispatch" and not calls[0] % 2:
+            return given(x, out_splits, in_splits, group)
+        return BackwardRelayed.apply(x, out_splits, in_splits, group)
+
+    def routed(dense, x):
+        """The dense MoE (k = 2, capacity factor 0.5) on x: (y, aux, rows each expert received)."""
+        y, aux = dense(x)
+        chosen, _, kept = route(dense.router(x), 2, 0.5)
+        return y, aux, torch.bincount(chosen[kept], minlength=len(dense.experts)).tolist()
+
+    def check():
+        lab11.check_moe(experts._moe_in_rank, 2, 6, 8, 2, 2, 1.0, 8, 0, reference=lab11.every_token_to_every_expert)
+
+    with observed_from_outside():  # the solution, under grading
+        check()
+        lab11.check_moe(experts._moe_in_rank, 4, 5, 7, 8, 2, 0.5, 10, 2, reference=routed)
+    monkeypatch.setitem(namespace, "all_to_all", all_to_all)
+    check()  # (the student's own kernel: values and the trace's calls)
+    with observed_from_outside(), pytest.raises(AssertionError) as failed:
+        check()
+    said = str(failed.value)
+    step = "(the dispatch's backward" if relayed == "dispatch" else "(the combine's backward"
+    assert step in said and "The gradients must travel in the all-to-all itself" in said, said

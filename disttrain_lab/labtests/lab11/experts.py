@@ -160,7 +160,9 @@ def check_moe(
     """ExpertParallelMoE of MoE(d, hidden, n_experts, k, factor) on ``n`` ranks, ``tokens`` float64 tokens per
     rank: each rank's output, load-balancing loss, input gradient and router gradient equal one process on its
     tokens (``reference(dense, x) -> (y, aux, rows per expert)``); each rank holds its E/N experts, whose
-    gradients come from every rank's tokens; the ranks only call all_to_all_single."""
+    gradients come from every rank's tokens; the ranks only call all_to_all_single.  Under grading, what those
+    carried is read from the grader's capture, forward (``_assert_rows_on_the_wire``) and backward
+    (``_assert_gradient_rows_on_the_wire``)."""
     case = (
         f"ExpertParallelMoE: {n_experts} experts on {n} ranks, k={k}, capacity factor {factor}, "
         f"{tokens} tokens per rank, d={d}"
@@ -214,6 +216,7 @@ def check_moe(
                     ),
                 )
     _assert_rows_on_the_wire(run, case, dense, tokens, d, seed, reference)
+    _assert_gradient_rows_on_the_wire(run, case, dense, tokens, d, seed, reference)
     made = carried.calls_made(run, case)  # under grading: the grader's capture of the wire
     if made is not None:
         other = {kind: ranks for kind, ranks in made.items() if kind not in ("all_to_all", "barrier")}
@@ -266,6 +269,68 @@ def _assert_rows_on_the_wire(run, case: str, dense: nn.Module, tokens: int, d: i
                 f"{case}: rank {t} should send rank {s} back its experts' outputs on the {want} row(s) it received "
                 f"from rank {s} (the combine, float64); the grader's capture of the wire found {found} "
                 f"such row(s) in what rank {t} sent rank {s}. The rows must travel in the all-to-all itself"
+            )
+
+
+def _assert_gradient_rows_on_the_wire(
+    run, case: str, dense: nn.Module, tokens: int, d: int, seed: int, reference: Callable
+) -> None:
+    """Under grading, what the ranks' all-to-alls carried in backward, from the grader's capture: the all-to-alls
+    after the driver's barrier (the first barrier on the wire; the forward's calls come before it).  Backward runs
+    the combine and the dispatch again with the splits swapped: from rank s to rank t, as many rows that are the
+    gradient of one of s's combined rows as s's kept choices routed to t's experts (``reference``'s rows per
+    expert), each its token's dy times its gate, the router's probability of that expert (the gate is applied back
+    home: the combine's backward); and from t back to s as many rows that are one of t's experts' input gradients
+    on one of s's tokens, given that gradient at its output (the dispatch's backward).  Both within float64's
+    rounding (rtol 1e-6, atol 1e-9), computed here in one process with autograd on the dense MoE's router and
+    experts.  Gradients put in place some other way (the launcher's store, or each rank's own computation from the
+    seeded x and dy) with zeros of the right sizes in the backward's all-to-alls fail."""
+    sent = carried.sends(run, case)
+    if sent is None:  # (the student's own kernel: no capture)
+        return
+    n = run.world_size
+    barriers = sorted(slot & carried.CALL_BITS for _, _, slot, _ in sent if carried.kind(slot) == "barrier")
+    assert barriers or not sent, (
+        f"{case}: the grader's capture of the wire shows no barrier between forward and backward (the driver calls "
+        "dist.barrier() between them)"
+    )
+    streams: dict[tuple[int, int], list[bytes]] = {}
+    for src, dst, slot, payload in sent:
+        if carried.kind(slot) == "all_to_all" and slot & carried.CALL_BITS > barriers[0]:
+            streams.setdefault((src, dst), []).append(payload)
+    per = len(dense.experts) // n
+    for s in range(n):
+        x, dy = _tokens(s, tokens, d, seed)
+        with torch.no_grad():
+            load = reference(dense, x)[2]
+            p = torch.softmax(dense.router(x), -1)  # a kept choice's gate: its expert's probability
+        for t in range(n):
+            want = int(sum(load[t * per : (t + 1) * per]))
+            if t == s or want == 0:
+                continue
+            gated = [p[:, e : e + 1] * dy for e in range(t * per, (t + 1) * per)]  # d(sum(y * dy)) / d(its output)
+            inputs = []
+            for e, grad in zip(range(t * per, (t + 1) * per), gated):
+                tokens_in = x.clone().requires_grad_()
+                inputs += torch.autograd.grad(dense.experts[e](tokens_in), tokens_in, grad_outputs=grad)
+            payloads = streams.get((s, t), [])
+            found = carried.rows_close(carried.rows_sent(payloads, d), torch.cat(gated), rtol=1e-6, atol=1e-9)
+            assert found >= want, (
+                f"{case}: rank {s} routes {want} kept choice(s) to rank {t}'s experts, so in backward it should send "
+                f"rank {t} the gradients of the {want} row(s) its combine received from rank {t} (the combine's "
+                f"backward: each its token's dy times its gate, the router's probability of that expert; float64, "
+                f"{8 * d} bytes a row); the grader's capture of the wire found {found} in the "
+                f"{sum(map(len, payloads)):,} bytes rank {s} sent rank {t} in all-to-alls after the driver's "
+                "barrier. The gradients must travel in the all-to-all itself"
+            )
+            payloads = streams.get((t, s), [])
+            found = carried.rows_close(carried.rows_sent(payloads, d), torch.cat(inputs), rtol=1e-6, atol=1e-9)
+            assert found >= want, (
+                f"{case}: in backward rank {t} should send rank {s} the gradients of the {want} token row(s) it "
+                f"received from rank {s} (the dispatch's backward: its experts' input gradients, float64); the "
+                f"grader's capture of the wire found {found} such row(s) in the {sum(map(len, payloads)):,} bytes "
+                f"rank {t} sent rank {s} in all-to-alls after the driver's barrier. The gradients must travel in the "
+                "all-to-all itself"
             )
 
 
