@@ -782,3 +782,57 @@ def test_functions_from_notebook_loads_dataclasses(tmp_path):
     path = tmp_path / "lab.ipynb"
     nbformat.write(nb, path)
     assert bench.functions_from_notebook(path, ["make"])["make"]() == 3
+
+
+# A forged ring_all_reduce, defined among the notebook's names (where the grader's stand-ins take the halves' place):
+# the halves called on zeros, the sum taken through the launcher's store
+_RING_ALL_REDUCE_RELAYED = """
+def ring_all_reduce(x):
+    from tests.helpers import through_the_store
+
+    work = x.contiguous()
+    flat = work.view(-1)
+    total = sum(through_the_store(flat.clone(), "ring all-reduce"))
+    junk = torch.zeros_like(flat)
+    ring_reduce_scatter(junk)
+    ring_all_gather(junk)
+    flat.copy_(total)
+    if work is not x:
+        x.copy_(work)
+    return x
+"""
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_on_the_graders_stand_ins_ring_all_reduce_is_read_for_content(solution):
+    """#42: where a half has not passed, ring_all_reduce runs on the grader's stand-ins, and their messages are read
+    for what they carried: x's own chunks, then the totals (the ring half that passed: its partial sums).  The
+    solution passes with either half replaced and with both; one that calls the halves on zeros and takes the sum
+    through the launcher's store (the messages' count and sizes, the values right) passes in the student's own
+    kernel and fails on the wire."""
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    names = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
+    for name in names:
+        setattr(__main__, name, solution[name])
+    space = dict(solution["ring_all_reduce"].__globals__)
+    exec(compile(_RING_ALL_REDUCE_RELAYED, "<forged ring_all_reduce>", "exec"), space)
+    try:
+        with observed_from_outside():
+            for passed in ((), ("ring_reduce_scatter",), ("ring_all_gather",)):
+                lab02.GRADED_PASSED.clear()
+                lab02.GRADED_PASSED.update(passed)
+                lab02.check_ring_all_reduce(4, (10, 33))
+        lab02.GRADED_PASSED.clear()
+        __main__.ring_all_reduce = space["ring_all_reduce"]
+        lab02.check_ring_all_reduce(3, (7, 5))  # (the student's own kernel: the values and the trace's messages)
+        with observed_from_outside(), pytest.raises(AssertionError) as caught:
+            lab02.check_ring_all_reduce(3, (7, 5))
+    finally:
+        lab02.GRADED_PASSED.clear()
+        for name in names:
+            delattr(__main__, name)
+    said = str(caught.value)
+    assert "message 1 of 2 from rank 0 to rank 1 should hold a piece of the sum of rank 0's data" in said, said

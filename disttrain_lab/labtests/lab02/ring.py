@@ -118,13 +118,37 @@ def _stand_in_messages(n: int, numel: int, dtype: torch.dtype, replace: tuple) -
     return {pair: tuple(v) for pair, v in messages.items()}
 
 
+def _stand_in_sums(n: int, replace: tuple) -> dict:
+    """What each of ring_all_reduce's messages holds where the stand-ins replace the halves in ``replace``
+    (``carried.assert_sums_carried``'s sets of ranks, per connection, in order): a replaced reduce-scatter sends
+    rank c a piece of the sender's own data (chunk c), a replaced all-gather a piece of the total (the sender's
+    chunk, reduced); a ring half that passed sends the right neighbour its partial sums, then the totals."""
+    everyone = frozenset(range(n))
+    expected: dict[tuple[int, int], list[list[frozenset[int]]]] = {}
+    for r in range(n):
+        right = (r + 1) % n
+        if "ring_reduce_scatter" in replace:
+            for c in range(n):
+                if c != r:
+                    expected.setdefault((r, c), []).append([frozenset({r})])
+        else:
+            expected.setdefault((r, right), []).extend([[_ring(r, step, n)] for step in range(n - 1)])
+        if "ring_all_gather" in replace:
+            for c in range(n):
+                if c != r:
+                    expected.setdefault((r, c), []).append([everyone])
+        else:
+            expected.setdefault((r, right), []).extend([[everyone]] * (n - 1))
+    return expected
+
+
 def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float32, contiguous: bool = True) -> None:
     """``ring_all_reduce(x)`` (exercise 4): the sum, in place and returned, as ``naive_all_reduce``'s;
     only send/recv; 2(N-1) messages to the right neighbour, one chunk each (2(N-1)/N of the data), and
     nothing to anyone else (the operating system's count, when every chunk has an element), in 2(N-1)
     steps.  Where ring_reduce_scatter or ring_all_gather has not passed its graded test (``GRADED_PASSED``),
     the grader's stand-in replaces it (``direct_reduce_scatter``, ``direct_all_gather``: not rings), and
-    the messages are those the two halves make."""
+    the messages are those the two halves make, read for what they carried (``_stand_in_sums``)."""
     replace = tuple(half for half in HALVES if half not in GRADED_PASSED)
     common.say_standing_in(
         replace,
@@ -144,6 +168,8 @@ def check_ring_all_reduce(n: int, shape: tuple, dtype: torch.dtype = torch.float
             case,
             "ring_all_reduce calls ring_reduce_scatter, then ring_all_gather, on x's data as one flat tensor.",
         )
+        if contiguous:  # and what they carried: x's own data, then the sums
+            carried.assert_sums_carried(run, _flats(n, shape, dtype), _stand_in_sums(n, replace), case)
         return
     checks.assert_messages(
         run,
