@@ -499,6 +499,33 @@ def test_train_2d_averaging_through_the_store_fails_on_the_wires_content(monkeyp
     assert "must travel in the all-reduce itself" in said, said
 
 
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_train_2d_summing_its_tp_outputs_through_the_store_fails_on_the_wires_content(monkeypatch):
+    """train_2d's tensor-parallel all-reduces must carry, at each step, each rank's partial output on its shard (the
+    grader's along the dense training in one process), on a grid of one DP group too (no DP all-reduce to read
+    there).  The solution passes on 4 ranks as 4 × 1 and as 2 × 2; with g summing through the launcher's store and
+    all-reduce zeros, train_2d trains right with the right calls, passes in the student's own kernel, and fails."""
+    from disttrain_lab.labtests.lab06 import ranks
+    from tests.helpers import notebook_names, observed_from_outside, relayed_f_and_g
+
+    solution = bench.functions_from_notebook(LAB, ["TensorParallelMLP", "train_2d", "parallel_groups"], given=True)
+    names = solution["train_2d"].__globals__
+    notebook_names(monkeypatch, names)
+    monkeypatch.setattr("disttrain_lab.labtests.lab06.checks._standing_in", lambda own=False: ())  # (own layers)
+    driver = ranks._train_2d_in_rank
+    with observed_from_outside():
+        lab06.check_2d(driver, 4, 4, sizes=(5, 8, 3), batch=6)
+        lab06.check_2d(driver, 4, 2, sizes=(7, 20, 5), batch=4, steps=4)
+    _, relaying = relayed_f_and_g()
+    monkeypatch.setitem(names, "ReduceFromTensorParallel", relaying)  # (where TensorParallelMLP finds it)
+    lab06.check_2d(driver, 4, 4, sizes=(5, 8, 3), batch=6)  # (the student's own kernel: values and calls right)
+    with observed_from_outside(), pytest.raises(AssertionError) as relayed:
+        lab06.check_2d(driver, 4, 4, sizes=(5, 8, 3), batch=6)
+    said = str(relayed.value)
+    assert "at step 1, ranks (0, 1, 2, 3) (a TP group) should all-reduce each rank's partial output" in said, said
+
+
 # ----------------------------------------------------------------------------------------
 # The slice picture and the bench harness
 

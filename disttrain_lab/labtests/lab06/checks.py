@@ -416,6 +416,8 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
             )
             if wire:
                 carried.assert_gradients_all_reduced(run, rank, dp, local[rank % tp_size][rank // tp_size], case, 1e-4)
+    if wire and tp_size > 1:
+        _tp_outputs_on_the_wire(run, _tp_outputs_2d(sizes, batch, steps, tp_size, dp_size), tp_size, steps, case)
     dense = models.MLP(list(sizes), seed=11)
     reference = models.train_single_process(dense, batches_2d(sizes, batch, steps), lr=0.1)
     for rank, (params, _, _) in enumerate(run.results):
@@ -454,6 +456,54 @@ def _local_slice_gradients(sizes, batch: int, steps: int, tp_size: int, dp_size:
         F.mse_loss(dense(x), y).backward()
         optimizer.step()
     return found
+
+
+def _tp_outputs_2d(sizes, batch: int, steps: int, tp_size: int, dp_size: int) -> list[list[list]]:
+    """[DP rank][step]: each TP position's partial output of the MLP on that DP rank's shard of the step's batch (its
+    hidden slice through its rows of the second layer: what g all-reduces; ``tp_partials.mlp_partials``), in one
+    process, along the dense training the ranks must match (SGD, lr 0.1, on the whole batches)."""
+    dense = models.MLP(list(sizes), seed=11)
+    optimizer = torch.optim.SGD(dense.parameters(), lr=0.1)
+    found: list[list[list]] = [[] for _ in range(dp_size)]
+    for x, y in batches_2d(sizes, batch, steps):
+        for d, xs in enumerate(x.tensor_split(dp_size)):
+            with torch.no_grad():
+                found[d].append(tp_partials.mlp_partials(dense, xs, None, tp_size)[0])
+        optimizer.zero_grad()
+        F.mse_loss(dense(x), y).backward()
+        optimizer.step()
+    return found
+
+
+def _tp_outputs_on_the_wire(run, outputs: list, tp_size: int, steps: int, case: str) -> None:
+    """Under grading: at each step, one of each TP group's all-reduces of that step (the group's calls, in the order
+    it made them, the same number each step) carried g's sum: every message a piece of a sum, over ranks that
+    include its sender, of the ranks' partial outputs on their DP shard (``_tp_outputs_2d``;
+    ``carried.assert_reduced_carried``).  An MLP trained some other way (one process, the launcher's store) with
+    all-reduces of zeros fails."""
+    for start in range(0, run.world_size, tp_size):
+        group = tuple(range(start, start + tp_size))
+        owed = outputs[start // tp_size]
+        calls = [payloads for kind, payloads in wirecalls.call_payloads(run, group, case) if kind == "all_reduce"]
+        per_step = len(calls) // steps
+        for step, partials in enumerate(owed):
+            mine = {r: partials[r - start] for r in group}
+            for payloads in calls[step * per_step : (step + 1) * per_step]:
+                try:
+                    carried.assert_reduced_carried(payloads, mine, case, "g")
+                except AssertionError:
+                    continue
+                break
+            else:
+                raise AssertionError(
+                    f"{case}: at step {step + 1}, ranks {group} (a TP group) should all-reduce each rank's partial "
+                    "output of the MLP on its DP shard (g: its hidden slice through its rows of the second layer, the "
+                    f"grader's along the dense training in one process); none of their {per_step} all-reduce(s) of "
+                    "that step "
+                    "carried it (each message a piece of a sum, over ranks that include its sender, of the ranks' "
+                    "partials). What a rank all-reduces must be the data itself, not zeros while the sums travel some "
+                    "other way"
+                )
 
 
 def check_groups_not_divisible(n: int, tp_size: int) -> None:
