@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 
 import nbformat
 import pytest
@@ -29,7 +30,15 @@ import pytest
 import disttrain_lab as dl
 from disttrain_lab import bench
 from disttrain_lab.labtests import lab05
-from tests.helpers import gpu_count, needs_gpus, observed_from_outside, run_python, shm_clear, source_of
+from tests.helpers import (
+    gpu_count,
+    needs_gpus,
+    notebook_names,
+    observed_from_outside,
+    run_python,
+    shm_clear,
+    source_of,
+)
 from tests.notebooks import (
     REPO,
     add_wrong_answers,
@@ -294,6 +303,51 @@ def test_the_bubble_fails_closed_where_the_wire_was_not_seen(monkeypatch):
         lab05.bubble._idle(unseen, "gpipe_step on 2 stages", 2, 4, 4)
 
 
+def _gpipe_wire(forward: float) -> list[tuple[float, int, int, int]]:
+    """The segments a capture sees of GPipe on 2 stages, 2 micro-batches of 4 rows (256-byte payloads), each
+    forward taking ``forward`` seconds and each backward twice that: gloo's handshake, stage 1's notes for its
+    two receives, stage 0's activations (a note, then preamble and payload) and its notes for the gradients,
+    stage 1's gradients."""
+    note, data, start = 48, 48 + 256, 0.012
+    sent = [start + forward, start + 2 * forward]  # stage 0: F0, F1 one after the other
+    back = [sent[1] + 3 * forward, sent[1] + 5 * forward]  # stage 1: F0, F1, then B0, B1
+    return sorted(
+        [(0.0, 1, 0, 8), (0.005, 1, 0, note), (0.0051, 1, 0, note)]
+        + [(t + dt, 0, 1, n) for t in sent for dt, n in ((0.0, note), (1e-5, data))]
+        + [(sent[1] + 1e-4, 0, 1, note), (sent[1] + 2e-4, 0, 1, note)]
+        + [(t + dt, 1, 0, n) for t in back for dt, n in ((0.0, note), (1e-5, data))]
+    )
+
+
+def test_the_bubbles_compute_is_read_from_the_wire():
+    # #42: the step's length counts 3 · BUBBLE_COST of busy time per micro-batch; the wire must show it spent. A
+    # made-up capture of GPipe on 2 stages: at BUBBLE_COST per forward it passes (its last stage's step, 2 × 90 ms,
+    # is exactly the compute it holds); with the forwards 10 ms shorter its last stage fails, and with no capture
+    # the check fails closed
+    from types import SimpleNamespace
+
+    from disttrain_lab import wire, wiretimeline
+
+    def computed(forward):
+        run = SimpleNamespace(timeline=wiretimeline.Timeline(segments=_gpipe_wire(forward)))
+        return lab05.bubble._assert_computed(run, "gpipe_step on 2 stages, 2 micro-batches of 4 rows", 2, 2, 4)
+
+    assert computed(lab05.BUBBLE_COST) == pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(AssertionError) as caught:
+        computed(lab05.BUBBLE_COST - 0.01)
+    assert (
+        "stage 1 (the last) began sending gradient 0 (micro-batch 0's, or 1's with the backwards in reverse) 80.0 ms "
+        "after micro-batch 0's activations had reached it"
+        in str(caught.value)
+        and "a micro-batch's forward, loss and backward take 90 ms" in str(caught.value)
+        and "at least 88 ms must lie between them" in str(caught.value)
+    ), str(caught.value)
+    with pytest.raises(wire.Unobserved):
+        lab05.bubble._assert_computed(
+            SimpleNamespace(timeline=wiretimeline.Timeline.unobserved("no capture")), "gpipe_step", 2, 2, 4
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, monkeypatch):
@@ -331,6 +385,59 @@ def test_the_schedule_is_graded_from_the_wire_not_the_stages_boxes(solution, mon
         )
         with pytest.raises(AssertionError, match=r"in 1F1B stage \d holds at most p − s = \d micro-batches"):
             lab05.check_1f1b(3, batch=10, m=4)
+
+
+def _serialized_at_the_formula(helpers: dict):
+    """GPipe's messages one micro-batch at a time (no pipeline: the stages idle 1 − 1/p of the step), with every
+    stage's simulated compute shrunk by (m + p − 1)/(p · m), so that the step's length on the wire, read as
+    3 · BUBBLE_COST of busy time per micro-batch, lands on the bubble (p − 1)/(m + p − 1)."""
+
+    def gpipe_step(stage, x, y, micro_batches):
+        p, m = stage.count, micro_batches
+        stage.cost *= (m + p - 1) / (p * m)
+        xs, ys, sends, loss = x.tensor_split(m), y.tensor_split(m), [], 0.0
+        for i in range(m):
+            inputs, outputs = helpers["forward_microbatch"](stage, xs[i], ys[i], i, len(x), sends)
+            loss += helpers["backward_microbatch"](stage, inputs, outputs, i, sends)
+        for request in sends:
+            request.wait()
+        return loss if stage.is_last else None
+
+    return gpipe_step
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_bubble_from_shrunk_compute_fails_from_the_wire(solution, monkeypatch):
+    """#42: the bubble's busy time is what the stages sleep (``stage.cost``, which the step function can change);
+    the grader reads from the wire that they spent it.  The solution's GPipe passes; a GPipe that runs one
+    micro-batch at a time and shrinks ``stage.cost`` until the step's length gives the formula's idle fraction
+    passed on that length alone (the check without ``_assert_computed``) and fails now, naming the stage, the
+    micro-batch, the time seen and the compute required.  (In the student's own kernel the F/B boxes measure the
+    shrunk compute itself: there it is as idle as any serialized schedule.)"""
+    import __main__
+
+    helpers = solution["gpipe_step"].__globals__  # the solution's namespace: Stage, forward_microbatch, ...
+    notebook_names(monkeypatch, helpers)
+    computed = lab05.bubble._assert_computed
+    with observed_from_outside():
+        lab05.check_gpipe_bubble(2, [1, 4])
+        monkeypatch.setattr(__main__, "gpipe_step", _serialized_at_the_formula(helpers))
+        monkeypatch.setattr(lab05.bubble, "_assert_computed", lambda *args: 1.0)
+        lab05.check_gpipe_bubble(2, [4])  # the step's length alone: 1 − 1/(2 · 5/8) = 20%, the formula's
+        monkeypatch.setattr(lab05.bubble, "_assert_computed", computed)
+        with pytest.raises(AssertionError) as caught:
+            lab05.check_gpipe_bubble(2, [4])
+    said = str(caught.value)
+    assert (
+        re.search(
+            r"gpipe_step on 2 stages, 4 micro-batches of 4 rows: stage 1 \(the last\) began sending .*gradient.* "
+            r"\d+\.\d ms after micro-batch \d's activations had reached it, as the grader's capture timed the bytes, but a "
+            r"micro-batch's forward, loss and backward take 90 ms on the simulated accelerator",
+            said,
+        )
+        and "at least 88 ms must lie between them" in said
+    ), said
 
 
 def _naive_by_shared_memory(stage, x, y):

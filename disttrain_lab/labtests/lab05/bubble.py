@@ -9,7 +9,13 @@ the schedule's messages (``checks.assert_messages``), so no other traffic moves 
 stage computes 3 · BUBBLE_COST per micro-batch (a forward, a backward twice as long: the grader's
 own setting), so the idle fraction is 1 − m · 3 · BUBBLE_COST / that length, the same on every
 stage.  A stage that holds its work back past the last gradient only hides its own slowness, and
-never beats the schedule's dependencies.  In a student's own notebook the ranks' F/B boxes give it."""
+never beats the schedule's dependencies.  In a student's own notebook the ranks' F/B boxes give it.
+
+That busy time is the ranks' to spend (the notebook's ``Stage`` sleeps ``stage.cost`` per row, and the
+step function can change ``stage.cost``), so under grading the wire must also show it spent
+(``_assert_computed``): a stage that sent a message sooner after its input than the compute between
+them takes fails, whatever idle fraction its step's length gives.  Stage 0's backwards send nothing:
+the wire bounds only its forwards, from its connections' handshake to each activation it sends."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from ... import checks, viz, wire
 from ...exercise import ExerciseRun
-from .order import _messages
+from .order import _messages, _payloads
 from .stages import _DRIVERS, _launch, _schedule
 
 BUBBLE_COST = 0.03  # bubble tests: 30 ms of simulated forward per micro-batch (60 ms backward)
@@ -25,12 +31,16 @@ BUBBLE_BELOW, BUBBLE_ABOVE = 0.08, 0.15  # measured idle within −0.08 … +0.1
 # messages and Python between the boxes only add idle time
 BUBBLE_TRIES = 5  # a run over the range runs again, 5 runs in all; the least idle counts (3 were too few
 # for the solution once, in a suite beside other test runs at load 10 on 2 cores: a launch's set-up counts as idle)
+BUBBLE_SLACK = 0.002  # s by which a window on the wire may fall short of the compute it must hold: the capture's
+# times are rounded to the microsecond and put on time.monotonic's clock once; the byte bounds themselves only
+# ever err towards more time (the solution, every graded case 4 times at load 5 on 2 cores: its least window
+# held 1.008× its compute, 60.45 ms seen for a middle stage's 60 ms backward)
 
 
 def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]:
     """Each stage's idle fraction of the step: from the wire under grading (never the ranks' boxes: where
-    the wire was not captured, reading it raises ``wire.Unobserved``), from the boxes in a student's own
-    notebook."""
+    the wire was not captured, reading it raises ``wire.Unobserved``), after the wire has shown the stages'
+    compute spent (``_assert_computed``); from the boxes in a student's own notebook."""
     if run.timeline.source == "trace":
         return viz.pipeline_idle(_schedule(run), step=0)
     checks.assert_messages(
@@ -45,8 +55,136 @@ def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]
             "the step's start (gloo's handshake as the launch opens the connections) or its last gradient was "
             "not seen on the wire, so its idle time cannot be measured from outside the ranks"
         )
+    _assert_computed(run, case, p, m, rows)
     length = back[-1] - handshake[-1] + 2 * BUBBLE_COST
     return [1.0 - m * 3 * BUBBLE_COST / length] * p
+
+
+def _windows(run: ExerciseRun, p: int, m: int, rows: int) -> list[tuple[str, int, int, int, float, float]]:
+    """What the wire says each stage computed, as windows ``(kind, stage, j, k, seen, need)``: between two times
+    of the grader's capture, ``seen`` seconds apart, the stage must have run work the simulated accelerator
+    charges ``need`` seconds for (F: BUBBLE_COST a micro-batch, B: twice that), one piece after the other (a
+    stage is one device: the step function calls stage.forward and stage.backward in turn).
+
+    A window opens when the stage's j-th input message had surely all crossed (it can start no work on it
+    before) and closes when its k-th output message had surely begun to (an honest stage posts a send only
+    once it has computed what it sends, and TCP keeps a direction's bytes in order, so every byte from that
+    message's first on was written after).  By then it has computed k + 1 outputs, of which at least
+    k − j + 1 used inputs from the j-th on: those ran inside the window.  Kinds: "F" on a middle stage
+    (activations in, activations out), "B" there (gradients in, gradients out), "FB" on the last stage
+    (activations in, gradients out: each micro-batch's F, the loss and its B), and "start" on stage 0 (its
+    connections' handshake, before its step began, to each activation: k + 1 forwards).  Stage 0's backwards
+    send nothing, so the wire cannot time them (the step's length already adds its last one).
+
+    Byte positions bound each message (as in ``order.py``; no payload is read): a direction carries gloo's
+    handshake (8 bytes, one way), 96 bytes before each message's payload (a note as its send is posted, then
+    its preamble) and a 48-byte note for each receive its sender posts for the other end's messages (at most
+    m in a step).  A message has surely ended once the bytes passed its own and every earlier message's, and
+    the notes that surely went before it: a gradient's sender has received j + 1 activations by the time it
+    sends its j-th gradient, and gloo sends a message only after its receiver's note.  It has surely begun
+    once they passed the most that can stand before it (the handshake, the earlier messages, all m notes).
+    Both bounds err towards more time in a window, never less, so an honest run is never failed; the
+    capture's times are the kernel's stamps as each segment left (before its receiver could read it)."""
+    timeline, note = run.timeline, wire.GLOO_PREAMBLE
+    segments = timeline.segments or []
+    sent = [t for t, a, _, n in segments if a == 0 and n >= note]
+    opened = [t for t, a, b, n in segments if n < note and 0 in (a, b) and sent and t <= sent[0]]
+    if not opened:
+        raise wire.Unobserved(
+            "stage 0's connections opening (gloo's handshake as the launch begins) was not seen on the wire, so "
+            "its forwards cannot be timed from outside the ranks"
+        )
+
+    def ended(src: int, dst: int, sizes: list[int], j: int, notes: int) -> float:
+        at = sum(sizes[: j + 1]) + 2 * note * (j + 1) + note * notes
+        return _at(timeline.passed(src, dst, at - 1), src, dst)
+
+    def begun(src: int, dst: int, sizes: list[int], k: int) -> float:
+        at = wire.HANDSHAKE_BYTES + sum(sizes[:k]) + 2 * note * k + note * m
+        return _at(timeline.passed(src, dst, at), src, dst)
+
+    forward, found = BUBBLE_COST, []
+    for s in range(p):
+        if s == 0:
+            acts = _payloads(p, 0, rows * m, m, 1)
+            found += [("start", 0, 0, k, begun(0, 1, acts, k) - opened[-1], (k + 1) * forward) for k in range(m)]
+            continue
+        before = _payloads(p, s - 1, rows * m, m, 1)  # what stage s receives from s − 1, and sends it back
+        arrived = [ended(s - 1, s, before, j, 0) for j in range(m)]
+        if s == p - 1:
+            out = [begun(s, s - 1, before, k) for k in range(m)]
+            found += _spans("FB", s, arrived, out, 3 * forward)
+            continue
+        after = _payloads(p, s, rows * m, m, 1)
+        found += _spans("F", s, arrived, [begun(s, s + 1, after, k) for k in range(m)], forward)
+        back = [ended(s + 1, s, after, j, j + 1) for j in range(m)]
+        found += _spans("B", s, back, [begun(s, s - 1, before, k) for k in range(m)], 2 * forward)
+    return found
+
+
+def _at(when: float | None, src: int, dst: int) -> float:
+    """A time ``Timeline.passed`` found; where the data never reached that byte, the wire is unobserved."""
+    if when is None:  # (assert_messages counted every byte these positions need)
+        raise wire.Unobserved(f"the capture's times do not cover what rank {src} sent rank {dst}")
+    return when
+
+
+def _spans(kind: str, s: int, arrived: list[float], out: list[float], each: float) -> list:
+    """Windows from each input j to each output k ≥ j: k − j + 1 pieces of ``each`` seconds."""
+    n = len(out)
+    return [(kind, s, j, k, out[k] - arrived[j], (k - j + 1) * each) for k in range(n) for j in range(k + 1)]
+
+
+def _assert_computed(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> float:
+    """Under grading: every stage spent the simulated accelerator's time, as far as the wire can show it
+    (``_windows``), within BUBBLE_SLACK.  Fails where a window holds less, naming the stage, the micro-batches,
+    the time seen and the compute required (a single micro-batch's window first, else the shortest one);
+    returns the least ratio of time seen to compute required (the margin an honest run leaves)."""
+    windows = _windows(run, p, m, rows)
+    short = [w for w in windows if w[4] < w[5] - BUBBLE_SLACK]
+    if short:
+        raise AssertionError(_too_short(case, m, *min(short, key=lambda w: (w[2] != w[3], w[4] / w[5]))))
+    return min(seen / need for *_, seen, need in windows)
+
+
+def _too_short(case: str, m: int, kind: str, s: int, j: int, k: int, seen: float, need: float) -> str:
+    """What a window that held too little compute says (``_windows``' kinds)."""
+    sent = _gradient(k, m) if kind in ("B", "FB") else f"micro-batch {k}'s activations"
+    came = "micro-batch 0's gradient" if m == 1 else f"gradient {j}"  # (named in full as what it sent)
+    since = {
+        "start": "its connections opened (gloo's handshake as the launch began; its step starts after)",
+        "B": f"{came} from stage {s + 1} had reached it",
+    }.get(kind, f"micro-batch {j}'s activations had reached it")
+    if j == k:
+        one = {
+            "F": "forward takes",
+            "start": "forward takes",
+            "B": "backward takes",
+            "FB": "forward, loss and backward take",
+        }
+        held = f"{'micro-batch 0' if kind == 'start' else 'a micro-batch'}'s {one[kind]} {need * 1e3:.0f} ms"
+    else:
+        works = {"F": "forwards", "start": "forwards", "B": "backwards", "FB": "forwards, losses and backwards"}[kind]
+        ran = f"gradients {j} … {k}" if kind == "B" else f"micro-batches {j} … {k}"
+        held = (
+            f"the {works} of {ran}, which it ran {'before' if kind == 'start' else 'in between'} one after the "
+            f"other, take {need * 1e3:.0f} ms"
+        )
+    return (
+        f"{case}: stage {s}{' (the last)' if kind == 'FB' else ''} began sending {sent} {seen * 1e3:.1f} ms after "
+        f"{since}, as the grader's capture timed the bytes, but {held} on the simulated accelerator "
+        f"({BUBBLE_COST * 1e3:.0f} ms of forward per micro-batch, twice that of backward): at least "
+        f"{(need - BUBBLE_SLACK) * 1e3:.0f} ms must lie between them ({BUBBLE_SLACK * 1e3:.0f} ms allowed for the "
+        f"capture's clock). The bubble is measured against that compute, so every stage must spend it: call "
+        f"stage.forward and stage.backward as given, and leave stage.cost and time.sleep alone."
+    )
+
+
+def _gradient(k: int, m: int) -> str:
+    """The k-th gradient a stage sends back, named by its micro-batch (GPipe may run the backwards in reverse)."""
+    if m == 1 or 2 * k == m - 1:
+        return f"micro-batch {k}'s gradient"
+    return f"gradient {k} (micro-batch {k}'s, or {m - 1 - k}'s with the backwards in reverse)"
 
 
 def _check_bubble(
@@ -55,7 +193,8 @@ def _check_bubble(
     """Measured idle of one step (F: BUBBLE_COST per micro-batch), after an untimed step that warms the ranks up,
     against the formula.  A run idle more than BUBBLE_ABOVE over the formula runs again, BUBBLE_TRIES runs in all,
     and the least idle one counts: a busy machine only adds idle time (a schedule that serialises the stages is as
-    idle in every run)."""
+    idle in every run).  A run whose wire shows less compute than the stages must spend fails at once
+    (``_assert_computed``: a busy machine only adds time there too)."""
     measured = []
     for m in micro_batches:
         kwargs = {} if m is None else {"micro_batches": m}  # None: naive_step, one micro-batch
