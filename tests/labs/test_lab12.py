@@ -549,3 +549,41 @@ def test_graded_cells_catch_wrong_answers():
     graded_at = add_wrong_answers(lab, cells, solutions, [(graded, wrong) for graded, wrong, _ in WRONG])
     nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
     assert_wrong_answers_caught(nb, graded_at, [message for _, _, message in WRONG])
+
+
+# A forged save_checkpoint, defined among the notebook's names: rank 0 alone writes the whole checkpoint, of a
+# single-process run of the same seed (read from the grader's driver's frame), with DCP and no process group
+_SAVED_BY_ONE_RANK = """
+def save_checkpoint(path, model, optimizer, step, generator):
+    import sys
+
+    from disttrain_lab.labtests.lab12 import mlp
+
+    if dist.get_rank() == 0:
+        t = mlp.reference(step, sys._getframe(1).f_locals["seed"])
+        model_state, optim_state = get_state_dict(t.model, t.optimizer)
+        state = {"model": model_state, "optim": optim_state, "step": step, "loader": t.generator.get_state()}
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+"""
+
+
+@pytest.mark.slow  # (ranks: a few seconds)
+def test_a_checkpoint_written_by_one_rank_alone_fails(monkeypatch):
+    """#42: a collective save writes each rank's shard into a file of its own; by the checkpoint's .metadata every
+    rank must have written a file holding a piece of the model.  The solution passes on each graded layout; rank 0
+    writing the whole checkpoint of a single-process run of the same seed (every value right) fails."""
+    from disttrain_lab import bench
+    from tests.helpers import notebook_names
+
+    space = bench.functions_from_notebook(LAB, ["save_checkpoint"])
+    names = space["save_checkpoint"].__globals__
+    notebook_names(monkeypatch, names)
+    for layout, steps in (("dp2xtp2", 3), ("fsdp", 2), ("tp", 4)):
+        lab12.check_save(layout, steps, seed=None)
+    monkeypatch.setitem(names, "save_checkpoint", names["save_checkpoint"])  # (put back after)
+    exec(compile(_SAVED_BY_ONE_RANK, "<forged save_checkpoint>", "exec"), names)
+    monkeypatch.setattr("__main__.save_checkpoint", names["save_checkpoint"])
+    with pytest.raises(AssertionError) as caught:
+        lab12.check_save("fsdp", 2, seed=None)
+    said = str(caught.value)
+    assert "rank(s) 1 wrote no file holding a piece of the model" in said, said

@@ -91,6 +91,7 @@ def check_save(layout: str, steps: int, seed: int | None = 0) -> None:
     case = f"saved after {steps} steps on {_case(layout)}"
     run = exercise.run(_train_and_save, mlp.RANKS[layout], (layout, steps, CHECKPOINT, seed), timeout=120)
     files: dict[str, bytes] = {}
+    writers: dict[str, set[int]] = {}
     for rank, written in enumerate(run.results):
         if not isinstance(written, dict) or not all(isinstance(v, bytes) for v in written.values()):
             raise AssertionError(f"{case}: the checkpoint's files of rank {rank} could not be read back")
@@ -98,6 +99,7 @@ def check_save(layout: str, steps: int, seed: int | None = 0) -> None:
             if name in files and files[name] != data:
                 raise AssertionError(f"{case}: ranks wrote different contents to {name}")
             files[name] = data
+            writers.setdefault(name, set()).add(rank)
     assert files, (
         f"{case}: save_checkpoint wrote nothing at {CHECKPOINT!r}: call "
         "torch.distributed.checkpoint.save(state, checkpoint_id=path) on every rank"
@@ -106,6 +108,7 @@ def check_save(layout: str, steps: int, seed: int | None = 0) -> None:
         got = checkpoint_files.read_checkpoint(files)
     except checkpoint_files.CheckpointUnreadable as exc:
         raise AssertionError(f"{case}: the checkpoint's files {sorted(files)} cannot be read: {exc}") from None
+    _check_every_rank_saved(case, files, writers, len(run.results))
     want = _expected(mlp.reference(steps, seed), steps)
     for key, w in want.items():
         assert key in got, (
@@ -125,6 +128,26 @@ def check_save(layout: str, steps: int, seed: int | None = 0) -> None:
             f"{case}: {key!r} differs from one process's run of the same training by {err:.3g} "
             f"(allowed {TOLERANCE_RESHARD:g}; shape {tuple(w.shape)})"
         )
+
+
+def _check_every_rank_saved(case: str, files: dict[str, bytes], writers: dict[str, set[int]], n: int) -> None:
+    """A collective save: every rank holds a shard of the model (each layout shards every weight), and DCP's save
+    writes each rank's pieces into a file of its own, so by ``.metadata`` every rank wrote a file, no other rank
+    wrote, that holds a piece of the model.  One rank writing the whole checkpoint (from a single-process run of
+    the same seed) holds every value and fails here."""
+    try:
+        holding = checkpoint_files.files_holding(files, "model.")
+    except checkpoint_files.CheckpointUnreadable as exc:
+        raise AssertionError(f"{case}: the checkpoint's files {sorted(files)} cannot be read: {exc}") from None
+    own = {rank: {name for name in holding if writers.get(name) == {rank}} for rank in range(n)}
+    missing = [rank for rank, names in own.items() if not names]
+    written = ", ".join(f"{name} by rank(s) {sorted(writers.get(name, ()))}" for name in sorted(holding))
+    assert not missing, (
+        f"{case}: every rank holds a shard of the model, and a collective save (torch.distributed.checkpoint.save "
+        f"on every rank) writes each rank's pieces into a file of its own; by the checkpoint's .metadata, rank(s) "
+        f"{', '.join(map(str, missing))} wrote no file holding a piece of the model (the files holding its pieces: "
+        f"{written or 'none'})"
+    )
 
 
 def grader_checkpoint(steps: int, seed: int, hidden: int = mlp.HIDDEN) -> tuple[dict[str, bytes], mlp.Training]:

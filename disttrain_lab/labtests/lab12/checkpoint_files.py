@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "CheckpointUnreadable",
     "clear_memory_files",
+    "files_holding",
     "memory_files",
     "put_memory_files",
     "read_checkpoint",
@@ -81,11 +82,9 @@ def _piece(files: dict[str, bytes], info, what: str):
         raise CheckpointUnreadable(f"{what} could not be read with torch.load(weights_only=True): {exc}") from None
 
 
-def read_checkpoint(files: dict[str, bytes]) -> dict[str, object]:
-    """The checkpoint's values by DCP's flattened names (``"model.0.weight"``, ``"optim.state.0.weight.exp_avg"``,
-    ``"step"``): each tensor whole, each other value as ``torch.load(weights_only=True)`` gives it."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-
+def _metadata(files: dict[str, bytes]) -> tuple[dict, dict]:
+    """``.metadata``'s storage (where each piece lies) and entries (each value's size and chunks), read with the
+    unpickler that builds only DCP's classes."""
     if sum(len(v) for v in files.values()) > MAX_BYTES:
         raise CheckpointUnreadable(f"the checkpoint holds more than {MAX_BYTES:,} bytes")
     if ".metadata" not in files:
@@ -100,6 +99,31 @@ def read_checkpoint(files: dict[str, bytes]) -> dict[str, object]:
     entries = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(storage, dict) or not isinstance(entries, dict):
         raise CheckpointUnreadable(".metadata is not DCP's Metadata")
+    return storage, entries
+
+
+def files_holding(files: dict[str, bytes], prefix: str) -> set[str]:
+    """The files (names relative to the checkpoint) that hold a piece of a tensor whose name starts with ``prefix``
+    (``"model."``), by ``.metadata``: where a collective save put each rank's shard."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    storage, entries = _metadata(files)
+    held = set()
+    for fqn, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata) and fqn.startswith(prefix):
+            for chunk in entry.chunks:
+                info = storage.get(MetadataIndex(fqn, chunk.offsets))
+                if info is not None:
+                    held.add(str(info.relative_path))
+    return held
+
+
+def read_checkpoint(files: dict[str, bytes]) -> dict[str, object]:
+    """The checkpoint's values by DCP's flattened names (``"model.0.weight"``, ``"optim.state.0.weight.exp_avg"``,
+    ``"step"``): each tensor whole, each other value as ``torch.load(weights_only=True)`` gives it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    storage, entries = _metadata(files)
     values: dict[str, object] = {}
     for fqn, entry in entries.items():
         if isinstance(entry, BytesStorageMetadata):
