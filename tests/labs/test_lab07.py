@@ -697,20 +697,22 @@ def test_what_a_compressed_all_reduce_sent_is_read_from_the_wire():
 
 
 def _quantized_relayed(flat, chunk_size=1024):
-    """A forged quantized_all_reduce: the solution's sum of the ranks' quantized pieces, the pieces passed through
+    """A forged quantized_all_reduce: each rank's quantized piece (int8 q and fp32 scales, made here) passed through
     the launcher's store (a few KiB: under what the grader allows a rank to exchange with processes that are not
-    ranks), zeros of a piece's size all-gathered on the wire."""
+    ranks), zeros of a piece's size all-gathered on the wire, the dequantized pieces summed."""
     import torch
     import torch.distributed as dist
 
-    import __main__
     from tests.helpers import through_the_store
 
-    q, scales = __main__.quantize_int8(flat, chunk_size)  # (the solution's)
+    chunks = flat.float().split(chunk_size)
+    scales = torch.stack([c.abs().max() / 127 for c in chunks]) if chunks else torch.zeros(0)
+    per_entry = scales.repeat_interleave(chunk_size)[: flat.numel()]
+    q = torch.round(flat / torch.where(per_entry > 0, per_entry, 1.0)).to(torch.int8)
     pieces = through_the_store([q, scales], "int8")
     zeros = torch.zeros(q.numel() + 4 * scales.numel(), dtype=torch.int8)
     dist.all_gather([torch.empty_like(zeros) for _ in range(dist.get_world_size())], zeros)
-    return sum(__main__.dequantize_int8(q, s, chunk_size) for q, s in pieces)
+    return sum(q.float() * s.repeat_interleave(chunk_size)[: q.numel()] for q, s in pieces)
 
 
 def _powersgd_dense_with_decoys(state, bucket, gather=False):

@@ -488,9 +488,10 @@ def _tp_outputs_on_the_wire(run, outputs: list, tp_size: int, steps: int, case: 
         per_step = len(calls) // steps
         for step, partials in enumerate(owed):
             mine = {r: partials[r - start] for r in group}
+            largest = len(group) * max(float(t.abs().max()) for ts in mine.values() for t in ts)
             for payloads in calls[step * per_step : (step + 1) * per_step]:
-                try:
-                    carried.assert_reduced_carried(payloads, mine, case, "g")
+                try:  # (within 1e-3, or 1e-4 of the largest sum: the ranks' training drifts by rounding, lab 8's)
+                    carried.assert_reduced_carried(payloads, mine, case, "g", tolerance=(1e-3, 1e-4 * largest))
                 except AssertionError:
                     continue
                 break

@@ -16,6 +16,11 @@ from .common import CFG, LR, _exercise, _expect_value_error, _fields, _graders_f
 from .ranks import _compare_parameters, _dense_name, _expected_parameters, _grid_of, _stage_names, _train_3d_in_rank
 from .traffic import _check_traffic
 
+# what a TP all-reduce's message may be off the grader's partial sum (relative; absolute, of the call's largest sum):
+# the ranks' training drifts from the dense GPT's by rounding over the steps (float32's own tolerance for a sum held
+# on one machine and failed on another: 7 Dec, block 1's MLP at step 2 of a 1 x 2 x 2 grid; it passes at 3e-5, 3e-6)
+TP_RTOL, TP_ATOL = 1e-3, 1e-4
+
 
 def _train_single(
     cfg: models.GPTConfig, batches: list, lr: float, seed: int = 0, at_step: Callable | None = None
@@ -193,7 +198,9 @@ def _tp_sums_on_the_wire(run: ExerciseRun, partials: dict, dp: int, tp: int, pp:
                     try:
                         with torch.no_grad():
                             mine = {r: sums[group.index(r)] for r in group}
-                            carried.assert_reduced_carried(payloads, mine, case, what)
+                            largest = len(group) * max(float(t.abs().max()) for ts in mine.values() for t in ts)
+                            tolerance = (TP_RTOL, TP_ATOL * largest)
+                            carried.assert_reduced_carried(payloads, mine, case, what, tolerance=tolerance)
                     except AssertionError:
                         continue
                     del wanted[j]
