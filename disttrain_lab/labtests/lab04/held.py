@@ -26,9 +26,13 @@ before the training, after bytes sent to look like it, does not pass for one bet
 The parameters after the last step must be those of the same optimizer in one process.
 
 ZeRO-3 is read again just before each layer's forward in the last step (the driver's forward pre-hooks,
-after the student's gather): a rank may hold at most two layers in full (2 × 16 MiB) more than between
-steps.  Measured with the solution: 3.94 bytes per parameter before every layer (4.56 between steps, the
-gradients' shards since dropped by ``zero_grad``).  A ``free`` that only points ``p.data`` back at the shard
+after the student's gather), then just before each layer's backward (hooks the driver puts on the layers'
+outputs, after the student's): a rank may hold at most two layers in full (2 × 16 MiB) more than between
+steps.  Measured with the solution: 3.94 bytes per parameter before every layer's forward (4.56 between
+steps, the gradients' shards since dropped by ``zero_grad``), then 3.97 before the last layer's backward up
+to 4.84 before the first's (each layer's gradient shard, 4 MiB, kept as backward goes).  A rank that frees
+what backward gathered only once the whole backward is done reads 5.97 before layer 3's backward (45 MiB
+above between steps) and fails there.  A ``free`` that only points ``p.data`` back at the shard
 leaves the gathered weight alive in what autograd saved for backward: 3.94 before layers 0 and 1, then
 0.5 more per layer, 6.94 before layer 7 (+2.4 over between steps, where 2 layers are 1.0).
 
@@ -60,7 +64,7 @@ STEPS = 3
 BATCH = 12
 SLACK = 1.5  # bytes per parameter above the stage's total
 BY_PAUSE, AT_MOST = 0.62, 1.6  # where the pause falls in the run's bytes, and the run's bytes (_check_pause_placed)
-LAYERS_WHOLE = 2  # ZeRO-3: layers in full at a pause before a layer's forward, above what a rank held between steps
+LAYERS_WHOLE = 2  # ZeRO-3: layers in full at a pause before a layer's forward or backward, above one between steps
 NAMES = {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Module"}
 
 
@@ -77,7 +81,7 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
     """The stage's class (``Zero1Optimizer``, ``Zero2Optimizer``, ``Zero3Module``) on 4 ranks forked for
     the run, an MLP of 8 layers of 2048 × 2048, Adam, 3 steps, paused before the last: each rank's
     private memory at the pause, read from the OS, at most the stage's bytes per parameter + 1.5 (ZeRO-3:
-    also paused before each layer's forward in the last step, at most 2 layers in full more); the
+    also paused before each layer's forward and backward in the last step, at most 2 layers in full more); the
     parameters after the last step those of Adam in one process.  ``driver``: Zero2Optimizer's
     (``zero2_driver``), else the lab's own."""
     name, n = NAMES[stage], WORLD_SIZE
@@ -123,35 +127,48 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
 
 def _check_each_layer(run: ExerciseRun, case: str, psi: int) -> None:
     """ZeRO-3 holds one layer in full at a time: at the pauses just before each layer's forward in the last step
-    (the driver's forward pre-hooks, after the student's), each rank at most ``LAYERS_WHOLE`` (2) layers in full
-    more than it held between steps; by the pause before layer k, each rank had sent at least 90 % of k layers'
-    ring-optimal all-gathers since the pause between steps."""
+    (the driver's forward pre-hooks, after the student's), then just before each layer's backward (the driver's
+    hooks on the layers' outputs, after the student's), each rank at most ``LAYERS_WHOLE`` (2) layers in full
+    more than it held between steps; by the pause before layer k's forward, each rank had sent at least 90 % of k
+    layers' ring-optimal all-gathers since the pause between steps, and by the i-th pause in backward at least
+    90 % of the forward's all-gathers and i more layers' (a pause made before those gathers is not one in
+    backward)."""
     n, layers = WORLD_SIZE, len(SIZES) - 1
     layer_bytes = 4 * (SIZES[0] * SIZES[1] + SIZES[1])
     later = run.memory.later
-    assert len(later) >= layers, (
-        f"{case}: the ranks paused {len(later)} times in the last step's forward; the test pauses them just before "
-        f"each of the {layers} layers' forward (a forward pre-hook, registered after yours): does each layer's "
-        "forward run through its module, layer(x)?"
+    assert len(later) >= 2 * layers, (
+        f"{case}: the ranks paused {len(later)} times in the last step; the test pauses them just before each of the "
+        f"{layers} layers' forward (a forward pre-hook, registered after yours) and just before each layer's backward "
+        f"(a hook on its output, put there by a forward hook registered after yours): {2 * layers} pauses. Does each "
+        "layer's forward run through its module, layer(x), and its output reach the loss?"
     )
     for k, reading in enumerate(later):
+        backward = k >= layers
+        at = f"layer {layers - 1 - (k - layers) % layers}'s backward" if backward else f"layer {k}'s forward"
         for rank in range(n):
             held, between = reading.of(rank), run.memory.of(rank)
             allowed = between + LAYERS_WHOLE * layer_bytes
             assert held <= allowed, (
                 f"{case}: rank {rank} held {held / 2**20:,.0f} MiB ({held / psi:.2f} bytes per parameter) just before "
-                f"layer {min(k, layers - 1)}'s forward in step {STEPS}, {(held - between) / 2**20:,.0f} MiB more than "
-                f"between steps ({between / psi:.2f}); ZeRO-3 holds one layer in full at a time "
-                f"({layer_bytes / 2**20:,.0f} MiB here) and the test allows {LAYERS_WHOLE}.  Are the earlier layers' "
-                "gathered parameters freed for real?  Autograd keeps what forward saved (nn.Linear saves its weight) "
-                "until that layer's backward: free the gathered storage (untyped_storage().resize_(0)), as FSDP does"
+                f"{at} in step {STEPS}, {(held - between) / 2**20:,.0f} MiB more than between steps "
+                f"({between / psi:.2f}); ZeRO-3 holds one layer in full at a time ({layer_bytes / 2**20:,.0f} MiB "
+                f"here) and the test allows {LAYERS_WHOLE}.  "
+                + (
+                    "Is each layer's unit freed right after its backward (in grad_ready, once its gradient is "
+                    "reduce-scattered), not at the end of the whole backward?"
+                    if backward
+                    else "Are the earlier layers' gathered parameters freed for real?  Autograd keeps what forward "
+                    "saved (nn.Linear saves its weight) until that layer's backward: free the gathered storage "
+                    "(untyped_storage().resize_(0)), as FSDP does"
+                )
             )
-            if k < layers and reading.sent is not None and run.memory.sent is not None:
-                since, least = reading.sent[rank] - run.memory.sent[rank], 0.9 * k * (n - 1) / n * layer_bytes
+            if k < 2 * layers and reading.sent is not None and run.memory.sent is not None:
+                gathers = k  # (before layer k's forward: k layers; before the i-th layer's backward: all and i more)
+                since, least = reading.sent[rank] - run.memory.sent[rank], 0.9 * gathers * (n - 1) / n * layer_bytes
                 assert since >= least, (
-                    f"{case}: by the pause just before layer {k}'s forward in step {STEPS}, rank {rank} had sent "
-                    f"{since:,} bytes since the pause between steps; gathering the {k} layers before it sends at "
-                    f"least {least:,.0f}"
+                    f"{case}: by the pause just before {at} in step {STEPS}, rank {rank} had sent {since:,} bytes "
+                    f"since the pause between steps; gathering the {gathers} layers before it sends at least "
+                    f"{least:,.0f}"
                 )
 
 

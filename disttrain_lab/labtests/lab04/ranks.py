@@ -99,8 +99,10 @@ def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int,
     (``osmemory.pause``, a ``time.sleep`` the grader ends once it has read the ranks): before the last step,
     between two steps, where what a rank keeps from one step to the next is all it holds; and, for stage 3,
     just before each layer's forward in the last step (a forward pre-hook registered after the student's:
-    their layer gathered, the others not).  Returns each parameter's sum and sum of squares (float64), as
-    this rank holds it after the last step (stage 3: its shard)."""
+    their layer gathered, the others not), then just before each layer's backward (a hook on the layer's
+    output, put there by a forward hook registered after the student's: autograd runs it when the gradient
+    reaches that output, after the student's own hooks on it).  Returns each parameter's sum and sum of
+    squares (float64), as this rank holds it after the last step (stage 3: its shard)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model = models.MLP(list(sizes), seed=0).to(devices.device())
     forward, optimizer = _build(cls, stage, model, opt)
@@ -110,6 +112,7 @@ def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int,
         if step == steps - 1:
             osmemory.pause(PAUSE_S)
             hooks = [layer.register_forward_pre_hook(_pause_before_layer) for layer in layers]
+            hooks += [layer.register_forward_hook(_pause_before_backward) for layer in layers]
         optimizer.zero_grad()
         x, y = x.tensor_split(n)[rank].to(devices.device()), y.tensor_split(n)[rank].to(devices.device())
         out = forward(x)
@@ -126,6 +129,18 @@ def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int,
 
 def _pause_before_layer(module: nn.Module, args) -> None:
     """A forward pre-hook (the memory case, stage 3): the ranks pause where the grader reads them."""
+    osmemory.pause(PAUSE_S)
+
+
+def _pause_before_backward(module: nn.Module, args, output) -> None:
+    """A forward hook (the memory case, stage 3): the ranks pause again when the gradient reaches this
+    layer's output, just before its backward (on a CPU autograd runs the hook in the thread that called
+    ``backward()``, the main one, where the grader's signal ends the pause)."""
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(_pause_in_backward)
+
+
+def _pause_in_backward(grad: torch.Tensor) -> None:
     osmemory.pause(PAUSE_S)
 
 
