@@ -293,6 +293,34 @@ def test_a_wrong_layer_costs_the_tensor_parallel_mlp_nothing():
     assert "parallel_linear has not passed its graded test" in said and "CopyToTensorParallel" not in said, said
 
 
+# a ColumnParallelLinear whose slices are right copies, and which keeps the full weight beside them in a list (no
+# parameter, no submodule): the storage under its parameters, which its rank reports, is its slices alone
+_FULL_WEIGHT_KEPT = """
+class ColumnParallelLinear(ColumnParallelLinear):
+    def __init__(self, full, group=None):
+        super().__init__(full, group)
+        self.kept = [full.weight.detach()]
+"""
+
+
+@pytest.mark.slow
+def test_a_layer_keeping_the_full_weight_fails_on_the_os_count():
+    """#42: "holds only its slices" is graded on each rank's private memory read from the OS at the driver's pause
+    (labtests/lab06/held.py): the solution passes, and a column layer that keeps the full weight beside its slices,
+    which passes the check on the storage its rank reports, fails on what the OS counts."""
+    lab = load(LAB)
+    cells = [
+        copy.deepcopy(c) for c in (lab.cells[0], cell_by_id(lab, "ex_parallel_linear"), cell_by_id(lab, "test_helpers"))
+    ]
+    cells += [nbformat.v4.new_code_cell("lab_tests.check_slices_held()"), nbformat.v4.new_code_cell(_FULL_WEIGHT_KEPT)]
+    cells += [nbformat.v4.new_code_cell(f"lab_tests.check_parallel_linear({args})") for args in ("2, 4, 6", "4, 8, 12")]
+    cells += [nbformat.v4.new_code_cell("lab_tests.check_slices_held()")]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, cwd=LAB.parent)
+    assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
+    failure = "\n".join(errors(nb.cells[-1]))
+    assert "the test allows 24 MiB more" in failure and "rank 0 held" in failure, failure
+
+
 def test_the_stand_ins_earn_exercises_1_and_2_nothing(monkeypatch):
     """#42 item 4: the grader's stand-ins reach the student's kernel as source; handed in as exercises 1 and 2
     they fail them (whole weights, not slices; all-gathers, not the all-reduces f and g make)."""

@@ -25,6 +25,7 @@ from .checks import (
     train_2d_driver,
 )
 from .common import GRADED_PASSED, TIMEOUT
+from .held import check_slices_held
 from .ranks import (
     batches_2d,
     chunk,
@@ -44,6 +45,7 @@ __all__ = [
     "check_linear_not_divisible",
     "check_mlp_not_divisible",
     "check_parallel_linear",
+    "check_slices_held",
     "check_tp_mlp",
     "train_2d_driver",
 ]

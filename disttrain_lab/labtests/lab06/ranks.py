@@ -186,6 +186,27 @@ def _linear_in_rank(d_in, d_out, batch, bias, tp_size):
     }
 
 
+def _slices_held_in_rank(d, hidden, batch, seed):
+    """The memory case's driver: ``ColumnParallelLinear`` of a d -> hidden layer and ``RowParallelLinear`` of a
+    hidden -> d layer (``torch.manual_seed(seed)``, then torch's own initialisation), built on all ranks; the full
+    layers dropped (``gc.collect()``) before the ranks pause (``osmemory.pause``, where the grader reads each rank's
+    private memory from the OS); then this rank's partial sum of the two layers' output for one input (row's
+    input: column's output, this rank's hidden features)."""
+    import gc
+
+    from disttrain_lab import osmemory
+    from disttrain_lab.labtests.lab06.common import PAUSE_S
+
+    torch.manual_seed(seed)
+    first, second = nn.Linear(d, hidden), nn.Linear(hidden, d)
+    column, row = ColumnParallelLinear(first), RowParallelLinear(second)  # noqa: F821  (the notebook's)
+    del first, second
+    gc.collect()
+    osmemory.pause(PAUSE_S)
+    with torch.no_grad():
+        return row(column(checks.sample_tensor((batch, d), seed=seed + 1)))
+
+
 def _build_layer(kind, d_in, d_out):
     """The test's driver: one of your layers, built from a full layer."""
     layer = {"column": ColumnParallelLinear, "row": RowParallelLinear}[kind]  # noqa: F821  (the notebook's)
