@@ -823,6 +823,65 @@ def test_the_calls_of_the_grid_are_read_from_the_wire(monkeypatch):
     assert "over its TP group" in said and "the grader's capture of the wire shows" in said, said
 
 
+def _grid_made_up(dp, tp, pp):
+    """A forged grid_groups: Megatron's ranks computed, no process group made.  Each "group" is an object of its own
+    that torch's all_reduce calls (``group.allreduce``: duck-typed) and that torch's table of groups maps to the
+    right ranks (``get_process_group_ranks`` reads it): its all-reduce writes the right sum and all-reduces zeros
+    over the world, so that the wire is not silent.  No function of torch's is replaced."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    rank = dist.get_rank()
+    tp_rank, dp_rank, pp_rank = rank % tp, rank // tp % dp, rank // (tp * dp)
+
+    class MadeUp:
+        def __init__(self, ranks):
+            self.ranks = ranks
+            _world.pg_group_ranks[self] = {r: i for i, r in enumerate(ranks)}
+
+        def allreduce(self, tensors, opts):
+            dist.all_reduce(torch.zeros_like(tensors[0]))
+            tensors[0].copy_(torch.tensor([float(len(self.ranks)), float(sum(self.ranks))]))
+
+    return types.SimpleNamespace(
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+        tp_group=MadeUp([(pp_rank * dp + dp_rank) * tp + t for t in range(tp)]),
+        dp_group=MadeUp([(pp_rank * dp + d) * tp + tp_rank for d in range(dp)]),
+        prev_rank=rank - dp * tp if pp_rank > 0 else None,
+        next_rank=rank + dp * tp if pp_rank < pp - 1 else None,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+    )
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_groups_made_up_with_their_sums_fail_on_the_wire(monkeypatch):
+    """#42: grid_groups' groups are graded on the wire: each TP and DP group's all-reduce of (1, rank) among exactly
+    its ranks, its messages pieces of those sums.  The solution passes with a capture; a grid_groups that makes no
+    group and fakes the members and sums in its ranks passes in the student's own kernel and fails on the wire."""
+    from tests.helpers import observed_from_outside
+
+    solution, _, _ = _solution_over_lab6(monkeypatch, ["grid_groups"])
+    with observed_from_outside():
+        for sizes in ((2, 2, 1), (1, 2, 4), (4, 1, 2), (3, 2, 1)):  # (the graded cell's)
+            lab08.check_grid(*sizes)
+        monkeypatch.setattr("__main__.grid_groups", _grid_made_up)
+        with pytest.raises(AssertionError) as caught:
+            lab08.check_grid(2, 2, 1)
+    lab08.check_grid(2, 2, 1)  # (the student's own kernel: the ranks' word, fooled)
+    said = str(caught.value)
+    assert (
+        "the DP group of ranks (0, 2) should all-reduce the driver's (1, rank), 8 B, among exactly its ranks" in said
+    ), said
+
+
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 @pytest.mark.parametrize("relayed", ["g", "f"])

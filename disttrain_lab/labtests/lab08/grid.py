@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ... import checks, models, wirecalls
+from ... import carried, checks, models, wirecalls
 from ...exercise import ExerciseRun
 from .. import tp_partials
 from .common import _exercise, _expect_value_error, _fields, _graders_for
@@ -49,6 +49,39 @@ def check_grid(dp: int, tp: int, pp: int) -> None:
                 f"(count, ranks) to {got.get(f'{kind}_sum')}, expected {[len(members), sum(members)]}: is every group "
                 f"made by every rank, in the same order on all ranks?"
             )
+    if wirecalls.observed(run):  # (grading: the group sums read from the grader's capture, not the ranks' word)
+        _assert_groups_on_the_wire(run, case, dp, tp, pp)
+
+
+def _assert_groups_on_the_wire(run: ExerciseRun, case: str, dp: int, tp: int, pp: int) -> None:
+    """Each TP and DP group of more than one rank (Megatron's order, computed here) made an all-reduce of 8 B among
+    exactly its ranks, each sending in it (the driver's sum of (1, rank) over it), its messages pieces of sums of those
+    inputs (``carried.assert_reduced_carried``): a group made for real, seen on the wire.  Groups reported
+    right by a rank that made no such group, their sums made up, fail."""
+    groups = {
+        (kind, tuple(_grid_of(rank, dp, tp, pp)[f"{kind}_group"]))
+        for rank in range(dp * tp * pp)
+        for kind in ("tp", "dp")
+    }
+    for kind, members in sorted(groups):
+        if len(members) == 1:
+            continue
+        calls = [
+            payloads
+            for (made, payloads), (_, size) in zip(
+                wirecalls.call_payloads(run, members, case), wirecalls.group_calls(run, members, case)[1]
+            )
+            if made == "all_reduce" and size == 8 and set(payloads) == set(members)
+        ]
+        assert calls, (
+            f"{case}: the {kind.upper()} group of ranks {members} should all-reduce the driver's (1, rank), 8 B, among "
+            f"exactly its ranks, each sending in it; the grader's capture of the wire shows "
+            f"{wirecalls.describe(wirecalls.group_calls(run, members, case)[1])} among them"
+        )
+        partials = {rank: [torch.tensor([1.0, float(rank)])] for rank in members}
+        carried.assert_reduced_carried(
+            calls[-1], partials, case, f"the driver's all-reduce of (1, rank) over the {kind.upper()} group {members}"
+        )
 
 
 def check_grid_error(world_size: int, sizes: tuple[int, int, int], words: Sequence[str]) -> str:
