@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import carried
 from ...exercise import ExerciseRun
 from ..common import drawn
 from .common import batches, bucket_names, graded_model
@@ -72,6 +73,7 @@ __all__ = [
 
 WINDOW = 4  # consecutive values a message must share with a gradient (up to one factor): 4 ranks cut
 # the wide layer's 48 gradients into messages of 6
+SUMS_FOUND = 0.95  # of a sender's nonzero words in a call that must be sums of the step's gradients
 ALIGNED = 1 - 1e-6  # cosine of two windows taken for the same values (float32 sums in another order: ~1e-12 off)
 ANSWER_SCALE = 0.01  # the answers' spread, near the size of the gradients at the gate
 
@@ -382,6 +384,7 @@ def assert_steps_all_reduce(
             )
             if not last:
                 continue
+            _assert_every_word_a_sum(sent, sums, f"{case}: in step {step}")
             got = [total / (2 * (n - 1)) for _, total in sorted(per_call.items())]
             shown = [int(g) if g == int(g) else round(g, 1) for g in got]
             lead = (
@@ -402,6 +405,34 @@ def assert_steps_all_reduce(
                 assert sorted(got) == sorted(sizes), (
                     f"{lead}; expected {len(sizes)} all-reduce(s) of {sorted(sizes)} B: {rule}"
                 )
+
+
+def _assert_every_word_a_sum(sent: list, sums: torch.Tensor, where: str) -> None:
+    """Every sender's messages in each call (joined in the order they crossed, one stream per receiver: gloo cuts
+    a message where it likes) hold the step's sums and nothing else: at least ``SUMS_FOUND`` (95 %) of their
+    nonzero float32 words are among ``sums`` (each gradient element summed over a set of ranks, as it is or
+    divided by N, whatever the flattening), and at least half the words are nonzero.  One message of each call
+    that holds real sums beside others of junk or zeros (the values passed some other way) fails."""
+    streams: dict[tuple[int, int, int], bytes] = {}
+    for src, dst, slot, payload in sent:
+        if carried.kind(slot) != "barrier":  # (a barrier's messages carry no values)
+            streams[src, dst, slot] = streams.get((src, dst, slot), b"") + payload
+    for (src, dst, _), joined in sorted(streams.items()):
+        words = torch.frombuffer(bytearray(joined[: len(joined) // 4 * 4]), dtype=torch.float32).double()
+        if not len(words) or not len(sums):
+            continue
+        nonzero = words[(words != 0) & torch.isfinite(words)]
+        at = torch.searchsorted(sums, nonzero)
+        below, above = sums[(at - 1).clamp(min=0)], sums[at.clamp(max=len(sums) - 1)]
+        nearest = torch.minimum((below - nonzero).abs(), (above - nonzero).abs())
+        found = int((nearest <= 1e-5 * nonzero.abs() + 1e-7 * sums.abs().max()).sum())
+        assert 2 * len(nonzero) >= len(words) and found >= SUMS_FOUND * len(nonzero), (
+            f"{where}, rank {src} sent rank {dst} {len(words)} float32 values in one collective call, "
+            f"{len(nonzero)} of them nonzero, and {found} of those are sums of the ranks' gradients of that step "
+            f"(each element over some of the ranks, as it is or divided by N), as the grader's capture of the wire "
+            f"read them; an all-reduce of the gradients carries nothing else (at least {SUMS_FOUND:.0%} of its "
+            "nonzero values such sums, and at least half of its values nonzero)"
+        )
 
 
 def assert_backward_ran_on(run: ExerciseRun, case: str, probe: int, hold: int) -> None:
