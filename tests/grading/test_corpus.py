@@ -63,6 +63,7 @@ def test_the_corpus_grades_each_variant_as_expected_and_fails_a_wrong_expectatio
     assert "1 of 2 variants graded as expected" in again.stdout
 
 
+@pytest.mark.slow  # (the corpus command in a process of its own: 9 s here)
 def test_an_unreadable_variant_is_refused_before_anything_is_graded(tmp_path):
     before = set(Path(tempfile.gettempdir()).glob("corpus-*"))
     corpus = tmp_path / "corpus" / "00_basics"

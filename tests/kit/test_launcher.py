@@ -776,6 +776,7 @@ def _cpu_backward(n):
     return x.grad.tolist()
 
 
+@pytest.mark.slow  # (fresh interpreters for the ranks: 16 s here)
 def test_cpu_ranks_are_fresh_interpreters_once_this_process_used_cuda(monkeypatch):
     # A rank forked from a process that ran a backward on a GPU fails at its own first backward ("Unable to handle
     # autograd's threading in combination with fork-based multiprocessing": seen on an H200, lab 9's notebook with

@@ -204,6 +204,7 @@ def test_summed_gradients_fail_on_the_values(monkeypatch):
         prefetch.check_sharded_step("sharded_step", 2)
 
 
+@pytest.mark.slow  # (ranks and a capture, with and without prefetch: 30 s here)
 @needs_capture
 def test_an_honest_step_passes_on_the_wire_with_and_without_prefetch(monkeypatch):
     _use(monkeypatch, honest)
@@ -286,6 +287,7 @@ def test_holds_that_did_not_settle_leave_the_overlap_unobserved():
         prefetch._check_overlap("sharded_step", run, shards=[], prefetch=True)
 
 
+@pytest.mark.slow  # (fresh ranks read by the OS: 10 s each here)
 @pytest.mark.parametrize("with_prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @needs_capture
 def test_a_step_that_keeps_a_copy_of_each_layer_fails_on_the_os_count_of_its_memory(monkeypatch, with_prefetch):
