@@ -422,10 +422,7 @@ def _assert_every_word_a_sum(sent: list, sums: torch.Tensor, where: str) -> None
         if not len(words) or not len(sums):
             continue
         nonzero = words[(words != 0) & torch.isfinite(words)]
-        at = torch.searchsorted(sums, nonzero)
-        below, above = sums[(at - 1).clamp(min=0)], sums[at.clamp(max=len(sums) - 1)]
-        nearest = torch.minimum((below - nonzero).abs(), (above - nonzero).abs())
-        found = int((nearest <= 1e-5 * nonzero.abs() + 1e-7 * sums.abs().max()).sum())
+        found = carried.words_found(sums.numpy(), nonzero.numpy(), rtol=1e-5, atol=1e-7 * float(sums.abs().max()))
         assert 2 * len(nonzero) >= len(words) and found >= SUMS_FOUND * len(nonzero), (
             f"{where}, rank {src} sent rank {dst} {len(words)} float32 values in one collective call, "
             f"{len(nonzero)} of them nonzero, and {found} of those are sums of the ranks' gradients of that step "

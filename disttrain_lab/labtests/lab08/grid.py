@@ -66,17 +66,16 @@ def _assert_groups_on_the_wire(run: ExerciseRun, case: str, dp: int, tp: int, pp
     for kind, members in sorted(groups):
         if len(members) == 1:
             continue
+        made = wirecalls.group_calls(run, members, case)[1]  # (each call's kind and size, in call_payloads' order)
         calls = [
             payloads
-            for (made, payloads), (_, size) in zip(
-                wirecalls.call_payloads(run, members, case), wirecalls.group_calls(run, members, case)[1]
-            )
-            if made == "all_reduce" and size == 8 and set(payloads) == set(members)
+            for (kind_made, payloads), (_, size) in zip(wirecalls.call_payloads(run, members, case), made)
+            if kind_made == "all_reduce" and size == 8 and set(payloads) == set(members)
         ]
         assert calls, (
             f"{case}: the {kind.upper()} group of ranks {members} should all-reduce the driver's (1, rank), 8 B, among "
-            f"exactly its ranks, each sending in it; the grader's capture of the wire shows "
-            f"{wirecalls.describe(wirecalls.group_calls(run, members, case)[1])} among them"
+            f"exactly its ranks, each sending in it; the grader's capture of the wire shows {wirecalls.describe(made)} "
+            "among them"
         )
         partials = {rank: [torch.tensor([1.0, float(rank)])] for rank in members}
         carried.assert_reduced_carried(
