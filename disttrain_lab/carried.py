@@ -220,7 +220,7 @@ def _ranks(ranks: frozenset[int]) -> str:
 
 def assert_sums_carried(
     run, flats: Sequence[torch.Tensor], expected: dict[tuple[int, int], list[list[frozenset[int]]]], case: str
-) -> None:
+) -> dict[tuple[int, int], list[frozenset[int]]]:
     """Fail unless every message rank ``src`` sent rank ``dst`` held, value for value, a piece (a run
     of consecutive elements) of a sum of the ranks' ``flats``: message i the sum over one of the
     sets of ranks ``expected[(src, dst)][i]`` lists, as the grader's packet capture saw it cross
@@ -228,16 +228,20 @@ def assert_sums_carried(
     partial sums whose values depend on the algorithm, so ``assert_carried`` cannot look for them
     whole; this holds each to the sum it must be (floats within the dtype's tolerance for that many
     terms, added in any order), so junk of the right size, with the data passed some other way,
-    fails.  In the student's own notebook there is no capture: nothing is checked there.
+    fails.  In the student's own notebook there is no capture: nothing is checked there.  Returns, for each
+    direction read, the set each message was found a piece of (the first of its ``sets`` that fits), so that a
+    check can hold the steps to their number (each partial sum as often as the algorithm sends it).
 
     >>> assert_sums_carried(run, flats, {(0, 1): [[frozenset({0})], [frozenset({0, 2})]]}, "ring on 3 ranks")
     """
     flat = [f.detach().cpu().reshape(-1) for f in flats]
     sums: dict[frozenset[int], torch.Tensor] = {}
+    found: dict[tuple[int, int], list[frozenset[int]]] = {}
     for (src, dst), allowed in expected.items():
         got = messages(run, src, dst, case, len(allowed))
         if got is None:
             continue
+        found[(src, dst)] = []
         for i, (payload, sets) in enumerate(zip(got, allowed)):
             size = flat[0].element_size()
             values = None if len(payload) % size else torch.frombuffer(bytearray(payload), dtype=flat[0].dtype)
@@ -245,6 +249,7 @@ def assert_sums_carried(
                 if ranks not in sums:
                     sums[ranks] = torch.stack([flat[r].double() for r in sorted(ranks)]).sum(0).to(flat[0].dtype)
                 if values is not None and _piece_of(values, sums[ranks], len(ranks)):
+                    found[(src, dst)].append(ranks)
                     break
             else:
                 want = " or ".join(f"{_ranks(r)}" for r in sets)
@@ -255,6 +260,7 @@ def assert_sums_carried(
                     f"{len(payload):,} bytes that are no such piece ({shown}). What a rank sends must be the data "
                     "itself: values that arrive some other way, with other bytes sent in their place, do not count"
                 )
+    return found
 
 
 def assert_reduced_carried(

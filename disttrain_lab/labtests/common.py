@@ -4,6 +4,7 @@ error with a message, comparing with a tolerance.  (Add here only what two or mo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -81,6 +82,17 @@ def assert_parameters_match(
     for rank, params in enumerate(per_rank):
         for name, p in reference.named_parameters():
             checks.assert_close(params[name], p.detach(), what=what(rank, name), rtol=rtol, atol=atol)
+
+
+_UNSEEN_KEY = secrets.token_bytes(16)  # drawn as this kernel imports the checks: the grader kernel's is its own
+
+
+def unseen(seed: int) -> int:
+    """``seed`` turned into one no student process can know: the same in this kernel (a check makes its data again
+    where it compares it), another in every kernel, so no rank can make the other ranks' data, or a result, from
+    the seeds it can read in this source; each rank gets its own data only, through its inputs."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True), key=_UNSEEN_KEY, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def drawn() -> torch.Generator:

@@ -14,6 +14,7 @@ import torch
 
 from .. import carried, checks, exercise, gloo_ops
 from ..exercise import ExerciseRun
+from . import common
 
 __all__ = [
     "check_broadcast_linear",
@@ -32,7 +33,7 @@ def check_ping_pong(n: int, numel: int, repeats: int, dtype: torch.dtype) -> Non
     waiting for its pong (the order read from the wire under grading); only send/recv; every message
     carries all of ``x``; ranks other than 0 and 1 take no part."""
     case = f"ping_pong on {n} ranks ({numel} x {dtype}, repeats={repeats})"
-    data = checks.sample_tensor(numel, dtype, seed=5)
+    data = checks.sample_tensor(numel, dtype, seed=common.unseen(5))
     inputs = [(data.clone() if rank == 0 else torch.zeros(numel, dtype=dtype), repeats) for rank in range(n)]
     run = exercise.run("ping_pong", n, inputs, timeout=30, timeline=True, content=True)
     for rank in (0, 1):
@@ -68,7 +69,7 @@ def check_ring_shift(n: int, shape: tuple, dtype: torch.dtype) -> None:
     """``ring_shift(x)``: rank r returns its left neighbour's ``x`` (rank r-1 mod n) and sends its own
     ``x`` once, to rank r+1 mod n, without deadlocking (even at 4 MiB, which no buffer hides)."""
     case = f"ring_shift on {n} ranks ({dtype}, shape {shape})"
-    xs = [checks.sample_tensor(shape, dtype, seed=rank) for rank in range(n)]
+    xs = [checks.sample_tensor(shape, dtype, seed=common.unseen(rank)) for rank in range(n)]
     try:
         run = exercise.run("ring_shift", n, [(x.clone(),) for x in xs], timeout=15, content=True)
     except exercise.ExerciseTimeout as e:
@@ -117,7 +118,7 @@ def _check_broadcast(name: str, n: int, shape: tuple, dtype: torch.dtype, src: i
     """Run the notebook's ``name`` on n ranks; compare with the data (what dist.broadcast would leave);
     each other rank receives the data once; return (case, run)."""
     case = f"{name} on {n} ranks (src={src}, {dtype}, shape {shape})"
-    data = checks.sample_tensor(shape, dtype, seed=100 + src)
+    data = checks.sample_tensor(shape, dtype, seed=common.unseen(100 + src))
     inputs = [(data.clone() if rank == src else torch.full(shape, -7, dtype=dtype), src) for rank in range(n)]
     run = exercise.run(name, n, inputs, timeout=30, content=True)
     for rank, out in enumerate(run.results):  # what dist.broadcast would leave: the data
@@ -182,30 +183,29 @@ def check_broadcast_tree(n: int, shape: tuple, dtype: torch.dtype, src: int) -> 
 
 def wire_rounds(run: ExerciseRun) -> int | None:
     """The rounds of a run's point-to-point messages under the one-port model, from the grader's capture (None
-    in the student's own kernel, where the trace counts them: ``Run.rounds``).  Each message is posted when its
-    sender's ``NOTIFY_SEND_READY`` note leaves (at once, ready or not: ``gloo_ops.operations``) and received
-    when its data's last byte has crossed; its round is 1 + the larger of its sender's previous message's round
-    and the rounds of the messages that sender had received whole by then.  A rank that forwards before its data
-    is in cannot forward that data (the messages' bytes are checked: ``carried``)."""
+    in the student's own kernel, where the trace counts them: ``Run.rounds``).  A message is sent when its data's
+    first byte crosses and received when its last byte has; its round is 1 + the larger of its sender's previous
+    message's round and the rounds of the messages that sender had received whole by then.  Not when its
+    sender's ``NOTIFY_SEND_READY`` note leaves: that note goes out as the send is posted (``gloo_ops.operations``),
+    and gloo reads the tensor only once the receiver's note has come, so a rank can post the send of a buffer
+    its own receive has not filled yet; the data itself cannot leave before it is in (the messages' bytes are
+    checked: ``carried``)."""
     if run.timeline.source == "trace":
         return None
     n = run.world_size
-    posted: list[tuple[float, int, int, int]] = []  # (when, sender, receiver, which message of that direction)
+    sent: list[tuple[float, int, int, int]] = []  # (when its data began, sender, receiver, which message that way)
     arrived: dict[tuple[int, int], list[float]] = {}  # each direction's messages, when each was in whole
     for a in range(n):
         for b in range(n):
             if a == b:
                 continue
-            notes = 0
             for first, last, opcode, _, _ in run.timeline.operations(a, b) or ():
-                if opcode == gloo_ops.NOTIFY_SEND_READY:
-                    posted.append((first, a, b, notes))
-                    notes += 1
-                elif opcode != gloo_ops.NOTIFY_RECV_READY:
-                    arrived.setdefault((a, b), []).append(last)
+                if opcode not in (gloo_ops.NOTIFY_SEND_READY, gloo_ops.NOTIFY_RECV_READY):
+                    sent.append((first, a, b, len(arrived.setdefault((a, b), []))))
+                    arrived[(a, b)].append(last)
     round_of: dict[tuple[int, int, int], int] = {}
     last_sent = [0] * n
-    for when, a, b, k in sorted(posted):  # (a message's data crosses after its note: its round is known by then)
+    for when, a, b, k in sorted(sent):  # (what a message's sender received whole before it began is placed by then)
         received = [
             round_of[(c, a, i)]
             for (c, d), times in arrived.items()
@@ -222,7 +222,7 @@ def check_scatter(n: int, shape: tuple, dtype: torch.dtype, src: int) -> None:
     """``scatter(out, chunks, src)``: rank r ends with ``chunks[r]``; the source sends one message to
     each other rank (its own chunk is a local copy) and each other rank only receives its chunk."""
     case = f"scatter on {n} ranks (src={src}, {dtype}, chunks of shape {shape})"
-    chunks = [checks.sample_tensor(shape, dtype, seed=10 * src + i) for i in range(n)]
+    chunks = [checks.sample_tensor(shape, dtype, seed=common.unseen(10 * src + i)) for i in range(n)]
     inputs = [
         (torch.full(shape, -7, dtype=dtype), [c.clone() for c in chunks] if rank == src else None, src)
         for rank in range(n)
@@ -247,7 +247,7 @@ def check_gather(n: int, shape: tuple, dtype: torch.dtype, dst: int) -> None:
     """``gather(x, out, dst)``: rank ``dst`` returns every rank's ``x`` in rank order, the others None;
     each other rank sends its ``x`` once, to ``dst`` only."""
     case = f"gather on {n} ranks (dst={dst}, {dtype}, shape {shape})"
-    xs = [checks.sample_tensor(shape, dtype, seed=rank) for rank in range(n)]
+    xs = [checks.sample_tensor(shape, dtype, seed=common.unseen(rank)) for rank in range(n)]
     inputs = [
         (xs[rank].clone(), [torch.full(shape, -7, dtype=dtype) for _ in range(n)] if rank == dst else None, dst)
         for rank in range(n)
@@ -274,7 +274,7 @@ def check_gather(n: int, shape: tuple, dtype: torch.dtype, dst: int) -> None:
 
 
 def _worker_grad(rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    return checks.sample_tensor(shape, dtype, seed=1000 + rank)
+    return checks.sample_tensor(shape, dtype, seed=common.unseen(1000 + rank))
 
 
 def check_parameter_server_step(n: int, shape: tuple, dtype: torch.dtype, server: int) -> None:

@@ -249,9 +249,10 @@ def _tree_untraced(x, src):
 @pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_the_trees_rounds_are_graded_from_the_wire_not_the_ranks_trace():
     """#42: ``broadcast_tree``'s rounds come from the grader's capture (``lab01.wire_rounds``: each message
-    posted when its sender's send-ready note leaves, received when its data is in): a binomial tree with no
-    trace at all passes, the solution's too, on several sizes and sources; a chain with the tree's bytes and
-    message counts fails on the wire's rounds."""
+    sent when its data begins to cross, received when its data is in): a binomial tree with no trace at all
+    passes, the solution's too, on several sizes and sources; a chain with the tree's bytes and message counts
+    fails on the wire's rounds, and so does a chain that posts every send at once (its send-ready notes all
+    leave in round 1: read from the notes, as before, it passed)."""
     import __main__
     from tests.helpers import observed_from_outside
 
@@ -265,10 +266,32 @@ def test_the_trees_rounds_are_graded_from_the_wire_not_the_ranks_trace():
             __main__.broadcast_tree = _chain
             with pytest.raises(AssertionError) as caught:
                 lab01.check_broadcast_tree(4, (7,), torch.float32, 1)
+            __main__.broadcast_tree = _chain_posted_early
+            with pytest.raises(AssertionError) as early:
+                lab01.check_broadcast_tree(4, (7,), torch.float32, 1)
     finally:
         del __main__.broadcast_tree
-    said = str(caught.value)
-    assert "needs ceil(log2 4) = 2 rounds, this took 3 (from its messages on the wire" in said, said
+    for said in (str(caught.value), str(early.value)):
+        assert "needs ceil(log2 4) = 2 rounds, this took 3 (from its messages on the wire" in said, said
+
+
+def _chain_posted_early(x, src):
+    """A chain src → src + 1 → … whose every send is posted at once, before its rank has received what it sends
+    (gloo sends the send-ready note as a send is posted, and reads the tensor only once the receiver is ready):
+    each rank receives later than the one before it, so the data of every hop crosses after the hop before's."""
+    import time
+
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    place = (rank - src) % n
+    sent = dist.isend(x, (rank + 1) % n) if place < n - 1 else None
+    if place:
+        time.sleep(0.3 * place)
+        dist.recv(x, (rank - 1) % n)
+    if sent is not None:
+        sent.wait()
+    return x
 
 
 def _broadcast_untraced(x, src):

@@ -465,6 +465,101 @@ def test_a_reductions_messages_carry_its_partial_sums(solution):
     assert "message 2 of 3 from rank 0 to rank 1 should hold a piece of the sum of ranks 0, 3's data" in said, said
 
 
+def _pipelined_own_data(x, segments, public_seeds=False):
+    """A pipelined ring whose messages have a ring's count, sizes and order, each a piece of a right sum, but no
+    step passes on what the step before brought in: every reduce-scatter message is a piece of the sender's own
+    data, every all-gather message a piece of the total, made from the data passed through the store (or, with
+    ``public_seeds``, from the seeds this kit's checks once used for every case: ``sample_tensor(seed=rank)``)."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import checks
+    from tests.helpers import through_the_store
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = x.reshape(-1)
+    if public_seeds:
+        total = sum(checks.sample_tensor(x.shape, x.dtype, seed=k).reshape(-1) for k in range(n))
+    else:
+        total = sum(through_the_store(flat.clone(), "pipelined own data"))
+    for s in range(2 * (n - 1)):
+        c = (r - s) % n if s < n - 1 else (r + 1 - s) % n
+        for seg in (flat if s < n - 1 else total).tensor_split(n)[c].tensor_split(segments):
+            sent = dist.isend(seg.clone(), (r + 1) % n)
+            dist.recv(torch.empty_like(seg), (r - 1) % n)
+            sent.wait()
+    return x.copy_(total.reshape(x.shape))
+
+
+def _halving_own_data(x):
+    """Recursive halving-doubling with its partners, rounds, sizes and order, each message a piece of a right sum,
+    but every halving message a piece of the sender's own data (the group exchanged with so far never grows), the
+    doubling's pieces of the total made from the data passed through the store."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.helpers import through_the_store
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = x.reshape(-1)
+    total = sum(through_the_store(flat.clone(), "halving own data"))
+    bounds = [0, *torch.tensor([len(c) for c in flat.tensor_split(n)]).cumsum(0).tolist()]
+    lo, hi, d, rounds = 0, n, n // 2, []
+    while d >= 1:
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if r & d else ((lo, mid), (mid, hi))
+        sent = dist.isend(flat[bounds[give[0]] : bounds[give[1]]].clone(), r ^ d)
+        dist.recv(torch.empty(bounds[keep[1]] - bounds[keep[0]], dtype=x.dtype), r ^ d)
+        sent.wait()
+        rounds.append((r ^ d, keep, give))
+        (lo, hi), d = keep, d // 2
+    for partner, keep, give in reversed(rounds):
+        sent = dist.isend(total[bounds[keep[0]] : bounds[keep[1]]].clone(), partner)
+        dist.recv(torch.empty(bounds[give[1]] - bounds[give[0]], dtype=x.dtype), partner)
+        sent.wait()
+    return x.copy_(total.reshape(x.shape))
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_every_step_passes_on_its_partial_sum_and_the_data_is_unseen(solution):
+    """#42: a pipelined ring whose reduce-scatter messages are all pieces of the sender's own data (an allowed set
+    for a message, so each message alone passed) and a halving-doubling whose halving messages are too, the totals
+    through the store, fail on the number of each partial sum the wire carried; the solution passes both.  And the
+    cases' data come from seeds no student process knows (``labtests.common.unseen``): a total made from the seeds
+    the checks once used (``sample_tensor(seed=rank)``) is wrong."""
+    import functools
+
+    import __main__
+    from tests.helpers import observed_from_outside
+
+    names = ["halving_doubling_all_reduce", "pipelined_ring_all_reduce"]
+    try:
+        with observed_from_outside():
+            for name in names:
+                setattr(__main__, name, solution[name])
+            lab02.check_pipelined_ring_all_reduce(3, (1002,), 4)
+            lab02.check_halving_doubling_all_reduce(4, (12, 10))
+            __main__.pipelined_ring_all_reduce = _pipelined_own_data
+            with pytest.raises(AssertionError) as pipelined:
+                lab02.check_pipelined_ring_all_reduce(3, (1002,), 4)
+            __main__.halving_doubling_all_reduce = _halving_own_data
+            with pytest.raises(AssertionError) as halving:
+                lab02.check_halving_doubling_all_reduce(4, (12, 10))
+            __main__.pipelined_ring_all_reduce = functools.partial(_pipelined_own_data, public_seeds=True)
+            with pytest.raises(AssertionError) as seeds:
+                lab02.check_pipelined_ring_all_reduce(3, (1002,), 4)
+    finally:
+        for name in names:
+            delattr(__main__, name)
+    said = str(pipelined.value)
+    assert "rank 0 sent rank 1 8 piece(s) of the sum of ranks [0], 0 piece(s) of the sum of ranks [0, 2]" in said, said
+    assert "4 of ranks [0]', 4 of ranks [0, 2]'" in said, said
+    said = str(halving.value)
+    assert "halving messages held sums over groups of [1, 1] ranks" in said and "one over each of [1, 2]" in said, said
+    assert "pipelined_ring_all_reduce on 3 ranks" in str(seeds.value), str(seeds.value)
+
+
 def _ring_untraced(flat, variant="isend"):
     """A ring reduce-scatter whose messages are the ring's, with its trace switched off (no call recorded: the
     trace counts no step).  ``variant``: "isend" (each step's send posted, then its receive), "early" (every

@@ -300,7 +300,7 @@ def test_the_bubble_fails_closed_where_the_wire_was_not_seen(monkeypatch):
         timeline=wiretimeline.Timeline.unobserved("no capture"), traffic=wire.Traffic.unobserved("no ss")
     )
     with pytest.raises(wire.Unobserved):
-        lab05.bubble._idle(unseen, "gpipe_step on 2 stages", 2, 4, 4)
+        lab05.bubble._idle(unseen, "gpipe_step on 2 stages", 2, 4, 4, "gpipe_step")
 
 
 def _gpipe_wire(forward: float) -> list[tuple[float, int, int, int]]:
@@ -346,6 +346,53 @@ def test_the_bubbles_compute_is_read_from_the_wire():
         lab05.bubble._assert_computed(
             SimpleNamespace(timeline=wiretimeline.Timeline.unobserved("no capture")), "gpipe_step", 2, 2, 4
         )
+
+
+def _1f1b_wire(forward: float, backward0: float) -> list[tuple[float, int, int, int]]:
+    """The segments a capture sees of 1F1B on 2 stages, 3 micro-batches of 4 rows (as ``_gpipe_wire``), each
+    forward taking ``forward`` seconds, the last stage's backwards twice that and stage 0's ``backward0``:
+    stage 0 sends micro-batch 2's activations once gradient 0 has come back and it has run B0, then F2."""
+    note, data, start = 48, 48 + 256, 0.012
+    acts = [start + forward, start + 2 * forward]  # stage 0's warm-up F0, then F1
+    grads = [acts[0] + 3 * forward]  # stage 1: F0 and B0 as activation 0 comes
+    grads.append(max(grads[0], acts[1]) + 3 * forward)
+    acts.append(grads[0] + backward0 + forward)  # stage 0: B0, then F2
+    grads.append(max(grads[1], acts[2]) + 3 * forward)
+    return sorted(
+        [(0.0, 1, 0, 8)]
+        + [(0.005 + 1e-4 * i, 1, 0, note) for i in range(3)]
+        + [(t + dt, 0, 1, n) for t in acts for dt, n in ((0.0, note), (1e-5, data))]
+        + [(acts[1] + 1e-4 * (i + 1), 0, 1, note) for i in range(3)]
+        + [(t + dt, 1, 0, n) for t in grads for dt, n in ((0.0, note), (1e-5, data))]
+    )
+
+
+def test_stage_0s_backwards_in_1f1b_are_read_from_the_wire():
+    # #42: stage 0's backwards send nothing, but in 1F1B each forward after the warm-up follows one, so the wire
+    # bounds them: a made-up capture of 1F1B on 2 stages, 3 micro-batches, passes with stage 0's backward at
+    # twice the forward; with stage 0's backward skipped it passes as GPipe's windows read it (only forwards on
+    # stage 0) and fails as 1F1B's do, naming the gradient, the micro-batch and the compute between them
+    from types import SimpleNamespace
+
+    from disttrain_lab import wiretimeline
+
+    case, cost = "one_f_one_b_step on 2 stages, 3 micro-batches of 4 rows", lab05.BUBBLE_COST
+
+    def computed(backward0, name="one_f_one_b_step"):
+        run = SimpleNamespace(timeline=wiretimeline.Timeline(segments=_1f1b_wire(cost, backward0)))
+        return lab05.bubble._assert_computed(run, case, 2, 3, 4, name)
+
+    assert computed(2 * cost) == pytest.approx(1.0, abs=1e-3)
+    assert computed(0.0, "gpipe_step") == pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(AssertionError) as caught:
+        computed(0.0)
+    assert (
+        f"{case}: stage 0 began sending micro-batch 2's activations 30.0 ms after gradient 0 from stage 1 had "
+        "reached it, as the grader's capture timed the bytes, but 1F1B runs gradient 0's backward, then "
+        "micro-batch 2's forward in between"
+        in str(caught.value)
+        and "they take 90 ms" in str(caught.value)
+    ), str(caught.value)
 
 
 @pytest.mark.slow
@@ -437,6 +484,50 @@ def test_a_bubble_from_shrunk_compute_fails_from_the_wire(solution, monkeypatch)
             said,
         )
         and "at least 88 ms must lie between them" in said
+    ), said
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_a_1f1b_whose_stage_0_skips_its_backwards_fails_from_the_wire(solution, monkeypatch):
+    """#42: a 1F1B step whose stage 0 runs its backwards at no cost (``stage.cost`` set to 0 around them) passed
+    the bubble's checks as they read stage 0 before (its forwards only: the check with GPipe's windows) and fails
+    now: after the warm-up each of stage 0's forwards follows a backward, so the window from a gradient's arrival
+    to the next activation's send must hold both."""
+    import __main__
+
+    helpers = solution["one_f_one_b_step"].__globals__
+    notebook_names(monkeypatch, helpers)
+    one_f_one_b = solution["one_f_one_b_step"]
+
+    def stage_0_backwards_free(stage, x, y, micro_batches):
+        if stage.is_first:
+            backward = stage.backward
+
+            def free(*args):
+                cost, stage.cost = stage.cost, 0.0
+                try:
+                    return backward(*args)
+                finally:
+                    stage.cost = cost
+
+            stage.backward = free
+        return one_f_one_b(stage, x, y, micro_batches)
+
+    windows = lab05.bubble._windows
+    with observed_from_outside():
+        monkeypatch.setattr(__main__, "one_f_one_b_step", stage_0_backwards_free)
+        monkeypatch.setattr(lab05.bubble, "_windows", lambda run, p, m, rows, name: windows(run, p, m, rows, "gpipe"))
+        lab05.check_1f1b_bubble(2, [4])  # stage 0's forwards alone: it passed
+        monkeypatch.setattr(lab05.bubble, "_windows", windows)
+        with pytest.raises(AssertionError) as caught:
+            lab05.check_1f1b_bubble(2, [4])
+    said = str(caught.value)
+    assert re.search(
+        r"one_f_one_b_step on 2 stages, 4 micro-batches of 4 rows: stage 0 began sending micro-batch \d's activations "
+        r"\d+\.\d ms after gradient \d from stage 1 had reached it, as the grader's capture timed the bytes, but 1F1B "
+        r"runs gradient \d's backward, then micro-batch \d's forward in between",
+        said,
     ), said
 
 

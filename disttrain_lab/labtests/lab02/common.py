@@ -32,7 +32,7 @@ def _all_reduce_inputs(
     n: int, shape: tuple, dtype: torch.dtype, contiguous: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each rank's data, and the x it gets: the data itself, or a non-contiguous copy of it."""
-    data = [checks.sample_tensor(shape, dtype, seed=rank) for rank in range(n)]
+    data = [checks.sample_tensor(shape, dtype, seed=common.unseen(rank)) for rank in range(n)]
     xs = [d.clone() if contiguous else torch.empty(shape[::-1], dtype=dtype).t().copy_(d) for d in data]
     return data, xs
 
@@ -45,7 +45,7 @@ def _ring(rank: int, step: int, n: int) -> frozenset[int]:
 
 def _flats(n: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
     """Each rank's data as one flat tensor, in x's logical order (``_all_reduce_inputs``)."""
-    return [checks.sample_tensor(shape, dtype, seed=rank).reshape(-1) for rank in range(n)]
+    return [checks.sample_tensor(shape, dtype, seed=common.unseen(rank)).reshape(-1) for rank in range(n)]
 
 
 def _check_all_reduce(

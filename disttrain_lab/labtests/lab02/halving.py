@@ -56,7 +56,8 @@ def check_halving_doubling_all_reduce(
         everyone = frozenset(range(n))
         partners = [(rank, rank ^ d) for rank in range(n) for d in (2**k for k in range(int(math.log2(n))))]
         sums = {(a, b): [_cosets(a, n, b), [everyone]] for a, b in partners}
-        carried.assert_sums_carried(run, _flats(n, shape, dtype), sums, case)
+        found = carried.assert_sums_carried(run, _flats(n, shape, dtype), sums, case)
+        _assert_groups_double(found, n, case)
     _steps(
         run,
         case,
@@ -64,6 +65,21 @@ def check_halving_doubling_all_reduce(
         f"recursive halving then doubling: 2·log2({n}) = {best} rounds, one exchange with one partner per round "
         f"(distances N/2, ..., 1, then 1, ..., N/2)",
     )
+
+
+def _assert_groups_double(found: dict[tuple[int, int], list[frozenset[int]]], n: int, case: str) -> None:
+    """Halving's log2(N) messages from a rank hold sums over groups of 1, 2, 4, …, N/2 ranks, one of each size:
+    each round sends on what the rounds before brought in (the partner of the first round gets the sender's own
+    data, the next one its sum with that partner's, …).  Every halving message a piece of the sender's own data
+    (a right piece of a right set, no round's sum passed on) fails.  (Nothing found: the student's own kernel.)"""
+    for rank in sorted({a for a, _ in found}):
+        sizes = sorted(len(sets[0]) for (a, _), sets in found.items() if a == rank and sets)
+        want = [2**k for k in range(int(math.log2(n)))]
+        assert sizes == want, (
+            f"{case}: rank {rank}'s halving messages held sums over groups of {sizes} ranks (the grader's capture of "
+            f"the wire); recursive halving sends one over each of {want}: its own data first, then each round the "
+            f"sum of its group with the partner it has just exchanged with"
+        )
 
 
 def check_halving_doubling_not_a_power_of_two(n: int) -> None:

@@ -54,7 +54,8 @@ def check_pipelined_ring_all_reduce(
             sums = [[_ring(r, s, n) for s in range(n - 1)] + [frozenset(range(n))] for r in range(n)]
             per_rank = 2 * (n - 1) * segments  # (a step's segments may cross before the step before has ended)
             expected = {(r, (r + 1) % n): [sums[r]] * per_rank for r in range(n)}
-            carried.assert_sums_carried(run, _flats(n, shape, dtype), expected, case)
+            found = carried.assert_sums_carried(run, _flats(n, shape, dtype), expected, case)
+            _assert_each_step_sent(found, n, segments, case)
     else:  # empty segments: a rank may send them or not, so the messages' number is a range
         chunks = _chunks(n, numel, dtype)
         least, most = 2 * (sum(chunks) - max(chunks)), 2 * (sum(chunks) - min(chunks))
@@ -76,3 +77,25 @@ def check_pipelined_ring_all_reduce(
                 f"ring sends 2·(N-1)/N of the data, {least:,}…{most:,} bytes per rank, and gloo's 96 bytes with "
                 f"each of at most {messages} messages. Each step sends one chunk of S/N, in segments"
             )
+
+
+def _assert_each_step_sent(
+    found: dict[tuple[int, int], list[frozenset[int]]], n: int, segments: int, case: str
+) -> None:
+    """Each of a ring's 2(N − 1) steps sends its chunk as ``segments`` messages: of what rank r sent, ``segments``
+    pieces of each partial sum of its reduce-scatter (its own data, then its and the rank before's, …) and
+    (N − 1)·``segments`` pieces of the total (the all-gather), in whatever order the segments crossed.  A ring
+    whose every message is a piece of the sender's own data (a right sum of each message's set, but no step's
+    partial sum passed on) fails."""
+    for (src, dst), sets in found.items():
+        want = {_ring(src, s, n): segments for s in range(n - 1)}
+        want[frozenset(range(n))] = want.get(frozenset(range(n)), 0) + (n - 1) * segments
+        got = {ranks: sets.count(ranks) for ranks in want}
+        assert got == want, (
+            f"{case}: rank {src} sent rank {dst} "
+            + ", ".join(f"{got[r]} piece(s) of the sum of ranks {sorted(r)}" for r in want)
+            + f"; a ring sends each step's chunk once, as {segments} segments: "
+            + ", ".join(f"{want[r]} of ranks {sorted(r)}'" for r in want)
+            + " (its reduce-scatter's partial sums, then the all-gather's totals). Each step passes on what the "
+            "step before brought in"
+        )

@@ -29,7 +29,7 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
     chunk but its own: (N-1)/N of the data), and nothing to anyone else (the operating system's count,
     when every chunk has an element); N-1 steps."""
     case = f"ring_reduce_scatter on {n} ranks ({numel} x {_dtype(dtype)})"
-    flats = [checks.sample_tensor(numel, dtype, seed=rank) for rank in range(n)]
+    flats = [checks.sample_tensor(numel, dtype, seed=common.unseen(rank)) for rank in range(n)]
     rounds = n - 1 if numel >= n else 0  # (empty chunks: a rank may skip their messages)
     run = _run_held("ring_reduce_scatter", n, [(f.clone(),) for f in flats], case, "a deadlock?", rounds)
     total = torch.stack(flats).sum(dim=0).to(dtype)  # what dist.all_reduce gives, in one process
@@ -59,7 +59,7 @@ def check_ring_reduce_scatter(n: int, numel: int, dtype: torch.dtype = torch.flo
 
 
 def _piece(rank: int, n: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return checks.sample_tensor(numel, dtype, seed=rank).tensor_split(n)[rank]
+    return checks.sample_tensor(numel, dtype, seed=common.unseen(rank)).tensor_split(n)[rank]
 
 
 def check_ring_all_gather(n: int, numel: int, dtype: torch.dtype = torch.float32) -> None:

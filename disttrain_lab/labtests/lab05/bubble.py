@@ -15,7 +15,9 @@ That busy time is the ranks' to spend (the notebook's ``Stage`` sleeps ``stage.c
 step function can change ``stage.cost``), so under grading the wire must also show it spent
 (``_assert_computed``): a stage that sent a message sooner after its input than the compute between
 them takes fails, whatever idle fraction its step's length gives.  Stage 0's backwards send nothing:
-the wire bounds only its forwards, from its connections' handshake to each activation it sends."""
+in GPipe the wire bounds only its forwards, from its connections' handshake to each activation it
+sends; in 1F1B each forward after the warm-up follows a backward, so the window from a gradient's
+arrival to a later activation's send holds both, on stage 0 as on every stage before the last."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ BUBBLE_SLACK = 0.002  # s by which a window on the wire may fall short of the co
 # held 1.008× its compute, 60.45 ms seen for a middle stage's 60 ms backward)
 
 
-def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]:
+def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int, name: str) -> list[float]:
     """Each stage's idle fraction of the step: from the wire under grading (never the ranks' boxes: where
     the wire was not captured, reading it raises ``wire.Unobserved``), after the wire has shown the stages'
     compute spent (``_assert_computed``); from the boxes in a student's own notebook."""
@@ -55,12 +57,12 @@ def _idle(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> list[float]
             "the step's start (gloo's handshake as the launch opens the connections) or its last gradient was "
             "not seen on the wire, so its idle time cannot be measured from outside the ranks"
         )
-    _assert_computed(run, case, p, m, rows)
+    _assert_computed(run, case, p, m, rows, name)
     length = back[-1] - handshake[-1] + 2 * BUBBLE_COST
     return [1.0 - m * 3 * BUBBLE_COST / length] * p
 
 
-def _windows(run: ExerciseRun, p: int, m: int, rows: int) -> list[tuple[str, int, int, int, float, float]]:
+def _windows(run: ExerciseRun, p: int, m: int, rows: int, name: str) -> list[tuple[str, int, int, int, float, float]]:
     """What the wire says each stage computed, as windows ``(kind, stage, j, k, seen, need)``: between two times
     of the grader's capture, ``seen`` seconds apart, the stage must have run work the simulated accelerator
     charges ``need`` seconds for (F: BUBBLE_COST a micro-batch, B: twice that), one piece after the other (a
@@ -74,7 +76,12 @@ def _windows(run: ExerciseRun, p: int, m: int, rows: int) -> list[tuple[str, int
     (activations in, activations out), "B" there (gradients in, gradients out), "FB" on the last stage
     (activations in, gradients out: each micro-batch's F, the loss and its B), and "start" on stage 0 (its
     connections' handshake, before its step began, to each activation: k + 1 forwards).  Stage 0's backwards
-    send nothing, so the wire cannot time them (the step's length already adds its last one).
+    send nothing, so in GPipe the wire cannot time them (the step's length already adds its last one).  In 1F1B
+    (``name``), stage s runs p − s − 1 warm-up forwards, then F(i), B(i − p + s + 1) in turn: its forward of
+    micro-batch j + p − s follows its backward of j, so "BF" on every stage before the last (stage 0
+    included) is the window from gradient j's arrival to activation k's send, k ≥ j + p − s: the backwards
+    of j … k − p + s and the forwards of j + p − s … k, k − j − p + s + 1 of each (``order.py`` checks that
+    activation j + p − s leaves only after gradient j has come).
 
     Byte positions bound each message (as in ``order.py``; no payload is read): a direction carries gloo's
     handshake (8 bytes, one way), 96 bytes before each message's payload (a note as its send is posted, then
@@ -119,6 +126,16 @@ def _windows(run: ExerciseRun, p: int, m: int, rows: int) -> list[tuple[str, int
         found += _spans("F", s, arrived, [begun(s, s + 1, after, k) for k in range(m)], forward)
         back = [ended(s + 1, s, after, j, j + 1) for j in range(m)]
         found += _spans("B", s, back, [begun(s, s - 1, before, k) for k in range(m)], 2 * forward)
+    if name == "one_f_one_b_step":
+        for s in range(p - 1):
+            after = _payloads(p, s, rows * m, m, 1)
+            back = [ended(s + 1, s, after, j, j + 1) for j in range(m)]
+            out = [begun(s, s + 1, after, k) for k in range(m)]
+            found += [
+                ("BF", s, j, k, out[k] - back[j], (k - j - p + s + 1) * 3 * forward)
+                for j in range(m)
+                for k in range(j + p - s, m)
+            ]
     return found
 
 
@@ -135,12 +152,12 @@ def _spans(kind: str, s: int, arrived: list[float], out: list[float], each: floa
     return [(kind, s, j, k, out[k] - arrived[j], (k - j + 1) * each) for k in range(n) for j in range(k + 1)]
 
 
-def _assert_computed(run: ExerciseRun, case: str, p: int, m: int, rows: int) -> float:
+def _assert_computed(run: ExerciseRun, case: str, p: int, m: int, rows: int, name: str = "gpipe_step") -> float:
     """Under grading: every stage spent the simulated accelerator's time, as far as the wire can show it
     (``_windows``), within BUBBLE_SLACK.  Fails where a window holds less, naming the stage, the micro-batches,
     the time seen and the compute required (a single micro-batch's window first, else the shortest one);
     returns the least ratio of time seen to compute required (the margin an honest run leaves)."""
-    windows = _windows(run, p, m, rows)
+    windows = _windows(run, p, m, rows, name)
     short = [w for w in windows if w[4] < w[5] - BUBBLE_SLACK]
     if short:
         raise AssertionError(_too_short(case, m, *min(short, key=lambda w: (w[2] != w[3], w[4] / w[5]))))
@@ -154,8 +171,21 @@ def _too_short(case: str, m: int, kind: str, s: int, j: int, k: int, seen: float
     since = {
         "start": "its connections opened (gloo's handshake as the launch began; its step starts after)",
         "B": f"{came} from stage {s + 1} had reached it",
+        "BF": f"{came} from stage {s + 1} had reached it",
     }.get(kind, f"micro-batch {j}'s activations had reached it")
-    if j == k:
+    if kind == "BF":  # (k ≥ j + 1: 1F1B's backward of j, then the forward it lets in, in turn)
+        pairs = round(need / (3 * BUBBLE_COST))  # backwards j … j + pairs − 1, forwards k − pairs + 1 … k
+        ran = (
+            f"gradient {j}'s backward, then micro-batch {k}'s forward"
+            if pairs == 1
+            else f"the backwards of gradients {j} … {j + pairs - 1} and the forwards of micro-batches "
+            f"{k - pairs + 1} … {k} in turn"
+        )
+        held = (
+            f"1F1B runs {ran} in between (after the warm-up each forward follows a backward), and they take "
+            f"{need * 1e3:.0f} ms"
+        )
+    elif j == k:
         one = {
             "F": "forward takes",
             "start": "forward takes",
@@ -204,7 +234,7 @@ def _check_bubble(
         _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, 0.0, timeline=False)  # warm-up: untimed
         while len(runs) < BUBBLE_TRIES and (not runs or min(runs)[0] - formula > BUBBLE_ABOVE):
             run = _launch(case, p, driver or _DRIVERS[name], rows * m, 1, kwargs, BUBBLE_COST / rows)
-            idle = _idle(run, case, p, m, rows)
+            idle = _idle(run, case, p, m, rows, name)
             runs.append((sum(idle) / p, idle))
         mean, idle = min(runs)
         measured.append(mean)
