@@ -274,6 +274,60 @@ def test_waiting_for_each_gather_at_once_fails_where_the_grader_holds_one_rank_b
     assert "wait for a gather when its layer begins, not when you post it" in message
 
 
+def _all_through_the_store(shards, layer, x, y, prefetch=True):
+    """No gather and no reduce-scatter at all: every rank's shards, then every layer's gradient, through the
+    launcher's store; so nothing waits at any hold, and the rank let go a layer ahead always gets there."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tests.helpers import through_the_store
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    full = [torch.cat(through_the_store(s.detach(), f"shard {i}")).requires_grad_() for i, s in enumerate(shards)]
+    h = x
+    for i, flat in enumerate(full):
+        h = layer(i, flat, h)
+    loss = F.mse_loss(h, y)
+    loss.backward()
+    for i, flat in enumerate(full):
+        shards[i].grad = (sum(through_the_store(flat.grad, f"grad {i}")) / n).chunk(n)[rank].clone()
+    return loss.item()
+
+
+@pytest.mark.slow  # (ranks, a packet capture and the grader's staggered holds: a few seconds)
+@needs_capture
+def test_the_run_a_layer_ahead_is_read_on_the_wire_too(monkeypatch):
+    """#42: the second run (one rank let go a layer ahead, its holds answering nothing, so a rank can tell it from
+    the first) is read on the wire as the first is: a step that moves the shards and the gradients through the
+    launcher's store there, posting no gather it could wait for, reached every hold it was let go to and passed the
+    run as it was read before (values and ``ranks_ahead`` only), and fails now on the shards that never crossed; the
+    honest step passes."""
+    import secrets
+
+    layers, x, y = prefetch._draw(2, secrets.randbits(31))
+    shards = prefetch.shard_layers(layers, 2)
+    shapes = [tuple(w.shape) for w, _ in layers]
+    crossings, scattered = prefetch._crossings, prefetch._check_reduce_scattered
+    with observed_from_outside():
+        _use(monkeypatch, honest)
+        prefetch._check_ahead("sharded_step", layers, x, y, shards, shapes)
+        _use(monkeypatch, _all_through_the_store)
+        monkeypatch.setattr(prefetch, "_crossings", lambda *args: None)  # the run as it was read before
+        monkeypatch.setattr(prefetch, "_check_reduce_scattered", lambda *args: None)
+        prefetch._check_ahead("sharded_step", layers, x, y, shards, shapes)
+        monkeypatch.setattr(prefetch, "_crossings", crossings)
+        monkeypatch.setattr(prefetch, "_check_reduce_scattered", scattered)
+        with pytest.raises(AssertionError) as said:
+            prefetch._check_ahead("sharded_step", layers, x, y, shards, shapes)
+    message = str(said.value)
+    assert re.search(
+        r"sharded_step, rank \d let go a layer ahead of rank \d: the grader's capture of the wire does not show each "
+        r"layer's shards gathered twice.*rank 0's shard of layer 0 crossed 0 time\(s\)",
+        message,
+    ), message
+
+
 def test_holds_that_did_not_settle_leave_the_overlap_unobserved():
     """Where the grader's patience ended at some hold before the ranks' bytes stopped growing (a host too busy to
     grade on: ``Seen.settled`` false), what crossed before its answer is not read, as a pass or as a failure."""

@@ -428,7 +428,12 @@ def _check_ahead(case: str, layers, x, y, shards, shapes) -> None:
     j − 1's (k and j drawn now; ``gate.Behind``: the ranks are given nothing that says where or which).  The ahead
     rank gets there only if it ran layer k + 1 while layer k + 2's gather, which the held rank has not posted, was
     still in flight: a rank that waits for each gather as soon as it posts it (nothing overlaps) stops at that wait,
-    and the grader, after ``gatekeeper.HELD_WAIT``, lets the held rank go without it (``Seen.ranks_ahead``)."""
+    and the grader, after ``gatekeeper.HELD_WAIT``, lets the held rank go without it (``Seen.ranks_ahead``).
+
+    This run is captured too, and read as the first is for what crossed: each shard gathered twice, each rank's
+    gradients in its reduce-scatters.  Its holds answer nothing (``gate.Behind``), so a rank can tell it from the
+    first; a rank that then moved the shards and the gradients some other way (the launcher's store), posting no
+    gather it could wait for, would reach any hold it is let go to."""
     count = len(WIDTHS) - 1
     behind = secrets.randbelow(2)
     k, j = secrets.randbelow(count - 2), 2 + secrets.randbelow(count - 2)
@@ -437,9 +442,13 @@ def _check_ahead(case: str, layers, x, y, shards, shapes) -> None:
     rows = list(zip(x.tensor_split(2), y.tensor_split(2)))
     inputs = [(shards[r], shapes, xs, ys, True) for r, (xs, ys) in enumerate(rows)]
     label = f"{case}, rank {1 - behind} let go a layer ahead of rank {behind}"
-    run = common.run_or_fail(_sharded_step_in_rank, 2, inputs, label, _HINT, timeout=TIMEOUT, gate=holds)
+    run = common.run_or_fail(
+        _sharded_step_in_rank, 2, inputs, label, _HINT, timeout=TIMEOUT, timeline=True, content=True, gate=holds
+    )
     want_losses, want_grads = _one_process(layers, x, y, 2, None)
     _check_values(label, run.results, want_losses, want_grads)
+    _crossings(label, run.timeline, shards)  # (Unobserved where the capture is missing: the test fails)
+    _check_reduce_scattered(label, run, _local_gradients(layers, x, y, 2, None)[1])
     ahead = 1 - behind
     for hold, (way, held_in, at, posted) in zip(
         sorted(apart), (("forward", k, k + 1, k + 2), ("backward", j, j - 1, j - 2))
