@@ -440,6 +440,79 @@ def test_ring_overlap_is_graded_from_the_grader_gate_not_the_ranks_trace(monkeyp
             lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")
 
 
+# A ring that never overlaps: each step computes the block it holds, then passes it on (isend, irecv, both waited
+# for), the solution's pieces otherwise, so its values are right.  Every rank calls block_attention before it posts
+# anything, so the gate's first hold (the drawn rank held before its ring, every other rank at its first block) holds
+# them all at once, and the trace's overlap rule is not read under grading: it passed the check as it was.
+_COMPUTE_THEN_PASS_RING = """
+def ring_attention_forward(q, k, v, layout="zigzag", group=None):   # computes each block, then passes it on
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    nxt, prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+    seq_len = q.shape[-2] * n
+    q_pos = sequence_positions(seq_len, n, rank, layout)
+    held, out, lse = torch.stack([k, v]), None, None
+    for step in range(n):
+        with dl.region("block"):
+            block = block_attention(q, held[0], held[1], q_pos, sequence_positions(seq_len, n, (rank - step) % n, layout))
+            out, lse = block if out is None else merge_attention(out, lse, *block)
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            for request in [dist.isend(held, nxt, group=group), dist.irecv(incoming, prev, group=group)]:
+                request.wait()
+            held = incoming
+    return out, lse
+"""
+
+# the graded cell's ring cases the grader holds a gate in (2 ranks a ring or more): (args, keywords)
+GATED_RING_CASES = [
+    ((2, 2, 16, 4, "zigzag"), {}),
+    ((4, 2, 16, 4, "naive"), {}),
+    ((4, 1, 24, 3, "zigzag"), {"seed": 1}),
+    ((3, 2, 18, 4, "zigzag"), {"seed": 2}),
+    ((3, 3, 9, 2, "naive"), {"seed": 3}),
+    ((4, 2, 16, 4, "zigzag"), {"seed": 5, "groups_of": 2}),
+]
+
+
+@pytest.mark.slow  # (ranks and a packet capture, three runs of which wait out the gate's HELD_WAIT: about 40 s)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_ring_that_computes_before_it_transfers_fails_on_the_wire(monkeypatch):
+    """Under the grader's evidence the solution's ring passes every gated case of the graded cell, its drawn
+    rank's first key/value block found on the wire before the grader let that rank go on from its first
+    block_attention (``lab10.attention._assert_first_block_crossed``: on one connection, at least 10 ms
+    before); a ring that computes each block before it passes it on (``_COMPUTE_THEN_PASS_RING``: values right,
+    every rank held at once at the gate's first hold; its own trace fails it in the student's kernel, where the
+    ranks' account is all there is) passes every other check under grading, as it passed the whole check before,
+    and fails there, on 2 ranks and in two rings of 2 on 4, saying what crossed."""
+    import __main__
+    from tests.helpers import notebook_names, observed_from_outside
+
+    names = ["ring_attention_forward", "block_attention", "merge_attention", "sequence_positions", "RingAttention"]
+    space = bench.functions_from_notebook(LAB, names, given=True)["ring_attention_forward"].__globals__
+    notebook_names(monkeypatch, space)
+    monkeypatch.setitem(lab10.common._REFERENCES, "positions", space["sequence_positions"])
+    with observed_from_outside():
+        for args, kwargs in GATED_RING_CASES:
+            after, seconds = lab10.check_ring(lab10._ring_in_rank, *args, **kwargs)
+            assert after >= 0 and (seconds is None or seconds > 0.01), (args, kwargs, after, seconds)
+    exec(_COMPUTE_THEN_PASS_RING, space)  # (the notebook's namespace: RingAttention calls the ring that never overlaps)
+    monkeypatch.setattr(__main__, "ring_attention_forward", space["ring_attention_forward"])
+    with pytest.raises(AssertionError, match=r"must be posted before this block's computation"):
+        lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")  # (the student's own kernel: the trace's rule)
+    with observed_from_outside():
+        with monkeypatch.context() as before:  # the check as it was: every check but the wire's overlap
+            before.setattr(lab10.attention, "_assert_first_block_crossed", lambda *args: None)
+            lab10.check_ring(lab10._ring_in_rank, 2, 2, 16, 4, "zigzag")
+        for args, kwargs in (GATED_RING_CASES[0], GATED_RING_CASES[-1]):
+            with pytest.raises(AssertionError) as computed_first:
+                lab10.check_ring(lab10._ring_in_rank, *args, **kwargs)
+            said = str(computed_first.value)
+            assert "first key/value block (its own k and v: 32 rows of 32 bytes" in said, said
+            assert "surely crossed" in said and "holding 0 of those 32 rows; all 32 should be there" in said, said
+            assert "posts the next block's isend and irecv before it computes the block it holds" in said, said
+
+
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
 def test_ulysses_calls_and_bytes_are_read_from_the_wire(monkeypatch):

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ... import carried, checks, exercise
+from ... import carried, checks, exercise, gloo_ops, wire
 from .. import common
 from .common import GRADED_PASSED, TIMEOUT, _forward_phase, _qkv, _reference
+from .ring_gate import HOLDS
 
 
 # --------------------------------------------------------------------------------------
@@ -117,14 +118,17 @@ def check_ring(
     layout: str,
     seed: int = 0,
     groups_of: int | None = None,
-) -> None:
+) -> tuple[int, float | None] | None:
     """Ring attention of ``seq_len`` tokens in ``layout`` on ``n`` ranks (in rings of ``groups_of``), in
     float64: each rank's output and the gradients of its q, k, v (the given backward uses your lse) equal
     torch's causal attention on the whole sequence to 1e-9; in forward it only isends to the next rank and
     irecvs from the previous one, N - 1 key/value blocks, one dl.region("block") per ring step, the next
     block's isend and irecv posted before a block's computation and waited for after it: under grading, as
-    the grader's gate observes it (``ring_gate``: a rank drawn now is held before its ring starts, and the
-    next one must still reach its first block's computation, with block_attention), else from the trace.
+    the grader's gate and capture observe it (``ring_gate``: a rank drawn now is held before its ring starts,
+    and the next one must still reach its first block's computation, with block_attention; then the drawn
+    rank is held at its own first block_attention, and its first key/value block must cross to the next rank
+    before the grader lets it go on, ``_assert_first_block_crossed``), else from the trace.  Returns, under
+    grading, the margin the overlap left (``_assert_first_block_crossed``'s), else None.
     Under grading (2 ranks a ring or more: the gate makes the run keep what crossed the wire) the grader also
     reads the messages themselves: point-to-point only, each rank's to the next rank of its ring alone, the
     forward's and the given backward's bytes (``_ring_on_the_wire``), and in them every row of the keys and
@@ -139,7 +143,7 @@ def check_ring(
     positions = [_reference("positions")(seq_len, groups_of, rank % groups_of, layout) for rank in range(n)]
     held = secrets.randbelow(n) if groups_of > 1 else None  # the rank the grader holds (drawn now)
     inputs = [(heads, seq_len, dim, layout, seed, positions[r], True, groups_of, held) for r in range(n)]
-    gate = None if held is None else [None] * n
+    gate = None if held is None else [[None] * n for _ in range(HOLDS)]  # (``ring_gate``: two holds)
     run = common.run_or_fail(driver, n, inputs, case, common.DEADLOCK_HINT, timeout=TIMEOUT, gate=gate)
     q, k, v, dout = (t.requires_grad_() for t in _qkv(heads, seq_len, dim, seed))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -202,6 +206,9 @@ def check_ring(
     if sent is not None:
         _ring_on_the_wire(sent, n, groups_of, block_bytes, case)
         _ring_blocks_on_the_wire(sent, positions, (k.detach(), v.detach()), groups_of, case)
+    if gate is not None and run.gate.source != "none":
+        return _assert_first_block_crossed(run, case, held, groups_of, positions[held], (k.detach(), v.detach()))
+    return None
 
 
 def _ring_on_the_wire(sent: list, n: int, groups_of: int, block_bytes: int, case: str) -> None:
@@ -304,6 +311,116 @@ def _assert_reached_while_held(run: exercise.ExerciseRun, case: str, held: int, 
             else ""
         )
     )
+
+
+def _assert_first_block_crossed(
+    run: exercise.ExerciseRun, case: str, held: int, groups_of: int, mine: torch.Tensor, kv: tuple
+) -> tuple[int, float | None]:
+    """Fail unless, under grading, the drawn rank's first key/value block (its own k and v, at its positions
+    ``mine``; ``kv``: the whole sequence's) crossed to the next rank of its ring while the grader held it at its
+    first block's computation (``ring_gate``'s second hold, until the grader's answer: ``Seen.cuts[1]``, on the
+    capture's clock): every row of it (one head, one token) found, byte for byte, in the point-to-point messages
+    that surely crossed by then (``_surely_crossed``).  Returns the margin an honest run left: the bytes that
+    surely crossed after the message that completed the block, and the seconds from its last byte to the answer
+    (None where the direction has several connections); ``Unobserved`` where the capture does not say."""
+    seen = run.gate
+    start = held - held % groups_of
+    nxt = start + (held + 1 - start) % groups_of
+    cut = seen.cuts[1] if seen.source == "wire" and len(seen.cuts) > 1 else None
+    if cut is None:
+        raise wire.Unobserved(
+            f"the grader could not see when it let rank {held} go on from its first block's computation "
+            f"({seen.why or 'no answer seen'}), so the ring's overlap, graded by what crossed meanwhile, fails "
+            "rather than take the ranks' own clocks"
+        )
+    d = kv[0].shape[-1]
+    rows = [row.contiguous().numpy().tobytes() for t in kv for row in t[:, torch.as_tensor(mine)].reshape(-1, d)]
+    advice = (
+        "Post the next block's isend and irecv, compute the block you hold with block_attention, then wait for "
+        "the transfer"
+    )
+    there = seen.ranks_held(1)
+    assert held in there, (
+        f"{case}: the grader held rank {held} before its ring started, then waited for it to begin its first "
+        f"block's computation (a call of block_attention, its first transfer posted) while every other rank began "
+        f"its second; rank {held} was not held there (the ranks held: {', '.join(map(str, there)) or 'none'}), so "
+        f"the overlap of its first transfer with its first block is not seen. {advice}"
+    )
+    sends, total, connections = _surely_crossed(run, case, held, nxt, cut)
+    found, surely, margin = set(), 0, None
+    for _, end, here, payload in sends:  # (in order on each connection)
+        if end > here:
+            continue
+        surely += len(payload)
+        found |= {row for row in rows if row in payload}  # (gloo sends a tensor whole: a row is never cut)
+        if margin is None and len(found) == len(set(rows)):
+            placed = run.timeline.passed(held, nxt, end - 1) if connections == 1 else None
+            margin = (here - end, None if placed is None else cut - placed)
+    missing = sum(row not in found for row in rows)
+    assert not missing, (
+        f"{case}: rank {held}'s first key/value block (its own k and v: {len(rows)} rows of {8 * d} bytes, one "
+        f"head, one token) must cross to the next rank of its ring ({nxt}) while rank {held} computes its first "
+        f"block: the grader held rank {held} at its first call of block_attention until {cut * 1e3:.1f} ms into "
+        f"the run (its capture's clock), and by then the capture of the wire shows {surely} B of rank {held}'s "
+        f"point-to-point messages to rank {nxt} surely crossed ({total} B from rank {held} to rank {nxt} in all, "
+        f"gloo's notes and handshakes included), holding {len(rows) - missing} of those {len(rows)} rows; all "
+        f"{len(rows)} should be there. An overlapped ring posts the next block's isend and irecv before it "
+        f"computes the block it holds, so that block crosses during the computation; a ring that computes first "
+        f"sends nothing until it has. {advice}"
+    )
+    return margin
+
+
+def _surely_crossed(run: exercise.ExerciseRun, case: str, src: int, dst: int, cut: float) -> tuple[list, int, int]:
+    """``src``'s point-to-point messages to ``dst``, each as (its connection, the position in that connection's
+    bytes where it ends, the least of that connection's bytes that had surely crossed by ``cut``, its payload), in
+    order on each connection; the bytes from ``src`` to ``dst`` that had crossed by ``cut`` in all (the capture's
+    clock); and how many connections carried them.  A message surely crossed where it ends within that least:
+    TCP keeps a connection's bytes in order (``Timeline.crossed``).  Where ``src`` sent ``dst`` over several
+    connections (a ring of a subgroup: its process group's connection beside the default group's), the
+    capture's times count them together, so a connection is given what crossed less the most the others can
+    have carried by then: all their bytes but those of the last barrier seen on each (the driver's
+    ``dist.barrier()``, which ``src`` enters only after its forward, so after ``cut``).  For an honest ring the
+    bounds are exact (the default group's connection had carried gloo's handshake alone by then: an honest ring
+    passes whatever the timing, its first block having crossed before the next rank could reach its hold);
+    otherwise they err towards fewer bytes crossed, never more.  ``Unobserved`` where the capture does not say."""
+    timeline = run.timeline
+    total = timeline.crossed(src, dst, cut)  # (``Unobserved`` where nothing was captured)
+    data, links = timeline.data, timeline.links or {}
+    streams = None if data is None else data.get((src, dst), [])
+    back = [] if data is None else data.get((dst, src), [])
+    if streams is None or back is None:
+        raise wire.Unobserved(
+            f"the grader's capture did not keep all the data between rank {src} and rank {dst} (past its limits, "
+            f"or not kept), so a test that reads what crossed while it held rank {src} fails"
+        )
+    names = links.get((src, dst)) or [f"{src}>{dst}#{i}" for i in range(len(streams))]
+    try:
+        ops = [gloo_ops.operations(stream) for stream in streams]
+        ops_back = {name: gloo_ops.operations(stream) for name, stream in zip(links.get((dst, src)) or [], back)}
+        sends = [gloo_ops.sends(stream) for stream in streams]
+    except gloo_ops.NotGloo as e:
+        raise AssertionError(
+            f"{case}: the bytes between rank {src} and rank {dst} are not gloo's messages ({e}); the ranks must "
+            "talk through torch.distributed alone"
+        ) from None
+    notes = (gloo_ops.NOTIFY_SEND_READY, gloo_ops.NOTIFY_RECV_READY)
+
+    def at_most(i: int) -> int:  # the most of connection i's bytes that can have crossed by ``cut``
+        barriers = [slot for _, _, slot, _ in ops[i] + ops_back.get(names[i], []) if carried.kind(slot) == "barrier"]
+        last = max(barriers, key=lambda slot: slot & carried.CALL_BITS, default=None)
+        later = [(opcode, length) for _, opcode, slot, length in ops[i] if slot == last]
+        return len(streams[i]) - sum(wire.GLOO_PREAMBLE + (0 if op in notes else n) for op, n in later)
+
+    placed = []
+    for i, stream_sends in enumerate(sends):
+        here = total - sum(at_most(j) for j in range(len(streams)) if j != i)
+        placed += [
+            (names[i], at + wire.GLOO_PREAMBLE + len(payload), here, payload)
+            for at, slot, payload in stream_sends
+            if carried.kind(slot) == "send/recv"
+        ]
+    return placed, total, len(streams)
 
 
 def check_ring_traffic(driver: Callable, n: int, heads: int, seq_len: int, dim: int, layout: str) -> None:
