@@ -991,3 +991,194 @@ def test_train_3d_summing_through_the_store_fails_on_the_wires_content(monkeypat
     assert "should all-reduce each rank's partial output of every block's attention and MLP" in said, said
     missing = "g of block 0's attention on micro-batch 0" if relayed == "g" else "f of block 0's attention on micro"
     assert f"no all-reduce of theirs at that step carried the {missing}" in said, said
+
+
+def _relayed_stage_messages(code: str, which: str) -> str:
+    """train_3d's code with the stages' activations (``which``: "activations"), their gradients ("gradients") or
+    both ("both") passed through the launcher's store, zeros of the same size sent in their place: the receiver
+    takes the real tensor from the store after its recv."""
+    put = (
+        "{pad}_st, _src, _dst = dist.distributed_c10d._get_default_store(), dist.get_rank(), {dst}\n"
+        "{pad}_st.set(f'{tag}/{{_src}}/{{_dst}}/{{_st.add(f\"{tag}s/{{_src}}/{{_dst}}\", 1)}}', "
+        "{tensor}.detach().contiguous().numpy().tobytes())\n"
+        "{pad}sends.append(dist.isend(torch.zeros_like({tensor}), dst={dst}))\n"
+    )
+    take = (
+        "{pad}dist.recv({into}, src={src})\n"
+        "{pad}_st, _src, _dst = dist.distributed_c10d._get_default_store(), {src}, dist.get_rank()\n"
+        "{pad}_got = _st.get(f'{tag}/{{_src}}/{{_dst}}/{{_st.add(f\"{tag}r/{{_src}}/{{_dst}}\", 1)}}')\n"
+        "{pad}{into}.copy_(torch.frombuffer(bytearray(_got), dtype=torch.float32).view_as({into}))\n"
+    )
+    pad = " " * 16
+    edits = {
+        "activations": [
+            (
+                pad + "sends.append(dist.isend(outputs.detach(), dst=grid.next_rank))\n",
+                put.format(pad=pad, tag="act", dst="grid.next_rank", tensor="outputs"),
+            ),
+            (
+                pad + "dist.recv(inputs, src=grid.prev_rank)\n",
+                take.format(pad=pad, tag="act", src="grid.prev_rank", into="inputs"),
+            ),
+        ],
+        "gradients": [
+            (
+                pad + "sends.append(dist.isend(inputs.grad, dst=grid.prev_rank))\n",
+                put.format(pad=pad, tag="grad", dst="grid.prev_rank", tensor="inputs.grad"),
+            ),
+            (
+                pad + "dist.recv(grad, src=grid.next_rank)\n",
+                take.format(pad=pad, tag="grad", src="grid.next_rank", into="grad"),
+            ),
+        ],
+    }
+    for honest, relay in edits["activations"] * (which != "gradients") + edits["gradients"] * (which != "activations"):
+        assert honest in code, code
+        code = code.replace(honest, relay)
+    return code
+
+
+@pytest.mark.slow  # (ranks and a packet capture: under a minute)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+@pytest.mark.parametrize("which", ["both", "gradients"])
+def test_train_3d_sending_between_stages_through_the_store_fails_on_the_wires_content(monkeypatch, which):
+    """train_3d's point-to-point messages between stages must carry each micro-batch's activation (the dense GPT's
+    output of the stage's last block, the grader's single-process training) and, back, the gradient of the loss
+    with respect to it: the solution passes with the capture (TP inside the stages, uneven micro-batches, two DP
+    replicas); with the activations and their gradients (or the gradients alone) passed through the launcher's
+    store and zeros of the same size sent in their place, it trains right with the right calls and bytes, passes in
+    the student's own kernel and, the stage messages' content unread, under the capture too; read, it fails."""
+    from disttrain_lab import models
+    from disttrain_lab.labtests.lab08 import three_d
+    from tests.helpers import observed_from_outside
+
+    _, space, _ = _solution_over_lab6(
+        monkeypatch, ["grid_groups", "TensorParallelAttention", "PipelineStage3D", "train_3d"]
+    )
+    code = next(c.source for c in load(LAB).cells if "def train_3d" in c.source)
+    forged: dict = dict(space)
+    exec(_relayed_stage_messages(code[code.index("def train_3d") :], which), forged)
+    small = models.GPTConfig(vocab=32, seq_len=4, d_model=8, n_heads=2, n_layers=2)  # (the lab's tokens: 32)
+    check = lambda: lab08.check_3d(1, 2, 2, micro_batches=3, cfg=small, batch=7, steps=2)  # noqa: E731
+    read = three_d._stage_messages_on_the_wire
+    with observed_from_outside():
+        check()
+        lab08.check_3d(2, 1, 2, micro_batches=2, cfg=small, batch=8, steps=2)
+        monkeypatch.setattr("__main__.train_3d", forged["train_3d"])  # (defined among the notebook's names)
+        monkeypatch.setattr(three_d, "_stage_messages_on_the_wire", lambda *args: None)
+        check()  # (the gap: unread, the stages' messages were only counted and sized)
+        monkeypatch.setattr(three_d, "_stage_messages_on_the_wire", read)
+        with pytest.raises(AssertionError) as relayed:
+            check()
+    check()  # (the student's own kernel: values, the trace's calls and bytes)
+    said = str(relayed.value)
+    what = "activation (stage 0's output)" if which == "both" else "gradient of the loss with respect to the activ"
+    assert f"to rank {2 if which == 'both' else 0} should hold the {what}" in said, said
+    assert "values in [0, 0]" in said and "What a stage sends must be the data itself" in said, said
+
+
+def _hidden_functions(grade_id: str, names: list[str], space: dict) -> None:
+    """The functions ``names`` of the cell ``grade_id`` (a graded cell's hidden tests' too), defined in ``space``
+    with their source kept (a stand-in crosses as its source)."""
+    import linecache
+
+    source = cell_by_id(load(LAB), grade_id).source
+    found = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name in names]
+    code = "\n\n".join(ast.get_source_segment(source, n) for n in found) + "\n"
+    filename = f"<hidden tests of {grade_id}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    exec(compile(code, filename, "exec"), space)
+
+
+@pytest.mark.slow  # (the planner's drivers in this process, one rank each: under a minute)
+def test_the_planners_step_time_stand_in_earns_step_time_nothing(monkeypatch):
+    """plan_parallelism graded on the grader's step_time where yours is wrong (issue item "borrowed pieces earn
+    nothing"): what crosses to the kernel is a table of the formula's ranks for the plans of each case, no formula.
+    The solution's plan_parallelism passes its cases on it with a wrong step_time; the stand-in captured from the
+    kernel (as the driver's source in linecache) and handed in as step_time, as it is or rescaled, fails
+    step_time's graded checks, where the old stand-in (1.5 times the formula) divided by 1.5 passed them."""
+    import linecache
+    from dataclasses import replace
+
+    import __main__
+    from disttrain_lab import exercise
+    from disttrain_lab.labtests.lab08 import common
+    from tests.helpers import notebook_names
+
+    names = ["ModelSpec", "ClusterSpec", "Plan", "a100_cluster", "memory_per_device", "step_time"]
+    solution = bench.functions_from_notebook(LAB, [*names, "plan_parallelism"], given=True)
+    space = solution["plan_parallelism"].__globals__
+    monkeypatch.setitem(space, "__name__", "__main__")  # (a notebook's names: the driver puts stand-ins there)
+    _hidden_functions("planner_measured_helpers", ["bench_specs"], space)
+    _hidden_functions("test_planner_plans", ["_graders_planner"], space)
+    _hidden_functions("test_planner_memory", ["_ref_memory"], space)
+    _hidden_functions("test_planner_step_time", ["_ref_step"], space)
+    notebook_names(monkeypatch, space)
+    monkeypatch.setitem(common.GRADERS, "planner", space["_graders_planner"])
+    monkeypatch.setitem(common.PASSED, "planner_memory", True)
+    Plan, ModelSpec, a100 = space["Plan"], space["ModelSpec"], space["a100_cluster"]
+    example = ModelSpec(layers=24, hidden=2048, heads=16, seq=2048, batch=512, vocab=50304)  # the graded cells'
+    big = ModelSpec(layers=40, hidden=5120, heads=40, seq=2048, batch=256, vocab=50304)
+    cluster16 = a100(16)
+    bench_model, bench_cluster = space["bench_specs"](lab08.MEASURED)
+    measured = [Plan(r["dp"], r["tp"], r["pp"], r["micro_batches"], r["zero"]) for r in lab08.MEASURED["runs"]]
+    step_cases = [(bench_model, bench_cluster, p) for p in measured] + [
+        (example, cluster16, Plan(*fields)) for fields in ((16, 1, 1, 4, 1), (2, 8, 1, 4, 0), (1, 16, 1, 4, 0))
+    ]
+    step_cases += [(example, cluster16, Plan(*fields)) for fields in ((4, 2, 2, 8, 3), (1, 2, 8, 16, 0))]
+
+    def step_time_earns(fn) -> bool:
+        """Whether ``fn`` handed in as step_time passes step_time's graded checks (the ranking, then the formula)."""
+        monkeypatch.setattr(__main__, "step_time", fn)
+        try:
+            lab08.check_step_time_ranking(bench_model, bench_cluster, measured)
+            for model, cluster, plan in step_cases:
+                lab08.check_step_time(model, cluster, plan, reference=space["_ref_step"])
+        except (AssertionError, exercise.ExerciseError):
+            return False
+        return True
+
+    old = space["_graders_planner"](["step_time"])["step_time"]  # (what used to cross: the formula, times 1.5)
+    assert step_time_earns(lambda model, cluster, plan: old(model, cluster, plan) / 1.5)
+    assert step_time_earns(solution["step_time"])
+
+    # a wrong step_time (no bubble: its ranking passes, its formula not): plan_parallelism on the grader's
+    wrong = lambda model, cluster, plan: solution["step_time"](model, cluster, plan) / plan.pp  # noqa: E731
+    monkeypatch.setattr(__main__, "step_time", wrong)
+    assert lab08.choose_planner_graders(example, cluster16, Plan(16, 1, 1, 4, 1)) == ["step_time"]
+    small = lab08.check_plans(example, a100(8), "1.4 B on one node of 8", reference=space["_ref_memory"])
+    assert (small[0].dp, small[0].tp, small[0].pp) == (8, 1, 1), small[0]
+    plans = lab08.check_plans(big, a100(32), "12.9 B on 32 devices", reference=space["_ref_memory"])
+    assert plans[0].tp <= 8, plans[0]
+    lab08.check_plans(example, cluster16, "1.4 B on 2 nodes of 8", reference=space["_ref_memory"])
+    shipped = "".join(linecache.cache["<test driver _plans_of>"][2])  # (captured: the last case's, 1.4 B on 16)
+    assert "collective_time" not in shipped and "flops" not in shipped, shipped[:2000]
+    captured: dict = {}
+    exec(shipped, captured)
+    stand_in = captured["_graders_planner"](["step_time"])["step_time"]
+
+    # handed in as step_time, as it is, divided by 1.5, or scaled to the formula on one plan of its own table
+    scale = space["_ref_step"](example, cluster16.network, cluster16.flops, Plan(16, 1, 1, 4, 1)) / stand_in(
+        example, cluster16, Plan(16, 1, 1, 4, 1)
+    )
+    for factor in (1.0, 1 / 1.5, scale):
+        assert not step_time_earns(lambda model, cluster, plan, k=factor: k * stand_in(model, cluster, plan))
+    monkeypatch.setattr(__main__, "step_time", lambda model, cluster, plan: scale * stand_in(model, cluster, plan))
+    lab08.check_step_time(example, cluster16, Plan(16, 1, 1, 4, 1), reference=space["_ref_step"])  # (its anchor)
+    with pytest.raises(AssertionError) as off:  # (on its own table's model and cluster, another plan)
+        lab08.check_step_time(example, cluster16, Plan(2, 8, 1, 4, 0), reference=space["_ref_step"])
+    assert "step_time(dp=2    tp=8   pp=1   m=4    zero=0) on nodes of 8 ranks" in str(off.value), off.value
+    ratios = {
+        fields: stand_in(example, cluster16, Plan(*fields))
+        / space["_ref_step"](example, cluster16.network, cluster16.flops, Plan(*fields))
+        for fields in ((16, 1, 1, 4, 1), (2, 8, 1, 4, 0), (1, 16, 1, 4, 0), (4, 2, 2, 8, 3), (1, 2, 8, 16, 0))
+    }
+    assert max(ratios.values()) > 1.5 * min(ratios.values()), ratios  # (no one factor makes it the formula)
+
+    # memory_per_device failed too: the grader's memory formula crosses, and still no step time
+    monkeypatch.setitem(common.PASSED, "planner_memory", False)
+    monkeypatch.setattr(__main__, "memory_per_device", lambda *args, **kwargs: 0.0)
+    assert lab08.choose_planner_graders(example, cluster16, Plan(16, 1, 1, 4, 1)) == ["memory_per_device", "step_time"]
+    lab08.check_plans(big, replace(a100(32), memory=16e9), "12.9 B on 16 GB", sp=True, reference=space["_ref_memory"])
+    shipped = "".join(linecache.cache["<test driver _plans_of>"][2])
+    assert "def memory_per_device" in shipped and "collective_time" not in shipped, shipped[:2000]

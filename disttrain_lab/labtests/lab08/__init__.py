@@ -18,7 +18,8 @@ Nothing here is a solution or a graded answer.  What only the grader holds stays
 cells' hidden tests and reaches this module at run time: the grader's own grid, attention and
 pipeline stage (``_graders_pieces``, put in ``GRADERS["pieces"]``) and its own memory and step-time
 models (``_graders_planner``, ``GRADERS["planner"]``), on which a later exercise is graded where an
-earlier one failed its graded test (``PASSED``); and the exact step-time model.  The references that
+earlier one failed its graded test (``PASSED``; the step time crosses to the kernel only as a table of its
+ranks for the plans of each case, ``planner._stand_ins_source``); and the exact step-time model.  The references that
 compute an exercise's own answer (the memory formula, the power-law fit, the compute-optimal size,
 the LARS update) are written in the notebook and handed to the checks (``reference=``).
 """

@@ -3,13 +3,15 @@ their ranking), run on one rank; the specs cross as their fields."""
 
 from __future__ import annotations
 
+import inspect
 import math
+import textwrap
 from collections.abc import Callable
 
 import numpy as np
 
 from ... import exercise
-from .common import GRADERS, MEASURED, PASSED, Spec, _fields, _notebook, _with_graders
+from .common import GRADERS, MEASURED, PASSED, Spec, _fields, _notebook
 
 _PLANNER_GRADERS: list[str] = []  # the planner's pieces plan_parallelism is graded on (choose_planner_graders)
 
@@ -106,8 +108,10 @@ def choose_planner_graders(model: Spec, cluster: Spec, plan: Spec) -> list[str]:
     where yours failed its graded test, and step_time where yours does not rank plans as the formula does
     (``plan`` and the plans of ``_ORDER_PLANS`` of the worked example ``model`` on ``cluster``: their times must
     be finite, positive and one constant multiple of the grader's, whose order the planner's test reads; the
-    step-time's own graded test comes later), each replaced by the grader's own when it holds them
-    (``GRADERS["planner"]``): plan_parallelism is graded on its own.  Returns them."""
+    step-time's own graded test comes later), each replaced by the grader's stand-in when it holds them
+    (``GRADERS["planner"]``): plan_parallelism is graded on its own.  The step_time that crosses to your kernel
+    then is no formula but a table of the formula's ranks for the plans of each case (``_stand_ins_source``).
+    Returns them."""
     global _PLANNER_GRADERS
     _PLANNER_GRADERS = []
     if "planner" not in GRADERS:
@@ -133,9 +137,90 @@ def choose_planner_graders(model: Spec, cluster: Spec, plan: Spec) -> list[str]:
 
 def plans_for(model: Spec, cluster: Spec, sp: bool | None = None) -> list:
     """Your plan_parallelism(model, cluster) (with ``sp=sp`` when given), run in your kernel: (dp, tp, pp, m,
-    zero, step_s, memory, your step_time of the plan) for each plan."""
-    target, inputs = _with_graders(_plans_of, (_fields(model), _fields(cluster), sp), _PLANNER_GRADERS, kind="planner")
+    zero, step_s, memory, your step_time of the plan) for each plan; on the grader's stand-ins
+    (``_stand_ins_source``) for the pieces ``choose_planner_graders`` chose."""
+    target, inputs = _plans_of, (_fields(model), _fields(cluster), sp)
+    if _PLANNER_GRADERS and "planner" in GRADERS:
+        source = _stand_ins_source(model, cluster, _PLANNER_GRADERS)
+        target = {"name": _plans_of.__name__, "source": source + "\n\n" + textwrap.dedent(inspect.getsource(_plans_of))}
+        inputs = (*inputs, list(_PLANNER_GRADERS))
     return exercise.run(target, 1, inputs, timeout=60).results[0]
+
+
+def _candidate_plans(model: Spec, cluster: Spec) -> list[tuple[int, int, int, int, int]]:
+    """Every (dp, tp, pp, m, zero) a planner may price for ``model`` on ``cluster``, valid or not: tp · pp
+    dividing the devices, dp the rest, dp · m dividing the batch, ZeRO 0 to 3 (a superset of plan_parallelism's
+    plans, whatever it checks first)."""
+    found = []
+    for tp in range(1, cluster.devices + 1):
+        for pp in range(1, cluster.devices // tp + 1):
+            if cluster.devices % (tp * pp):
+                continue
+            dp = cluster.devices // (tp * pp)
+            found += [
+                (dp, tp, pp, m, zero)
+                for m in range(1, model.batch // dp + 1)
+                if not model.batch % (dp * m)
+                for zero in range(4)
+            ]
+    return found
+
+
+def _step_ranks(model: Spec, cluster: Spec) -> dict[tuple, int]:
+    """(dp, tp, pp, m, zero) -> the rank of its step time by the grader's formula (``GRADERS["planner"]``) among
+    the ``_candidate_plans`` of ``model`` on ``cluster``, 1 the fastest, equal times the same rank: all that
+    plan_parallelism's test reads of step_time (the order of the plans and that each one's step_s is step_time's),
+    and no time in seconds."""
+    formula = GRADERS["planner"](["step_time"])["step_time"]
+    plan_class = _notebook("Plan")
+    times = {}
+    for fields in _candidate_plans(model, cluster):
+        try:
+            t = float(formula(model, cluster, plan_class(*fields)))
+        except (ArithmeticError, ValueError):
+            continue
+        if math.isfinite(t):
+            times[fields] = t
+    order = {t: i + 1 for i, t in enumerate(sorted(set(times.values())))}
+    return {fields: order[t] for fields, t in times.items()}
+
+
+def _stand_ins_source(model: Spec, cluster: Spec, graders: list[str]) -> str:
+    """The source of ``_graders_planner(graders)`` as it crosses to your kernel with the driver ``_plans_of``:
+    memory_per_device the grader's formula (its graded test came before), step_time a table of ranks
+    (``_step_ranks``) for exactly the plans of ``model`` on ``cluster`` that this test may price, which raises a
+    ValueError for any other model, cluster or plan.  No formula for step time crosses: captured, the stand-in
+    knows no time in seconds, on no model, and earns step_time's graded test nothing."""
+    memory = ""
+    if "memory_per_device" in graders:
+        memory = textwrap.dedent(inspect.getsource(GRADERS["planner"](["memory_per_device"])["memory_per_device"]))
+    ranks = _step_ranks(model, cluster) if "step_time" in graders else {}
+    call = f"_table_planner(graders, {memory!r}, {_fields(model)!r}, {cluster.devices!r}, {ranks!r})"
+    helper = textwrap.dedent(inspect.getsource(_table_planner))
+    return f"{helper}\n\n_graders_planner = lambda graders: {call}  # noqa: E731\n"  # (what the driver calls)
+
+
+def _table_planner(graders, memory, model_fields, devices, ranks):
+    """The grader's stand-ins, in your kernel (``_stand_ins_source``): memory_per_device defined from
+    ``memory`` (its source), step_time the rank of a plan of ``model_fields`` on ``devices`` devices in
+    ``ranks`` (infinite for a plan whose shape is not the cluster's: none that fits), and nothing else."""
+    import dataclasses
+    import math
+
+    pieces = {}
+    if memory:
+        defined = {}
+        exec(compile(memory, "<the grader's memory_per_device>", "exec"), defined)  # noqa: S102  (the grader's)
+        pieces["memory_per_device"] = defined["memory_per_device"]
+
+    def step_time(model, cluster, plan):
+        key = (plan.dp, plan.tp, plan.pp, plan.micro_batches, plan.zero)
+        if dataclasses.asdict(model) != model_fields or cluster.devices != devices:
+            raise ValueError("the grader's stand-in for step_time ranks only the plans of this graded case")
+        return float(ranks.get(key, math.inf))  # (no such plan here: dp · tp · pp is not the devices)
+
+    pieces["step_time"] = step_time
+    return {name: pieces[name] for name in graders}
 
 
 def check_plans(model: Spec, cluster: Spec, case: str, sp: bool | None = None, *, reference: Callable) -> list:

@@ -20,6 +20,10 @@ from .traffic import _check_traffic
 # the ranks' training drifts from the dense GPT's by rounding over the steps (float32's own tolerance for a sum held
 # on one machine and failed on another: 7 Dec, block 1's MLP at step 2 of a 1 x 2 x 2 grid; it passes at 3e-5, 3e-6)
 TP_RTOL, TP_ATOL = 1e-3, 1e-4
+# what an activation or its gradient sent between stages may be off the grader's (relative; absolute, of the
+# largest entry of the grader's tensor): the stages' TP sums round otherwise than the dense GPT (the solution on the
+# graded grids, 7 Dec: at most 1.7e-6 of the largest entry off, 0.6 % of this allowance; zeros are 100 % off)
+STAGE_RTOL, STAGE_ATOL = 1e-3, 1e-4
 
 
 def _train_single(
@@ -61,8 +65,9 @@ def check_3d(
     the DP group, each micro-batch's loss scaled by its share of the rows), and its traffic is the
     configuration's: 4 all-reduces per block per micro-batch in its TP group, one DP all-reduce of all its
     gradients per step, activations and their gradients only to the neighbouring stages (by the trace and by
-    the operating system's count); under grading, what the DP all-reduce and the TP group's all-reduces (g forward,
-    f backward) carried, read on the wire.  Built on the grader's earlier pieces where yours failed.  Returns the
+    the operating system's count); under grading, what the DP all-reduce, the TP group's all-reduces (g forward,
+    f backward) and the sends between stages (each micro-batch's activation forward, its gradient back) carried,
+    read on the wire.  Built on the grader's earlier pieces where yours failed.  Returns the
     run."""
     case = f"train_3d on a {dp} × {tp} × {pp} grid, {micro_batches} micro-batches, batch {batch}, {steps} steps"
     batches = models.lm_batches(_tokens(), batch, cfg.seq_len, steps, seed=7)
@@ -128,7 +133,126 @@ def check_3d(
             carried.assert_gradients_all_reduced(run, rank, where["dp_group"], mine, case, rtol=1e-3)
     if tp > 1 and wirecalls.observed(run):
         _tp_sums_on_the_wire(run, _tp_partials(cfg, batches, lr, dp, tp, pp, micro_batches), dp, tp, pp, case)
+    if pp > 1 and wirecalls.observed(run):
+        owed = _stage_messages(cfg, batches, lr, dp, pp, micro_batches)
+        _stage_messages_on_the_wire(run, owed, dp, tp, pp, case)
     return run
+
+
+def _stage_messages(cfg: models.GPTConfig, batches: list, lr: float, dp: int, pp: int, micro_batches: int) -> dict:
+    """(dp_rank, s) -> for each step, for each micro-batch of the DP shard that has rows, what crosses between
+    stages s and s + 1: (the activation, the output of stage s's last block in the dense GPT, and the gradients
+    it may be sent back as: of the micro-batch's loss scaled by its share of the shard's rows, as the exercise
+    asks, or unscaled, the scaling left to the end), in one process along the reference's training
+    (``_train_single``)."""
+    per = cfg.n_layers // pp
+    found: dict[tuple, list] = {(d, s): [] for d in range(dp) for s in range(pp - 1)}
+
+    def at_step(gpt, x, y):
+        for d, (shard, targets) in enumerate(zip(x.tensor_split(dp), y.tensor_split(dp))):
+            step: dict[int, list] = {s: [] for s in range(pp - 1)}
+            for rows, wanted in zip(shard.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+                if not len(rows):
+                    continue  # (an empty micro-batch: nothing crosses)
+                made: list[torch.Tensor] = []  # each boundary's activation, stage by stage
+
+                def hold(_m, _i, out, into=made):
+                    out.retain_grad()
+                    into.append(out)
+
+                hooks = [gpt.blocks[(s + 1) * per - 1].register_forward_hook(hold) for s in range(pp - 1)]
+                try:
+                    share = len(rows) / len(shard)
+                    (models.lm_loss(gpt(rows), wanted) * share).backward()
+                finally:
+                    for hook in hooks:
+                        hook.remove()
+                for s, act in enumerate(made):
+                    grad = act.grad.detach().clone()
+                    step[s].append((act.detach().clone(), (grad, grad / share)))
+            for s in range(pp - 1):
+                found[d, s].append(step[s])
+
+    _train_single(cfg, batches, lr, at_step=at_step)
+    return found
+
+
+def _stage_messages_on_the_wire(run: ExerciseRun, owed: dict, dp: int, tp: int, pp: int, case: str) -> None:
+    """Under grading: every point-to-point message a rank sent the next stage, as the grader's capture saw it
+    cross, holds the activation of one of its DP shard's micro-batches at that step or another, the dense GPT's
+    output of the stage's last block along the single-process training (``_stage_messages``), and every one it
+    sent the previous stage the gradient of the loss with respect to one (scaled by the micro-batch's share of the
+    shard's rows, or not), within STAGE_RTOL of each value plus STAGE_ATOL of the tensor's largest; and each of
+    them crosses (their number is the traffic's check).  Every TP rank of a stage sends its counterpart in the
+    next stage the whole tensor.  Junk of the right size (zeros), with the values passed some other way (the
+    launcher's store), fails."""
+    sent = [(s, d, p) for s, d, _, slot, p in wirecalls.data_sends(run, case) if carried.kind(slot) == "send/recv"]
+    for rank in range(run.world_size):
+        where = _grid_of(rank, dp, tp, pp)
+        for peer, forward in ((where["next_rank"], True), (where["prev_rank"], False)):
+            if peer is None:
+                continue
+            boundary = where["pp_rank"] if forward else where["pp_rank"] - 1
+            what = (
+                f"activation (stage {boundary}'s output)"
+                if forward
+                else f"gradient of the loss with respect to the activation (stage {boundary}'s output)"
+            )
+            owed_here = {
+                (step, m): [act] if forward else list(grads)
+                for step, items in enumerate(owed[where["dp_rank"], boundary])
+                for m, (act, grads) in enumerate(items)
+            }
+            payloads = [p for s, d, p in sent if s == rank and d == peer and p]
+            seen: set = set()
+            for i, payload in enumerate(payloads):
+                found, nearest = _match(payload, owed_here)
+                if found is not None:
+                    seen.add(found)
+                    continue
+                values = torch.frombuffer(bytearray(payload[: len(payload) // 4 * 4]), dtype=torch.float32)
+                scales = sorted({round(float(w.abs().max()), 6) for ws in owed_here.values() for w in ws})
+                raise AssertionError(
+                    f"{case}: message {i + 1} of {len(payloads)} from rank {rank} (stage {where['pp_rank']}) to rank "
+                    f"{peer} should hold the {what} of one of its DP shard's micro-batches, as the grader computed it "
+                    f"in one process along the single-process training (largest entry {scales[0]:.3g} to "
+                    f"{scales[-1]:.3g}; each value within rtol={STAGE_RTOL:g} plus {STAGE_ATOL:g} of the largest); "
+                    f"the grader's capture of the wire found {len(payload):,} bytes, "
+                    + (
+                        f"values in [{float(values.min()):.3g}, {float(values.max()):.3g}], off the nearest by "
+                        f"{nearest:.3g} of its largest entry"
+                        if nearest is not None
+                        else "the size of none of them"
+                    )
+                    + ". What a stage sends must be the data itself: values that arrive some other way (the launcher's "
+                    "store), with other bytes sent in their place, do not count"
+                )
+            missing = sorted(set(owed_here) - seen)
+            assert not missing, (
+                f"{case}: rank {rank} (stage {where['pp_rank']}) should send rank {peer} the {what} of each of its DP "
+                f"shard's micro-batches at each step; the grader's capture of the wire found none for (step, "
+                f"micro-batch) {', '.join(f'({s + 1}, {m})' for s, m in missing)}"
+            )
+
+
+def _match(payload: bytes, owed: dict) -> tuple[tuple | None, float | None]:
+    """The (step, micro-batch) of ``owed`` (-> its tensors, the alternatives) whose values ``payload`` holds,
+    within STAGE_RTOL of each plus STAGE_ATOL of the tensor's largest (else None), and, where none, the smallest
+    largest deviation from a tensor of its size, in units of that tensor's largest entry (None: no such size)."""
+    nearest = None
+    for key, wants in owed.items():
+        for want in wants:
+            if len(payload) != want.numel() * want.element_size():
+                continue
+            values = torch.frombuffer(bytearray(payload), dtype=want.dtype).double()
+            want = want.reshape(-1).double()
+            scale = float(want.abs().max()) or 1.0
+            off = (values - want).abs()
+            if bool((off <= STAGE_RTOL * want.abs() + STAGE_ATOL * scale).all()):
+                return key, None
+            worst = float(off.max()) / scale
+            nearest = worst if nearest is None else min(nearest, worst)
+    return None, nearest
 
 
 def _tp_partials(cfg: models.GPTConfig, batches: list, lr: float, dp: int, tp: int, pp: int, micro_batches: int):
