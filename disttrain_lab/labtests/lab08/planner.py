@@ -213,13 +213,13 @@ def _table_planner(graders, memory, model_fields, devices, ranks):
         exec(compile(memory, "<the grader's memory_per_device>", "exec"), defined)  # noqa: S102  (the grader's)
         pieces["memory_per_device"] = defined["memory_per_device"]
 
-    def step_time(model, cluster, plan):
+    def ranked(model, cluster, plan):  # (step_time's place: a plan's rank, no time)
         key = (plan.dp, plan.tp, plan.pp, plan.micro_batches, plan.zero)
         if dataclasses.asdict(model) != model_fields or cluster.devices != devices:
             raise ValueError("the grader's stand-in for step_time ranks only the plans of this graded case")
         return float(ranks.get(key, math.inf))  # (no such plan here: dp · tp · pp is not the devices)
 
-    pieces["step_time"] = step_time
+    pieces["step_time"] = ranked
     return {name: pieces[name] for name in graders}
 
 
