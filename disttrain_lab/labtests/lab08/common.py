@@ -125,14 +125,14 @@ def _graders_for(*exercises: str) -> list[str]:
     return [_PIECES[e] for e in exercises if PASSED.get(e) is False]
 
 
-def _with_graders(target: Callable, inputs: tuple, graders: Sequence[str], kind: str = "pieces"):
+def _with_graders(target: Callable, inputs: tuple, graders: Sequence[str], helper: str | None = None):
     """(target, inputs) for exercise.run: with ``graders``, the driver and the grader's pieces cross together,
-    as source, and the driver gets the names of the pieces to replace as its last argument.  ``kind``: which
-    of the grader's helpers defines them (``GRADERS["pieces"]``, or ``GRADERS["planner"]`` for the planner)."""
+    as source, and the driver gets the names of the pieces to replace as its last argument.  ``helper``: the
+    source that defines them (default: ``GRADERS["pieces"]``'s; the planner's is ``planner._stand_ins_source``)."""
     if not graders:
         return target, inputs
-    helper = GRADERS[kind]
-    source = "\n\n".join(textwrap.dedent(inspect.getsource(fn)) for fn in (helper, target))
+    helper = textwrap.dedent(inspect.getsource(GRADERS["pieces"])) if helper is None else helper
+    source = f"{helper}\n\n{textwrap.dedent(inspect.getsource(target))}"
     return {"name": target.__name__, "source": source}, (*inputs, list(graders))
 
 

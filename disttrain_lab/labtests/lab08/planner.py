@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ... import exercise
-from .common import GRADERS, MEASURED, PASSED, Spec, _fields, _notebook
+from .common import GRADERS, MEASURED, PASSED, Spec, _fields, _notebook, _with_graders
 
 _PLANNER_GRADERS: list[str] = []  # the planner's pieces plan_parallelism is graded on (choose_planner_graders)
 
@@ -139,11 +139,9 @@ def plans_for(model: Spec, cluster: Spec, sp: bool | None = None) -> list:
     """Your plan_parallelism(model, cluster) (with ``sp=sp`` when given), run in your kernel: (dp, tp, pp, m,
     zero, step_s, memory, your step_time of the plan) for each plan; on the grader's stand-ins
     (``_stand_ins_source``) for the pieces ``choose_planner_graders`` chose."""
-    target, inputs = _plans_of, (_fields(model), _fields(cluster), sp)
-    if _PLANNER_GRADERS and "planner" in GRADERS:
-        source = _stand_ins_source(model, cluster, _PLANNER_GRADERS)
-        target = {"name": _plans_of.__name__, "source": source + "\n\n" + textwrap.dedent(inspect.getsource(_plans_of))}
-        inputs = (*inputs, list(_PLANNER_GRADERS))
+    graders = _PLANNER_GRADERS if "planner" in GRADERS else []
+    helper = _stand_ins_source(model, cluster, graders) if graders else None
+    target, inputs = _with_graders(_plans_of, (_fields(model), _fields(cluster), sp), graders, helper)
     return exercise.run(target, 1, inputs, timeout=60).results[0]
 
 
