@@ -22,8 +22,8 @@ on are built with their answers.
   take the union of gloo's slices; a load of the model alone, without the loader or the step, a save
   of nothing, without Adam's moments, or of a .metadata that runs code, a load that computes the
   visible case's answer; a restart from the oldest checkpoint, reported as the newest or not, from a
-  save cut short, on a train step of its own, or not at all) fail the right graded cell with a message
-  that says why.
+  save cut short, on a train step of its own, saving only at the end, or not at all) fail the right graded
+  cell with a message that says why.
 
 The blank notebook failing every graded cell, and the autograde round trip, are in test_grading.py.
 """
@@ -489,18 +489,24 @@ def load_checkpoint(path, model, optimizer, generator):
         "resumed on 4 ranks (dp2xtp2)",
     ),
     (
-        "train_with_checkpoints",  # the first checkpoint, not the newest: right values, but 6 steps run again
+        "train_with_checkpoints",  # the first checkpoint, not the newest: 6 steps run again, and the newest (the
+        # grader's own, of another training, put in place of the one saved) never loaded
         _replaced("ex_train_with_checkpoints", 'f"step_{max(complete)}"', 'f"step_{min(complete)}"'),
-        ("bytes in the second attempt, as the operating system counted them", "resumed from step 8, it runs 4"),
+        "differs from one process trained without a break",
     ),
     (
-        "train_with_checkpoints",  # the same, reporting the newest: the wire counts the steps run again
+        "train_with_checkpoints",  # the same, reporting the newest
         _replaced(
             "ex_train_with_checkpoints",
             "    resumed = step\n",
             "    resumed = max(complete) if complete else 0\n",
         ).replace('f"step_{max(complete)}"', 'f"step_{min(complete)}"'),
-        ("bytes in the second attempt, as the operating system counted them", "resumed from step 8, it runs 4"),
+        "differs from one process trained without a break",
+    ),
+    (
+        "train_with_checkpoints",  # saves only at the end: the first attempt, killed, leaves no checkpoint
+        _replaced("ex_train_with_checkpoints", "        if step % every == 0:\n", "        if step == total:\n"),
+        "after the first attempt (from the grader's step_2), step_4 is missing",
     ),
     (
         "train_with_checkpoints",  # the newest folder, complete or not: the save cut short has no .metadata
@@ -519,7 +525,7 @@ def load_checkpoint(path, model, optimizer, generator):
     (
         "train_with_checkpoints",  # never resumed: each attempt starts from the model it was given
         _replaced("ex_train_with_checkpoints", "    if complete:\n", "    if False:\n"),
-        "differs from one process trained without a break",
+        "after the first attempt (from the grader's step_2), step_4: 'loader' is not",
     ),
     (
         "overlap",  # one minus exposed over gloo's time: the kit's calls outside gloo's time counted too
@@ -587,3 +593,85 @@ def test_a_checkpoint_written_by_one_rank_alone_fails(monkeypatch):
         lab12.check_save("fsdp", 2, seed=None)
     said = str(caught.value)
     assert "rank(s) 1 wrote no file holding a piece of the model" in said, said
+
+
+# A forged train_with_checkpoints that saves nothing (or saves, and never loads what it saved): on a restart it
+# replays, in one process and with no word on the wire, the steps from the oldest complete checkpoint (the grader's
+# own) to the one before the save cut short, then trains on with the step it was given, as the solution does
+_REPLAYS_FROM_THE_GRADERS_CHECKPOINT = """
+def train_with_checkpoints(folder, t, total, every, train_step=lab_tests.train_step):
+    from disttrain_lab.labtests.lab12 import checkpoint_files, mlp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    entries = sorted(int(e[5:]) for e in os.listdir(folder) if re.fullmatch(r"step_\\d+", e))
+    complete = [n for n in entries if os.path.exists(os.path.join(folder, f"step_{n}", ".metadata"))]
+    cut = [n for n in entries if n not in complete]
+    start, step = complete[0], complete[0]
+    if cut:  # the second attempt: the state before the save cut short, computed from the oldest checkpoint
+        step = cut[0] - every
+        where = os.path.join(folder, f"step_{start}")
+        got = checkpoint_files.read_checkpoint({f: open(os.path.join(where, f), "rb").read() for f in os.listdir(where)})
+        replay = mlp.reference(0, 0, mlp.WIDE)
+        with torch.no_grad():
+            for n, p in replay.model.named_parameters():
+                p.copy_(got[f"model.{n}"])
+                replay.optimizer.state[p] = {k: got[f"optim.state.{n}.{k}"].clone() for k in ("exp_avg", "exp_avg_sq", "step")}
+        replay.generator.set_state(got["loader"])
+        for _ in range(start, step):
+            mlp.train_step(replay)
+        replayed = os.path.join(folder, "replayed")
+        if dist.get_rank() == 0:
+            model_state, optim_state = get_state_dict(replay.model, replay.optimizer)
+            state = {"model": model_state, "optim": optim_state, "step": step, "loader": replay.generator.get_state()}
+            dcp.save(state, checkpoint_id=replayed, no_dist=True)
+        dist.barrier()
+        load_checkpoint(replayed, t.model, t.optimizer, t.generator)
+    else:
+        load_checkpoint(os.path.join(folder, f"step_{start}"), t.model, t.optimizer, t.generator)
+    resumed = step
+    while step < total:
+        train_step(t)
+        step += 1
+        if SAVES and step % every == 0:
+            save_checkpoint(os.path.join(folder, f"step_{step}"), t.model, t.optimizer, step, t.generator)
+    return resumed
+"""
+
+
+@pytest.mark.slow  # (four restarts of 2 ranks: about a minute)
+@pytest.mark.parametrize(
+    ("saves", "failure"),
+    [
+        (False, "after the first attempt (from the grader's step_2), step_4 is missing"),
+        (True, "differs from one process trained without a break"),
+    ],
+)
+def test_a_restart_that_replays_from_the_graders_checkpoint_earns_nothing(monkeypatch, saves, failure):
+    """#42: the first attempt's checkpoints are read by the grader, and the one the second attempt must resume from
+    is replaced by the grader's own of another training.  A train_with_checkpoints that replays the steps from the
+    grader's first checkpoint in one process (no word on the wire: the bytes the second attempt sent are the steps
+    since the newest complete checkpoint, as the solution's are), saving nothing or never loading what it saved,
+    passed before (shown with both put back as they were: no reading, a checkpoint of the same training); it fails
+    now, and the solution passes."""
+    from disttrain_lab import bench
+    from disttrain_lab.labtests.lab12 import restart
+    from tests.helpers import notebook_names, observed_from_outside
+
+    space = bench.functions_from_notebook(LAB, ["train_with_checkpoints", "save_checkpoint", "load_checkpoint"])
+    names = space["train_with_checkpoints"].__globals__
+    notebook_names(monkeypatch, names)
+    with observed_from_outside():
+        if saves:
+            lab12.check_restart(12, 4, 9, seed=None)
+        monkeypatch.setitem(names, "train_with_checkpoints", names["train_with_checkpoints"])  # (put back after)
+        exec(compile(_REPLAYS_FROM_THE_GRADERS_CHECKPOINT, "<forged train_with_checkpoints>", "exec"), names)
+        monkeypatch.setattr("__main__.train_with_checkpoints", names["train_with_checkpoints"])
+        monkeypatch.setitem(names, "SAVES", saves)
+        with pytest.raises(AssertionError) as caught:
+            lab12.check_restart(12, 4, 9, seed=None)
+        said = str(caught.value)
+        assert failure in said, said
+        with monkeypatch.context() as before:
+            before.setattr(restart, "_check_first_saves", lambda *args: None)
+            before.setattr(restart, "_other_training", lambda seed: seed)
+            lab12.check_restart(12, 4, 9, seed=None)

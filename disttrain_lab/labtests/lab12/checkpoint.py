@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from ... import exercise
 from . import checkpoint_files, mlp
 
-__all__ = ["CHECKPOINT", "TOLERANCE_RESHARD", "check_load", "check_save"]
+__all__ = ["CHECKPOINT", "TOLERANCE_RESHARD", "check_holds", "check_load", "check_save"]
 
 TOLERANCE_RESHARD = 1e-10
 CHECKPOINT = "memory://lab12/checkpoint"  # fsspec's in-memory file system: a graded rank writes no file
@@ -104,12 +104,18 @@ def check_save(layout: str, steps: int, seed: int | None = 0) -> None:
         f"{case}: save_checkpoint wrote nothing at {CHECKPOINT!r}: call "
         "torch.distributed.checkpoint.save(state, checkpoint_id=path) on every rank"
     )
+    _check_every_rank_saved(case, files, writers, len(run.results))
+    check_holds(case, files, mlp.reference(steps, seed), steps)
+
+
+def check_holds(case: str, files: dict[str, bytes], t: mlp.Training, steps: int) -> None:
+    """The checkpoint ``files`` (read here, nothing in them run: ``checkpoint_files.read_checkpoint``) holds, under
+    the names the exercise gives, every value of the training ``t`` after ``steps`` steps (within 1e-10)."""
     try:
         got = checkpoint_files.read_checkpoint(files)
     except checkpoint_files.CheckpointUnreadable as exc:
         raise AssertionError(f"{case}: the checkpoint's files {sorted(files)} cannot be read: {exc}") from None
-    _check_every_rank_saved(case, files, writers, len(run.results))
-    want = _expected(mlp.reference(steps, seed), steps)
+    want = _expected(t, steps)
     for key, w in want.items():
         assert key in got, (
             f"{case}: the checkpoint holds no {key!r} (it holds {sorted(got)[:8]}...): save "
