@@ -47,6 +47,7 @@ __all__ = [
     "all_reduce_sizes",
     "words_sent",
     "words_found",
+    "sums_found",
     "assert_gradients_all_reduced",
 ]
 
@@ -403,25 +404,57 @@ def words_found(pool: np.ndarray, want: np.ndarray, *, rtol: float, atol: float)
     return int((nearest <= rtol * np.abs(want) + atol).sum())
 
 
-def assert_gradients_all_reduced(run, rank: int, group: Sequence[int], local: Sequence, case: str, rtol: float) -> None:
+def sums_found(
+    pool: np.ndarray, own: np.ndarray, others: Sequence[np.ndarray], *, rtol: float, atol: float
+) -> np.ndarray:
+    """Which entries of ``own`` (a rank's input to a reduction, flat) the sorted ``pool`` (``words_sent``: what the
+    rank sent) holds as a partial sum that includes it: ``own[j]`` plus the entry ``j`` of any subset of ``others``
+    (the other ranks' inputs, in the same layout), as it is or divided by the number of ranks (an average), within
+    ``rtol`` of the sum of the terms' magnitudes plus ``atol``.  Every step of a ring, or of halving and doubling,
+    sends each entry of the sender's input once in a sum it has made so far, its own term among it (the all-gather
+    phase sends the totals); a rank that reduces some share of its input and passes the rest another way does not."""
+    n = len(others) + 1
+    found = np.zeros(own.shape, dtype=bool)
+    if pool.size == 0 or own.size == 0:
+        return found
+    terms = [o.astype(np.float64) for o in others]
+    for mask in range(1 << len(terms)):
+        total, size = own.astype(np.float64), np.abs(own.astype(np.float64))
+        for k, term in enumerate(terms):
+            if mask >> k & 1:
+                total, size = total + term, size + np.abs(term)
+        for scale in (1, n):
+            want = total / scale
+            at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
+            nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
+            found |= nearest <= rtol * size / scale + atol
+    return found
+
+
+def assert_gradients_all_reduced(
+    run, rank: int, group: Sequence[int], local: dict[int, Sequence], case: str, rtol: float
+) -> None:
     """Under grading (nothing in the student's own kernel): at each step, what ``rank`` sent the ranks of ``group``
-    in all-reduces holds its own gradients (``local[step]``, flat, computed by the grader in one process; as they
-    are or divided by the group's size), whatever the order or flattening: a ring's first step sends 1/N of each
-    call's input as it is, so at least half of that share of the nonzero entries (``words_found``, within
-    ``rtol``).  An average that arrives some other way (the launcher's store) with zeros of the right size in the
-    all-reduce fails."""
+    in all-reduces holds every nonzero entry of its own gradients in a partial sum of the group's (``sums_found``;
+    ``local[r][step]``, rank r's gradients flat, computed by the grader in one process, for each rank r of
+    ``group``), whatever the order, the flattening or the algorithm.  A share of the gradients all-reduced (the
+    share a ring's first step sends as it is: it once passed) and the rest averaged some other way (the launcher's
+    store), or zeros of the right size all-reduced, fail."""
     sent = sends(run, case)
     if sent is None:
         return
-    n = len(group)
     pool = words_sent([p for src, dst, slot, p in sent if src == rank and dst in group and kind(slot) == "all_reduce"])
-    for step, grads in enumerate(local):
-        want = grads[grads != 0]
-        found = max(words_found(pool, want / scale, rtol=rtol, atol=1e-7) for scale in (1, n))
-        least = want.size // (2 * n)
-        assert found >= least, (
-            f"{case}: at step {step + 1} rank {rank}'s all-reduces with ranks {tuple(group)} should carry its own "
-            f"gradients (the grader's training in one process: {want.size} nonzero entries; a ring sends 1/{n} of "
-            f"them as they are, at least {least} are looked for); the grader's capture of the wire found {found}. "
-            "The gradients must travel in the all-reduce itself"
+    for step, grads in enumerate(local[rank]):
+        grads = np.asarray(grads)
+        nonzero = grads != 0
+        others = [np.asarray(local[r][step])[nonzero] for r in group if r != rank]
+        found = sums_found(pool, grads[nonzero], others, rtol=rtol, atol=1e-7)
+        missing = np.flatnonzero(~found)
+        assert not missing.size, (
+            f"{case}: at step {step + 1} rank {rank}'s all-reduces with ranks {tuple(group)} should carry each of "
+            f"its own gradients' {found.size} nonzero entries (the grader's training in one process), as it is or in "
+            f"a sum with the other ranks' (every step of an all-reduce sends what the sender has summed so far); "
+            f"the grader's capture of the wire found {int(found.sum())}, not entry {int(missing[0])} "
+            f"({float(grads[nonzero][missing[0]]):.6g}) among {missing.size} missing. The gradients must travel in "
+            "the all-reduce itself"
         )

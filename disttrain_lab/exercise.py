@@ -174,7 +174,7 @@ def run(
     device: str | None = None,
     network: Network | None = None,
     timeline: bool = False,
-    content: bool = False,
+    content: bool | None = None,
     memory: bool = False,
     writable: str | None = None,
     gate: Sequence | None = None,
@@ -203,7 +203,8 @@ def run(
     files that outlive the run, for the next (lab 12's checkpoints, across a rank the grader kills).
     ``gate``: one float32 tensor per rank; under grading the grader holds a gate in the ranks' backward
     (``gate.py``: the driver places it) and answers rank r with ``gate[r]``, after it has seen what crossed
-    the wire by then (``run.gate``, with ``content``); one None per rank: the grader answers zeros once every
+    the wire by then (``run.gate``, with ``content`` unless it is False: a test that reads only when the gate's
+    answers left, not what crossed, keeps no payloads); one None per rank: the grader answers zeros once every
     rank is held, or after a while those that are (``run.gate.held``), and a driver that holds nothing only
     marks its steps (``run.gate.marks``); a list of such lists: one per hold, in the order the ranks are
     held (``grading/gatekeeper.py``); in the student's own kernel there is no gate.
@@ -228,8 +229,8 @@ def run(
         timeout=float(timeout),
         device=device,
         network=dataclasses.asdict(network) if network is not None else None,
-        timeline=timeline or content or gate is not None,
-        content=content or gate is not None,
+        timeline=bool(timeline or content or gate is not None),
+        content=bool(content) if content is not None else gate is not None,
         memory=memory,
         writable=writable,
     )

@@ -204,3 +204,45 @@ def test_assert_sums_carried_holds_each_message_to_its_partial_sum(dtype):
     not_gloo = _captured({(0, 1): [b"\0" * 100]})
     with pytest.raises(AssertionError, match="from rank 0 to rank 1 are not gloo's messages"):
         carried.assert_sums_carried(not_gloo, flats, want, "ring")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sums_found_needs_every_entry_in_a_partial_sum_that_includes_the_senders(n):
+    """A ring all-reduce's messages from rank 0 (its own chunk, then partial sums, then totals) hold every entry of
+    its input in a sum that includes it; its own chunk alone, with zeros elsewhere (the share the old threshold, half
+    of 1/N as it is, let pass), or a dense junk of other values, does not."""
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    inputs = [rng.standard_normal(12 * n).astype(np.float32) for _ in range(n)]
+    chunks = [np.array_split(x, n) for x in inputs]
+
+    def ring_sends(data):  # what rank 0 sends in gloo's ring: reduce-scatter steps, then the all-gather's totals
+        parts = [np.array_split(x, n) for x in data]
+        held = [list(p) for p in parts]  # held[r][c]: rank r's running sum of chunk c
+        sent = []
+        for step in range(n - 1):
+            outgoing = [(r, (r - step) % n, held[r][(r - step) % n].copy()) for r in range(n)]
+            for r, c, values in outgoing:
+                held[(r + 1) % n][c] = held[(r + 1) % n][c] + values
+                if r == 0:
+                    sent.append(values)
+        totals = [sum(p[c] for p in parts) for c in range(n)]
+        return sent + [totals[c] for c in range(n) if c != 1 % n] + [totals[1 % n]]
+
+    others = inputs[1:]
+    honest = carried.words_sent([v.astype(np.float32).tobytes() for v in ring_sends(inputs)])
+    assert carried.sums_found(honest, inputs[0], others, rtol=1e-4, atol=1e-7).all()
+    averaged = carried.words_sent([(v / n).astype(np.float32).tobytes() for v in ring_sends(inputs)])
+    assert carried.sums_found(averaged, inputs[0], others, rtol=1e-4, atol=1e-7).all()
+    share = [np.zeros_like(x) for x in inputs]
+    for r in range(n):
+        np.array_split(share[r], n)[r][:] = chunks[r][r]
+    shared = carried.words_sent([v.astype(np.float32).tobytes() for v in ring_sends(share)])
+    found = carried.sums_found(shared, inputs[0], others, rtol=1e-4, atol=1e-7)
+    assert not found.all()
+    mine = np.abs(inputs[0][inputs[0] != 0])
+    old = max(carried.words_found(shared, inputs[0] / k, rtol=1e-4, atol=1e-7) for k in (1, n))
+    assert old >= mine.size // (2 * n)  # (the threshold as it was: passed)
+    junk = carried.words_sent([rng.standard_normal(24 * n).astype(np.float32).tobytes()])
+    assert not carried.sums_found(junk, inputs[0], others, rtol=1e-4, atol=1e-7).all()

@@ -513,6 +513,53 @@ def test_memory_is_graded_on_the_os_count(case):
     assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
 
 
+# A ZeRO-1 that shards nothing (its all-reduce moves ZeRO-1's bytes on the wire) and keeps Adam's state in bfloat16
+# between steps, its gradients freed after step(): 8.47 bytes per parameter at the pause, within ZeRO-1's 11.5 (and
+# ZeRO-2's 8.5), and its parameters' sums and sums of squares within their tolerance (at most 0.58 of the sum's,
+# 5.4e-5 relative of 1e-4): it passed check_held until the values were also compared element by element (held.py's
+# DRIFT: a median of 3e-7 over 2,048 sampled elements of each parameter; the solution's worst 3e-8, this one's
+# 2.9e-6, on 4.weight).
+LOSSY_STATE = """
+class Zero1Optimizer(DataParallelOptimizer):   # no sharding: Adam's state in bfloat16 between steps, no gradients kept
+    def step(self, closure=None):
+        for state in self.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].float()
+        super().step()
+        for p in self.params:
+            p.grad = None
+        for state in self.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = state[key].bfloat16()
+"""
+ON_THE_SUMS_ALONE = """
+import disttrain_lab.labtests.lab04.held as _held
+_drift, _held.DRIFT = _held.DRIFT, float("inf")   # the values check as it was: each parameter's sums alone
+try:
+    lab_tests.check_held(1)
+finally:
+    _held.DRIFT = _drift
+print("passed on the sums alone")
+"""
+
+
+@pytest.mark.slow
+def test_lossy_optimizer_state_fails_on_the_values():
+    """The OS's count cannot tell Adam's state kept lossy from a shard of it: the sampled elements' values can."""
+    lab = load(LAB)
+    given = next(c for c in lab.cells if "class DataParallelOptimizer" in c.source)
+    cells = [lab.cells[0], given, cell_by_id(lab, "ex_zero1"), nbformat.v4.new_code_cell(LOSSY_STATE)]
+    cells += [cell_by_id(lab, "test_helpers"), nbformat.v4.new_code_cell(ON_THE_SUMS_ALONE)]
+    cells += [nbformat.v4.new_code_cell("lab_tests.check_held(1)")]
+    nb, _ = execute(nbformat.v4.new_notebook(cells=[copy.deepcopy(c) for c in cells]), autograding=True)
+    assert all(not errors(c) for c in nb.cells[:-1]), [errors(c) for c in nb.cells]
+    assert "passed on the sums alone" in text(nb.cells[-2]), text(nb.cells[-2])
+    failure = "\n".join(errors(nb.cells[-1]))
+    assert "differs from Adam in one process by a median of" in failure and "the test allows 3e-07" in failure, failure
+    assert "not in bfloat16" in failure, failure
+
+
 _EXTRA_REDUCE_SCATTER = """
 class Zero1Optimizer(Zero1Optimizer):  # right values; a copy of every gradient reduce-scattered as well
     def step(self, closure=None):
@@ -649,3 +696,64 @@ def test_communication_volume_is_graded_from_the_grader_capture_not_the_ranks_tr
     monkeypatch.setattr(__main__, "Zero2Optimizer", wrong["Zero2Optimizer"])
     with pytest.raises(AssertionError, match=r"called \['reduce_scatter_single'\].*the grader's capture of the wire"):
         lab04.check_zero2(2, [5, 7, 3], opt="sgd")  # the self-check says what the grader's wire will
+
+
+def _holds_then_trains(first):
+    """Driver: the grader's gate held (a mark, a few bytes, the hold) before (``first``) or after 1 MiB all-reduced
+    between the ranks, as lab 4's memory case holds it after its training."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain_lab import gate
+
+    def hold():
+        door = gate.connect(dist.get_rank())
+        door.start()
+        dist.all_reduce(torch.zeros(4))
+        told = float(door.wait(torch.Size([1]))[0])
+        door.close()
+        return told
+
+    told = hold() if first else None
+    dist.all_reduce(torch.ones(1 << 18))
+    return told if first else hold()
+
+
+@pytest.mark.slow  # (ranks and a packet capture: a few seconds)
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="a packet capture needs root (CAP_NET_RAW)")
+def test_the_compared_elements_are_told_only_after_the_training(monkeypatch):
+    """#42: which elements of the parameters check_held compares (held.SEED) reaches the ranks under grading only at
+    the grader's gate, once the training is over: the run's inputs do not hold it, and a rank that holds at the gate
+    before its training (to learn it, and keep those elements alone exact) fails on the capture's clock."""
+    import torch
+
+    from disttrain_lab import exercise
+    from disttrain_lab.labtests import common
+    from disttrain_lab.labtests.lab04 import held
+    from tests.helpers import observed_from_outside
+
+    asked = {}
+
+    def run_or_fail(driver, n, inputs, case, hint, **options):
+        asked.update(inputs=inputs, **options)
+        raise RuntimeError("asked")
+
+    monkeypatch.setattr(exercise, "graded", lambda: True)
+    monkeypatch.setattr(common, "run_or_fail", run_or_fail)
+    with pytest.raises(RuntimeError, match="asked"):
+        held.check_held(1)
+    assert str(held.SEED) not in repr(asked["inputs"]) and asked["inputs"][2] == "paused", asked["inputs"]
+    assert [float(t) for t in asked["gate"][0]] == [float(held.SEED)] * 4 and asked["content"] is False
+    monkeypatch.undo()
+    told = torch.tensor([12345.0])
+    with observed_from_outside():
+        for first in (False, True):
+            run = exercise.run(_holds_then_trains, 2, (first,), timeout=60, gate=[[told] * 2])
+            assert list(run.results) == [12345.0] * 2, run.results
+            if first:
+                with pytest.raises(AssertionError) as caught:
+                    held._check_told_after_training(run, "held at the gate first")
+                said = str(caught.value)
+                assert "rank 0 sent rank 1" in said and "bytes after the grader told the ranks" in said, said
+            else:
+                held._check_told_after_training(run, "held at the gate last")

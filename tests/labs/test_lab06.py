@@ -523,7 +523,7 @@ def test_train_2d_averaging_through_the_store_fails_on_the_wires_content(monkeyp
             lab06.check_2d(driver, 4, 2)
     lab06.check_2d(driver, 4, 2)  # (the student's own kernel: values, the trace's calls and bytes)
     said = str(relayed.value)
-    assert "all-reduces with ranks (0, 2) should carry its own gradients" in said, said
+    assert "all-reduces with ranks (0, 2) should carry each of its own gradients" in said, said
     assert "must travel in the all-reduce itself" in said, said
 
 

@@ -958,7 +958,7 @@ def test_train_3d_averaging_through_the_store_fails_on_the_wires_content(monkeyp
             check()
     check()  # (the student's own kernel: values, the trace's calls and bytes)
     said = str(relayed.value)
-    assert "all-reduces with ranks (0, 1) should carry its own gradients" in said, said
+    assert "all-reduces with ranks (0, 1) should carry each of its own gradients" in said, said
 
 
 @pytest.mark.slow  # (ranks and a packet capture: a few seconds)

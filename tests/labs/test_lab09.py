@@ -686,3 +686,21 @@ def test_offload_is_graded_on_what_the_grader_reads_of_the_link(monkeypatch):
         finally:
             space["OffloadAdam"] = kept
             notebook_names(monkeypatch, space)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [("linear", (8, 2)), ("linear", (1, 1)), ("mlp", (7, 13, 5)), ("block", (9, 3, 24, 3)), ("block", (16, 2, 32, 4))],
+)
+def test_the_saved_bytes_reference_is_read_from_the_graph_not_from_the_kit(monkeypatch, case):
+    """saved_bytes' reference comes from torch's graph itself (each node's ``_saved_*`` tensors), not from the kit's
+    ``SavedActivations`` (the hooks the exercise asks for, shipped to every student): the two agree on every graded
+    case, and the reference holds with the kit's class gone."""
+    from disttrain_lab import memory
+    from disttrain_lab.labtests.lab09 import checks as lab09_checks
+
+    module, inputs = lab09_checks.module_and_inputs(case)
+    with memory.SavedActivations(module) as kit:
+        module(*inputs)
+    monkeypatch.delattr(memory, "SavedActivations")
+    assert lab09_checks.saved_by_the_graph(*lab09_checks.module_and_inputs(case)) == kit.total > 0

@@ -57,7 +57,8 @@ def _step(
     layers whose forward, and whose backward, post a prefetch, the others none; ``early``: each prefetched gather
     waited for as soon as it is posted, before the layer runs; ``hoard``: a copy of each layer's whole parameters
     kept after its forward, the storage freed and gathered again as asked; ``relay``: zeros reduce-scattered, each
-    layer's gradient averaged through the launcher's store instead)."""
+    layer's gradient averaged through the launcher's store instead; ``"share"``: the rank's own chunk of its gradient
+    reduce-scattered, zeros elsewhere)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -121,7 +122,10 @@ def _step(
             from tests.helpers import through_the_store
 
             part = (sum(through_the_store(sent, f"layer {i}")) / n).chunk(n)[dist.get_rank()].clone()
-            sent = torch.zeros_like(sent)
+            share = torch.zeros_like(sent)
+            if relay == "share":  # its own chunk as it is (the others send zeros there: it crosses as it is)
+                share.chunk(n)[dist.get_rank()].copy_(sent.chunk(n)[dist.get_rank()])
+            sent = share
         reductions.append(
             (
                 dist.reduce_scatter_single(
@@ -186,6 +190,12 @@ def sums(shards, layer, x, y, prefetch=True):
 def relays(shards, layer, x, y, prefetch=True):
     """FSDP2's schedule, zeros reduce-scattered, the gradients averaged through the launcher's store instead."""
     return _step(shards, layer, x, y, prefetch, relay=True)
+
+
+def relays_a_share(shards, layer, x, y, prefetch=True):
+    """FSDP2's schedule, each rank's own chunk of its gradient reduce-scattered (zeros elsewhere), the gradients
+    averaged through the launcher's store."""
+    return _step(shards, layer, x, y, prefetch, relay="share")
 
 
 def _use(monkeypatch, fn) -> None:
@@ -464,3 +474,39 @@ def test_gradients_averaged_through_the_store_fail_on_what_the_reduce_scatters_c
         said
     )
     assert "the grader's capture of the wire found 0 in what it sent besides its all-gathers" in said, said
+
+
+def _half_a_share_found(case, run, local):
+    """The check as it was before: at least half of the 1/N share of each rank's own nonzero gradient entries, as
+    they are or divided by N, among what it sent besides its all-gathers."""
+    import numpy as np
+
+    from disttrain_lab import carried
+
+    sent, n = carried.sends(run, case), run.world_size
+    for rank in range(n):
+        skipped = ("all_gather", "barrier", "send/recv")
+        pool = carried.words_sent([p for src, _, slot, p in sent if src == rank and carried.kind(slot) not in skipped])
+        for flat in local[rank]:
+            want = flat.detach().numpy()
+            want = want[want != 0]
+            atol = 1e-6 * float(np.abs(want).max())
+            found = max(carried.words_found(pool, want / k, rtol=1e-4, atol=atol / k) for k in (1, n))
+            assert found >= want.size // (2 * n)
+
+
+@pytest.mark.slow
+@needs_capture
+def test_a_share_of_the_gradients_reduce_scattered_and_the_rest_through_the_store_fails(monkeypatch):
+    """#42: every entry of each rank's gradient must cross in its reduce-scatter, as it is or in a partial sum.  A step
+    that reduce-scatters its own chunk of each gradient as it is (zeros elsewhere) and averages the gradients through
+    the launcher's store passed the check as it was (half of the 1/N share a ring sends as it is) and fails now."""
+    _use(monkeypatch, relays_a_share)
+    with observed_from_outside():
+        with monkeypatch.context() as before:
+            before.setattr(prefetch, "_check_reduce_scattered", _half_a_share_found)
+            prefetch.check_sharded_step("sharded_step", 3)
+        with pytest.raises(AssertionError) as caught:
+            prefetch.check_sharded_step("sharded_step", 3)
+    said = str(caught.value)
+    assert "rank 0's reduce-scatter of layer 0's gradient should carry each of its own gradient's" in said, said

@@ -23,7 +23,13 @@ at most its stage's total + ``SLACK`` (1.5) bytes per parameter; the stage befor
 The bytes each rank had sent by the pause, from the wire, must be at least two steps' collectives and
 62 % of the run's, and the run's at most 1.6 times three steps' (``_check_pause_placed``): a pause made
 before the training, after bytes sent to look like it, does not pass for one between steps 2 and 3.
-The parameters after the last step must be those of the same optimizer in one process.
+The parameters after the last step must be those of the same optimizer in one process: each one's sum and sum
+of squares, and its values at 2,048 of its elements drawn at random (by a seed the grader draws per kernel and
+tells the ranks at its gate only once the training is over, after every byte of it crossed, from the capture:
+``_check_told_after_training``; in the student's own kernel, with no gate, in the run's inputs)
+within a median of 3e-7 (``_check_training``): summing the gradients in another order moves the solution's by a
+median of 3e-8 at most, Adam's state kept in bfloat16 between steps (8.47 bytes per parameter at the pause, with
+no sharding at all) by 2.6e-6 or more, though its sums pass.
 
 ZeRO-3 is read again just before each layer's forward in the last step (the driver's forward pre-hooks,
 after the student's gather), then just before each layer's backward (hooks the driver puts on the layers'
@@ -48,12 +54,17 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
+import statistics
 from collections.abc import Callable
 
-from ... import osmemory
+import torch
+
+from ... import exercise, osmemory
 from ...exercise import ExerciseRun
+from ...wire import Unobserved
 from .. import common
-from .ranks import _train_in_rank
+from .ranks import _train_in_rank, sampled
 from .zero import _single_process, zero3_driver
 
 __all__ = ["check_held", "per_parameter"]
@@ -65,6 +76,10 @@ BATCH = 12
 SLACK = 1.5  # bytes per parameter above the stage's total
 BY_PAUSE, AT_MOST = 0.62, 1.6  # where the pause falls in the run's bytes, and the run's bytes (_check_pause_placed)
 LAYERS_WHOLE = 2  # ZeRO-3: layers in full at a pause before a layer's forward or backward, above one between steps
+DRIFT = 3e-7  # the median |difference| from one process's parameters allowed over each parameter's sampled elements
+# which elements are sampled (ranks.sampled): drawn once per kernel, by the grader; under grading a rank is told it
+# only once its training is over, at the grader's gate (a float32: below 2^24), so it cannot keep those alone exact
+SEED = secrets.randbits(24)
 NAMES = {1: "Zero1Optimizer", 2: "Zero2Optimizer", 3: "Zero3Module"}
 
 
@@ -93,10 +108,21 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
         f"(Ψ = {psi / 1e6:.1f} M parameters), Adam, {STEPS} steps"
     )
     hint = "do all ranks make the same collective calls, in the same order, with equal-size shards?"
+    graded = exercise.graded()  # (the seed at the grader's gate after the training; in the student's kernel, given)
     run = common.run_or_fail(
-        driver, n, (name, stage, "paused", SIZES, STEPS, BATCH, "adam"), case, hint, timeout=180, memory=True
+        driver,
+        n,
+        (name, stage, "paused" if graded else f"paused {SEED}", SIZES, STEPS, BATCH, "adam"),
+        case,
+        hint,
+        timeout=180,
+        memory=True,
+        gate=[[torch.tensor([float(SEED)])] * n] if graded else None,
+        content=False,  # (when the gate's answer left, from the capture; not what crossed)
     )
-    _check_training(run, _reference(), stage, case)
+    if graded:
+        _check_told_after_training(run, case)
+    _check_training(run, _reference(SEED), stage, case)
     parts = per_parameter(stage, n)
     total = sum(parts.values())
     limit = (total + SLACK) * psi
@@ -123,6 +149,28 @@ def check_held(stage: int, driver: Callable | None = None) -> ExerciseRun:
             f"parameter at the pause, as the OS counts it (at most {total + SLACK:g})"
         )
     return run
+
+
+def _check_told_after_training(run: ExerciseRun, case: str) -> None:
+    """Under grading: the seed of the elements compared (``SEED``) was told at the grader's gate (its one hold) once
+    every byte of the training between the ranks had crossed, from the grader's capture: a rank that asked for it
+    sooner (holding at the gate before its training) could have kept those elements alone exact."""
+    seen, n = run.gate, run.world_size
+    cut = seen.cuts[0] if seen.source == "wire" and seen.cuts else None
+    if cut is None:
+        why = seen.why or "no answer seen"
+        raise Unobserved(
+            f"{case}: the grader could not see when it told the ranks which elements it compares ({why}), so the "
+            "values cannot be graded"
+        )
+    for src in range(n):
+        for dst in range(n):
+            after = run.timeline.bytes(src, dst) - run.timeline.crossed(src, dst, cut) if src != dst else 0
+            assert after == 0, (
+                f"{case}: rank {src} sent rank {dst} {after:,} bytes after the grader told the ranks, at its gate, "
+                "which elements of the parameters it compares; the test's driver asks only once the last step is "
+                "over, so no training may come after (did the ranks hold at the grader's gate before?)"
+            )
 
 
 def _check_each_layer(run: ExerciseRun, case: str, psi: int) -> None:
@@ -205,35 +253,75 @@ def _what_is_kept_whole(stage: int, got: float) -> str:
 
 
 @functools.cache
-def _reference() -> tuple[tuple[str, float, float, float, int], ...]:
+def _reference(seed: int) -> tuple[tuple[str, float, float, float, int, tuple[float, ...]], ...]:
     """Adam in one process on the same model and data, the same for every stage (computed once per kernel,
-    after the first run): each parameter's name, sum, sum of magnitudes, sum of squares (float64) and size.
-    Its memory is returned to the OS: in the student's own kernel, what it freed would show in the next
-    fresh ranks' count (``osmemory.py``)."""
+    after the first run): each parameter's name, sum, sum of magnitudes, sum of squares (float64), size and
+    values at the elements ``sampled`` from ``seed``.  Its memory is returned to the OS: in the student's own
+    kernel, what it freed would show in the next fresh ranks' count (``osmemory.py``)."""
     with osmemory.returning():
         model = _single_process("mlp", SIZES, BATCH, STEPS, "adam")
         sums = []
-        for name, p in model.named_parameters():
+        for i, (name, p) in enumerate(model.named_parameters()):
             w = p.detach().double()
-            sums.append((name, float(w.sum()), float(w.abs().sum()), float(w.square().sum()), w.numel()))
+            at = tuple(w.reshape(-1)[sampled(w.numel(), seed + i)].tolist())
+            sums.append((name, float(w.sum()), float(w.abs().sum()), float(w.square().sum()), w.numel(), at))
         del model, p, w
     return tuple(sums)
 
 
 def _check_training(run: ExerciseRun, reference, stage: int, case: str) -> None:
-    """Each parameter's sum and sum of squares after the last step against the one process's (stage 3: the
-    ranks' shards added up), within what float32's rounding over its elements allows."""
+    """Each parameter after the last step against the one process's (stage 3: the ranks' shards put together):
+    its sum and sum of squares within what float32's rounding over its elements allows, and its values at the
+    sampled elements (``ranks.sampled``, 2,048 a parameter) within a median of ``DRIFT`` (3e-7).
+
+    Why the median of the elements: 3 steps of Adam (lr 0.01, eps 1e-8) on this 8-layer MLP amplify rounding.
+    Summing each rank's gradient of its slice of the batch is not summing the batch's in one process; the
+    difference, a float32 rounding, reaches the parameters through Adam's m / (√v + ε) (its step 1 is ±lr
+    where |g| ≫ ε), changes the next forward and grows: after step 3, with the solution (ZeRO-1, -2 and -3 give
+    the same bits), each weight matrix's elements differ from the one process's by a median of 2e-9 to 7.5e-9
+    (the last bias's 3e-8), but a tenth of them by over 2e-8 to 7e-7 and thousands by over 1e-3 (up to 0.029):
+    each sum by up to 1.3, a quarter of its tolerance, each sum of squares by up to 1.7e-5 relative (a sixth).
+    A rank that shards nothing and keeps Adam's state in bfloat16 between steps (8 significant bits), its
+    gradients freed, holds 8.47 bytes per parameter at the pause, within ZeRO-1's 11.5 and ZeRO-2's 8.5, and
+    its sums pass (at most 0.58 of the tolerance, sums of squares 5.4e-5 relative); its state's rounding, about
+    2⁻⁹ of each moment, moves every element of the later layers by a median of 1e-5 in the worst of them (5e-6
+    with exp_avg_sq alone in bfloat16; 5e-6, or 2.6e-6 for exp_avg_sq alone, when it is rounded only at the
+    pause, by a rank that knows when the pause comes).  ``DRIFT``: 10 times the honest worst (3e-8), 9 times
+    below that gentlest forgery's worst parameter (2.6e-6).  Out of its reach: state kept to 15 of float32's
+    23 mantissa bits (3 bytes a moment: 4 + 3 + 3 bytes per parameter, ZeRO-1's 10) drifts by a median of
+    5e-8 at most, as much as the rounding (and a rank that recomputes the whole training after the pause
+    holds nothing lossy at all)."""
+    n = run.world_size
     if stage == 3:
         added = [
             tuple(map(sum, zip(*(out["sums"][i] for out in run.results)))) for i in range(len(run.results[0]["sums"]))
         ]
-        holders = {"the ranks' shards'": added}
+        joined = [[v for out in run.results for v in out["samples"][i]] for i in range(len(reference))]
+        holders = {"the ranks' shards'": (added, joined)}
     else:
-        holders = {f"rank {rank}'s": out["sums"] for rank, out in enumerate(run.results)}
-    for whose, sums in holders.items():
-        for (pname, want, magnitude, want_squares, numel), (total, squares) in zip(reference, sums):
+        holders = {f"rank {rank}'s": (out["sums"], out["samples"]) for rank, out in enumerate(run.results)}
+    for whose, (sums, samples) in holders.items():
+        assert len(sums) == len(samples) == len(reference), (
+            f"{case}: {whose} parameters after {STEPS} steps: {len(sums)} returned, the model has {len(reference)}"
+        )
+        for (pname, want, magnitude, want_squares, numel, want_at), (total, squares), at in zip(
+            reference, sums, samples
+        ):
             close = math.isclose(total, want, abs_tol=1e-5 * magnitude + 1e-6 * numel)
             assert close and math.isclose(squares, want_squares, rel_tol=1e-4), (
                 f"{case}: {whose} {pname} after {STEPS} steps: sum {total:.6g}, sum of squares {squares:.6g}; Adam "
                 f"in one process gives {want:.6g} and {want_squares:.6g}"
+            )
+            shards = f" (is each rank's shard ceil({numel} / {n}) elements, in rank order?)" if stage == 3 else ""
+            assert len(at) == len(want_at), (
+                f"{case}: {whose} {pname} after {STEPS} steps: {len(at)} of the {len(want_at)} sampled elements "
+                f"returned{shards}"
+            )
+            drift = statistics.median(abs(a - b) for a, b in zip(at, want_at))
+            assert drift <= DRIFT, (
+                f"{case}: {whose} {pname} after {STEPS} steps differs from Adam in one process by a median of "
+                f"{drift:.2g} over {len(at):,} of its elements (drawn at random; largest "
+                f"{max(abs(a - b) for a, b in zip(at, want_at)):.2g}); summing the gradients in another order moves "
+                f"the solution's by a median of at most 3e-8, and the test allows {DRIFT:g}.  Is the optimizer's "
+                "state kept whole in float32 from one step to the next (not in bfloat16, nor with bits dropped)?"
             )

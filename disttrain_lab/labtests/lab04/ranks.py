@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ... import devices, memory, models, osmemory
+from ... import devices, gate, memory, models, osmemory
 from .common import OPTIMIZERS, PAUSE_S, batches
 
 
@@ -65,10 +65,12 @@ def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: i
     and train the model with optimizer ``opt`` for ``steps`` steps, each rank on its slice of the batch.  Returns
     data only: what the rank holds after the last backward, (stage 3) each layer's parameter bytes at every
     layer's forward and backward, and the model's parameters as the rank holds them after the last step (for
-    stage 3, its shards: the test puts them together).  ``kind="paused"``: an MLP of ``sizes`` trained with
-    a pause before the last step, where the grader reads the rank's memory from the OS (``held.py``)."""
-    if kind == "paused":
-        return _train_paused(cls, stage, sizes, steps, batch, opt)
+    stage 3, its shards: the test puts them together).  ``kind="paused"``: an MLP of ``sizes`` trained with a
+    pause before the last step, where the grader reads the rank's memory from the OS (``held.py``); the seed of
+    the elements it compares told at the grader's gate once the training is over (in the student's own kernel,
+    no gate: given, ``"paused <seed>"``)."""
+    if kind.startswith("paused"):  # ("paused <seed>": the grader's seed for the elements it compares)
+        return _train_paused(cls, stage, sizes, steps, batch, opt, int(kind.split()[1]) if " " in kind else 0)
     rank, n = dist.get_rank(), dist.get_world_size()
     model = _model(kind, sizes).to(devices.device())
     full_bytes = {
@@ -94,7 +96,7 @@ def train(cls, stage: int, kind: str, sizes: Sequence[int], steps: int, batch: i
     }
 
 
-def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int, opt: str) -> dict:
+def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int, opt: str, seed: int = 0) -> dict:
     """``train`` for the memory case: nothing of the kit's in the rank but the model and the pauses
     (``osmemory.pause``, a ``time.sleep`` the grader ends once it has read the ranks): before the last step,
     between two steps, where what a rank keeps from one step to the next is all it holds; and, for stage 3,
@@ -102,9 +104,12 @@ def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int,
     their layer gathered, the others not), then just before each layer's backward (a hook on the layer's
     output, put there by a forward hook registered after the student's: autograd runs it when the gradient
     reaches that output, after the student's own hooks on it).  Returns each parameter's sum and sum of
-    squares (float64), as this rank holds it after the last step (stage 3: its shard)."""
+    squares (float64), and its values at the elements ``sampled`` from the grader's seed (under grading told at its
+    gate after the last step, so that no rank can keep those elements alone exact; else ``seed``), as this rank
+    holds it after the last step (stage 3: its shard, and of the sampled elements those in it)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     model = models.MLP(list(sizes), seed=0).to(devices.device())
+    numels = [p.numel() for p in model.parameters()]
     forward, optimizer = _build(cls, stage, model, opt)
     layers = list(memory.layers_with_parameters(model).values()) if stage == 3 else []
     hooks: list = []
@@ -120,11 +125,37 @@ def _train_paused(cls, stage: int, sizes: Sequence[int], steps: int, batch: int,
             hook.remove()
         F.mse_loss(out, y).backward()
         optimizer.step()
+    door = gate.connect(rank)  # (under grading: the grader tells the seed only now, the training over)
+    if door is not None:
+        door.start()  # (a mark; then a few bytes, the least the grader waits for before it answers a hold)
+        dist.all_reduce(torch.zeros(4))
+        seed = int(door.wait(torch.Size([1]))[0])
+        door.close()
+    samples = []
+    for i, (p, numel) in enumerate(zip(model.parameters(), numels)):
+        flat, at = p.detach().reshape(-1).cpu(), sampled(numel, seed + i)
+        if stage == 3:  # this rank's shard: elements [rank·c, (rank + 1)·c) of the padded parameter
+            lo = rank * flat.numel()
+            at = at[(at >= lo) & (at < lo + flat.numel())] - lo
+        samples.append(flat[at].double().tolist())
     return {
         "sums": [
             (float(p.detach().double().sum()), float(p.detach().double().square().sum())) for p in model.parameters()
-        ]
+        ],
+        "samples": samples,
     }
+
+
+SAMPLED = 2048  # elements of each parameter whose values the memory case returns (held.py)
+
+
+def sampled(numel: int, seed: int, k: int = SAMPLED) -> torch.Tensor:
+    """The elements (indices into the flattened parameter, sorted) whose values the memory case compares with one
+    process's: all of a parameter of at most ``k``, else ``k`` drawn at random from ``seed`` (public: the
+    grader draws the same)."""
+    if numel <= k:
+        return torch.arange(numel)
+    return torch.randint(numel, (k,), generator=torch.Generator().manual_seed(seed)).sort().values
 
 
 def _pause_before_layer(module: nn.Module, args) -> None:

@@ -415,7 +415,8 @@ def check_2d(driver: Callable, n: int, tp_size: int, sizes: tuple = (6, 16, 4), 
                 f"are {held} B a step (each of its parameters' gradients once per step)"
             )
             if wire:
-                carried.assert_gradients_all_reduced(run, rank, dp, local[rank % tp_size][rank // tp_size], case, 1e-4)
+                of = {r: local[r % tp_size][r // tp_size] for r in dp}
+                carried.assert_gradients_all_reduced(run, rank, dp, of, case, 1e-4)
     if wire and tp_size > 1:
         _tp_outputs_on_the_wire(run, _tp_outputs_2d(sizes, batch, steps, tp_size, dp_size), tp_size, steps, case)
     dense = models.MLP(list(sizes), seed=11)

@@ -1,7 +1,8 @@
 """Lab 9's graded tests (memory): each check runs the student's code on one rank in a *driver* (a
 function below whose source ``exercise.run`` sends to the student's kernel, where it is defined among
-the notebook's names), and compares what came back with references computed here: the kit's count of
-what autograd saved (``dl.memory.SavedActivations``), torch's own ``GradScaler`` and
+the notebook's names), and compares what came back with references computed here: what autograd saved, read
+from the graph's own nodes (``saved_by_the_graph``, not the kit's ``dl.memory.SavedActivations``), torch's own
+``GradScaler`` and
 ``torch.utils.checkpoint``, Adam on fp32 master weights where the model is, and the lab's α–β model of
 overlapping.  What a test measures, and how, is the lab's given code (its locked cells: ``gpt_step``,
 ``train_with_scaler``, ``mixed_precision_run``, ``offload_run``, ``offload_turns`` ...): a driver calls
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.utils.checkpoint
 
-from ... import checks, exercise, memory, models
+from ... import checks, exercise, models
 from .. import common
 from . import offload
 from .kept import kept_by
@@ -33,6 +34,7 @@ __all__ = [
     "check_offload",
     "check_recompute",
     "check_saved_bytes",
+    "saved_by_the_graph",
     "check_saving",
     "check_scaler_pattern",
     "pattern_scales",
@@ -80,6 +82,37 @@ def _block_and_input(s, b, h, a, seed=0):
     cfg = models.GPTConfig(vocab=8, seq_len=s, d_model=h, n_heads=a, n_layers=1)
     x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     return models.GPT(cfg, seed=seed).blocks[0], x
+
+
+def saved_by_the_graph(module: torch.nn.Module, inputs: tuple) -> int:
+    """The bytes of the distinct storages autograd saved for the backward of ``module(*inputs)``, the module's
+    parameters left out, read from the graph itself: every node reachable from the output, and each tensor it
+    exposes as a ``_saved_*`` attribute (torch's generated nodes name every variable they saved so).  A count
+    independent of the hooks the exercise asks for (``saved_tensors_hooks``, and the kit's ``SavedActivations``
+    built on them), so that neither is the grader's answer; the two agree on every case graded."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    with torch.enable_grad():
+        out = module(*inputs)
+    stack = [o.grad_fn for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    seen: dict[int, int] = {}
+    visited: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # (a saved value that cannot be unpacked here: none of the graded modules')
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in parameters:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(seen.values())
 
 
 def module_and_inputs(case):
@@ -176,12 +209,10 @@ def _offload_turns(pairs, sizes, latency, bandwidth, flops):
 def check_saved_bytes(case: tuple) -> None:
     """Exercise 1: ``saved_bytes(module, *inputs)`` of the module ``case`` = (kind, shape) names ("linear",
     "mlp" or "block") returns an int, the bytes autograd saved for its backward with each storage once and
-    the module's parameters left out (the kit's ``SavedActivations`` count), and leaves the module unchanged."""
+    the module's parameters left out (read from the graph itself: ``saved_by_the_graph``), and leaves the module
+    unchanged."""
     nbytes, unchanged = _run(_saved_bytes_of, (case,), f"saved_bytes on {case}")
-    module, inputs = module_and_inputs(case)  # the kit's count, computed here (where no student code runs)
-    with memory.SavedActivations(module) as kit:
-        module(*inputs)
-    want = kit.total
+    want = saved_by_the_graph(*module_and_inputs(case))  # (here, where no student code runs)
     assert isinstance(nbytes, int) and not isinstance(nbytes, bool), f"saved_bytes must return an int, got {nbytes!r}"
     assert unchanged, f"saved_bytes on {case}: the module's parameters changed"
     assert nbytes == want, (

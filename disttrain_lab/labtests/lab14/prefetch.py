@@ -55,8 +55,8 @@ rank before the step and inside each layer's forward and reads its private memor
 forward (and without prefetch inside every layer's) a rank may hold at most the exercise's two layers whole
 (``FREED_LAYERS``), what it freed given back to the OS first (``osmemory.trim``, at every hold); a rank that keeps
 each layer, or a copy of each, holds four.  The reduce-scatters' payloads are read for what they carried, on every
-number of ranks (``_check_reduce_scattered``: each rank's own gradient of each layer, the grader's, among what it sent
-in them); what a rank frees in backward is not read.
+number of ranks (``_check_reduce_scattered``: every entry of each rank's own gradient of each layer, the grader's, in
+what it sent, as it is or in a partial sum with the other ranks'); what a rank frees in backward is not read.
 
 A rank cannot put a gather's bytes on the wire before it has posted it, and cannot go on past a hold before the
 grader answers; so a gather that crossed while every rank was held was posted before the layer that holds, and one
@@ -205,12 +205,13 @@ def _local_gradients(layers, x, y, n: int, answers) -> tuple[list[float], list[l
 
 def _check_reduce_scattered(case: str, run: exercise.ExerciseRun, local: list[list[torch.Tensor]]) -> None:
     """Under grading: what each rank sent in the step's collectives other than its all-gathers (gloo's reduce-scatter
-    all-reduces the whole input and keeps the rank's chunk, so on the wire it is an all-reduce) carried its own
-    gradient of each layer (``local[rank][layer]``, the grader's, ``_local_gradients``; as it is or divided by N: the
-    average), whatever the algorithm's steps: a ring's first step sends 1/N of its input as it is, so at least half
-    of that share of the nonzero entries (``carried.words_found``, within 1e-4 relative or 1e-6 of the layer's largest
-    entry).  Gradients averaged some other way (the launcher's store), with zeros of the right size reduce-scattered,
-    fail.  In the student's own kernel (no capture) nothing is read."""
+    all-reduces the whole input and keeps the rank's chunk, so on the wire it is an all-reduce) carried every nonzero
+    entry of its own gradient of each layer (``local[rank][layer]``, the grader's, ``_local_gradients``), as it is or
+    in a sum with the other ranks' (divided by N or not: the average), whatever the algorithm's steps
+    (``carried.sums_found``, within 1e-4 of the terms' magnitudes or 1e-6 of the layer's largest entry).  Gradients
+    averaged some other way (the launcher's store), with zeros of the right size reduce-scattered, or with only the
+    share a ring sends as it is (which once passed), fail.  In the student's own kernel (no capture) nothing is
+    read."""
     sent = carried.sends(run, case)
     if sent is None:
         return
@@ -220,18 +221,18 @@ def _check_reduce_scattered(case: str, run: exercise.ExerciseRun, local: list[li
         pool = carried.words_sent([p for src, _, slot, p in sent if src == rank and carried.kind(slot) not in skipped])
         for i, flat in enumerate(local[rank]):
             want = flat.detach().numpy()
-            want = want[want != 0]
-            if not want.size:
+            nonzero = want != 0
+            if not nonzero.any():
                 continue
+            others = [local[r][i].detach().numpy()[nonzero] for r in range(n) if r != rank]
             atol = 1e-6 * float(np.abs(want).max())
-            found = max(carried.words_found(pool, want / scale, rtol=1e-4, atol=atol / scale) for scale in (1, n))
-            least = want.size // (2 * n)
-            assert found >= least, (
-                f"{case}: rank {rank}'s reduce-scatter of layer {i}'s gradient should carry its own gradient (the "
-                f"grader's loss.backward() on its rows in one process: {want.size} nonzero entries; a ring sends "
-                f"1/{n} of them as they are, at least {least} are looked for); the grader's capture of the wire found "
-                f"{found} in what it sent besides its all-gathers. The gradients must travel in the reduce-scatter "
-                "itself"
+            found = carried.sums_found(pool, want[nonzero], others, rtol=1e-4, atol=atol)
+            assert found.all(), (
+                f"{case}: rank {rank}'s reduce-scatter of layer {i}'s gradient should carry each of its own gradient's "
+                f"{found.size} nonzero entries (the grader's loss.backward() on its rows in one process), as it is or "
+                f"in a sum with the other ranks' (every step of the reduction sends what the rank has summed so "
+                f"far); the grader's capture of the wire found {int(found.sum())} in what it sent besides its "
+                "all-gathers. The gradients must travel in the reduce-scatter itself"
             )
 
 
