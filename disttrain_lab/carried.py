@@ -399,9 +399,13 @@ def words_found(pool: np.ndarray, want: np.ndarray, *, rtol: float, atol: float)
     themselves plus ``atol``."""
     if pool.size == 0 or want.size == 0:
         return 0
+    return int((_nearest(pool, want) <= rtol * np.abs(want) + atol).sum())
+
+
+def _nearest(pool: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """How far each of ``want`` is from the nearest word of the sorted, nonempty ``pool``."""
     at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
-    nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
-    return int((nearest <= rtol * np.abs(want) + atol).sum())
+    return np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
 
 
 def sums_found(
@@ -424,10 +428,7 @@ def sums_found(
             if mask >> k & 1:
                 total, size = total + term, size + np.abs(term)
         for scale in (1, n):
-            want = total / scale
-            at = np.clip(np.searchsorted(pool, want), 1, pool.size - 1)
-            nearest = np.minimum(np.abs(pool[at] - want), np.abs(pool[at - 1] - want))
-            found |= nearest <= rtol * size / scale + atol
+            found |= _nearest(pool, total / scale) <= rtol * size / scale + atol
     return found
 
 
