@@ -42,6 +42,7 @@ __all__ = [
     "TOLERANCES",
     "passed",
     "assert_close",
+    "assert_sum_close",
     "sample_tensor",
     "within",
     "assert_only_p2p",
@@ -106,6 +107,42 @@ def assert_close(
     else:
         bad = a != e
         rule = "integers must match exactly"
+    _fail_where(a, e, bad, what, rule)
+
+
+def assert_sum_close(actual, terms: Sequence[torch.Tensor], what: str = "result") -> None:
+    """Assert ``actual`` is the sum of ``terms`` (tensors of one shape and dtype), added in any order in their dtype.
+
+    Each element may differ from the exact sum (computed in float64, rounded to the dtype) by the dtype's
+    tolerance (``TOLERANCES``) plus what rounding after each of the N-1 additions can add up to in the worst
+    order: (N-1) u sum_i |x_i|, u the dtype's unit roundoff (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, 2nd ed., section 4.2).  A ring adds in another order than one process does; in bfloat16
+    (u = 2**-8) with cancellation that alone can exceed the default tolerance.  Integers must match exactly.
+
+        >>> xs = [sample_tensor(8, torch.bfloat16, seed=s) for s in range(4)]
+        >>> assert_sum_close(xs[0] + xs[1] + xs[2] + xs[3], xs)   # passes, whatever the order of the additions
+    """
+    stacked = torch.stack([t.detach().cpu() for t in terms])
+    expected = stacked.double().sum(dim=0).to(stacked.dtype) if stacked.is_floating_point() else stacked.sum(dim=0)
+    plain = type(actual) is torch.Tensor or isinstance(actual, torch.nn.Parameter)
+    if not (stacked.is_floating_point() and plain and (actual.shape, actual.dtype) == (expected.shape, expected.dtype)):
+        assert_close(actual, expected, what)  # integers exactly; a wrong type, shape or dtype: its own message
+        return
+    rtol, atol = TOLERANCES.get(expected.dtype, (1e-6, 1e-6))
+    unit = torch.finfo(expected.dtype).eps / 2
+    bound = (len(terms) - 1) * unit * stacked.double().abs().sum(dim=0)
+    a, e = actual.detach().cpu(), expected
+    diff = (a.double() - e.double()).abs()
+    bad = ~((diff <= atol + rtol * e.double().abs() + bound) | (a.isnan() & e.isnan()))
+    rule = (
+        f"tolerance rtol={rtol:g}, atol={atol:g}, plus {len(terms) - 1} x {unit:g} (the dtype's unit roundoff) x "
+        "the sum of the terms' magnitudes: the rounding of N-1 additions in any order"
+    )
+    _fail_where(a, e, bad, what, rule)
+
+
+def _fail_where(a: torch.Tensor, e: torch.Tensor, bad: torch.Tensor, what: str, rule: str) -> None:
+    """Raise, naming the worst and the first element of ``a`` that ``bad`` marks, unless none is marked."""
     count = int(bad.sum())
     if count == 0:
         return

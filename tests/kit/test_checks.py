@@ -48,6 +48,35 @@ def test_assert_close_fails_with_a_useful_message(actual, expected, words):
         assert word in message, message
 
 
+def test_assert_sum_close_allows_any_order_of_the_additions_and_nothing_more():
+    """A ring adds a chunk's terms in another order than one process does, rounding after each addition: in
+    bfloat16, with cancellation, that alone exceeded the default tolerance (CI, stop 76: 0.0625 against 0.0508 on
+    random data).  ``assert_sum_close`` allows the rounding of N-1 additions in any order, and no missing term."""
+    dtype, n = torch.bfloat16, 4
+    once_rounded_failed = 0
+    for seed in range(60):
+        xs = [checks.sample_tensor(250, dtype, seed=seed * n + k) for k in range(n)]
+        for start in range(n):  # each rank of a ring starts the chain at its own chunk
+            acc = xs[start].clone()
+            for j in range(1, n):
+                acc = acc + xs[(start + j) % n]
+            checks.assert_sum_close(acc, xs, what="a ring's order")
+            try:
+                checks.assert_close(acc, torch.stack(xs).sum(dim=0))
+            except AssertionError:
+                once_rounded_failed += 1
+    assert once_rounded_failed > 0  # the old reference, rounded once, was too tight for some data
+    for wrong in (xs[0] + xs[1] + xs[2], xs[0] + xs[1] + xs[2] + xs[3] + 0.05, (xs[0] + xs[1] + xs[2] + xs[3]) / n):
+        with pytest.raises(AssertionError, match="the sum of the terms' magnitudes"):
+            checks.assert_sum_close(wrong, xs)
+    ints = [checks.sample_tensor(9, torch.int64, seed=k) for k in range(3)]
+    checks.assert_sum_close(ints[2] + ints[0] + ints[1], ints)
+    with pytest.raises(AssertionError, match="integers must match exactly"):
+        checks.assert_sum_close(ints[0] + ints[1] + ints[2] + 1, ints)
+    with pytest.raises(AssertionError, match="expected dtype bfloat16, got float32"):
+        checks.assert_sum_close(sum(xs).float(), xs)
+
+
 def test_sample_tensor_is_deterministic_and_typed():
     a = checks.sample_tensor((3, 5), torch.int64, seed=4)
     assert a.dtype == torch.int64 and a.shape == (3, 5) and torch.equal(a, checks.sample_tensor((3, 5), torch.int64, 4))

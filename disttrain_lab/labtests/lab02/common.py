@@ -83,20 +83,20 @@ def _check_all_reduce(
         if not contiguous and common.rank_raised(e, "ValueError", "contiguous"):
             return case, None  # the student's own clear error is accepted
         raise
-    check_summed_in_place(run, torch.stack(data).sum(dim=0).to(dtype), case, name)
+    check_summed_in_place(run, data, case, name)
     return case, run
 
 
-def check_summed_in_place(run: ExerciseRun, expected: torch.Tensor, case: str, name: str) -> None:
-    """Every rank's x after the call and the tensor it returned are ``expected`` (the sum, computed in one process:
-    an all-reduce works in place), and the ranks talked by send/recv alone."""
+def check_summed_in_place(run: ExerciseRun, data: list[torch.Tensor], case: str, name: str) -> None:
+    """Every rank's x after the call and the tensor it returned are the sum of ``data`` (the ranks' inputs, summed
+    by the grader in any order: an all-reduce works in place), and the ranks talked by send/recv alone."""
     for rank in range(run.world_size):
-        checks.assert_close(
+        checks.assert_sum_close(
             run.inputs_after[rank][0],
-            expected,
+            data,
             what=f"{case}: rank {rank}'s x after the call (all-reduce works in place)",
         )
-        checks.assert_close(run.results[rank], expected, what=f"{case}: the tensor rank {rank} returned")
+        checks.assert_sum_close(run.results[rank], data, what=f"{case}: the tensor rank {rank} returned")
     checks.assert_point_to_point(run, name)
 
 
