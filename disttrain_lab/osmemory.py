@@ -252,15 +252,18 @@ def pause(longest: float) -> float:
 class Watch:
     """Watches ``pids`` and reads their memory at each pause of them all (see the module docstring), through
     ``pauses.py`` run as its own process: as ``user`` where given (``wire.as_user``), for a grader that may
-    not read that uid's ``/proc/<pid>/smaps_rollup`` itself."""
+    not read that uid's ``/proc/<pid>/smaps_rollup`` itself.  ``stores``: each rank's reading also counts the
+    bytes in files of every tmpfs the ranks may write (``stored.stored_bytes``), for ranks in a sandbox whose
+    writable folders are the student's own (a rank could keep its state there across the pause)."""
 
     def __init__(
         self,
         pids: list[int],
         at_pause: Callable[[], object] | None = None,
         user: int | None = None,
+        stores: bool = False,
     ):
-        self.pids, self.at_pause, self.user = list(pids), at_pause, user
+        self.pids, self.at_pause, self.user, self.stores = list(pids), at_pause, user, stores
         self.extras: list = []  # what ``at_pause`` returned at each reading kept, in order
         self._held = Held.unobserved("the ranks never all paused in time.sleep where the test's driver pauses them")
         self._thread = threading.Thread(target=self._watch, name="osmemory-watch", daemon=True)
@@ -273,7 +276,7 @@ class Watch:
                 f"no pause can be seen nor memory read on this machine ({platform.system()}, {platform.machine()})"
             )
             return self
-        cmd = [sys.executable, "-I", pauses.__file__, *map(str, self.pids)]
+        cmd = [sys.executable, "-I", pauses.__file__, *(["--stores"] if self.stores else []), *map(str, self.pids)]
         if self.user is not None:
             cmd = wire.as_user(self.user, cmd)
         try:

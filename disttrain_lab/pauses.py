@@ -22,12 +22,21 @@ line at a time on stdout, and waits for one line on stdin after a reading:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import signal
 import sys
 import time
+
+if __package__:
+    from . import stored
+else:  # run as a file (``python -I pauses.py``, which puts no folder on the path): the sibling, by its path
+    _path = os.path.join(os.path.dirname(__file__), "stored.py")
+    _spec = importlib.util.spec_from_file_location("disttrain_stored", _path)
+    stored = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(stored)
 
 __all__ = [
     "Hidden",
@@ -354,9 +363,10 @@ def paused(pid: int) -> bool:
     return pause_of(pid) is not None
 
 
-def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
+def watch(pids: list[int], said=sys.stdout, told=sys.stdin, stores: bool = False) -> None:
     """The protocol of the module's docstring, for every pause of ``pids``, until ``told`` ends or a process
-    ends (``{"ended": pid}``) or cannot be read (``{"error": why}``)."""
+    ends (``{"ended": pid}``) or cannot be read (``{"error": why}``).  ``stores``: each process's reading also
+    counts what the tmpfs mounts it may write hold (``stored.stored_bytes``: a graded run's sandbox)."""
 
     def say(**what) -> None:
         said.write(json.dumps(what) + "\n")
@@ -368,7 +378,8 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin) -> None:
             if None in pauses:
                 time.sleep(POLL_S)
                 continue
-            say(held=[held_bytes(p) for p in pids])
+            stored_now = stored.stored_bytes(pids[0]) if stores else 0  # (the ranks share one mount namespace)
+            say(held=[held_bytes(p) + stored_now for p in pids])
             if not told.readline():
                 return
             kept = [pause_of(p) for p in pids] == pauses  # (still the same pause: the reading stands)
@@ -401,5 +412,8 @@ if __name__ == "__main__":
                 return {"hidden": str(exc)}
 
         print(json.dumps({p: _read(int(p)) for p in sys.argv[2:]}))
-    else:  # `python -I pauses.py PID ...`: watch, as JSON lines (osmemory.Watch)
-        watch([int(p) for p in sys.argv[1:]])
+    elif sys.argv[1:2] == ["--stored"]:  # `python -I pauses.py --stored PID ...`: stored.stored_bytes each
+        print(json.dumps({p: stored.stored_bytes(int(p)) for p in sys.argv[2:]}))
+    else:  # `python -I pauses.py [--stores] PID ...`: watch, as JSON lines (osmemory.Watch)
+        stores = sys.argv[1:2] == ["--stores"]
+        watch([int(p) for p in sys.argv[1 + stores :]], stores=stores)

@@ -164,10 +164,11 @@ def notebook_names(monkeypatch, space: dict) -> None:
 
 
 @contextlib.contextmanager
-def observed_from_outside():
+def observed_from_outside(stores: bool = False):
     """``dl.exercise.run`` in this process with the evidence the grader takes (as grading/remote.py
     does, without a student's kernel between): the bytes each rank sent from ``ss``, and when the
-    data crossed from a packet capture (root only: ``CAP_NET_RAW``)."""
+    data crossed from a packet capture (root only: ``CAP_NET_RAW``).  ``stores``: memory read at the gate also
+    counts what the ranks' tmpfs mounts hold, as the grader does in a sandbox (here the host's: ``/dev/shm``)."""
     from disttrain_lab import exercise, serving, wire, wiretimeline
     from disttrain_lab.gate import Seen
     from disttrain_lab.grading import gatewatch
@@ -182,7 +183,9 @@ def observed_from_outside():
                 answer = serving.prepare(
                     {"world_size": request.world_size, "device": request.device, "fresh": request.memory}
                 )
-                keeper = gatewatch.for_ranks(None, gate, answer["pids"], None, request.timeout, memory=request.memory)
+                keeper = gatewatch.for_ranks(
+                    None, gate, answer["pids"], None, request.timeout, memory=request.memory, stores=stores
+                )
                 request = request.replace(gate=keeper.start())
             before = wire.snapshot()
             try:

@@ -20,6 +20,7 @@ import torch
 
 from disttrain_lab import pauses, wire
 from disttrain_lab.grading.gatekeeper import Gatekeeper
+from disttrain_lab.stored import stored_bytes
 
 __all__ = ["for_ranks", "read_as", "receiving", "runnable"]
 
@@ -31,11 +32,13 @@ def for_ranks(
     user: int | None,
     timeout: float,
     memory: bool = False,
+    stores: bool = False,
 ) -> Gatekeeper:
     """A gatekeeper for a run on the processes ``pids`` (rank r is ``pids[r]``, the host's ids) in the
     network namespace of ``netns_pid``, counting what they send each other as ``wire.snapshot`` reads it
     (as ``user``, where only that uid may see which process owns a socket).  ``memory``: at each hold, each
-    held rank's private memory read while its main thread waits reading its gate connection (``Seen.memory``)."""
+    held rank's private memory read while its main thread waits reading its gate connection (``Seen.memory``), and,
+    with ``stores``, the bytes in files of every tmpfs the ranks may write (``stored.stored_bytes``: a sandbox's)."""
     owner: dict[int, int] = {}
 
     def baseline():
@@ -80,6 +83,14 @@ def for_ranks(
         if started:
             return [pauses.STRANGERS.format(started[:4])] * len(connections)
         read: list[int | str | None] = []
+        stored = 0
+        if stores:  # (the ranks share one mount namespace: its tmpfs counts for each)
+            try:
+                stored = read_as(user, stored_bytes, "--stored", pids[0])
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:  # (gone, or unreadable)
+                stored = f"{type(exc).__name__}: {exc}"
+            if type(stored) is not int:
+                return [f"what the ranks' tmpfs mounts hold could not be read ({stored})"[:300]] * len(connections)
         for _, rank_end in connections:
             inode, pid = ends.get(rank_end, (None, None))
             try:
@@ -91,7 +102,9 @@ def for_ranks(
             if isinstance(got, dict):
                 read.append(str(got.get("hidden"))[:400])
             else:
-                read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
+                read.append(
+                    got[1] + stored if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None
+                )
         return read
 
     return Gatekeeper(

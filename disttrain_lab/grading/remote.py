@@ -294,13 +294,18 @@ class RemoteRunner:
         inside = sandbox.namespace_process(kernel_pid, "net") if kernel_pid else None
         in_pid_ns = sandbox.namespace_process(kernel_pid, "pid") if kernel_pid else None
         user = reader(kernel_pid)
+        # in a sandbox (its own pid and mount namespaces), what the student's tmpfs mounts hold counts in each
+        # rank's memory: a rank could keep its state in a file there across a reading (stored.stored_bytes)
+        stores = in_pid_ns is not None and in_pid_ns != kernel_pid
         keeper, not_gated = None, "not asked for"
         if gate is not None:  # the grader's gate in the ranks' backward (gate.py), for a test that holds one
             ranks = host_pids(prepared, in_pid_ns, user) if in_pid_ns is not None else None
             try:
                 if ranks is None or len(ranks) != world_size:
                     raise RuntimeError("the ranks the student's kernel started for the run could not be found")
-                keeper = gatewatch.for_ranks(inside, gate, ranks, user, request.timeout, memory=request.memory)
+                keeper = gatewatch.for_ranks(
+                    inside, gate, ranks, user, request.timeout, memory=request.memory, stores=stores
+                )
                 request = request.replace(gate=keeper.start())
             except (RuntimeError, OSError) as exc:
                 keeper, not_gated = None, f"the grader's gate could not be opened: {exc}"[:300]
@@ -319,6 +324,7 @@ class RemoteRunner:
                         wire.holders(student_processes(kernel_pid, in_pid_ns), user, skip_gone=True),
                     ),
                     user=user,  # (in a container, read as the student's uid: as the wire is)
+                    stores=stores,
                 ).start()
         capture, not_captured = None, NOT_ASKED
         if request.timeline:  # the data's times from the wire, for a test that asked for them

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import time
 import pytest
 
 from disttrain_lab import osmemory, pauses
+from disttrain_lab.stored import stored_bytes
 from disttrain_lab.wire import Unobserved
 from tests.helpers import not_a_subreaper
 
@@ -76,6 +78,62 @@ def test_the_watch_reads_at_the_pause_and_only_then():
         assert watch.extras == ["read at the pause"] and held.of(0) > 50 * 2**20, (held, time.monotonic() - started)
     finally:
         proc.kill()
+
+
+def test_a_closed_tmpfs_file_counts_for_every_rank_where_the_stores_are_read():
+    """What a process wrote to a tmpfs file and closed is in no process's count (no descriptor, no mapping): with
+    ``stores`` (a graded run's sandbox, ``grading/remote.py``) the watch adds what every writable tmpfs of the
+    ranks' mount namespace holds to each reading (``stored.stored_bytes``; a tmpfs mounted twice, as the host's
+    ``/dev/shm`` is here, counted once).  Here the host's ``/dev/shm`` stands for the sandbox's."""
+    path = f"/dev/shm/disttrain-test-stored-{os.getpid()}"
+    after = f"open({path!r}, 'wb').write(b'1' * (40 << 20))\nprint('written', flush=True)\ntime.sleep(30)"
+    proc = _child(0, after)
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        stored = stored_bytes(proc.pid)
+        assert stored >= 40 << 20, stored
+        readings = {}
+        for stores in (False, True):
+            watch = osmemory.Watch([proc.pid], stores=stores).start()
+            time.sleep(1.0)
+            readings[stores] = watch.stop().of(0)
+        assert 39 << 20 < readings[True] - readings[False] < 42 << 20, readings
+        os.unlink(path)
+        assert 39 << 20 < stored - stored_bytes(proc.pid) < 41 << 20  # (the file's pages, once)
+    finally:
+        proc.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_files_in_a_disk_folder_bound_in_writable_count_and_the_hosts_own_folders_do_not(tmp_path):
+    """Bubblewrap's sandbox (``grading/run_bwrap.py``) binds the kernel's working folder in from the host's disk: a
+    rank there could write its state to a file and close it.  ``stored.stored_bytes`` walks every disk folder
+    mounted writable in the process's namespace (a real bwrap here, the root read-only, a folder bound in) and
+    counts its files' blocks, a hard link once; the host's own root, which a process outside any sandbox shares
+    with the reader, is not walked."""
+    bound = tmp_path / "work"
+    bound.mkdir()
+    script = (
+        "import os, time\n"
+        "open('/tmp/work/stash', 'wb').write(b'1' * (24 << 20))\n"
+        "os.link('/tmp/work/stash', '/tmp/work/again')\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    cmd = ["bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--bind", str(bound), "/tmp/work", "--proc", "/proc"]
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.isdigit(), line
+        pid = int(line)  # (bwrap's child: no pid namespace of its own here)
+        stored = stored_bytes(pid)
+        assert 24 << 20 <= stored < 25 << 20, stored  # (the file once, though linked twice; the private /tmp empty)
+        assert stored_bytes(os.getpid()) < 1 << 20  # (this process's root is the host's: not walked)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_no_pause_no_reading():

@@ -16,6 +16,7 @@ Each variant runs the run of lab 14's graded check that reads memory (``prefetch
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -45,6 +46,7 @@ def _smaller_layers(monkeypatch):
     monkeypatch.setattr(prefetch, "FREED_MARGIN", 3 * 2**20)
 
 
+STASH = f"/dev/shm/disttrain-test-stash-{os.getpid()}"  # (a tmpfs: the host's, as the sandbox's /dev/shm is)
 LINGER_S = 60  # at most this long a process a rank forks outlives the rank (it ends with it: the test leaves nothing)
 
 
@@ -82,6 +84,9 @@ def _hiding(kind):
                 fd = os.memfd_create("stash")
                 os.write(fd, data)
                 kept.append(fd)
+            elif kind == "tmpfs_file":  # written, closed: no descriptor, no mapping, pages of the tmpfs alone
+                with open(f"{STASH}-{os.getpid()}-{len(os.listdir('/dev/shm'))}", "wb") as f:
+                    f.write(data)
             elif kind == "pipes":
                 for i in range(0, len(data), 1 << 20):
                     r, w = os.pipe()
@@ -126,6 +131,29 @@ def test_a_copy_kept_in_the_os_s_buffers_counts_as_the_rank_s_memory(monkeypatch
     notebook_names(monkeypatch, {"sharded_step": _hiding(kind)})
     with observed_from_outside(), pytest.raises(AssertionError) as said:
         prefetch._check_freed("sharded_step", prefetch=False)  # (the graded check's run that reads memory)
+    message = str(said.value)
+    last = re.search(r"inside layer 3's forward than before the step \(([\d.]+) whole layers", message)
+    assert last and float(last.group(1)) > 3.5, message  # (its three copies, and the layer itself)
+
+
+@pytest.mark.slow
+def test_a_copy_kept_in_a_closed_tmpfs_file_counts_as_the_rank_s_memory(monkeypatch):
+    """A rank that writes its copy to a file of a tmpfs and closes it holds no descriptor and no mapping of it: no
+    process's count sees those pages.  In a graded run's sandbox every tmpfs the ranks may write is the student's
+    own (``/tmp``, ``/dev/shm``, ...), and the grader counts what they hold for each rank (``stored.stored_bytes``,
+    ``stores=True``, as ``grading/remote.py`` asks in a sandbox).  Here the host's ``/dev/shm`` stands for the
+    sandbox's.  Without that count the copy passed the check."""
+    notebook_names(monkeypatch, {"sharded_step": _hiding("tmpfs_file")})
+    try:
+        with observed_from_outside(stores=False):
+            prefetch._check_freed("sharded_step", prefetch=False)  # (before: it passed)
+        for path in glob.glob(f"{STASH}-*"):
+            os.unlink(path)
+        with observed_from_outside(stores=True), pytest.raises(AssertionError) as said:
+            prefetch._check_freed("sharded_step", prefetch=False)
+    finally:
+        for path in glob.glob(f"{STASH}-*"):
+            os.unlink(path)
     message = str(said.value)
     last = re.search(r"inside layer 3's forward than before the step \(([\d.]+) whole layers", message)
     assert last and float(last.group(1)) > 3.5, message  # (its three copies, and the layer itself)
