@@ -94,11 +94,13 @@ def held_bytes(pid: int) -> int:
     """What process ``pid`` holds, as the grader counts it at a reading: its private memory (``private_bytes``),
     and what it keeps where that count does not see it (#42, "memory the OS's private count misses"):
 
-    - its shared mappings' resident pages (``RssShmem`` of ``/proc/<pid>/status``: a ``MAP_SHARED`` mapping
-      that a process it forked also maps counts in neither's private memory; a memfd it mapped);
-    - the files it holds open that hold data of their own (``_descriptor_bytes``: a memfd written and not
-      mapped, a file open for writing), and the bytes waiting in its TCP sockets' queues, sent or received and
-      not read (a connection to itself, or one it never accepted, parks them in the OS's buffers);
+    - its shared mappings, whole (``_shared_mapped``; at least their resident pages, ``RssShmem`` of
+      ``/proc/<pid>/status``: a ``MAP_SHARED`` mapping that a process it forked also maps counts in neither's
+      private memory; a memfd it mapped; pages dropped with ``MADV_DONTNEED`` and touched back later);
+    - the files it holds open that hold data of their own (``_descriptor_bytes``: a memfd or a ``memfd_secret``
+      written and not mapped, by its size, a file open for writing, a deleted file still open), and the bytes
+      waiting in its TCP sockets' queues, sent or received and not read (a connection to itself, or one it never
+      accepted, parks them in the OS's buffers);
     - refused (``Hidden``): a process it started (a fork shares its pages, copy-on-write, so neither counts
       them as private), more pipes or non-TCP sockets than a rank's own (``KIT_PIPES``, ``KIT_SOCKETS``); the
       OS keeps what those hold and no reading of them is exact.
@@ -113,7 +115,23 @@ def held_bytes(pid: int) -> int:
             "memory (copy-on-write), which then counts as neither's private memory; a graded run's ranks may "
             "start none"
         )
-    return private_bytes(pid) + _status_kb(pid, b"RssShmem:") * 1024 + _descriptor_bytes(pid)
+    shared = max(_status_kb(pid, b"RssShmem:") * 1024, _shared_mapped(pid))
+    return private_bytes(pid) + shared + _descriptor_bytes(pid)
+
+
+def _shared_mapped(pid: int) -> int:
+    """The bytes of process ``pid``'s shared mappings (``s`` in ``/proc/<pid>/maps``), whole, resident or not: a
+    shared anonymous mapping (or a memfd's, closed) whose pages were dropped with ``MADV_DONTNEED`` is in no count
+    of resident pages, and its data comes back at the next touch.  A rank's own: its status slot and glibc's
+    read-only ``gconv-modules.cache`` (28 KiB)."""
+    total = 0
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        for line in f.read().splitlines():
+            span, perms = line.split(b" ", 2)[:2]
+            if perms[3:4] == b"s":
+                start, _, end = span.partition(b"-")
+                total += int(end, 16) - int(start, 16)
+    return total
 
 
 # why a reading is refused where ``strangers`` found processes (their pids, the first four)
@@ -221,8 +239,9 @@ def _status_kb(pid: int, field: bytes) -> int:
 
 
 def _descriptor_bytes(pid: int) -> int:
-    """The bytes process ``pid``'s open descriptors hold: memfds and files open for writing (their allocated
-    blocks, each file once), and the queues of its TCP sockets (and of the connections waiting unaccepted on
+    """The bytes process ``pid``'s open descriptors hold: memfds and ``memfd_secret``s (their blocks, or their
+    size where larger), files open for writing and deleted files still open (their allocated blocks), each file
+    once, and the queues of its TCP sockets (and of the connections waiting unaccepted on
     one it listens on).  Raises ``Hidden`` for pipes and non-TCP sockets beyond the kit's channels."""
     total, files, sockets, pipes = 0, set(), set(), set()
     for name in os.listdir(f"/proc/{pid}/fd"):
@@ -242,9 +261,10 @@ def _descriptor_bytes(pid: int) -> int:
                 continue
             if not _is_regular(st.st_mode) or (st.st_dev, st.st_ino) in files:
                 continue
-            if link.startswith("/memfd:") or _open_for_writing(pid, name):
+            anonymous = link.startswith(("/memfd:", "/secretmem"))  # (secretmem's blocks read 0: its size counts)
+            if anonymous or link.endswith(" (deleted)") or _open_for_writing(pid, name):
                 files.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
+                total += max(st.st_blocks * 512, st.st_size if anonymous else 0)
     queued, tcp = _tcp_queues(pid, sockets)
     others = len(sockets - tcp)
     if len(pipes) > KIT_PIPES or others > KIT_SOCKETS:
@@ -378,8 +398,12 @@ def watch(pids: list[int], said=sys.stdout, told=sys.stdin, stores: bool = False
             if None in pauses:
                 time.sleep(POLL_S)
                 continue
-            stored_now = stored.stored_bytes(pids[0]) if stores else 0  # (the ranks share one mount namespace)
-            say(held=[held_bytes(p) + stored_now for p in pids])
+            # (the ranks share one mount namespace; its files counted before and after the ranks, the larger kept:
+            # a rank's thread that moves what it holds into a file as the others are read is counted either way)
+            before = stored.stored_bytes(pids[0]) if stores else 0
+            held = [held_bytes(p) for p in pids]
+            after = stored.stored_bytes(pids[0]) if stores else 0
+            say(held=[h + max(before, after) for h in held])
             if not told.readline():
                 return
             kept = [pause_of(p) for p in pids] == pauses  # (still the same pause: the reading stands)

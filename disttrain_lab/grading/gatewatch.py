@@ -22,7 +22,7 @@ from disttrain_lab import pauses, wire
 from disttrain_lab.grading.gatekeeper import Gatekeeper
 from disttrain_lab.stored import stored_bytes
 
-__all__ = ["for_ranks", "read_as", "receiving", "runnable"]
+__all__ = ["for_ranks", "read_as", "receiving", "runnable", "stored"]
 
 
 def for_ranks(
@@ -83,14 +83,9 @@ def for_ranks(
         if started:
             return [pauses.STRANGERS.format(started[:4])] * len(connections)
         read: list[int | str | None] = []
-        stored = 0
-        if stores:  # (the ranks share one mount namespace: its tmpfs counts for each)
-            try:
-                stored = read_as(user, stored_bytes, "--stored", pids[0])
-            except (OSError, ValueError, subprocess.SubprocessError) as exc:  # (gone, or unreadable)
-                stored = f"{type(exc).__name__}: {exc}"
-            if type(stored) is not int:
-                return [f"what the ranks' tmpfs mounts hold could not be read ({stored})"[:300]] * len(connections)
+        before = stored(user, pids[0]) if stores else 0  # (the ranks share one mount namespace: it counts for each)
+        if isinstance(before, str):
+            return [before] * len(connections)
         for _, rank_end in connections:
             inode, pid = ends.get(rank_end, (None, None))
             try:
@@ -102,10 +97,11 @@ def for_ranks(
             if isinstance(got, dict):
                 read.append(str(got.get("hidden"))[:400])
             else:
-                read.append(
-                    got[1] + stored if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None
-                )
-        return read
+                read.append(got[1] if isinstance(got, (list, tuple)) and len(got) == 2 and got[0] == inode else None)
+        after = stored(user, pids[0]) if stores else 0  # (again after the ranks: the larger counts)
+        if isinstance(after, str):
+            return [after] * len(connections)
+        return [r + max(before, after) if type(r) is int else r for r in read]
 
     return Gatekeeper(
         netns_pid,
@@ -117,6 +113,16 @@ def for_ranks(
         holding=holding,
         memory=memory_of if memory else None,
     )
+
+
+def stored(user: int | None, pid: int) -> int | str:
+    """``stored.stored_bytes(pid)``, read as ``user`` where this process may not read another uid's ``/proc/<pid>``;
+    or why it could not be read (a reading of the ranks' memory is then refused)."""
+    try:
+        found = read_as(user, stored_bytes, "--stored", pid)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:  # (gone, unreadable, or uncountable)
+        found = f"{type(exc).__name__}: {exc}"
+    return found if type(found) is int else f"what the ranks' writable folders hold could not be read ({found})"[:300]
 
 
 def receiving(pid: int, user: int | None) -> int | None:

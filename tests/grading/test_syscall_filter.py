@@ -43,6 +43,7 @@ ISSUE_40 = (
 ISSUE_42 = (
     *("shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget", "msgsnd", "msgrcv"),
     *("msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr"),
+    *("setxattr", "lsetxattr", "fsetxattr", "memfd_secret"),
 )
 # what a grading kernel does besides (the probe's part "kit")
 KIT = ("fork", "threads", "spawn", "tcp loopback", "unix sockets", "/dev/shm", "memfd", "pipe", "zmq ipc")
@@ -121,6 +122,8 @@ if "calls" in parts:
         "msgrcv": [-1, 0, 0, 0, 0], "msgctl": [-1, 0, 0], "mq_open": [BAD, 0, 0, 0], "mq_unlink": [BAD],
         "mq_timedsend": [-1, 0, 0, 0, 0], "mq_timedreceive": [-1, 0, 0, 0, 0], "mq_notify": [-1, 0],
         "mq_getsetattr": [-1, 0, 0],
+        "setxattr": [BAD, BAD, 0, 0, 0], "lsetxattr": [BAD, BAD, 0, 0, 0], "fsetxattr": [-1, BAD, 0, 0, 0],
+        "memfd_secret": [-1],
     }
     calls = {name: in_child(raw(name, *args[name])) for name in sf.numbers(tuple(args))}
     calls["libc unshare(CLONE_NEWUSER)"] = in_child(via_libc(libc.unshare, CLONE_NEWUSER))
