@@ -141,6 +141,27 @@ def test_a_shared_mapping_whose_pages_were_dropped_counts_whole():
         small.kill(), proc.kill()
 
 
+def test_a_deleted_file_held_open_for_reading_counts(tmp_path):
+    """A file written, reopened for reading only, and deleted keeps its blocks while it is open, in no folder a
+    walk can see and in no descriptor open for writing: the reading counts a deleted file held open in any mode
+    (``pauses._descriptor_bytes``)."""
+    path = tmp_path / "stash"
+    after = (
+        f"open({str(path)!r}, 'wb').write(b'5' * (32 << 20))\n"
+        f"kept = open({str(path)!r}, 'rb')\n"
+        f"os.unlink({str(path)!r})\n"
+        "print('deleted', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    small, proc = _child(0, "time.sleep(30)"), _child(0, "import os\n" + after)
+    try:
+        assert proc.stdout.readline().strip() == "deleted"
+        grew = pauses.held_bytes(proc.pid) - pauses.held_bytes(small.pid)
+        assert 32 << 20 <= grew < 40 << 20, grew
+    finally:
+        small.kill(), proc.kill()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace with a tmpfs of its own needs root")
 def test_extended_attributes_on_a_tmpfs_count_as_stored():
     """tmpfs keeps a file's user extended attributes (Linux 6.6 and later) in no block: ``statvfs``'s blocks do not
