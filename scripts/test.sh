@@ -2,9 +2,10 @@
 # Set up .venv (see scripts/setup.sh) and run the whole test suite.
 #   bash scripts/test.sh            # everything, on three pytest workers (pytest-xdist), each taking one
 #                                   # unit at a time, the longest first (tests/conftest.py): on 2 cores, a
-#                                   # fresh clone, 1,541 s quiet (5 Dec, 2,807 CPU seconds: the run ends with each
-#                                   # unit's), 2,321 s beside two CPU-bound processes (4 Dec); #35's target is 25 min
-#                                   # under that load (where the time goes: docs/architecture.md)
+#                                   # fresh clone, 3,425 s quiet (7 Dec, 6,298 CPU seconds: the run ends with each
+#                                   # unit's; 1,541 s on 5 Dec, before this machine ran 2.3 times slower); #35's
+#                                   # target is 25 min beside two CPU-bound processes (where the time goes:
+#                                   # docs/architecture.md)
 #   bash scripts/test.sh -m "not slow"   # the fast tier (about 90 s): no notebook execution, autograding,
 #                                   # browser, nor any test over 3 s (pyproject.toml's `slow` marker)
 #   bash scripts/test.sh tests/labs/test_lab03.py   # one lab's tests

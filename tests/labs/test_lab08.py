@@ -691,7 +691,7 @@ def spinning(tmp_path_factory):
     course = Course(tmp_path_factory.mktemp("spins"), lab, REPO / "solutions", None)
     course.do_release()
     submit(course.course, "spins", lab, with_solution(course.solution, "ex_grid_groups", SPINS))
-    course.results = course.grade(["spins"])
+    course.results = course.grade(["spins"], feedback=False)  # (its page is not read: an nbgrader process less)
     course.table = grading.scores(lab, course.course)
     course.nb = course.autograded("spins")
     notes = course.course / "autograded" / "spins" / lab / NOTES_FILE
