@@ -42,6 +42,16 @@ def _child(size: int, after: str) -> subprocess.Popen:
     return proc
 
 
+def _held_beyond_an_idle_child(after: str, said: str) -> int:
+    """``pauses.held_bytes`` of a child that ran ``after`` (which prints ``said`` once done) less an idle child's."""
+    small, proc = _child(0, "time.sleep(30)"), _child(0, after)
+    try:
+        assert proc.stdout.readline().strip() == said
+        return pauses.held_bytes(proc.pid) - pauses.held_bytes(small.pid)
+    finally:
+        small.kill(), proc.kill()
+
+
 def _child_with_its_own_shm(after: str) -> subprocess.Popen:
     """``_child`` in a mount namespace of its own with a private tmpfs on ``/dev/shm`` (as root), as a sandbox's
     rank has: no other test's files in what its writable folders hold."""
@@ -132,13 +142,8 @@ def test_a_shared_mapping_whose_pages_were_dropped_counts_whole():
         "print('dropped', flush=True)\n"
         "time.sleep(30)\n"
     )
-    small, proc = _child(0, "time.sleep(30)"), _child(0, after)
-    try:
-        assert proc.stdout.readline().strip() == "dropped"
-        grew = pauses.held_bytes(proc.pid) - pauses.held_bytes(small.pid)
-        assert 64 << 20 <= grew < 72 << 20, grew
-    finally:
-        small.kill(), proc.kill()
+    grew = _held_beyond_an_idle_child(after, "dropped")
+    assert 64 << 20 <= grew < 72 << 20, grew
 
 
 def test_a_deleted_file_held_open_for_reading_counts(tmp_path):
@@ -153,13 +158,8 @@ def test_a_deleted_file_held_open_for_reading_counts(tmp_path):
         "print('deleted', flush=True)\n"
         "time.sleep(30)\n"
     )
-    small, proc = _child(0, "time.sleep(30)"), _child(0, "import os\n" + after)
-    try:
-        assert proc.stdout.readline().strip() == "deleted"
-        grew = pauses.held_bytes(proc.pid) - pauses.held_bytes(small.pid)
-        assert 32 << 20 <= grew < 40 << 20, grew
-    finally:
-        small.kill(), proc.kill()
+    grew = _held_beyond_an_idle_child("import os\n" + after, "deleted")
+    assert 32 << 20 <= grew < 40 << 20, grew
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace with a tmpfs of its own needs root")
