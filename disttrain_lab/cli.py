@@ -8,8 +8,6 @@ import difflib
 import sys
 
 from . import __version__, confine, start
-from .bench import benchmarks
-from .bench.command import add_common_arguments, run_measured
 from .devices import doctor
 
 # the instructor's commands: each parses its own arguments in the grading wing, imported only when it runs
@@ -31,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     # (parses its own arguments, as the instructor's commands do)
     sub.add_parser("start", help="your own copy of a lab in work/, kept when the lab is fixed", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks, side by side with torch's own")
-    names = _add_benchmarks(bench)
     for command, what in INSTRUCTOR.items():
         sub.add_parser(command, help=what, add_help=False)
     command = _first_word(argv)
     _known(parser, "command", command, list(sub.choices))
-    if command == "bench":
+    if command == "bench":  # (the benchmarks' modules only then: every other command starts 3 s sooner)
+        names = _add_benchmarks(bench)
         _known(bench, "benchmark", _first_word(argv[argv.index("bench") + 1 :]), names)
     args, rest = parser.parse_known_args(argv)  # the instructor's commands parse their own arguments
     if rest and args.command not in (*INSTRUCTOR, "start"):
@@ -46,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_grading_host())
         return 0
     if args.command == "bench":
+        from .bench.command import run_measured
+
         module = args.benchmark  # one that measures prints its table; `bench all` (report.py) runs them all
         return run_measured(module.measure, args) if hasattr(module, "measure") else module.run(args)
     if args.command == "start":
@@ -107,7 +107,12 @@ def _grading_host() -> str:
 
 
 def _add_benchmarks(bench) -> list[str]:
-    """``bench NAME``: one subcommand per module in ``bench.BENCHMARKS``, each with its own options."""
+    """``bench NAME``: one subcommand per module in ``bench.BENCHMARKS``, each with its own options.
+    (Imported here, not at the top: the benchmarks import torch's checkpointing and pipelining and
+    matplotlib, about 3 s of CPU that ``grade``, ``release`` and the rest have no use for.)"""
+    from .bench import benchmarks
+    from .bench.command import add_common_arguments
+
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
     for name, module in benchmarks().items():
         parser = names.add_parser(

@@ -434,6 +434,32 @@ def test_version_and_python_dash_m_are_the_same_command():
     assert all(command in helped.stdout for command in ("doctor", "bench", "release", "grade", "export"))
 
 
+# a command's --help, then which of the benchmarks' modules the process imported
+IMPORTED_BENCHMARKS = """
+import sys
+from disttrain_lab import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit:
+    pass
+print(sorted(m for m in sys.modules if m.startswith("disttrain_lab.bench")))
+"""
+
+
+@pytest.mark.slow  # over 3 s: the full suite runs it, the fast tier does not
+@pytest.mark.parametrize("command", [["--help"], ["release", "--help"], ["doctor"], ["bench", "--help"]], ids=" ".join)
+def test_only_bench_imports_the_benchmarks(command):
+    """The benchmarks import torch's checkpointing and pipelining and matplotlib (3 s of CPU here):
+    the other commands start without them."""
+    out = run([sys.executable, "-c", IMPORTED_BENCHMARKS, *command], timeout=120)
+    assert out.returncode == 0 and out.stdout.strip(), said(out)
+    imported = out.stdout.splitlines()[-1]
+    if command[0] == "bench":
+        assert "'disttrain_lab.bench.report'" in imported, said(out)
+    else:
+        assert imported == "[]", said(out)
+
+
 @pytest.mark.parametrize(
     "argv, meant",
     [(["relase"], "release"), (["grde", "LAB"], "grade"), (["exprot", "LAB"], "export"), (["bench", "trce"], "trace")],
@@ -472,11 +498,12 @@ def undocumented(parsers) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["start"], ["release"], ["grade"], ["grade", "merge"], ["export"], ["gradescope"]], ids=" ".join
+    "command",
+    [[], ["bench"], ["start"], ["release"], ["grade"], ["grade", "merge"], ["export"], ["gradescope"]],
+    ids=" ".join,
 )
 def test_every_option_of_every_command_has_help(command, monkeypatch, capsys):
-    """Each parser the command builds (the top level holds bench's and every benchmark's), caught as it
-    parses ``--help``."""
+    """Each parser the command builds (``bench``'s holds every benchmark's), caught as it parses ``--help``."""
     from disttrain_lab import cli
 
     parsers, parse = [], argparse.ArgumentParser.parse_known_args
