@@ -30,6 +30,11 @@ from disttrain_lab import grading
 from disttrain_lab.grading import cgroups, sandbox
 from tests import roundtrip
 
+# the unit of the tests that read the session's `bench all --quick` (unit_of), and their time limit: the
+# command's (tests/benchreport.py's TIMEOUT, 900 s) and its clean-up, as any of them may make it
+BENCH_REPORT_UNIT = "bench all --quick"
+BENCH_REPORT_TIMEOUT = 960
+
 # seconds of work per test file in a full run on 2 cores, 3 workers (what its tests take without
 # making a round trip); files not listed come after these, in pytest's order.  The largest were
 # measured again on 7 Dec (the wall time of each unit in the run's "CPU seconds by unit", a quiet
@@ -60,7 +65,8 @@ SECONDS = {
     "test_lab14.py": 45,  # (a guess: its notebook as a student runs it, nine wrong answers in one kernel, captures)
     "test_caps.py": 229,  # (7 Dec: its wall time in a quiet fresh-clone run)
     "test_hygiene.py": 140,  # a grading of three students, 105 s, beside another test run
-    "test_commands.py": 372,  # (7 Dec: its wall time in a quiet fresh-clone run)
+    "test_commands.py": 170,  # (7 Dec: its wall time in a quiet fresh-clone run, 372 s, less bench all's 204)
+    BENCH_REPORT_UNIT: 230,  # bench all --quick (204 s in the quiet run of 7 Dec) and the tests that read it
     "test_lab06.py": 55,
     "test_lab01.py": 55,
     "test_lab02.py": 61,
@@ -111,7 +117,10 @@ LABS = {name[:2]: name for name in grading.list_labs(roundtrip.SOLUTIONS)}
 
 def unit_of(item) -> str:
     """The unit ``item`` runs in: ``lab:NN_name`` for a lab's tests in test_grading.py (those of its
-    ``released`` course) and in tests/labs/test_labNN.py, else its file's path."""
+    ``released`` course) and in tests/labs/test_labNN.py; the tests that read the session's ``bench all
+    --quick`` (tests/benchreport.py: the ``bench_report`` mark) in one; else its file's path."""
+    if item.get_closest_marker("bench_report"):
+        return BENCH_REPORT_UNIT
     released = getattr(item, "callspec", None) and item.callspec.params.get("released")
     if released:
         return f"lab:{released[0]}"
@@ -147,6 +156,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.originalname in ROUND_TRIP_TESTS and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(ROUND_TRIP_TIMEOUT))
+        if item.get_closest_marker("bench_report") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(BENCH_REPORT_TIMEOUT))
 
 
 # Each pytest-xdist worker runs in a cgroup node of its own (where the host gives caps and

@@ -108,9 +108,7 @@ def blank(nb) -> nbformat.NotebookNode:
     return nb
 
 
-def run_solution(
-    path: Path, budget_s: float, autograding: bool = True, from_round_trip: bool = True
-) -> nbformat.NotebookNode:
+def run_solution(path: Path, budget_s: float, autograding: bool = True) -> nbformat.NotebookNode:
     """The solution notebook executed, checked for what every lab promises: no cell raises,
     every graded cell prints its success line and nothing on stderr (nbgrader zeroes a test
     cell that writes to stderr), all within ``budget_s``.  Returns the executed notebook.
@@ -119,11 +117,9 @@ def run_solution(
     submitted as a student (graded cells run in the grader kernel), from the lab's round trip
     (made once per session, tests/roundtrip.py); its time is its cells' as autograding ran them,
     each test cell a call from the grader kernel (``GRADING_OVERHEAD_S``).  Otherwise
-    the notebook runs here as a student runs it, in one kernel.  ``from_round_trip=False``: it
-    runs here in one kernel as autograding would run it (``NBGRADER_EXECUTION`` set), beside the
-    other labs' folders (lab 7's demonstration reads the student's Lab 3 from there, which a
-    graded submission never has)."""
-    if autograding and from_round_trip:
+    the notebook runs here as a student runs it, in one kernel, beside the other labs' folders
+    (lab 7's demonstration reads the student's Lab 3 from there, which a graded submission never has)."""
+    if autograding:
         trip = roundtrip.round_trip(Path(path).parent.name)
         nb, seconds, budget = trip.course.autograded("full"), trip.full_seconds, budget_s + GRADING_OVERHEAD_S
     else:

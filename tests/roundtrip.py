@@ -152,7 +152,8 @@ class RoundTrip:
     left_files: list[str]  # what was left in the course's temp folder
 
 
-def _shared_root() -> Path:
+def shared_root() -> Path:
+    """This session's folder shared by its workers (set by a session fixture in tests/conftest.py)."""
     if SHARED is None:
         raise RuntimeError("tests.roundtrip.SHARED is set by a session fixture in tests/conftest.py")
     SHARED.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,7 @@ def round_trip(lab: str, source: Path = SOLUTIONS, limits: dict | None = None) -
     """Lab ``lab``'s round trip, made by the first caller of the session and read by the others."""
     if limits is None:
         limits = {"cell_time_scale": LOADED_HOST_SCALE * grading.Limits().cell_time_scale}
-    root = _shared_root() / "round_trip" / lab
+    root = shared_root() / "round_trip" / lab
     with FileLock(str(root) + ".lock"):
         done = root / "round_trip.json"
         if not done.exists():

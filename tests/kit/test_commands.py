@@ -2,9 +2,10 @@
 
 - ``disttrain-lab bench NAME`` for every benchmark of ``bench.benchmarks()`` that no other test
   runs from the command line, with tiny settings and one repeat; checked: it exits 0 and prints
-  its table (header and rows, never its speed).  The others are run by the lab's own test
-  (:data:`COVERED_ELSEWHERE`), and a benchmark added with neither fails
-  :func:`test_every_benchmark_has_a_smoke_test`.
+  its table (header and rows, never its speed).  The others are checked by the lab's own test
+  (:data:`COVERED_ELSEWHERE`): most on what ``bench all --quick`` printed for them (its ``QUICK``, the
+  same parser and ``measure``: ``tests/benchreport.py``, made once per session), lab 2's from its own
+  command line; a benchmark added with neither fails :func:`test_every_benchmark_has_a_smoke_test`.
 - ``disttrain-lab bench all --quick --report DIR``: every benchmark with its tiny settings (its ``QUICK``, parsed
   by the parser ``bench NAME`` uses) in one run; checked: report.json (strict JSON) holds each one's options,
   rows, table and pictures, the launch, trace and compression tables say what their own command prints, and
@@ -44,12 +45,14 @@ import torch
 
 from disttrain_lab.bench import benchmarks
 from disttrain_lab.bench.registry import MEASUREMENTS
+from tests import benchreport
 from tests.helpers import REPO
 
 SCRIPTS = REPO / "scripts"
 
-# `disttrain-lab bench NAME` run from the command line, with tiny settings, by a lab's own test
-# (which also checks its table against the solution's names): not run again here
+# `disttrain-lab bench NAME` checked by a lab's own test (its table against the solution's names): on what
+# `bench all --quick` printed for it (tests/benchreport.py), or from its own command line (lab 2's, which
+# tries other sizes): not run again here
 COVERED_ELSEWHERE = {
     "memory": "tests/labs/test_lab09.py::test_bench_memory_runs_both_sides_in_one_run",
     "allreduce": "tests/labs/test_lab02.py::test_cli_bench_allreduce_uses_the_notebook",
@@ -162,21 +165,44 @@ def test_every_benchmark_has_a_smoke_test():
         f"`disttrain-lab bench NAME` without a smoke test: {sorted(names - set(SMOKE) - set(COVERED_ELSEWHERE))} "
         f"(give it tiny options in SMOKE); gone: {sorted((set(SMOKE) | set(COVERED_ELSEWHERE)) - names)}"
     )
-    # the tests named really run that benchmark's command line
+    # the tests named really run that benchmark's command line, or read what `bench all --quick` printed for it
     for name, where in COVERED_ELSEWHERE.items():
         path, test = where.split("::")
-        source = (REPO / path).read_text()
-        [fn] = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == test]
-        # a command line in it: a list literal holding "bench" then NAME, however it is laid out
-        commands = [
-            [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            for node in ast.walk(fn)
-            if isinstance(node, ast.List)
-        ]
-        runs = "all" if name in IN_THE_REPORT else name  # (bench all runs those)
-        assert any(words[i : i + 2] == ["bench", runs] for words in commands for i in range(len(words) - 1)), (
-            f"{where} does not run bench {runs}"
-        )
+        fn = _function(REPO / path, test)
+        if name in IN_THE_REPORT or name == "all":
+            assert "quick_report" in _calls(fn), f"{where} does not read the session's bench all --quick"
+        else:
+            reads = any(
+                isinstance(node, ast.Call) and _name(node.func) == "printed_by" and _constants(node.args)[:1] == [name]
+                for node in ast.walk(fn)
+            )
+            assert reads or _runs(fn, name), f"{where} neither runs bench {name} nor reads its part of bench all"
+    assert _runs(_function(REPO / "tests" / "benchreport.py", "quick_report"), "all")
+
+
+def _function(path: Path, name: str) -> ast.FunctionDef:
+    [fn] = [
+        node for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef) and node.name == name
+    ]
+    return fn
+
+
+def _name(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _calls(fn: ast.FunctionDef) -> set[str]:
+    return {_name(node.func) for node in ast.walk(fn) if isinstance(node, ast.Call)}
+
+
+def _constants(nodes) -> list:
+    return [e.value for e in nodes if isinstance(e, ast.Constant)]
+
+
+def _runs(fn: ast.FunctionDef, name: str) -> bool:
+    """A command line in ``fn``: a list literal holding "bench" then ``name``, however it is laid out."""
+    commands = [_constants(node.elts) for node in ast.walk(fn) if isinstance(node, ast.List)]
+    return any(words[i : i + 2] == ["bench", name] for words in commands for i in range(len(words) - 1))
 
 
 @pytest.mark.slow
@@ -232,12 +258,13 @@ class _Pictures(html.parser.HTMLParser):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(960)  # (the command's own limit, 900 s, and its clean-up: ~110 s quiet, 300 s under CI's load)
-def test_bench_all_writes_a_report(tmp_path):
+@pytest.mark.bench_report  # (made once per session, its benchmarks' own tests read their tables from it)
+def test_bench_all_writes_a_report():
     """``bench all --quick --report DIR``: every benchmark, in the registry's order, with its tiny settings."""
-    out = run(disttrain_lab() + ["bench", "all", "--quick", "--report", str(tmp_path)], timeout=900)
-    assert out.returncode == 0, said(out)
-    assert f"wrote {tmp_path / 'report.json'} and {tmp_path / 'report.html'}" in out.stdout, said(out)
+    out = benchreport.quick_report()
+    assert out.returncode == 0, out.said()
+    tmp_path = out.folder
+    assert f"wrote {tmp_path / 'report.json'} and {tmp_path / 'report.html'}" in out.stdout, out.said()
     report = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert report["quick"] is True and report["torch"] == torch.__version__, report
     entries = {b["name"]: b for b in report["benchmarks"]}

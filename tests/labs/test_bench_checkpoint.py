@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import REPO, run_python
+from tests import benchreport
 
 
 def test_format_checkpoint_table():
@@ -54,12 +54,10 @@ def test_format_checkpoint_table():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 60-170 s measured; a shared store's hang is stopped at 60 s, not counted in that
+@pytest.mark.bench_report  # (60-170 s of bench all's run; a shared store's hang is stopped at 60 s)
 def test_cli_bench_checkpoint_with_tiny_options():
     args = ["--width", "256", "--repeats", "1", "--steps", "6", "--every", "2", "--kill-at", "3"]
-    done = run_python(["-m", "disttrain_lab.cli", "bench", "checkpoint", *args], timeout=560, cwd=REPO)
-    assert done.returncode == 0, done.stdout
-    out = done.stdout
+    out = benchreport.quick_report().printed_by("checkpoint", args)  # (bench all --quick's run of it)
     assert "checkpointing functions from solutions/12_running_jobs/12_running_jobs.ipynb\n" in out, out
     lines = {
         line.split("  ")[1].strip(): line for line in out.splitlines() if line.startswith("  ") and "  " in line[2:]

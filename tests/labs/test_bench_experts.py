@@ -17,7 +17,7 @@ import argparse
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import REPO, run_python
+from tests import benchreport
 
 
 def test_format_experts_table():
@@ -55,11 +55,10 @@ def test_bench_experts_checks_its_arguments():
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_experts_with_tiny_options():
     args = ["--world-size", "2", "--tokens", "16", "--d", "8", "--experts", "2", "--repeats", "1"]
-    done = run_python(["-m", "disttrain_lab.cli", "bench", "experts", *args], timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stdout
-    out = done.stdout
+    out = benchreport.quick_report().printed_by("experts", args)  # (bench all --quick's run of it)
     assert "MoE layers from solutions/11_expert_parallel/11_expert_parallel.ipynb\n" in out, out  # all three found
     for line in ("ExpertParallelMoE", bench.ALL_GATHER_DISPATCH, bench.ONE_PROCESS_MOE):
         assert f"  {line} " in out, out

@@ -17,7 +17,7 @@ import pytest
 from disttrain_lab import bench
 from disttrain_lab.bench import prefetch
 from disttrain_lab.network import Network
-from tests.helpers import REPO, run_python
+from tests import benchreport
 from tests.labs.test_lab14_prefetch import honest
 
 
@@ -89,11 +89,10 @@ def test_torch_alone_then_a_sharded_step():
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_prefetch_with_tiny_options():
     args = ["--world-size", "2", "--layers", "3", "--width", "64", "--unit", "0.002", "--repeats", "1"]
-    done = run_python(["-m", "disttrain_lab.cli", "bench", "prefetch", *args], timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stdout
-    out = done.stdout
+    out = benchreport.quick_report().printed_by("prefetch", args)  # (bench all --quick's run of it)
     assert "prefetch from solutions/14_schedules/14_schedules.ipynb\n" in out, out
     assert "not measured" not in out, out
     for version in prefetch.VERSIONS:

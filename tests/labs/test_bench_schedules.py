@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import REPO, run_python
+from tests import benchreport
 
 
 def test_format_schedules_table():
@@ -75,11 +75,10 @@ def test_torch_alone_and_lab_orders_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_schedules_with_tiny_options():
     args = ["--world-size", "2", "--micro-batches", "4", "--unit", "0.002", "--d", "8", "--repeats", "1"]
-    done = run_python(["-m", "disttrain_lab.cli", "bench", "schedules", *args], timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stdout
-    out = done.stdout
+    out = benchreport.quick_report().printed_by("schedules", args)  # (bench all --quick's run of it)
     assert "schedules from solutions/14_schedules/14_schedules.ipynb\n" in out, out  # all three found
     assert "not measured" not in out, out
     for version in bench.schedules.VERSIONS:

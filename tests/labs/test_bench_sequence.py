@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import REPO, run_python
+from tests import benchreport
 
 
 def test_format_sequence_table():
@@ -119,12 +119,11 @@ def test_exposed_communication_per_pass():
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_sequence_with_tiny_options():
     args = ["--world-size", "2", "--seq-len", "64", "--heads", "2", "--dim", "8"]
     args += ["--repeats", "1", "--seq-lens", "32,64"]
-    done = run_python(["-m", "disttrain_lab.cli", "bench", "sequence", *args], timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stdout
-    out = done.stdout
+    out = benchreport.quick_report().printed_by("sequence", args)  # (bench all --quick's run of it)
     assert "ring and Ulysses attention from solutions/10_context_parallel/10_context_parallel.ipynb\n" in out, out
     for line in ("ring_attention", bench.ALL_GATHER_KV, "ring_attention, S=32", "ulysses_attention, S=64"):
         assert f"  {line} " in out, out

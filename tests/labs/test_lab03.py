@@ -30,9 +30,9 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import needs_gpus, run_python
+from tests import benchreport
+from tests.helpers import needs_gpus
 from tests.notebooks import (
-    REPO,
     add_wrong_answers,
     assert_wrong_answers_caught,
     cell_by_id,
@@ -497,15 +497,12 @@ def test_bench_ddp_measures_side_by_side(solution):
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_ddp_uses_the_notebook():
-    out = run_python(
-        ["-m", "disttrain_lab.cli", "bench", "ddp", "--notebook", str(LAB), "--repeats", "1", "--bucket-mb", "4"],
-        timeout=240,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout
+    out = benchreport.quick_report().printed_by("ddp", ["--repeats", "1", "--bucket-mb", "4"])
+    assert f"data-parallel wrappers from solutions/{LAB.parent.name}" in out, out
     for name in ("naive", "overlapped", "bucketed (4 MiB)", bench.TORCH_DDP, "vs torch DDP"):
-        assert name in out.stdout, out.stdout
+        assert name in out, out
 
 
 # Predictions: (PREDICTED_BUCKETS, predicted_bytes_sent) as a student might get them wrong, and the words the

@@ -25,7 +25,8 @@ import nbformat
 import pytest
 
 from disttrain_lab import bench
-from tests.helpers import needs_gpus, run_python
+from tests import benchreport
+from tests.helpers import needs_gpus
 from tests.notebooks import (
     REPO,
     add_wrong_answers,
@@ -378,13 +379,12 @@ def test_bench_zero_side_by_side_with_torch(solution):
 
 
 @pytest.mark.slow  # runs a benchmark on the solution's functions, as labs 3 and 5-7's do
+@pytest.mark.bench_report
 def test_cli_bench_zero_uses_the_notebook():
-    out = run_python(
-        ["-m", "disttrain_lab.cli", "bench", "zero", "--notebook", str(LAB), "--repeats", "1"], timeout=240, cwd=REPO
-    )
-    assert out.returncode == 0, out.stdout
+    out = benchreport.quick_report().printed_by("zero", ["--repeats", "1"])
+    assert f" from solutions/{LAB.parent.name}" in out, out
     for name in [*CLASSES, bench.TORCH_ZERO_REDUNDANCY, bench.TORCH_FSDP, "8.4 M parameters"]:
-        assert name in out.stdout, out.stdout
+        assert name in out, out
 
 
 # Predictions as a student might get them wrong: ZeRO-2 in mixed precision ((2 + 14/N)Ψ, the lecture's table)

@@ -30,17 +30,16 @@ import pytest
 import disttrain_lab as dl
 from disttrain_lab import bench
 from disttrain_lab.labtests import lab05
+from tests import benchreport
 from tests.helpers import (
     gpu_count,
     needs_gpus,
     notebook_names,
     observed_from_outside,
-    run_python,
     shm_clear,
     source_of,
 )
 from tests.notebooks import (
-    REPO,
     add_wrong_answers,
     assert_prediction_verdicts,
     assert_wrong_answers_caught,
@@ -682,15 +681,12 @@ def test_bench_pipeline_measures_side_by_side(solution):
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_pipeline_uses_the_notebook():
-    out = run_python(
-        ["-m", "disttrain_lab.cli", "bench", "pipeline", "--notebook", str(LAB), "--repeats", "1", "--world-size", "2"],
-        timeout=240,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout
+    out = benchreport.quick_report().printed_by("pipeline", ["--repeats", "1", "--world-size", "2"])
+    assert f" from solutions/{LAB.parent.name}" in out, out
     for name in ("naive", "GPipe m=8", "1F1B m=8", f"{bench.TORCH_PIPELINE} m=8", "ideal"):
-        assert name in out.stdout, out.stdout
+        assert name in out, out
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ import torch
 from disttrain_lab import bench, viz, wire
 from disttrain_lab.exercise import ExerciseError
 from disttrain_lab.labtests import common, lab06
-from tests.helpers import gpu_count, needs_gpus, run_python, source_of
+from tests import benchreport
+from tests.helpers import gpu_count, needs_gpus, source_of
 from tests.notebooks import (
-    REPO,
     add_wrong_answers,
     assert_prediction_verdicts,
     assert_wrong_answers_caught,
@@ -597,15 +597,12 @@ def test_bench_tp_measures_side_by_side():
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_cli_bench_tp_uses_the_notebook():
-    out = run_python(
-        ["-m", "disttrain_lab.cli", "bench", "tp", "--notebook", str(LAB), "--repeats", "1", "--world-size", "2"],
-        timeout=240,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout
-    for words in ("tensor-parallel MLP from", " 2 TensorParallelMLP", f" 2 {bench.TORCH_TP}", "vs torch"):
-        assert words in out.stdout, out.stdout
+    out = benchreport.quick_report().printed_by("tp", ["--repeats", "1", "--world-size", "2"])
+    assert f"tensor-parallel MLP from solutions/{LAB.parent.name}" in out, out
+    for words in (" 2 TensorParallelMLP", f" 2 {bench.TORCH_TP}", "vs torch"):
+        assert words in out, out
 
 
 # ----------------------------------------------------------------------------------------

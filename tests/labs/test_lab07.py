@@ -158,8 +158,12 @@ def test_statements_issue_25_found_wrong_are_gone():
 
 
 @pytest.mark.slow
-def test_solution_notebook_executes_within_budget():
-    nb = run_solution(LAB, BUDGET_S, from_round_trip=False)  # the demo below needs Lab 3 beside this lab
+@pytest.mark.parametrize("autograding", [True, False], ids=["grader", "student"])
+def test_solution_notebook_executes_within_budget(autograding):
+    """Graded: the round trip's notebook.  As a student runs it: in one kernel beside the other labs, where the
+    demonstration takes Lab 3's BucketedDDP (a graded submission never has it beside; the browser's test leaves
+    this lab to this run, #35)."""
+    nb = run_solution(LAB, BUDGET_S, autograding)
     assert pictures(nb) == 4, "expected the loss/bytes picture, the crossover picture and two predictions' pictures"
     crossover = next(c for c in nb.cells if c.cell_type == "code" and "GBITS = " in c.source)
     printed = "".join(o.get("text", "") for o in crossover.outputs)
@@ -183,7 +187,20 @@ def test_solution_notebook_executes_within_budget():
         nb, "def _powersgd_step_bytes"
     )
     # The hook inside Lab 3's BucketedDDP (the Lab 3 solution beside it): 3 buckets, trains like torch DDP's run.
-    printed = output_of(nb, "with_comm_hook(BucketedDDP)")
+    printed = output_of(nb, "_load_bucketed_ddp(LAB3)")
+    if autograding:  # (a graded submission comes alone: no Lab 3 beside it)
+        assert printed.startswith("Skipped: ") and "Write Lab 3's BucketedDDP" in printed, printed
+    else:
+        _hooked_in_lab3s_bucketed_ddp(printed)
+    # The PowerSGD stretch: the same bytes as torch's powerSGD_hook at the same rank, a similar error.
+    printed = output_of(nb, "# Self-check: torch DDP (one bucket)")
+    sent = re.search(r"in 6 steps: yours (\d+), torch's powerSGD_hook (\d+)", printed)
+    assert sent and sent[1] == sent[2], printed
+    error = re.search(r"average: yours ([\d.]+), torch's ([\d.]+)", printed)
+    assert error and float(error[1]) <= 1.25 * float(error[2]) + 0.02, printed
+
+
+def _hooked_in_lab3s_bucketed_ddp(printed: str) -> None:
     assert "your BucketedDDP (3 buckets of [324, 4096, 1088] entries) + topk_hook" in printed, printed
     losses = dict(
         re.findall(
@@ -195,12 +212,6 @@ def test_solution_notebook_executes_within_budget():
     )
     assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, dense"]), printed
     assert float(losses["your BucketedDDP"]) <= 1.5 * float(losses["torch DDP, top-k 1 % + error feedback"]), printed
-    # The PowerSGD stretch: the same bytes as torch's powerSGD_hook at the same rank, a similar error.
-    printed = output_of(nb, "# Self-check: torch DDP (one bucket)")
-    sent = re.search(r"in 6 steps: yours (\d+), torch's powerSGD_hook (\d+)", printed)
-    assert sent and sent[1] == sent[2], printed
-    error = re.search(r"average: yours ([\d.]+), torch's ([\d.]+)", printed)
-    assert error and float(error[1]) <= 1.25 * float(error[2]) + 0.02, printed
 
 
 def _powersgd_wrong(right: str, wrong: str) -> str:

@@ -42,6 +42,7 @@ import nbformat
 import pytest
 
 from disttrain_lab.labtests import lab09
+from tests import benchreport
 from tests.helpers import needs_gpus
 from tests.notebooks import (
     REPO,
@@ -335,15 +336,9 @@ def test_graded_cells_catch_wrong_answers():
 
 
 @pytest.mark.slow
+@pytest.mark.bench_report
 def test_bench_memory_runs_both_sides_in_one_run():
-    from tests.helpers import run_python
-
-    out = run_python(
-        ["-m", "disttrain_lab.cli", "bench", "memory", "--repeats", "1", "--steps", "2", "--seq", "32"],
-        timeout=240,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = benchreport.quick_report().printed_by("memory", ["--repeats", "1", "--steps", "2", "--seq", "32"])
     for needed in (
         "MixedPrecisionAdam + DynamicLossScaler",
         "torch.autocast + GradScaler",
@@ -354,17 +349,17 @@ def test_bench_memory_runs_both_sides_in_one_run():
         "OffloadAdam (lab), overlapped",
         "FSDP2 fully_shard + CPUOffloadPolicy",
     ):
-        assert needed in out.stdout, (needed, out.stdout)
+        assert needed in out, (needed, out)
     # bytes per parameter crossing the link per step: fp16 both ways (lab), fp32 both ways (FSDP2)
-    assert re.search(r"OffloadAdam \(lab\), overlapped +[\d.]+ +2\.00, 2\.00 ", out.stdout), out.stdout
-    assert re.search(r"FSDP2 fully_shard \+ CPUOffloadPolicy +[\d.]+ +4\.00, 4\.00 ", out.stdout), out.stdout
+    assert re.search(r"OffloadAdam \(lab\), overlapped +[\d.]+ +2\.00, 2\.00 ", out), out
+    assert re.search(r"FSDP2 fully_shard \+ CPUOffloadPolicy +[\d.]+ +4\.00, 4\.00 ", out), out
     # memory within 5 % of the formulas, written here: 2 + 2 + 12 B per parameter of mixed-precision state
     # (4 + 4 + 8 under autocast); what the blocks keep: their fp32 inputs when checkpointed, else the lab's fp32,
     # fused-attention 64·sbh + 4·asb + 16·bs each (4 blocks, s = 32, b = 4, h = 64, a = 4)
     mixed = ("MixedPrecisionAdam + DynamicLossScaler (lab)", "GradScaler + Adam on fp32 masters (torch)")
-    rows = {m[1].strip(): m for m in re.finditer(r"^(.{46}) +([\d.]+) +(\S+(?: \S?iB)?) ", out.stdout, re.M)}
+    rows = {m[1].strip(): m for m in re.finditer(r"^(.{46}) +([\d.]+) +(\S+(?: \S?iB)?) ", out, re.M)}
     for version in (*mixed, "torch.autocast + GradScaler (fp32 model)"):
-        assert abs(float(rows[version][3]) / 16 - 1) <= 0.05, (version, out.stdout)
+        assert abs(float(rows[version][3]) / 16 - 1) <= 0.05, (version, out)
     s, b, h, a, n = 32, 4, 64, 4, 4
     formula = {
         "checkpoint (lab)": n * 4 * s * b * h,
@@ -374,10 +369,10 @@ def test_bench_memory_runs_both_sides_in_one_run():
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20}
     for version, want in formula.items():
         value, unit = rows[version][3].split()
-        assert abs(float(value) * units[unit] / want - 1) <= 0.05, (version, want, out.stdout)
+        assert abs(float(value) * units[unit] / want - 1) <= 0.05, (version, want, out)
     # the same work on both sides of mixed precision: the lab's scaler skips the steps GradScaler skips
-    skipped = {v: re.search(rf"{re.escape(v)} .* (\S+ of \d+) ", out.stdout)[1] for v in mixed}
-    assert len(set(skipped.values())) == 1, (skipped, out.stdout)
+    skipped = {v: re.search(rf"{re.escape(v)} .* (\S+ of \d+) ", out)[1] for v in mixed}
+    assert len(set(skipped.values())) == 1, (skipped, out)
 
 
 def test_format_memory_table_says_why_fsdp2_could_not_run():
