@@ -43,7 +43,11 @@ def _child(size: int, after: str) -> subprocess.Popen:
 
 
 def _held_beyond_an_idle_child(after: str, said: str) -> int:
-    """``pauses.held_bytes`` of a child that ran ``after`` (which prints ``said`` once done) less an idle child's."""
+    """``pauses.held_bytes`` of a child that ran ``after`` (which prints ``said`` once done) less an idle child's.
+
+    The two interpreters' own heaps differ by a few pages either way (a fresh CI clone read one page short of
+    32 MiB), so the tests below allow 1 MiB under what ``after`` holds: what they tell apart (the data counted or
+    not) is tens of MiB apart."""
     small, proc = _child(0, "time.sleep(30)"), _child(0, after)
     try:
         assert proc.stdout.readline().strip() == said
@@ -143,7 +147,7 @@ def test_a_shared_mapping_whose_pages_were_dropped_counts_whole():
         "time.sleep(30)\n"
     )
     grew = _held_beyond_an_idle_child(after, "dropped")
-    assert 64 << 20 <= grew < 72 << 20, grew
+    assert 63 << 20 <= grew < 72 << 20, grew  # (not counted whole: under 1 MiB)
 
 
 def test_a_deleted_file_held_open_for_reading_counts(tmp_path):
@@ -159,7 +163,7 @@ def test_a_deleted_file_held_open_for_reading_counts(tmp_path):
         "time.sleep(30)\n"
     )
     grew = _held_beyond_an_idle_child("import os\n" + after, "deleted")
-    assert 32 << 20 <= grew < 40 << 20, grew
+    assert 31 << 20 <= grew < 40 << 20, grew  # (private memory alone: 6 MiB)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace with a tmpfs of its own needs root")
