@@ -4,7 +4,7 @@ A rank's own account of its memory (``memory.held``, ``memory.ParameterWatch``) 
 process speaking; a submission can rewrite it.  This module reads what the kernel of the OS says
 instead, from outside the ranks:
 
-- **What is read**: each rank's private memory, ``Private_Clean + Private_Dirty + Swap`` of
+- **What is read**: each rank's private memory, ``Private_Clean + Private_Dirty + Private_Hugetlb + Swap`` of
   ``/proc/<pid>/smaps_rollup``: the pages mapped by that process alone (what it allocated and
   wrote, and what it copied of the kernel it was forked from), whatever holds them (tensors,
   Python objects, a tmpfs file it mapped by itself).  Pages it still shares with the kernel it was

@@ -63,7 +63,9 @@ RECEIVE_SYSCALLS = {"x86_64": (0, 45, 47), "aarch64": (63, 207, 212), "arm64": (
 )
 WAKE_SIGNAL = signal.SIGUSR2  # ends the driver's pause once the ranks are read (worker.py ignores it elsewhere)
 POLL_S = 0.005
-PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Swap:")
+# (Private_Hugetlb: a private mapping of the host's huge pages, MAP_HUGETLB, is counted in neither Private_Clean nor
+# Private_Dirty; a host that keeps no huge pages, /proc/sys/vm/nr_hugepages 0, gives none)
+PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:", b"Swap:")
 
 
 def private_bytes(pid: int) -> int:

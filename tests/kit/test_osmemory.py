@@ -79,16 +79,34 @@ def test_private_bytes_counts_what_a_process_wrote():
         small.kill(), large.kill()
 
 
-def test_a_malformed_field_is_refused(tmp_path, monkeypatch):
+def _fake_rollup(tmp_path, monkeypatch, fields: bytes) -> None:
+    """``/proc/<pid>/smaps_rollup`` reads as its first line and ``fields``."""
     fake = tmp_path / "smaps_rollup"
-    fake.write_bytes(
-        b"00400000-7fff r--p 00000000 00:00 0 [rollup]\nPrivate_Clean: lots kB\nPrivate_Dirty: 1 kB\nSwap: 0 kB\n"
-    )
+    fake.write_bytes(b"00400000-7fff r--p 00000000 00:00 0 [rollup]\n" + fields)
     real_open = open
     monkeypatch.setattr(
         "builtins.open", lambda path, *a, **k: real_open(fake if "smaps_rollup" in str(path) else path, *a, **k)
     )
+
+
+def test_a_malformed_field_is_refused(tmp_path, monkeypatch):
+    _fake_rollup(
+        tmp_path, monkeypatch, b"Private_Clean: lots kB\nPrivate_Dirty: 1 kB\nPrivate_Hugetlb: 0 kB\nSwap: 0 kB\n"
+    )
     with pytest.raises(ValueError, match="is not '<n> kB'"):
+        pauses.private_bytes(1)
+
+
+def test_private_huge_pages_count_and_a_missing_field_is_refused(tmp_path, monkeypatch):
+    """A private mapping of huge pages (``MAP_HUGETLB``; this host keeps none to map) is in ``Private_Hugetlb`` alone;
+    a kernel whose rollup lacks a field is refused, not read as holding nothing there."""
+    rollup = (
+        b"Rss: 4104 kB\nShared_Hugetlb: 2048 kB\nPrivate_Clean: 4 kB\nPrivate_Dirty: 4 kB\nPrivate_Hugetlb: 4096 kB\n"
+    )
+    _fake_rollup(tmp_path, monkeypatch, rollup + b"Swap: 0 kB\n")
+    assert pauses.private_bytes(1) == (4 + 4 + 4096) * 1024  # (Shared_Hugetlb: a shared mapping, _shared_mapped's)
+    _fake_rollup(tmp_path, monkeypatch, rollup.replace(b"Private_Hugetlb: 4096 kB\n", b"") + b"Swap: 0 kB\n")
+    with pytest.raises(ValueError, match="has no Private_Hugetlb"):
         pauses.private_bytes(1)
 
 
