@@ -14,6 +14,7 @@ from pathlib import Path
 import nbformat
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
+from nbformat.corpus.words import generate_corpus_id
 
 from tests import roundtrip
 from tests.helpers import REPO, load  # noqa: F401  (load: the lab tests take it from here)
@@ -76,6 +77,17 @@ def execute(nb, autograding: bool, timeout: int = 240, cwd: Path | None = None) 
     start = time.perf_counter()
     client.execute(env=env)  # starts the kernel, and shuts it down at the end
     return nb, time.perf_counter() - start
+
+
+def unique_ids(cells: list) -> list:
+    """``cells``, each copy of a cell already in it given an id of its own (as nbformat would, with a warning,
+    when it validates a notebook whose cells share ids)."""
+    seen = set()
+    for cell in cells:
+        while cell.get("id") in seen:
+            cell["id"] = generate_corpus_id()
+        seen.add(cell.get("id"))
+    return cells
 
 
 def errors(cell) -> list[str]:

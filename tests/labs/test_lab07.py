@@ -51,6 +51,7 @@ from tests.notebooks import (
     run_solution,
     solution_notebook,
     text,
+    unique_ids,
 )
 
 LAB = solution_notebook("07_compression")
@@ -429,7 +430,7 @@ def test_graded_cells_catch_wrong_answers():
         cells.append(
             nbformat.v4.new_code_cell(demo.source.replace('"../03_data_parallel/03_data_parallel.ipynb"', repr(lab3)))
         )
-    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    nb, _ = execute(nbformat.v4.new_notebook(cells=unique_ids(cells)), autograding=True, timeout=240, cwd=LAB.parent)
     assert_wrong_answers_caught(nb, graded_at, [message for _, _, _, message in WRONG])
     assert text(nb.cells[skipped["missing"]]).startswith("Skipped: no Lab 3 notebook at "), text(
         nb.cells[skipped["missing"]]
@@ -483,7 +484,7 @@ def test_a_failed_exercise_costs_only_its_own_points():
         for e in tests:
             at[-1][e] = len(cells)
             cells.append(copy.deepcopy(graded[e]))
-    nb, _ = execute(nbformat.v4.new_notebook(cells=cells), autograding=True, timeout=240, cwd=LAB.parent)
+    nb, _ = execute(nbformat.v4.new_notebook(cells=unique_ids(cells)), autograding=True, timeout=240, cwd=LAB.parent)
     graded_at = {i for cells_at in at for i in cells_at.values()}
     for i, cell in enumerate(nb.cells):
         if i not in graded_at:
