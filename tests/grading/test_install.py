@@ -378,6 +378,8 @@ dl.viz.ring_steps_slider(dl.launch(_swap, 2, 16, trace=True))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # (54 s quiet; past the suite's 300 s once beside two CPU-bound processes: a venv, two pip
+# installs and a lab's ranks, each process a fifth of a core; pip's and the cells' own limits are 900 s)
 def test_a_lab_opened_alone_in_a_colab_like_runtime_installs_the_kit_and_runs_to_the_end(tmp_path, monkeypatch):
     """Colab as a student meets it: a kernel with torch, ipykernel and ipywidgets 7.7.1 and nothing of
     the kit; one released lab alone in a folder (no wheels/ beside it), its kit served over HTTP (as
