@@ -213,7 +213,7 @@ def numbers(names: tuple[str, ...] = DENIED) -> dict[str, int]:
     if unknown:
         raise RuntimeError(
             f"libseccomp {version()} does not know the system calls {', '.join(unknown)}: a filter built with it "
-            f"would let them through; install a newer libseccomp (2.5.4 knows them all; {INSTALL_HINT})"
+            f"would let them through; install a newer libseccomp ({INSTALL_HINT})"
         )
     return found
 
